@@ -1,0 +1,12 @@
+// kvsnap — snapshot, rewind, branch and reuse the inference state of language models.
+//
+// The umbrella header: includes every public kvsnap header. See README.md for a tour.
+#pragma once
+
+#include "kvsnap/allocator.h"
+#include "kvsnap/array.h"
+#include "kvsnap/attention.h"
+#include "kvsnap/batch.h"
+#include "kvsnap/dtype.h"
+#include "kvsnap/error.h"
+#include "kvsnap/ops.h"

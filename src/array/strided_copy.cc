@@ -1,0 +1,91 @@
+#include "array/strided_copy.h"
+
+#include <array>
+#include <atomic>
+#include <cstring>
+
+namespace kvsnap::detail {
+namespace {
+
+std::atomic<int64_t> memcpy_calls{0};
+
+constexpr int kMaxAxes = 8;
+
+struct Layout {
+  int ndim = 0;
+  std::array<int64_t, kMaxAxes> shape{};
+  std::array<int64_t, kMaxAxes> source{};
+  std::array<int64_t, kMaxAxes> destination{};
+};
+
+// Drops unit axes and merges neighbours that are contiguous in both layouts.
+Layout collapse(const int64_t* destination_strides, const int64_t* source_strides,
+                const int64_t* shape, int ndim) {
+  Layout out;
+  for (int axis = 0; axis < ndim; ++axis) {
+    if (shape[axis] == 1) continue;
+    if (out.ndim > 0) {
+      const int last = out.ndim - 1;
+      if (out.source[last] == source_strides[axis] * shape[axis] &&
+          out.destination[last] == destination_strides[axis] * shape[axis]) {
+        out.shape[last] *= shape[axis];
+        out.source[last] = source_strides[axis];
+        out.destination[last] = destination_strides[axis];
+        continue;
+      }
+    }
+    out.shape[out.ndim] = shape[axis];
+    out.source[out.ndim] = source_strides[axis];
+    out.destination[out.ndim] = destination_strides[axis];
+    ++out.ndim;
+  }
+  return out;
+}
+
+}  // namespace
+
+int64_t strided_copy(void* destination, const int64_t* destination_strides, const void* source,
+                     const int64_t* source_strides, const int64_t* shape, int ndim,
+                     int64_t element_size) {
+  for (int axis = 0; axis < ndim; ++axis) {
+    if (shape[axis] == 0) return 0;
+  }
+  Layout layout = collapse(destination_strides, source_strides, shape, ndim);
+  auto* out = static_cast<char*>(destination);
+  const auto* in = static_cast<const char*>(source);
+
+  // The innermost axis is one memcpy when unit-strided in both layouts, else element copies.
+  int64_t run_elements = 1;
+  int outer = layout.ndim;
+  if (layout.ndim > 0 && layout.source[layout.ndim - 1] == 1 &&
+      layout.destination[layout.ndim - 1] == 1) {
+    run_elements = layout.shape[layout.ndim - 1];
+    outer = layout.ndim - 1;
+  }
+  const auto run_bytes = static_cast<size_t>(run_elements * element_size);
+
+  std::array<int64_t, kMaxAxes> index{};
+  int64_t calls = 0;
+  int64_t in_offset = 0;
+  int64_t out_offset = 0;
+  while (true) {
+    std::memcpy(out + out_offset * element_size, in + in_offset * element_size, run_bytes);
+    ++calls;
+    int axis = outer - 1;
+    for (; axis >= 0; --axis) {  // odometer increment over the outer axes
+      in_offset += layout.source[axis];
+      out_offset += layout.destination[axis];
+      if (++index[axis] < layout.shape[axis]) break;
+      in_offset -= layout.source[axis] * layout.shape[axis];
+      out_offset -= layout.destination[axis] * layout.shape[axis];
+      index[axis] = 0;
+    }
+    if (axis < 0) break;
+  }
+  memcpy_calls.fetch_add(calls, std::memory_order_relaxed);
+  return calls;
+}
+
+int64_t strided_copy_calls() { return memcpy_calls.load(std::memory_order_relaxed); }
+
+}  // namespace kvsnap::detail

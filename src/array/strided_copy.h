@@ -1,0 +1,21 @@
+// Internal: the one routine that moves array elements between strided layouts.
+#pragma once
+
+#include <cstdint>
+
+#include "kvsnap/export.h"
+
+namespace kvsnap::detail {
+
+// Copies the elements of `shape` (ndim axes) from `source` to `destination`; strides are in
+// elements. Axes contiguous in both layouts are collapsed first so each memcpy moves a whole
+// contiguous run. Returns the number of memcpy calls made.
+int64_t strided_copy(void* destination, const int64_t* destination_strides, const void* source,
+                     const int64_t* source_strides, const int64_t* shape, int ndim,
+                     int64_t element_size);
+
+// memcpy calls made by strided_copy in this process (monotonic), so tests can check that a
+// copy moved whole runs rather than single elements.
+KVSNAP_EXPORT int64_t strided_copy_calls();
+
+}  // namespace kvsnap::detail

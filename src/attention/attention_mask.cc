@@ -1,0 +1,59 @@
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "kvsnap/attention.h"
+
+namespace kvsnap {
+
+AttentionMask AttentionMask::none() { return AttentionMask(); }
+
+AttentionMask AttentionMask::causal() {
+  AttentionMask mask;
+  mask.causal_ = true;
+  return mask;
+}
+
+AttentionMask AttentionMask::sliding_window(int64_t window) {
+  if (window < 1) {
+    throw Error(fmt::format("AttentionMask::sliding_window: window {} must be >= 1", window));
+  }
+  AttentionMask mask;
+  mask.causal_ = true;
+  mask.window_ = window;
+  return mask;
+}
+
+AttentionMask AttentionMask::from_array(Array additive_or_bool) {
+  if (additive_or_bool.empty() || additive_or_bool.ndim() != 4) {
+    throw Error(
+        fmt::format("AttentionMask::from_array: mask is {}; need a 4-d array [B|1, Hq|1, "
+                    "L, P]",
+                    additive_or_bool.describe()));
+  }
+  AttentionMask mask;
+  mask.arrays_.push_back(std::move(additive_or_bool));
+  return mask;
+}
+
+AttentionMask AttentionMask::intersect(const AttentionMask& other) const {
+  AttentionMask mask = *this;
+  mask.causal_ = causal_ || other.causal_;
+  if (other.window_ > 0) {
+    mask.window_ = window_ > 0 ? std::min(window_, other.window_) : other.window_;
+  }
+  mask.arrays_.insert(mask.arrays_.end(), other.arrays_.begin(), other.arrays_.end());
+  return mask;
+}
+
+AttentionMask::Kind AttentionMask::kind() const {
+  const bool positional = is_causal();
+  if (arrays_.empty()) {
+    if (window_ > 0) return Kind::sliding_window;
+    return positional ? Kind::causal : Kind::none;
+  }
+  if (!positional && arrays_.size() == 1) return Kind::array;
+  return Kind::intersection;
+}
+
+}  // namespace kvsnap

@@ -1,0 +1,110 @@
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <limits>
+
+#include "kvsnap/attention.h"
+
+namespace kvsnap {
+namespace {
+
+constexpr float kHidden = -std::numeric_limits<float>::infinity();
+
+// An explicit mask array read into floats with its broadcastable extents.
+struct DenseMask {
+  std::vector<float> values;
+  bool boolean;
+  int64_t rows, heads, queries, keys;
+
+  float at(int64_t b, int64_t h, int64_t l, int64_t position) const {
+    const int64_t index =
+        (((rows == 1 ? 0 : b) * heads + (heads == 1 ? 0 : h)) * queries + l) * keys + position;
+    const float value = values[static_cast<size_t>(index)];
+    if (boolean) return value != 0.0f ? 0.0f : kHidden;
+    return value;
+  }
+};
+
+}  // namespace
+
+KVHistory::KVHistory(Array keys, Array values, int64_t first_position, int64_t oldest_column,
+                     int64_t window)
+    : keys_(std::move(keys)),
+      values_(std::move(values)),
+      first_position_(first_position),
+      oldest_column_(oldest_column),
+      window_(window) {
+  if (keys_.ndim() != 4 || values_.ndim() != 4 || keys_.dim(0) != values_.dim(0) ||
+      keys_.dim(1) != values_.dim(1) || keys_.dim(2) != values_.dim(2)) {
+    throw Error(
+        fmt::format("KVHistory: keys {} and values {} must be [B, H, K, D] with equal B, "
+                    "H and K",
+                    keys_.describe(), values_.describe()));
+  }
+  const int64_t k = keys_.dim(2);
+  if (first_position < 0 || window < 0 || oldest_column < 0 || (k > 0 && oldest_column >= k) ||
+      (k == 0 && oldest_column != 0)) {
+    throw Error(
+        fmt::format("KVHistory: first position {}, oldest column {} and window {} must be "
+                    "non-negative with oldest column < K = {}",
+                    first_position, oldest_column, window, k));
+  }
+}
+
+AttentionMask KVHistory::apply_mask(const Batch& batch, const AttentionMask& logical) const {
+  batch.validate("KVHistory::apply_mask");
+  const AttentionMask effective =
+      window_ > 0 ? logical.intersect(AttentionMask::sliding_window(window_)) : logical;
+  const int64_t rows = batch.batch_size();
+  const int64_t queries = batch.length();
+  const int64_t keys = length();
+  const int64_t last_position = first_position_ + keys - 1;
+
+  int64_t heads = 1;
+  std::vector<DenseMask> dense;
+  for (const Array& array : effective.arrays()) {
+    const int64_t r = array.dim(0), h = array.dim(1), l = array.dim(2), p = array.dim(3);
+    if ((r != 1 && r != rows) || l != queries || p <= last_position ||
+        (h != 1 && heads != 1 && h != heads)) {
+      throw Error(fmt::format(
+          "KVHistory::apply_mask: mask array {} does not fit a batch of {} rows x {} queries over "
+          "key positions up to {} (need [1|{}, 1|Hq, {}, >{}])",
+          array.describe(), rows, queries, last_position, rows, queries, last_position));
+    }
+    heads = std::max(heads, h);
+    dense.push_back({array.to_floats(), array.dtype() == DType::i32, r, h, l, p});
+  }
+
+  // Fast path: no arrays and every real query sees every key (e.g. decode in the window).
+  if (dense.empty()) {
+    bool everything_visible = true;
+    for (int64_t b = 0; b < rows && everything_visible; ++b) {
+      const int64_t first_query = batch.seq_offsets[b];
+      const int64_t last_query = first_query + batch.seq_query_lens[b] - 1;
+      everything_visible = batch.seq_query_lens[b] == queries &&
+                           (keys == 0 || (effective.allows(first_query, last_position) &&
+                                          effective.allows(last_query, first_position_)));
+    }
+    if (everything_visible) return AttentionMask::none();
+  }
+
+  Array physical = Array::zeros(DType::f32, {rows, heads, queries, keys});
+  float* out = physical.mutable_data<float>();
+  for (int64_t b = 0; b < rows; ++b) {
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t l = 0; l < queries; ++l) {
+        const int64_t query = batch.seq_offsets[b] + l;
+        const bool real = l < batch.seq_query_lens[b];
+        for (int64_t k = 0; k < keys; ++k) {
+          const int64_t key = position(k);
+          float value = real && effective.allows(query, key) ? 0.0f : kHidden;
+          for (const DenseMask& mask : dense) value += mask.at(b, h, l, key);
+          *out++ = value;
+        }
+      }
+    }
+  }
+  return AttentionMask::from_array(std::move(physical));
+}
+
+}  // namespace kvsnap

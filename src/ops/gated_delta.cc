@@ -1,0 +1,90 @@
+#include "kvsnap/ops.h"
+#include "ops/checks.h"
+
+namespace kvsnap {
+
+GatedDeltaResult gated_delta(const Array& q, const Array& k, const Array& v, const Array& g,
+                             const Array& beta, const Array& state,
+                             std::span<const int64_t> boundaries) {
+  constexpr const char* kCall = "gated_delta";
+  detail::require_ndim(q, 4, kCall, "q", "[B, L, Hk, Dk]");
+  detail::require_ndim(k, 4, kCall, "k", "[B, L, Hk, Dk]");
+  detail::require_ndim(v, 4, kCall, "v", "[B, L, Hv, Dv]");
+  detail::require_ndim(g, 3, kCall, "g", "[B, L, Hv]");
+  detail::require_ndim(beta, 3, kCall, "beta", "[B, L, Hv]");
+  for (const Array* a : {&q, &k, &v, &g, &beta}) detail::require_float(*a, kCall, "input");
+  const int64_t rows = q.dim(0), length = q.dim(1), key_heads = q.dim(2), key_depth = q.dim(3);
+  const int64_t value_heads = v.dim(2), value_depth = v.dim(3);
+  if (k.shape() != q.shape()) {
+    throw Error(fmt::format("gated_delta: k {} must have q's shape {}", k.describe(),
+                            shape_string(q.shape())));
+  }
+  detail::require_extent(v, 0, rows, kCall, "v");
+  detail::require_extent(v, 1, length, kCall, "v");
+  if (key_heads == 0 || value_heads % key_heads != 0) {
+    throw Error(fmt::format("gated_delta: {} value heads is not a multiple of {} key heads",
+                            value_heads, key_heads));
+  }
+  const Shape gate_shape{rows, length, value_heads};
+  if (g.shape() != gate_shape || beta.shape() != gate_shape) {
+    throw Error(fmt::format("gated_delta: g {} and beta {} must both be {}", g.describe(),
+                            beta.describe(), shape_string(gate_shape)));
+  }
+  const Shape state_shape{rows, value_heads, value_depth, key_depth};
+  if (!state.empty() && (state.shape() != state_shape || state.dtype() != DType::f32)) {
+    throw Error(fmt::format("gated_delta: state {} must be f32{}", state.describe(),
+                            shape_string(state_shape)));
+  }
+  detail::require_boundaries(boundaries, length, kCall);
+
+  const std::vector<float> qf = q.to_floats(), kf = k.to_floats(), vf = v.to_floats();
+  const std::vector<float> gf = g.to_floats(), bf = beta.to_floats();
+  std::vector<float> s =
+      state.empty()
+          ? std::vector<float>(static_cast<size_t>(rows * value_heads * value_depth * key_depth))
+          : state.to_floats();
+  GatedDeltaResult result;
+  result.output = Array::zeros(DType::f32, {rows, length, value_heads, value_depth});
+  float* out = result.output.mutable_data<float>();
+  const int64_t group = value_heads / key_heads;
+  std::vector<float> recalled(static_cast<size_t>(value_depth));
+
+  auto capture = [&] { result.states.push_back(Array::from_floats(s, state_shape)); };
+  size_t next_boundary = 0;
+  for (int64_t t = 0; t < length; ++t) {
+    for (int64_t b = 0; b < rows; ++b) {
+      for (int64_t h = 0; h < value_heads; ++h) {
+        const int64_t kh = h / group;
+        float* S = s.data() + ((b * value_heads + h) * value_depth) * key_depth;
+        const float* qt = qf.data() + ((b * length + t) * key_heads + kh) * key_depth;
+        const float* kt = kf.data() + ((b * length + t) * key_heads + kh) * key_depth;
+        const float* vt = vf.data() + ((b * length + t) * value_heads + h) * value_depth;
+        const float decay = gf[static_cast<size_t>((b * length + t) * value_heads + h)];
+        const float rate = bf[static_cast<size_t>((b * length + t) * value_heads + h)];
+        for (int64_t i = 0; i < value_depth; ++i) {
+          float* Si = S + i * key_depth;
+          float u = 0.0f;
+          for (int64_t j = 0; j < key_depth; ++j) {
+            Si[j] *= decay;
+            u += Si[j] * kt[j];
+          }
+          const float write = rate * (vt[i] - u);
+          float o = 0.0f;
+          for (int64_t j = 0; j < key_depth; ++j) {
+            Si[j] += write * kt[j];
+            o += Si[j] * qt[j];
+          }
+          out[((b * length + t) * value_heads + h) * value_depth + i] = o;
+        }
+      }
+    }
+    if (next_boundary < boundaries.size() && boundaries[next_boundary] == t + 1) {
+      capture();
+      ++next_boundary;
+    }
+  }
+  capture();
+  return result;
+}
+
+}  // namespace kvsnap

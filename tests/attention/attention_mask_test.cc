@@ -1,0 +1,147 @@
+#include <gtest/gtest.h>
+#include <kvsnap/attention.h>
+
+#include <limits>
+
+#include "support/test_support.h"
+
+namespace kvsnap {
+namespace {
+
+using testing::throws_error;
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// The physical mask as 0/1 visibility, row-major [B, H, L, K]; all ones for none().
+std::vector<int> visibility(const AttentionMask& physical, const Batch& batch, int64_t keys) {
+  if (physical.arrays().empty()) {
+    return std::vector<int>(static_cast<size_t>(batch.batch_size() * batch.length() * keys), 1);
+  }
+  std::vector<int> out;
+  for (float v : physical.arrays().front().to_floats()) out.push_back(v == -kInf ? 0 : 1);
+  return out;
+}
+
+KVHistory history_of(int64_t keys, int64_t first_position = 0, int64_t oldest_column = 0,
+                     int64_t window = 0) {
+  return KVHistory(Array::zeros(DType::f32, {1, 1, keys, 2}),
+                   Array::zeros(DType::f32, {1, 1, keys, 2}), first_position, oldest_column,
+                   window);
+}
+
+TEST(AttentionMask, KindsAndCanonicalIntersection) {
+  EXPECT_EQ(AttentionMask::none().kind(), AttentionMask::Kind::none);
+  EXPECT_EQ(AttentionMask::causal().kind(), AttentionMask::Kind::causal);
+  EXPECT_EQ(AttentionMask::sliding_window(4).kind(), AttentionMask::Kind::sliding_window);
+  const auto array = AttentionMask::from_array(Array::zeros(DType::i32, {1, 1, 2, 2}));
+  EXPECT_EQ(array.kind(), AttentionMask::Kind::array);
+  EXPECT_EQ(array.intersect(AttentionMask::causal()).kind(), AttentionMask::Kind::intersection);
+  // causal within a window is the window; two windows keep the narrower.
+  const auto both = AttentionMask::causal().intersect(AttentionMask::sliding_window(8));
+  EXPECT_EQ(both.kind(), AttentionMask::Kind::sliding_window);
+  EXPECT_EQ(both.intersect(AttentionMask::sliding_window(3)).window(), 3);
+  EXPECT_EQ(AttentionMask::sliding_window(3).intersect(AttentionMask::sliding_window(8)).window(),
+            3);
+}
+
+TEST(AttentionMask, CausalOverAChunkMatchesHandComputed) {
+  // 3 queries at positions 2, 3, 4 over 5 keys at positions 0..4.
+  const auto batch = Batch::uniform(1, 3, 2);
+  const auto mask = history_of(5).apply_mask(batch, AttentionMask::causal());
+  EXPECT_EQ(visibility(mask, batch, 5), (std::vector<int>{1, 1, 1, 0, 0,  //
+                                                          1, 1, 1, 1, 0,  //
+                                                          1, 1, 1, 1, 1}));
+}
+
+TEST(AttentionMask, SlidingWindowMatchesHandComputed) {
+  // window 2: query i sees i-1 and i.
+  const auto batch = Batch::uniform(1, 3, 2);
+  const auto mask = history_of(5).apply_mask(batch, AttentionMask::sliding_window(2));
+  EXPECT_EQ(visibility(mask, batch, 5), (std::vector<int>{0, 1, 1, 0, 0,  //
+                                                          0, 0, 1, 1, 0,  //
+                                                          0, 0, 0, 1, 1}));
+}
+
+TEST(AttentionMask, HistoryWindowAppliesWithoutALogicalMask) {
+  // A rotating cache's history carries its window even when the caller passes none().
+  const auto batch = Batch::uniform(1, 2, 3);
+  const auto mask = history_of(5, 0, 0, 3).apply_mask(batch, AttentionMask::none());
+  EXPECT_EQ(visibility(mask, batch, 5), (std::vector<int>{0, 1, 1, 1, 0,  //
+                                                          0, 0, 1, 1, 1}));
+}
+
+TEST(AttentionMask, RingOrderColumnsMapToTheirPositions) {
+  // Ring of 4 slots holding positions 6..9, oldest (6) in column 2: columns hold 8, 9, 6, 7.
+  const auto history = history_of(4, 6, 2);
+  EXPECT_EQ(history.position(0), 8);
+  EXPECT_EQ(history.position(1), 9);
+  EXPECT_EQ(history.position(2), 6);
+  EXPECT_EQ(history.position(3), 7);
+  const auto batch = Batch::uniform(1, 1, 8);  // query at 8 sees 6, 7, 8 but not 9
+  const auto mask = history.apply_mask(batch, AttentionMask::causal());
+  EXPECT_EQ(visibility(mask, batch, 4), (std::vector<int>{1, 0, 1, 1}));
+}
+
+TEST(AttentionMask, DecodeThatSeesEverythingNeedsNoMask) {
+  const auto batch = Batch::uniform(1, 1, 4);
+  EXPECT_TRUE(history_of(5).apply_mask(batch, AttentionMask::causal()).arrays().empty());
+  EXPECT_TRUE(history_of(4, 6, 2)
+                  .apply_mask(Batch::uniform(1, 1, 9), AttentionMask::sliding_window(4))
+                  .arrays()
+                  .empty());
+  EXPECT_FALSE(history_of(4, 6, 2)
+                   .apply_mask(Batch::uniform(1, 1, 9), AttentionMask::sliding_window(3))
+                   .arrays()
+                   .empty());
+}
+
+TEST(AttentionMask, ExplicitBoolArrayIndexesAbsoluteKeyPositions) {
+  // Keys at positions 2..4 (a history that starts at 2); the array covers positions 0..4.
+  const std::vector<int32_t> allowed{1, 1, 0, 1, 1,   //  query 0
+                                     1, 1, 1, 0, 1};  //  query 1
+  const auto logical = AttentionMask::from_array(Array::from_ints(allowed, {1, 1, 2, 5}));
+  const auto batch = Batch::uniform(1, 2, 0);
+  const auto mask = history_of(3, 2).apply_mask(batch, logical);
+  EXPECT_EQ(visibility(mask, batch, 3), (std::vector<int>{0, 1, 1,  //
+                                                          1, 0, 1}));
+}
+
+TEST(AttentionMask, AdditiveArrayIsAddedAndIntersectedWithCausal) {
+  const std::vector<float> bias{0.5f, -1.0f, 2.0f, 3.0f};
+  const auto logical = AttentionMask::from_array(Array::from_floats(bias, {1, 1, 2, 2}))
+                           .intersect(AttentionMask::causal());
+  const auto mask = history_of(2).apply_mask(Batch::uniform(1, 2, 0), logical);
+  ASSERT_EQ(mask.arrays().size(), 1u);
+  EXPECT_EQ(mask.arrays().front().to_floats(), (std::vector<float>{0.5f, -kInf, 2.0f, 3.0f}));
+}
+
+TEST(AttentionMask, PaddingQueriesSeeNothing) {
+  Batch batch = Batch::uniform(2, 3, 0);
+  batch.seq_query_lens[1] = 1;
+  const auto mask = history_of(3).apply_mask(batch, AttentionMask::none());
+  EXPECT_EQ(visibility(mask, batch, 3), (std::vector<int>{1, 1, 1, 1, 1, 1, 1, 1, 1,  //
+                                                          1, 1, 1, 0, 0, 0, 0, 0, 0}));
+}
+
+TEST(AttentionMaskErrors, BadWindowAndArrays) {
+  EXPECT_TRUE(throws_error([] { (void)AttentionMask::sliding_window(0); },
+                           {"AttentionMask::sliding_window", "window 0"}));
+  EXPECT_TRUE(throws_error(
+      [] {
+        (void)AttentionMask::from_array(Array::zeros(DType::f32, {2, 2}));
+      },
+      {"AttentionMask::from_array", "f32[2, 2]"}));
+  const auto logical = AttentionMask::from_array(Array::zeros(DType::i32, {1, 1, 2, 3}));
+  EXPECT_TRUE(
+      throws_error([&] { (void)history_of(4).apply_mask(Batch::uniform(1, 2, 0), logical); },
+                   {"KVHistory::apply_mask", "i32[1, 1, 2, 3]"}));
+  EXPECT_TRUE(throws_error([] { (void)history_of(4, 0, 4); }, {"KVHistory", "oldest column 4"}));
+  EXPECT_TRUE(throws_error(
+      [] {
+        (void)KVHistory(Array::zeros(DType::f32, {1, 2, 4, 8}),
+                        Array::zeros(DType::f32, {1, 2, 3, 8}));
+      },
+      {"KVHistory", "f32[1, 2, 4, 8]", "f32[1, 2, 3, 8]"}));
+}
+
+}  // namespace
+}  // namespace kvsnap

@@ -1,0 +1,236 @@
+#include <gtest/gtest.h>
+#include <kvsnap/attention.h>
+
+#include <cmath>
+#include <limits>
+
+#include "support/test_support.h"
+
+namespace kvsnap {
+namespace {
+
+using testing::all_close;
+using testing::random_array;
+using testing::throws_error;
+
+// Naive reference: explicit triple loop in double over logical positions, no shared code with
+// sdpa. visible(b, h, l, k) decides masking; keys are in position order starting at 0.
+template <class Visible>
+std::vector<double> naive_attention(const Array& q, const Array& k, const Array& v, float scale,
+                                    Visible visible) {
+  const int64_t B = q.dim(0), Hq = q.dim(1), L = q.dim(2), D = q.dim(3);
+  const int64_t H = k.dim(1), K = k.dim(2), Dv = v.dim(3);
+  const auto qf = q.to_floats(), kf = k.to_floats(), vf = v.to_floats();
+  std::vector<double> out(static_cast<size_t>(B * Hq * L * Dv), 0.0);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < Hq; ++h)
+      for (int64_t l = 0; l < L; ++l) {
+        const int64_t kh = h / (Hq / H);
+        std::vector<double> w(static_cast<size_t>(K), 0.0);
+        double best = -1e300, total = 0.0;
+        bool any = false;
+        for (int64_t j = 0; j < K; ++j) {
+          if (!visible(b, h, l, j)) continue;
+          double dot = 0.0;
+          for (int64_t d = 0; d < D; ++d)
+            dot += double(qf[((b * Hq + h) * L + l) * D + d]) * kf[((b * H + kh) * K + j) * D + d];
+          w[j] = dot * scale;
+          best = std::max(best, w[j]);
+          any = true;
+        }
+        if (!any) continue;
+        for (int64_t j = 0; j < K; ++j) {
+          w[j] = visible(b, h, l, j) ? std::exp(w[j] - best) : 0.0;
+          total += w[j];
+        }
+        for (int64_t j = 0; j < K; ++j)
+          for (int64_t d = 0; d < Dv; ++d)
+            out[((b * Hq + h) * L + l) * Dv + d] +=
+                w[j] / total * vf[((b * H + kh) * K + j) * Dv + d];
+      }
+  return out;
+}
+
+::testing::AssertionResult matches(const Array& actual, const std::vector<double>& expected) {
+  const auto a = actual.to_floats();
+  if (a.size() != expected.size()) return ::testing::AssertionFailure() << "size differs";
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::fabs(a[i] - expected[i]) > 1e-5 * std::max(1.0, std::fabs(expected[i]))) {
+      return ::testing::AssertionFailure()
+             << "element " << i << ": " << a[i] << " vs " << expected[i];
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+struct Inputs {
+  Array q, k, v;
+};
+
+Inputs make_inputs(int64_t B, int64_t Hq, int64_t H, int64_t L, int64_t K, int64_t D, int64_t Dv,
+                   uint32_t seed, DType dtype = DType::f32) {
+  std::mt19937 rng(seed);
+  return {random_array({B, Hq, L, D}, rng, dtype), random_array({B, H, K, D}, rng, dtype),
+          random_array({B, H, K, Dv}, rng, dtype)};
+}
+
+TEST(Sdpa, NoMaskMatchesNaive) {
+  const auto in = make_inputs(2, 4, 4, 3, 7, 8, 5, 1);
+  const auto out =
+      sdpa(Batch::uniform(2, 3, 4), in.q, KVHistory(in.k, in.v), AttentionMask::none(), 0.3f);
+  EXPECT_EQ(out.shape(), (Shape{2, 4, 3, 5}));
+  EXPECT_TRUE(matches(out, naive_attention(in.q, in.k, in.v, 0.3f, [](auto...) { return true; })));
+}
+
+TEST(Sdpa, CausalChunkMatchesNaive) {
+  // 4 queries at positions 6..9 over 10 keys.
+  const auto in = make_inputs(1, 2, 2, 4, 10, 16, 16, 2);
+  const auto out =
+      sdpa(Batch::uniform(1, 4, 6), in.q, KVHistory(in.k, in.v), AttentionMask::causal(), 0.25f);
+  EXPECT_TRUE(matches(
+      out, naive_attention(in.q, in.k, in.v, 0.25f,
+                           [](int64_t, int64_t, int64_t l, int64_t j) { return j <= 6 + l; })));
+}
+
+TEST(Sdpa, SlidingWindowMatchesNaive) {
+  const auto in = make_inputs(1, 2, 1, 6, 6, 8, 8, 3);
+  const auto out = sdpa(Batch::uniform(1, 6, 0), in.q, KVHistory(in.k, in.v),
+                        AttentionMask::sliding_window(3), 0.5f);
+  EXPECT_TRUE(matches(
+      out, naive_attention(in.q, in.k, in.v, 0.5f, [](int64_t, int64_t, int64_t l, int64_t j) {
+        return j <= l && l - j < 3;
+      })));
+}
+
+TEST(Sdpa, ExplicitPerHeadArrayMatchesNaive) {
+  std::mt19937 rng(4);
+  const auto in = make_inputs(1, 2, 1, 3, 5, 4, 4, 4);
+  std::vector<int32_t> allowed(2 * 3 * 5);
+  for (auto& a : allowed) a = rng() % 3 != 0;
+  const auto logical = AttentionMask::from_array(Array::from_ints(allowed, {1, 2, 3, 5}));
+  const auto out = sdpa(Batch::uniform(1, 3, 2), in.q, KVHistory(in.k, in.v), logical, 0.5f);
+  EXPECT_TRUE(matches(
+      out, naive_attention(in.q, in.k, in.v, 0.5f, [&](int64_t, int64_t h, int64_t l, int64_t j) {
+        return allowed[(h * 3 + l) * 5 + j] != 0;
+      })));
+}
+
+TEST(Sdpa, IntersectionMatchesNaive) {
+  const auto in = make_inputs(1, 1, 1, 4, 8, 4, 4, 5);
+  std::vector<int32_t> allowed(4 * 8, 1);
+  allowed[3 * 8 + 5] = 0;  // query 3 (position 7) may not see position 5
+  const auto logical = AttentionMask::sliding_window(4).intersect(
+      AttentionMask::from_array(Array::from_ints(allowed, {1, 1, 4, 8})));
+  const auto out = sdpa(Batch::uniform(1, 4, 4), in.q, KVHistory(in.k, in.v), logical, 0.5f);
+  EXPECT_TRUE(matches(
+      out, naive_attention(in.q, in.k, in.v, 0.5f, [&](int64_t, int64_t, int64_t l, int64_t j) {
+        const int64_t i = 4 + l;
+        return j <= i && i - j < 4 && allowed[l * 8 + j] != 0;
+      })));
+}
+
+TEST(Sdpa, RingOrderHistoryEqualsPositionOrder) {
+  // The same keys stored rotated (oldest in column 3) attend exactly as in position order.
+  const auto in = make_inputs(1, 2, 2, 1, 5, 8, 8, 6);
+  auto rotate = [](const Array& a) {  // position p goes to column (p + 3) % 5
+    Array out = Array::zeros(a.dtype(), a.shape());
+    out.slice(2, 3, 5).assign(a.slice(2, 0, 2));
+    out.slice(2, 0, 3).assign(a.slice(2, 2, 5));
+    return out;
+  };
+  const auto batch = Batch::uniform(1, 1, 14);
+  const auto logical = AttentionMask::sliding_window(5);
+  const auto straight = sdpa(batch, in.q, KVHistory(in.k, in.v, 10), logical, 0.4f);
+  const auto ring = sdpa(batch, in.q, KVHistory(rotate(in.k), rotate(in.v), 10, 3), logical, 0.4f);
+  EXPECT_TRUE(all_close(ring, straight, 1e-6f));
+}
+
+TEST(Sdpa, GqaEqualsMhaWithRepeatedHeads) {
+  const auto in = make_inputs(2, 6, 2, 4, 9, 8, 8, 7);
+  auto repeat = [](const Array& a, int64_t times) {
+    Shape shape = a.shape();
+    shape[1] *= times;
+    Array out = Array::zeros(a.dtype(), shape);
+    for (int64_t h = 0; h < shape[1]; ++h)
+      out.slice(1, h, h + 1).assign(a.slice(1, h / times, h / times + 1));
+    return out;
+  };
+  const auto batch = Batch::uniform(2, 4, 5);
+  const auto gqa = sdpa(batch, in.q, KVHistory(in.k, in.v), AttentionMask::causal(), 0.35f);
+  const auto mha = sdpa(batch, in.q, KVHistory(repeat(in.k, 3), repeat(in.v, 3)),
+                        AttentionMask::causal(), 0.35f);
+  EXPECT_TRUE(all_close(gqa, mha, 0.0f));
+}
+
+TEST(Sdpa, HalfPrecisionInputsComputeInFloat32) {
+  const auto in = make_inputs(1, 2, 2, 3, 6, 8, 8, 8, DType::f16);
+  const auto out =
+      sdpa(Batch::uniform(1, 3, 3), in.q, KVHistory(in.k, in.v), AttentionMask::causal(), 0.3f);
+  EXPECT_EQ(out.dtype(), DType::f32);
+  EXPECT_TRUE(matches(
+      out, naive_attention(in.q, in.k, in.v, 0.3f,
+                           [](int64_t, int64_t, int64_t l, int64_t j) { return j <= 3 + l; })));
+}
+
+TEST(Sdpa, StridedHistoryViewsGiveTheSameResult) {
+  const auto in = make_inputs(1, 2, 2, 2, 12, 8, 8, 9);
+  const auto batch = Batch::uniform(1, 2, 6);
+  const auto view = sdpa(batch, in.q, KVHistory(in.k.slice(2, 0, 8), in.v.slice(2, 0, 8)),
+                         AttentionMask::causal(), 0.3f);
+  const auto compact = sdpa(
+      batch, in.q, KVHistory(in.k.slice(2, 0, 8).contiguous(), in.v.slice(2, 0, 8).contiguous()),
+      AttentionMask::causal(), 0.3f);
+  EXPECT_TRUE(all_close(view, compact, 0.0f));
+}
+
+TEST(Sdpa, PaddingQueriesReturnZeros) {
+  const auto in = make_inputs(2, 1, 1, 3, 3, 4, 4, 10);
+  Batch batch = Batch::uniform(2, 3, 0);
+  batch.seq_query_lens[1] = 1;
+  const auto out =
+      sdpa(batch, in.q, KVHistory(in.k, in.v), AttentionMask::causal(), 1.0f).to_floats();
+  for (size_t i = 3 * 4 + 4; i < out.size(); ++i) EXPECT_EQ(out[i], 0.0f) << i;
+}
+
+TEST(SdpaErrors, ShapesHeadsDtypesAndBatch) {
+  const auto in = make_inputs(1, 3, 2, 2, 4, 8, 8, 11);
+  const auto batch = Batch::uniform(1, 2, 2);
+  EXPECT_TRUE(throws_error(
+      [&] { (void)sdpa(batch, in.q, KVHistory(in.k, in.v), AttentionMask::none(), 1.0f); },
+      {"sdpa", "3 query heads", "2 key/value heads"}));
+  const auto good = make_inputs(1, 4, 2, 2, 4, 8, 8, 12);
+  EXPECT_TRUE(throws_error(
+      [&] {
+        (void)sdpa(Batch::uniform(1, 3, 0), good.q, KVHistory(good.k, good.v),
+                   AttentionMask::none(), 1.0f);
+      },
+      {"sdpa", "f32[1, 4, 2, 8]", "3 queries"}));
+  std::mt19937 rng(1);
+  EXPECT_TRUE(throws_error(
+      [&] {
+        (void)sdpa(batch, random_array({1, 4, 2, 6}, rng), KVHistory(good.k, good.v),
+                   AttentionMask::none(), 1.0f);
+      },
+      {"sdpa", "keys", "axis 3 must be 6"}));
+  EXPECT_TRUE(throws_error(
+      [&] {
+        (void)sdpa(batch, Array::zeros(DType::i32, {1, 4, 2, 8}), KVHistory(good.k, good.v),
+                   AttentionMask::none(), 1.0f);
+      },
+      {"sdpa", "q", "float dtype"}));
+  EXPECT_TRUE(throws_error(
+      [&] {
+        (void)sdpa(batch, good.q.slice(0, 0, 1).reshape({4, 2, 8}), KVHistory(good.k, good.v),
+                   AttentionMask::none(), 1.0f);
+      },
+      {"sdpa", "q", "4-d"}));
+  EXPECT_TRUE(throws_error(
+      [&] {
+        (void)sdpa(batch, good.q, KVHistory(good.k, good.v), AttentionMask::none(),
+                   std::numeric_limits<float>::infinity());
+      },
+      {"sdpa", "scale"}));
+}
+
+}  // namespace
+}  // namespace kvsnap
