@@ -39,6 +39,9 @@ class KVSNAP_EXPORT Array {
 
   // A compact array of zeros. Throws on a negative extent or more than kMaxDims axes.
   [[nodiscard]] static Array zeros(DType, Shape, Allocator& = default_allocator());
+  // A compact array whose contents are unspecified: for buffers about to be overwritten, where
+  // zeroing would be a wasted pass over memory.
+  [[nodiscard]] static Array uninitialized(DType, Shape, Allocator& = default_allocator());
   // A compact array holding `values` (row-major) converted to `dtype`; sizes must agree.
   [[nodiscard]] static Array from_floats(std::span<const float> values, Shape,
                                          DType dtype = DType::f32);

@@ -132,15 +132,21 @@ std::string shape_string(const Shape& shape) { return fmt::format("[{}]", fmt::j
 
 Array::Array() = default;
 
-Array Array::zeros(DType dtype, Shape shape, Allocator& allocator) {
-  check_shape(shape, "Array::zeros");
+Array Array::uninitialized(DType dtype, Shape shape, Allocator& allocator) {
+  check_shape(shape, "Array::uninitialized");
   Array array;
   array.dtype_ = dtype;
   array.strides_ = row_major_strides(shape);
   const int64_t bytes = element_count(shape) * dtype_size(dtype);
   array.shape_ = std::move(shape);
   array.storage_ = std::make_shared<detail::Storage>(allocator, bytes);
-  std::memset(array.storage_->data, 0, static_cast<size_t>(bytes));
+  return array;
+}
+
+Array Array::zeros(DType dtype, Shape shape, Allocator& allocator) {
+  check_shape(shape, "Array::zeros");
+  Array array = uninitialized(dtype, std::move(shape), allocator);
+  std::memset(array.storage_->data, 0, static_cast<size_t>(array.storage_->bytes));
   return array;
 }
 
@@ -150,7 +156,7 @@ Array Array::from_floats(std::span<const float> values, Shape shape, DType dtype
     throw Error(fmt::format("Array::from_floats: {} values do not fill shape {} ({} elements)",
                             values.size(), shape_string(shape), element_count(shape)));
   }
-  Array array = zeros(dtype, std::move(shape));
+  Array array = uninitialized(dtype, std::move(shape));
   auto* out = static_cast<char*>(array.storage_->data);
   const int64_t step = dtype_size(dtype);
   for (size_t i = 0; i < values.size(); ++i) {
@@ -165,7 +171,7 @@ Array Array::from_ints(std::span<const int32_t> values, Shape shape) {
     throw Error(fmt::format("Array::from_ints: {} values do not fill shape {} ({} elements)",
                             values.size(), shape_string(shape), element_count(shape)));
   }
-  Array array = zeros(DType::i32, std::move(shape));
+  Array array = uninitialized(DType::i32, std::move(shape));
   if (!values.empty()) std::memcpy(array.storage_->data, values.data(), values.size_bytes());
   return array;
 }
@@ -234,7 +240,7 @@ Array Array::reshape(Shape shape) const {
 
 Array Array::contiguous() const {
   if (empty()) return Array();
-  Array copy = zeros(dtype_, shape_, storage_->allocator);
+  Array copy = uninitialized(dtype_, shape_, storage_->allocator);
   copy.assign(*this);
   return copy;
 }
@@ -246,7 +252,7 @@ Array Array::astype(DType dtype) const {
     throw Error(
         fmt::format("Array::astype: conversion {} -> i32 is not supported", dtype_name(dtype_)));
   }
-  Array copy = zeros(dtype, shape_, storage_->allocator);
+  Array copy = uninitialized(dtype, shape_, storage_->allocator);
   const char* in = static_cast<const char*>(raw_data(dtype_size(dtype_)));
   char* out = static_cast<char*>(copy.storage_->data);
   const int64_t out_step = dtype_size(dtype);

@@ -69,7 +69,7 @@ int64_t strided_copy(void* destination, const int64_t* destination_strides, cons
   int64_t in_offset = 0;
   int64_t out_offset = 0;
   while (true) {
-    std::memcpy(out + out_offset * element_size, in + in_offset * element_size, run_bytes);
+    std::memmove(out + out_offset * element_size, in + in_offset * element_size, run_bytes);
     ++calls;
     int axis = outer - 1;
     for (; axis >= 0; --axis) {  // odometer increment over the outer axes

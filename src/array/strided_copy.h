@@ -9,7 +9,9 @@ namespace kvsnap::detail {
 
 // Copies the elements of `shape` (ndim axes) from `source` to `destination`; strides are in
 // elements. Axes contiguous in both layouts are collapsed first so each memcpy moves a whole
-// contiguous run. Returns the number of memcpy calls made.
+// contiguous run. Source and destination may overlap only within one run (each run is moved
+// with memmove), e.g. shifting tokens along the token axis of every head. Returns the number of
+// runs moved.
 int64_t strided_copy(void* destination, const int64_t* destination_strides, const void* source,
                      const int64_t* source_strides, const int64_t* shape, int ndim,
                      int64_t element_size);

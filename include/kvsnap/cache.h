@@ -1,0 +1,115 @@
+// The Cache interface every kind of per-layer inference state implements, and Snapshot, the
+// move-only handle that lets a cache return to an offset later.
+//
+// Offsets count tokens written so far. A KV snapshot holds the keys/values of a half-open range
+// [from, to); whole-state snapshots (rotating window, recurrent state) hold the state at one
+// offset. Snapshots may be lazy: they name slots of the live buffer, own no bytes, and the cache
+// copies them out ("materializes" them) before it would overwrite or free those slots.
+//
+//   kvsnap::KVCache cache;
+//   cache.update(batch, keys, values);             // 10 tokens
+//   kvsnap::SnapshotPtr s = cache.snapshot(4);     // lazy [4, 10): no copy, size() == 0
+//   cache.update(more_batch, more_keys, more_values);
+//   bool ok = cache.restore(s.get(), 10);          // back to offset 10 (an offset move)
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "kvsnap/array.h"
+#include "kvsnap/attention.h"
+#include "kvsnap/batch.h"
+#include "kvsnap/export.h"
+
+namespace kvsnap {
+
+// State that lets a cache return to an offset. Destroying it releases its memory (and detaches
+// a lazy snapshot from its cache). Not thread-safe; use with its cache from one thread.
+class KVSNAP_EXPORT Snapshot {
+ public:
+  virtual ~Snapshot();
+  Snapshot(const Snapshot&) = delete;
+  Snapshot& operator=(const Snapshot&) = delete;
+
+  // Bytes this snapshot owns; 0 while lazy.
+  virtual int64_t size() const = 0;
+  // `hook(delta)` runs once, with the bytes newly owned, when a lazy snapshot materializes.
+  // Replaces any previous hook; never runs for a snapshot that is already owned.
+  virtual void set_materialize_hook(std::function<void(int64_t delta)>) = 0;
+
+  // KV kinds: the range [from(), to()) of tokens whose data it holds. Whole-state kinds:
+  // from() == to() == the offset whose state it holds.
+  virtual int64_t from() const = 0;
+  virtual int64_t to() const = 0;
+  // True while it names live cache slots instead of owning its bytes.
+  virtual bool is_lazy() const = 0;
+
+ protected:
+  Snapshot() = default;
+};
+using SnapshotPtr = std::unique_ptr<Snapshot>;
+
+// Bytes a cache has copied, by reason, since construction — so tests and benchmarks can prove
+// what an operation cost.
+struct CopyStats {
+  int64_t appended_bytes = 0;      // new tokens written by update/put
+  int64_t growth_bytes = 0;        // old tokens moved when storage grew or was relinearized
+  int64_t materialized_bytes = 0;  // lazy snapshots copied out
+  int64_t restored_bytes = 0;      // snapshot data written back by restore
+  int64_t snapshot_bytes = 0;      // owned snapshots copied at capture time
+};
+
+// One layer's inference state. Every mutating call gives the strong exception guarantee: on
+// kvsnap::Error nothing changed. Not thread-safe.
+class KVSNAP_EXPORT Cache {
+ public:
+  virtual ~Cache();
+  Cache(const Cache&) = delete;
+  Cache& operator=(const Cache&) = delete;
+
+  // The live state arrays (views; treat as read-only).
+  virtual std::vector<Array> state() const = 0;
+  // Drops all state (materializing lazy snapshots first) and any schedule; offset becomes 0.
+  virtual void reset() = 0;
+  // Tokens written so far.
+  virtual int64_t offset() const = 0;
+  // Snapshot of [from_offset, offset()) (KV kinds) or of the whole state at offset() (others);
+  // null when there is nothing to hold. Throws unless 0 <= from_offset <= offset().
+  [[nodiscard]] virtual SnapshotPtr snapshot(int64_t from_offset) = 0;
+  // Schedules captures as later writes reach each offset (ascending, unique, >= offset(); the
+  // previous schedule taken). An offset equal to offset() is captured at once.
+  virtual void prepare_snapshots(std::span<const int64_t> offsets) = 0;
+  // One entry per scheduled offset, in order (KV kinds: [previous scheduled offset, offset);
+  // null for a zero-width edge), and clears the schedule. Throws if an offset is unreached.
+  [[nodiscard]] virtual std::vector<SnapshotPtr> take_snapshots() = 0;
+  // Returns the cache to offset `target` using `snapshot` (nullptr = live rewind). Returns
+  // false and changes nothing when the target is unreachable. Throws on misuse (a snapshot of
+  // another kind or shape, a pending schedule).
+  [[nodiscard]] virtual bool restore(Snapshot* snapshot, int64_t target) = 0;
+  // Joins adjacent snapshots of this kind: `parent` then `child`. Null in gives null out.
+  [[nodiscard]] virtual SnapshotPtr merge(SnapshotPtr parent, SnapshotPtr child) = 0;
+  // Splits at offset `at` into (before, after). Null halves mean "nothing to hold".
+  [[nodiscard]] virtual std::pair<SnapshotPtr, SnapshotPtr> split(SnapshotPtr, int64_t at) = 0;
+
+  // Bytes copied so far, by reason.
+  virtual CopyStats copy_stats() const = 0;
+
+ protected:
+  Cache() = default;
+};
+
+// A cache of attention keys and values.
+class KVSNAP_EXPORT Attention : public Cache {
+ public:
+  // Appends the batch's real tokens (keys [B, H, L, D], values [B, H, L, Dv]) and returns the
+  // history every query of the batch attends to. The batch's offsets must equal offset().
+  virtual KVHistory update(const Batch&, const Array& keys, const Array& values) = 0;
+  // The current history, without writing.
+  virtual KVHistory view(const Batch&) const = 0;
+};
+
+}  // namespace kvsnap

@@ -1,0 +1,67 @@
+// KVCache — an append-only attention cache, contiguous per head, with lazy snapshots.
+//
+// Keys and values live in [B, H, capacity, D] buffers. Capacity grows geometrically in steps of
+// at least 256 tokens, so a long prefill copies each byte O(1) times. `snapshot(from)` records
+// [from, offset) as a range of the live buffer: no bytes, no allocation. The cache copies a lazy
+// snapshot out only before it would overwrite or free its slots (an append after a rewind,
+// reset, destruction), then fires the snapshot's materialize hook.
+//
+//   kvsnap::KVCache cache;
+//   auto history = cache.update(kvsnap::Batch::uniform(1, 8, 0), keys, values);  // offset 8
+//   auto s = cache.snapshot(0);             // lazy [0, 8)
+//   (void)cache.restore(nullptr, 5);        // live rewind to 5
+//   cache.update(kvsnap::Batch::uniform(1, 1, 5), k1, v1);  // overwrites slot 5: s materializes
+//   (void)cache.restore(s.get(), 8);        // back to the original 8 tokens
+#pragma once
+
+#include <memory>
+
+#include "kvsnap/cache.h"
+#include "kvsnap/export.h"
+
+namespace kvsnap {
+
+namespace detail {
+class KVCacheImpl;
+}
+
+class KVSNAP_EXPORT KVCache final : public Attention {
+ public:
+  // Smallest growth step, in tokens.
+  static constexpr int64_t kStep = 256;
+
+  KVCache();
+  // Materializes every outstanding lazy snapshot: they outlive the cache.
+  ~KVCache() override;
+
+  // Makes room for `tokens` tokens without further growth (before the first update it is
+  // remembered and applied then). Never shrinks.
+  void reserve(int64_t tokens);
+  // Tokens the buffers hold room for.
+  int64_t capacity() const;
+
+  KVHistory update(const Batch&, const Array& keys, const Array& values) override;
+  KVHistory view(const Batch&) const override;
+
+  std::vector<Array> state() const override;
+  void reset() override;
+  int64_t offset() const override;
+  // Lazy [from_offset, offset()); null when from_offset == offset().
+  [[nodiscard]] SnapshotPtr snapshot(int64_t from_offset) override;
+  void prepare_snapshots(std::span<const int64_t> offsets) override;
+  [[nodiscard]] std::vector<SnapshotPtr> take_snapshots() override;
+  // nullptr: rewind to target <= offset(). Own lazy snapshot: an offset move, no copy. Other
+  // snapshots [from, to): rewind to from, write [from, target), offset = target. Unreachable
+  // (target < 0, target > to, offset() < from): false.
+  [[nodiscard]] bool restore(Snapshot* snapshot, int64_t target) override;
+  // [a, b) + [b, c): lazy + lazy of one cache is arithmetic; otherwise one owned [a, c).
+  [[nodiscard]] SnapshotPtr merge(SnapshotPtr parent, SnapshotPtr child) override;
+  // [from, at) and [at, to); lazy splits are arithmetic, owned halves are compact copies.
+  [[nodiscard]] std::pair<SnapshotPtr, SnapshotPtr> split(SnapshotPtr, int64_t at) override;
+  CopyStats copy_stats() const override;
+
+ private:
+  std::unique_ptr<detail::KVCacheImpl> impl_;
+};
+
+}  // namespace kvsnap

@@ -1,0 +1,64 @@
+// RotatingKVCache — a sliding-window attention cache of `max_size` tokens.
+//
+// Single-token writes go into a ring buffer; multi-token writes linearize the window, keep the
+// last max_size-1 old tokens and append the chunk, so every query of the chunk sees its full
+// window. The history it returns carries the rule: ring-order columns for decode, a
+// sliding-window mask of max_size for prefill (KVHistory::window()).
+//
+// Snapshots hold the whole window at their end offset (from() == to()): the last max_size-1
+// tokens, or every token while the end is <= max_size. After a chunked write (or before the
+// ring wraps) they are lazy views of the linear buffer; a wrapped ring is copied at capture.
+//
+//   kvsnap::RotatingKVCache cache(4096);
+//   auto history = cache.update(batch, keys, values);
+//   auto out = kvsnap::sdpa(batch, q, history, kvsnap::AttentionMask::causal(), scale);
+#pragma once
+
+#include <memory>
+
+#include "kvsnap/cache.h"
+#include "kvsnap/export.h"
+
+namespace kvsnap {
+
+namespace detail {
+class RotatingKVCacheImpl;
+}
+
+class KVSNAP_EXPORT RotatingKVCache final : public Attention {
+ public:
+  // Growth step for the buffer, in tokens.
+  static constexpr int64_t kStep = 256;
+
+  // Throws Error unless max_size >= 1.
+  explicit RotatingKVCache(int64_t max_size);
+  // Materializes every outstanding lazy snapshot: they outlive the cache.
+  ~RotatingKVCache() override;
+
+  int64_t max_size() const;
+
+  KVHistory update(const Batch&, const Array& keys, const Array& values) override;
+  KVHistory view(const Batch&) const override;
+
+  std::vector<Array> state() const override;
+  void reset() override;
+  int64_t offset() const override;
+  // The whole window at offset() (from_offset is only range-checked); null at offset 0.
+  [[nodiscard]] SnapshotPtr snapshot(int64_t from_offset) override;
+  void prepare_snapshots(std::span<const int64_t> offsets) override;
+  [[nodiscard]] std::vector<SnapshotPtr> take_snapshots() override;
+  // nullptr: rewind, only while offset() <= max_size. A snapshot ending at e: target == e, or
+  // any 0 <= target < e when e <= max_size (nothing was evicted). Otherwise false.
+  // Restoring this cache's own lazy snapshot copies nothing.
+  [[nodiscard]] bool restore(Snapshot* snapshot, int64_t target) override;
+  // Keeps the child (the window at the later offset); the parent is released.
+  [[nodiscard]] SnapshotPtr merge(SnapshotPtr parent, SnapshotPtr child) override;
+  // (null, snapshot): the window stays with the later half.
+  [[nodiscard]] std::pair<SnapshotPtr, SnapshotPtr> split(SnapshotPtr, int64_t at) override;
+  CopyStats copy_stats() const override;
+
+ private:
+  std::unique_ptr<detail::RotatingKVCacheImpl> impl_;
+};
+
+}  // namespace kvsnap

@@ -1,0 +1,66 @@
+#include "cache/capture_schedule.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+namespace kvsnap::detail {
+
+void CaptureSchedule::prepare(std::span<const int64_t> offsets, int64_t current, const char* call) {
+  if (active_) {
+    throw Error(fmt::format("{}: the previous schedule [{}] was not taken (call take_snapshots "
+                            "first)",
+                            call, fmt::join(offsets_, ", ")));
+  }
+  int64_t previous = current - 1;
+  for (int64_t offset : offsets) {
+    if (offset < current) {
+      throw Error(fmt::format("{}: offset {} in [{}] is already passed (cache offset {})", call,
+                              offset, fmt::join(offsets, ", "), current));
+    }
+    if (offset <= previous) {
+      throw Error(fmt::format("{}: offsets [{}] must be ascending and unique", call,
+                              fmt::join(offsets, ", ")));
+    }
+    previous = offset;
+  }
+  offsets_.assign(offsets.begin(), offsets.end());
+  captured_.clear();
+  captured_.reserve(offsets_.size());
+  start_ = current;
+  active_ = true;
+}
+
+void CaptureSchedule::require_idle(const char* call) const {
+  if (active_) {
+    throw Error(fmt::format("{}: captures at [{}] are scheduled; take_snapshots() before moving "
+                            "the cache",
+                            call, fmt::join(offsets_, ", ")));
+  }
+}
+
+std::vector<int64_t> CaptureSchedule::interior(int64_t lo, int64_t hi) const {
+  std::vector<int64_t> out;
+  for (size_t i = captured_.size(); i < offsets_.size(); ++i) {
+    if (offsets_[i] > lo && offsets_[i] < hi) out.push_back(offsets_[i] - lo);
+  }
+  return out;
+}
+
+std::vector<SnapshotPtr> CaptureSchedule::take(int64_t current, const char* call) {
+  if (captured_.size() < offsets_.size()) {
+    throw Error(fmt::format("{}: scheduled offset {} not reached (cache offset {})", call,
+                            offsets_[captured_.size()], current));
+  }
+  std::vector<SnapshotPtr> out = std::move(captured_);
+  clear();
+  return out;
+}
+
+void CaptureSchedule::clear() {
+  active_ = false;
+  offsets_.clear();
+  captured_.clear();
+  start_ = 0;
+}
+
+}  // namespace kvsnap::detail

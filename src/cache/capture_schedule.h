@@ -1,0 +1,45 @@
+// Internal: the offsets a cache was asked to capture (prepare_snapshots) and what it captured.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "kvsnap/cache.h"
+
+namespace kvsnap::detail {
+
+class CaptureSchedule {
+ public:
+  // Installs `offsets` for a cache now at `current`. Throws Error naming `call` unless offsets
+  // are ascending, unique, >= current, and the previous schedule was taken.
+  void prepare(std::span<const int64_t> offsets, int64_t current, const char* call);
+
+  // True between prepare and take.
+  bool active() const { return active_; }
+  // Throws Error naming `call` while a schedule is pending (the cache may not move backwards).
+  void require_idle(const char* call) const;
+
+  // The next offset still to capture, or -1.
+  int64_t next() const { return captured_.size() < offsets_.size() ? offsets_[captured_.size()] : -1; }
+  // Where the edge of the next capture begins: the last captured offset, else the offset at
+  // prepare time.
+  int64_t edge_start() const { return captured_.empty() ? start_ : offsets_[captured_.size() - 1]; }
+  // Scheduled offsets o, not yet captured, with lo < o < hi, relative to lo.
+  std::vector<int64_t> interior(int64_t lo, int64_t hi) const;
+  // Records the capture for next().
+  void record(SnapshotPtr snapshot) { captured_.push_back(std::move(snapshot)); }
+
+  // Returns the captures and clears the schedule. Throws Error naming `call` (and keeps the
+  // schedule) when an offset was not reached by `current`.
+  std::vector<SnapshotPtr> take(int64_t current, const char* call);
+  void clear();
+
+ private:
+  bool active_ = false;
+  int64_t start_ = 0;
+  std::vector<int64_t> offsets_;
+  std::vector<SnapshotPtr> captured_;
+};
+
+}  // namespace kvsnap::detail

@@ -1,0 +1,60 @@
+#include "cache/kv_layout.h"
+
+#include <fmt/format.h>
+
+namespace kvsnap::detail {
+
+KVLayout KVLayout::of(const Array& keys, const Array& values) {
+  return {keys.dim(0), keys.dim(1), keys.dim(3), values.dim(3), keys.dtype(), values.dtype()};
+}
+
+std::string KVLayout::describe() const {
+  return fmt::format("B={} H={} D={} Dv={} keys {} values {}", rows, heads, key_depth,
+                     value_depth, dtype_name(key_dtype), dtype_name(value_dtype));
+}
+
+std::pair<Array, Array> KVLayout::allocate(int64_t tokens) const {
+  return {Array::zeros(key_dtype, {rows, heads, tokens, key_depth}),
+          Array::zeros(value_dtype, {rows, heads, tokens, value_depth})};
+}
+
+void check_same_layout(const KVLayout& existing, const KVLayout& incoming, const char* call) {
+  if (existing != incoming) {
+    throw Error(fmt::format("{}: layout {} differs from the cache's {} (batch size, heads, depth "
+                            "and dtype are fixed until reset)",
+                            call, incoming.describe(), existing.describe()));
+  }
+}
+
+int64_t check_update(const Batch& batch, const Array& keys, const Array& values, int64_t offset,
+                     const KVLayout* existing, const char* call) {
+  batch.validate(call);
+  if (keys.empty() || values.empty() || keys.ndim() != 4 || values.ndim() != 4) {
+    throw Error(fmt::format("{}: keys {} and values {} must be 4-d [B, H, L, D]", call,
+                            keys.describe(), values.describe()));
+  }
+  if (keys.dtype() == DType::i32 || values.dtype() == DType::i32) {
+    throw Error(fmt::format("{}: keys {} and values {} must be float (f32, f16, bf16)", call,
+                            keys.describe(), values.describe()));
+  }
+  const int64_t rows = batch.batch_size();
+  const int64_t length = batch.length();
+  if (keys.dim(0) != rows || values.dim(0) != rows || keys.dim(1) != values.dim(1) ||
+      keys.dim(2) != length || values.dim(2) != length) {
+    throw Error(fmt::format("{}: keys {} and values {} do not fit a batch of {} rows x {} tokens",
+                            call, keys.describe(), values.describe(), rows, length));
+  }
+  const int32_t query = batch.seq_query_lens[0];
+  for (int64_t row = 0; row < rows; ++row) {
+    if (batch.seq_offsets[row] != offset || batch.seq_query_lens[row] != query) {
+      throw Error(fmt::format("{}: row {} starts at {} with {} tokens; every row must start at the "
+                              "cache offset {} with {} tokens",
+                              call, row, batch.seq_offsets[row], batch.seq_query_lens[row], offset,
+                              query));
+    }
+  }
+  if (existing != nullptr) check_same_layout(*existing, KVLayout::of(keys, values), call);
+  return query;
+}
+
+}  // namespace kvsnap::detail

@@ -1,0 +1,36 @@
+// Internal: the fixed layout of a KV cache's buffers and the checks shared by both KV kinds.
+#pragma once
+
+#include <cstdint>
+
+#include "kvsnap/array.h"
+#include "kvsnap/batch.h"
+
+namespace kvsnap::detail {
+
+// B, H, D, Dv and dtypes of keys [B, H, *, D] and values [B, H, *, Dv].
+struct KVLayout {
+  int64_t rows = 0, heads = 0, key_depth = 0, value_depth = 0;
+  DType key_dtype = DType::f32, value_dtype = DType::f32;
+
+  static KVLayout of(const Array& keys, const Array& values);
+  bool operator==(const KVLayout&) const = default;
+  // "B=1 H=8 D=128 Dv=128 keys f16 values f16"
+  std::string describe() const;
+  // Allocates keys [B, H, tokens, D] and values [B, H, tokens, Dv].
+  std::pair<Array, Array> allocate(int64_t tokens) const;
+};
+
+// `value` rounded up to a multiple of `step`.
+constexpr int64_t round_up(int64_t value, int64_t step) { return (value + step - 1) / step * step; }
+
+// Validates an update: batch rows at `offset` with one shared query length, keys/values 4-d
+// float [B, H, L, D] / [B, H, L, Dv] matching `existing` when it is set. Returns the real query
+// length. Throws Error naming `call`.
+int64_t check_update(const Batch& batch, const Array& keys, const Array& values, int64_t offset,
+                     const KVLayout* existing, const char* call);
+
+// Throws Error naming `call` when `incoming` differs from `existing`.
+void check_same_layout(const KVLayout& existing, const KVLayout& incoming, const char* call);
+
+}  // namespace kvsnap::detail

@@ -1,0 +1,531 @@
+#include <gtest/gtest.h>
+#include <kvsnap/kv_cache.h>
+
+#include "support/cache_support.h"
+#include "support/test_support.h"
+
+namespace kvsnap {
+namespace {
+
+using testing::column_ids;
+using testing::id_range;
+using testing::throws_error;
+using testing::TokenKV;
+using testing::write;
+
+const TokenKV kv;
+
+// Ids of every token the cache holds, in position order.
+std::vector<int64_t> held(const KVCache& cache) { return column_ids(cache.view(Batch{})); }
+
+std::vector<int64_t> concat(std::vector<int64_t> a, const std::vector<int64_t>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+TEST(KVCache, UpdateAppendsAndReturnsTheWholeHistory) {
+  KVCache cache;
+  auto history = write(cache, kv, id_range(100, 5));
+  EXPECT_EQ(cache.offset(), 5);
+  EXPECT_EQ(column_ids(history), id_range(100, 5));
+  history = write(cache, kv, id_range(200, 3));
+  EXPECT_EQ(cache.offset(), 8);
+  EXPECT_EQ(column_ids(history), concat(id_range(100, 5), id_range(200, 3)));
+  EXPECT_EQ(history.first_position(), 0);
+  EXPECT_EQ(history.window(), 0);
+  EXPECT_TRUE(testing::all_close(history.values(),
+                                 [&] {
+                                   Array v = Array::zeros(DType::f32, {1, 2, 8, 4});
+                                   v.slice(2, 0, 5).assign(kv.values(id_range(100, 5)));
+                                   v.slice(2, 5, 8).assign(kv.values(id_range(200, 3)));
+                                   return v;
+                                 }(),
+                                 0.0f));
+}
+
+TEST(KVCache, HistoryIsAViewOfTheLiveBuffer) {
+  KVCache cache;
+  write(cache, kv, id_range(0, 4));
+  const int64_t allocations = allocation_count();
+  const auto history = cache.view(Batch{});
+  EXPECT_EQ(allocation_count(), allocations);
+  EXPECT_TRUE(history.keys().shares_storage(cache.state()[0]));
+}
+
+TEST(KVCache, PaddingColumnsAreNotStored) {
+  KVCache cache;
+  Batch batch = Batch::uniform(1, 4, 0);
+  batch.seq_query_lens[0] = 2;
+  cache.update(batch, kv.keys(id_range(0, 4)), kv.values(id_range(0, 4)));
+  EXPECT_EQ(cache.offset(), 2);
+  EXPECT_EQ(held(cache), id_range(0, 2));
+}
+
+TEST(KVCache, CapacityGrowsInStepsOfAtLeast256) {
+  KVCache cache;
+  write(cache, kv, id_range(0, 1));
+  EXPECT_EQ(cache.capacity(), 256);
+  write(cache, kv, id_range(1, 255));
+  EXPECT_EQ(cache.capacity(), 256);
+  write(cache, kv, id_range(256, 1));
+  EXPECT_EQ(cache.capacity(), 512);
+  write(cache, kv, id_range(257, 700));
+  EXPECT_EQ(cache.capacity(), 1024);
+  EXPECT_EQ(held(cache), id_range(0, 957));
+}
+
+TEST(KVCache, LongPrefillCopiesEachByteAtMostTwice) {
+  // 128k tokens in 512-token chunks: growth is geometric, so bytes moved by growth never exceed
+  // the bytes written, and copied / written <= 2.0.
+  const TokenKV small{.heads = 1, .depth = 2};
+  KVCache cache;
+  const auto chunk_keys = small.keys(id_range(0, 512));
+  const auto chunk_values = small.values(id_range(0, 512));
+  for (int64_t i = 0; i < 256; ++i) {
+    cache.update(Batch::uniform(1, 512, cache.offset()), chunk_keys, chunk_values);
+  }
+  const CopyStats stats = cache.copy_stats();
+  EXPECT_EQ(stats.appended_bytes, 131072 * 16);
+  const double ratio =
+      static_cast<double>(stats.appended_bytes + stats.growth_bytes) / stats.appended_bytes;
+  EXPECT_LE(ratio, 2.0);
+  EXPECT_GT(ratio, 1.0);  // growth did happen: the bound is not vacuous
+}
+
+TEST(KVCache, GrowthStaysLinearForAnyLength) {
+  // Whatever the final length, geometric growth keeps copies below 3x the bytes written.
+  for (int64_t chunks : {3, 17, 130, 333}) {
+    KVCache cache;
+    const TokenKV small{.heads = 1, .depth = 2};
+    const auto k = small.keys(id_range(0, 100)), v = small.values(id_range(0, 100));
+    for (int64_t i = 0; i < chunks; ++i) cache.update(Batch::uniform(1, 100, cache.offset()), k, v);
+    const CopyStats stats = cache.copy_stats();
+    EXPECT_LT(stats.growth_bytes, 2 * stats.appended_bytes) << chunks;
+  }
+}
+
+TEST(KVCache, ReserveAvoidsGrowthCopies) {
+  KVCache cache;
+  cache.reserve(10000);
+  for (int64_t i = 0; i < 20; ++i) write(cache, kv, id_range(i * 500, 500));
+  EXPECT_EQ(cache.copy_stats().growth_bytes, 0);
+  EXPECT_GE(cache.capacity(), 10000);
+}
+
+TEST(KVCache, SnapshotIsLazyAndAllocatesNothing) {
+  KVCache cache;
+  write(cache, kv, id_range(0, 10));
+  const int64_t bytes = live_bytes();
+  const int64_t allocations = allocation_count();
+  SnapshotPtr s = cache.snapshot(3);
+  ASSERT_NE(s, nullptr);
+  EXPECT_EQ(s->size(), 0);
+  EXPECT_TRUE(s->is_lazy());
+  EXPECT_EQ(s->from(), 3);
+  EXPECT_EQ(s->to(), 10);
+  EXPECT_EQ(live_bytes(), bytes);
+  EXPECT_EQ(allocation_count(), allocations);
+}
+
+TEST(KVCache, SnapshotAtTheCurrentOffsetIsNull) {
+  KVCache cache;
+  EXPECT_EQ(cache.snapshot(0), nullptr);
+  write(cache, kv, id_range(0, 4));
+  EXPECT_EQ(cache.snapshot(4), nullptr);
+}
+
+TEST(KVCache, DataSurvivesSnapshotAndRestore) {
+  KVCache cache;
+  write(cache, kv, id_range(0, 6));
+  SnapshotPtr s = cache.snapshot(0);
+  ASSERT_TRUE(cache.restore(nullptr, 2));
+  write(cache, kv, id_range(50, 7));  // overwrites slots 2..8: the snapshot materializes first
+  EXPECT_FALSE(s->is_lazy());
+  ASSERT_TRUE(cache.restore(s.get(), 6));
+  EXPECT_EQ(cache.offset(), 6);
+  EXPECT_EQ(held(cache), id_range(0, 6));
+}
+
+TEST(KVCache, AppendAfterRewindMaterializesOverlappingSnapshotsOnce) {
+  KVCache cache;
+  write(cache, kv, id_range(0, 8));
+  SnapshotPtr s = cache.snapshot(4);  // [4, 8)
+  int fired = 0;
+  int64_t delta = 0;
+  s->set_materialize_hook([&](int64_t d) {
+    ++fired;
+    delta = d;
+  });
+  ASSERT_TRUE(cache.restore(nullptr, 6));
+  const int64_t bytes = live_bytes();
+  write(cache, kv, id_range(90, 1));  // slot 6 lies in [4, 8)
+  const int64_t expected = 2 * (1 * 2 * 4 * 4 * 4);  // keys + values, 4 tokens f32 [1,2,.,4]
+  EXPECT_EQ(fired, 1);
+  EXPECT_EQ(delta, expected);
+  EXPECT_EQ(s->size(), expected);
+  EXPECT_EQ(live_bytes() - bytes, expected);
+  write(cache, kv, id_range(91, 1));  // already owned: the hook does not fire again
+  EXPECT_EQ(fired, 1);
+  // It holds the bytes of [4, 8) as they were.
+  KVCache other;
+  write(other, kv, id_range(0, 4));
+  ASSERT_TRUE(other.restore(s.get(), 8));
+  EXPECT_EQ(held(other), id_range(0, 8));
+}
+
+TEST(KVCache, AppendAfterRewindLeavesDisjointSnapshotsLazy) {
+  KVCache cache;
+  write(cache, kv, id_range(0, 8));
+  SnapshotPtr early = cache.snapshot(0);  // [0, 8) covers slot 7
+  ASSERT_TRUE(cache.restore(nullptr, 8));
+  write(cache, kv, id_range(8, 4));
+  SnapshotPtr late = cache.snapshot(8);  // [8, 12)
+  ASSERT_TRUE(cache.restore(nullptr, 8));
+  SnapshotPtr first_half = cache.snapshot(0);  // [0, 8) again
+  write(cache, kv, id_range(70, 2));           // slots 8, 9: only `late` overlaps
+  EXPECT_TRUE(early->is_lazy());
+  EXPECT_TRUE(first_half->is_lazy());
+  EXPECT_FALSE(late->is_lazy());
+}
+
+TEST(KVCache, ResetMaterializesOutstandingSnapshots) {
+  KVCache cache;
+  write(cache, kv, id_range(0, 5));
+  SnapshotPtr s = cache.snapshot(1);
+  int fired = 0;
+  s->set_materialize_hook([&](int64_t) { ++fired; });
+  cache.reset();
+  EXPECT_EQ(fired, 1);
+  EXPECT_EQ(cache.offset(), 0);
+  EXPECT_FALSE(s->is_lazy());
+  write(cache, kv, id_range(0, 1));
+  ASSERT_TRUE(cache.restore(s.get(), 5));
+  EXPECT_EQ(held(cache), id_range(0, 5));
+}
+
+TEST(KVCache, SnapshotsOutliveTheirCache) {
+  SnapshotPtr s;
+  int fired = 0;
+  {
+    KVCache cache;
+    write(cache, kv, id_range(10, 6));
+    s = cache.snapshot(0);
+    s->set_materialize_hook([&](int64_t) { ++fired; });
+  }
+  EXPECT_EQ(fired, 1);
+  KVCache fresh;
+  ASSERT_TRUE(fresh.restore(s.get(), 6));
+  EXPECT_EQ(held(fresh), id_range(10, 6));
+}
+
+TEST(KVCache, DestroyingASnapshotDetachesIt) {
+  KVCache cache;
+  write(cache, kv, id_range(0, 6));
+  SnapshotPtr s = cache.snapshot(0);
+  s.reset();
+  ASSERT_TRUE(cache.restore(nullptr, 0));
+  write(cache, kv, id_range(40, 6));
+  EXPECT_EQ(cache.copy_stats().materialized_bytes, 0);
+}
+
+TEST(KVCache, RestoreOwnLazySnapshotCopiesNothing) {
+  KVCache cache;
+  write(cache, kv, id_range(0, 10));
+  SnapshotPtr s = cache.snapshot(4);
+  ASSERT_TRUE(cache.restore(nullptr, 5));
+  const CopyStats before = cache.copy_stats();
+  const int64_t allocations = allocation_count();
+  ASSERT_TRUE(cache.restore(s.get(), 10));
+  EXPECT_EQ(cache.offset(), 10);
+  EXPECT_EQ(cache.copy_stats().restored_bytes, before.restored_bytes);
+  EXPECT_EQ(allocation_count(), allocations);
+  EXPECT_TRUE(s->is_lazy());
+  EXPECT_EQ(held(cache), id_range(0, 10));
+}
+
+TEST(KVCache, RestoreOwnedSnapshotRewindsToItsStartAndWrites) {
+  KVCache source;
+  write(source, kv, id_range(0, 3));
+  write(source, kv, id_range(100, 4));
+  SnapshotPtr s = source.snapshot(3);  // [3, 7) = ids 100..103
+  KVCache cache;
+  write(cache, kv, id_range(0, 5));  // same prefix [0, 3), then 2 other tokens
+  ASSERT_TRUE(cache.restore(s.get(), 7));
+  EXPECT_EQ(held(cache), concat(id_range(0, 3), id_range(100, 4)));
+  EXPECT_EQ(cache.copy_stats().restored_bytes, 4 * 2 * 4 * 4 * 2);
+}
+
+TEST(KVCache, RestoreClampsToTheTarget) {
+  KVCache cache;
+  write(cache, kv, id_range(0, 8));
+  SnapshotPtr s = cache.snapshot(2);
+  KVCache other;
+  write(other, kv, id_range(0, 2));
+  ASSERT_TRUE(other.restore(s.get(), 5));  // writes only [2, 5)
+  EXPECT_EQ(held(other), id_range(0, 5));
+  EXPECT_EQ(other.copy_stats().restored_bytes, 3 * 2 * 4 * 4 * 2);
+  ASSERT_TRUE(other.restore(s.get(), 1));  // before its start: a plain rewind
+  EXPECT_EQ(held(other), id_range(0, 1));
+}
+
+TEST(KVCache, UnreachableTargetsReturnFalseAndChangeNothing) {
+  KVCache cache;
+  write(cache, kv, id_range(0, 8));
+  SnapshotPtr s = cache.snapshot(4);  // [4, 8)
+  ASSERT_TRUE(cache.restore(nullptr, 3));
+  const auto ids = held(cache);
+  EXPECT_FALSE(cache.restore(s.get(), 6));  // offset 3 < snapshot start 4: a gap
+  EXPECT_FALSE(cache.restore(nullptr, 4));  // a live rewind cannot go forward
+  EXPECT_FALSE(cache.restore(nullptr, -1));
+  write(cache, kv, id_range(3, 1));
+  EXPECT_FALSE(cache.restore(s.get(), 9));   // past the snapshot's end
+  EXPECT_FALSE(cache.restore(s.get(), -1));
+  EXPECT_EQ(cache.offset(), 4);
+  EXPECT_EQ(held(cache), concat(ids, id_range(3, 1)));
+}
+
+TEST(KVCache, MergeOfLazySnapshotsIsArithmetic) {
+  KVCache cache;
+  write(cache, kv, id_range(0, 9));
+  SnapshotPtr a = cache.snapshot(0);
+  write(cache, kv, id_range(9, 3));
+  SnapshotPtr b = cache.snapshot(9);  // [0, 9) + [9, 12), both lazy
+  const int64_t bytes = live_bytes();
+  const CopyStats before = cache.copy_stats();
+  SnapshotPtr merged = cache.merge(std::move(a), std::move(b));
+  EXPECT_EQ(live_bytes(), bytes);
+  EXPECT_EQ(cache.copy_stats().snapshot_bytes, before.snapshot_bytes);
+  ASSERT_NE(merged, nullptr);
+  EXPECT_TRUE(merged->is_lazy());
+  EXPECT_EQ(merged->from(), 0);
+  EXPECT_EQ(merged->to(), 12);
+  (void)cache.restore(nullptr, 0);
+  write(cache, kv, id_range(70, 1));  // the merged range still materializes when overwritten
+  EXPECT_FALSE(merged->is_lazy());
+  KVCache other;
+  ASSERT_TRUE(other.restore(merged.get(), 12));
+  EXPECT_EQ(held(other), id_range(0, 12));
+}
+
+TEST(KVCache, MergeOfOwnedSnapshotsMakesOneOwnedRange) {
+  SnapshotPtr a, b;
+  {
+    KVCache cache;
+    write(cache, kv, id_range(0, 3));
+    a = cache.snapshot(0);
+    write(cache, kv, id_range(3, 4));
+    b = cache.snapshot(3);
+  }  // both materialized
+  KVCache cache;
+  SnapshotPtr merged = cache.merge(std::move(a), std::move(b));
+  ASSERT_NE(merged, nullptr);
+  EXPECT_FALSE(merged->is_lazy());
+  EXPECT_EQ(merged->size(), 7 * 2 * 4 * 4 * 2);
+  ASSERT_TRUE(cache.restore(merged.get(), 7));
+  EXPECT_EQ(held(cache), id_range(0, 7));
+}
+
+TEST(KVCache, MergeMixesLazyAndOwned) {
+  KVCache cache;
+  write(cache, kv, id_range(0, 4));
+  SnapshotPtr a = cache.snapshot(0);
+  (void)cache.restore(nullptr, 0);
+  write(cache, kv, id_range(0, 4));  // materializes a (same data)
+  write(cache, kv, id_range(4, 4));
+  SnapshotPtr b = cache.snapshot(4);  // lazy
+  SnapshotPtr merged = cache.merge(std::move(a), std::move(b));
+  EXPECT_FALSE(merged->is_lazy());
+  KVCache other;
+  ASSERT_TRUE(other.restore(merged.get(), 8));
+  EXPECT_EQ(held(other), id_range(0, 8));
+}
+
+TEST(KVCache, MergeWithNullGivesNull) {
+  KVCache cache;
+  write(cache, kv, id_range(0, 4));
+  EXPECT_EQ(cache.merge(nullptr, cache.snapshot(0)), nullptr);
+  EXPECT_EQ(cache.merge(cache.snapshot(0), nullptr), nullptr);
+  EXPECT_EQ(cache.merge(nullptr, nullptr), nullptr);
+}
+
+TEST(KVCache, SplitOfALazySnapshotIsArithmetic) {
+  KVCache cache;
+  write(cache, kv, id_range(0, 10));
+  const int64_t bytes = live_bytes();
+  auto [before, after] = cache.split(cache.snapshot(2), 6);
+  EXPECT_EQ(live_bytes(), bytes);
+  EXPECT_TRUE(before->is_lazy());
+  EXPECT_TRUE(after->is_lazy());
+  EXPECT_EQ(before->from(), 2);
+  EXPECT_EQ(before->to(), 6);
+  EXPECT_EQ(after->from(), 6);
+  EXPECT_EQ(after->to(), 10);
+}
+
+TEST(KVCache, SplitAtOrOutsideTheEdgesKeepsTheWhole) {
+  KVCache cache;
+  write(cache, kv, id_range(0, 10));
+  auto [none_before, whole] = cache.split(cache.snapshot(2), 2);
+  EXPECT_EQ(none_before, nullptr);
+  EXPECT_EQ(whole->from(), 2);
+  auto [whole_again, none_after] = cache.split(std::move(whole), 12);
+  EXPECT_EQ(none_after, nullptr);
+  EXPECT_EQ(whole_again->to(), 10);
+  EXPECT_EQ(cache.split(nullptr, 3).first, nullptr);
+}
+
+TEST(KVCache, SplitThenMergeRoundTripsTheData) {
+  for (bool owned : {false, true}) {
+    KVCache cache;
+    write(cache, kv, id_range(0, 3));
+    write(cache, kv, id_range(30, 9));
+    SnapshotPtr s = cache.snapshot(3);  // [3, 12)
+    if (owned) {
+      (void)cache.restore(nullptr, 3);
+      write(cache, kv, id_range(99, 9));  // materializes s
+      ASSERT_FALSE(s->is_lazy());
+    }
+    auto [a, b] = cache.split(std::move(s), 7);
+    ASSERT_EQ(a->is_lazy(), !owned);
+    SnapshotPtr merged = cache.merge(std::move(a), std::move(b));
+    KVCache other;
+    write(other, kv, id_range(0, 3));
+    ASSERT_TRUE(other.restore(merged.get(), 12));
+    EXPECT_EQ(held(other), concat(id_range(0, 3), id_range(30, 9))) << owned;
+  }
+}
+
+TEST(KVCache, ScheduledCapturesInsideOneWriteRestoreEveryPrefix) {
+  KVCache cache;
+  std::vector<int64_t> offsets = id_range(1, 12);  // 1..12: per-token edges
+  cache.prepare_snapshots(offsets);
+  write(cache, kv, id_range(500, 12));  // one batched write
+  std::vector<SnapshotPtr> captures = cache.take_snapshots();
+  ASSERT_EQ(captures.size(), 12u);
+  for (int64_t i = 0; i < 12; ++i) {
+    ASSERT_NE(captures[i], nullptr);
+    EXPECT_EQ(captures[i]->from(), i);  // edge-local [previous offset, offset)
+    EXPECT_EQ(captures[i]->to(), i + 1);
+    EXPECT_TRUE(captures[i]->is_lazy());
+  }
+  // Every prefix restores exactly, edge by edge, into a fresh cache.
+  for (int64_t prefix = 1; prefix <= 12; ++prefix) {
+    KVCache other;
+    for (int64_t i = 0; i < prefix; ++i) ASSERT_TRUE(other.restore(captures[i].get(), i + 1));
+    EXPECT_EQ(held(other), id_range(500, prefix));
+  }
+}
+
+TEST(KVCache, ScheduledCaptureAtTheCurrentOffsetIsAZeroWidthNull) {
+  KVCache cache;
+  write(cache, kv, id_range(0, 4));
+  const std::vector<int64_t> offsets{4, 6, 9};
+  cache.prepare_snapshots(offsets);
+  write(cache, kv, id_range(4, 3));
+  write(cache, kv, id_range(7, 3));
+  auto captures = cache.take_snapshots();
+  ASSERT_EQ(captures.size(), 3u);
+  EXPECT_EQ(captures[0], nullptr);
+  EXPECT_EQ(captures[1]->from(), 4);
+  EXPECT_EQ(captures[1]->to(), 6);
+  EXPECT_EQ(captures[2]->from(), 6);
+  EXPECT_EQ(captures[2]->to(), 9);
+  EXPECT_TRUE(cache.take_snapshots().empty());  // the schedule was cleared
+}
+
+TEST(KVCache, ScheduledCapturesAllocateNoArrayBytes) {
+  KVCache cache;
+  cache.reserve(1024);
+  write(cache, kv, id_range(0, 1));
+  const std::vector<int64_t> offsets{10, 100, 500};
+  const auto keys = kv.keys(id_range(1, 600)), values = kv.values(id_range(1, 600));
+  const int64_t bytes = live_bytes();
+  cache.prepare_snapshots(offsets);
+  cache.update(Batch::uniform(1, 600, 1), keys, values);
+  auto captures = cache.take_snapshots();
+  EXPECT_EQ(live_bytes(), bytes);
+  for (const auto& c : captures) EXPECT_EQ(c->size(), 0);
+}
+
+TEST(KVCacheErrors, BadSchedulesThrowAndChangeNothing) {
+  KVCache cache;
+  write(cache, kv, id_range(0, 5));
+  const std::vector<int64_t> unsorted{8, 7}, duplicate{6, 6}, passed{4, 9};
+  EXPECT_TRUE(throws_error([&] { cache.prepare_snapshots(unsorted); },
+                           {"KVCache::prepare_snapshots", "[8, 7]", "ascending"}));
+  EXPECT_TRUE(throws_error([&] { cache.prepare_snapshots(duplicate); }, {"unique"}));
+  EXPECT_TRUE(throws_error([&] { cache.prepare_snapshots(passed); },
+                           {"offset 4", "already passed", "cache offset 5"}));
+  const std::vector<int64_t> good{7};
+  cache.prepare_snapshots(good);
+  EXPECT_TRUE(throws_error([&] { cache.prepare_snapshots(good); }, {"not taken"}));
+  EXPECT_TRUE(throws_error([&] { (void)cache.take_snapshots(); }, {"offset 7 not reached"}));
+  EXPECT_TRUE(throws_error([&] { (void)cache.restore(nullptr, 2); }, {"KVCache::restore", "scheduled"}));
+  EXPECT_EQ(cache.offset(), 5);
+  write(cache, kv, id_range(5, 2));
+  EXPECT_EQ(cache.take_snapshots().size(), 1u);  // the schedule survived the failed calls
+}
+
+TEST(KVCacheErrors, BadUpdatesThrowAndChangeNothing) {
+  KVCache cache;
+  write(cache, kv, id_range(0, 5));
+  const auto ids = id_range(5, 2);
+  // Batch offset disagrees with the cache.
+  EXPECT_TRUE(throws_error(
+      [&] { cache.update(Batch::uniform(1, 2, 3), kv.keys(ids), kv.values(ids)); },
+      {"KVCache::update", "starts at 3", "cache offset 5"}));
+  // Batch size change mid-sequence.
+  EXPECT_TRUE(throws_error(
+      [&] { cache.update(Batch::uniform(2, 2, 5), kv.keys(ids, 2), kv.values(ids, 2)); },
+      {"KVCache::update", "B=2", "B=1"}));
+  // Dtype change mid-sequence.
+  const TokenKV half{.dtype = DType::f16};
+  EXPECT_TRUE(throws_error(
+      [&] { cache.update(Batch::uniform(1, 2, 5), half.keys(ids), half.values(ids)); },
+      {"keys f16", "keys f32"}));
+  // Wrong shapes.
+  EXPECT_TRUE(throws_error(
+      [&] { cache.update(Batch::uniform(1, 3, 5), kv.keys(ids), kv.values(ids)); },
+      {"do not fit a batch of 1 rows x 3 tokens"}));
+  EXPECT_TRUE(throws_error(
+      [&] { cache.update(Batch::uniform(1, 2, 5), kv.keys(ids).reshape({2, 2, 4}), kv.values(ids)); },
+      {"4-d"}));
+  EXPECT_TRUE(throws_error([&] {
+    cache.update(Batch::uniform(1, 2, 5), Array::zeros(DType::i32, {1, 2, 2, 4}), kv.values(ids));
+  }, {"float"}));
+  EXPECT_EQ(cache.offset(), 5);
+  EXPECT_EQ(held(cache), id_range(0, 5));
+}
+
+TEST(KVCacheErrors, MisusedSnapshotsThrow) {
+  KVCache cache;
+  write(cache, kv, id_range(0, 6));
+  EXPECT_TRUE(throws_error([&] { (void)cache.snapshot(7); }, {"KVCache::snapshot", "from_offset 7", "[0, 6]"}));
+  EXPECT_TRUE(throws_error([&] { (void)cache.snapshot(-1); }, {"from_offset -1"}));
+  EXPECT_TRUE(throws_error([&] { (void)cache.merge(cache.snapshot(0), cache.snapshot(2)); },
+                           {"KVCache::merge", "[0, 6)", "[2, 6)", "not adjacent"}));
+  RotatingKVCache rotating(4);
+  write(rotating, kv, id_range(0, 3));
+  SnapshotPtr foreign = rotating.snapshot(0);
+  EXPECT_TRUE(throws_error([&] { (void)cache.restore(foreign.get(), 3); }, {"KVCache::restore", "not a KVCache snapshot"}));
+  // A snapshot of a different layout.
+  KVCache wide;
+  const TokenKV three_heads{.heads = 3};
+  write(wide, three_heads, id_range(0, 2));
+  SnapshotPtr other_layout = wide.snapshot(0);
+  (void)cache.restore(nullptr, 0);
+  EXPECT_TRUE(throws_error([&] { (void)cache.restore(other_layout.get(), 2); }, {"KVCache::restore", "H=3", "H=2"}));
+  EXPECT_EQ(cache.offset(), 0);
+}
+
+TEST(KVCache, ResetAllowsANewLayout) {
+  KVCache cache;
+  write(cache, kv, id_range(0, 3));
+  cache.reset();
+  const TokenKV other{.heads = 1, .depth = 8, .dtype = DType::bf16};
+  write(cache, other, id_range(0, 2), 3);
+  EXPECT_EQ(cache.state()[0].shape(), (Shape{3, 1, 2, 8}));
+}
+
+}  // namespace
+}  // namespace kvsnap
