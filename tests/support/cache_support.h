@@ -1,28 +1,30 @@
-// Shared helpers for cache tests: deterministic per-token keys/values whose first key element
+// Shared helpers for cache tests: deterministic per-token keys/values whose first value element
 // is the token's id, so any history can be read back as "which token is in which column".
 #pragma once
 
 #include <kvsnap/kvsnap.h>
 
 #include <cmath>
+#include <algorithm>
 #include <cstdint>
 #include <span>
 #include <vector>
 
 namespace kvsnap::testing {
 
-// Keys/values of tokens by id: key[h][0] == id exactly; the rest a fixed function of
-// (id, head, element) in f32, so stored data can be compared bit for bit.
+// Keys/values of tokens by id: value[h][0] == id exactly (a tag); the rest a fixed function of
+// (id, head, element) of magnitude <= 1, so stored data can be compared bit for bit and
+// attention over it stays well conditioned.
 struct TokenKV {
   int64_t heads = 2;
   int64_t depth = 4;
   DType dtype = DType::f32;
 
   float key(int64_t id, int64_t h, int64_t d) const {
-    if (d == 0) return static_cast<float>(id);
     return std::sin(static_cast<float>(id) * 1.37f + static_cast<float>(h * 31 + d) * 0.71f);
   }
   float value(int64_t id, int64_t h, int64_t d) const {
+    if (d == 0) return static_cast<float>(id);
     return std::cos(static_cast<float>(id) * 0.93f + static_cast<float>(h * 17 + d) * 1.13f);
   }
 
@@ -49,9 +51,11 @@ struct TokenKV {
 inline std::vector<int64_t> column_ids(const KVHistory& history) {
   std::vector<int64_t> ids;
   if (history.keys().empty()) return ids;
-  const auto keys = history.keys().slice(0, 0, 1).slice(1, 0, 1).to_floats();
-  const int64_t depth = history.keys().dim(3);
-  for (int64_t k = 0; k < history.length(); ++k) ids.push_back(static_cast<int64_t>(keys[k * depth]));
+  const auto values = history.values().slice(0, 0, 1).slice(1, 0, 1).to_floats();
+  const int64_t depth = history.values().dim(3);
+  for (int64_t k = 0; k < history.length(); ++k) {
+    ids.push_back(static_cast<int64_t>(values[static_cast<size_t>(k * depth)]));
+  }
   return ids;
 }
 
