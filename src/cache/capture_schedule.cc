@@ -7,9 +7,10 @@ namespace kvsnap::detail {
 
 void CaptureSchedule::prepare(std::span<const int64_t> offsets, int64_t current, const char* call) {
   if (active_) {
-    throw Error(fmt::format("{}: the previous schedule [{}] was not taken (call take_snapshots "
-                            "first)",
-                            call, fmt::join(offsets_, ", ")));
+    throw Error(
+        fmt::format("{}: the previous schedule [{}] was not taken (call take_snapshots "
+                    "first)",
+                    call, fmt::join(offsets_, ", ")));
   }
   int64_t previous = current - 1;
   for (int64_t offset : offsets) {
@@ -32,9 +33,10 @@ void CaptureSchedule::prepare(std::span<const int64_t> offsets, int64_t current,
 
 void CaptureSchedule::require_idle(const char* call) const {
   if (active_) {
-    throw Error(fmt::format("{}: captures at [{}] are scheduled; take_snapshots() before moving "
-                            "the cache",
-                            call, fmt::join(offsets_, ", ")));
+    throw Error(
+        fmt::format("{}: captures at [{}] are scheduled; take_snapshots() before moving "
+                    "the cache",
+                    call, fmt::join(offsets_, ", ")));
   }
 }
 

@@ -21,7 +21,9 @@ class CaptureSchedule {
   void require_idle(const char* call) const;
 
   // The next offset still to capture, or -1.
-  int64_t next() const { return captured_.size() < offsets_.size() ? offsets_[captured_.size()] : -1; }
+  int64_t next() const {
+    return captured_.size() < offsets_.size() ? offsets_[captured_.size()] : -1;
+  }
   // Where the edge of the next capture begins: the last captured offset, else the offset at
   // prepare time.
   int64_t edge_start() const { return captured_.empty() ? start_ : offsets_[captured_.size() - 1]; }

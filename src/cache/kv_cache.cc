@@ -153,9 +153,10 @@ namespace {
 KVSnapshot& as_kv_snapshot(Snapshot* snapshot, const char* call) {
   auto* kv = dynamic_cast<KVSnapshot*>(snapshot);
   if (kv == nullptr) {
-    throw Error(fmt::format("{}: the snapshot is not a KVCache snapshot (snapshots restore only "
-                            "into a cache of their own kind)",
-                            call));
+    throw Error(
+        fmt::format("{}: the snapshot is not a KVCache snapshot (snapshots restore only "
+                    "into a cache of their own kind)",
+                    call));
   }
   return *kv;
 }
@@ -178,8 +179,8 @@ int64_t KVCache::capacity() const { return impl_->capacity(); }
 
 KVHistory KVCache::update(const Batch& batch, const Array& keys, const Array& values) {
   detail::KVCacheImpl& c = *impl_;
-  const int64_t length = detail::check_update(batch, keys, values, c.offset,
-                                              c.has_layout ? &c.layout : nullptr, "KVCache::update");
+  const int64_t length = detail::check_update(
+      batch, keys, values, c.offset, c.has_layout ? &c.layout : nullptr, "KVCache::update");
   if (!c.has_layout) {
     c.layout = detail::KVLayout::of(keys, values);
     c.has_layout = true;
@@ -215,9 +216,10 @@ int64_t KVCache::offset() const { return impl_->offset; }
 SnapshotPtr KVCache::snapshot(int64_t from_offset) {
   detail::KVCacheImpl& c = *impl_;
   if (from_offset < 0 || from_offset > c.offset) {
-    throw Error(fmt::format("KVCache::snapshot: from_offset {} out of range [0, {}] (the cache "
-                            "offset)",
-                            from_offset, c.offset));
+    throw Error(
+        fmt::format("KVCache::snapshot: from_offset {} out of range [0, {}] (the cache "
+                    "offset)",
+                    from_offset, c.offset));
   }
   if (from_offset == c.offset) return nullptr;
   return c.lazy_snapshot(from_offset, c.offset);
@@ -267,9 +269,10 @@ SnapshotPtr KVCache::merge(SnapshotPtr parent, SnapshotPtr child) {
   KVSnapshot& a = detail::as_kv_snapshot(parent.get(), "KVCache::merge");
   KVSnapshot& b = detail::as_kv_snapshot(child.get(), "KVCache::merge");
   if (a.end != b.begin) {
-    throw Error(fmt::format("KVCache::merge: parent [{}, {}) and child [{}, {}) are not adjacent "
-                            "(parent must end where child begins)",
-                            a.begin, a.end, b.begin, b.end));
+    throw Error(
+        fmt::format("KVCache::merge: parent [{}, {}) and child [{}, {}) are not adjacent "
+                    "(parent must end where child begins)",
+                    a.begin, a.end, b.begin, b.end));
   }
   if (a.owner != nullptr && a.owner == b.owner) return a.owner->lazy_snapshot(a.begin, b.end);
   const detail::KVLayout layout = a.layout();

@@ -9,8 +9,8 @@ KVLayout KVLayout::of(const Array& keys, const Array& values) {
 }
 
 std::string KVLayout::describe() const {
-  return fmt::format("B={} H={} D={} Dv={} keys {} values {}", rows, heads, key_depth,
-                     value_depth, dtype_name(key_dtype), dtype_name(value_dtype));
+  return fmt::format("B={} H={} D={} Dv={} keys {} values {}", rows, heads, key_depth, value_depth,
+                     dtype_name(key_dtype), dtype_name(value_dtype));
 }
 
 std::pair<Array, Array> KVLayout::allocate(int64_t tokens) const {
@@ -20,9 +20,10 @@ std::pair<Array, Array> KVLayout::allocate(int64_t tokens) const {
 
 void check_same_layout(const KVLayout& existing, const KVLayout& incoming, const char* call) {
   if (existing != incoming) {
-    throw Error(fmt::format("{}: layout {} differs from the cache's {} (batch size, heads, depth "
-                            "and dtype are fixed until reset)",
-                            call, incoming.describe(), existing.describe()));
+    throw Error(
+        fmt::format("{}: layout {} differs from the cache's {} (batch size, heads, depth "
+                    "and dtype are fixed until reset)",
+                    call, incoming.describe(), existing.describe()));
   }
 }
 
@@ -47,10 +48,10 @@ int64_t check_update(const Batch& batch, const Array& keys, const Array& values,
   const int32_t query = batch.seq_query_lens[0];
   for (int64_t row = 0; row < rows; ++row) {
     if (batch.seq_offsets[row] != offset || batch.seq_query_lens[row] != query) {
-      throw Error(fmt::format("{}: row {} starts at {} with {} tokens; every row must start at the "
-                              "cache offset {} with {} tokens",
-                              call, row, batch.seq_offsets[row], batch.seq_query_lens[row], offset,
-                              query));
+      throw Error(
+          fmt::format("{}: row {} starts at {} with {} tokens; every row must start at the "
+                      "cache offset {} with {} tokens",
+                      call, row, batch.seq_offsets[row], batch.seq_query_lens[row], offset, query));
     }
   }
   if (existing != nullptr) check_same_layout(*existing, KVLayout::of(keys, values), call);

@@ -19,9 +19,7 @@ class LazySnapshot : public Snapshot {
  public:
   ~LazySnapshot() override;
 
-  void set_materialize_hook(std::function<void(int64_t)> hook) override {
-    hook_ = std::move(hook);
-  }
+  void set_materialize_hook(std::function<void(int64_t)> hook) override { hook_ = std::move(hook); }
   bool is_lazy() const override { return list_ != nullptr; }
 
   // Runs the hook once with `delta` (the bytes now owned) and drops it. Hooks must not throw.

@@ -43,16 +43,17 @@ class RecurrentCacheImpl {
     const int32_t length = batch.seq_query_lens[0];
     for (int64_t row = 0; row < batch.batch_size(); ++row) {
       if (batch.seq_offsets[row] != offset || batch.seq_query_lens[row] != length) {
-        throw Error(fmt::format("{}: row {} starts at {} with {} tokens; every row must start at "
-                                "the cache offset {} with {} tokens",
-                                call, row, batch.seq_offsets[row], batch.seq_query_lens[row],
-                                offset, length));
+        throw Error(fmt::format(
+            "{}: row {} starts at {} with {} tokens; every row must start at "
+            "the cache offset {} with {} tokens",
+            call, row, batch.seq_offsets[row], batch.seq_query_lens[row], offset, length));
       }
     }
     if (!conv.empty() && batch.batch_size() != conv.dim(0)) {
-      throw Error(fmt::format("{}: batch of {} rows, but the state holds {} (batch size is fixed "
-                              "until reset)",
-                              call, batch.batch_size(), conv.dim(0)));
+      throw Error(
+          fmt::format("{}: batch of {} rows, but the state holds {} (batch size is fixed "
+                      "until reset)",
+                      call, batch.batch_size(), conv.dim(0)));
     }
     return length;
   }
@@ -82,9 +83,10 @@ RecurrentSnapshot* as_recurrent_snapshot(Snapshot* snapshot, const char* call) {
   if (snapshot == nullptr) return nullptr;
   auto* recurrent = dynamic_cast<RecurrentSnapshot*>(snapshot);
   if (recurrent == nullptr) {
-    throw Error(fmt::format("{}: the snapshot is not a RecurrentCache snapshot (snapshots "
-                            "restore only into a cache of their own kind)",
-                            call));
+    throw Error(
+        fmt::format("{}: the snapshot is not a RecurrentCache snapshot (snapshots "
+                    "restore only into a cache of their own kind)",
+                    call));
   }
   return recurrent;
 }
@@ -97,9 +99,10 @@ using detail::RecurrentSnapshot;
 RecurrentCache::RecurrentCache(int conv_tail, int conv_dim, int num_v_heads, int head_v_dim,
                                int head_k_dim) {
   if (conv_tail < 0 || conv_dim < 1 || num_v_heads < 1 || head_v_dim < 1 || head_k_dim < 1) {
-    throw Error(fmt::format("RecurrentCache: conv_tail {}, conv_dim {}, num_v_heads {}, head_v_dim "
-                            "{}, head_k_dim {}: need conv_tail >= 0 and the rest >= 1",
-                            conv_tail, conv_dim, num_v_heads, head_v_dim, head_k_dim));
+    throw Error(
+        fmt::format("RecurrentCache: conv_tail {}, conv_dim {}, num_v_heads {}, head_v_dim "
+                    "{}, head_k_dim {}: need conv_tail >= 0 and the rest >= 1",
+                    conv_tail, conv_dim, num_v_heads, head_v_dim, head_k_dim));
   }
   impl_ = std::make_unique<detail::RecurrentCacheImpl>();
   impl_->conv_tail = conv_tail;
@@ -118,9 +121,10 @@ RecurrentHistory RecurrentCache::get(const Batch& batch, DType activation_dtype)
     throw Error("RecurrentCache::get: activation dtype i32 is not a float dtype");
   }
   if (!c.conv.empty() && c.conv.dtype() != activation_dtype) {
-    throw Error(fmt::format("RecurrentCache::get: activation dtype {} differs from the state's {} "
-                            "(fixed until reset)",
-                            dtype_name(activation_dtype), dtype_name(c.conv.dtype())));
+    throw Error(
+        fmt::format("RecurrentCache::get: activation dtype {} differs from the state's {} "
+                    "(fixed until reset)",
+                    dtype_name(activation_dtype), dtype_name(c.conv.dtype())));
   }
   if (c.conv.empty()) {
     c.conv = Array::zeros(activation_dtype, c.conv_shape(batch.batch_size()));
@@ -136,9 +140,10 @@ void RecurrentCache::put(const Batch& batch, std::span<const Array> conv_states,
   const std::vector<int64_t> splits = snapshot_splits(length);
   const size_t expected = splits.size() + 1;
   if (conv_states.size() != expected || delta_states.size() != expected) {
-    throw Error(fmt::format("RecurrentCache::put: got {} conv and {} delta states; expected {} ({} "
-                            "scheduled split points inside this forward, then the end)",
-                            conv_states.size(), delta_states.size(), expected, splits.size()));
+    throw Error(
+        fmt::format("RecurrentCache::put: got {} conv and {} delta states; expected {} ({} "
+                    "scheduled split points inside this forward, then the end)",
+                    conv_states.size(), delta_states.size(), expected, splits.size()));
   }
   const DType activation = c.conv.empty() ? conv_states.back().dtype() : c.conv.dtype();
   if (activation == DType::i32) {
@@ -150,8 +155,8 @@ void RecurrentCache::put(const Batch& batch, std::span<const Array> conv_states,
   }
   // Interior states are the captures for the scheduled split points, in order.
   for (size_t i = 0; i < splits.size(); ++i) {
-    c.schedule.record(std::make_unique<RecurrentSnapshot>(conv_states[i], delta_states[i],
-                                                          c.offset + splits[i]));
+    c.schedule.record(
+        std::make_unique<RecurrentSnapshot>(conv_states[i], delta_states[i], c.offset + splits[i]));
   }
   c.conv = conv_states.back();
   c.delta = delta_states.back();
@@ -181,9 +186,10 @@ int64_t RecurrentCache::offset() const { return impl_->offset; }
 
 SnapshotPtr RecurrentCache::snapshot(int64_t from_offset) {
   if (from_offset < 0 || from_offset > impl_->offset) {
-    throw Error(fmt::format("RecurrentCache::snapshot: from_offset {} out of range [0, {}] (the "
-                            "cache offset)",
-                            from_offset, impl_->offset));
+    throw Error(
+        fmt::format("RecurrentCache::snapshot: from_offset {} out of range [0, {}] (the "
+                    "cache offset)",
+                    from_offset, impl_->offset));
   }
   return impl_->capture();
 }

@@ -227,9 +227,10 @@ RotatingSnapshot* as_rotating_snapshot(Snapshot* snapshot, const char* call) {
   if (snapshot == nullptr) return nullptr;
   auto* rotating = dynamic_cast<RotatingSnapshot*>(snapshot);
   if (rotating == nullptr) {
-    throw Error(fmt::format("{}: the snapshot is not a RotatingKVCache snapshot (snapshots "
-                            "restore only into a cache of their own kind)",
-                            call));
+    throw Error(
+        fmt::format("{}: the snapshot is not a RotatingKVCache snapshot (snapshots "
+                    "restore only into a cache of their own kind)",
+                    call));
   }
   return rotating;
 }
@@ -252,9 +253,8 @@ int64_t RotatingKVCache::max_size() const { return impl_->max_size; }
 
 KVHistory RotatingKVCache::update(const Batch& batch, const Array& keys, const Array& values) {
   detail::RotatingKVCacheImpl& c = *impl_;
-  const int64_t length =
-      detail::check_update(batch, keys, values, c.offset, c.has_layout ? &c.layout : nullptr,
-                           "RotatingKVCache::update");
+  const int64_t length = detail::check_update(
+      batch, keys, values, c.offset, c.has_layout ? &c.layout : nullptr, "RotatingKVCache::update");
   if (!c.has_layout) {
     c.layout = detail::KVLayout::of(keys, values);
     c.has_layout = true;
@@ -293,9 +293,10 @@ int64_t RotatingKVCache::offset() const { return impl_->offset; }
 SnapshotPtr RotatingKVCache::snapshot(int64_t from_offset) {
   detail::RotatingKVCacheImpl& c = *impl_;
   if (from_offset < 0 || from_offset > c.offset) {
-    throw Error(fmt::format("RotatingKVCache::snapshot: from_offset {} out of range [0, {}] (the "
-                            "cache offset)",
-                            from_offset, c.offset));
+    throw Error(
+        fmt::format("RotatingKVCache::snapshot: from_offset {} out of range [0, {}] (the "
+                    "cache offset)",
+                    from_offset, c.offset));
   }
   return c.capture_window(c.offset);
 }

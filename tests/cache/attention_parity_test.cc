@@ -26,8 +26,8 @@ Array queries(std::span<const int64_t> ids, std::mt19937& rng) {
 
 struct Scenario {
   std::function<std::unique_ptr<Attention>()> make;
-  AttentionMask logical;   // what the full recomputation uses
-  int64_t window;          // 0 = unlimited
+  AttentionMask logical;  // what the full recomputation uses
+  int64_t window;         // 0 = unlimited
 };
 
 // The attention of `q` (queries at positions [start, start + L)) over every token `ids`
@@ -106,7 +106,8 @@ TEST(AttentionParity, RotatingCacheOverLongDecodeAfterPrefill) {
     const Batch batch = Batch::uniform(1, 1, cache.offset());
     const KVHistory history = cache.update(batch, kv.keys(token), kv.values(token));
     ids.push_back(token[0]);
-    const Array expected = recompute(ids, batch.seq_offsets[0], q, AttentionMask::sliding_window(32));
+    const Array expected =
+        recompute(ids, batch.seq_offsets[0], q, AttentionMask::sliding_window(32));
     ASSERT_TRUE(all_close(sdpa(batch, q, history, AttentionMask::causal(), 0.35f), expected, 1e-5f))
         << step;
   }

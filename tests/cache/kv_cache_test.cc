@@ -33,14 +33,15 @@ TEST(KVCache, UpdateAppendsAndReturnsTheWholeHistory) {
   EXPECT_EQ(column_ids(history), concat(id_range(100, 5), id_range(200, 3)));
   EXPECT_EQ(history.first_position(), 0);
   EXPECT_EQ(history.window(), 0);
-  EXPECT_TRUE(testing::all_close(history.values(),
-                                 [&] {
-                                   Array v = Array::zeros(DType::f32, {1, 2, 8, 4});
-                                   v.slice(2, 0, 5).assign(kv.values(id_range(100, 5)));
-                                   v.slice(2, 5, 8).assign(kv.values(id_range(200, 3)));
-                                   return v;
-                                 }(),
-                                 0.0f));
+  EXPECT_TRUE(testing::all_close(
+      history.values(),
+      [&] {
+        Array v = Array::zeros(DType::f32, {1, 2, 8, 4});
+        v.slice(2, 0, 5).assign(kv.values(id_range(100, 5)));
+        v.slice(2, 5, 8).assign(kv.values(id_range(200, 3)));
+        return v;
+      }(),
+      0.0f));
 }
 
 TEST(KVCache, HistoryIsAViewOfTheLiveBuffer) {
@@ -158,7 +159,7 @@ TEST(KVCache, AppendAfterRewindMaterializesOverlappingSnapshotsOnce) {
   });
   ASSERT_TRUE(cache.restore(nullptr, 6));
   const int64_t bytes = live_bytes();
-  write(cache, kv, id_range(90, 1));  // slot 6 lies in [4, 8)
+  write(cache, kv, id_range(90, 1));                 // slot 6 lies in [4, 8)
   const int64_t expected = 2 * (1 * 2 * 4 * 4 * 4);  // keys + values, 4 tokens f32 [1,2,.,4]
   EXPECT_EQ(fired, 1);
   EXPECT_EQ(delta, expected);
@@ -278,7 +279,7 @@ TEST(KVCache, UnreachableTargetsReturnFalseAndChangeNothing) {
   EXPECT_FALSE(cache.restore(nullptr, 4));  // a live rewind cannot go forward
   EXPECT_FALSE(cache.restore(nullptr, -1));
   write(cache, kv, id_range(3, 1));
-  EXPECT_FALSE(cache.restore(s.get(), 9));   // past the snapshot's end
+  EXPECT_FALSE(cache.restore(s.get(), 9));  // past the snapshot's end
   EXPECT_FALSE(cache.restore(s.get(), -1));
   EXPECT_EQ(cache.offset(), 4);
   EXPECT_EQ(held(cache), concat(ids, id_range(3, 1)));
@@ -460,7 +461,8 @@ TEST(KVCacheErrors, BadSchedulesThrowAndChangeNothing) {
   cache.prepare_snapshots(good);
   EXPECT_TRUE(throws_error([&] { cache.prepare_snapshots(good); }, {"not taken"}));
   EXPECT_TRUE(throws_error([&] { (void)cache.take_snapshots(); }, {"offset 7 not reached"}));
-  EXPECT_TRUE(throws_error([&] { (void)cache.restore(nullptr, 2); }, {"KVCache::restore", "scheduled"}));
+  EXPECT_TRUE(
+      throws_error([&] { (void)cache.restore(nullptr, 2); }, {"KVCache::restore", "scheduled"}));
   EXPECT_EQ(cache.offset(), 5);
   write(cache, kv, id_range(5, 2));
   EXPECT_EQ(cache.take_snapshots().size(), 1u);  // the schedule survived the failed calls
@@ -471,28 +473,33 @@ TEST(KVCacheErrors, BadUpdatesThrowAndChangeNothing) {
   write(cache, kv, id_range(0, 5));
   const auto ids = id_range(5, 2);
   // Batch offset disagrees with the cache.
-  EXPECT_TRUE(throws_error(
-      [&] { cache.update(Batch::uniform(1, 2, 3), kv.keys(ids), kv.values(ids)); },
-      {"KVCache::update", "starts at 3", "cache offset 5"}));
+  EXPECT_TRUE(
+      throws_error([&] { cache.update(Batch::uniform(1, 2, 3), kv.keys(ids), kv.values(ids)); },
+                   {"KVCache::update", "starts at 3", "cache offset 5"}));
   // Batch size change mid-sequence.
   EXPECT_TRUE(throws_error(
       [&] { cache.update(Batch::uniform(2, 2, 5), kv.keys(ids, 2), kv.values(ids, 2)); },
       {"KVCache::update", "B=2", "B=1"}));
   // Dtype change mid-sequence.
   const TokenKV half{.dtype = DType::f16};
-  EXPECT_TRUE(throws_error(
-      [&] { cache.update(Batch::uniform(1, 2, 5), half.keys(ids), half.values(ids)); },
-      {"keys f16", "keys f32"}));
+  EXPECT_TRUE(
+      throws_error([&] { cache.update(Batch::uniform(1, 2, 5), half.keys(ids), half.values(ids)); },
+                   {"keys f16", "keys f32"}));
   // Wrong shapes.
+  EXPECT_TRUE(
+      throws_error([&] { cache.update(Batch::uniform(1, 3, 5), kv.keys(ids), kv.values(ids)); },
+                   {"do not fit a batch of 1 rows x 3 tokens"}));
   EXPECT_TRUE(throws_error(
-      [&] { cache.update(Batch::uniform(1, 3, 5), kv.keys(ids), kv.values(ids)); },
-      {"do not fit a batch of 1 rows x 3 tokens"}));
-  EXPECT_TRUE(throws_error(
-      [&] { cache.update(Batch::uniform(1, 2, 5), kv.keys(ids).reshape({2, 2, 4}), kv.values(ids)); },
+      [&] {
+        cache.update(Batch::uniform(1, 2, 5), kv.keys(ids).reshape({2, 2, 4}), kv.values(ids));
+      },
       {"4-d"}));
-  EXPECT_TRUE(throws_error([&] {
-    cache.update(Batch::uniform(1, 2, 5), Array::zeros(DType::i32, {1, 2, 2, 4}), kv.values(ids));
-  }, {"float"}));
+  EXPECT_TRUE(throws_error(
+      [&] {
+        cache.update(Batch::uniform(1, 2, 5), Array::zeros(DType::i32, {1, 2, 2, 4}),
+                     kv.values(ids));
+      },
+      {"float"}));
   EXPECT_EQ(cache.offset(), 5);
   EXPECT_EQ(held(cache), id_range(0, 5));
 }
@@ -500,21 +507,24 @@ TEST(KVCacheErrors, BadUpdatesThrowAndChangeNothing) {
 TEST(KVCacheErrors, MisusedSnapshotsThrow) {
   KVCache cache;
   write(cache, kv, id_range(0, 6));
-  EXPECT_TRUE(throws_error([&] { (void)cache.snapshot(7); }, {"KVCache::snapshot", "from_offset 7", "[0, 6]"}));
+  EXPECT_TRUE(throws_error([&] { (void)cache.snapshot(7); },
+                           {"KVCache::snapshot", "from_offset 7", "[0, 6]"}));
   EXPECT_TRUE(throws_error([&] { (void)cache.snapshot(-1); }, {"from_offset -1"}));
   EXPECT_TRUE(throws_error([&] { (void)cache.merge(cache.snapshot(0), cache.snapshot(2)); },
                            {"KVCache::merge", "[0, 6)", "[2, 6)", "not adjacent"}));
   RotatingKVCache rotating(4);
   write(rotating, kv, id_range(0, 3));
   SnapshotPtr foreign = rotating.snapshot(0);
-  EXPECT_TRUE(throws_error([&] { (void)cache.restore(foreign.get(), 3); }, {"KVCache::restore", "not a KVCache snapshot"}));
+  EXPECT_TRUE(throws_error([&] { (void)cache.restore(foreign.get(), 3); },
+                           {"KVCache::restore", "not a KVCache snapshot"}));
   // A snapshot of a different layout.
   KVCache wide;
   const TokenKV three_heads{.heads = 3};
   write(wide, three_heads, id_range(0, 2));
   SnapshotPtr other_layout = wide.snapshot(0);
   (void)cache.restore(nullptr, 0);
-  EXPECT_TRUE(throws_error([&] { (void)cache.restore(other_layout.get(), 2); }, {"KVCache::restore", "H=3", "H=2"}));
+  EXPECT_TRUE(throws_error([&] { (void)cache.restore(other_layout.get(), 2); },
+                           {"KVCache::restore", "H=3", "H=2"}));
   EXPECT_EQ(cache.offset(), 0);
 }
 

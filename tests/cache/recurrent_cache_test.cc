@@ -188,9 +188,9 @@ TEST(RecurrentCacheErrors, MismatchedStateCountsAndShapes) {
   const Batch batch = Batch::uniform(1, 4, 3);
   const auto h = cache.get(batch, DType::f32);
   const std::vector<Array> one_conv{h.conv_state()}, one_delta{h.delta_state()};
-  EXPECT_TRUE(throws_error([&] { cache.put(batch, one_conv, one_delta); },
-                           {"RecurrentCache::put", "got 1 conv and 1 delta", "expected 2",
-                            "1 scheduled split"}));
+  EXPECT_TRUE(throws_error(
+      [&] { cache.put(batch, one_conv, one_delta); },
+      {"RecurrentCache::put", "got 1 conv and 1 delta", "expected 2", "1 scheduled split"}));
   const std::vector<Array> bad_conv{Array::zeros(DType::f32, {1, 2, 6}), h.conv_state()};
   const std::vector<Array> two_delta{h.delta_state(), h.delta_state()};
   EXPECT_TRUE(throws_error([&] { cache.put(batch, bad_conv, two_delta); },
@@ -205,8 +205,8 @@ TEST(RecurrentCacheErrors, MismatchedStateCountsAndShapes) {
 }
 
 TEST(RecurrentCacheErrors, ForeignSnapshotsAndBadConstruction) {
-  EXPECT_TRUE(throws_error([] { RecurrentCache cache(3, 0, 1, 1, 1); },
-                           {"RecurrentCache", "conv_dim 0"}));
+  EXPECT_TRUE(
+      throws_error([] { RecurrentCache cache(3, 0, 1, 1, 1); }, {"RecurrentCache", "conv_dim 0"}));
   RecurrentCache cache = layer.make_cache();
   KVCache kv;
   testing::write(kv, testing::TokenKV{}, id_range(0, 2));

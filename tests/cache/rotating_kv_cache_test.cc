@@ -121,7 +121,7 @@ TEST(RotatingKVCache, SnapshotOfAWrappedRingCopiesTheWindow) {
 
 TEST(RotatingKVCache, LazySnapshotsMaterializeOnlyWhenTheirColumnsAreReused) {
   RotatingKVCache cache(4);
-  write_positions(cache, 10);  // linear buffer: positions 0..9 in columns 0..9
+  write_positions(cache, 10);         // linear buffer: positions 0..9 in columns 0..9
   SnapshotPtr s = cache.snapshot(0);  // window 7..9 = columns 7..9
   int fired = 0;
   int64_t delta = 0;
@@ -264,9 +264,9 @@ TEST(RotatingKVCacheErrors, MisuseThrowsAndChangesNothing) {
   EXPECT_TRUE(throws_error([&] { (void)cache.merge(std::move(foreign), nullptr); },
                            {"RotatingKVCache::merge"}));
   const auto ids = id_range(5, 2);
-  EXPECT_TRUE(throws_error(
-      [&] { cache.update(Batch::uniform(1, 2, 4), kv.keys(ids), kv.values(ids)); },
-      {"RotatingKVCache::update", "cache offset 5"}));
+  EXPECT_TRUE(
+      throws_error([&] { cache.update(Batch::uniform(1, 2, 4), kv.keys(ids), kv.values(ids)); },
+                   {"RotatingKVCache::update", "cache offset 5"}));
   const std::vector<int64_t> passed{3};
   EXPECT_TRUE(throws_error([&] { cache.prepare_snapshots(passed); },
                            {"RotatingKVCache::prepare_snapshots", "already passed"}));

@@ -4,8 +4,8 @@
 
 #include <kvsnap/kvsnap.h>
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <span>
 #include <vector>

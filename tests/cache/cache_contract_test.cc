@@ -1,0 +1,167 @@
+// The Cache contract shared by every kind, run as typed tests over all three.
+#include <gtest/gtest.h>
+#include <kvsnap/kvsnap.h>
+
+#include <memory>
+
+#include "support/cache_support.h"
+#include "support/recurrent_support.h"
+#include "support/test_support.h"
+
+namespace kvsnap {
+namespace {
+
+using testing::id_range;
+using testing::throws_error;
+
+const testing::TokenKV kv;
+const testing::RecurrentLayer layer;
+
+struct KVKind {
+  using Type = KVCache;
+  static std::unique_ptr<KVCache> make() { return std::make_unique<KVCache>(); }
+  static void write(KVCache& cache, int64_t n) {
+    testing::write(cache, kv, id_range(cache.offset(), n));
+  }
+};
+struct RotatingKind {
+  using Type = RotatingKVCache;
+  static std::unique_ptr<RotatingKVCache> make() { return std::make_unique<RotatingKVCache>(5); }
+  static void write(RotatingKVCache& cache, int64_t n) {
+    testing::write(cache, kv, id_range(cache.offset(), n));
+  }
+};
+struct RecurrentKind {
+  using Type = RecurrentCache;
+  static std::unique_ptr<RecurrentCache> make() {
+    return std::make_unique<RecurrentCache>(layer.conv_tail, layer.conv_dim, layer.value_heads,
+                                            layer.value_depth, layer.key_depth);
+  }
+  static void write(RecurrentCache& cache, int64_t n) {
+    layer.forward(cache, id_range(cache.offset(), n));
+  }
+};
+
+template <class Kind>
+class CacheContract : public ::testing::Test {
+ protected:
+  std::unique_ptr<typename Kind::Type> cache = Kind::make();
+  void write(int64_t n) { Kind::write(*cache, n); }
+};
+
+using Kinds = ::testing::Types<KVKind, RotatingKind, RecurrentKind>;
+TYPED_TEST_SUITE(CacheContract, Kinds);
+
+TYPED_TEST(CacheContract, StartsEmptyAtOffsetZero) {
+  EXPECT_EQ(this->cache->offset(), 0);
+  EXPECT_TRUE(this->cache->state().empty());
+  EXPECT_EQ(this->cache->snapshot(0), nullptr);
+}
+
+TYPED_TEST(CacheContract, WritesAdvanceTheOffset) {
+  this->write(3);
+  this->write(1);
+  EXPECT_EQ(this->cache->offset(), 4);
+  EXPECT_FALSE(this->cache->state().empty());
+}
+
+TYPED_TEST(CacheContract, SnapshotRestoresTheCurrentOffset) {
+  this->write(4);
+  SnapshotPtr s = this->cache->snapshot(0);
+  ASSERT_NE(s, nullptr);
+  EXPECT_EQ(s->to(), 4);
+  this->write(2);
+  ASSERT_TRUE(this->cache->restore(s.get(), 4));
+  EXPECT_EQ(this->cache->offset(), 4);
+}
+
+TYPED_TEST(CacheContract, ResetDropsStateAndSchedule) {
+  this->write(3);
+  const std::vector<int64_t> offsets{5};
+  this->cache->prepare_snapshots(offsets);
+  this->cache->reset();
+  EXPECT_EQ(this->cache->offset(), 0);
+  EXPECT_TRUE(this->cache->state().empty());
+  EXPECT_TRUE(this->cache->take_snapshots().empty());
+  this->cache->prepare_snapshots(offsets);  // a fresh schedule is accepted
+}
+
+TYPED_TEST(CacheContract, CapturesComeBackOnePerOffsetInOrder) {
+  this->write(2);
+  const std::vector<int64_t> offsets{3, 4, 7};
+  this->cache->prepare_snapshots(offsets);
+  this->write(5);
+  auto captures = this->cache->take_snapshots();
+  ASSERT_EQ(captures.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    ASSERT_NE(captures[i], nullptr);
+    EXPECT_EQ(captures[i]->to(), offsets[i]);
+  }
+  EXPECT_TRUE(this->cache->take_snapshots().empty());
+}
+
+TYPED_TEST(CacheContract, TakeWithoutAScheduleIsEmpty) {
+  this->write(2);
+  EXPECT_TRUE(this->cache->take_snapshots().empty());
+}
+
+TYPED_TEST(CacheContract, BadSchedulesThrowAndKeepTheCache) {
+  this->write(4);
+  const auto before = this->cache->offset();
+  const std::vector<int64_t> unsorted{6, 5}, duplicate{5, 5}, passed{3};
+  EXPECT_TRUE(throws_error([&] { this->cache->prepare_snapshots(unsorted); },
+                           {"prepare_snapshots", "ascending"}));
+  EXPECT_TRUE(throws_error([&] { this->cache->prepare_snapshots(duplicate); }, {"unique"}));
+  EXPECT_TRUE(throws_error([&] { this->cache->prepare_snapshots(passed); }, {"already passed"}));
+  const std::vector<int64_t> later{6};
+  this->cache->prepare_snapshots(later);
+  EXPECT_TRUE(throws_error([&] { this->cache->prepare_snapshots(later); }, {"not taken"}));
+  EXPECT_TRUE(throws_error([&] { (void)this->cache->take_snapshots(); }, {"not reached"}));
+  EXPECT_TRUE(
+      throws_error([&] { (void)this->cache->restore(nullptr, before); }, {"restore", "scheduled"}));
+  EXPECT_EQ(this->cache->offset(), before);
+  this->write(2);
+  EXPECT_EQ(this->cache->take_snapshots().size(), 1u);
+}
+
+TYPED_TEST(CacheContract, SnapshotOutOfRangeThrows) {
+  this->write(2);
+  EXPECT_TRUE(throws_error([&] { (void)this->cache->snapshot(3); }, {"snapshot", "from_offset 3"}));
+  EXPECT_TRUE(throws_error([&] { (void)this->cache->snapshot(-1); }, {"from_offset -1"}));
+}
+
+TYPED_TEST(CacheContract, SnapshotsOfAnotherKindAreRejected) {
+  this->write(3);
+  std::unique_ptr<Cache> other;
+  if (dynamic_cast<KVCache*>(this->cache.get()) != nullptr) {
+    auto rotating = std::make_unique<RotatingKVCache>(4);
+    testing::write(*rotating, kv, id_range(0, 3));
+    other = std::move(rotating);
+  } else {
+    auto plain = std::make_unique<KVCache>();
+    testing::write(*plain, kv, id_range(0, 3));
+    other = std::move(plain);
+  }
+  SnapshotPtr foreign = other->snapshot(0);
+  EXPECT_TRUE(throws_error([&] { (void)this->cache->restore(foreign.get(), 3); }, {"not a"}));
+  EXPECT_EQ(this->cache->offset(), 3);
+}
+
+TYPED_TEST(CacheContract, NullSnapshotsMergeAndSplitToNull) {
+  EXPECT_EQ(this->cache->merge(nullptr, nullptr), nullptr);
+  auto [a, b] = this->cache->split(nullptr, 3);
+  EXPECT_EQ(a, nullptr);
+  EXPECT_EQ(b, nullptr);
+}
+
+TYPED_TEST(CacheContract, SnapshotsOutliveTheCache) {
+  this->write(4);
+  SnapshotPtr s = this->cache->snapshot(0);
+  this->cache.reset();  // destroys the cache
+  auto fresh = TypeParam::make();
+  EXPECT_TRUE(fresh->restore(s.get(), 4));
+  EXPECT_EQ(fresh->offset(), 4);
+}
+
+}  // namespace
+}  // namespace kvsnap
