@@ -63,6 +63,19 @@ struct CopyStats {
   int64_t snapshot_bytes = 0;      // owned snapshots copied at capture time
 };
 
+// How a cache kind's snapshots restore, so planners (PrefixCache) know which offsets a layer
+// can return to without trying.
+struct RestoreRule {
+  enum class Kind {
+    ranges,       // KV: a snapshot of [from, to) restores any target in [from, to]
+    whole_state,  // a snapshot restores only the offset it was taken at ...
+  };
+  Kind kind = Kind::whole_state;
+  // ... or, for whole_state, any earlier target while its offset is <= rewind_limit (a
+  // window that has evicted nothing); live rewinds likewise. 0 = exact offsets only.
+  int64_t rewind_limit = 0;
+};
+
 // One layer's inference state. Every mutating call gives the strong exception guarantee: on
 // kvsnap::Error nothing changed. Not thread-safe.
 class KVSNAP_EXPORT Cache {
@@ -83,6 +96,8 @@ class KVSNAP_EXPORT Cache {
   // Schedules captures as later writes reach each offset (ascending, unique, >= offset(); the
   // previous schedule taken). An offset equal to offset() is captured at once.
   virtual void prepare_snapshots(std::span<const int64_t> offsets) = 0;
+  // Drops the schedule and whatever it captured so far (no-op without one).
+  virtual void cancel_snapshots() = 0;
   // One entry per scheduled offset, in order (KV kinds: [previous scheduled offset, offset);
   // null for a zero-width edge), and clears the schedule. Throws if an offset is unreached.
   [[nodiscard]] virtual std::vector<SnapshotPtr> take_snapshots() = 0;
@@ -97,6 +112,8 @@ class KVSNAP_EXPORT Cache {
 
   // Bytes copied so far, by reason.
   virtual CopyStats copy_stats() const = 0;
+  // Which targets this kind's snapshots and live rewinds can reach.
+  virtual RestoreRule restore_rule() const = 0;
 
  protected:
   Cache() = default;

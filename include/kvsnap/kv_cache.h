@@ -50,6 +50,7 @@ class KVSNAP_EXPORT KVCache final : public Attention {
   [[nodiscard]] SnapshotPtr snapshot(int64_t from_offset) override;
   void prepare_snapshots(std::span<const int64_t> offsets) override;
   [[nodiscard]] std::vector<SnapshotPtr> take_snapshots() override;
+  void cancel_snapshots() override;
   // nullptr: rewind to target <= offset(). Own lazy snapshot: an offset move, no copy. Other
   // snapshots [from, to): rewind to from, write [from, target), offset = target. Unreachable
   // (target < 0, target > to, offset() < from): false.
@@ -59,6 +60,7 @@ class KVSNAP_EXPORT KVCache final : public Attention {
   // [from, at) and [at, to); lazy splits are arithmetic, owned halves are compact copies.
   [[nodiscard]] std::pair<SnapshotPtr, SnapshotPtr> split(SnapshotPtr, int64_t at) override;
   CopyStats copy_stats() const override;
+  RestoreRule restore_rule() const override;
 
  private:
   std::unique_ptr<detail::KVCacheImpl> impl_;

@@ -50,6 +50,7 @@ class KVSNAP_EXPORT RecurrentCache final : public Cache {
   [[nodiscard]] SnapshotPtr snapshot(int64_t from_offset) override;
   void prepare_snapshots(std::span<const int64_t> offsets) override;
   [[nodiscard]] std::vector<SnapshotPtr> take_snapshots() override;
+  void cancel_snapshots() override;
   // Only to a snapshot's exact offset; nullptr only to offset() itself. Otherwise false.
   [[nodiscard]] bool restore(Snapshot* snapshot, int64_t target) override;
   // Keeps the child (the state at the later offset); the parent is released.
@@ -57,6 +58,7 @@ class KVSNAP_EXPORT RecurrentCache final : public Cache {
   // (null, snapshot): the state stays with the later half.
   [[nodiscard]] std::pair<SnapshotPtr, SnapshotPtr> split(SnapshotPtr, int64_t at) override;
   CopyStats copy_stats() const override;
+  RestoreRule restore_rule() const override;
 
  private:
   std::unique_ptr<detail::RecurrentCacheImpl> impl_;

@@ -47,6 +47,7 @@ class KVSNAP_EXPORT RotatingKVCache final : public Attention {
   [[nodiscard]] SnapshotPtr snapshot(int64_t from_offset) override;
   void prepare_snapshots(std::span<const int64_t> offsets) override;
   [[nodiscard]] std::vector<SnapshotPtr> take_snapshots() override;
+  void cancel_snapshots() override;
   // nullptr: rewind, only while offset() <= max_size. A snapshot ending at e: target == e, or
   // any 0 <= target < e when e <= max_size (nothing was evicted). Otherwise false.
   // Restoring this cache's own lazy snapshot copies nothing.
@@ -56,6 +57,7 @@ class KVSNAP_EXPORT RotatingKVCache final : public Attention {
   // (null, snapshot): the window stays with the later half.
   [[nodiscard]] std::pair<SnapshotPtr, SnapshotPtr> split(SnapshotPtr, int64_t at) override;
   CopyStats copy_stats() const override;
+  RestoreRule restore_rule() const override;
 
  private:
   std::unique_ptr<detail::RotatingKVCacheImpl> impl_;

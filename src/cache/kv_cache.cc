@@ -310,4 +310,8 @@ std::pair<SnapshotPtr, SnapshotPtr> KVCache::split(SnapshotPtr snapshot, int64_t
 
 CopyStats KVCache::copy_stats() const { return impl_->stats; }
 
+RestoreRule KVCache::restore_rule() const { return {RestoreRule::Kind::ranges, 0}; }
+
+void KVCache::cancel_snapshots() { impl_->schedule.clear(); }
+
 }  // namespace kvsnap

@@ -229,4 +229,8 @@ std::pair<SnapshotPtr, SnapshotPtr> RecurrentCache::split(SnapshotPtr snapshot, 
 
 CopyStats RecurrentCache::copy_stats() const { return impl_->stats; }
 
+RestoreRule RecurrentCache::restore_rule() const { return {RestoreRule::Kind::whole_state, 0}; }
+
+void RecurrentCache::cancel_snapshots() { impl_->schedule.clear(); }
+
 }  // namespace kvsnap

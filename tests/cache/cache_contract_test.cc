@@ -124,6 +124,18 @@ TYPED_TEST(CacheContract, BadSchedulesThrowAndKeepTheCache) {
   EXPECT_EQ(this->cache->take_snapshots().size(), 1u);
 }
 
+TYPED_TEST(CacheContract, CancelDropsTheScheduleAndItsCaptures) {
+  this->write(3);
+  const std::vector<int64_t> offsets{3, 5};
+  this->cache->prepare_snapshots(offsets);  // 3 is captured at once
+  this->cache->cancel_snapshots();
+  EXPECT_TRUE(this->cache->take_snapshots().empty());
+  EXPECT_TRUE(this->cache->restore(nullptr, 3));  // no longer blocked by a schedule
+  this->cache->prepare_snapshots(offsets);
+  this->write(2);
+  EXPECT_EQ(this->cache->take_snapshots().size(), 2u);
+}
+
 TYPED_TEST(CacheContract, SnapshotOutOfRangeThrows) {
   this->write(2);
   EXPECT_TRUE(throws_error([&] { (void)this->cache->snapshot(3); }, {"snapshot", "from_offset 3"}));

@@ -1,0 +1,107 @@
+// PrefixCache — reuse inference state across requests that share a prefix.
+//
+// A compressed trie over token ids whose nodes hold per-layer snapshots: KV layers keep the
+// keys/values of exactly the node's edge, whole-state layers (rotating window, recurrent) keep
+// their state at the node's end. One path is active — backed by the live caches. `begin`
+// finds the longest usable match, switches the live caches to it (rewinding to the common
+// ancestor and paging snapshots in), aligns every layer to the deepest offset all of them can
+// reach, and schedules captures for the prefill so the next request that diverges restores
+// instead of recomputing. Whatever happens, outputs equal recomputation from scratch.
+//
+//   kvsnap::PrefixCache cache({&attention, &window, &recurrent, nullptr});
+//   auto session = cache.begin(prompt);
+//   model.forward(session.remaining());          // only the tokens not restored
+//   session.prefill_done();
+//   for (int32_t t : generate(...)) { session.append_output(t); model.forward({t}); }
+//   session.close();                              // pages the reply out into the trie
+//
+// Not thread-safe; one session at a time.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvsnap/cache.h"
+#include "kvsnap/export.h"
+
+namespace kvsnap {
+
+namespace detail {
+class PrefixCacheImpl;
+}
+
+class KVSNAP_EXPORT PrefixCache {
+ public:
+  struct Options {
+    // Budget for bytes held by snapshots in the trie; least recently used leaves are evicted
+    // to stay under it (user nodes last, the active path never).
+    int64_t max_paged_out_bytes = int64_t(8) << 30;
+  };
+
+  // `layers` are not owned and must outlive the PrefixCache; a null entry is a stateless layer.
+  // The PrefixCache drives their offsets from now on (begin rewinds and restores them).
+  explicit PrefixCache(std::vector<Cache*> layers);
+  PrefixCache(std::vector<Cache*> layers, Options);
+  ~PrefixCache();
+  PrefixCache(const PrefixCache&) = delete;
+  PrefixCache& operator=(const PrefixCache&) = delete;
+
+  class Session;
+  // Starts a request for `prompt` (at least one token). Throws while another session is open.
+  [[nodiscard]] Session begin(std::span<const int32_t> prompt);
+
+  // Bytes owned by snapshots in the trie (lazy snapshots count once they materialize).
+  int64_t paged_out_bytes() const;
+  // The same total recomputed from every node's snapshots: a consistency check, O(nodes).
+  int64_t recount_paged_out_bytes() const;
+  // Nodes in the trie, the root excluded.
+  int64_t node_count() const;
+
+  struct Stats {
+    int64_t lookups = 0;         // begin calls
+    int64_t matched_tokens = 0;  // prompt tokens found in the trie
+    int64_t reused_tokens = 0;   // tokens restored instead of evaluated (sum of cached())
+    int64_t evicted_nodes = 0;
+  };
+  Stats stats() const;
+
+  // The trie, one node per line: edge range, a few tokens, flags and snapshot sizes.
+  std::string debug_string() const;
+
+ private:
+  std::unique_ptr<detail::PrefixCacheImpl> impl_;
+};
+
+// One request's use of the prefix cache. Move-only; closes itself when destroyed.
+class KVSNAP_EXPORT PrefixCache::Session {
+ public:
+  Session(Session&&) noexcept;
+  Session& operator=(Session&&) noexcept;
+  ~Session();
+
+  // The prompt tokens the model must still evaluate (never empty for an open session).
+  std::span<const int32_t> remaining() const;
+  // Tokens restored from the cache: the live caches now stand at this offset.
+  int64_t cached() const;
+  // Extra restore points (e.g. the end of the system prompt, of each message), as absolute
+  // offsets in [cached(), prompt size]. They become user nodes, which resist merging and are
+  // evicted last. Call before the prefill forward.
+  void schedule_snapshots(std::span<const int64_t> offsets);
+  // Call after the prefill forward over remaining(): attaches the captures as trie nodes.
+  void prefill_done();
+  // A generated token. Tokens the model has evaluated when the session closes are paged out.
+  void append_output(int32_t token);
+  // Pages the evaluated tokens out into the trie and ends the session (idempotent).
+  void close();
+
+ private:
+  friend class PrefixCache;
+  friend class detail::PrefixCacheImpl;
+  explicit Session(detail::PrefixCacheImpl* owner) : owner_(owner) {}
+  detail::PrefixCacheImpl* owner_ = nullptr;  // null once closed or moved from
+};
+
+}  // namespace kvsnap

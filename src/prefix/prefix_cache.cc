@@ -1,0 +1,489 @@
+#include "kvsnap/prefix_cache.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <optional>
+#include <set>
+
+#include "prefix/trie.h"
+
+namespace kvsnap {
+namespace detail {
+namespace {
+
+int64_t common_prefix(std::span<const int32_t> a, std::span<const int32_t> b) {
+  const size_t n = std::min(a.size(), b.size());
+  size_t i = 0;
+  while (i < n && a[i] == b[i]) ++i;
+  return static_cast<int64_t>(i);
+}
+
+std::vector<LayerInfo> describe_layers(const std::vector<Cache*>& layers) {
+  std::vector<LayerInfo> out;
+  for (Cache* cache : layers) {
+    LayerInfo info;
+    info.cache = cache;
+    if (cache != nullptr) info.rule = cache->restore_rule();
+    out.push_back(info);
+  }
+  return out;
+}
+
+// How one whole-state layer gets to the planned offset.
+struct WholeStateStep {
+  enum class Kind { stay, reset, live_rewind, snapshot } kind = Kind::stay;
+  Node* node = nullptr;  // for `snapshot`
+};
+
+}  // namespace
+
+class PrefixCacheImpl {
+ public:
+  PrefixCacheImpl(std::vector<Cache*> layers, PrefixCache::Options options)
+      : trie(describe_layers(layers)), options(options) {
+    if (options.max_paged_out_bytes < 0) {
+      throw Error(fmt::format("PrefixCache: max_paged_out_bytes {} must be >= 0",
+                              options.max_paged_out_bytes));
+    }
+  }
+
+  // ---- live state -------------------------------------------------------------------------
+
+  bool has_state() const {
+    for (const LayerInfo& layer : trie.layers()) {
+      if (layer.cache != nullptr) return true;
+    }
+    return false;
+  }
+
+  // The offset every stateful layer stands at, or -1 when they disagree.
+  int64_t layer_offset() const {
+    int64_t offset = -2;
+    for (const LayerInfo& layer : trie.layers()) {
+      if (layer.cache == nullptr) continue;
+      if (offset == -2) {
+        offset = layer.cache->offset();
+      } else if (layer.cache->offset() != offset) {
+        return -1;
+      }
+    }
+    return offset == -2 ? static_cast<int64_t>(live_tokens.size()) : offset;
+  }
+
+  // Forgets the live state (e.g. when the caches were moved behind our back).
+  void reset_live() {
+    for (const LayerInfo& layer : trie.layers()) {
+      if (layer.cache == nullptr) continue;
+      layer.cache->cancel_snapshots();
+      layer.cache->reset();
+    }
+    live_tokens.clear();
+    tip = &trie.root();
+  }
+
+  // The deepest node on the live path holding a live token: it and its ancestors are pinned.
+  void update_tip() {
+    tip = &trie.root();
+    const Trie::Match match = trie.match(live_tokens);
+    for (Node* node : match.path) {
+      if (node->start() < static_cast<int64_t>(live_tokens.size())) tip = node;
+    }
+  }
+
+  bool on_active_path(const Node& node) const {
+    for (const Node* n = tip; n != nullptr; n = n->parent) {
+      if (n == &node) return true;
+    }
+    return false;
+  }
+
+  void evict_to_budget() {
+    const auto keep = [this](const Node& n) { return on_active_path(n); };
+    std::vector<Node*> leaves;
+    while (trie.bytes() > options.max_paged_out_bytes) {
+      leaves.clear();
+      trie.leaves(leaves);
+      Node* victim = nullptr;
+      for (Node* leaf : leaves) {
+        if (on_active_path(*leaf)) continue;
+        // Non-user leaves go first, each group least recently used first.
+        if (victim == nullptr || std::pair(leaf->user, leaf->last_used) <
+                                     std::pair(victim->user, victim->last_used)) {
+          victim = leaf;
+        }
+      }
+      if (victim == nullptr) return;  // only the active path is left
+      trie.remove_leaf(*victim, keep);
+      ++stats.evicted_nodes;
+    }
+  }
+
+  // ---- planning -----------------------------------------------------------------------------
+
+  // The deepest offset <= limit every layer can be restored to along `path`, given that the live
+  // state shares its first `shared` tokens with the prompt.
+  int64_t plan(const std::vector<Node*>& path, int64_t limit, int64_t shared) const {
+    const auto live = static_cast<int64_t>(live_tokens.size());
+    std::vector<int64_t> candidates{limit, 0};
+    for (Node* node : path) candidates.push_back(std::min(node->end, limit));
+    candidates.push_back(std::min({live, shared, limit}));
+    std::sort(candidates.rbegin(), candidates.rend());
+    for (int64_t t : candidates) {
+      if (t > limit) continue;
+      bool everyone = true;
+      for (size_t i = 0; i < trie.layers().size() && everyone; ++i) {
+        everyone = reachable(i, path, t, shared);
+      }
+      if (everyone) return t;
+    }
+    return 0;
+  }
+
+  bool reachable(size_t i, const std::vector<Node*>& path, int64_t t, int64_t shared) const {
+    return !trie.layers()[i].whole_state() || whole_state_step(i, path, t, shared).has_value();
+  }
+
+  std::optional<WholeStateStep> whole_state_step(size_t i, const std::vector<Node*>& path,
+                                                 int64_t t, int64_t shared) const {
+    using Kind = WholeStateStep::Kind;
+    const int64_t limit = trie.layers()[i].rule.rewind_limit;
+    const auto live = static_cast<int64_t>(live_tokens.size());
+    if (t == live && shared >= live) return WholeStateStep{Kind::stay};
+    if (limit > 0 && live <= limit && t <= std::min(live, shared)) {
+      return WholeStateStep{Kind::live_rewind};
+    }
+    if (t == 0) return WholeStateStep{Kind::reset};
+    for (Node* node : path) {
+      if (node->snapshots[i] == nullptr) continue;
+      if (node->end == t || (node->end > t && node->end <= limit)) {
+        return WholeStateStep{Kind::snapshot, node};
+      }
+    }
+    return std::nullopt;
+  }
+
+  // ---- switching the live caches -------------------------------------------------------------
+
+  // Moves every layer to offset `target` on `path`; `shared` tokens of the live state are on it.
+  void switch_to(const std::vector<Node*>& path, int64_t target, int64_t shared) {
+    for (size_t i = 0; i < trie.layers().size(); ++i) {
+      Cache* cache = trie.layers()[i].cache;
+      if (cache == nullptr) continue;
+      bool ok = true;
+      if (trie.layers()[i].ranged()) {
+        ok = page_in_ranges(i, path, target, shared);
+      } else {
+        const WholeStateStep step = *whole_state_step(i, path, target, shared);
+        switch (step.kind) {
+          case WholeStateStep::Kind::stay:
+            break;
+          case WholeStateStep::Kind::reset:
+            cache->reset();
+            break;
+          case WholeStateStep::Kind::live_rewind:
+            ok = cache->restore(nullptr, target);
+            break;
+          case WholeStateStep::Kind::snapshot:
+            ok = cache->restore(step.node->snapshots[i].get(), target);
+            if (ok && step.node->end == target) relazify(*step.node, i, 0);
+            break;
+        }
+      }
+      if (!ok) {
+        throw Error(fmt::format("PrefixCache::begin: internal error: layer {} could not reach "
+                                "offset {}",
+                                i, target));
+      }
+    }
+  }
+
+  // KV layer: rewind to what the live state shares, then write the path's ranges up to target.
+  bool page_in_ranges(size_t i, const std::vector<Node*>& path, int64_t target, int64_t shared) {
+    Cache& cache = *trie.layers()[i].cache;
+    if (target <= shared) return cache.restore(nullptr, target);
+    if (!cache.restore(nullptr, shared)) return false;
+    for (Node* node : path) {
+      if (node->end <= shared || node->start() >= target) continue;
+      Snapshot* s = node->snapshots[i].get();
+      if (s == nullptr) return false;
+      const int64_t to = std::min(node->end, target);
+      if (!cache.restore(s, to)) return false;
+      if (to == node->end) relazify(*node, i, node->start());
+    }
+    return true;
+  }
+
+  // After a restore put a node's owned data into the live cache, the node can hold a lazy
+  // view of it instead and give its bytes back.
+  void relazify(Node& node, size_t i, int64_t from) {
+    if (node.snapshots[i] == nullptr || node.snapshots[i]->is_lazy()) return;
+    SnapshotPtr lazy = trie.layers()[i].cache->snapshot(from);
+    if (lazy != nullptr && lazy->is_lazy()) trie.replace(node, i, std::move(lazy));
+  }
+
+  // ---- session -------------------------------------------------------------------------------
+
+  void require_open(const char* call) const {
+    if (!open) throw Error(fmt::format("{}: the session is closed", call));
+  }
+
+  // Whether a node ends at `offset` on the matched path with every whole-state snapshot.
+  bool complete_boundary(const std::vector<Node*>& path, int64_t offset) const {
+    for (Node* node : path) {
+      if (node->end != offset) continue;
+      for (size_t i = 0; i < trie.layers().size(); ++i) {
+        if (trie.layers()[i].whole_state() && node->snapshots[i] == nullptr) return false;
+      }
+      return true;
+    }
+    return false;
+  }
+
+  void prepare(const std::vector<int64_t>& offsets) {
+    for (const LayerInfo& layer : trie.layers()) {
+      if (layer.cache == nullptr) continue;
+      layer.cache->cancel_snapshots();
+      layer.cache->prepare_snapshots(offsets);
+    }
+    scheduled = offsets;
+  }
+
+  std::vector<int64_t> schedule_for(const std::vector<Node*>& path) const {
+    const auto length = static_cast<int64_t>(tokens.size());
+    std::set<int64_t> offsets(user_offsets.begin(), user_offsets.end());
+    // The branch point, so the next divergence there restores, and the last prompt token, so
+    // a regeneration of this prompt restores everything but that token.
+    for (int64_t o : {matched < length - 1 ? matched : length - 1, length - 1}) {
+      if (o > cached || (o == cached && o > 0 && !complete_boundary(path, o))) offsets.insert(o);
+    }
+    return {offsets.begin(), offsets.end()};
+  }
+
+  PrefixCache::Session begin(std::span<const int32_t> prompt) {
+    if (open) throw Error("PrefixCache::begin: a session is already open; close it first");
+    if (prompt.empty()) {
+      throw Error("PrefixCache::begin: the prompt is empty; at least one token must be evaluated");
+    }
+    if (layer_offset() != static_cast<int64_t>(live_tokens.size())) reset_live();
+    evict_to_budget();
+
+    const Trie::Match match = trie.match(prompt);
+    const auto length = static_cast<int64_t>(prompt.size());
+    const int64_t limit = std::min(match.length, length - 1);  // leave one token to evaluate
+    const int64_t shared = common_prefix(live_tokens, prompt.subspan(0, static_cast<size_t>(limit)));
+    const int64_t target = plan(match.path, limit, shared);
+    try {
+      switch_to(match.path, target, shared);
+    } catch (...) {
+      reset_live();
+      throw;
+    }
+    live_tokens.assign(prompt.begin(), prompt.begin() + target);
+    update_tip();
+    for (Node* node : match.path) node->last_used = trie.tick();
+
+    tokens.assign(prompt.begin(), prompt.end());
+    prompt_length = length;
+    matched = match.length;
+    cached = target;
+    user_offsets.clear();
+    prefilled = false;
+    open = true;
+    path_at_begin = match.path;
+    prepare(schedule_for(path_at_begin));
+
+    ++stats.lookups;
+    stats.matched_tokens += match.length;
+    stats.reused_tokens += target;
+    evict_to_budget();
+    return PrefixCache::Session(this);
+  }
+
+  void schedule_snapshots(std::span<const int64_t> offsets) {
+    require_open("Session::schedule_snapshots");
+    if (prefilled || layer_offset() != cached) {
+      throw Error(fmt::format("Session::schedule_snapshots: call before the prefill forward (the "
+                              "caches are at offset {}, the session restored {})",
+                              layer_offset(), cached));
+    }
+    for (int64_t o : offsets) {
+      if (o < cached || o > prompt_length) {
+        throw Error(fmt::format("Session::schedule_snapshots: offset {} in [{}] is outside [{}, "
+                                "{}] (the restored prefix to the prompt's end)",
+                                o, fmt::join(offsets, ", "), cached, prompt_length));
+      }
+    }
+    user_offsets.insert(offsets.begin(), offsets.end());
+    // The match may be stale if evictions ran since begin; recompute it from the trie.
+    path_at_begin = trie.match(std::span<const int32_t>(tokens.data(), static_cast<size_t>(prompt_length))).path;
+    prepare(schedule_for(path_at_begin));
+  }
+
+  void prefill_done() {
+    require_open("Session::prefill_done");
+    if (prefilled) throw Error("Session::prefill_done: already called for this session");
+    const int64_t offset = layer_offset();
+    if (has_state() && offset != prompt_length) {
+      throw Error(fmt::format("Session::prefill_done: the caches are at offset {}; evaluate "
+                              "remaining() ({} tokens from offset {}) first",
+                              offset, prompt_length - cached, cached));
+    }
+    std::vector<std::vector<SnapshotPtr>> captures(trie.layers().size());
+    for (size_t i = 0; i < trie.layers().size(); ++i) {
+      if (trie.layers()[i].cache != nullptr) captures[i] = trie.layers()[i].cache->take_snapshots();
+    }
+    int64_t edge_start = cached;
+    for (size_t j = 0; j < scheduled.size(); ++j) {
+      std::vector<SnapshotPtr> ranged(trie.layers().size()), whole(trie.layers().size());
+      for (size_t i = 0; i < trie.layers().size(); ++i) {
+        if (trie.layers()[i].ranged()) ranged[i] = std::move(captures[i][j]);
+        if (trie.layers()[i].whole_state()) whole[i] = std::move(captures[i][j]);
+      }
+      if (scheduled[j] > 0) {
+        trie.insert(tokens, edge_start, scheduled[j], std::move(ranged), std::move(whole),
+                    user_offsets.count(scheduled[j]) > 0);
+      }
+      edge_start = scheduled[j];
+    }
+    paged_end = edge_start;
+    scheduled.clear();
+    live_tokens.assign(tokens.begin(), tokens.begin() + prompt_length);
+    update_tip();
+    prefilled = true;
+    evict_to_budget();
+  }
+
+  void append_output(int32_t token) {
+    require_open("Session::append_output");
+    if (!prefilled) {
+      throw Error("Session::append_output: call prefill_done() after the prefill forward first");
+    }
+    tokens.push_back(token);
+  }
+
+  void close() {
+    if (!open) return;
+    int64_t offset = layer_offset();
+    if (!prefilled) {
+      if (offset == prompt_length || !has_state()) {
+        prefill_done();
+      } else {
+        for (const LayerInfo& layer : trie.layers()) {
+          if (layer.cache != nullptr) layer.cache->cancel_snapshots();
+        }
+        scheduled.clear();
+        paged_end = cached;
+        prefilled = true;
+      }
+    }
+    offset = has_state() ? layer_offset() : static_cast<int64_t>(tokens.size());
+    open = false;
+    if (offset < 0 || offset > static_cast<int64_t>(tokens.size()) || offset < paged_end) {
+      // The caches were driven past what the session knows: nothing consistent to page out.
+      reset_live();
+      evict_to_budget();
+      return;
+    }
+    if (offset > paged_end) {
+      std::vector<SnapshotPtr> ranged(trie.layers().size()), whole(trie.layers().size());
+      for (size_t i = 0; i < trie.layers().size(); ++i) {
+        const LayerInfo& layer = trie.layers()[i];
+        if (layer.ranged()) ranged[i] = layer.cache->snapshot(paged_end);
+        if (layer.whole_state()) whole[i] = layer.cache->snapshot(0);
+      }
+      trie.insert(tokens, paged_end, offset, std::move(ranged), std::move(whole), false);
+    }
+    live_tokens.assign(tokens.begin(), tokens.begin() + offset);
+    update_tip();
+    evict_to_budget();
+  }
+
+  Trie trie;
+  PrefixCache::Options options;
+  PrefixCache::Stats stats;
+  std::vector<int32_t> live_tokens;  // what the live caches hold, [0, their offset)
+  Node* tip = &trie.root();
+
+  // The open session.
+  bool open = false;
+  bool prefilled = false;
+  std::vector<int32_t> tokens;  // prompt, then generated tokens
+  int64_t prompt_length = 0;
+  int64_t matched = 0;   // prompt tokens found in the trie
+  int64_t cached = 0;    // offset restored
+  int64_t paged_end = 0; // the trie holds the session's path up to here
+  std::set<int64_t> user_offsets;
+  std::vector<int64_t> scheduled;
+  std::vector<Node*> path_at_begin;
+};
+
+}  // namespace detail
+
+PrefixCache::PrefixCache(std::vector<Cache*> layers) : PrefixCache(std::move(layers), Options{}) {}
+PrefixCache::PrefixCache(std::vector<Cache*> layers, Options options)
+    : impl_(std::make_unique<detail::PrefixCacheImpl>(std::move(layers), options)) {}
+PrefixCache::~PrefixCache() = default;
+
+PrefixCache::Session PrefixCache::begin(std::span<const int32_t> prompt) {
+  return impl_->begin(prompt);
+}
+int64_t PrefixCache::paged_out_bytes() const { return impl_->trie.bytes(); }
+int64_t PrefixCache::recount_paged_out_bytes() const { return impl_->trie.recount_bytes(); }
+int64_t PrefixCache::node_count() const { return impl_->trie.node_count(); }
+PrefixCache::Stats PrefixCache::stats() const { return impl_->stats; }
+std::string PrefixCache::debug_string() const { return impl_->trie.debug_string(); }
+
+PrefixCache::Session::Session(Session&& other) noexcept : owner_(other.owner_) {
+  other.owner_ = nullptr;
+}
+PrefixCache::Session& PrefixCache::Session::operator=(Session&& other) noexcept {
+  if (this != &other) {
+    if (owner_ != nullptr) {
+      try {
+        close();
+      } catch (...) {
+      }
+    }
+    owner_ = other.owner_;
+    other.owner_ = nullptr;
+  }
+  return *this;
+}
+PrefixCache::Session::~Session() {
+  if (owner_ == nullptr) return;
+  try {
+    close();
+  } catch (...) {  // a destructor must not throw; close() already left the cache consistent
+  }
+}
+
+namespace {
+detail::PrefixCacheImpl& owner_of(detail::PrefixCacheImpl* owner, const char* call) {
+  if (owner == nullptr || !owner->open) throw Error(fmt::format("{}: the session is closed", call));
+  return *owner;
+}
+}  // namespace
+
+std::span<const int32_t> PrefixCache::Session::remaining() const {
+  auto& o = owner_of(owner_, "Session::remaining");
+  return std::span<const int32_t>(o.tokens.data() + o.cached,
+                                  static_cast<size_t>(o.prompt_length - o.cached));
+}
+int64_t PrefixCache::Session::cached() const { return owner_of(owner_, "Session::cached").cached; }
+void PrefixCache::Session::schedule_snapshots(std::span<const int64_t> offsets) {
+  owner_of(owner_, "Session::schedule_snapshots").schedule_snapshots(offsets);
+}
+void PrefixCache::Session::prefill_done() { owner_of(owner_, "Session::prefill_done").prefill_done(); }
+void PrefixCache::Session::append_output(int32_t token) {
+  owner_of(owner_, "Session::append_output").append_output(token);
+}
+void PrefixCache::Session::close() {
+  if (owner_ == nullptr) return;
+  detail::PrefixCacheImpl* owner = owner_;
+  owner_ = nullptr;
+  owner->close();
+}
+
+}  // namespace kvsnap

@@ -1,0 +1,255 @@
+#include "prefix/trie.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+namespace kvsnap::detail {
+namespace {
+
+int64_t common_prefix(std::span<const int32_t> a, std::span<const int32_t> b) {
+  const size_t n = std::min(a.size(), b.size());
+  size_t i = 0;
+  while (i < n && a[i] == b[i]) ++i;
+  return static_cast<int64_t>(i);
+}
+
+}  // namespace
+
+Trie::Trie(std::vector<LayerInfo> layers) : layers_(std::move(layers)) {
+  root_.snapshots.resize(layers_.size());
+}
+
+Trie::~Trie() {
+  // Snapshots unlink from their caches as they go; the hooks they hold point here, so clear
+  // them first in case a cache materializes something during teardown.
+  std::vector<Node*> stack{&root_};
+  while (!stack.empty()) {
+    Node* node = stack.back();
+    stack.pop_back();
+    for (SnapshotPtr& s : node->snapshots) {
+      if (s != nullptr) s->set_materialize_hook(nullptr);
+    }
+    for (auto& c : node->children) stack.push_back(c.get());
+  }
+}
+
+void Trie::attach(Node& node, size_t layer, SnapshotPtr snapshot) {
+  if (snapshot == nullptr) return;
+  bytes_ += snapshot->size();
+  snapshot->set_materialize_hook([this](int64_t delta) { bytes_ += delta; });
+  node.snapshots[layer] = std::move(snapshot);
+}
+
+SnapshotPtr Trie::detach(Node& node, size_t layer) {
+  SnapshotPtr snapshot = std::move(node.snapshots[layer]);
+  if (snapshot != nullptr) {
+    bytes_ -= snapshot->size();
+    snapshot->set_materialize_hook(nullptr);
+  }
+  return snapshot;
+}
+
+void Trie::replace(Node& node, size_t layer, SnapshotPtr replacement) {
+  SnapshotPtr old = detach(node, layer);
+  attach(node, layer, std::move(replacement));
+}
+
+Node* Trie::child(Node& node, int32_t first) {
+  for (auto& c : node.children) {
+    if (c->edge.front() == first) return c.get();
+  }
+  return nullptr;
+}
+
+Trie::Match Trie::match(std::span<const int32_t> tokens) {
+  Match result;
+  Node* node = &root_;
+  while (result.length < static_cast<int64_t>(tokens.size())) {
+    Node* next = child(*node, tokens[static_cast<size_t>(result.length)]);
+    if (next == nullptr) break;
+    const int64_t k = common_prefix(next->edge, tokens.subspan(static_cast<size_t>(result.length)));
+    result.path.push_back(next);
+    result.length += k;
+    if (k < static_cast<int64_t>(next->edge.size())) break;
+    node = next;
+  }
+  return result;
+}
+
+Node& Trie::split(Node& node, int64_t at) {
+  auto upper = std::make_unique<Node>();
+  Node& u = *upper;
+  const auto cut = static_cast<size_t>(at - node.start());
+  u.edge.assign(node.edge.begin(), node.edge.begin() + static_cast<std::ptrdiff_t>(cut));
+  u.end = at;
+  u.parent = node.parent;
+  u.last_used = node.last_used;
+  u.snapshots.resize(layers_.size());
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (layers_[i].cache == nullptr) continue;
+    // KV ranges split in two; whole-state snapshots stay with the lower (later) half.
+    auto [before, after] = layers_[i].cache->split(detach(node, i), at);
+    attach(u, i, std::move(before));
+    attach(node, i, std::move(after));
+  }
+  node.edge.erase(node.edge.begin(), node.edge.begin() + static_cast<std::ptrdiff_t>(cut));
+  Node* parent = node.parent;
+  auto slot = std::find_if(parent->children.begin(), parent->children.end(),
+                           [&](const auto& c) { return c.get() == &node; });
+  std::unique_ptr<Node> lower = std::move(*slot);
+  lower->parent = &u;
+  u.children.push_back(std::move(lower));
+  *slot = std::move(upper);
+  ++node_count_;
+  return u;
+}
+
+SnapshotPtr Trie::drop_front(size_t layer, SnapshotPtr snapshot, int64_t at) {
+  if (snapshot == nullptr || snapshot->from() >= at) return snapshot;
+  return layers_[layer].cache->split(std::move(snapshot), at).second;
+}
+
+Node& Trie::insert(std::span<const int32_t> tokens, int64_t from, int64_t to,
+                   std::vector<SnapshotPtr> ranged, std::vector<SnapshotPtr> whole, bool user) {
+  ranged.resize(layers_.size());
+  whole.resize(layers_.size());
+  Node* node = &root_;
+  int64_t position = 0;
+  while (position < to) {
+    Node* next = child(*node, tokens[static_cast<size_t>(position)]);
+    if (next == nullptr) {
+      if (position < from) {
+        throw Error(fmt::format("PrefixCache: internal error: path [0, {}) missing from the trie "
+                                "while inserting [{}, {})",
+                                position, from, to));
+      }
+      auto leaf = std::make_unique<Node>();
+      leaf->edge.assign(tokens.begin() + position, tokens.begin() + to);
+      leaf->end = to;
+      leaf->parent = node;
+      leaf->snapshots.resize(layers_.size());
+      for (size_t i = 0; i < layers_.size(); ++i) {
+        if (layers_[i].ranged()) attach(*leaf, i, drop_front(i, std::move(ranged[i]), position));
+      }
+      next = leaf.get();
+      node->children.push_back(std::move(leaf));
+      ++node_count_;
+    } else {
+      const int64_t k = common_prefix(
+          next->edge, tokens.subspan(static_cast<size_t>(position), static_cast<size_t>(to - position)));
+      if (k < static_cast<int64_t>(next->edge.size())) next = &split(*next, position + k);
+      // An existing node inside [from, to): its own KV ranges stay; ours for it are dropped,
+      // unless it lacks one.
+      for (size_t i = 0; i < layers_.size(); ++i) {
+        if (!layers_[i].ranged() || next->end <= from) continue;
+        SnapshotPtr rest = drop_front(i, std::move(ranged[i]), next->start());
+        if (rest == nullptr) continue;
+        auto [covering, after] = layers_[i].cache->split(std::move(rest), next->end);
+        const SnapshotPtr& existing = next->snapshots[i];
+        // Keep ours when the node has none, or when ours is a lazy view of the live cache and
+        // the node's is an owned copy of the same tokens: that gives the copy's bytes back.
+        if (covering != nullptr && covering->from() == next->start() &&
+            (existing == nullptr || (!existing->is_lazy() && covering->is_lazy()))) {
+          replace(*next, i, std::move(covering));
+        }
+        ranged[i] = std::move(after);
+      }
+    }
+    node = next;
+    position = node->end;
+    node->last_used = tick();
+  }
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (!layers_[i].whole_state() || node == &root_ || whole[i] == nullptr) continue;
+    const SnapshotPtr& existing = node->snapshots[i];
+    if (existing == nullptr || (!existing->is_lazy() && whole[i]->is_lazy())) {
+      replace(*node, i, std::move(whole[i]));
+    }
+  }
+  if (user && node != &root_) node->user = true;
+  return *node;
+}
+
+void Trie::merge_into_child(Node& node, const std::function<bool(const Node&)>& keep) {
+  if (&node == &root_ || node.user || node.children.size() != 1) return;
+  Node& only = *node.children.front();
+  if (keep(node) || keep(only)) return;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (layers_[i].whole_state() && node.snapshots[i] != nullptr) return;  // a restore point
+    if (layers_[i].ranged() && (node.snapshots[i] == nullptr || only.snapshots[i] == nullptr)) {
+      return;
+    }
+  }
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (!layers_[i].ranged()) continue;
+    SnapshotPtr parent_part = detach(node, i);
+    SnapshotPtr child_part = detach(only, i);
+    attach(only, i, layers_[i].cache->merge(std::move(parent_part), std::move(child_part)));
+  }
+  only.edge.insert(only.edge.begin(), node.edge.begin(), node.edge.end());
+  only.last_used = std::max(only.last_used, node.last_used);
+  Node* grandparent = node.parent;
+  std::unique_ptr<Node> kept = std::move(node.children.front());
+  kept->parent = grandparent;
+  auto slot = std::find_if(grandparent->children.begin(), grandparent->children.end(),
+                           [&](const auto& c) { return c.get() == &node; });
+  *slot = std::move(kept);  // destroys `node` (now without snapshots)
+  --node_count_;
+}
+
+void Trie::remove_leaf(Node& node, const std::function<bool(const Node&)>& keep) {
+  Node* parent = node.parent;
+  for (size_t i = 0; i < layers_.size(); ++i) (void)detach(node, i);
+  std::erase_if(parent->children, [&](const auto& c) { return c.get() == &node; });
+  --node_count_;
+  merge_into_child(*parent, keep);
+}
+
+void Trie::leaves(std::vector<Node*>& out) {
+  std::vector<Node*> stack{&root_};
+  while (!stack.empty()) {
+    Node* node = stack.back();
+    stack.pop_back();
+    if (node->children.empty() && node != &root_) out.push_back(node);
+    for (auto& c : node->children) stack.push_back(c.get());
+  }
+}
+
+void Trie::count_bytes(const Node& node, int64_t& total) const {
+  for (const SnapshotPtr& s : node.snapshots) {
+    if (s != nullptr) total += s->size();
+  }
+  for (const auto& c : node.children) count_bytes(*c, total);
+}
+
+int64_t Trie::recount_bytes() const {
+  int64_t total = 0;
+  count_bytes(root_, total);
+  return total;
+}
+
+void Trie::dump(const Node& node, int depth, std::string& out) const {
+  if (&node != &root_) {
+    std::string tokens;
+    for (size_t i = 0; i < node.edge.size() && i < 6; ++i) tokens += fmt::format(" {}", node.edge[i]);
+    if (node.edge.size() > 6) tokens += " ...";
+    std::string layers;
+    for (const SnapshotPtr& s : node.snapshots) {
+      layers += s == nullptr ? " -" : s->is_lazy() ? " lazy" : fmt::format(" {}B", s->size());
+    }
+    out += fmt::format("{:{}}[{}, {}){}{} |{} | used {}\n", "", 2 * (depth - 1), node.start(),
+                       node.end, tokens, node.user ? " user" : "", layers, node.last_used);
+  } else {
+    out += fmt::format("root: {} nodes, {} bytes paged out\n", node_count_, bytes_);
+  }
+  for (const auto& c : node.children) dump(*c, depth + 1, out);
+}
+
+std::string Trie::debug_string() const {
+  std::string out;
+  dump(root_, 0, out);
+  return out;
+}
+
+}  // namespace kvsnap::detail

@@ -1,0 +1,101 @@
+// Internal: the compressed token trie of PrefixCache and its snapshot bookkeeping.
+//
+// Invariants: sibling edges never share a first token; a node's KV snapshots span exactly its
+// edge [start, end); whole-state snapshots hold the state at its end; `bytes()` equals the sum
+// of `size()` over every snapshot held (materialize hooks keep it exact).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvsnap/cache.h"
+
+namespace kvsnap::detail {
+
+struct Node {
+  Node* parent = nullptr;
+  std::vector<int32_t> edge;  // tokens [start(), end)
+  int64_t end = 0;
+  std::vector<std::unique_ptr<Node>> children;
+  std::vector<SnapshotPtr> snapshots;  // one slot per layer
+  int64_t last_used = 0;
+  bool user = false;
+
+  int64_t start() const { return end - static_cast<int64_t>(edge.size()); }
+};
+
+// What a layer is, for planning: stateless, ranged (KV) or whole state with a rewind limit.
+struct LayerInfo {
+  Cache* cache = nullptr;  // null: stateless
+  RestoreRule rule;
+  bool ranged() const { return cache != nullptr && rule.kind == RestoreRule::Kind::ranges; }
+  bool whole_state() const {
+    return cache != nullptr && rule.kind == RestoreRule::Kind::whole_state;
+  }
+};
+
+class Trie {
+ public:
+  explicit Trie(std::vector<LayerInfo> layers);
+  ~Trie();
+  Trie(const Trie&) = delete;
+  Trie& operator=(const Trie&) = delete;
+
+  Node& root() { return root_; }
+  const std::vector<LayerInfo>& layers() const { return layers_; }
+  int64_t bytes() const { return bytes_; }
+  int64_t recount_bytes() const;
+  int64_t node_count() const { return node_count_; }
+  // A fresh last-use time, later than every earlier one.
+  int64_t tick() { return ++clock_; }
+
+  struct Match {
+    std::vector<Node*> path;  // nodes entered, the last possibly only partly matched
+    int64_t length = 0;       // tokens matched
+  };
+  Match match(std::span<const int32_t> tokens);
+
+  // Makes the path tokens[0, to) exist, splitting nodes where it diverges, and returns the node
+  // ending at `to`. `ranged[i]` holds layer i's KV data for [from, to) (or null): it fills the
+  // edges of new nodes; the parts covering existing nodes are dropped. `whole[i]` is layer
+  // i's state at `to`, kept if the node has none. Requires the path [0, from) to exist.
+  Node& insert(std::span<const int32_t> tokens, int64_t from, int64_t to,
+               std::vector<SnapshotPtr> ranged, std::vector<SnapshotPtr> whole, bool user);
+
+  // Swaps layer `layer`'s snapshot of `node` for `replacement` (accounting for both).
+  void replace(Node& node, size_t layer, SnapshotPtr replacement);
+
+  // Removes leaf `node` and its snapshots; merges its parent into a lone remaining child when
+  // that loses nothing (see merge_into_child). `keep(n)` protects nodes from merging.
+  void remove_leaf(Node& node, const std::function<bool(const Node&)>& keep);
+
+  // Every leaf, for eviction.
+  void leaves(std::vector<Node*>& out);
+
+  std::string debug_string() const;
+
+ private:
+  void attach(Node& node, size_t layer, SnapshotPtr snapshot);
+  SnapshotPtr detach(Node& node, size_t layer);
+  // Splits `node` at `at` (start < at < end); returns the new upper node.
+  Node& split(Node& node, int64_t at);
+  // Joins a non-user node with its only child when no whole-state snapshot (a restore point)
+  // would be lost and every KV range is present.
+  void merge_into_child(Node& node, const std::function<bool(const Node&)>& keep);
+  Node* child(Node& node, int32_t first);
+  SnapshotPtr drop_front(size_t layer, SnapshotPtr snapshot, int64_t at);
+  void dump(const Node& node, int depth, std::string& out) const;
+  void count_bytes(const Node& node, int64_t& total) const;
+
+  std::vector<LayerInfo> layers_;
+  Node root_;
+  int64_t bytes_ = 0;
+  int64_t node_count_ = 0;
+  int64_t clock_ = 0;
+};
+
+}  // namespace kvsnap::detail

@@ -1,0 +1,264 @@
+#include <gtest/gtest.h>
+#include <kvsnap/prefix_cache.h>
+
+#include "support/conversation.h"
+#include "support/test_support.h"
+
+namespace kvsnap {
+namespace {
+
+using testing::HybridStack;
+using testing::run_turn;
+using testing::throws_error;
+using testing::Tokens;
+using testing::tokens;
+using testing::operator+;
+
+// A system prompt, two user messages and replies; distinct token ranges.
+const Tokens kSystem = tokens(100, 12);
+const Tokens kUser1 = tokens(200, 6);
+const Tokens kReply1 = tokens(300, 4);
+const Tokens kUser2 = tokens(400, 5);
+const Tokens kReply2 = tokens(500, 3);
+
+class PrefixCacheTest : public ::testing::Test {
+ protected:
+  HybridStack stack;
+  PrefixCache cache{stack.layers()};
+};
+
+TEST_F(PrefixCacheTest, FirstRequestEvaluatesEverything) {
+  const auto turn = run_turn(cache, stack, kSystem + kUser1, kReply1);
+  EXPECT_EQ(turn.cached, 0);
+  EXPECT_EQ(turn.evaluated, 18);
+  EXPECT_EQ(cache.stats().lookups, 1);
+}
+
+TEST_F(PrefixCacheTest, RepeatedPromptRestoresAllButTheLastToken) {
+  const Tokens prompt = kSystem + kUser1;
+  run_turn(cache, stack, prompt, kReply1);
+  const auto again = run_turn(cache, stack, prompt, kReply1);
+  EXPECT_EQ(again.cached, 17);  // a capture at the last prompt token made this possible
+  EXPECT_EQ(again.evaluated, 1);
+  const auto third = run_turn(cache, stack, prompt, tokens(900, 3));  // another reply
+  EXPECT_EQ(third.cached, 17);
+}
+
+TEST_F(PrefixCacheTest, MultiTurnContinuationEvaluatesOnlyTheNewTokens) {
+  const Tokens turn1 = kSystem + kUser1;
+  run_turn(cache, stack, turn1, kReply1);
+  // The last reply token was sampled but never evaluated: it is new to the caches.
+  const auto turn2 = run_turn(cache, stack, turn1 + kReply1 + kUser2, kReply2);
+  EXPECT_EQ(turn2.cached, 21);
+  EXPECT_EQ(turn2.evaluated, 1 + 5);
+  const auto turn3 =
+      run_turn(cache, stack, turn1 + kReply1 + kUser2 + kReply2 + tokens(600, 4), tokens(700, 2));
+  EXPECT_EQ(turn3.cached, 18 + 4 + 5 + 2);
+  EXPECT_EQ(turn3.evaluated, 1 + 4);
+}
+
+TEST_F(PrefixCacheTest, SharedSystemPromptWithAUserRestorePoint) {
+  const std::vector<int64_t> end_of_system{12};
+  run_turn(cache, stack, kSystem + kUser1, kReply1, end_of_system);
+  const auto other = run_turn(cache, stack, kSystem + tokens(800, 7), kReply2);
+  EXPECT_EQ(other.cached, 12);
+  EXPECT_EQ(other.evaluated, 7);
+}
+
+TEST_F(PrefixCacheTest, KVHitIsCutBackToTheDeepestRecurrentSnapshot) {
+  // Without a restore point at the end of the system prompt, the KV layers could reuse 12
+  // tokens but the recurrent layer has no state there: mixing offsets would garble the
+  // output, so the whole request is recomputed...
+  run_turn(cache, stack, kSystem + kUser1, kReply1);
+  const auto second = run_turn(cache, stack, kSystem + tokens(800, 7), kReply2);
+  EXPECT_EQ(second.cached, 0);
+  EXPECT_EQ(cache.stats().matched_tokens, 12);
+  EXPECT_EQ(cache.stats().reused_tokens, 0);
+  // ... and the branch point was captured, so the next conversation restores it.
+  const auto third = run_turn(cache, stack, kSystem + tokens(850, 5), kReply2);
+  EXPECT_EQ(third.cached, 12);
+}
+
+TEST_F(PrefixCacheTest, KVOnlyModelsReuseAnyMatchedPrefix) {
+  KVCache attention;
+  PrefixCache kv_only({&attention, nullptr});
+  const testing::TokenKV kv;
+  auto write = [&](std::span<const int32_t> t) {
+    std::vector<int64_t> ids(t.begin(), t.end());
+    testing::write(attention, kv, ids);
+  };
+  {
+    auto s = kv_only.begin(kSystem + kUser1);
+    write(s.remaining());
+    s.prefill_done();
+  }
+  auto s = kv_only.begin(kSystem + tokens(800, 7));
+  EXPECT_EQ(s.cached(), 12);
+}
+
+TEST_F(PrefixCacheTest, RegenerateBranchesAtTheLastUserTurn) {
+  const Tokens prompt2 = kSystem + kUser1 + kReply1 + kUser2;
+  run_turn(cache, stack, kSystem + kUser1, kReply1);
+  run_turn(cache, stack, prompt2, kReply2);
+  const auto regenerated = run_turn(cache, stack, prompt2, tokens(950, 3));
+  EXPECT_EQ(regenerated.cached, 26);
+  EXPECT_EQ(regenerated.evaluated, 1);
+  // Continuing the regenerated branch.
+  const auto next = run_turn(cache, stack, prompt2 + tokens(950, 3) + tokens(960, 2), kReply2);
+  EXPECT_EQ(next.cached, 27 + 2);
+}
+
+TEST_F(PrefixCacheTest, EditingAnEarlierTurnBranchesDeepInTheHistory) {
+  const std::vector<int64_t> end_of_system{12};
+  run_turn(cache, stack, kSystem + kUser1, kReply1, end_of_system);
+  run_turn(cache, stack, kSystem + kUser1 + kReply1 + kUser2, kReply2);
+  // Edit the first user message at its third token (offset 14).
+  Tokens edited_user = kUser1;
+  edited_user[2] = 999;
+  const auto edited = run_turn(cache, stack, kSystem + edited_user, kReply1);
+  EXPECT_EQ(edited.cached, 12);  // the deepest point every layer can restore
+  EXPECT_EQ(cache.stats().matched_tokens, 0 + 21 + 14);
+  // The branch point (14) was captured: a second edit there restores up to it.
+  Tokens edited_again = kUser1;
+  edited_again[2] = 998;
+  EXPECT_EQ(run_turn(cache, stack, kSystem + edited_again, kReply1).cached, 14);
+}
+
+TEST_F(PrefixCacheTest, SwitchingBackAndForthBetweenBranches) {
+  const Tokens a = kSystem + kUser1;
+  const Tokens b = kSystem + tokens(800, 9);
+  const std::vector<int64_t> end_of_system{12};
+  run_turn(cache, stack, a, kReply1, end_of_system);
+  run_turn(cache, stack, b, kReply2);
+  for (int round = 0; round < 3; ++round) {
+    EXPECT_EQ(run_turn(cache, stack, a + kReply1 + kUser2, kReply2).cached, 21 + (round > 0 ? 5 : 0))
+        << round;
+    // b's reply had 2 evaluated tokens; from the second round on the whole prompt but its last
+    // token is restored.
+    EXPECT_EQ(run_turn(cache, stack, b + kReply2 + kUser2, kReply1).cached, round > 0 ? 28 : 23)
+        << round;
+  }
+}
+
+TEST(PrefixCacheWindow, PromptsShorterThanTheWindowRestoreAnywhere) {
+  // Without a recurrent layer, a window that has evicted nothing (end <= 8) can be restored to
+  // any earlier offset.
+  HybridStack stack(/*with_recurrent=*/false);
+  PrefixCache cache(stack.layers());
+  run_turn(cache, stack, tokens(10, 6), tokens(50, 2));  // nodes end at 5 and 7
+  EXPECT_EQ(run_turn(cache, stack, tokens(10, 3) + tokens(60, 2), tokens(70, 2)).cached, 3);
+}
+
+TEST(PrefixCacheWindow, PromptsLongerThanTheWindowRestoreOnlyAtCaptures) {
+  HybridStack stack(/*with_recurrent=*/false);
+  PrefixCache cache(stack.layers());
+  run_turn(cache, stack, tokens(10, 20), tokens(50, 2));
+  // Diverging at 10: the window at 19 has evicted positions < 11, so nothing can be reused.
+  EXPECT_EQ(run_turn(cache, stack, tokens(10, 10) + tokens(60, 4), tokens(70, 2)).cached, 0);
+  // The branch point 10 was captured.
+  EXPECT_EQ(run_turn(cache, stack, tokens(10, 10) + tokens(80, 4), tokens(70, 2)).cached, 10);
+}
+
+TEST_F(PrefixCacheTest, SnapshotsOfTheActivePathAreMostlyLazy) {
+  run_turn(cache, stack, kSystem + kUser1, kReply1);
+  // Nodes: [0, 17) and [17, 21). KV ranges and the window captured inside the prefill still
+  // view the live caches; recurrent states are owned values, and the window at 21 is a ring
+  // wrapped by decoding, which a capture must copy (max_size-1 tokens).
+  const int64_t recurrent_state = (3 * 6 + 2 * 3 * 4) * 4;
+  const int64_t window_copy = 7 * 2 * 4 * 4 * 2;
+  EXPECT_EQ(cache.paged_out_bytes(), 2 * recurrent_state + window_copy);
+}
+
+TEST_F(PrefixCacheTest, EvictionKeepsPagedOutBytesUnderTheBudget) {
+  HybridStack small;
+  PrefixCache budgeted(small.layers(), {.max_paged_out_bytes = 4000});
+  for (int32_t conversation = 0; conversation < 12; ++conversation) {
+    run_turn(budgeted, small, kSystem + tokens(1000 + 100 * conversation, 10), kReply1);
+    EXPECT_LE(budgeted.paged_out_bytes(), 4000);
+  }
+  EXPECT_GT(budgeted.stats().evicted_nodes, 0);
+  // The most recent conversation is still there.
+  EXPECT_EQ(run_turn(budgeted, small, kSystem + tokens(1000 + 100 * 11, 10), kReply1).cached, 21);
+}
+
+TEST_F(PrefixCacheTest, UserNodesAreEvictedLast) {
+  HybridStack small;
+  PrefixCache budgeted(small.layers(), {.max_paged_out_bytes = 6000});
+  const std::vector<int64_t> end_of_system{12};
+  run_turn(budgeted, small, kSystem + kUser1, kReply1, end_of_system);
+  for (int32_t i = 0; i < 10; ++i) run_turn(budgeted, small, tokens(3000 + 100 * i, 20), kReply1);
+  EXPECT_GT(budgeted.stats().evicted_nodes, 0);
+  EXPECT_EQ(run_turn(budgeted, small, kSystem + tokens(800, 4), kReply1).cached, 12);
+}
+
+TEST_F(PrefixCacheTest, PromptOfOneTokenEvaluatesIt) {
+  const auto turn = run_turn(cache, stack, tokens(5, 1), tokens(6, 2));
+  EXPECT_EQ(turn.cached, 0);
+  EXPECT_EQ(run_turn(cache, stack, tokens(5, 1), tokens(6, 2)).cached, 0);
+}
+
+TEST_F(PrefixCacheTest, EmptyPromptIsAnError) {
+  EXPECT_TRUE(throws_error([&] { (void)cache.begin(Tokens{}); }, {"PrefixCache::begin", "empty"}));
+}
+
+TEST(PrefixCacheStateless, AllNullLayersTrackTokensOnly) {
+  PrefixCache cache({nullptr, nullptr});
+  for (int i = 0; i < 2; ++i) {
+    auto session = cache.begin(tokens(1, 10));
+    EXPECT_EQ(session.cached(), i == 0 ? 0 : 9);
+    session.prefill_done();
+    session.append_output(42);
+    session.close();
+  }
+  EXPECT_EQ(cache.paged_out_bytes(), 0);
+}
+
+TEST_F(PrefixCacheTest, SessionMisuseIsReported) {
+  auto session = cache.begin(kSystem);
+  EXPECT_TRUE(throws_error([&] { (void)cache.begin(kSystem); }, {"already open"}));
+  const std::vector<int64_t> outside{20};
+  EXPECT_TRUE(throws_error([&] { session.schedule_snapshots(outside); },
+                           {"Session::schedule_snapshots", "offset 20", "[0, 12]"}));
+  EXPECT_TRUE(throws_error([&] { session.prefill_done(); },
+                           {"Session::prefill_done", "evaluate remaining()", "12 tokens"}));
+  EXPECT_TRUE(throws_error([&] { session.append_output(1); }, {"prefill_done() after"}));
+  ASSERT_TRUE(stack.forward_and_check(session.remaining(), kSystem));
+  const std::vector<int64_t> late{4};
+  EXPECT_TRUE(throws_error([&] { session.schedule_snapshots(late); }, {"before the prefill"}));
+  session.prefill_done();
+  EXPECT_TRUE(throws_error([&] { session.prefill_done(); }, {"already called"}));
+  session.close();
+  session.close();  // idempotent
+  EXPECT_TRUE(throws_error([&] { (void)session.remaining(); }, {"Session::remaining", "closed"}));
+  EXPECT_TRUE(throws_error([&] { session.append_output(1); }, {"closed"}));
+  auto next = cache.begin(kSystem);  // the closed session no longer blocks
+  EXPECT_EQ(next.cached(), 11);
+}
+
+TEST_F(PrefixCacheTest, DestroyingASessionClosesIt) {
+  {
+    auto session = cache.begin(kSystem);
+    ASSERT_TRUE(stack.forward_and_check(session.remaining(), kSystem));
+    session.prefill_done();
+  }
+  EXPECT_EQ(cache.begin(kSystem).cached(), 11);
+}
+
+TEST_F(PrefixCacheTest, CachesMovedBehindItsBackAreResynchronized) {
+  run_turn(cache, stack, kSystem + kUser1, kReply1);
+  stack.attention.reset();  // someone else touched a layer
+  const auto turn = run_turn(cache, stack, kSystem + kUser1 + kReply1, kReply2);
+  EXPECT_EQ(turn.cached, 21);  // restored from the trie, not the live caches
+}
+
+TEST_F(PrefixCacheTest, DebugStringShowsTheTrie) {
+  const std::vector<int64_t> end_of_system{12};
+  run_turn(cache, stack, kSystem + kUser1, kReply1, end_of_system);
+  const std::string dump = cache.debug_string();
+  EXPECT_NE(dump.find("[0, 12) 100 101"), std::string::npos) << dump;
+  EXPECT_NE(dump.find("user"), std::string::npos) << dump;
+  EXPECT_EQ(cache.node_count(), 3);
+}
+
+}  // namespace
+}  // namespace kvsnap

@@ -1,0 +1,59 @@
+// Runs requests through a PrefixCache over a HybridStack, checking every output against
+// recomputation from scratch.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <kvsnap/kvsnap.h>
+
+#include <vector>
+
+#include "support/hybrid_stack.h"
+
+namespace kvsnap::testing {
+
+using Tokens = std::vector<int32_t>;
+
+// `count` distinct tokens starting at `first`.
+inline Tokens tokens(int32_t first, int32_t count) {
+  Tokens out;
+  for (int32_t i = 0; i < count; ++i) out.push_back(first + i);
+  return out;
+}
+inline Tokens operator+(Tokens a, const Tokens& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+struct Turn {
+  int64_t cached = 0;     // tokens restored
+  int64_t evaluated = 0;  // prompt tokens the model evaluated
+};
+
+// One request: begin, evaluate remaining(), prefill_done, generate `reply` (the model evaluates
+// every reply token but the last, as a decoder does), close.
+inline Turn run_turn(PrefixCache& cache, HybridStack& stack, const Tokens& prompt,
+                     const Tokens& reply, const std::vector<int64_t>& user_offsets = {}) {
+  Turn turn;
+  PrefixCache::Session session = cache.begin(prompt);
+  if (!user_offsets.empty()) session.schedule_snapshots(user_offsets);
+  turn.cached = session.cached();
+  const auto remaining = session.remaining();
+  turn.evaluated = static_cast<int64_t>(remaining.size());
+  EXPECT_EQ(turn.cached + turn.evaluated, static_cast<int64_t>(prompt.size()));
+  EXPECT_GE(turn.evaluated, 1);
+  EXPECT_TRUE(stack.forward_and_check(remaining, prompt));
+  session.prefill_done();
+  Tokens sequence = prompt;
+  for (size_t i = 0; i < reply.size(); ++i) {
+    session.append_output(reply[i]);
+    sequence.push_back(reply[i]);
+    if (i + 1 < reply.size()) {
+      EXPECT_TRUE(stack.forward_and_check(std::span(&reply[i], 1), sequence));
+    }
+  }
+  session.close();
+  EXPECT_EQ(cache.paged_out_bytes(), cache.recount_paged_out_bytes());
+  return turn;
+}
+
+}  // namespace kvsnap::testing

@@ -1,0 +1,95 @@
+// A hybrid model's state for prefix-cache tests: full attention (KVCache), sliding-window
+// attention (RotatingKVCache), a recurrent layer (RecurrentCache) and a stateless layer, each
+// driven by the reference kernels from token ids, with a from-scratch reference.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <kvsnap/kvsnap.h>
+
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "support/cache_support.h"
+#include "support/recurrent_support.h"
+#include "support/test_support.h"
+
+namespace kvsnap::testing {
+
+class HybridStack {
+ public:
+  static constexpr int64_t kWindow = 8;
+  static constexpr int64_t kQueryHeads = 4;
+
+  explicit HybridStack(bool with_recurrent = true) : with_recurrent_(with_recurrent) {}
+
+  std::vector<Cache*> layers() {
+    std::vector<Cache*> out{&attention, &window, nullptr};
+    if (with_recurrent_) out.push_back(&recurrent);
+    return out;
+  }
+  int64_t offset() const { return attention.offset(); }
+
+  // Runs `tokens` through every layer at the caches' offset and checks the outputs against
+  // recomputing `sequence` (the whole sequence so far, ending with `tokens`) from scratch.
+  ::testing::AssertionResult forward_and_check(std::span<const int32_t> tokens,
+                                               std::span<const int32_t> sequence) {
+    const int64_t start = offset();
+    const auto length = static_cast<int64_t>(tokens.size());
+    if (start + length != static_cast<int64_t>(sequence.size())) {
+      return ::testing::AssertionFailure() << "caches at " << start << " + " << length
+                                           << " tokens != sequence of " << sequence.size();
+    }
+    const std::vector<int64_t> ids = widen(tokens);
+    const std::vector<int64_t> all = widen(sequence);
+    const Batch batch = Batch::uniform(1, length, start);
+    const Array q = queries(ids, start);
+    const KVHistory full(kv_.keys(all), kv_.values(all));
+    const Array a = sdpa(batch, q, attention.update(batch, kv_.keys(ids), kv_.values(ids)),
+                         AttentionMask::causal(), 0.5f);
+    if (auto r = all_close(a, sdpa(batch, q, full, AttentionMask::causal(), 0.5f), 1e-4f); !r) {
+      return r << " (full attention, positions from " << start << ")";
+    }
+    const Array w = sdpa(batch, q, window.update(batch, kv_.keys(ids), kv_.values(ids)),
+                         AttentionMask::causal(), 0.5f);
+    if (auto r = all_close(w, sdpa(batch, q, full, AttentionMask::sliding_window(kWindow), 0.5f),
+                           1e-4f);
+        !r) {
+      return r << " (sliding window, positions from " << start << ")";
+    }
+    if (with_recurrent_) {
+      const auto out = recurrent_layer_.forward(recurrent, ids);
+      const auto expected = recurrent_layer_.reference(all);
+      if (auto r = all_close(out.delta, expected.delta.slice(1, start, start + length), 1e-4f); !r) {
+        return r << " (recurrent, positions from " << start << ")";
+      }
+    }
+    return ::testing::AssertionSuccess();
+  }
+
+  KVCache attention;
+  RotatingKVCache window{kWindow};
+  RecurrentLayer recurrent_layer_;
+  RecurrentCache recurrent = recurrent_layer_.make_cache();
+
+ private:
+  static std::vector<int64_t> widen(std::span<const int32_t> tokens) {
+    return std::vector<int64_t>(tokens.begin(), tokens.end());
+  }
+  // Queries depend on the token and its position (as with rotary embeddings).
+  Array queries(const std::vector<int64_t>& ids, int64_t start) const {
+    std::vector<float> data;
+    for (int64_t h = 0; h < kQueryHeads; ++h)
+      for (size_t l = 0; l < ids.size(); ++l)
+        for (int64_t d = 0; d < kv_.depth; ++d)
+          data.push_back(std::sin(0.31f * static_cast<float>(ids[l]) +
+                                  0.17f * static_cast<float>(start + static_cast<int64_t>(l)) +
+                                  0.53f * static_cast<float>(h * kv_.depth + d)));
+    return Array::from_floats(data, {1, kQueryHeads, static_cast<int64_t>(ids.size()), kv_.depth});
+  }
+
+  bool with_recurrent_;
+  TokenKV kv_{.heads = 2, .depth = 4};
+};
+
+}  // namespace kvsnap::testing
