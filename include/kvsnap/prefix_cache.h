@@ -37,7 +37,8 @@ class KVSNAP_EXPORT PrefixCache {
  public:
   struct Options {
     // Budget for bytes held by snapshots in the trie; least recently used leaves are evicted
-    // to stay under it (user nodes last, the active path never).
+    // to stay under it (user nodes last, the active path never: when only it is left, its
+    // owned whole-state snapshots, which are restore points, are dropped instead).
     int64_t max_paged_out_bytes = int64_t(8) << 30;
   };
 
@@ -65,6 +66,8 @@ class KVSNAP_EXPORT PrefixCache {
     int64_t matched_tokens = 0;  // prompt tokens found in the trie
     int64_t reused_tokens = 0;   // tokens restored instead of evaluated (sum of cached())
     int64_t evicted_nodes = 0;
+    // Whole-state snapshots dropped from the active path when evicting leaves was not enough.
+    int64_t dropped_snapshots = 0;
   };
   Stats stats() const;
 

@@ -114,9 +114,31 @@ class PrefixCacheImpl {
           victim = leaf;
         }
       }
-      if (victim == nullptr) return;  // only the active path is left
+      if (victim == nullptr) break;  // only the active path is left
       trie.remove_leaf(*victim, keep);
       ++stats.evicted_nodes;
+    }
+    if (trie.bytes() > options.max_paged_out_bytes) drop_active_path_states();
+  }
+
+  // Last resort under the budget: the active path cannot be evicted (the live caches stand on
+  // it), but the owned snapshots its nodes keep are restore points for later divergence, not
+  // needed for the live state. Drop them, least recently used (non-user) nodes first.
+  void drop_active_path_states() {
+    std::vector<Node*> path;
+    for (Node* n = tip; n != nullptr && n != &trie.root(); n = n->parent) path.push_back(n);
+    std::sort(path.begin(), path.end(), [](const Node* a, const Node* b) {
+      return std::pair(a->user, a->last_used) < std::pair(b->user, b->last_used);
+    });
+    for (Node* node : path) {
+      for (size_t i = 0; i < trie.layers().size(); ++i) {
+        if (trie.bytes() <= options.max_paged_out_bytes) return;
+        const SnapshotPtr& s = node->snapshots[i];
+        if (trie.layers()[i].whole_state() && s != nullptr && s->size() > 0) {
+          trie.replace(*node, i, nullptr);
+          ++stats.dropped_snapshots;
+        }
+      }
     }
   }
 

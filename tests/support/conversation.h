@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <kvsnap/kvsnap.h>
 
+#include <functional>
 #include <vector>
 
 #include "support/hybrid_stack.h"
@@ -31,11 +32,17 @@ struct Turn {
 
 // One request: begin, evaluate remaining(), prefill_done, generate `reply` (the model evaluates
 // every reply token but the last, as a decoder does), close.
+// `after_each` runs after every PrefixCache call.
 inline Turn run_turn(PrefixCache& cache, HybridStack& stack, const Tokens& prompt,
-                     const Tokens& reply, const std::vector<int64_t>& user_offsets = {}) {
+                     const Tokens& reply, const std::vector<int64_t>& user_offsets = {},
+                     const std::function<void()>& after_each = [] {}) {
   Turn turn;
   PrefixCache::Session session = cache.begin(prompt);
-  if (!user_offsets.empty()) session.schedule_snapshots(user_offsets);
+  after_each();
+  if (!user_offsets.empty()) {
+    session.schedule_snapshots(user_offsets);
+    after_each();
+  }
   turn.cached = session.cached();
   const auto remaining = session.remaining();
   turn.evaluated = static_cast<int64_t>(remaining.size());
@@ -43,6 +50,7 @@ inline Turn run_turn(PrefixCache& cache, HybridStack& stack, const Tokens& promp
   EXPECT_GE(turn.evaluated, 1);
   EXPECT_TRUE(stack.forward_and_check(remaining, prompt));
   session.prefill_done();
+  after_each();
   Tokens sequence = prompt;
   for (size_t i = 0; i < reply.size(); ++i) {
     session.append_output(reply[i]);
@@ -52,6 +60,7 @@ inline Turn run_turn(PrefixCache& cache, HybridStack& stack, const Tokens& promp
     }
   }
   session.close();
+  after_each();
   EXPECT_EQ(cache.paged_out_bytes(), cache.recount_paged_out_bytes());
   return turn;
 }
