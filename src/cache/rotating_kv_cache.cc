@@ -367,7 +367,9 @@ std::pair<SnapshotPtr, SnapshotPtr> RotatingKVCache::split(SnapshotPtr snapshot,
 
 CopyStats RotatingKVCache::copy_stats() const { return impl_->stats; }
 
-RestoreRule RotatingKVCache::restore_rule() const { return {RestoreRule::Kind::whole_state, impl_->max_size}; }
+RestoreRule RotatingKVCache::restore_rule() const {
+  return {RestoreRule::Kind::whole_state, impl_->max_size};
+}
 
 void RotatingKVCache::cancel_snapshots() { impl_->schedule.clear(); }
 

@@ -109,8 +109,8 @@ class PrefixCacheImpl {
       for (Node* leaf : leaves) {
         if (on_active_path(*leaf)) continue;
         // Non-user leaves go first, each group least recently used first.
-        if (victim == nullptr || std::pair(leaf->user, leaf->last_used) <
-                                     std::pair(victim->user, victim->last_used)) {
+        if (victim == nullptr ||
+            std::pair(leaf->user, leaf->last_used) < std::pair(victim->user, victim->last_used)) {
           victim = leaf;
         }
       }
@@ -214,9 +214,10 @@ class PrefixCacheImpl {
         }
       }
       if (!ok) {
-        throw Error(fmt::format("PrefixCache::begin: internal error: layer {} could not reach "
-                                "offset {}",
-                                i, target));
+        throw Error(
+            fmt::format("PrefixCache::begin: internal error: layer {} could not reach "
+                        "offset {}",
+                        i, target));
       }
     }
   }
@@ -294,7 +295,8 @@ class PrefixCacheImpl {
     const Trie::Match match = trie.match(prompt);
     const auto length = static_cast<int64_t>(prompt.size());
     const int64_t limit = std::min(match.length, length - 1);  // leave one token to evaluate
-    const int64_t shared = common_prefix(live_tokens, prompt.subspan(0, static_cast<size_t>(limit)));
+    const int64_t shared =
+        common_prefix(live_tokens, prompt.subspan(0, static_cast<size_t>(limit)));
     const int64_t target = plan(match.path, limit, shared);
     try {
       switch_to(match.path, target, shared);
@@ -326,20 +328,24 @@ class PrefixCacheImpl {
   void schedule_snapshots(std::span<const int64_t> offsets) {
     require_open("Session::schedule_snapshots");
     if (prefilled || layer_offset() != cached) {
-      throw Error(fmt::format("Session::schedule_snapshots: call before the prefill forward (the "
-                              "caches are at offset {}, the session restored {})",
-                              layer_offset(), cached));
+      throw Error(
+          fmt::format("Session::schedule_snapshots: call before the prefill forward (the "
+                      "caches are at offset {}, the session restored {})",
+                      layer_offset(), cached));
     }
     for (int64_t o : offsets) {
       if (o < cached || o > prompt_length) {
-        throw Error(fmt::format("Session::schedule_snapshots: offset {} in [{}] is outside [{}, "
-                                "{}] (the restored prefix to the prompt's end)",
-                                o, fmt::join(offsets, ", "), cached, prompt_length));
+        throw Error(
+            fmt::format("Session::schedule_snapshots: offset {} in [{}] is outside [{}, "
+                        "{}] (the restored prefix to the prompt's end)",
+                        o, fmt::join(offsets, ", "), cached, prompt_length));
       }
     }
     user_offsets.insert(offsets.begin(), offsets.end());
     // The match may be stale if evictions ran since begin; recompute it from the trie.
-    path_at_begin = trie.match(std::span<const int32_t>(tokens.data(), static_cast<size_t>(prompt_length))).path;
+    path_at_begin =
+        trie.match(std::span<const int32_t>(tokens.data(), static_cast<size_t>(prompt_length)))
+            .path;
     prepare(schedule_for(path_at_begin));
   }
 
@@ -348,9 +354,10 @@ class PrefixCacheImpl {
     if (prefilled) throw Error("Session::prefill_done: already called for this session");
     const int64_t offset = layer_offset();
     if (has_state() && offset != prompt_length) {
-      throw Error(fmt::format("Session::prefill_done: the caches are at offset {}; evaluate "
-                              "remaining() ({} tokens from offset {}) first",
-                              offset, prompt_length - cached, cached));
+      throw Error(
+          fmt::format("Session::prefill_done: the caches are at offset {}; evaluate "
+                      "remaining() ({} tokens from offset {}) first",
+                      offset, prompt_length - cached, cached));
     }
     std::vector<std::vector<SnapshotPtr>> captures(trie.layers().size());
     for (size_t i = 0; i < trie.layers().size(); ++i) {
@@ -433,9 +440,9 @@ class PrefixCacheImpl {
   bool prefilled = false;
   std::vector<int32_t> tokens;  // prompt, then generated tokens
   int64_t prompt_length = 0;
-  int64_t matched = 0;   // prompt tokens found in the trie
-  int64_t cached = 0;    // offset restored
-  int64_t paged_end = 0; // the trie holds the session's path up to here
+  int64_t matched = 0;    // prompt tokens found in the trie
+  int64_t cached = 0;     // offset restored
+  int64_t paged_end = 0;  // the trie holds the session's path up to here
   std::set<int64_t> user_offsets;
   std::vector<int64_t> scheduled;
   std::vector<Node*> path_at_begin;
@@ -497,7 +504,9 @@ int64_t PrefixCache::Session::cached() const { return owner_of(owner_, "Session:
 void PrefixCache::Session::schedule_snapshots(std::span<const int64_t> offsets) {
   owner_of(owner_, "Session::schedule_snapshots").schedule_snapshots(offsets);
 }
-void PrefixCache::Session::prefill_done() { owner_of(owner_, "Session::prefill_done").prefill_done(); }
+void PrefixCache::Session::prefill_done() {
+  owner_of(owner_, "Session::prefill_done").prefill_done();
+}
 void PrefixCache::Session::append_output(int32_t token) {
   owner_of(owner_, "Session::append_output").append_output(token);
 }

@@ -120,9 +120,10 @@ Node& Trie::insert(std::span<const int32_t> tokens, int64_t from, int64_t to,
     Node* next = child(*node, tokens[static_cast<size_t>(position)]);
     if (next == nullptr) {
       if (position < from) {
-        throw Error(fmt::format("PrefixCache: internal error: path [0, {}) missing from the trie "
-                                "while inserting [{}, {})",
-                                position, from, to));
+        throw Error(
+            fmt::format("PrefixCache: internal error: path [0, {}) missing from the trie "
+                        "while inserting [{}, {})",
+                        position, from, to));
       }
       auto leaf = std::make_unique<Node>();
       leaf->edge.assign(tokens.begin() + position, tokens.begin() + to);
@@ -137,7 +138,8 @@ Node& Trie::insert(std::span<const int32_t> tokens, int64_t from, int64_t to,
       ++node_count_;
     } else {
       const int64_t k = common_prefix(
-          next->edge, tokens.subspan(static_cast<size_t>(position), static_cast<size_t>(to - position)));
+          next->edge,
+          tokens.subspan(static_cast<size_t>(position), static_cast<size_t>(to - position)));
       if (k < static_cast<int64_t>(next->edge.size())) next = &split(*next, position + k);
       // An existing node inside [from, to): its own KV ranges stay; ours for it are dropped,
       // unless it lacks one.
@@ -232,7 +234,8 @@ int64_t Trie::recount_bytes() const {
 void Trie::dump(const Node& node, int depth, std::string& out) const {
   if (&node != &root_) {
     std::string tokens;
-    for (size_t i = 0; i < node.edge.size() && i < 6; ++i) tokens += fmt::format(" {}", node.edge[i]);
+    for (size_t i = 0; i < node.edge.size() && i < 6; ++i)
+      tokens += fmt::format(" {}", node.edge[i]);
     if (node.edge.size() > 6) tokens += " ...";
     std::string layers;
     for (const SnapshotPtr& s : node.snapshots) {

@@ -131,7 +131,8 @@ TEST_F(PrefixCacheTest, SwitchingBackAndForthBetweenBranches) {
   run_turn(cache, stack, a, kReply1, end_of_system);
   run_turn(cache, stack, b, kReply2);
   for (int round = 0; round < 3; ++round) {
-    EXPECT_EQ(run_turn(cache, stack, a + kReply1 + kUser2, kReply2).cached, 21 + (round > 0 ? 5 : 0))
+    EXPECT_EQ(run_turn(cache, stack, a + kReply1 + kUser2, kReply2).cached,
+              21 + (round > 0 ? 5 : 0))
         << round;
     // b's reply had 2 evaluated tokens; from the second round on the whole prompt but its last
     // token is restored.

@@ -33,9 +33,10 @@ struct Turn {
 // One request: begin, evaluate remaining(), prefill_done, generate `reply` (the model evaluates
 // every reply token but the last, as a decoder does), close.
 // `after_each` runs after every PrefixCache call.
-inline Turn run_turn(PrefixCache& cache, HybridStack& stack, const Tokens& prompt,
-                     const Tokens& reply, const std::vector<int64_t>& user_offsets = {},
-                     const std::function<void()>& after_each = [] {}) {
+inline Turn run_turn(
+    PrefixCache& cache, HybridStack& stack, const Tokens& prompt, const Tokens& reply,
+    const std::vector<int64_t>& user_offsets = {},
+    const std::function<void()>& after_each = [] {}) {
   Turn turn;
   PrefixCache::Session session = cache.begin(prompt);
   after_each();

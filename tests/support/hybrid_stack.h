@@ -52,15 +52,16 @@ class HybridStack {
     }
     const Array w = sdpa(batch, q, window.update(batch, kv_.keys(ids), kv_.values(ids)),
                          AttentionMask::causal(), 0.5f);
-    if (auto r = all_close(w, sdpa(batch, q, full, AttentionMask::sliding_window(kWindow), 0.5f),
-                           1e-4f);
+    if (auto r =
+            all_close(w, sdpa(batch, q, full, AttentionMask::sliding_window(kWindow), 0.5f), 1e-4f);
         !r) {
       return r << " (sliding window, positions from " << start << ")";
     }
     if (with_recurrent_) {
       const auto out = recurrent_layer_.forward(recurrent, ids);
       const auto expected = recurrent_layer_.reference(all);
-      if (auto r = all_close(out.delta, expected.delta.slice(1, start, start + length), 1e-4f); !r) {
+      if (auto r = all_close(out.delta, expected.delta.slice(1, start, start + length), 1e-4f);
+          !r) {
         return r << " (recurrent, positions from " << start << ")";
       }
     }
