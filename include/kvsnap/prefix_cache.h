@@ -73,6 +73,10 @@ class KVSNAP_EXPORT PrefixCache {
 
   // The trie, one node per line: edge range, a few tokens, flags and snapshot sizes.
   std::string debug_string() const;
+  // Empty when the trie's invariants hold (siblings never share a first token, edges chain,
+  // KV snapshots span exactly their node's edge, whole-state snapshots sit at its end, the byte
+  // counter is exact); otherwise the first violation. O(nodes); for tests and debugging.
+  std::string check_invariants() const;
 
  private:
   std::unique_ptr<detail::PrefixCacheImpl> impl_;

@@ -463,6 +463,7 @@ int64_t PrefixCache::recount_paged_out_bytes() const { return impl_->trie.recoun
 int64_t PrefixCache::node_count() const { return impl_->trie.node_count(); }
 PrefixCache::Stats PrefixCache::stats() const { return impl_->stats; }
 std::string PrefixCache::debug_string() const { return impl_->trie.debug_string(); }
+std::string PrefixCache::check_invariants() const { return impl_->trie.check_invariants(); }
 
 PrefixCache::Session::Session(Session&& other) noexcept : owner_(other.owner_) {
   other.owner_ = nullptr;

@@ -77,8 +77,11 @@ class Trie {
   void leaves(std::vector<Node*>& out);
 
   std::string debug_string() const;
+  // Empty when every invariant holds, else the first violation found.
+  std::string check_invariants() const;
 
  private:
+  void check_node(const Node& node, std::string& problem) const;
   void attach(Node& node, size_t layer, SnapshotPtr snapshot);
   SnapshotPtr detach(Node& node, size_t layer);
   // Splits `node` at `at` (start < at < end); returns the new upper node.

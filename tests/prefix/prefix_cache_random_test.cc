@@ -65,6 +65,7 @@ class ConversationTree {
     const auto check = [&] {
       ASSERT_LE(cache_.paged_out_bytes(), budget_) << cache_.debug_string();
       ASSERT_EQ(cache_.paged_out_bytes(), cache_.recount_paged_out_bytes());
+      ASSERT_EQ(cache_.check_invariants(), "") << cache_.debug_string();
     };
     const auto result = run_turn(cache_, stack_, prompt, reply, {}, check);
     (void)result;

@@ -63,6 +63,7 @@ inline Turn run_turn(
   session.close();
   after_each();
   EXPECT_EQ(cache.paged_out_bytes(), cache.recount_paged_out_bytes());
+  EXPECT_EQ(cache.check_invariants(), "") << cache.debug_string();
   return turn;
 }
 
