@@ -96,6 +96,10 @@ class KVSNAP_EXPORT Array {
     return static_cast<T*>(raw_data(sizeof(T)));
   }
 
+  // Untyped pointer to the first element (the view's offset applied).
+  const void* bytes() const { return raw_data(dtype_size(dtype_)); }
+  void* mutable_bytes() const { return raw_data(dtype_size(dtype_)); }
+
   // "f16[2, 8, 4]" — for error messages and debugging.
   std::string describe() const;
 

@@ -1,3 +1,5 @@
+#include <cblas.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -45,48 +47,63 @@ Array sdpa(const Batch& batch, const Array& q, const KVHistory& history,
     mask = array.to_floats();
   }
 
-  const std::vector<float> qf = q.to_floats();
-  const std::vector<float> kf = keys.to_floats();
-  const std::vector<float> vf = values.to_floats();
+  // f32 views whose rows (the last axis) are unit-strided can be read in place; anything else
+  // is converted once.
+  const auto rows_f32 = [](const Array& a) {
+    return a.dtype() == DType::f32 && a.strides()[3] == 1 ? a : a.astype(DType::f32);
+  };
+  const Array qf = rows_f32(q), kf = rows_f32(keys), vf = rows_f32(values);
   Array out = Array::zeros(DType::f32, {rows, query_heads, queries, value_depth});
-  float* o = out.mutable_data<float>();
   const int64_t group = query_heads / kv_heads;
-  std::vector<float> scores(static_cast<size_t>(columns));
+  // Queries go through in blocks so the score matrix stays small for long prefills.
+  constexpr int64_t kBlock = 128;
+  std::vector<float> scores(static_cast<size_t>(std::min(queries, kBlock) * columns));
+  constexpr float kHidden = -std::numeric_limits<float>::infinity();
 
   for (int64_t b = 0; b < rows; ++b) {
     for (int64_t h = 0; h < query_heads; ++h) {
       const int64_t kvh = h / group;
-      const float* key_base = kf.data() + (b * kv_heads + kvh) * columns * depth;
-      const float* value_base = vf.data() + (b * kv_heads + kvh) * columns * value_depth;
-      for (int64_t l = 0; l < queries; ++l) {
-        const float* query = qf.data() + ((b * query_heads + h) * queries + l) * depth;
-        const float* bias =
-            mask.empty()
-                ? nullptr
-                : mask.data() +
-                      ((b * mask_heads + (mask_heads == 1 ? 0 : h)) * queries + l) * columns;
-        float best = -std::numeric_limits<float>::infinity();
-        for (int64_t k = 0; k < columns; ++k) {
-          float dot = 0.0f;
-          const float* key = key_base + k * depth;
-          for (int64_t d = 0; d < depth; ++d) dot += query[d] * key[d];
-          float score = dot * scale + (bias ? bias[k] : 0.0f);
-          scores[static_cast<size_t>(k)] = score;
-          best = std::max(best, score);
+      const float* key_base = kf.data<float>() + b * kf.strides()[0] + kvh * kf.strides()[1];
+      const float* value_base = vf.data<float>() + b * vf.strides()[0] + kvh * vf.strides()[1];
+      const float* query_base = qf.data<float>() + b * qf.strides()[0] + h * qf.strides()[1];
+      float* out_base = out.mutable_data<float>() + (b * query_heads + h) * queries * value_depth;
+      for (int64_t l0 = 0; l0 < queries; l0 += kBlock) {
+        const int64_t block = std::min(kBlock, queries - l0);
+        if (columns == 0) break;
+        // scores = scale * Q K^T for this block of queries.
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(block),
+                    static_cast<int>(columns), static_cast<int>(depth), scale,
+                    query_base + l0 * qf.strides()[2], static_cast<int>(qf.strides()[2]), key_base,
+                    static_cast<int>(kf.strides()[2]), 0.0f, scores.data(),
+                    static_cast<int>(columns));
+        for (int64_t r = 0; r < block; ++r) {
+          float* row = scores.data() + r * columns;
+          const int64_t l = l0 + r;
+          if (!mask.empty()) {
+            const float* bias =
+                mask.data() +
+                ((b * mask_heads + (mask_heads == 1 ? 0 : h)) * queries + l) * columns;
+            for (int64_t k = 0; k < columns; ++k) row[k] += bias[k];
+          }
+          float best = kHidden;
+          for (int64_t k = 0; k < columns; ++k) best = std::max(best, row[k]);
+          if (best == kHidden) {  // sees nothing (padding): a zero row of weights
+            std::fill(row, row + columns, 0.0f);
+            continue;
+          }
+          float total = 0.0f;
+          for (int64_t k = 0; k < columns; ++k) {
+            row[k] = std::exp(row[k] - best);
+            total += row[k];
+          }
+          const float inverse = 1.0f / total;
+          for (int64_t k = 0; k < columns; ++k) row[k] *= inverse;
         }
-        float* row = o + ((b * query_heads + h) * queries + l) * value_depth;
-        if (best == -std::numeric_limits<float>::infinity()) continue;  // sees nothing: zeros
-        float total = 0.0f;
-        for (int64_t k = 0; k < columns; ++k) {
-          const float weight = std::exp(scores[static_cast<size_t>(k)] - best);
-          scores[static_cast<size_t>(k)] = weight;
-          total += weight;
-        }
-        for (int64_t k = 0; k < columns; ++k) {
-          const float weight = scores[static_cast<size_t>(k)] / total;
-          const float* value = value_base + k * value_depth;
-          for (int64_t d = 0; d < value_depth; ++d) row[d] += weight * value[d];
-        }
+        // out = P V.
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(block),
+                    static_cast<int>(value_depth), static_cast<int>(columns), 1.0f, scores.data(),
+                    static_cast<int>(columns), value_base, static_cast<int>(vf.strides()[2]), 0.0f,
+                    out_base + l0 * value_depth, static_cast<int>(value_depth));
       }
     }
   }

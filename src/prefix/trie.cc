@@ -254,16 +254,18 @@ void Trie::check_node(const Node& node, std::string& problem) const {
   std::vector<int32_t> firsts;
   for (const auto& c : node.children) {
     const Node& child = *c;
-    if (child.parent != &node) problem = fmt::format("node [{}, {}) has a wrong parent", child.start(), child.end);
+    if (child.parent != &node)
+      problem = fmt::format("node [{}, {}) has a wrong parent", child.start(), child.end);
     if (child.edge.empty()) problem = fmt::format("node ending at {} has an empty edge", child.end);
     if (!problem.empty()) return;
     if (child.start() != node.end) {
-      problem = fmt::format("node [{}, {}) does not start where its parent ends ({})", child.start(),
-                            child.end, node.end);
+      problem = fmt::format("node [{}, {}) does not start where its parent ends ({})",
+                            child.start(), child.end, node.end);
       return;
     }
     if (std::find(firsts.begin(), firsts.end(), child.edge.front()) != firsts.end()) {
-      problem = fmt::format("siblings under offset {} share first token {}", node.end, child.edge.front());
+      problem = fmt::format("siblings under offset {} share first token {}", node.end,
+                            child.edge.front());
       return;
     }
     firsts.push_back(child.edge.front());
@@ -271,10 +273,11 @@ void Trie::check_node(const Node& node, std::string& problem) const {
       const SnapshotPtr& s = child.snapshots[i];
       if (s == nullptr) continue;
       if (layers_[i].cache == nullptr) {
-        problem = fmt::format("node [{}, {}) holds a snapshot for stateless layer {}", child.start(), child.end, i);
+        problem = fmt::format("node [{}, {}) holds a snapshot for stateless layer {}",
+                              child.start(), child.end, i);
       } else if (layers_[i].ranged() && (s->from() != child.start() || s->to() != child.end)) {
-        problem = fmt::format("layer {} snapshot [{}, {}) does not span node [{}, {})", i, s->from(),
-                              s->to(), child.start(), child.end);
+        problem = fmt::format("layer {} snapshot [{}, {}) does not span node [{}, {})", i,
+                              s->from(), s->to(), child.start(), child.end);
       } else if (layers_[i].whole_state() && s->to() != child.end) {
         problem = fmt::format("layer {} state at {} is not at node end {}", i, s->to(), child.end);
       }
@@ -289,7 +292,8 @@ std::string Trie::check_invariants() const {
   check_node(root_, problem);
   int64_t total = recount_bytes();
   if (problem.empty() && total != bytes_) {
-    problem = fmt::format("byte counter {} differs from the sum of snapshot sizes {}", bytes_, total);
+    problem =
+        fmt::format("byte counter {} differs from the sum of snapshot sizes {}", bytes_, total);
   }
   return problem;
 }

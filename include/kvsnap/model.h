@@ -1,0 +1,86 @@
+// The built-in tiny hybrid transformer: what `kvsnap replay` runs, built only from kvsnap's
+// caches and reference kernels.
+//
+// Token embedding, then a pattern of layers — 'A' full attention with RoPE and GQA (KVCache),
+// 'S' sliding-window attention (RotatingKVCache), 'R' a gated-delta-net layer with a short causal
+// conv (RecurrentCache) — each followed by a SwiGLU MLP, RMSNorm before every block, and an
+// output head tied to the embedding. Weights come deterministically from a seed or from a
+// safetensors file with a JSON config.
+//
+//   kvsnap::Model model(kvsnap::ModelConfig{});       // default size, seed 42
+//   auto caches = model.make_caches();
+//   kvsnap::Array logits = model.forward(prompt, kvsnap::cache_pointers(caches));
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvsnap/array.h"
+#include "kvsnap/cache.h"
+#include "kvsnap/export.h"
+
+namespace kvsnap {
+
+struct KVSNAP_EXPORT ModelConfig {
+  int64_t vocab_size = 512;
+  int64_t hidden = 256;
+  int64_t mlp_hidden = 768;
+  int64_t query_heads = 8;
+  int64_t kv_heads = 2;
+  int64_t head_dim = 32;
+  int64_t window = 256;            // tokens a sliding-window layer sees
+  std::string pattern = "RSARSA";  // layer kinds from the input up
+  int64_t conv_kernel = 4;         // recurrent layers' causal conv width
+  int64_t delta_key_heads = 2;
+  int64_t delta_value_heads = 4;
+  int64_t delta_head_dim = 32;
+  float rope_theta = 10000.0f;
+  float rms_eps = 1e-6f;
+  uint64_t seed = 42;
+
+  // Throws Error naming the field and the rule when a value is out of range.
+  void validate() const;
+  // JSON with the fields above (missing fields keep their defaults; unknown ones are errors).
+  static ModelConfig from_json(const std::string& text);
+  std::string to_json() const;
+  // Parameters the model holds.
+  int64_t parameter_count() const;
+};
+
+namespace detail {
+struct ModelWeights;
+}
+
+class KVSNAP_EXPORT Model {
+ public:
+  // Weights generated deterministically from config.seed.
+  explicit Model(ModelConfig config);
+  // Loads a JSON config and safetensors weights (as written by save); throws Error on a
+  // missing tensor or a shape that disagrees with the config.
+  static Model load(const std::string& config_path, const std::string& weights_path);
+  Model(Model&&) noexcept;
+  Model& operator=(Model&&) noexcept;
+  ~Model();
+
+  void save(const std::string& config_path, const std::string& weights_path) const;
+  const ModelConfig& config() const;
+
+  // One cache per layer, in layer order, of the kind the layer needs.
+  std::vector<std::unique_ptr<Cache>> make_caches() const;
+
+  // Evaluates `tokens` at the caches' common offset and advances them. Returns f32 logits
+  // [L, vocab] when `all_positions`, else [1, vocab] for the last token.
+  Array forward(std::span<const int32_t> tokens, std::span<Cache* const> caches,
+                bool all_positions = false) const;
+
+ private:
+  std::unique_ptr<detail::ModelWeights> weights_;
+};
+
+// Raw pointers to owned caches, in order (for Model::forward and PrefixCache).
+KVSNAP_EXPORT std::vector<Cache*> cache_pointers(const std::vector<std::unique_ptr<Cache>>&);
+
+}  // namespace kvsnap

@@ -1,0 +1,197 @@
+#include "persist/safetensors.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+namespace kvsnap::detail {
+namespace {
+
+using Json = nlohmann::json;
+
+// Header lengths beyond this are corrupt: no kvsnap file has a header near this size.
+constexpr uint64_t kMaxHeader = uint64_t(100) << 20;
+
+const char* safetensors_dtype(DType dtype) {
+  switch (dtype) {
+    case DType::f32:
+      return "F32";
+    case DType::f16:
+      return "F16";
+    case DType::bf16:
+      return "BF16";
+    case DType::i32:
+      return "I32";
+  }
+  return "?";
+}
+
+bool parse_dtype(const std::string& name, DType& dtype) {
+  static const std::pair<const char*, DType> kNames[] = {
+      {"F32", DType::f32}, {"F16", DType::f16}, {"BF16", DType::bf16}, {"I32", DType::i32}};
+  for (const auto& [text, value] : kNames) {
+    if (name == text) {
+      dtype = value;
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+const Array& SafetensorsFile::at(const std::string& name, const char* context) const {
+  for (const auto& [key, array] : tensors) {
+    if (key == name) return array;
+  }
+  throw Error(fmt::format("{}: tensor \"{}\" is missing", context, name));
+}
+
+std::string encode_safetensors(const SafetensorsFile& file) {
+  Json header = Json::object();
+  uint64_t offset = 0;
+  for (const auto& [name, array] : file.tensors) {
+    const auto bytes = static_cast<uint64_t>(array.nbytes());
+    header[name] = {{"dtype", safetensors_dtype(array.dtype())},
+                    {"shape", array.shape()},
+                    {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+  }
+  if (!file.metadata.empty()) header["__metadata__"] = file.metadata;
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');  // align the data to 8 bytes
+  std::string out(8, '\0');
+  uint64_t length = text.size();
+  for (int i = 0; i < 8; ++i)
+    out[static_cast<size_t>(i)] = static_cast<char>((length >> (8 * i)) & 0xff);
+  out += text;
+  out.reserve(out.size() + offset);
+  for (const auto& [name, array] : file.tensors) {
+    if (array.size() == 0) continue;
+    const Array compact = array.is_contiguous() ? array : array.contiguous();
+    out.append(static_cast<const char*>(compact.bytes()), static_cast<size_t>(compact.nbytes()));
+  }
+  return out;
+}
+
+SafetensorsFile decode_safetensors(const std::string& bytes, const std::string& source) {
+  const auto fail = [&](const std::string& rule) {
+    return Error(fmt::format("safetensors {}: {}", source, rule));
+  };
+  if (bytes.size() < 8)
+    throw fail(fmt::format("{} bytes is shorter than the 8-byte header length", bytes.size()));
+  uint64_t length = 0;
+  for (int i = 0; i < 8; ++i) {
+    length |= static_cast<uint64_t>(static_cast<unsigned char>(bytes[static_cast<size_t>(i)]))
+              << (8 * i);
+  }
+  if (length > kMaxHeader || length > bytes.size() - 8) {
+    throw fail(fmt::format("header length {} exceeds the {} bytes that follow it", length,
+                           bytes.size() - 8));
+  }
+  const std::string_view text(bytes.data() + 8, length);
+  if (text.empty() || text.front() != '{') throw fail("the header does not start with '{'");
+  Json header;
+  try {
+    header = Json::parse(text);
+  } catch (const Json::exception& e) {
+    throw fail(fmt::format("the header is not valid JSON ({})", e.what()));
+  }
+  if (!header.is_object()) throw fail("the header is not a JSON object");
+
+  SafetensorsFile file;
+  const uint64_t data_size = bytes.size() - 8 - length;
+  const char* data = bytes.data() + 8 + length;
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  for (const auto& [name, entry] : header.items()) {
+    if (name == "__metadata__") {
+      if (!entry.is_object()) throw fail("__metadata__ is not an object");
+      for (const auto& [key, value] : entry.items()) {
+        if (!value.is_string()) throw fail(fmt::format("metadata \"{}\" is not a string", key));
+        file.metadata[key] = value.get<std::string>();
+      }
+      continue;
+    }
+    if (!entry.is_object() || !entry.contains("dtype") || !entry.contains("shape") ||
+        !entry.contains("data_offsets")) {
+      throw fail(fmt::format("tensor \"{}\" lacks dtype, shape or data_offsets", name));
+    }
+    DType dtype;
+    if (!entry["dtype"].is_string() || !parse_dtype(entry["dtype"].get<std::string>(), dtype)) {
+      throw fail(fmt::format("tensor \"{}\" has unknown dtype {}", name, entry["dtype"].dump()));
+    }
+    const Json& shape_json = entry["shape"];
+    if (!shape_json.is_array() || shape_json.size() > static_cast<size_t>(Array::kMaxDims)) {
+      throw fail(fmt::format("tensor \"{}\" has shape {} (need at most {} extents)", name,
+                             shape_json.dump(), Array::kMaxDims));
+    }
+    Shape shape;
+    uint64_t elements = 1;
+    for (const Json& extent : shape_json) {
+      if (!extent.is_number_unsigned() || extent.get<uint64_t>() > (uint64_t(1) << 40)) {
+        throw fail(fmt::format("tensor \"{}\" has a bad extent {}", name, extent.dump()));
+      }
+      shape.push_back(static_cast<int64_t>(extent.get<uint64_t>()));
+      elements *= extent.get<uint64_t>();
+      if (elements > (uint64_t(1) << 40))
+        throw fail(fmt::format("tensor \"{}\" is too large", name));
+    }
+    const Json& offsets = entry["data_offsets"];
+    if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
+        !offsets[1].is_number_unsigned()) {
+      throw fail(fmt::format("tensor \"{}\" has bad data_offsets {}", name, offsets.dump()));
+    }
+    const uint64_t begin = offsets[0].get<uint64_t>(), end = offsets[1].get<uint64_t>();
+    const uint64_t expected = elements * static_cast<uint64_t>(dtype_size(dtype));
+    if (begin > end || end > data_size || end - begin != expected) {
+      throw fail(
+          fmt::format("tensor \"{}\" data_offsets [{}, {}) do not hold {} bytes within the "
+                      "{}-byte data section",
+                      name, begin, end, expected, data_size));
+    }
+    ranges.emplace_back(begin, end);
+    Array array = Array::uninitialized(dtype, shape);
+    if (expected > 0) {
+      std::memcpy(array.mutable_bytes(), data + begin, expected);
+    }
+    file.tensors.emplace_back(name, std::move(array));
+  }
+  std::sort(ranges.begin(), ranges.end());
+  uint64_t covered = 0;
+  for (const auto& [begin, end] : ranges) {
+    if (begin != covered) {
+      throw fail(begin < covered
+                     ? fmt::format("tensor data ranges overlap at byte {}", begin)
+                     : fmt::format("bytes [{}, {}) of the data are not indexed", covered, begin));
+    }
+    covered = end;
+  }
+  if (covered != data_size) {
+    throw fail(fmt::format("bytes [{}, {}) of the data are not indexed", covered, data_size));
+  }
+  // Keep file order (JSON objects are sorted by key in nlohmann's default object).
+  std::sort(file.tensors.begin(), file.tensors.end(), [&](const auto& a, const auto& b) {
+    return header[a.first]["data_offsets"][0].template get<uint64_t>() <
+           header[b.first]["data_offsets"][0].template get<uint64_t>();
+  });
+  return file;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error(fmt::format("cannot open {} for reading", path));
+  std::ostringstream buffer;
+  buffer << in.rdbuf();
+  if (in.bad()) throw Error(fmt::format("error reading {}", path));
+  return buffer.str();
+}
+
+SafetensorsFile read_safetensors(const std::string& path) {
+  return decode_safetensors(read_file(path), path);
+}
+
+}  // namespace kvsnap::detail

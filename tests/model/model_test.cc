@@ -1,0 +1,181 @@
+#include <gtest/gtest.h>
+#include <kvsnap/kvsnap.h>
+#include <kvsnap/model.h>
+
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "support/test_support.h"
+
+namespace kvsnap {
+namespace {
+
+using testing::all_close;
+using testing::throws_error;
+
+ModelConfig small_config() {
+  ModelConfig c;
+  c.vocab_size = 64;
+  c.hidden = 32;
+  c.mlp_hidden = 48;
+  c.query_heads = 4;
+  c.kv_heads = 2;
+  c.head_dim = 8;
+  c.window = 6;
+  c.pattern = "RSAR";
+  c.delta_key_heads = 1;
+  c.delta_value_heads = 2;
+  c.delta_head_dim = 8;
+  return c;
+}
+
+std::vector<int32_t> random_prompt(std::mt19937& rng, int64_t length, int64_t vocab) {
+  std::vector<int32_t> out(static_cast<size_t>(length));
+  for (int32_t& t : out) t = static_cast<int32_t>(rng() % vocab);
+  return out;
+}
+
+// Logits for every position, evaluated in the given chunk lengths.
+Array run_chunked(const Model& model, const std::vector<int32_t>& prompt,
+                  const std::vector<int64_t>& chunks) {
+  auto caches = model.make_caches();
+  const auto pointers = cache_pointers(caches);
+  Array all =
+      Array::zeros(DType::f32, {static_cast<int64_t>(prompt.size()), model.config().vocab_size});
+  int64_t start = 0;
+  for (int64_t length : chunks) {
+    const std::span<const int32_t> part(prompt.data() + start, static_cast<size_t>(length));
+    all.slice(0, start, start + length).assign(model.forward(part, pointers, true));
+    start += length;
+  }
+  return all;
+}
+
+TEST(Model, CachedForwardEqualsOneForwardForRandomChunkings) {
+  const Model model(small_config());
+  std::mt19937 rng(3);
+  for (int trial = 0; trial < 12; ++trial) {
+    const int64_t length = 1 + static_cast<int64_t>(rng() % 40);
+    const auto prompt = random_prompt(rng, length, 64);
+    const Array whole = run_chunked(model, prompt, {length});
+    std::vector<int64_t> chunks;
+    for (int64_t left = length; left > 0;) {
+      const int64_t n =
+          std::min<int64_t>(left, rng() % 3 == 0 ? 1 : 1 + static_cast<int64_t>(rng() % 9));
+      chunks.push_back(n);
+      left -= n;
+    }
+    EXPECT_TRUE(all_close(run_chunked(model, prompt, chunks), whole, 1e-4f)) << "trial " << trial;
+  }
+}
+
+TEST(Model, PrefixCacheReuseEqualsRecomputation) {
+  const Model model(small_config());
+  auto caches = model.make_caches();
+  PrefixCache prefix(cache_pointers(caches));
+  std::mt19937 rng(5);
+  const auto system = random_prompt(rng, 20, 64);
+  for (int conversation = 0; conversation < 4; ++conversation) {
+    auto prompt = system;
+    const auto user = random_prompt(rng, 5 + conversation, 64);
+    prompt.insert(prompt.end(), user.begin(), user.end());
+    auto session = prefix.begin(prompt);
+    if (conversation > 1) {
+      EXPECT_EQ(session.cached(), 20);  // the system prompt's restore point
+    }
+    const std::vector<int64_t> boundary{20};
+    if (session.cached() <= 20) session.schedule_snapshots(boundary);
+    const Array got = model.forward(session.remaining(), cache_pointers(caches));
+    session.prefill_done();
+    session.close();
+    auto fresh = model.make_caches();
+    const Array expected = model.forward(prompt, cache_pointers(fresh));
+    EXPECT_TRUE(all_close(got, expected, 1e-4f)) << conversation;
+  }
+  EXPECT_GE(prefix.stats().reused_tokens, 3 * 20);
+}
+
+TEST(Model, SameSeedSameWeightsOtherSeedOtherWeights) {
+  const std::vector<int32_t> prompt{1, 2, 3, 4};
+  ModelConfig config = small_config();
+  const Model a(config), b(config);
+  config.seed = 7;
+  const Model c(config);
+  auto ca = a.make_caches(), cb = b.make_caches(), cc = c.make_caches();
+  const Array la = a.forward(prompt, cache_pointers(ca));
+  EXPECT_TRUE(all_close(la, b.forward(prompt, cache_pointers(cb)), 0.0f));
+  EXPECT_FALSE(all_close(la, c.forward(prompt, cache_pointers(cc)), 1e-3f));
+}
+
+TEST(Model, SaveAndLoadRoundTripExactly) {
+  const Model model(small_config());
+  const auto dir = std::filesystem::temp_directory_path() / "kvsnap_model_test";
+  std::filesystem::create_directories(dir);
+  model.save((dir / "config.json").string(), (dir / "model.safetensors").string());
+  const Model loaded =
+      Model::load((dir / "config.json").string(), (dir / "model.safetensors").string());
+  const std::vector<int32_t> prompt{5, 9, 13, 2, 2, 7};
+  auto c1 = model.make_caches(), c2 = loaded.make_caches();
+  EXPECT_TRUE(all_close(model.forward(prompt, cache_pointers(c1), true),
+                        loaded.forward(prompt, cache_pointers(c2), true), 0.0f));
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Model, LoadRejectsWeightsThatDisagreeWithTheConfig) {
+  const Model model(small_config());
+  const auto dir = std::filesystem::temp_directory_path() / "kvsnap_model_bad";
+  std::filesystem::create_directories(dir);
+  model.save((dir / "config.json").string(), (dir / "model.safetensors").string());
+  ModelConfig wider = small_config();
+  wider.hidden = 40;
+  { std::ofstream((dir / "wider.json").string()) << wider.to_json(); }
+  EXPECT_TRUE(throws_error(
+      [&] {
+        (void)Model::load((dir / "wider.json").string(), (dir / "model.safetensors").string());
+      },
+      {"Model::load", "embed", "f32[64, 32]", "[64, 40]"}));
+  ModelConfig deeper = small_config();
+  deeper.pattern = "RSARA";
+  { std::ofstream((dir / "deeper.json").string()) << deeper.to_json(); }
+  EXPECT_TRUE(throws_error(
+      [&] {
+        (void)Model::load((dir / "deeper.json").string(), (dir / "model.safetensors").string());
+      },
+      {"layers.4", "missing"}));
+  std::filesystem::remove_all(dir);
+}
+
+TEST(ModelConfig, JsonRoundTripAndErrors) {
+  ModelConfig config = small_config();
+  config.rope_theta = 500.0f;
+  const ModelConfig back = ModelConfig::from_json(config.to_json());
+  EXPECT_EQ(back.to_json(), config.to_json());
+  EXPECT_TRUE(throws_error([] { (void)ModelConfig::from_json("{\"hiden\": 3}"); },
+                           {"unknown field \"hiden\""}));
+  EXPECT_TRUE(throws_error([] { (void)ModelConfig::from_json("{\"pattern\": \"AXR\"}"); },
+                           {"pattern \"AXR\""}));
+  EXPECT_TRUE(throws_error([] { (void)ModelConfig::from_json("{\"query_heads\": 3}"); },
+                           {"query_heads = 3", "multiple of kv_heads"}));
+  EXPECT_TRUE(throws_error([] { (void)ModelConfig::from_json("{\"hidden\": \"big\"}"); },
+                           {"\"hidden\"", "wrong type"}));
+  EXPECT_TRUE(throws_error([] { (void)ModelConfig::from_json("[1, 2"); }, {"not valid JSON"}));
+}
+
+TEST(Model, ForwardRejectsBadInput) {
+  const Model model(small_config());
+  auto caches = model.make_caches();
+  const std::vector<int32_t> bad{1, 64};
+  EXPECT_TRUE(throws_error([&] { (void)model.forward(bad, cache_pointers(caches)); },
+                           {"token 64", "[0, 64)"}));
+  EXPECT_TRUE(throws_error(
+      [&] { (void)model.forward(std::vector<int32_t>{}, cache_pointers(caches)); }, {"no tokens"}));
+  const std::vector<int32_t> ok{1, 2};
+  (void)model.forward(ok, cache_pointers(caches));
+  caches[2]->reset();
+  EXPECT_TRUE(throws_error([&] { (void)model.forward(ok, cache_pointers(caches)); },
+                           {"layer 2", "offset 0", "offset 2"}));
+}
+
+}  // namespace
+}  // namespace kvsnap
