@@ -20,7 +20,7 @@ release: deps
 	cmake --build --preset release -j $(JOBS)
 
 demo: release
-	./build/release/examples/reference_attention
+	./build/release/tools/kvsnap replay --chart replay.svg
 
 test: build
 	ctest --preset dev

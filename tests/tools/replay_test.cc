@@ -1,0 +1,142 @@
+#include "replay.h"
+
+#include <gtest/gtest.h>
+#include <kvsnap/model.h>
+
+#include "support/test_support.h"
+#include "workload.h"
+
+namespace kvsnap::tools {
+namespace {
+
+using kvsnap::testing::throws_error;
+
+ModelConfig tiny_model() {
+  ModelConfig c;
+  c.hidden = 32;
+  c.mlp_hidden = 48;
+  c.query_heads = 4;
+  c.kv_heads = 2;
+  c.head_dim = 8;
+  c.window = 24;
+  c.pattern = "RSA";
+  c.delta_key_heads = 1;
+  c.delta_value_heads = 2;
+  c.delta_head_dim = 8;
+  return c;
+}
+
+const char* kWorkload = R"(# a comment, then every kind of request
+{"id": "a", "messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello there"}], "max_tokens": 5}
+{"id": "b", "after": "a", "messages": [{"role": "user", "content": "And then?"}], "max_tokens": 4}
+
+{"id": "c", "regenerate": "b", "max_tokens": 3}
+{"id": "d", "edit": "b", "messages": [{"role": "tool", "content": "output of a long tool call, long enough to wrap the window"}]}
+{"id": "e", "messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Goodbye"}]}
+)";
+
+TEST(Workload, ParsesEveryKindOfRequest) {
+  const Workload w = parse_workload(kWorkload, "test");
+  ASSERT_EQ(w.requests.size(), 5u);
+  EXPECT_EQ(w.requests[1].kind, Request::Kind::after);
+  EXPECT_EQ(w.requests[2].kind, Request::Kind::regenerate);
+  EXPECT_EQ(w.requests[3].kind, Request::Kind::edit);
+  EXPECT_EQ(w.requests[3].max_tokens, 16);
+  EXPECT_EQ(w.requests[3].line, 6);
+}
+
+TEST(Workload, TheEmbeddedWorkloadParses) {
+  const Workload w = embedded_workload();
+  EXPECT_GE(w.requests.size(), 20u);
+}
+
+TEST(Workload, MalformedLinesAreReportedWithTheirNumber) {
+  const std::string good = R"({"id": "a", "messages": [{"role": "user", "content": "hi"}]})";
+  const auto bad = [&](const std::string& line, const char* what) {
+    return throws_error([&] { (void)parse_workload(good + "\n\n" + line + "\n", "w.jsonl"); },
+                        {"w.jsonl line 3", what});
+  };
+  EXPECT_TRUE(bad("{not json", "not valid JSON"));
+  EXPECT_TRUE(bad(R"({"messages": []})", "\"id\""));
+  EXPECT_TRUE(bad(R"({"id": "a", "messages": [{"role": "user", "content": "x"}]})", "used twice"));
+  EXPECT_TRUE(bad(R"({"id": "b", "after": "zz", "messages": [{"role": "user", "content": "x"}]})",
+                  "\"zz\""));
+  EXPECT_TRUE(
+      bad(R"({"id": "b", "messages": [{"role": "robot", "content": "x"}]})", "role \"robot\""));
+  EXPECT_TRUE(
+      bad(R"({"id": "b", "regenerate": "a", "messages": [{"role": "user", "content": "x"}]})",
+          "takes no"));
+  EXPECT_TRUE(bad(R"({"id": "b", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0})",
+                  "max_tokens"));
+  EXPECT_TRUE(bad(
+      R"({"id": "b", "after": "a", "edit": "a", "messages": [{"role": "user", "content": "x"}]})",
+      "at most one"));
+  EXPECT_TRUE(bad(R"({"id": "b", "colour": 1, "messages": [{"role": "user", "content": "x"}]})",
+                  "unknown field \"colour\""));
+  EXPECT_TRUE(bad(R"({"id": "b"})", "\"messages\" is required"));
+  EXPECT_TRUE(
+      throws_error([] { (void)parse_workload("# nothing\n", "w.jsonl"); }, {"no requests"}));
+}
+
+TEST(Workload, PromptsFollowTheirReferences) {
+  const Workload w = parse_workload(kWorkload, "test");
+  PromptBuilder builder;
+  std::vector<int64_t> marks;
+  const auto a = builder.prompt(w.requests[0], &marks);
+  EXPECT_EQ(a.front(), kSystem);
+  EXPECT_EQ(a.back(), kAssistant);
+  EXPECT_EQ(marks.size(), 2u);
+  builder.record(w.requests[0], a, {65, 66});  // a reply without an end token
+  const auto b = builder.prompt(w.requests[1], &marks);
+  std::vector<int32_t> expected = a;
+  expected.insert(expected.end(), {65, 66, kEnd});
+  EXPECT_TRUE(std::equal(expected.begin(), expected.end(), b.begin()));
+  builder.record(w.requests[1], b, {kEnd});
+  EXPECT_EQ(builder.prompt(w.requests[2], nullptr), b);   // regenerate: the same prompt
+  const auto d = builder.prompt(w.requests[3], nullptr);  // edit: b's context, new messages
+  EXPECT_TRUE(std::equal(expected.begin(), expected.end(), d.begin()));
+  EXPECT_EQ(d[expected.size()], kTool);
+}
+
+TEST(Replay, FiguresAreConsistentAndTheRunsAgree) {
+  const Model model(tiny_model());
+  const Workload w = parse_workload(kWorkload, "test");
+  const RunResult cached = replay(w, model, {.with_cache = true});
+  const RunResult uncached = replay(w, model, {.with_cache = false});
+  ASSERT_EQ(cached.requests.size(), 5u);
+  for (size_t i = 0; i < 5; ++i) {
+    const RequestResult& r = cached.requests[i];
+    EXPECT_EQ(r.evaluated + r.reused, r.prompt_tokens) << r.id;
+    EXPECT_GE(r.evaluated, r.floor) << r.id;
+    EXPECT_GE(r.floor, r.ideal) << r.id;
+    EXPECT_GE(r.ideal, 1) << r.id;
+    EXPECT_EQ(uncached.requests[i].evaluated, r.prompt_tokens) << r.id;
+  }
+  EXPECT_EQ(cached.requests[0].reused, 0);
+  EXPECT_GT(cached.requests[1].reused, 0);     // continuation
+  EXPECT_EQ(cached.requests[2].evaluated, 1);  // regeneration
+  EXPECT_GT(cached.requests[4].reused, 0);     // shared system prompt
+  const Comparison c = compare(cached, uncached, 1e-4);
+  EXPECT_TRUE(c.same_tokens) << c.first_difference;
+  EXPECT_EQ(c.first_difference, "");
+  const Summary s = summarize(cached, uncached);
+  EXPECT_EQ(s.evaluated_cached, s.ideal + s.gap_seen_not_evaluated + s.gap_restore_points);
+  EXPECT_NE(format_table(s, c, "test").find("runs agree"), std::string::npos);
+  EXPECT_NE(format_chart(cached, uncached).find("<svg"), std::string::npos);
+  EXPECT_NE(format_json(s, c, cached, uncached, "test").find("\"evaluated_cached\""),
+            std::string::npos);
+}
+
+TEST(Replay, ARunThatDisagreesIsReported) {
+  const Model model(tiny_model());
+  const Workload w = parse_workload(kWorkload, "test");
+  RunResult cached = replay(w, model, {.with_cache = true});
+  const RunResult uncached = replay(w, model, {.with_cache = false});
+  cached.requests[1].reply[0] += 1;
+  const Comparison c = compare(cached, uncached, 1e-4);
+  EXPECT_FALSE(c.same_tokens);
+  EXPECT_NE(c.first_difference.find("request 2 (b)"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvsnap::tools

@@ -1,0 +1,323 @@
+#include "replay.h"
+
+#include <fmt/format.h>
+#include <kvsnap/prefix_cache.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <nlohmann/json.hpp>
+
+namespace kvsnap::tools {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int64_t common_prefix(const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
+  const size_t n = std::min(a.size(), b.size());
+  size_t i = 0;
+  while (i < n && a[i] == b[i]) ++i;
+  return static_cast<int64_t>(i);
+}
+
+int32_t argmax(const float* logits, int64_t n) {
+  return static_cast<int32_t>(std::max_element(logits, logits + n) - logits);
+}
+
+double percentile(std::vector<double> values, double q) {
+  if (values.empty()) return 0;
+  std::sort(values.begin(), values.end());
+  const double rank = q * static_cast<double>(values.size() - 1);
+  const auto lo = static_cast<size_t>(std::floor(rank));
+  const size_t hi = std::min(lo + 1, values.size() - 1);
+  return values[lo] + (values[hi] - values[lo]) * (rank - static_cast<double>(lo));
+}
+
+}  // namespace
+
+RunResult replay(const Workload& workload, const Model& model, const ReplayOptions& options) {
+  if (model.config().vocab_size < kVocabularyNeeded) {
+    throw Error(
+        fmt::format("replay: the model's vocabulary of {} is smaller than the {} tokens the "
+                    "chat format needs",
+                    model.config().vocab_size, kVocabularyNeeded));
+  }
+  RunResult run;
+  run.with_cache = options.with_cache;
+  auto caches = model.make_caches();
+  const std::vector<Cache*> layers = cache_pointers(caches);
+  PrefixCache prefix(layers, {.max_paged_out_bytes = options.max_paged_out_bytes});
+  PromptBuilder builder;
+  std::vector<std::vector<int32_t>> seen, evaluated_sequences;  // what earlier requests held
+  const int64_t vocab = model.config().vocab_size;
+  const auto start = Clock::now();
+
+  for (size_t index = 0; index < workload.requests.size(); ++index) {
+    const Request& request = workload.requests[index];
+    std::vector<int64_t> boundaries;
+    const std::vector<int32_t> prompt = builder.prompt(request, &boundaries);
+    RequestResult result;
+    result.id = request.id;
+    result.prompt_tokens = static_cast<int64_t>(prompt.size());
+    int64_t longest_seen = 0, longest_evaluated = 0;
+    for (const auto& s : seen) longest_seen = std::max(longest_seen, common_prefix(prompt, s));
+    for (const auto& s : evaluated_sequences) {
+      longest_evaluated = std::max(longest_evaluated, common_prefix(prompt, s));
+    }
+    longest_seen = std::min(longest_seen, result.prompt_tokens);
+    result.ideal = std::max<int64_t>(1, result.prompt_tokens - longest_seen);
+    longest_evaluated = std::min(longest_evaluated, longest_seen);
+    result.floor = std::max<int64_t>(1, result.prompt_tokens - longest_evaluated);
+
+    const auto request_start = Clock::now();
+    std::optional<PrefixCache::Session> session;
+    std::span<const int32_t> remaining = prompt;
+    if (options.with_cache) {
+      session.emplace(prefix.begin(prompt));
+      std::vector<int64_t> restore_points;
+      for (int64_t b : boundaries) {
+        if (b >= session->cached() && b <= result.prompt_tokens) restore_points.push_back(b);
+      }
+      session->schedule_snapshots(restore_points);
+      remaining = session->remaining();
+    } else {
+      for (Cache* layer : layers) layer->reset();
+    }
+    result.evaluated = static_cast<int64_t>(remaining.size());
+    result.reused = result.prompt_tokens - result.evaluated;
+    Array logits = model.forward(remaining, layers);
+    result.ttft_seconds = std::chrono::duration<double>(Clock::now() - request_start).count();
+    if (session) session->prefill_done();
+    for (int64_t step = 0; step < request.max_tokens; ++step) {
+      const float* row = logits.data<float>();
+      result.logits.emplace_back(row, row + vocab);
+      const int32_t token = argmax(row, vocab);
+      result.reply.push_back(token);
+      if (session) session->append_output(token);
+      if (token == kEnd || step + 1 == request.max_tokens) break;
+      logits = model.forward(std::span<const int32_t>(&token, 1), layers);
+    }
+    if (session) session->close();
+
+    std::vector<int32_t> sequence = prompt;
+    sequence.insert(sequence.end(), result.reply.begin(), result.reply.end());
+    seen.push_back(sequence);
+    sequence.pop_back();  // a decoder never evaluates its last sampled token
+    evaluated_sequences.push_back(std::move(sequence));
+    builder.record(request, prompt, result.reply);
+    run.requests.push_back(std::move(result));
+    options.progress(index + 1, workload.requests.size());
+  }
+  run.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  run.paged_out_bytes = prefix.paged_out_bytes();
+  run.evicted_nodes = prefix.stats().evicted_nodes;
+  run.trie_nodes = prefix.node_count();
+  return run;
+}
+
+Comparison compare(const RunResult& cached, const RunResult& uncached, double tolerance) {
+  Comparison c;
+  for (size_t i = 0; i < cached.requests.size() && i < uncached.requests.size(); ++i) {
+    const RequestResult& a = cached.requests[i];
+    const RequestResult& b = uncached.requests[i];
+    if (a.reply != b.reply && c.first_difference.empty()) {
+      c.same_tokens = false;
+      c.first_difference = fmt::format("request {} ({}): the replies differ", i + 1, a.id);
+    }
+    for (size_t t = 0; t < a.logits.size() && t < b.logits.size(); ++t) {
+      for (size_t k = 0; k < a.logits[t].size(); ++k) {
+        const double diff = std::fabs(a.logits[t][k] - b.logits[t][k]) /
+                            std::max(1.0, std::fabs(static_cast<double>(b.logits[t][k])));
+        c.max_logit_difference = std::max(c.max_logit_difference, diff);
+      }
+    }
+  }
+  if (c.first_difference.empty() && c.max_logit_difference > tolerance) {
+    c.first_difference = fmt::format("logits differ by {:.2g} (tolerance {:.0e})",
+                                     c.max_logit_difference, tolerance);
+  }
+  return c;
+}
+
+Summary summarize(const RunResult& cached, const RunResult& uncached) {
+  Summary s;
+  std::vector<double> ttft_cached, ttft_uncached;
+  for (const RequestResult& r : cached.requests) {
+    ++s.requests;
+    s.prompt_tokens += r.prompt_tokens;
+    s.evaluated_cached += r.evaluated;
+    s.ideal += r.ideal;
+    s.gap_seen_not_evaluated += r.floor - r.ideal;
+    s.gap_restore_points += r.evaluated - r.floor;
+    ttft_cached.push_back(r.ttft_seconds);
+  }
+  for (const RequestResult& r : uncached.requests) {
+    s.evaluated_uncached += r.evaluated;
+    ttft_uncached.push_back(r.ttft_seconds);
+  }
+  s.ttft_median_cached = percentile(ttft_cached, 0.5);
+  s.ttft_p90_cached = percentile(ttft_cached, 0.9);
+  s.ttft_median_uncached = percentile(ttft_uncached, 0.5);
+  s.ttft_p90_uncached = percentile(ttft_uncached, 0.9);
+  s.paged_out_bytes = cached.paged_out_bytes;
+  s.evicted_nodes = cached.evicted_nodes;
+  s.trie_nodes = cached.trie_nodes;
+  s.seconds_cached = cached.seconds;
+  s.seconds_uncached = uncached.seconds;
+  return s;
+}
+
+std::string format_table(const Summary& s, const Comparison& c, const std::string& workload) {
+  const auto row = [](const std::string& name, const std::string& a, const std::string& b) {
+    return fmt::format("  {:<30} {:>14} {:>14}\n", name, a, b);
+  };
+  const auto ms = [](double seconds) { return fmt::format("{:.1f}", seconds * 1e3); };
+  const double gap = s.ideal > 0 ? 100.0 * static_cast<double>(s.evaluated_cached - s.ideal) /
+                                       static_cast<double>(s.ideal)
+                                 : 0.0;
+  std::string out = fmt::format("kvsnap replay: {} ({} requests, {} prompt tokens)\n\n", workload,
+                                s.requests, s.prompt_tokens);
+  out += row("", "with cache", "without cache");
+  out += row("tokens evaluated", std::to_string(s.evaluated_cached),
+             std::to_string(s.evaluated_uncached));
+  out += row("tokens reused", std::to_string(s.prompt_tokens - s.evaluated_cached), "0");
+  out += row("ideal (never seen before)", std::to_string(s.ideal), "");
+  out +=
+      row("time to first token, median ms", ms(s.ttft_median_cached), ms(s.ttft_median_uncached));
+  out += row("time to first token, p90 ms", ms(s.ttft_p90_cached), ms(s.ttft_p90_uncached));
+  out += row("total time s", fmt::format("{:.2f}", s.seconds_cached),
+             fmt::format("{:.2f}", s.seconds_uncached));
+  out += row("paged-out bytes", std::to_string(s.paged_out_bytes), "");
+  out += row("evicted trie nodes", std::to_string(s.evicted_nodes), "");
+  out += row("trie nodes", std::to_string(s.trie_nodes), "");
+  out += fmt::format("\n  evaluated with the cache vs ideal: {:+.2f}% ({} tokens over)\n", gap,
+                     s.evaluated_cached - s.ideal);
+  out += fmt::format(
+      "    {} of them were sampled but never evaluated (a decoder does not feed its "
+      "last token back),\n",
+      s.gap_seen_not_evaluated);
+  out += fmt::format(
+      "    {} lie between a divergence and the restore point before it (recurrent and "
+      "window layers\n    resume only where a snapshot was captured: message ends, "
+      "branch points).\n",
+      s.gap_restore_points);
+  out +=
+      fmt::format("  speed-up of time to first token (median): {:.1f}x\n",
+                  s.ttft_median_cached > 0 ? s.ttft_median_uncached / s.ttft_median_cached : 0.0);
+  out += c.first_difference.empty()
+             ? fmt::format("  runs agree: identical tokens, logits within {:.1e}\n",
+                           c.max_logit_difference)
+             : fmt::format("  RUNS DISAGREE: {}\n", c.first_difference);
+  return out;
+}
+
+std::string format_json(const Summary& s, const Comparison& c, const RunResult& cached,
+                        const RunResult& uncached, const std::string& workload) {
+  nlohmann::json requests = nlohmann::json::array();
+  for (size_t i = 0; i < cached.requests.size(); ++i) {
+    const RequestResult& a = cached.requests[i];
+    const RequestResult& b = uncached.requests[i];
+    requests.push_back({{"id", a.id},
+                        {"prompt_tokens", a.prompt_tokens},
+                        {"evaluated_cached", a.evaluated},
+                        {"reused", a.reused},
+                        {"evaluated_uncached", b.evaluated},
+                        {"ideal", a.ideal},
+                        {"ttft_ms_cached", a.ttft_seconds * 1e3},
+                        {"ttft_ms_uncached", b.ttft_seconds * 1e3},
+                        {"reply_tokens", a.reply.size()}});
+  }
+  const nlohmann::json json = {
+      {"workload", workload},
+      {"requests", s.requests},
+      {"prompt_tokens", s.prompt_tokens},
+      {"evaluated_cached", s.evaluated_cached},
+      {"evaluated_uncached", s.evaluated_uncached},
+      {"ideal", s.ideal},
+      {"gap",
+       {{"seen_not_evaluated", s.gap_seen_not_evaluated},
+        {"restore_points", s.gap_restore_points}}},
+      {"ttft_ms",
+       {{"cached", {{"median", s.ttft_median_cached * 1e3}, {"p90", s.ttft_p90_cached * 1e3}}},
+        {"uncached",
+         {{"median", s.ttft_median_uncached * 1e3}, {"p90", s.ttft_p90_uncached * 1e3}}}}},
+      {"seconds", {{"cached", s.seconds_cached}, {"uncached", s.seconds_uncached}}},
+      {"paged_out_bytes", s.paged_out_bytes},
+      {"evicted_nodes", s.evicted_nodes},
+      {"trie_nodes", s.trie_nodes},
+      {"agree", c.first_difference.empty()},
+      {"max_logit_difference", c.max_logit_difference},
+      {"per_request", requests}};
+  return json.dump(2) + "\n";
+}
+
+std::string format_chart(const RunResult& cached, const RunResult& uncached) {
+  const size_t n = cached.requests.size();
+  const double width = 900, height = 460, left = 70, right = 20, top = 50, bottom = 100;
+  const double plot_w = width - left - right, plot_h = height - top - bottom;
+  int64_t most = 1;
+  for (const auto& r : uncached.requests) most = std::max(most, r.evaluated);
+  const double decades = std::ceil(std::log10(static_cast<double>(most) + 1));
+  const auto y = [&](double tokens) {
+    return top + plot_h * (1 - std::log10(std::max(tokens, 1.0)) / std::max(decades, 1.0));
+  };
+  const double slot = plot_w / static_cast<double>(std::max<size_t>(n, 1));
+  const double bar = std::max(1.0, slot * 0.38);
+  std::string svg = fmt::format(
+      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{0}\" height=\"{1}\" viewBox=\"0 0 {0} "
+      "{1}\" "
+      "font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" "
+      "fill=\"white\"/>\n"
+      "<text x=\"{2}\" y=\"24\" font-size=\"16\">Prompt tokens evaluated per request (log "
+      "scale)</text>\n",
+      width, height, left);
+  for (int d = 0; d <= static_cast<int>(decades); ++d) {
+    const double yy = y(std::pow(10.0, d));
+    svg += fmt::format(
+        "<line x1=\"{}\" x2=\"{}\" y1=\"{:.1f}\" y2=\"{:.1f}\" stroke=\"#ddd\"/>\n"
+        "<text x=\"{}\" y=\"{:.1f}\" text-anchor=\"end\">{}</text>\n",
+        left, width - right, yy, yy, left - 6, yy + 4, static_cast<int64_t>(std::pow(10.0, d)));
+  }
+  std::string ideal_path;
+  for (size_t i = 0; i < n; ++i) {
+    const double x = left + slot * static_cast<double>(i) + slot * 0.1;
+    const auto a = static_cast<double>(cached.requests[i].evaluated);
+    const auto b = static_cast<double>(uncached.requests[i].evaluated);
+    // Bars are at least 2px tall so a single evaluated token still shows.
+    const auto bar_top = [&](double tokens) { return std::min(y(tokens), top + plot_h - 2); };
+    svg += fmt::format(
+        "<rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"{:.1f}\" height=\"{:.1f}\" "
+        "fill=\"#c44\"><title>{}: {} without cache</title></rect>\n",
+        x, bar_top(b), bar, top + plot_h - bar_top(b), uncached.requests[i].id, b);
+    svg += fmt::format(
+        "<rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"{:.1f}\" height=\"{:.1f}\" "
+        "fill=\"#3a7\"><title>{}: {} with cache</title></rect>\n",
+        x + bar, bar_top(a), bar, top + plot_h - bar_top(a), cached.requests[i].id, a);
+    svg += fmt::format(
+        "<text transform=\"translate({:.1f},{:.1f}) rotate(-60)\" text-anchor=\"end\" "
+        "font-size=\"10\">{}</text>\n",
+        x + bar, top + plot_h + 12, cached.requests[i].id);
+    ideal_path += fmt::format("{}{:.1f},{:.1f}", i == 0 ? "M" : " L", x + bar,
+                              y(static_cast<double>(cached.requests[i].ideal)));
+  }
+  svg += fmt::format(
+      "<path d=\"{}\" fill=\"none\" stroke=\"#225\" stroke-width=\"1.5\" stroke-dasharray=\"4 "
+      "3\"/>\n",
+      ideal_path);
+  svg += fmt::format(
+      "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">request (workload order)</text>\n",
+      left + plot_w / 2, height - 8);
+  const double lx = width - right - 330;
+  svg += fmt::format(
+      "<rect x=\"{0}\" y=\"34\" width=\"12\" height=\"12\" fill=\"#c44\"/><text x=\"{1}\" "
+      "y=\"44\">without cache</text>\n"
+      "<rect x=\"{2}\" y=\"34\" width=\"12\" height=\"12\" fill=\"#3a7\"/><text x=\"{3}\" "
+      "y=\"44\">with cache</text>\n"
+      "<line x1=\"{4}\" x2=\"{5}\" y1=\"40\" y2=\"40\" stroke=\"#225\" stroke-dasharray=\"4 "
+      "3\"/><text x=\"{6}\" y=\"44\">ideal</text>\n",
+      lx, lx + 16, lx + 120, lx + 136, lx + 230, lx + 255, lx + 260);
+  svg += "</svg>\n";
+  return svg;
+}
+
+}  // namespace kvsnap::tools

@@ -1,0 +1,70 @@
+// `kvsnap replay`: a multi-turn workload through the built-in model, with the prefix cache and
+// without, greedy-decoding every reply, and the figures that compare the two runs.
+#pragma once
+
+#include <kvsnap/model.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "workload.h"
+
+namespace kvsnap::tools {
+
+struct RequestResult {
+  std::string id;
+  int64_t prompt_tokens = 0;
+  int64_t evaluated = 0;    // prompt tokens the model evaluated
+  int64_t reused = 0;       // prompt tokens restored from the cache
+  int64_t ideal = 0;        // max(1, prompt tokens never seen before)
+  int64_t floor = 0;        // max(1, prompt tokens never evaluated before): the best a cache of
+                            // evaluated state can do (a decoder never evaluates its last token)
+  double ttft_seconds = 0;  // request start to the first reply token's logits
+  std::vector<int32_t> reply;
+  std::vector<std::vector<float>> logits;  // per reply token, the logits it was chosen from
+};
+
+struct RunResult {
+  bool with_cache = false;
+  std::vector<RequestResult> requests;
+  int64_t paged_out_bytes = 0;
+  int64_t evicted_nodes = 0;
+  int64_t trie_nodes = 0;
+  double seconds = 0;
+};
+
+struct ReplayOptions {
+  bool with_cache = true;
+  int64_t max_paged_out_bytes = int64_t(8) << 30;
+  // Called after each request with (done, total).
+  std::function<void(size_t, size_t)> progress = [](size_t, size_t) {};
+};
+
+RunResult replay(const Workload&, const Model&, const ReplayOptions&);
+
+struct Comparison {
+  bool same_tokens = true;
+  std::string first_difference;  // empty when the runs agree
+  double max_logit_difference = 0;
+};
+Comparison compare(const RunResult& cached, const RunResult& uncached, double tolerance);
+
+struct Summary {
+  int64_t requests = 0, prompt_tokens = 0, evaluated_cached = 0, evaluated_uncached = 0, ideal = 0;
+  int64_t gap_seen_not_evaluated = 0, gap_restore_points = 0;
+  double ttft_median_cached = 0, ttft_p90_cached = 0, ttft_median_uncached = 0,
+         ttft_p90_uncached = 0;
+  int64_t paged_out_bytes = 0, evicted_nodes = 0, trie_nodes = 0;
+  double seconds_cached = 0, seconds_uncached = 0;
+};
+Summary summarize(const RunResult& cached, const RunResult& uncached);
+
+std::string format_table(const Summary&, const Comparison&, const std::string& workload);
+std::string format_json(const Summary&, const Comparison&, const RunResult& cached,
+                        const RunResult& uncached, const std::string& workload);
+// An SVG chart of tokens evaluated per request, with and without the cache, and the ideal.
+std::string format_chart(const RunResult& cached, const RunResult& uncached);
+
+}  // namespace kvsnap::tools

@@ -1,0 +1,181 @@
+#include "workload.h"
+
+#include <fmt/format.h>
+#include <kvsnap/error.h>
+
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+
+namespace kvsnap::tools {
+namespace {
+
+int32_t parse_role(const std::string& role) {
+  if (role == "system") return kSystem;
+  if (role == "user") return kUser;
+  if (role == "assistant") return kAssistant;
+  if (role == "tool") return kTool;
+  return -1;
+}
+
+Request parse_line(const nlohmann::json& json, const std::set<std::string>& known,
+                   const std::function<Error(const std::string&)>& fail) {
+  if (!json.is_object()) throw fail("expected a JSON object");
+  Request request;
+  for (const auto& [key, value] : json.items()) {
+    if (key != "id" && key != "after" && key != "regenerate" && key != "edit" &&
+        key != "messages" && key != "max_tokens") {
+      throw fail(
+          fmt::format("unknown field \"{}\" (known: id, after, regenerate, edit, messages, "
+                      "max_tokens)",
+                      key));
+    }
+  }
+  if (!json.contains("id") || !json["id"].is_string() || json["id"].get<std::string>().empty()) {
+    throw fail("\"id\" must be a non-empty string");
+  }
+  request.id = json["id"].get<std::string>();
+  if (known.count(request.id) > 0) throw fail(fmt::format("id \"{}\" is used twice", request.id));
+  int references = 0;
+  for (const auto& [key, kind] : {std::pair{"after", Request::Kind::after},
+                                  std::pair{"regenerate", Request::Kind::regenerate},
+                                  std::pair{"edit", Request::Kind::edit}}) {
+    if (!json.contains(key)) continue;
+    ++references;
+    if (!json[key].is_string()) throw fail(fmt::format("\"{}\" must be a string id", key));
+    request.kind = kind;
+    request.reference = json[key].get<std::string>();
+    if (known.count(request.reference) == 0) {
+      throw fail(fmt::format("\"{}\" names \"{}\", which no earlier line defines", key,
+                             request.reference));
+    }
+  }
+  if (references > 1) throw fail("use at most one of \"after\", \"regenerate\", \"edit\"");
+  if (json.contains("messages")) {
+    const auto& messages = json["messages"];
+    if (!messages.is_array() || messages.empty())
+      throw fail("\"messages\" must be a non-empty array");
+    for (size_t i = 0; i < messages.size(); ++i) {
+      const auto& m = messages[i];
+      if (!m.is_object() || !m.contains("role") || !m["role"].is_string() ||
+          !m.contains("content") || !m["content"].is_string()) {
+        throw fail(fmt::format("message {} needs string \"role\" and \"content\"", i));
+      }
+      const int32_t role = parse_role(m["role"].get<std::string>());
+      if (role < 0) {
+        throw fail(fmt::format("message {} has role \"{}\" (use system, user, assistant or tool)",
+                               i, m["role"].get<std::string>()));
+      }
+      request.messages.push_back({role, m["content"].get<std::string>()});
+    }
+  }
+  if (request.kind == Request::Kind::regenerate && !request.messages.empty()) {
+    throw fail("\"regenerate\" repeats a prompt and takes no \"messages\"");
+  }
+  if (request.kind != Request::Kind::regenerate && request.messages.empty()) {
+    throw fail("\"messages\" is required");
+  }
+  if (json.contains("max_tokens")) {
+    const auto& m = json["max_tokens"];
+    if (!m.is_number_integer() || m.get<int64_t>() < 1 || m.get<int64_t>() > 4096) {
+      throw fail(fmt::format("\"max_tokens\" is {}; need an integer in [1, 4096]", m.dump()));
+    }
+    request.max_tokens = m.get<int64_t>();
+  }
+  return request;
+}
+
+}  // namespace
+
+Workload parse_workload(const std::string& text, const std::string& source) {
+  Workload workload;
+  workload.name = source;
+  std::set<std::string> known;
+  std::istringstream lines(text);
+  std::string line;
+  int64_t number = 0;
+  while (std::getline(lines, line)) {
+    ++number;
+    const size_t first = line.find_first_not_of(" \t\r");
+    if (first == std::string::npos || line[first] == '#') continue;
+    const auto fail = [&](const std::string& what) {
+      return Error(fmt::format("{} line {}: {}", source, number, what));
+    };
+    nlohmann::json json;
+    try {
+      json = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::exception& e) {
+      throw fail(fmt::format("not valid JSON ({})", e.what()));
+    }
+    Request request = parse_line(json, known, fail);
+    request.line = number;
+    known.insert(request.id);
+    workload.requests.push_back(std::move(request));
+  }
+  if (workload.requests.empty())
+    throw Error(fmt::format("{}: the workload has no requests", source));
+  return workload;
+}
+
+std::vector<int32_t> render(const std::vector<Message>& messages) {
+  std::vector<int32_t> out;
+  for (const Message& m : messages) {
+    out.push_back(m.role);
+    for (unsigned char c : m.content) out.push_back(c);
+    out.push_back(kEnd);
+  }
+  return out;
+}
+
+std::vector<int32_t> PromptBuilder::prompt(const Request& request,
+                                           std::vector<int64_t>* boundaries) const {
+  std::vector<int32_t> context;
+  std::vector<int64_t> marks;
+  if (request.kind != Request::Kind::fresh) {
+    const Done& ref = done_.at(request.reference);
+    if (request.kind == Request::Kind::regenerate) {
+      if (boundaries != nullptr) *boundaries = ref.boundaries;
+      return ref.prompt;
+    }
+    if (request.kind == Request::Kind::after) {
+      context = ref.prompt;
+      context.insert(context.end(), ref.reply.begin(), ref.reply.end());
+      if (ref.reply.empty() || ref.reply.back() != kEnd) context.push_back(kEnd);
+      marks = ref.boundaries;
+      marks.push_back(static_cast<int64_t>(context.size()));
+    } else {  // edit: the same context, other messages
+      context = ref.context;
+      for (int64_t b : ref.boundaries) {
+        if (b <= static_cast<int64_t>(context.size())) marks.push_back(b);
+      }
+    }
+  }
+  std::vector<int32_t> prompt = context;
+  for (const Message& m : request.messages) {
+    const std::vector<int32_t> tokens = render({m});
+    prompt.insert(prompt.end(), tokens.begin(), tokens.end());
+    marks.push_back(static_cast<int64_t>(prompt.size()));
+  }
+  prompt.push_back(kAssistant);
+  if (boundaries != nullptr) *boundaries = marks;
+  return prompt;
+}
+
+void PromptBuilder::record(const Request& request, std::vector<int32_t> prompt,
+                           std::vector<int32_t> reply) {
+  Done done;
+  if (request.kind == Request::Kind::regenerate) {
+    done = done_.at(request.reference);
+  } else {
+    // The context is the prompt without this request's messages and the assistant marker.
+    size_t own = 1;
+    for (const Message& m : request.messages) own += m.content.size() + 2;
+    done.context.assign(prompt.begin(), prompt.end() - static_cast<std::ptrdiff_t>(own));
+    (void)this->prompt(request, &done.boundaries);
+  }
+  done.prompt = std::move(prompt);
+  done.reply = std::move(reply);
+  done_[request.id] = std::move(done);
+}
+
+}  // namespace kvsnap::tools

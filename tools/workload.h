@@ -1,0 +1,70 @@
+// Multi-turn workloads for `kvsnap replay`: the JSONL format, the chat rendering into tokens of
+// the built-in model's byte-level vocabulary, and how requests refer to earlier ones.
+//
+// One JSON object per line (blank lines and lines starting with '#' are skipped):
+//   {"id": "a1", "messages": [{"role": "system", "content": "..."}, {"role": "user", ...}]}
+//   {"id": "a2", "after": "a1", "messages": [{"role": "user", "content": "..."}]}
+//   {"id": "a1r", "regenerate": "a1"}
+//   {"id": "a1e", "edit": "a1", "messages": [{"role": "user", "content": "..."}]}
+// Optional "max_tokens" (1..4096, default 16) bounds the reply. "after" continues a request's
+// conversation (its prompt and generated reply, then these messages); "regenerate" repeats a
+// request's prompt; "edit" replaces a request's messages with these.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace kvsnap::tools {
+
+// The byte-level chat vocabulary: bytes 0..255, then role and end markers.
+enum Token : int32_t { kSystem = 256, kUser = 257, kAssistant = 258, kTool = 259, kEnd = 260 };
+constexpr int64_t kVocabularyNeeded = 261;
+
+struct Message {
+  int32_t role = kUser;  // kSystem, kUser, kAssistant or kTool
+  std::string content;
+};
+
+struct Request {
+  std::string id;
+  enum class Kind { fresh, after, regenerate, edit } kind = Kind::fresh;
+  std::string reference;  // the id named by after / regenerate / edit
+  std::vector<Message> messages;
+  int64_t max_tokens = 16;
+  int64_t line = 0;  // where it came from
+};
+
+struct Workload {
+  std::string name;
+  std::vector<Request> requests;
+};
+
+// Parses JSONL. Throws kvsnap::Error "<source> line N: <what is wrong>" for the first bad line.
+Workload parse_workload(const std::string& text, const std::string& source);
+// The workload embedded in the binary (data/workload.jsonl).
+Workload embedded_workload();
+
+// Tokens of `messages`: per message the role token, the content's bytes, kEnd.
+std::vector<int32_t> render(const std::vector<Message>& messages);
+
+// Builds prompts as the replay goes, from the replies generated so far.
+class PromptBuilder {
+ public:
+  // The prompt for `request`; every request it refers to must have been recorded.
+  // `boundaries` gets the offsets where messages end (restore points an engine would ask for).
+  std::vector<int32_t> prompt(const Request& request, std::vector<int64_t>* boundaries) const;
+  void record(const Request& request, std::vector<int32_t> prompt, std::vector<int32_t> reply);
+
+ private:
+  struct Done {
+    std::vector<int32_t> context;  // what the request's messages were appended to
+    std::vector<int32_t> prompt, reply;
+    std::vector<int64_t> boundaries;
+  };
+  std::map<std::string, Done> done_;
+};
+
+}  // namespace kvsnap::tools
