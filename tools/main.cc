@@ -12,6 +12,7 @@
 #include <fstream>
 #include <iostream>
 
+#include "figures.h"
 #include "persist/safetensors.h"
 #include "replay.h"
 #include "workload.h"
@@ -94,6 +95,22 @@ int run_replay(const ReplayArguments& args) {
   return comparison.first_difference.empty() ? 0 : 1;
 }
 
+struct BenchArguments {
+  bool json = false;
+  bool quick = false;
+  bool quiet = false;
+};
+
+int run_bench(const BenchArguments& args) {
+  bench::BenchOptions options;
+  options.end_to_end = !args.quick;
+  if (!args.quiet)
+    options.progress = [](const std::string& step) { fmt::print(stderr, "bench: {}\n", step); };
+  const std::vector<bench::Figure> figures = bench::run_figures(options);
+  std::cout << (args.json ? bench::figures_json(figures) : bench::format_figures(figures));
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -129,6 +146,16 @@ int main(int argc, char** argv) {
   replay_command->add_option("--seed", replay.seed, "seed of the generated weights")
       ->capture_default_str();
 
+  BenchArguments bench_args;
+  CLI::App* bench_command = app.add_subcommand(
+      "bench",
+      "Measure the headline figures (decode append, chunked prefill, lazy capture, materialize "
+      "and restore, merge/split, recurrent snapshots, trie lookups, end-to-end replay), each as a "
+      "ratio against a limit measured in the same run, with PASS/FAIL against its target.");
+  bench_command->add_flag("--json", bench_args.json, "print the figures as JSON");
+  bench_command->add_flag("--quick", bench_args.quick, "skip the end-to-end replay");
+  bench_command->add_flag("--quiet", bench_args.quiet, "no progress on stderr");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -136,6 +163,7 @@ int main(int argc, char** argv) {
   }
   try {
     if (*replay_command) return run_replay(replay);
+    if (*bench_command) return run_bench(bench_args);
   } catch (const Error& e) {
     fmt::print(stderr, "kvsnap: {}\n", e.what());
     return 2;

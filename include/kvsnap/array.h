@@ -83,6 +83,11 @@ class KVSNAP_EXPORT Array {
   // Self-overlap is not supported; the copy moves whole contiguous runs.
   void assign(const Array& source) const;
 
+  // Writes `source` into [start, start + source.dim(axis)) along `axis` of this array; the other
+  // extents and the dtype must match. Same as slice(axis, ...).assign(source) without making the
+  // view (no allocation at all: for per-token hot paths).
+  void assign_slice(int axis, int64_t start, const Array& source) const;
+
   // True when both handles name the same underlying buffer.
   bool shares_storage(const Array& other) const;
 

@@ -302,6 +302,24 @@ void Array::assign(const Array& source) const {
                        ndim(), dtype_size(dtype_));
 }
 
+void Array::assign_slice(int axis, int64_t start, const Array& source) const {
+  const int a = normalize_axis(axis, "Array::assign_slice");
+  bool fits = !source.empty() && source.dtype_ == dtype_ && source.ndim() == ndim() && start >= 0;
+  for (int i = 0; fits && i < ndim(); ++i) {
+    fits = i == a ? start + source.shape_[i] <= shape_[i] : source.shape_[i] == shape_[i];
+  }
+  if (!fits) {
+    throw Error(
+        fmt::format("Array::assign_slice: source {} does not fit at {} along axis {} of {} "
+                    "(dtype and other extents must match)",
+                    source.describe(), start, axis, describe()));
+  }
+  char* destination =
+      static_cast<char*>(raw_data(dtype_size(dtype_))) + start * strides_[a] * dtype_size(dtype_);
+  detail::strided_copy(destination, strides_.data(), source.raw_data(dtype_size(dtype_)),
+                       source.strides_.data(), source.shape_.data(), ndim(), dtype_size(dtype_));
+}
+
 bool Array::shares_storage(const Array& other) const {
   return storage_ != nullptr && storage_ == other.storage_;
 }

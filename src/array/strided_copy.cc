@@ -64,12 +64,25 @@ int64_t strided_copy(void* destination, const int64_t* destination_strides, cons
   }
   const auto run_bytes = static_cast<size_t>(run_elements * element_size);
 
+  // memmove only when the two layouts' spans overlap (shifting tokens inside one buffer);
+  // memcpy is faster for the small runs of per-token writes.
+  int64_t in_span = 0, out_span = 0;
+  for (int axis = 0; axis < layout.ndim; ++axis) {
+    in_span += (layout.shape[axis] - 1) * layout.source[axis];
+    out_span += (layout.shape[axis] - 1) * layout.destination[axis];
+  }
+  const char* in_end = in + (in_span + run_elements) * element_size;
+  const char* out_end = out + (out_span + run_elements) * element_size;
+  const bool overlap = in < out_end && out < in_end;
+  auto* move = overlap ? static_cast<void* (*)(void*, const void*, size_t)>(std::memmove)
+                       : static_cast<void* (*)(void*, const void*, size_t)>(std::memcpy);
+
   std::array<int64_t, kMaxAxes> index{};
   int64_t calls = 0;
   int64_t in_offset = 0;
   int64_t out_offset = 0;
   while (true) {
-    std::memmove(out + out_offset * element_size, in + in_offset * element_size, run_bytes);
+    move(out + out_offset * element_size, in + in_offset * element_size, run_bytes);
     ++calls;
     int axis = outer - 1;
     for (; axis >= 0; --axis) {  // odometer increment over the outer axes

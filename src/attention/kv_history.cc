@@ -34,14 +34,16 @@ KVHistory::KVHistory(Array keys, Array values, int64_t first_position, int64_t o
       first_position_(first_position),
       oldest_column_(oldest_column),
       window_(window) {
-  if (keys_.ndim() != 4 || values_.ndim() != 4 || keys_.dim(0) != values_.dim(0) ||
-      keys_.dim(1) != values_.dim(1) || keys_.dim(2) != values_.dim(2)) {
+  const Shape& k_shape = keys_.shape();
+  const Shape& v_shape = values_.shape();
+  if (k_shape.size() != 4 || v_shape.size() != 4 || k_shape[0] != v_shape[0] ||
+      k_shape[1] != v_shape[1] || k_shape[2] != v_shape[2]) {
     throw Error(
         fmt::format("KVHistory: keys {} and values {} must be [B, H, K, D] with equal B, "
                     "H and K",
                     keys_.describe(), values_.describe()));
   }
-  const int64_t k = keys_.dim(2);
+  const int64_t k = k_shape[2];
   if (first_position < 0 || window < 0 || oldest_column < 0 || (k > 0 && oldest_column >= k) ||
       (k == 0 && oldest_column != 0)) {
     throw Error(

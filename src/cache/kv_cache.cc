@@ -106,8 +106,8 @@ class KVCacheImpl {
     const int64_t length = new_keys.dim(2);
     ensure_capacity(at + length);
     materialize_overlapping(at, at + length);
-    keys.slice(2, at, at + length).assign(new_keys);
-    values.slice(2, at, at + length).assign(new_values);
+    keys.assign_slice(2, at, new_keys);
+    values.assign_slice(2, at, new_values);
   }
 
   // Records a capture for every scheduled offset the writes have reached.
@@ -186,7 +186,11 @@ KVHistory KVCache::update(const Batch& batch, const Array& keys, const Array& va
     c.has_layout = true;
   }
   if (length > 0) {
-    c.write(c.offset, keys.slice(2, 0, length), values.slice(2, 0, length));
+    if (length == keys.dim(2)) {  // no padding columns: write the arrays as given
+      c.write(c.offset, keys, values);
+    } else {
+      c.write(c.offset, keys.slice(2, 0, length), values.slice(2, 0, length));
+    }
     c.offset += length;
     c.stats.appended_bytes += length * c.token_bytes();
   }

@@ -137,8 +137,8 @@ class RotatingKVCacheImpl {
   void write_columns(int64_t column, const Array& k, const Array& v) {
     const int64_t n = k.dim(2);
     materialize_columns(column, column + n);
-    keys.slice(2, column, column + n).assign(k);
-    values.slice(2, column, column + n).assign(v);
+    keys.assign_slice(2, column, k);
+    values.assign_slice(2, column, v);
   }
 
   void write_one(const Array& k, const Array& v) {
@@ -259,10 +259,17 @@ KVHistory RotatingKVCache::update(const Batch& batch, const Array& keys, const A
     c.layout = detail::KVLayout::of(keys, values);
     c.has_layout = true;
   }
-  if (length == 1) {
-    c.write_one(keys.slice(2, 0, 1), values.slice(2, 0, 1));
-  } else if (length > 1) {
-    c.write_chunk(keys.slice(2, 0, length), values.slice(2, 0, length));
+  const auto write = [&](const Array& k, const Array& v) {
+    if (length == 1) {
+      c.write_one(k, v);
+    } else if (length > 1) {
+      c.write_chunk(k, v);
+    }
+  };
+  if (length == keys.dim(2)) {  // no padding columns: write the arrays as given
+    write(keys, values);
+  } else {
+    write(keys.slice(2, 0, length), values.slice(2, 0, length));
   }
   c.offset += length;
   c.stats.appended_bytes += length * c.token_bytes();

@@ -128,6 +128,20 @@ TEST(KVCache, SnapshotIsLazyAndAllocatesNothing) {
   EXPECT_EQ(allocation_count(), allocations);
 }
 
+TEST(KVCache, DecodeAppendAllocatesNoArrayStorage) {
+  KVCache cache;
+  write(cache, kv, id_range(0, 10));
+  const auto k = kv.keys(id_range(10, 1)), v = kv.values(id_range(10, 1));
+  Batch batch = Batch::uniform(1, 1, 0);
+  const int64_t allocations = allocation_count();
+  for (int i = 0; i < 100; ++i) {
+    batch.seq_offsets[0] = static_cast<int32_t>(cache.offset());
+    (void)cache.update(batch, k, v);
+  }
+  EXPECT_EQ(allocation_count(), allocations);  // within capacity: no buffer is allocated
+  EXPECT_EQ(cache.copy_stats().growth_bytes, 0);
+}
+
 TEST(KVCache, SnapshotAtTheCurrentOffsetIsNull) {
   KVCache cache;
   EXPECT_EQ(cache.snapshot(0), nullptr);

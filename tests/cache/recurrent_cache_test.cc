@@ -112,8 +112,10 @@ TEST(RecurrentCache, SnapshotAndRestoreCopyNothing) {
   RecurrentCache cache = layer.make_cache();
   layer.forward(cache, id_range(0, 5));
   const int64_t bytes = live_bytes();
+  const int64_t allocations = allocation_count();
   SnapshotPtr s = cache.snapshot(0);
   EXPECT_EQ(live_bytes(), bytes);
+  EXPECT_EQ(allocation_count(), allocations);
   EXPECT_EQ(s->size(), 3 * 6 * 4 + 2 * 3 * 4 * 4);
   EXPECT_FALSE(s->is_lazy());
   layer.forward(cache, id_range(5, 2));

@@ -43,6 +43,28 @@ TEST(RotatingKVCache, DecodeWrapsAndHoldsTheLastMaxSizePositions) {
   EXPECT_EQ(history.oldest_column(), 3);  // ring order: 11 writes, slot of position 7 is 3
 }
 
+TEST(RotatingKVCache, RingDecodeAllocatesNoArrayStorage) {
+  RotatingKVCache cache(16);
+  decode(cache, 40);  // a wrapped ring
+  const auto k = kv.keys(id_range(5000, 1)), v = kv.values(id_range(5000, 1));
+  Batch batch = Batch::uniform(1, 1, 0);
+  const int64_t allocations = allocation_count();
+  for (int i = 0; i < 100; ++i) {
+    batch.seq_offsets[0] = static_cast<int32_t>(cache.offset());
+    (void)cache.update(batch, k, v);
+  }
+  EXPECT_EQ(allocation_count(), allocations);
+}
+
+TEST(RotatingKVCache, RepeatedChunksMoveAtMostTheWindowPerRelinearization) {
+  // Chunked writes keep the window by moving `start` inside a roomy buffer; old tokens are
+  // copied only when the buffer is rebuilt, and then at most max_size-1 of them.
+  RotatingKVCache cache(64);
+  for (int i = 0; i < 50; ++i) write_positions(cache, 32);
+  const CopyStats stats = cache.copy_stats();
+  EXPECT_LE(stats.growth_bytes, stats.appended_bytes);
+}
+
 TEST(RotatingKVCache, DecodeStopsGrowingAtMaxSize) {
   RotatingKVCache cache(300);
   decode(cache, 700);

@@ -1,0 +1,33 @@
+// The headline figures of `kvsnap bench`: each measured operation as a ratio against a limit
+// measured in the same run (memcpy of the same bytes, or recomputation), with its target.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace kvsnap::bench {
+
+struct Figure {
+  std::string group;          // "decode append"
+  std::string name;           // "KVCache"
+  double value = 0;           // the measurement, in `unit`
+  std::string unit;           // "ns/token"
+  double ratio = 0;           // against the limit; meaning in `ratio_meaning`
+  std::string ratio_meaning;  // "x memcpy time"
+  std::string target;         // "<= 3x memcpy + 200 ns" (empty: reported, no target)
+  bool pass = true;
+  std::string note;
+};
+
+struct BenchOptions {
+  bool end_to_end = true;  // include the replay (the slowest figure)
+  std::function<void(const std::string&)> progress = [](const std::string&) {};
+};
+
+std::vector<Figure> run_figures(const BenchOptions&);
+
+std::string format_figures(const std::vector<Figure>&);
+std::string figures_json(const std::vector<Figure>&);
+
+}  // namespace kvsnap::bench
