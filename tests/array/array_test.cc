@@ -116,6 +116,27 @@ TEST(Array, StridedCopyMovesWholeRuns) {
   EXPECT_EQ(detail::strided_copy_calls() - calls, 4);
 }
 
+TEST(Array, AssignSliceWritesARangeWithoutAllocating) {
+  const auto a = Array::zeros(DType::f32, {2, 5});
+  const auto part = Array::from_floats(std::vector<float>{1, 2, 3, 4}, {2, 2});
+  const int64_t allocations = allocation_count();
+  a.assign_slice(1, 3, part);
+  EXPECT_EQ(allocation_count(), allocations);
+  EXPECT_EQ(a.to_floats(), (std::vector<float>{0, 0, 0, 1, 2, 0, 0, 0, 3, 4}));
+  EXPECT_TRUE(testing::throws_error([&] { a.assign_slice(1, 4, part); }, {"Array::assign_slice", "at 4"}));
+  EXPECT_TRUE(testing::throws_error([&] { a.assign_slice(0, 0, part.astype(DType::f16)); },
+                                    {"Array::assign_slice"}));
+}
+
+TEST(Array, OverlappingShiftInsideOneBufferIsExact) {
+  // Moving tokens to the front of each head's region (as a window cache does) overlaps within
+  // each run; the copy must behave like memmove.
+  const auto a = Array::from_floats(iota(2 * 10), {2, 10});
+  a.slice(1, 0, 7).assign(a.slice(1, 3, 10));
+  EXPECT_EQ(a.slice(1, 0, 7).to_floats(),
+            (std::vector<float>{3, 4, 5, 6, 7, 8, 9, 13, 14, 15, 16, 17, 18, 19}));
+}
+
 TEST(Array, TransposeAndReshapeAreViews) {
   const auto a = Array::from_floats(iota(6), {2, 3});
   const auto t = a.transpose(0, 1);
