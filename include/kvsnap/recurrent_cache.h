@@ -43,6 +43,13 @@ class KVSNAP_EXPORT RecurrentCache final : public Cache {
   // offset() (ascending, in (0, forward_len)).
   std::vector<int64_t> snapshot_splits(int64_t forward_len) const;
 
+  // The dimensions given at construction.
+  int conv_tail() const;
+  int conv_dim() const;
+  int num_v_heads() const;
+  int head_v_dim() const;
+  int head_k_dim() const;
+
   std::vector<Array> state() const override;
   void reset() override;
   int64_t offset() const override;

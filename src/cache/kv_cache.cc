@@ -7,6 +7,7 @@
 #include "cache/capture_schedule.h"
 #include "cache/kv_layout.h"
 #include "cache/lazy_snapshot.h"
+#include "cache/snapshot_record.h"
 
 namespace kvsnap {
 namespace detail {
@@ -162,6 +163,18 @@ KVSnapshot& as_kv_snapshot(Snapshot* snapshot, const char* call) {
 }
 
 }  // namespace
+
+bool kv_record(const Snapshot& snapshot, SnapshotRecord& record) {
+  const auto* kv = dynamic_cast<const KVSnapshot*>(&snapshot);
+  if (kv == nullptr) return false;
+  record = {SnapshotRecord::Kind::kv, kv->keys(), kv->values(), kv->begin, kv->end};
+  return true;
+}
+
+SnapshotPtr make_kv_snapshot(Array keys, Array values, int64_t from) {
+  return std::make_unique<KVSnapshot>(std::move(keys), std::move(values), from);
+}
+
 }  // namespace detail
 
 using detail::KVSnapshot;

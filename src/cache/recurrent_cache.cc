@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include "cache/capture_schedule.h"
+#include "cache/snapshot_record.h"
 
 namespace kvsnap {
 namespace detail {
@@ -92,6 +93,19 @@ RecurrentSnapshot* as_recurrent_snapshot(Snapshot* snapshot, const char* call) {
 }
 
 }  // namespace
+
+bool recurrent_record(const Snapshot& snapshot, SnapshotRecord& record) {
+  const auto* recurrent = dynamic_cast<const RecurrentSnapshot*>(&snapshot);
+  if (recurrent == nullptr) return false;
+  record = {SnapshotRecord::Kind::recurrent, recurrent->conv, recurrent->delta, recurrent->at,
+            recurrent->at};
+  return true;
+}
+
+SnapshotPtr make_recurrent_snapshot(Array conv, Array delta, int64_t offset) {
+  return std::make_unique<RecurrentSnapshot>(std::move(conv), std::move(delta), offset);
+}
+
 }  // namespace detail
 
 using detail::RecurrentSnapshot;
@@ -228,6 +242,12 @@ std::pair<SnapshotPtr, SnapshotPtr> RecurrentCache::split(SnapshotPtr snapshot, 
 }
 
 CopyStats RecurrentCache::copy_stats() const { return impl_->stats; }
+
+int RecurrentCache::conv_tail() const { return static_cast<int>(impl_->conv_tail); }
+int RecurrentCache::conv_dim() const { return static_cast<int>(impl_->conv_dim); }
+int RecurrentCache::num_v_heads() const { return static_cast<int>(impl_->v_heads); }
+int RecurrentCache::head_v_dim() const { return static_cast<int>(impl_->v_dim); }
+int RecurrentCache::head_k_dim() const { return static_cast<int>(impl_->k_dim); }
 
 RestoreRule RecurrentCache::restore_rule() const { return {RestoreRule::Kind::whole_state, 0}; }
 

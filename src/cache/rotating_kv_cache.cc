@@ -7,6 +7,7 @@
 #include "cache/capture_schedule.h"
 #include "cache/kv_layout.h"
 #include "cache/lazy_snapshot.h"
+#include "cache/snapshot_record.h"
 
 namespace kvsnap {
 namespace detail {
@@ -236,6 +237,19 @@ RotatingSnapshot* as_rotating_snapshot(Snapshot* snapshot, const char* call) {
 }
 
 }  // namespace
+
+bool rotating_record(const Snapshot& snapshot, SnapshotRecord& record) {
+  const auto* rotating = dynamic_cast<const RotatingSnapshot*>(&snapshot);
+  if (rotating == nullptr) return false;
+  record = {SnapshotRecord::Kind::rotating, rotating->keys(), rotating->values(), rotating->end,
+            rotating->end};
+  return true;
+}
+
+SnapshotPtr make_rotating_snapshot(Array keys, Array values, int64_t end) {
+  return std::make_unique<RotatingSnapshot>(std::move(keys), std::move(values), end);
+}
+
 }  // namespace detail
 
 using detail::RotatingSnapshot;

@@ -123,7 +123,8 @@ TEST(Array, AssignSliceWritesARangeWithoutAllocating) {
   a.assign_slice(1, 3, part);
   EXPECT_EQ(allocation_count(), allocations);
   EXPECT_EQ(a.to_floats(), (std::vector<float>{0, 0, 0, 1, 2, 0, 0, 0, 3, 4}));
-  EXPECT_TRUE(testing::throws_error([&] { a.assign_slice(1, 4, part); }, {"Array::assign_slice", "at 4"}));
+  EXPECT_TRUE(
+      testing::throws_error([&] { a.assign_slice(1, 4, part); }, {"Array::assign_slice", "at 4"}));
   EXPECT_TRUE(testing::throws_error([&] { a.assign_slice(0, 0, part.astype(DType::f16)); },
                                     {"Array::assign_slice"}));
 }

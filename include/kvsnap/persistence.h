@@ -1,0 +1,46 @@
+// Snapshots on disk: a layer-indexed set of snapshots (any built-in kind, null entries allowed)
+// in one safetensors file, so cached state survives a restart.
+//
+//   kvsnap::save_snapshots("turn3.safetensors", cache.offset(), {s0.get(), nullptr, s2.get()});
+//   kvsnap::LoadedSnapshots loaded = kvsnap::load_snapshots("turn3.safetensors");
+//   (void)cache.restore(loaded.snapshots[0].get(), loaded.offset);
+//
+// The file is plain safetensors (readable by other tools): tensors `layer.<i>.keys` /
+// `layer.<i>.values` (KV and rotating kinds) or `layer.<i>.conv` / `layer.<i>.delta`
+// (recurrent), and `__metadata__` with the format version, the offset, each layer's kind and
+// offsets, and an xxHash64 checksum over the tensors and metadata. Writes are atomic (temporary
+// file, fsync, rename): a crash mid-save leaves the previous file loadable. A damaged file is
+// rejected whole with a kvsnap::Error.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvsnap/cache.h"
+#include "kvsnap/export.h"
+
+namespace kvsnap {
+
+struct LoadedSnapshots {
+  int64_t offset = 0;                  // as saved
+  std::vector<SnapshotPtr> snapshots;  // one per layer; owned; null where null was saved
+};
+
+// Writes `snapshots` (lazy ones are read from their cache, not materialized) with `offset`.
+// Throws Error for a snapshot of a kind kvsnap cannot store, or when the file cannot be written.
+KVSNAP_EXPORT void save_snapshots(const std::string& path, int64_t offset,
+                                  std::span<const Snapshot* const> snapshots);
+KVSNAP_EXPORT void save_snapshots(const std::string& path, int64_t offset,
+                                  const std::vector<SnapshotPtr>& snapshots);
+// Reads a file written by save_snapshots. Throws Error naming the file and what is wrong.
+[[nodiscard]] KVSNAP_EXPORT LoadedSnapshots load_snapshots(const std::string& path);
+
+// The same as bytes (what the files hold).
+KVSNAP_EXPORT std::string encode_snapshots(int64_t offset,
+                                           std::span<const Snapshot* const> snapshots);
+[[nodiscard]] KVSNAP_EXPORT LoadedSnapshots decode_snapshots(const std::string& bytes,
+                                                             const std::string& source);
+
+}  // namespace kvsnap

@@ -1,0 +1,57 @@
+#include "cache/snapshot_record.h"
+
+#include <fmt/format.h>
+
+namespace kvsnap::detail {
+
+std::optional<SnapshotRecord> snapshot_record(const Snapshot& snapshot) {
+  SnapshotRecord record;
+  if (kv_record(snapshot, record) || rotating_record(snapshot, record) ||
+      recurrent_record(snapshot, record)) {
+    return record;
+  }
+  return std::nullopt;
+}
+
+SnapshotPtr make_snapshot(SnapshotRecord record, const std::string& context) {
+  const Array& a = record.first;
+  const Array& b = record.second;
+  const auto fail = [&](const std::string& rule) {
+    return Error(fmt::format("{}: {} and {}: {}", context, a.describe(), b.describe(), rule));
+  };
+  const bool floats =
+      !a.empty() && !b.empty() && a.dtype() != DType::i32 && b.dtype() != DType::i32;
+  switch (record.kind) {
+    case SnapshotRecord::Kind::kv:
+    case SnapshotRecord::Kind::rotating: {
+      if (!floats || a.ndim() != 4 || b.ndim() != 4 || a.dim(0) != b.dim(0) ||
+          a.dim(1) != b.dim(1) || a.dim(2) != b.dim(2) || a.dim(2) == 0) {
+        throw fail("keys and values must be float [B, H, T, D] with equal B, H and T > 0");
+      }
+      if (record.kind == SnapshotRecord::Kind::kv) {
+        if (record.from < 0 || record.to - record.from != a.dim(2)) {
+          throw fail(fmt::format("range [{}, {}) does not hold {} tokens", record.from, record.to,
+                                 a.dim(2)));
+        }
+        return make_kv_snapshot(std::move(record.first), std::move(record.second), record.from);
+      }
+      if (record.to < a.dim(2)) {
+        throw fail(
+            fmt::format("a window of {} tokens cannot end at offset {}", a.dim(2), record.to));
+      }
+      return make_rotating_snapshot(std::move(record.first), std::move(record.second), record.to);
+    }
+    case SnapshotRecord::Kind::recurrent:
+      if (!floats || a.ndim() != 3 || b.ndim() != 4 || b.dtype() != DType::f32 ||
+          a.dim(0) != b.dim(0) || record.to <= 0) {
+        throw fail(
+            fmt::format("need conv [B, W-1, C] (float) and delta f32 [B, Hv, Dv, Dk] at an offset "
+                        "> 0 (got {})",
+                        record.to));
+      }
+      return make_recurrent_snapshot(std::move(record.first), std::move(record.second), record.to);
+  }
+  throw fail("unknown kind");
+}
+
+}  // namespace kvsnap::detail

@@ -1,0 +1,37 @@
+// Internal: the data of a built-in snapshot, for persistence — read out of any snapshot and
+// turned back into an owned one.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "kvsnap/cache.h"
+
+namespace kvsnap::detail {
+
+struct SnapshotRecord {
+  enum class Kind { kv, rotating, recurrent };
+  Kind kind = Kind::kv;
+  Array first;   // kv, rotating: keys [B, H, T, D]; recurrent: conv tail [B, W-1, C]
+  Array second;  // kv, rotating: values [B, H, T, Dv]; recurrent: delta state [B, Hv, Dv, Dk]
+  int64_t from = 0, to = 0;  // kv: [from, to); whole-state kinds: from == to == the offset
+};
+
+// The record of a KVCache, RotatingKVCache or RecurrentCache snapshot (arrays are views of the
+// live cache while the snapshot is lazy); nullopt for any other kind.
+std::optional<SnapshotRecord> snapshot_record(const Snapshot&);
+
+// An owned snapshot holding `record`'s arrays. Throws Error naming `context` when the arrays and
+// offsets are inconsistent (shapes, dtypes, ranges).
+SnapshotPtr make_snapshot(SnapshotRecord record, const std::string& context);
+
+// Per kind, defined next to each snapshot class.
+bool kv_record(const Snapshot&, SnapshotRecord&);
+bool rotating_record(const Snapshot&, SnapshotRecord&);
+bool recurrent_record(const Snapshot&, SnapshotRecord&);
+SnapshotPtr make_kv_snapshot(Array keys, Array values, int64_t from);
+SnapshotPtr make_rotating_snapshot(Array keys, Array values, int64_t end);
+SnapshotPtr make_recurrent_snapshot(Array conv, Array delta, int64_t offset);
+
+}  // namespace kvsnap::detail

@@ -1,0 +1,163 @@
+#include <fmt/format.h>
+
+#include <nlohmann/json.hpp>
+
+#include "cache/snapshot_record.h"
+#include "kvsnap/persistence.h"
+#include "persist/files.h"
+#include "persist/safetensors.h"
+
+namespace kvsnap {
+namespace {
+
+using detail::SnapshotRecord;
+using Json = nlohmann::json;
+
+constexpr const char* kFormat = "kvsnap-snapshots";
+constexpr const char* kVersion = "1";
+
+// Metadata value `key` as an integer in [low, high]; throws through `fail`.
+template <class Fail>
+int64_t integer(const std::map<std::string, std::string>& metadata, const std::string& key,
+                int64_t low, int64_t high, const Fail& fail) {
+  const auto it = metadata.find(key);
+  if (it == metadata.end()) throw fail(fmt::format("metadata \"{}\" is missing", key));
+  try {
+    size_t used = 0;
+    const long long value = std::stoll(it->second, &used);
+    if (used == it->second.size() && value >= low && value <= high) return value;
+  } catch (const std::exception&) {
+  }
+  throw fail(fmt::format("metadata \"{}\" = \"{}\" is not an integer in [{}, {}]", key, it->second,
+                         low, high));
+}
+
+}  // namespace
+
+std::string encode_snapshots(int64_t offset, std::span<const Snapshot* const> snapshots) {
+  if (offset < 0) throw Error(fmt::format("save_snapshots: offset {} must be >= 0", offset));
+  detail::SafetensorsFile file;
+  file.metadata["format"] = kFormat;
+  file.metadata["version"] = kVersion;
+  file.metadata["offset"] = std::to_string(offset);
+  file.metadata["layers"] = std::to_string(snapshots.size());
+  for (size_t i = 0; i < snapshots.size(); ++i) {
+    const std::string layer = fmt::format("layer.{}", i);
+    if (snapshots[i] == nullptr) {
+      file.metadata[layer] = Json{{"kind", "none"}}.dump();
+      continue;
+    }
+    const std::optional<SnapshotRecord> record = detail::snapshot_record(*snapshots[i]);
+    if (!record) {
+      throw Error(fmt::format(
+          "save_snapshots: layer {} holds a snapshot of a kind kvsnap cannot store", i));
+    }
+    switch (record->kind) {
+      case SnapshotRecord::Kind::kv:
+        file.metadata[layer] =
+            Json{{"kind", "kv"}, {"from", record->from}, {"to", record->to}}.dump();
+        break;
+      case SnapshotRecord::Kind::rotating:
+        file.metadata[layer] = Json{{"kind", "rotating"}, {"end", record->to}}.dump();
+        break;
+      case SnapshotRecord::Kind::recurrent:
+        file.metadata[layer] = Json{{"kind", "recurrent"}, {"offset", record->to}}.dump();
+        break;
+    }
+    const bool recurrent = record->kind == SnapshotRecord::Kind::recurrent;
+    file.tensors.emplace_back(layer + (recurrent ? ".conv" : ".keys"), record->first);
+    file.tensors.emplace_back(layer + (recurrent ? ".delta" : ".values"), record->second);
+  }
+  file.metadata["checksum"] = detail::checksum(file);
+  return detail::encode_safetensors(file);
+}
+
+LoadedSnapshots decode_snapshots(const std::string& bytes, const std::string& source) {
+  const detail::SafetensorsFile file = detail::decode_safetensors(bytes, source);
+  const auto fail = [&](const std::string& what) {
+    return Error(fmt::format("{}: {}", source, what));
+  };
+  const auto meta = [&](const std::string& key) -> const std::string& {
+    const auto it = file.metadata.find(key);
+    if (it == file.metadata.end()) throw fail(fmt::format("metadata \"{}\" is missing", key));
+    return it->second;
+  };
+  if (meta("format") != kFormat) {
+    throw fail(fmt::format("format \"{}\" is not {}", meta("format"), kFormat));
+  }
+  if (meta("version") != kVersion) {
+    throw fail(fmt::format("version \"{}\" is unknown (this build reads version {})",
+                           meta("version"), kVersion));
+  }
+  if (meta("checksum") != detail::checksum(file)) {
+    throw fail(fmt::format("checksum {} does not match the contents ({}): the file is damaged",
+                           meta("checksum"), detail::checksum(file)));
+  }
+  LoadedSnapshots loaded;
+  loaded.offset = integer(file.metadata, "offset", 0, int64_t(1) << 40, fail);
+  const int64_t layers = integer(file.metadata, "layers", 0, 1 << 20, fail);
+  size_t claimed = 0;
+  const auto tensor = [&](const std::string& name) {
+    ++claimed;
+    return file.at(name, source.c_str());
+  };
+  for (int64_t i = 0; i < layers; ++i) {
+    const std::string layer = fmt::format("layer.{}", i);
+    Json entry;
+    try {
+      entry = Json::parse(meta(layer));
+    } catch (const Json::exception&) {
+      throw fail(fmt::format("metadata \"{}\" is not valid JSON", layer));
+    }
+    const auto number = [&](const char* key) {
+      if (!entry.contains(key) || !entry[key].is_number_integer()) {
+        throw fail(fmt::format("{} needs an integer \"{}\"", layer, key));
+      }
+      return entry[key].get<int64_t>();
+    };
+    const std::string kind =
+        entry.is_object() && entry.contains("kind") && entry["kind"].is_string()
+            ? entry["kind"].get<std::string>()
+            : "";
+    SnapshotRecord record;
+    if (kind == "none") {
+      loaded.snapshots.push_back(nullptr);
+      continue;
+    } else if (kind == "kv") {
+      record = {SnapshotRecord::Kind::kv, tensor(layer + ".keys"), tensor(layer + ".values"),
+                number("from"), number("to")};
+    } else if (kind == "rotating") {
+      record = {SnapshotRecord::Kind::rotating, tensor(layer + ".keys"), tensor(layer + ".values"),
+                number("end"), number("end")};
+    } else if (kind == "recurrent") {
+      record = {SnapshotRecord::Kind::recurrent, tensor(layer + ".conv"), tensor(layer + ".delta"),
+                number("offset"), number("offset")};
+    } else {
+      throw fail(fmt::format("{} has unknown kind \"{}\"", layer, kind));
+    }
+    loaded.snapshots.push_back(
+        detail::make_snapshot(std::move(record), fmt::format("{} {}", source, layer)));
+  }
+  if (claimed != file.tensors.size()) {
+    throw fail(fmt::format("{} tensors belong to no layer", file.tensors.size() - claimed));
+  }
+  return loaded;
+}
+
+void save_snapshots(const std::string& path, int64_t offset,
+                    std::span<const Snapshot* const> snapshots) {
+  detail::write_file_atomically(path, encode_snapshots(offset, snapshots));
+}
+
+void save_snapshots(const std::string& path, int64_t offset,
+                    const std::vector<SnapshotPtr>& snapshots) {
+  std::vector<const Snapshot*> pointers;
+  for (const SnapshotPtr& s : snapshots) pointers.push_back(s.get());
+  save_snapshots(path, offset, pointers);
+}
+
+LoadedSnapshots load_snapshots(const std::string& path) {
+  return decode_snapshots(detail::read_file(path), path);
+}
+
+}  // namespace kvsnap

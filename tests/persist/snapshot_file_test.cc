@@ -1,0 +1,274 @@
+#include <gtest/gtest.h>
+#include <kvsnap/kvsnap.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "cache/snapshot_record.h"
+#include "support/cache_support.h"
+#include "support/recurrent_support.h"
+#include "support/test_support.h"
+
+namespace kvsnap {
+namespace {
+
+using testing::id_range;
+using testing::throws_error;
+using testing::TokenKV;
+
+const TokenKV kv{.heads = 2, .depth = 4, .dtype = DType::bf16};
+
+std::filesystem::path scratch(const std::string& name) {
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("kvsnap_persist_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  return dir / name;
+}
+
+// Bytes of every array of a snapshot's record, and its offsets: equal iff bit-exact.
+std::string fingerprint(const Snapshot& s) {
+  const auto record = detail::snapshot_record(s);
+  std::string out = std::to_string(static_cast<int>(record->kind)) + " " +
+                    std::to_string(record->from) + " " + std::to_string(record->to) + " ";
+  for (const Array* a : {&record->first, &record->second}) {
+    const Array c = a->contiguous();
+    out += c.describe();
+    out.append(static_cast<const char*>(c.bytes()), static_cast<size_t>(c.nbytes()));
+  }
+  return out;
+}
+
+struct Fixture {
+  KVCache attention;
+  RotatingKVCache window{6};
+  testing::RecurrentLayer layer;
+  RecurrentCache recurrent = layer.make_cache();
+  std::vector<SnapshotPtr> snapshots;
+
+  Fixture() {
+    testing::write(attention, kv, id_range(0, 9));
+    testing::write(window, kv, id_range(0, 9));
+    layer.forward(recurrent, id_range(0, 9));
+    snapshots.push_back(attention.snapshot(3));  // lazy KV [3, 9)
+    snapshots.push_back(nullptr);                // a stateless layer
+    snapshots.push_back(window.snapshot(0));     // lazy window at 9
+    snapshots.push_back(recurrent.snapshot(0));  // recurrent state at 9
+  }
+};
+
+TEST(SnapshotFile, RoundTripsEveryKindBitExactly) {
+  Fixture f;
+  const auto path = scratch("all.safetensors");
+  save_snapshots(path.string(), 9, f.snapshots);
+  EXPECT_TRUE(f.snapshots[0]->is_lazy());  // saving reads lazy snapshots, it does not copy them out
+  const LoadedSnapshots loaded = load_snapshots(path.string());
+  EXPECT_EQ(loaded.offset, 9);
+  ASSERT_EQ(loaded.snapshots.size(), 4u);
+  EXPECT_EQ(loaded.snapshots[1], nullptr);
+  for (size_t i : {0u, 2u, 3u}) {
+    ASSERT_NE(loaded.snapshots[i], nullptr);
+    EXPECT_FALSE(loaded.snapshots[i]->is_lazy());
+    EXPECT_EQ(fingerprint(*loaded.snapshots[i]), fingerprint(*f.snapshots[i])) << i;
+  }
+}
+
+TEST(SnapshotFile, OwnedAndWrappedSnapshotsRoundTrip) {
+  RotatingKVCache window(4);
+  for (int i = 0; i < 11; ++i) testing::write(window, kv, id_range(i, 1));  // a wrapped ring
+  std::vector<SnapshotPtr> snapshots;
+  snapshots.push_back(window.snapshot(0));
+  ASSERT_FALSE(snapshots[0]->is_lazy());
+  const std::string bytes = encode_snapshots(11, std::vector<const Snapshot*>{snapshots[0].get()});
+  const LoadedSnapshots loaded = decode_snapshots(bytes, "memory");
+  EXPECT_EQ(fingerprint(*loaded.snapshots[0]), fingerprint(*snapshots[0]));
+}
+
+TEST(SnapshotFile, RestoringALoadedSnapshotGivesTheSameAttention) {
+  Fixture f;
+  const auto path = scratch("attention.safetensors");
+  save_snapshots(path.string(), 9, f.snapshots);
+  const LoadedSnapshots loaded = load_snapshots(path.string());
+  std::mt19937 rng(3);
+  const Array q = testing::random_array({1, 4, 1, 4}, rng);
+  const std::vector<int64_t> next{77};
+  const Batch batch = Batch::uniform(1, 1, 9);
+  // The original cache, and a fresh one holding [0, 3) and then the loaded [3, 9).
+  const Array expected = sdpa(batch, q, f.attention.update(batch, kv.keys(next), kv.values(next)),
+                              AttentionMask::causal(), 0.5f);
+  KVCache fresh;
+  testing::write(fresh, kv, id_range(0, 3));
+  ASSERT_TRUE(fresh.restore(loaded.snapshots[0].get(), loaded.offset));
+  const Array got = sdpa(batch, q, fresh.update(batch, kv.keys(next), kv.values(next)),
+                         AttentionMask::causal(), 0.5f);
+  EXPECT_TRUE(testing::all_close(got, expected, 0.0f));
+  RecurrentCache recurrent = f.layer.make_cache();
+  ASSERT_TRUE(recurrent.restore(loaded.snapshots[3].get(), 9));
+  EXPECT_TRUE(testing::all_close(recurrent.state()[1], f.recurrent.state()[1], 0.0f));
+}
+
+// The file's header JSON, edited by `edit`, with the data as it was.
+std::string with_header(const std::string& bytes,
+                        const std::function<void(nlohmann::json&)>& edit) {
+  uint64_t length = 0;
+  for (int i = 0; i < 8; ++i)
+    length |= static_cast<uint64_t>(static_cast<unsigned char>(bytes[i])) << (8 * i);
+  nlohmann::json header = nlohmann::json::parse(bytes.substr(8, length));
+  edit(header);
+  const std::string text = header.dump();
+  std::string out(8, '\0');
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((text.size() >> (8 * i)) & 0xff);
+  return out + text + bytes.substr(8 + length);
+}
+
+class BadFiles : public ::testing::Test {
+ protected:
+  Fixture f;
+  std::string good =
+      encode_snapshots(9, std::vector<const Snapshot*>{f.snapshots[0].get(), nullptr,
+                                                       f.snapshots[2].get(), f.snapshots[3].get()});
+  ::testing::AssertionResult rejected(const std::string& bytes, const char* what) {
+    const int64_t before = live_bytes();
+    auto result = throws_error([&] { (void)decode_snapshots(bytes, "bad.safetensors"); },
+                               {"bad.safetensors", what});
+    if (live_bytes() != before)
+      return ::testing::AssertionFailure() << "a rejected file left arrays alive";
+    return result;
+  }
+};
+
+TEST_F(BadFiles, TheGoodFileLoads) {
+  EXPECT_EQ(decode_snapshots(good, "good").snapshots.size(), 4u);
+}
+
+TEST_F(BadFiles, TruncatedAtEveryByteIsRejected) {
+  for (size_t size = 0; size < good.size(); ++size) {
+    EXPECT_THROW((void)decode_snapshots(good.substr(0, size), "cut"), Error) << size;
+  }
+}
+
+TEST_F(BadFiles, AHeaderLengthThatLies) {
+  std::string longer = good;
+  longer[0] = static_cast<char>(0xff);
+  longer[1] = static_cast<char>(0xff);
+  longer[5] = 1;
+  EXPECT_TRUE(rejected(longer, "header length"));
+  std::string shorter = good;
+  shorter[0] = static_cast<char>(static_cast<unsigned char>(shorter[0]) - 8);
+  EXPECT_TRUE(rejected(shorter, ""));
+}
+
+TEST_F(BadFiles, MalformedJson) {
+  std::string broken = good;
+  const size_t header_end =
+      8 + static_cast<unsigned char>(good[0]) + 256 * static_cast<unsigned char>(good[1]);
+  broken[good.rfind('}', header_end)] = ',';  // the header object never closes
+  EXPECT_TRUE(rejected(broken, "JSON"));
+}
+
+TEST_F(BadFiles, OffsetsOverlappingOrOutOfRange) {
+  EXPECT_TRUE(rejected(with_header(good,
+                                   [](auto& h) {
+                                     h["layer.0.values"]["data_offsets"] =
+                                         h["layer.0.keys"]["data_offsets"];
+                                   }),
+                       "overlap"));
+  EXPECT_TRUE(
+      rejected(with_header(good, [](auto& h) { h["layer.3.delta"]["data_offsets"][1] = 1 << 30; }),
+               "data_offsets"));
+  EXPECT_TRUE(rejected(with_header(good, [](auto& h) { h["layer.0.keys"]["shape"][2] = 7; }),
+                       "data_offsets"));
+}
+
+TEST_F(BadFiles, UnknownDtype) {
+  EXPECT_TRUE(rejected(with_header(good, [](auto& h) { h["layer.0.keys"]["dtype"] = "F64"; }),
+                       "unknown dtype"));
+}
+
+TEST_F(BadFiles, WrongChecksum) {
+  std::string flipped = good;
+  flipped[flipped.size() - 3] ^= 0x10;  // one bit of tensor data
+  EXPECT_TRUE(rejected(flipped, "checksum"));
+  EXPECT_TRUE(
+      rejected(with_header(good, [](auto& h) { h["__metadata__"]["offset"] = "8"; }), "checksum"));
+}
+
+TEST_F(BadFiles, UnknownVersion) {
+  EXPECT_TRUE(rejected(with_header(good, [](auto& h) { h["__metadata__"]["version"] = "99"; }),
+                       "version \"99\""));
+}
+
+TEST_F(BadFiles, NotAKvsnapFile) {
+  EXPECT_TRUE(
+      rejected(with_header(good, [](auto& h) { h["__metadata__"].erase("format"); }), "format"));
+}
+
+TEST(SnapshotFile, ForeignSnapshotKindsAreRefused) {
+  class Custom final : public Snapshot {
+   public:
+    int64_t size() const override { return 0; }
+    void set_materialize_hook(std::function<void(int64_t)>) override {}
+    int64_t from() const override { return 0; }
+    int64_t to() const override { return 0; }
+    bool is_lazy() const override { return false; }
+  } custom;
+  EXPECT_TRUE(
+      throws_error([&] { (void)encode_snapshots(0, std::vector<const Snapshot*>{&custom}); },
+                   {"save_snapshots", "layer 0", "cannot store"}));
+}
+
+TEST(SnapshotFile, ACrashMidSaveLeavesThePreviousFileLoadable) {
+  Fixture f;
+  const auto path = scratch("crash.safetensors").string();
+  save_snapshots(path, 9, f.snapshots);
+  const std::string expected = fingerprint(*load_snapshots(path).snapshots[0]);
+  // A large second set, so the save takes long enough to be killed in the middle.
+  KVCache big;
+  const TokenKV wide{.heads = 8, .depth = 64};
+  testing::write(big, wide, id_range(0, 4096));
+  std::vector<SnapshotPtr> large;
+  large.push_back(big.snapshot(0));
+  std::mt19937 rng(5);
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    const pid_t child = ::fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+      for (;;) save_snapshots(path, 4096, large);  // until killed
+    }
+    ::usleep(1000 + rng() % 20000);
+    ::kill(child, SIGKILL);
+    int status = 0;
+    ::waitpid(child, &status, 0);
+    const LoadedSnapshots loaded = load_snapshots(path);  // either the old or a complete new file
+    ASSERT_EQ(loaded.snapshots.size(), loaded.offset == 9 ? 4u : 1u);
+    if (loaded.offset == 9) {
+      EXPECT_EQ(fingerprint(*loaded.snapshots[0]), expected);
+    }
+    save_snapshots(path, 9, f.snapshots);  // back to the small file for the next attempt
+  }
+}
+
+// Writes a file for tests/persist/read_safetensors.py (KVSNAP_INTEROP_FILE names it).
+TEST(Interop, WritesAFileForOtherSafetensorsReaders) {
+  Fixture f;
+  const char* target = std::getenv("KVSNAP_INTEROP_FILE");
+  const std::string path = target != nullptr ? target : scratch("interop.safetensors").string();
+  save_snapshots(path, 9, f.snapshots);
+  EXPECT_EQ(load_snapshots(path).offset, 9);
+}
+
+TEST(SnapshotFile, SavingToAnUnwritablePlaceFailsClearly) {
+  Fixture f;
+  EXPECT_TRUE(
+      throws_error([&] { save_snapshots("/nonexistent-dir/x.safetensors", 9, f.snapshots); },
+                   {"writing /nonexistent-dir/x.safetensors", "open"}));
+  EXPECT_TRUE(throws_error([&] { (void)load_snapshots("/nonexistent-dir/x.safetensors"); },
+                           {"cannot open"}));
+}
+
+}  // namespace
+}  // namespace kvsnap
