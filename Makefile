@@ -2,7 +2,7 @@
 #   make demo   installs what is missing, builds, runs the main job on its embedded default
 #   make test   builds and runs every test (dev preset)
 #   make asan   builds and runs the tests under AddressSanitizer + UBSan
-.PHONY: all deps build release demo test asan format clean
+.PHONY: all deps build release demo test asan fuzz bench format clean
 
 JOBS ?= $(shell nproc)
 
@@ -29,6 +29,19 @@ asan: deps
 	cmake --preset asan
 	cmake --build --preset asan -j $(JOBS)
 	ctest --preset asan
+
+# Runs the snapshot-loader fuzzer for FUZZ_SECONDS (default 60) from a valid seed file.
+FUZZ_SECONDS ?= 60
+fuzz: deps
+	cmake --preset fuzz
+	cmake --build --preset fuzz -j $(JOBS)
+	mkdir -p build/fuzz/corpus
+	KVSNAP_FUZZ_SEED=build/fuzz/corpus/seed.safetensors ./build/fuzz/fuzz_snapshot_loader
+	./build/fuzz/fuzz_snapshot_loader -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=4096 \
+	    -max_len=65536 build/fuzz/corpus
+
+bench: release
+	./build/release/tools/kvsnap bench
 
 format:
 	clang-format -i $$(git ls-files '*.h' '*.cc')
