@@ -273,9 +273,13 @@ void end_to_end_figures(std::vector<Figure>& out, const BenchOptions& options) {
   const Model model{ModelConfig{}};
   const tools::Workload workload = tools::embedded_workload();
   options.progress("end to end: replay with the prefix cache");
-  const tools::RunResult cached = tools::replay(workload, model, {.with_cache = true});
+  tools::ReplayOptions with_cache;
+  with_cache.with_cache = true;
+  tools::ReplayOptions without_cache;
+  without_cache.with_cache = false;
+  const tools::RunResult cached = tools::replay(workload, model, with_cache);
   options.progress("end to end: replay without the prefix cache");
-  const tools::RunResult uncached = tools::replay(workload, model, {.with_cache = false});
+  const tools::RunResult uncached = tools::replay(workload, model, without_cache);
   const tools::Summary s = tools::summarize(cached, uncached);
   out.push_back({"end to end (kvsnap replay)", "time to first token, median",
                  s.ttft_median_cached * 1e3, "ms", s.ttft_median_uncached / s.ttft_median_cached,

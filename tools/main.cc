@@ -50,6 +50,7 @@ struct ReplayArguments {
   std::string chart = "replay.svg";
   int64_t budget = int64_t(8) << 30;
   std::string model_config, weights;
+  std::string cache_dir;
   uint64_t seed = 42;
 };
 
@@ -71,12 +72,17 @@ int run_replay(const ReplayArguments& args) {
                static_cast<double>(model.config().parameter_count()) / 1e6, workload.name,
                workload.requests.size());
   }
-  tools::ReplayOptions cached_options{.with_cache = true,
-                                      .max_paged_out_bytes = args.budget,
-                                      .progress = Progress("with prefix cache", !args.quiet)};
-  tools::ReplayOptions uncached_options{.with_cache = false,
-                                        .max_paged_out_bytes = args.budget,
-                                        .progress = Progress("without prefix cache", !args.quiet)};
+  // The saved trie is only valid for this exact model: its config (with the seed) and weights.
+  const std::string model_id =
+      model.config().to_json() + (args.weights.empty() ? "" : " weights " + args.weights);
+  tools::ReplayOptions cached_options;
+  cached_options.max_paged_out_bytes = args.budget;
+  cached_options.cache_dir = args.cache_dir;
+  cached_options.model_id = model_id;
+  cached_options.progress = Progress("with prefix cache", !args.quiet);
+  tools::ReplayOptions uncached_options;
+  uncached_options.with_cache = false;
+  uncached_options.progress = Progress("without prefix cache", !args.quiet);
   const tools::RunResult cached = tools::replay(workload, model, cached_options);
   const tools::RunResult uncached = tools::replay(workload, model, uncached_options);
   const tools::Comparison comparison = tools::compare(cached, uncached, 1e-4);
@@ -143,6 +149,9 @@ int main(int argc, char** argv) {
       ->check(CLI::ExistingFile);
   replay_command->add_option("--weights", replay.weights, "model safetensors (with --model-config)")
       ->check(CLI::ExistingFile);
+  replay_command->add_option("--cache-dir", replay.cache_dir,
+                             "load the prefix cache from DIR when saved there, save it at the end "
+                             "(a second run over the same workload starts warm)");
   replay_command->add_option("--seed", replay.seed, "seed of the generated weights")
       ->capture_default_str();
 

@@ -32,12 +32,16 @@ struct RunResult {
   int64_t paged_out_bytes = 0;
   int64_t evicted_nodes = 0;
   int64_t trie_nodes = 0;
+  int64_t loaded_nodes = -1;  // nodes loaded from the cache directory at start; -1: none loaded
   double seconds = 0;
 };
 
 struct ReplayOptions {
   bool with_cache = true;
   int64_t max_paged_out_bytes = int64_t(8) << 30;
+  // With the cache: load the trie from here at start when saved there, save it at the end.
+  std::string cache_dir;
+  std::string model_id;  // recorded with the saved trie, checked when loading it
   // Called after each request with (done, total).
   std::function<void(size_t, size_t)> progress = [](size_t, size_t) {};
 };
@@ -56,7 +60,7 @@ struct Summary {
   int64_t gap_seen_not_evaluated = 0, gap_restore_points = 0;
   double ttft_median_cached = 0, ttft_p90_cached = 0, ttft_median_uncached = 0,
          ttft_p90_uncached = 0;
-  int64_t paged_out_bytes = 0, evicted_nodes = 0, trie_nodes = 0;
+  int64_t paged_out_bytes = 0, evicted_nodes = 0, trie_nodes = 0, loaded_nodes = -1;
   double seconds_cached = 0, seconds_uncached = 0;
 };
 Summary summarize(const RunResult& cached, const RunResult& uncached);

@@ -54,6 +54,17 @@ class KVSNAP_EXPORT PrefixCache {
   // Starts a request for `prompt` (at least one token). Throws while another session is open.
   [[nodiscard]] Session begin(std::span<const int32_t> prompt);
 
+  // Writes the trie (edges, offsets, user flags, last-use order) and every node's snapshots to
+  // `dir`/prefix_cache.safetensors, atomically, with the layers' kinds and shapes and `model_id`
+  // (e.g. the model's config and weights hash). Throws Error when it cannot be written.
+  void save(const std::string& dir, const std::string& model_id = "") const;
+  // Replaces the trie by the one saved in `dir`, for the same layer configuration and model_id
+  // (else a clear Error and nothing changes). The live caches are reset: the next request
+  // restores from the loaded snapshots. Throws while a session is open.
+  void load(const std::string& dir, const std::string& model_id = "");
+  // Whether `dir` holds a saved trie.
+  static bool saved_in(const std::string& dir);
+
   // Bytes owned by snapshots in the trie (lazy snapshots count once they materialize).
   int64_t paged_out_bytes() const;
   // The same total recomputed from every node's snapshots: a consistency check, O(nodes).

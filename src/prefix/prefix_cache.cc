@@ -4,10 +4,14 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <optional>
 #include <set>
 
+#include "persist/files.h"
+#include "persist/safetensors.h"
 #include "prefix/trie.h"
+#include "prefix/trie_file.h"
 
 namespace kvsnap {
 namespace detail {
@@ -454,6 +458,35 @@ PrefixCache::PrefixCache(std::vector<Cache*> layers) : PrefixCache(std::move(lay
 PrefixCache::PrefixCache(std::vector<Cache*> layers, Options options)
     : impl_(std::make_unique<detail::PrefixCacheImpl>(std::move(layers), options)) {}
 PrefixCache::~PrefixCache() = default;
+
+namespace {
+std::string trie_path(const std::string& dir) {
+  return (std::filesystem::path(dir) / "prefix_cache.safetensors").string();
+}
+}  // namespace
+
+void PrefixCache::save(const std::string& dir, const std::string& model_id) const {
+  std::error_code error;
+  std::filesystem::create_directories(dir, error);
+  if (error)
+    throw Error(fmt::format("PrefixCache::save: cannot create {} ({})", dir, error.message()));
+  detail::write_file_atomically(trie_path(dir), detail::encode_trie(impl_->trie, model_id));
+}
+
+void PrefixCache::load(const std::string& dir, const std::string& model_id) {
+  if (impl_->open) throw Error("PrefixCache::load: a session is open; close it first");
+  const std::string path = trie_path(dir);
+  detail::LoadedTrie loaded =
+      detail::decode_trie(detail::read_file(path), path, impl_->trie.layers(), model_id);
+  impl_->reset_live();
+  detail::install(impl_->trie, std::move(loaded));
+  impl_->tip = &impl_->trie.root();
+  impl_->evict_to_budget();
+}
+
+bool PrefixCache::saved_in(const std::string& dir) {
+  return std::filesystem::exists(trie_path(dir));
+}
 
 PrefixCache::Session PrefixCache::begin(std::span<const int32_t> prompt) {
   return impl_->begin(prompt);

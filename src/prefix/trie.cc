@@ -218,6 +218,48 @@ void Trie::leaves(std::vector<Node*>& out) {
   }
 }
 
+void Trie::preorder(std::vector<const Node*>& out) const {
+  std::vector<const Node*> stack;
+  for (auto it = root_.children.rbegin(); it != root_.children.rend(); ++it)
+    stack.push_back(it->get());
+  while (!stack.empty()) {
+    const Node* node = stack.back();
+    stack.pop_back();
+    out.push_back(node);
+    for (auto it = node->children.rbegin(); it != node->children.rend(); ++it)
+      stack.push_back(it->get());
+  }
+}
+
+void Trie::clear() {
+  std::vector<Node*> stack{&root_};
+  while (!stack.empty()) {
+    Node* node = stack.back();
+    stack.pop_back();
+    for (size_t i = 0; i < layers_.size(); ++i) (void)detach(*node, i);
+    for (auto& c : node->children) stack.push_back(c.get());
+  }
+  root_.children.clear();
+  node_count_ = 0;
+}
+
+Node& Trie::add_child(Node& parent, std::vector<int32_t> edge, std::vector<SnapshotPtr> snapshots,
+                      bool user, int64_t last_used) {
+  auto node = std::make_unique<Node>();
+  node->parent = &parent;
+  node->end = parent.end + static_cast<int64_t>(edge.size());
+  node->edge = std::move(edge);
+  node->user = user;
+  node->last_used = last_used;
+  node->snapshots.resize(layers_.size());
+  for (size_t i = 0; i < layers_.size() && i < snapshots.size(); ++i)
+    attach(*node, i, std::move(snapshots[i]));
+  Node& added = *node;
+  parent.children.push_back(std::move(node));
+  ++node_count_;
+  return added;
+}
+
 void Trie::count_bytes(const Node& node, int64_t& total) const {
   for (const SnapshotPtr& s : node.snapshots) {
     if (s != nullptr) total += s->size();

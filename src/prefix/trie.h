@@ -75,6 +75,16 @@ class Trie {
 
   // Every leaf, for eviction.
   void leaves(std::vector<Node*>& out);
+  // Every node but the root, parents before children.
+  void preorder(std::vector<const Node*>& out) const;
+
+  // Removes every node (and its snapshots).
+  void clear();
+  // Appends a child of `parent` as loaded from a file (no invariant checks beyond accounting).
+  Node& add_child(Node& parent, std::vector<int32_t> edge, std::vector<SnapshotPtr> snapshots,
+                  bool user, int64_t last_used);
+  int64_t clock() const { return clock_; }
+  void set_clock(int64_t clock) { clock_ = clock; }
 
   std::string debug_string() const;
   // Empty when every invariant holds, else the first violation found.

@@ -23,8 +23,8 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
     const std::vector<kvsnap::Array> delta{kvsnap::Array::zeros(kvsnap::DType::f32, {1, 1, 2, 2})};
     recurrent.put(batch, conv, delta);
     kvsnap::SnapshotPtr a = attention.snapshot(1), r = recurrent.snapshot(0);
-    std::ofstream(seed, std::ios::binary)
-        << kvsnap::encode_snapshots(3, std::vector<const kvsnap::Snapshot*>{a.get(), nullptr, r.get()});
+    std::ofstream(seed, std::ios::binary) << kvsnap::encode_snapshots(
+        3, std::vector<const kvsnap::Snapshot*>{a.get(), nullptr, r.get()});
     std::exit(0);
   }
   return 0;

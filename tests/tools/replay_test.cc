@@ -2,6 +2,9 @@
 
 #include <gtest/gtest.h>
 #include <kvsnap/model.h>
+#include <unistd.h>
+
+#include <filesystem>
 
 #include "support/test_support.h"
 #include "workload.h"
@@ -24,6 +27,12 @@ ModelConfig tiny_model() {
   c.delta_value_heads = 2;
   c.delta_head_dim = 8;
   return c;
+}
+
+ReplayOptions uncached_options() {
+  ReplayOptions options;
+  options.with_cache = false;
+  return options;
 }
 
 const char* kWorkload = R"(# a comment, then every kind of request
@@ -101,8 +110,8 @@ TEST(Workload, PromptsFollowTheirReferences) {
 TEST(Replay, FiguresAreConsistentAndTheRunsAgree) {
   const Model model(tiny_model());
   const Workload w = parse_workload(kWorkload, "test");
-  const RunResult cached = replay(w, model, {.with_cache = true});
-  const RunResult uncached = replay(w, model, {.with_cache = false});
+  const RunResult cached = replay(w, model, ReplayOptions{});
+  const RunResult uncached = replay(w, model, uncached_options());
   ASSERT_EQ(cached.requests.size(), 5u);
   for (size_t i = 0; i < 5; ++i) {
     const RequestResult& r = cached.requests[i];
@@ -127,11 +136,33 @@ TEST(Replay, FiguresAreConsistentAndTheRunsAgree) {
             std::string::npos);
 }
 
+TEST(Replay, ASecondRunWithTheCacheDirectoryStartsWarm) {
+  const Model model(tiny_model());
+  const Workload w = parse_workload(kWorkload, "test");
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("kvsnap_replay_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  ReplayOptions options;
+  options.cache_dir = dir.string();
+  options.model_id = "tiny";
+  const RunResult first = replay(w, model, options);
+  EXPECT_EQ(first.loaded_nodes, -1);
+  const RunResult second = replay(w, model, options);
+  EXPECT_EQ(second.loaded_nodes, first.trie_nodes);
+  int64_t evaluated = 0;
+  for (const RequestResult& r : second.requests) evaluated += r.evaluated;
+  EXPECT_EQ(evaluated, static_cast<int64_t>(w.requests.size()));  // one token per request
+  EXPECT_TRUE(compare(second, replay(w, model, uncached_options()), 1e-4).first_difference.empty());
+  options.model_id = "another model";
+  EXPECT_THROW((void)replay(w, model, options), Error);  // a trie saved for another model
+  std::filesystem::remove_all(dir);
+}
+
 TEST(Replay, ARunThatDisagreesIsReported) {
   const Model model(tiny_model());
   const Workload w = parse_workload(kWorkload, "test");
-  RunResult cached = replay(w, model, {.with_cache = true});
-  const RunResult uncached = replay(w, model, {.with_cache = false});
+  RunResult cached = replay(w, model, ReplayOptions{});
+  const RunResult uncached = replay(w, model, uncached_options());
   cached.requests[1].reply[0] += 1;
   const Comparison c = compare(cached, uncached, 1e-4);
   EXPECT_FALSE(c.same_tokens);

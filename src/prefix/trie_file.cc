@@ -1,0 +1,244 @@
+#include "prefix/trie_file.h"
+
+#include <fmt/format.h>
+
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "cache/snapshot_record.h"
+#include "kvsnap/recurrent_cache.h"
+#include "kvsnap/rotating_kv_cache.h"
+#include "persist/files.h"
+#include "persist/safetensors.h"
+
+namespace kvsnap::detail {
+namespace {
+
+using Json = nlohmann::json;
+constexpr const char* kFormat = "kvsnap-prefix-cache";
+constexpr const char* kVersion = "1";
+
+// What a layer is, as recorded in the file and compared on load.
+Json describe(const LayerInfo& layer) {
+  if (layer.cache == nullptr) return {{"kind", "none"}};
+  if (auto* r = dynamic_cast<const RotatingKVCache*>(layer.cache)) {
+    return {{"kind", "rotating"}, {"max_size", r->max_size()}};
+  }
+  if (auto* r = dynamic_cast<const RecurrentCache*>(layer.cache)) {
+    return {{"kind", "recurrent"},       {"conv_tail", r->conv_tail()},
+            {"conv_dim", r->conv_dim()}, {"v_heads", r->num_v_heads()},
+            {"v_dim", r->head_v_dim()},  {"k_dim", r->head_k_dim()}};
+  }
+  if (layer.ranged()) return {{"kind", "kv"}};
+  return {{"kind", "other"}};
+}
+
+const char* kind_name(SnapshotRecord::Kind kind) {
+  switch (kind) {
+    case SnapshotRecord::Kind::kv:
+      return "kv";
+    case SnapshotRecord::Kind::rotating:
+      return "rotating";
+    case SnapshotRecord::Kind::recurrent:
+      return "recurrent";
+  }
+  return "?";
+}
+
+}  // namespace
+
+std::string encode_trie(const Trie& trie, const std::string& model_id) {
+  SafetensorsFile file;
+  Json layers = Json::array();
+  for (const LayerInfo& layer : trie.layers()) layers.push_back(describe(layer));
+  std::vector<const Node*> nodes;
+  trie.preorder(nodes);
+  std::map<const Node*, int64_t> index;
+  std::vector<int32_t> edges;
+  Json entries = Json::array();
+  for (const Node* node : nodes) {
+    const auto id = static_cast<int64_t>(index.size());
+    index[node] = id;
+    Json snapshots = Json::array();
+    for (size_t i = 0; i < node->snapshots.size(); ++i) {
+      const SnapshotPtr& s = node->snapshots[i];
+      if (s == nullptr) {
+        snapshots.push_back(nullptr);
+        continue;
+      }
+      const std::optional<SnapshotRecord> record = snapshot_record(*s);
+      if (!record) {
+        throw Error(fmt::format(
+            "PrefixCache::save: layer {} holds a snapshot of a kind kvsnap cannot store", i));
+      }
+      const std::string prefix = fmt::format("node.{}.layer.{}", id, i);
+      file.tensors.emplace_back(prefix + ".a", record->first);
+      file.tensors.emplace_back(prefix + ".b", record->second);
+      snapshots.push_back(
+          {{"kind", kind_name(record->kind)}, {"from", record->from}, {"to", record->to}});
+    }
+    entries.push_back({{"parent", node->parent->parent == nullptr ? -1 : index.at(node->parent)},
+                       {"length", node->edge.size()},
+                       {"user", node->user},
+                       {"used", node->last_used},
+                       {"snapshots", snapshots}});
+    edges.insert(edges.end(), node->edge.begin(), node->edge.end());
+  }
+  file.tensors.emplace(file.tensors.begin(), "edges",
+                       Array::from_ints(edges, {static_cast<int64_t>(edges.size())}));
+  file.metadata["format"] = kFormat;
+  file.metadata["version"] = kVersion;
+  file.metadata["model"] = model_id;
+  file.metadata["layers"] = layers.dump();
+  file.metadata["nodes"] = entries.dump();
+  file.metadata["clock"] = std::to_string(trie.clock());
+  file.metadata["checksum"] = checksum(file);
+  return encode_safetensors(file);
+}
+
+LoadedTrie decode_trie(const std::string& bytes, const std::string& source,
+                       const std::vector<LayerInfo>& layers, const std::string& model_id) {
+  const SafetensorsFile file = decode_safetensors(bytes, source);
+  const auto fail = [&](const std::string& what) {
+    return Error(fmt::format("{}: {}", source, what));
+  };
+  const auto meta = [&](const char* key) -> const std::string& {
+    const auto it = file.metadata.find(key);
+    if (it == file.metadata.end()) throw fail(fmt::format("metadata \"{}\" is missing", key));
+    return it->second;
+  };
+  if (meta("format") != kFormat)
+    throw fail(fmt::format("format \"{}\" is not {}", meta("format"), kFormat));
+  if (meta("version") != kVersion) {
+    throw fail(fmt::format("version \"{}\" is unknown (this build reads version {})",
+                           meta("version"), kVersion));
+  }
+  if (meta("checksum") != checksum(file))
+    throw fail("checksum does not match the contents: the file is damaged");
+  if (meta("model") != model_id) {
+    throw fail(fmt::format("it was saved for model \"{}\", this cache serves \"{}\"", meta("model"),
+                           model_id));
+  }
+  Json saved_layers, entries;
+  try {
+    saved_layers = Json::parse(meta("layers"));
+    entries = Json::parse(meta("nodes"));
+  } catch (const Json::exception& e) {
+    throw fail(fmt::format("layers or nodes metadata is not valid JSON ({})", e.what()));
+  }
+  if (!saved_layers.is_array() || saved_layers.size() != layers.size()) {
+    throw fail(fmt::format("it holds {} layers, this cache has {}",
+                           saved_layers.is_array() ? saved_layers.size() : 0, layers.size()));
+  }
+  for (size_t i = 0; i < layers.size(); ++i) {
+    if (saved_layers[i] != describe(layers[i])) {
+      throw fail(fmt::format("layer {} is {} in the file but {} here", i, saved_layers[i].dump(),
+                             describe(layers[i]).dump()));
+    }
+  }
+  const Array& edges = file.at("edges", source.c_str());
+  if (edges.dtype() != DType::i32 || edges.ndim() != 1)
+    throw fail("\"edges\" must be a 1-d I32 tensor");
+  const std::vector<int32_t> tokens = edges.to_ints();
+  if (!entries.is_array()) throw fail("\"nodes\" must be an array");
+
+  LoadedTrie loaded;
+  try {
+    loaded.clock = std::stoll(meta("clock"));
+  } catch (const std::exception&) {
+    throw fail("\"clock\" is not an integer");
+  }
+  std::vector<int64_t> ends;
+  std::map<std::pair<int64_t, int32_t>, int64_t> first_tokens;  // (parent, first token) -> node
+  size_t position = 0;
+  size_t claimed = 1;  // "edges"
+  for (size_t n = 0; n < entries.size(); ++n) {
+    const Json& e = entries[n];
+    const auto field = [&](const char* key) -> const Json& {
+      if (!e.is_object() || !e.contains(key))
+        throw fail(fmt::format("node {} lacks \"{}\"", n, key));
+      return e[key];
+    };
+    if (!field("parent").is_number_integer() || !field("length").is_number_unsigned() ||
+        !field("user").is_boolean() || !field("used").is_number_integer() ||
+        !field("snapshots").is_array()) {
+      throw fail(fmt::format("node {} has fields of the wrong type", n));
+    }
+    LoadedNode node;
+    node.parent = field("parent").get<int64_t>();
+    const auto length = field("length").get<uint64_t>();
+    if (node.parent < -1 || node.parent >= static_cast<int64_t>(n)) {
+      throw fail(fmt::format("node {} names parent {}, not an earlier node", n, node.parent));
+    }
+    if (length == 0 || length > tokens.size() - position) {
+      throw fail(fmt::format("node {} has an edge of {} tokens ({} left in \"edges\")", n, length,
+                             tokens.size() - position));
+    }
+    node.edge.assign(tokens.begin() + static_cast<std::ptrdiff_t>(position),
+                     tokens.begin() + static_cast<std::ptrdiff_t>(position + length));
+    position += length;
+    if (!first_tokens.emplace(std::pair{node.parent, node.edge.front()}, static_cast<int64_t>(n))
+             .second) {
+      throw fail(
+          fmt::format("node {} shares its first token {} with a sibling", n, node.edge.front()));
+    }
+    const int64_t start = node.parent < 0 ? 0 : ends[static_cast<size_t>(node.parent)];
+    const int64_t end = start + static_cast<int64_t>(length);
+    ends.push_back(end);
+    node.user = field("user").get<bool>();
+    node.last_used = field("used").get<int64_t>();
+    const Json& snapshots = field("snapshots");
+    if (snapshots.size() != layers.size())
+      throw fail(fmt::format("node {} has {} snapshot slots", n, snapshots.size()));
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const Json& s = snapshots[i];
+      if (s.is_null()) {
+        node.snapshots.push_back(nullptr);
+        continue;
+      }
+      const std::string expected =
+          layers[i].cache == nullptr ? "none" : describe(layers[i])["kind"].get<std::string>();
+      if (!s.is_object() || !s.contains("kind") || s["kind"] != expected || !s.contains("from") ||
+          !s.contains("to") || !s["from"].is_number_integer() || !s["to"].is_number_integer()) {
+        throw fail(fmt::format("node {} layer {}: snapshot {} does not fit a {} layer", n, i,
+                               s.dump(), expected));
+      }
+      const int64_t from = s["from"].get<int64_t>(), to = s["to"].get<int64_t>();
+      const bool ranged = expected == "kv";
+      if (ranged ? (from != start || to != end) : (from != end || to != end)) {
+        throw fail(fmt::format(
+            "node {} [{}, {}) layer {}: snapshot range [{}, {}) does not match the node", n, start,
+            end, i, from, to));
+      }
+      const std::string prefix = fmt::format("node.{}.layer.{}", n, i);
+      SnapshotRecord record{ranged                   ? SnapshotRecord::Kind::kv
+                            : expected == "rotating" ? SnapshotRecord::Kind::rotating
+                                                     : SnapshotRecord::Kind::recurrent,
+                            file.at(prefix + ".a", source.c_str()),
+                            file.at(prefix + ".b", source.c_str()), from, to};
+      claimed += 2;
+      node.snapshots.push_back(
+          make_snapshot(std::move(record), fmt::format("{} {}", source, prefix)));
+    }
+    loaded.nodes.push_back(std::move(node));
+  }
+  if (position != tokens.size())
+    throw fail(fmt::format("{} edge tokens belong to no node", tokens.size() - position));
+  if (claimed != file.tensors.size())
+    throw fail(fmt::format("{} tensors belong to no node", file.tensors.size() - claimed));
+  return loaded;
+}
+
+void install(Trie& trie, LoadedTrie loaded) {
+  trie.clear();
+  std::vector<Node*> made;
+  for (LoadedNode& node : loaded.nodes) {
+    Node& parent = node.parent < 0 ? trie.root() : *made[static_cast<size_t>(node.parent)];
+    made.push_back(&trie.add_child(parent, std::move(node.edge), std::move(node.snapshots),
+                                   node.user, node.last_used));
+  }
+  trie.set_clock(std::max(trie.clock(), loaded.clock));
+}
+
+}  // namespace kvsnap::detail

@@ -1,0 +1,36 @@
+// Internal: a PrefixCache trie on disk — nodes, edges, flags, last-use order and every node's
+// snapshots in one safetensors file, with the layers' configuration to check on load.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "prefix/trie.h"
+
+namespace kvsnap::detail {
+
+// Bytes of the file for `trie`; `model_id` is recorded and must match on load.
+std::string encode_trie(const Trie& trie, const std::string& model_id);
+
+struct LoadedNode {
+  int64_t parent = -1;  // index of an earlier node, -1 for the root
+  std::vector<int32_t> edge;
+  bool user = false;
+  int64_t last_used = 0;
+  std::vector<SnapshotPtr> snapshots;  // one per layer
+};
+struct LoadedTrie {
+  std::vector<LoadedNode> nodes;  // parents before children
+  int64_t clock = 0;
+};
+
+// Parses and validates everything (format, version, checksum, model id, the layers'
+// configuration against `layers`, node structure, snapshot shapes and ranges); throws Error
+// naming `source` on the first problem.
+LoadedTrie decode_trie(const std::string& bytes, const std::string& source,
+                       const std::vector<LayerInfo>& layers, const std::string& model_id);
+
+// Replaces the trie's nodes by `loaded`.
+void install(Trie& trie, LoadedTrie loaded);
+
+}  // namespace kvsnap::detail

@@ -1,0 +1,142 @@
+#include <gtest/gtest.h>
+#include <kvsnap/prefix_cache.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "support/conversation.h"
+
+namespace kvsnap {
+namespace {
+
+using testing::HybridStack;
+using testing::run_turn;
+using testing::throws_error;
+using testing::Tokens;
+using testing::tokens;
+using testing::operator+;
+
+const Tokens kSystem = tokens(100, 12);
+
+std::string scratch(const std::string& name) {
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("kvsnap_trie_" + std::to_string(::getpid()) + "_" + name);
+  std::filesystem::remove_all(dir);
+  return dir.string();
+}
+
+// A cache that has seen two conversations on a shared system prompt.
+void warm_up(PrefixCache& cache, HybridStack& stack) {
+  const std::vector<int64_t> end_of_system{12};
+  run_turn(cache, stack, kSystem + tokens(200, 6), tokens(300, 4), end_of_system);
+  run_turn(cache, stack, kSystem + tokens(200, 6) + tokens(300, 4) + tokens(400, 5),
+           tokens(500, 3));
+  run_turn(cache, stack, kSystem + tokens(800, 7), tokens(900, 2));
+}
+
+TEST(PrefixCachePersist, ARestartedCacheContinuesWarm) {
+  const std::string dir = scratch("warm");
+  int64_t nodes = 0;
+  {
+    HybridStack stack;
+    PrefixCache cache(stack.layers());
+    warm_up(cache, stack);
+    nodes = cache.node_count();
+    cache.save(dir, "model-a");
+  }
+  ASSERT_TRUE(PrefixCache::saved_in(dir));
+  HybridStack stack;  // a fresh process: empty caches
+  PrefixCache cache(stack.layers());
+  cache.load(dir, "model-a");
+  EXPECT_EQ(cache.node_count(), nodes);
+  EXPECT_EQ(cache.check_invariants(), "");
+  EXPECT_EQ(cache.paged_out_bytes(), cache.recount_paged_out_bytes());
+  // Each continues where it left off; outputs equal recomputation (run_turn checks them).
+  EXPECT_EQ(run_turn(cache, stack,
+                     kSystem + tokens(200, 6) + tokens(300, 4) + tokens(400, 5) + tokens(500, 3) +
+                         tokens(600, 2),
+                     tokens(700, 2))
+                .cached,
+            12 + 6 + 4 + 5 + 2);
+  EXPECT_EQ(run_turn(cache, stack, kSystem + tokens(850, 3), tokens(900, 2)).cached, 12);
+  EXPECT_EQ(
+      run_turn(cache, stack, kSystem + tokens(800, 7) + tokens(900, 2), tokens(910, 2)).cached,
+      12 + 7 + 1);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(PrefixCachePersist, AnotherLayerConfigurationIsRejectedAndNothingChanges) {
+  const std::string dir = scratch("config");
+  {
+    HybridStack stack;
+    PrefixCache cache(stack.layers());
+    warm_up(cache, stack);
+    cache.save(dir, "model-a");
+  }
+  KVCache attention;
+  RotatingKVCache window(16);  // not the 8 it was saved with
+  PrefixCache other({&attention, &window, nullptr});
+  EXPECT_TRUE(throws_error([&] { other.load(dir, "model-a"); },
+                           {"prefix_cache.safetensors", "holds 4 layers, this cache has 3"}));
+  HybridStack stack;
+  auto layers = stack.layers();
+  RotatingKVCache wide(16);
+  layers[1] = &wide;
+  PrefixCache mismatched(layers);
+  EXPECT_TRUE(throws_error([&] { mismatched.load(dir, "model-a"); },
+                           {"layer 1", "\"max_size\":8", "\"max_size\":16"}));
+  EXPECT_EQ(mismatched.node_count(), 0);
+  PrefixCache same(stack.layers());
+  EXPECT_TRUE(throws_error([&] { same.load(dir, "model-b"); },
+                           {"saved for model \"model-a\"", "\"model-b\""}));
+  EXPECT_EQ(same.node_count(), 0);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(PrefixCachePersist, ADamagedFileIsRejectedWhole) {
+  const std::string dir = scratch("damaged");
+  HybridStack stack;
+  PrefixCache cache(stack.layers());
+  warm_up(cache, stack);
+  cache.save(dir);
+  const std::string path = dir + "/prefix_cache.safetensors";
+  std::string bytes;
+  {
+    std::ifstream in(path, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  bytes[bytes.size() / 2] ^= 0x01;
+  { std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes; }
+  HybridStack fresh;
+  PrefixCache other(fresh.layers());
+  EXPECT_TRUE(throws_error([&] { other.load(dir); }, {"prefix_cache.safetensors"}));
+  EXPECT_EQ(other.node_count(), 0);
+  EXPECT_TRUE(throws_error([&] { other.load(scratch("missing")); }, {"cannot open"}));
+  std::filesystem::remove_all(dir);
+}
+
+TEST(PrefixCachePersist, LoadingDuringASessionIsAnError) {
+  const std::string dir = scratch("session");
+  HybridStack stack;
+  PrefixCache cache(stack.layers());
+  warm_up(cache, stack);
+  cache.save(dir);
+  auto session = cache.begin(kSystem);
+  EXPECT_TRUE(throws_error([&] { cache.load(dir); }, {"PrefixCache::load", "session is open"}));
+  std::filesystem::remove_all(dir);
+}
+
+TEST(PrefixCachePersist, AnEmptyTrieRoundTrips) {
+  const std::string dir = scratch("empty");
+  HybridStack stack;
+  PrefixCache cache(stack.layers());
+  cache.save(dir);
+  PrefixCache other(stack.layers());
+  other.load(dir);
+  EXPECT_EQ(other.node_count(), 0);
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace kvsnap
