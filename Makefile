@@ -36,7 +36,7 @@ fuzz: deps
 	cmake --preset fuzz
 	cmake --build --preset fuzz -j $(JOBS)
 	mkdir -p build/fuzz/corpus
-	KVSNAP_FUZZ_SEED=build/fuzz/corpus/seed.safetensors ./build/fuzz/fuzz_snapshot_loader
+	KVSNAP_FUZZ_SEED=build/fuzz/corpus ./build/fuzz/fuzz_snapshot_loader
 	./build/fuzz/fuzz_snapshot_loader -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=4096 \
 	    -max_len=65536 build/fuzz/corpus
 
