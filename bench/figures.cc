@@ -269,6 +269,26 @@ void trie_figures(std::vector<Figure>& out) {
                  "M tokens/s", 0, "", "", true, "begin() including the walk"});
 }
 
+void model_figures(std::vector<Figure>& out) {
+  const Model model{ModelConfig{}};
+  for (int64_t length : {int64_t(512), int64_t(2048)}) {
+    std::vector<int32_t> prompt(static_cast<size_t>(length));
+    for (int64_t i = 0; i < length; ++i)
+      prompt[static_cast<size_t>(i)] = static_cast<int32_t>(i * 7 % 256);
+    const double ns = time_ns(
+        [&] {
+          auto caches = model.make_caches();
+          keep(model.forward(prompt, cache_pointers(caches)));
+        },
+        0.2, 2);
+    out.push_back({"built-in model prefill", fmt::format("{}-token prompt", length),
+                   static_cast<double>(length) / (ns * 1e-9), "tokens/s", 0, "",
+                   ">= 2000 (a few thousand)", static_cast<double>(length) / (ns * 1e-9) >= 2000,
+                   fmt::format("default size, {:.1f}M parameters, one forward",
+                               static_cast<double>(model.config().parameter_count()) / 1e6)});
+  }
+}
+
 void end_to_end_figures(std::vector<Figure>& out, const BenchOptions& options) {
   const Model model{ModelConfig{}};
   const tools::Workload workload = tools::embedded_workload();
@@ -314,6 +334,8 @@ std::vector<Figure> run_figures(const BenchOptions& options) {
   recurrent_figures(out);
   options.progress("prefix trie");
   trie_figures(out);
+  options.progress("built-in model");
+  model_figures(out);
   if (options.end_to_end) end_to_end_figures(out, options);
   return out;
 }

@@ -37,9 +37,8 @@ void write_file_atomically(const std::string& path, const std::string& bytes) {
   if (::close(fd) != 0) throw fail("close");
   if (::rename(temporary.c_str(), path.c_str()) != 0) throw fail("rename");
   // The rename is durable only once the folder is synced too.
-  std::string folder = std::filesystem::path(path).parent_path().string();
-  if (folder.empty()) folder = ".";
-  const int dir = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  const std::string folder = std::filesystem::path(path).parent_path().string();
+  const int dir = ::open(folder.empty() ? "." : folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dir >= 0) {
     (void)::fsync(dir);
     ::close(dir);
@@ -60,7 +59,7 @@ std::string checksum(const SafetensorsFile& file) {
     }
   }
   for (const auto& [key, value] : file.metadata) {
-    if (key != "checksum") feed(key + "=" + value);
+    if (key != "checksum") feed(fmt::format("{}={}", key, value));
   }
   const XXH64_hash_t hash = XXH64_digest(state);
   XXH64_freeState(state);

@@ -14,7 +14,7 @@ using detail::SnapshotRecord;
 using Json = nlohmann::json;
 
 constexpr const char* kFormat = "kvsnap-snapshots";
-constexpr const char* kVersion = "1";
+constexpr int kVersion = 1;  // written as a string; files of other versions are refused
 
 // Metadata value `key` as an integer in [low, high]; throws through `fail`.
 template <class Fail>
@@ -38,7 +38,7 @@ std::string encode_snapshots(int64_t offset, std::span<const Snapshot* const> sn
   if (offset < 0) throw Error(fmt::format("save_snapshots: offset {} must be >= 0", offset));
   detail::SafetensorsFile file;
   file.metadata["format"] = kFormat;
-  file.metadata["version"] = kVersion;
+  file.metadata["version"] = std::to_string(kVersion);
   file.metadata["offset"] = std::to_string(offset);
   file.metadata["layers"] = std::to_string(snapshots.size());
   for (size_t i = 0; i < snapshots.size(); ++i) {
@@ -65,8 +65,10 @@ std::string encode_snapshots(int64_t offset, std::span<const Snapshot* const> sn
         break;
     }
     const bool recurrent = record->kind == SnapshotRecord::Kind::recurrent;
-    file.tensors.emplace_back(layer + (recurrent ? ".conv" : ".keys"), record->first);
-    file.tensors.emplace_back(layer + (recurrent ? ".delta" : ".values"), record->second);
+    file.tensors.emplace_back(fmt::format("{}.{}", layer, recurrent ? "conv" : "keys"),
+                              record->first);
+    file.tensors.emplace_back(fmt::format("{}.{}", layer, recurrent ? "delta" : "values"),
+                              record->second);
   }
   file.metadata["checksum"] = detail::checksum(file);
   return detail::encode_safetensors(file);
@@ -85,7 +87,7 @@ LoadedSnapshots decode_snapshots(const std::string& bytes, const std::string& so
   if (meta("format") != kFormat) {
     throw fail(fmt::format("format \"{}\" is not {}", meta("format"), kFormat));
   }
-  if (meta("version") != kVersion) {
+  if (meta("version") != std::to_string(kVersion)) {
     throw fail(fmt::format("version \"{}\" is unknown (this build reads version {})",
                            meta("version"), kVersion));
   }
@@ -124,14 +126,14 @@ LoadedSnapshots decode_snapshots(const std::string& bytes, const std::string& so
       loaded.snapshots.push_back(nullptr);
       continue;
     } else if (kind == "kv") {
-      record = {SnapshotRecord::Kind::kv, tensor(layer + ".keys"), tensor(layer + ".values"),
-                number("from"), number("to")};
+      record = {SnapshotRecord::Kind::kv, tensor(fmt::format("{}.keys", layer)),
+                tensor(fmt::format("{}.values", layer)), number("from"), number("to")};
     } else if (kind == "rotating") {
-      record = {SnapshotRecord::Kind::rotating, tensor(layer + ".keys"), tensor(layer + ".values"),
-                number("end"), number("end")};
+      record = {SnapshotRecord::Kind::rotating, tensor(fmt::format("{}.keys", layer)),
+                tensor(fmt::format("{}.values", layer)), number("end"), number("end")};
     } else if (kind == "recurrent") {
-      record = {SnapshotRecord::Kind::recurrent, tensor(layer + ".conv"), tensor(layer + ".delta"),
-                number("offset"), number("offset")};
+      record = {SnapshotRecord::Kind::recurrent, tensor(fmt::format("{}.conv", layer)),
+                tensor(fmt::format("{}.delta", layer)), number("offset"), number("offset")};
     } else {
       throw fail(fmt::format("{} has unknown kind \"{}\"", layer, kind));
     }

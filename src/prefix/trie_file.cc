@@ -17,7 +17,7 @@ namespace {
 
 using Json = nlohmann::json;
 constexpr const char* kFormat = "kvsnap-prefix-cache";
-constexpr const char* kVersion = "1";
+constexpr int kVersion = 1;  // written as a string; files of other versions are refused
 
 // What a layer is, as recorded in the file and compared on load.
 Json describe(const LayerInfo& layer) {
@@ -73,8 +73,8 @@ std::string encode_trie(const Trie& trie, const std::string& model_id) {
             "PrefixCache::save: layer {} holds a snapshot of a kind kvsnap cannot store", i));
       }
       const std::string prefix = fmt::format("node.{}.layer.{}", id, i);
-      file.tensors.emplace_back(prefix + ".a", record->first);
-      file.tensors.emplace_back(prefix + ".b", record->second);
+      file.tensors.emplace_back(fmt::format("{}.a", prefix), record->first);
+      file.tensors.emplace_back(fmt::format("{}.b", prefix), record->second);
       snapshots.push_back(
           {{"kind", kind_name(record->kind)}, {"from", record->from}, {"to", record->to}});
     }
@@ -88,7 +88,7 @@ std::string encode_trie(const Trie& trie, const std::string& model_id) {
   file.tensors.emplace(file.tensors.begin(), "edges",
                        Array::from_ints(edges, {static_cast<int64_t>(edges.size())}));
   file.metadata["format"] = kFormat;
-  file.metadata["version"] = kVersion;
+  file.metadata["version"] = std::to_string(kVersion);
   file.metadata["model"] = model_id;
   file.metadata["layers"] = layers.dump();
   file.metadata["nodes"] = entries.dump();
@@ -110,7 +110,7 @@ LoadedTrie decode_trie(const std::string& bytes, const std::string& source,
   };
   if (meta("format") != kFormat)
     throw fail(fmt::format("format \"{}\" is not {}", meta("format"), kFormat));
-  if (meta("version") != kVersion) {
+  if (meta("version") != std::to_string(kVersion)) {
     throw fail(fmt::format("version \"{}\" is unknown (this build reads version {})",
                            meta("version"), kVersion));
   }
@@ -215,8 +215,8 @@ LoadedTrie decode_trie(const std::string& bytes, const std::string& source,
       SnapshotRecord record{ranged                   ? SnapshotRecord::Kind::kv
                             : expected == "rotating" ? SnapshotRecord::Kind::rotating
                                                      : SnapshotRecord::Kind::recurrent,
-                            file.at(prefix + ".a", source.c_str()),
-                            file.at(prefix + ".b", source.c_str()), from, to};
+                            file.at(fmt::format("{}.a", prefix), source.c_str()),
+                            file.at(fmt::format("{}.b", prefix), source.c_str()), from, to};
       claimed += 2;
       node.snapshots.push_back(
           make_snapshot(std::move(record), fmt::format("{} {}", source, prefix)));
