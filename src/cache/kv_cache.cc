@@ -44,11 +44,7 @@ class KVCacheImpl {
   ~KVCacheImpl() { materialize_all(); }
 
   int64_t capacity() const { return keys.empty() ? 0 : keys.dim(2); }
-  int64_t token_bytes() const {
-    return layout.rows * layout.heads *
-           (layout.key_depth * dtype_size(layout.key_dtype) +
-            layout.value_depth * dtype_size(layout.value_dtype));
-  }
+  int64_t token_bytes() const { return layout.token_bytes(); }
 
   // Grows to hold `tokens`, keeping every slot still named by the offset or a lazy snapshot.
   // Geometric growth keeps the bytes moved by a long prefill linear in its length.
@@ -75,16 +71,7 @@ class KVCacheImpl {
   }
 
   // Copies the snapshot's slots out; it owns its bytes from now on.
-  void materialize(KVSnapshot& s) {
-    Array k = s.keys().contiguous();
-    Array v = s.values().contiguous();
-    lazy.remove(&s);
-    s.owner = nullptr;
-    s.owned_keys = std::move(k);
-    s.owned_values = std::move(v);
-    stats.materialized_bytes += s.size();
-    s.fire_materialize_hook(s.size());
-  }
+  void materialize(KVSnapshot& s) { materialize_slots(s, lazy, stats); }
 
   // Before slots [from, to) are overwritten: copy out every lazy snapshot naming one of them.
   void materialize_overlapping(int64_t from, int64_t to) {

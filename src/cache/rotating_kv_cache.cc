@@ -55,11 +55,7 @@ class RotatingKVCacheImpl {
   int64_t capacity() const { return keys.empty() ? 0 : keys.dim(2); }
   int64_t first_position() const { return offset - length; }
   bool linear() const { return oldest == 0; }
-  int64_t token_bytes() const {
-    return layout.rows * layout.heads *
-           (layout.key_depth * dtype_size(layout.key_dtype) +
-            layout.value_depth * dtype_size(layout.value_dtype));
-  }
+  int64_t token_bytes() const { return layout.token_bytes(); }
   // Tokens a window ending at `end` must hold to continue exactly from there.
   int64_t window_tokens(int64_t end) const { return end <= max_size ? end : max_size - 1; }
   int64_t column_of(int64_t ring_index) const { return start + (oldest + ring_index) % length; }
@@ -91,16 +87,7 @@ class RotatingKVCacheImpl {
     oldest = 0;
   }
 
-  void materialize(RotatingSnapshot& s) {
-    Array k = s.keys().contiguous();
-    Array v = s.values().contiguous();
-    lazy.remove(&s);
-    s.owner = nullptr;
-    s.owned_keys = std::move(k);
-    s.owned_values = std::move(v);
-    stats.materialized_bytes += s.size();
-    s.fire_materialize_hook(s.size());
-  }
+  void materialize(RotatingSnapshot& s) { materialize_slots(s, lazy, stats); }
   // Before columns [from, to) are overwritten.
   void materialize_columns(int64_t from, int64_t to) {
     lazy.for_each([&](LazySnapshot& base) {

@@ -50,18 +50,25 @@ class Model {
   virtual void check_snapshot(const Expected& s) = 0;
 };
 
+// Writes `chunk` (the end of `ids`) through an attention cache and checks the chunk's attention
+// against recomputing it over every id with the `logical` mask.
+void write_and_check(Attention& cache, const Ids& ids, const Ids& chunk, std::mt19937& rng,
+                     const AttentionMask& logical) {
+  const auto start = static_cast<int64_t>(ids.size() - chunk.size());
+  const auto length = static_cast<int64_t>(chunk.size());
+  const Batch batch = Batch::uniform(1, length, start);
+  const Array q = testing::random_array({1, 2, length, kv.depth}, rng);
+  const KVHistory history = cache.update(batch, kv.keys(chunk), kv.values(chunk));
+  const KVHistory full(kv.keys(ids), kv.values(ids));
+  ASSERT_TRUE(all_close(sdpa(batch, q, history, AttentionMask::causal(), 0.5f),
+                        sdpa(batch, q, full, logical, 0.5f), 1e-5f));
+}
+
 class KVModel final : public Model {
  public:
   Cache& cache() override { return cache_; }
   void write(const Ids& ids, const Ids& chunk, std::mt19937& rng) override {
-    const auto start = static_cast<int64_t>(ids.size() - chunk.size());
-    const auto length = static_cast<int64_t>(chunk.size());
-    const Batch batch = Batch::uniform(1, length, start);
-    const Array q = testing::random_array({1, 2, length, kv.depth}, rng);
-    const KVHistory history = cache_.update(batch, kv.keys(chunk), kv.values(chunk));
-    const KVHistory full(kv.keys(ids), kv.values(ids));
-    ASSERT_TRUE(all_close(sdpa(batch, q, history, AttentionMask::causal(), 0.5f),
-                          sdpa(batch, q, full, AttentionMask::causal(), 0.5f), 1e-5f));
+    write_and_check(cache_, ids, chunk, rng, AttentionMask::causal());
   }
   void check_state(const Ids& ids) override {
     ASSERT_EQ(testing::column_ids(cache_.view(Batch{})), ids);
@@ -90,15 +97,7 @@ class RotatingModel final : public Model {
  public:
   Cache& cache() override { return cache_; }
   void write(const Ids& ids, const Ids& chunk, std::mt19937& rng) override {
-    const auto start = static_cast<int64_t>(ids.size() - chunk.size());
-    const auto length = static_cast<int64_t>(chunk.size());
-    const Batch batch = Batch::uniform(1, length, start);
-    const Array q = testing::random_array({1, 2, length, kv.depth}, rng);
-    const KVHistory history = cache_.update(batch, kv.keys(chunk), kv.values(chunk));
-    const KVHistory full(kv.keys(ids), kv.values(ids));
-    ASSERT_TRUE(all_close(sdpa(batch, q, history, AttentionMask::causal(), 0.5f),
-                          sdpa(batch, q, full, AttentionMask::sliding_window(kWindow), 0.5f),
-                          1e-5f));
+    write_and_check(cache_, ids, chunk, rng, AttentionMask::sliding_window(kWindow));
   }
   void check_state(const Ids& ids) override { check_window(cache_, ids); }
   static void check_window(const RotatingKVCache& cache, const Ids& ids) {
