@@ -252,6 +252,17 @@ TEST_F(PrefixCacheTest, CachesMovedBehindItsBackAreResynchronized) {
   EXPECT_EQ(turn.cached, 21);  // restored from the trie, not the live caches
 }
 
+TEST(PrefixCacheLifetime, CachesMayBeDestroyedBeforeThePrefixCache) {
+  auto stack = std::make_unique<HybridStack>();
+  PrefixCache cache(stack->layers());
+  run_turn(cache, *stack, kSystem + kUser1, kReply1);
+  const int64_t before = cache.paged_out_bytes();
+  stack.reset();  // the caches copy their lazy snapshots out; the trie keeps them
+  EXPECT_GT(cache.paged_out_bytes(), before);
+  EXPECT_EQ(cache.paged_out_bytes(), cache.recount_paged_out_bytes());
+  EXPECT_EQ(cache.check_invariants(), "");
+}
+
 TEST_F(PrefixCacheTest, DebugStringShowsTheTrie) {
   const std::vector<int64_t> end_of_system{12};
   run_turn(cache, stack, kSystem + kUser1, kReply1, end_of_system);
