@@ -5,7 +5,9 @@
 namespace kvsnap::detail {
 
 KVLayout KVLayout::of(const Array& keys, const Array& values) {
-  return {keys.dim(0), keys.dim(1), keys.dim(3), values.dim(3), keys.dtype(), values.dtype()};
+  const Shape& k = keys.shape();
+  const Shape& v = values.shape();
+  return {k[0], k[1], k[3], v[3], keys.dtype(), values.dtype()};
 }
 
 std::string KVLayout::describe() const {
@@ -40,8 +42,9 @@ int64_t check_update(const Batch& batch, const Array& keys, const Array& values,
   }
   const int64_t rows = batch.batch_size();
   const int64_t length = batch.length();
-  if (keys.dim(0) != rows || values.dim(0) != rows || keys.dim(1) != values.dim(1) ||
-      keys.dim(2) != length || values.dim(2) != length) {
+  const Shape& k = keys.shape();
+  const Shape& v = values.shape();
+  if (k[0] != rows || v[0] != rows || k[1] != v[1] || k[2] != length || v[2] != length) {
     throw Error(fmt::format("{}: keys {} and values {} do not fit a batch of {} rows x {} tokens",
                             call, keys.describe(), values.describe(), rows, length));
   }
@@ -54,7 +57,10 @@ int64_t check_update(const Batch& batch, const Array& keys, const Array& values,
                       call, row, batch.seq_offsets[row], batch.seq_query_lens[row], offset, query));
     }
   }
-  if (existing != nullptr) check_same_layout(*existing, KVLayout::of(keys, values), call);
+  if (existing != nullptr) {
+    const KVLayout incoming{k[0], k[1], k[3], v[3], keys.dtype(), values.dtype()};
+    if (incoming != *existing) check_same_layout(*existing, incoming, call);
+  }
   return query;
 }
 

@@ -19,7 +19,8 @@ struct KVLayout {
   std::string describe() const;
   // Bytes of one token's keys and values over all rows and heads.
   int64_t token_bytes() const {
-    return rows * heads * (key_depth * dtype_size(key_dtype) + value_depth * dtype_size(value_dtype));
+    return rows * heads *
+           (key_depth * dtype_size(key_dtype) + value_depth * dtype_size(value_dtype));
   }
   // Allocates keys [B, H, tokens, D] and values [B, H, tokens, Dv].
   std::pair<Array, Array> allocate(int64_t tokens) const;
