@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <span>
 #include <string>
 #include <vector>
@@ -34,6 +35,8 @@ KVSNAP_EXPORT void save_snapshots(const std::string& path, int64_t offset,
                                   std::span<const Snapshot* const> snapshots);
 KVSNAP_EXPORT void save_snapshots(const std::string& path, int64_t offset,
                                   const std::vector<SnapshotPtr>& snapshots);
+KVSNAP_EXPORT void save_snapshots(const std::string& path, int64_t offset,
+                                  std::initializer_list<const Snapshot*> snapshots);
 // Reads a file written by save_snapshots. Throws Error naming the file and what is wrong.
 [[nodiscard]] KVSNAP_EXPORT LoadedSnapshots load_snapshots(const std::string& path);
 

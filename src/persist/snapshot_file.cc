@@ -158,6 +158,12 @@ void save_snapshots(const std::string& path, int64_t offset,
   save_snapshots(path, offset, pointers);
 }
 
+void save_snapshots(const std::string& path, int64_t offset,
+                    std::initializer_list<const Snapshot*> snapshots) {
+  save_snapshots(path, offset,
+                 std::span<const Snapshot* const>(snapshots.begin(), snapshots.size()));
+}
+
 LoadedSnapshots load_snapshots(const std::string& path) {
   return decode_snapshots(detail::read_file(path), path);
 }
