@@ -7,6 +7,7 @@
 #include <kvsnap/kvsnap.h>
 
 #include <memory>
+#include <cstdlib>
 #include <random>
 
 #include "support/cache_support.h"
@@ -399,6 +400,8 @@ class Driver {
 
 template <class M>
 Coverage run_many(int sequences, int steps) {
+  // KVSNAP_SOAK_SEEDS raises the number of sequences for a longer soak run.
+  if (const char* soak = std::getenv("KVSNAP_SOAK_SEEDS")) sequences = std::atoi(soak);
   const int64_t baseline = live_bytes();
   Coverage total;
   for (int seed = 1; seed <= sequences; ++seed) {

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <kvsnap/prefix_cache.h>
 
+#include <cstdlib>
 #include <random>
 
 #include "support/conversation.h"
@@ -100,7 +101,10 @@ class ConversationTree {
 TEST(PrefixCacheRandom, ConversationTreesEqualRecomputationWithinTheBudget) {
   const int64_t baseline = live_bytes();
   int64_t evicted = 0, reused = 0;
-  for (uint32_t seed = 1; seed <= 120; ++seed) {
+  // KVSNAP_SOAK_SEEDS raises the number of trees for a longer soak run.
+  const char* soak = std::getenv("KVSNAP_SOAK_SEEDS");
+  const uint32_t seeds = soak != nullptr ? static_cast<uint32_t>(std::atoi(soak)) : 120;
+  for (uint32_t seed = 1; seed <= seeds; ++seed) {
     {
       const int64_t budget = 1500 + 1000 * static_cast<int64_t>(seed % 8);
       ConversationTree tree(seed, budget);
