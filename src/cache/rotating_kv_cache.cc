@@ -132,8 +132,9 @@ class RotatingKVCacheImpl {
   void write_one(const Array& k, const Array& v) {
     if (length < max_size && linear()) {  // filling the window: append
       if (start + length >= capacity()) {
+        // Stepped, geometric growth, never past the window (length < max_size here).
         const int64_t grown = std::max(round_up(length + 1, RotatingKVCache::kStep), 2 * length);
-        relinearize(length, std::min(std::max(grown, length + 1), std::max(max_size, length + 1)));
+        relinearize(length, std::min(grown, max_size));
       }
       write_columns(start + length, k, v);
       ++length;

@@ -319,8 +319,7 @@ class PrefixCacheImpl {
     user_offsets.clear();
     prefilled = false;
     open = true;
-    path_at_begin = match.path;
-    prepare(schedule_for(path_at_begin));
+    prepare(schedule_for(match.path));
 
     ++stats.lookups;
     stats.matched_tokens += match.length;
@@ -347,10 +346,8 @@ class PrefixCacheImpl {
     }
     user_offsets.insert(offsets.begin(), offsets.end());
     // The match may be stale if evictions ran since begin; recompute it from the trie.
-    path_at_begin =
-        trie.match(std::span<const int32_t>(tokens.data(), static_cast<size_t>(prompt_length)))
-            .path;
-    prepare(schedule_for(path_at_begin));
+    const std::span<const int32_t> prompt(tokens.data(), static_cast<size_t>(prompt_length));
+    prepare(schedule_for(trie.match(prompt).path));
   }
 
   void prefill_done() {
@@ -449,7 +446,6 @@ class PrefixCacheImpl {
   int64_t paged_end = 0;  // the trie holds the session's path up to here
   std::set<int64_t> user_offsets;
   std::vector<int64_t> scheduled;
-  std::vector<Node*> path_at_begin;
 };
 
 }  // namespace detail

@@ -120,8 +120,10 @@ TEST(RecurrentCache, SnapshotAndRestoreCopyNothing) {
   EXPECT_FALSE(s->is_lazy());
   layer.forward(cache, id_range(5, 2));
   const int64_t before = live_bytes();
+  const int64_t allocations_before_restore = allocation_count();
   ASSERT_TRUE(cache.restore(s.get(), 5));
   EXPECT_LE(live_bytes(), before);  // the replaced state is released, nothing new is held
+  EXPECT_EQ(allocation_count(), allocations_before_restore);  // and nothing was copied
   EXPECT_EQ(cache.offset(), 5);
 }
 
