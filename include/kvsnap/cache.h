@@ -90,8 +90,10 @@ class KVSNAP_EXPORT Cache {
   virtual void reset() = 0;
   // Tokens written so far.
   virtual int64_t offset() const = 0;
-  // Snapshot of [from_offset, offset()) (KV kinds) or of the whole state at offset() (others);
-  // null when there is nothing to hold. Throws unless 0 <= from_offset <= offset().
+  // Snapshot of [from_offset, offset()) (KV kinds) or of the whole state at offset() (others).
+  // Null means "nothing to hold": an empty range (KV kinds), or offset 0 (whole-state kinds,
+  // whose empty state is the reset cache). A whole state that needs no bytes (a window of 1) is
+  // a real, empty snapshot: a restore point. Throws unless 0 <= from_offset <= offset().
   [[nodiscard]] virtual SnapshotPtr snapshot(int64_t from_offset) = 0;
   // Schedules captures as later writes reach each offset (ascending, unique, >= offset(); the
   // previous schedule taken). An offset equal to offset() is captured at once.
@@ -102,8 +104,10 @@ class KVSNAP_EXPORT Cache {
   // null for a zero-width edge), and clears the schedule. Throws if an offset is unreached.
   [[nodiscard]] virtual std::vector<SnapshotPtr> take_snapshots() = 0;
   // Returns the cache to offset `target` using `snapshot` (nullptr = live rewind). Returns
-  // false and changes nothing when the target is unreachable. Throws on misuse (a snapshot of
-  // another kind or shape, a pending schedule).
+  // false and changes nothing when the target is unreachable. Throws Error naming both shapes,
+  // changing nothing, for a snapshot that does not fit: another kind, window, batch size,
+  // heads, depths, dtype or recurrent shape than the cache's (a reset cache takes any layout);
+  // and on a pending schedule.
   [[nodiscard]] virtual bool restore(Snapshot* snapshot, int64_t target) = 0;
   // Joins adjacent snapshots of this kind: `parent` then `child`. Null in gives null out.
   [[nodiscard]] virtual SnapshotPtr merge(SnapshotPtr parent, SnapshotPtr child) = 0;

@@ -7,10 +7,13 @@
 //
 // The file is plain safetensors (readable by other tools): tensors `layer.<i>.keys` /
 // `layer.<i>.values` (KV and rotating kinds) or `layer.<i>.conv` / `layer.<i>.delta`
-// (recurrent), and `__metadata__` with the format version, the offset, each layer's kind and
-// offsets, and an xxHash64 checksum over the tensors and metadata. Writes are atomic (temporary
-// file, fsync, rename): a crash mid-save leaves the previous file loadable. A damaged file is
-// rejected whole with a kvsnap::Error.
+// (recurrent), and `__metadata__` with the format version (2), the offset, each layer's kind,
+// offsets and (rotating) window, and `checksum`: the xxHash64, as 16 hex digits, of every byte
+// of the file with those 16 digits written as '0'. Any damaged byte — data, header, padding,
+// length — fails the check, and the file is rejected whole with a kvsnap::Error. Writes are
+// atomic (temporary file `<path>.tmp-<pid>`, fsync, rename): a crash mid-save leaves the
+// previous file loadable, and the next save or load of `path` removes temporaries of writers
+// that no longer run.
 #pragma once
 
 #include <cstdint>

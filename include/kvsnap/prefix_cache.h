@@ -31,7 +31,8 @@ namespace kvsnap {
 
 namespace detail {
 class PrefixCacheImpl;
-}
+struct SessionState;
+}  // namespace detail
 
 class KVSNAP_EXPORT PrefixCache {
  public:
@@ -93,7 +94,8 @@ class KVSNAP_EXPORT PrefixCache {
   std::unique_ptr<detail::PrefixCacheImpl> impl_;
 };
 
-// One request's use of the prefix cache. Move-only; closes itself when destroyed.
+// One request's use of the prefix cache. Move-only; closes itself when destroyed. A session
+// that outlives its PrefixCache is detached: its calls throw Error, closing it does nothing.
 class KVSNAP_EXPORT PrefixCache::Session {
  public:
   Session(Session&&) noexcept;
@@ -117,9 +119,8 @@ class KVSNAP_EXPORT PrefixCache::Session {
 
  private:
   friend class PrefixCache;
-  friend class detail::PrefixCacheImpl;
-  explicit Session(detail::PrefixCacheImpl* owner) : owner_(owner) {}
-  detail::PrefixCacheImpl* owner_ = nullptr;  // null once closed or moved from
+  explicit Session(std::shared_ptr<detail::SessionState> state);
+  std::shared_ptr<detail::SessionState> state_;  // null once moved from
 };
 
 }  // namespace kvsnap

@@ -43,7 +43,8 @@ class KVSNAP_EXPORT RotatingKVCache final : public Attention {
   std::vector<Array> state() const override;
   void reset() override;
   int64_t offset() const override;
-  // The whole window at offset() (from_offset is only range-checked); null at offset 0.
+  // The whole window at offset() (from_offset is only range-checked); null at offset 0. It
+  // restores only into a cache of the same max_size.
   [[nodiscard]] SnapshotPtr snapshot(int64_t from_offset) override;
   void prepare_snapshots(std::span<const int64_t> offsets) override;
   [[nodiscard]] std::vector<SnapshotPtr> take_snapshots() override;

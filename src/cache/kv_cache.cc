@@ -247,6 +247,8 @@ bool KVCache::restore(Snapshot* snapshot, int64_t target) {
     return true;
   }
   KVSnapshot& s = detail::as_kv_snapshot(snapshot, "KVCache::restore");
+  const detail::KVLayout layout = s.layout();
+  if (c.has_layout) detail::check_same_layout(c.layout, layout, "KVCache::restore");
   if (target < 0 || target > s.end || c.offset < s.begin) return false;
   if (target <= s.begin || s.owner == &c) {
     // At or before the snapshot's start nothing needs writing; an own lazy snapshot's data is
@@ -254,8 +256,6 @@ bool KVCache::restore(Snapshot* snapshot, int64_t target) {
     c.offset = target;
     return true;
   }
-  const detail::KVLayout layout = s.layout();
-  if (c.has_layout) detail::check_same_layout(c.layout, layout, "KVCache::restore");
   const Array keys = s.keys().slice(2, 0, target - s.begin);
   const Array values = s.values().slice(2, 0, target - s.begin);
   if (!c.has_layout) {

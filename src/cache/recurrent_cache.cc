@@ -71,6 +71,21 @@ class RecurrentCacheImpl {
     }
   }
 
+  // Throws Error naming `call` unless `s` has this cache's shapes, and the live state's batch
+  // size and activation dtype when there is a live state.
+  void check_fits(const RecurrentSnapshot& s, const char* call) const {
+    const int64_t rows = conv.empty() ? s.conv.dim(0) : conv.dim(0);
+    const DType activation = conv.empty() ? s.conv.dtype() : conv.dtype();
+    const bool fits = s.conv.shape() == conv_shape(rows) && s.conv.dtype() == activation &&
+                      s.delta.shape() == delta_shape(rows) && s.delta.dtype() == DType::f32;
+    if (fits) return;
+    throw Error(fmt::format(
+        "{}: the snapshot (conv {}, delta {}) does not fit this cache (conv {}{}, delta "
+        "f32{}): a state restores only into a cache of the same shapes, batch size and dtype",
+        call, s.conv.describe(), s.delta.describe(), dtype_name(activation),
+        shape_string(conv_shape(rows)), shape_string(delta_shape(rows))));
+  }
+
   int64_t conv_tail, conv_dim, v_heads, v_dim, k_dim;
   Array conv, delta;  // live state; empty until first get/put/restore
   int64_t offset = 0;
@@ -222,7 +237,7 @@ bool RecurrentCache::restore(Snapshot* snapshot, int64_t target) {
   c.schedule.require_idle("RecurrentCache::restore");
   if (snapshot == nullptr) return target == c.offset;
   RecurrentSnapshot& s = *detail::as_recurrent_snapshot(snapshot, "RecurrentCache::restore");
-  c.check_state(s.conv, s.delta, s.conv.dim(0), s.conv.dtype(), "RecurrentCache::restore");
+  c.check_fits(s, "RecurrentCache::restore");
   if (target != s.at) return false;
   c.conv = s.conv;  // immutable values: sharing is a restore without a copy
   c.delta = s.delta;

@@ -18,13 +18,15 @@ class RotatingKVCacheImpl;
 // [column, column + count) of the owner's linear buffer, or owned compact arrays.
 class RotatingSnapshot final : public LazySnapshot {
  public:
-  RotatingSnapshot(RotatingKVCacheImpl* owner, int64_t column, int64_t count, int64_t end)
-      : owner(owner), column(column), count(count), end(end) {}
-  RotatingSnapshot(Array keys, Array values, int64_t end)
+  RotatingSnapshot(RotatingKVCacheImpl* owner, int64_t column, int64_t count, int64_t end,
+                   int64_t window)
+      : owner(owner), column(column), count(count), end(end), window(window) {}
+  RotatingSnapshot(Array keys, Array values, int64_t end, int64_t window)
       : owned_keys(std::move(keys)),
         owned_values(std::move(values)),
         count(owned_keys.dim(2)),
-        end(end) {}
+        end(end),
+        window(window) {}
 
   int64_t size() const override {
     return owner != nullptr ? 0 : owned_keys.nbytes() + owned_values.nbytes();
@@ -41,6 +43,7 @@ class RotatingSnapshot final : public LazySnapshot {
   int64_t column = 0;
   int64_t count;
   int64_t end;
+  int64_t window;  // max_size of the cache it came from: it restores only into the same window
 };
 
 // Invariant: columns [start, start + length) of the buffers are valid; ring index i (0 = the
@@ -56,8 +59,7 @@ class RotatingKVCacheImpl {
   int64_t first_position() const { return offset - length; }
   bool linear() const { return oldest == 0; }
   int64_t token_bytes() const { return layout.token_bytes(); }
-  // Tokens a window ending at `end` must hold to continue exactly from there.
-  int64_t window_tokens(int64_t end) const { return end <= max_size ? end : max_size - 1; }
+  int64_t window_tokens(int64_t end) const { return rotating_window_tokens(end, max_size); }
   int64_t column_of(int64_t ring_index) const { return start + (oldest + ring_index) % length; }
 
   // Copies ring indices [first, first + count) in position order into columns [0, count) of
@@ -100,20 +102,25 @@ class RotatingKVCacheImpl {
   }
 
   // The window ending at `end` (first_position() <= end - window_tokens(end), end <= offset;
-  // a wrapped ring only at end == offset).
+  // a wrapped ring only at end == offset). Null only at offset 0 (the empty state); a window
+  // that needs no old token (max_size 1) is a real, empty snapshot: a restore point.
   SnapshotPtr capture_window(int64_t end) {
+    if (end == 0) return nullptr;
     const int64_t count = window_tokens(end);
-    if (count == 0) return nullptr;
     const int64_t first_index = end - count - first_position();
+    if (count == 0) {
+      auto [k, v] = layout.allocate(0);
+      return std::make_unique<RotatingSnapshot>(std::move(k), std::move(v), end, max_size);
+    }
     if (linear()) {
-      auto s = std::make_unique<RotatingSnapshot>(this, start + first_index, count, end);
+      auto s = std::make_unique<RotatingSnapshot>(this, start + first_index, count, end, max_size);
       lazy.push(s.get());
       return s;
     }
     auto [k, v] = layout.allocate(count);
     gather(first_index, count, k, v);
     stats.snapshot_bytes += count * token_bytes();
-    return std::make_unique<RotatingSnapshot>(std::move(k), std::move(v), end);
+    return std::make_unique<RotatingSnapshot>(std::move(k), std::move(v), end, max_size);
   }
 
   void capture_reached() {
@@ -229,13 +236,29 @@ RotatingSnapshot* as_rotating_snapshot(Snapshot* snapshot, const char* call) {
 bool rotating_record(const Snapshot& snapshot, SnapshotRecord& record) {
   const auto* rotating = dynamic_cast<const RotatingSnapshot*>(&snapshot);
   if (rotating == nullptr) return false;
-  record = {SnapshotRecord::Kind::rotating, rotating->keys(), rotating->values(), rotating->end,
-            rotating->end};
+  record = {SnapshotRecord::Kind::rotating,
+            rotating->keys(),
+            rotating->values(),
+            rotating->end,
+            rotating->end,
+            rotating->window};
   return true;
 }
 
-SnapshotPtr make_rotating_snapshot(Array keys, Array values, int64_t end) {
-  return std::make_unique<RotatingSnapshot>(std::move(keys), std::move(values), end);
+SnapshotPtr make_rotating_snapshot(Array keys, Array values, int64_t end, int64_t window) {
+  return std::make_unique<RotatingSnapshot>(std::move(keys), std::move(values), end, window);
+}
+
+// Throws Error naming `call` unless `s` fits `c`: the same window, and the same layout once the
+// cache has one.
+void check_fits(const RotatingKVCacheImpl& c, const RotatingSnapshot& s, const char* call) {
+  const KVLayout layout = s.layout();
+  if (s.window == c.max_size && (!c.has_layout || layout == c.layout)) return;
+  throw Error(fmt::format(
+      "{}: the snapshot (window {}, {}) does not fit this cache (window {}, {}): a window "
+      "restores only into a cache of the same window and layout",
+      call, s.window, layout.describe(), c.max_size,
+      c.has_layout ? c.layout.describe() : "no layout yet"));
 }
 
 }  // namespace detail
@@ -330,6 +353,7 @@ bool RotatingKVCache::restore(Snapshot* snapshot, int64_t target) {
     return true;
   }
   RotatingSnapshot& s = *detail::as_rotating_snapshot(snapshot, "RotatingKVCache::restore");
+  detail::check_fits(c, s, "RotatingKVCache::restore");
   if (target < 0 || target > s.end || (target < s.end && s.end > c.max_size)) return false;
   // Clamping below the end keeps positions [0, target): the window then starts at position 0.
   const int64_t tokens = target < s.end ? target : s.count;
@@ -341,7 +365,6 @@ bool RotatingKVCache::restore(Snapshot* snapshot, int64_t target) {
     return true;
   }
   const detail::KVLayout layout = s.layout();
-  if (c.has_layout) detail::check_same_layout(c.layout, layout, "RotatingKVCache::restore");
   const Array keys = s.keys().slice(2, 0, tokens);
   const Array values = s.values().slice(2, 0, tokens);
   if (!c.has_layout) {

@@ -25,21 +25,26 @@ SnapshotPtr make_snapshot(SnapshotRecord record, const std::string& context) {
     case SnapshotRecord::Kind::kv:
     case SnapshotRecord::Kind::rotating: {
       if (!floats || a.ndim() != 4 || b.ndim() != 4 || a.dim(0) != b.dim(0) ||
-          a.dim(1) != b.dim(1) || a.dim(2) != b.dim(2) || a.dim(2) == 0) {
-        throw fail("keys and values must be float [B, H, T, D] with equal B, H and T > 0");
+          a.dim(1) != b.dim(1) || a.dim(2) != b.dim(2)) {
+        throw fail("keys and values must be float [B, H, T, D] with equal B, H and T");
       }
       if (record.kind == SnapshotRecord::Kind::kv) {
-        if (record.from < 0 || record.to - record.from != a.dim(2)) {
-          throw fail(fmt::format("range [{}, {}) does not hold {} tokens", record.from, record.to,
-                                 a.dim(2)));
+        if (record.from < 0 || a.dim(2) == 0 || record.to - record.from != a.dim(2)) {
+          throw fail(fmt::format("range [{}, {}) does not hold {} tokens (> 0)", record.from,
+                                 record.to, a.dim(2)));
         }
         return make_kv_snapshot(std::move(record.first), std::move(record.second), record.from);
       }
-      if (record.to < a.dim(2)) {
-        throw fail(
-            fmt::format("a window of {} tokens cannot end at offset {}", a.dim(2), record.to));
+      if (record.window < 1 || record.to < 1 ||
+          a.dim(2) != rotating_window_tokens(record.to, record.window)) {
+        throw fail(fmt::format(
+            "a window of {} ending at offset {} holds {} tokens, not {}", record.window, record.to,
+            record.window < 1 || record.to < 1 ? 0
+                                               : rotating_window_tokens(record.to, record.window),
+            a.dim(2)));
       }
-      return make_rotating_snapshot(std::move(record.first), std::move(record.second), record.to);
+      return make_rotating_snapshot(std::move(record.first), std::move(record.second), record.to,
+                                    record.window);
     }
     case SnapshotRecord::Kind::recurrent:
       if (!floats || a.ndim() != 3 || b.ndim() != 4 || b.dtype() != DType::f32 ||

@@ -16,7 +16,14 @@ struct SnapshotRecord {
   Array first;   // kv, rotating: keys [B, H, T, D]; recurrent: conv tail [B, W-1, C]
   Array second;  // kv, rotating: values [B, H, T, Dv]; recurrent: delta state [B, Hv, Dv, Dk]
   int64_t from = 0, to = 0;  // kv: [from, to); whole-state kinds: from == to == the offset
+  int64_t window = 0;        // rotating: the max_size of the cache it belongs to
 };
+
+// Tokens a rotating snapshot ending at `end` holds for a window of `window`: every token while
+// nothing was evicted, else the max_size - 1 the next query needs.
+constexpr int64_t rotating_window_tokens(int64_t end, int64_t window) {
+  return end <= window ? end : window - 1;
+}
 
 // The record of a KVCache, RotatingKVCache or RecurrentCache snapshot (arrays are views of the
 // live cache while the snapshot is lazy); nullopt for any other kind.
@@ -31,7 +38,7 @@ bool kv_record(const Snapshot&, SnapshotRecord&);
 bool rotating_record(const Snapshot&, SnapshotRecord&);
 bool recurrent_record(const Snapshot&, SnapshotRecord&);
 SnapshotPtr make_kv_snapshot(Array keys, Array values, int64_t from);
-SnapshotPtr make_rotating_snapshot(Array keys, Array values, int64_t end);
+SnapshotPtr make_rotating_snapshot(Array keys, Array values, int64_t end, int64_t window);
 SnapshotPtr make_recurrent_snapshot(Array conv, Array delta, int64_t offset);
 
 }  // namespace kvsnap::detail

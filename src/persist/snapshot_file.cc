@@ -14,7 +14,9 @@ using detail::SnapshotRecord;
 using Json = nlohmann::json;
 
 constexpr const char* kFormat = "kvsnap-snapshots";
-constexpr int kVersion = 1;  // written as a string; files of other versions are refused
+// Written as a string; files of other versions are refused. 2: the checksum covers every byte
+// of the file, rotating snapshots record their window.
+constexpr int kVersion = 2;
 
 // Metadata value `key` as an integer in [low, high]; throws through `fail`.
 template <class Fail>
@@ -58,7 +60,8 @@ std::string encode_snapshots(int64_t offset, std::span<const Snapshot* const> sn
             Json{{"kind", "kv"}, {"from", record->from}, {"to", record->to}}.dump();
         break;
       case SnapshotRecord::Kind::rotating:
-        file.metadata[layer] = Json{{"kind", "rotating"}, {"end", record->to}}.dump();
+        file.metadata[layer] =
+            Json{{"kind", "rotating"}, {"end", record->to}, {"window", record->window}}.dump();
         break;
       case SnapshotRecord::Kind::recurrent:
         file.metadata[layer] = Json{{"kind", "recurrent"}, {"offset", record->to}}.dump();
@@ -70,8 +73,7 @@ std::string encode_snapshots(int64_t offset, std::span<const Snapshot* const> sn
     file.tensors.emplace_back(fmt::format("{}.{}", layer, recurrent ? "delta" : "values"),
                               record->second);
   }
-  file.metadata["checksum"] = detail::checksum(file);
-  return detail::encode_safetensors(file);
+  return detail::encode_sealed(std::move(file));
 }
 
 LoadedSnapshots decode_snapshots(const std::string& bytes, const std::string& source) {
@@ -91,10 +93,7 @@ LoadedSnapshots decode_snapshots(const std::string& bytes, const std::string& so
     throw fail(fmt::format("version \"{}\" is unknown (this build reads version {})",
                            meta("version"), kVersion));
   }
-  if (meta("checksum") != detail::checksum(file)) {
-    throw fail(fmt::format("checksum {} does not match the contents ({}): the file is damaged",
-                           meta("checksum"), detail::checksum(file)));
-  }
+  detail::check_seal(bytes, file, source);
   LoadedSnapshots loaded;
   loaded.offset = integer(file.metadata, "offset", 0, int64_t(1) << 40, fail);
   const int64_t layers = integer(file.metadata, "layers", 0, 1 << 20, fail);
@@ -129,8 +128,12 @@ LoadedSnapshots decode_snapshots(const std::string& bytes, const std::string& so
       record = {SnapshotRecord::Kind::kv, tensor(fmt::format("{}.keys", layer)),
                 tensor(fmt::format("{}.values", layer)), number("from"), number("to")};
     } else if (kind == "rotating") {
-      record = {SnapshotRecord::Kind::rotating, tensor(fmt::format("{}.keys", layer)),
-                tensor(fmt::format("{}.values", layer)), number("end"), number("end")};
+      record = {SnapshotRecord::Kind::rotating,
+                tensor(fmt::format("{}.keys", layer)),
+                tensor(fmt::format("{}.values", layer)),
+                number("end"),
+                number("end"),
+                number("window")};
     } else if (kind == "recurrent") {
       record = {SnapshotRecord::Kind::recurrent, tensor(fmt::format("{}.conv", layer)),
                 tensor(fmt::format("{}.delta", layer)), number("offset"), number("offset")};
@@ -165,6 +168,7 @@ void save_snapshots(const std::string& path, int64_t offset,
 }
 
 LoadedSnapshots load_snapshots(const std::string& path) {
+  detail::remove_stale_temporaries(path);
   return decode_snapshots(detail::read_file(path), path);
 }
 

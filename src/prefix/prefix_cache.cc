@@ -35,6 +35,29 @@ std::vector<LayerInfo> describe_layers(const std::vector<Cache*>& layers) {
   return out;
 }
 
+}  // namespace
+
+// One request's state, shared by its Session handle and the PrefixCache while it is open. The
+// PrefixCache detaches it (owner = null) when destroyed first, so the handle never dangles.
+struct SessionState {
+  enum class Phase {
+    prefill,  // begun: the model evaluates remaining(), then prefill_done()
+    decode,   // prefill attached: generated tokens are appended
+    closed,
+  };
+  PrefixCacheImpl* owner = nullptr;
+  Phase phase = Phase::prefill;
+  std::vector<int32_t> tokens;  // prompt, then generated tokens
+  int64_t prompt_length = 0;
+  int64_t matched = 0;    // prompt tokens found in the trie
+  int64_t cached = 0;     // offset restored
+  int64_t paged_end = 0;  // the trie holds the session's path up to here
+  std::set<int64_t> user_offsets;
+  std::vector<int64_t> scheduled;
+};
+
+namespace {
+
 // How one whole-state layer gets to the planned offset.
 struct WholeStateStep {
   enum class Kind { stay, reset, live_rewind, snapshot } kind = Kind::stay;
@@ -52,6 +75,12 @@ class PrefixCacheImpl {
                               options.max_paged_out_bytes));
     }
   }
+  // An open session outlives us detached: its calls throw, its destructor does nothing.
+  ~PrefixCacheImpl() {
+    if (session != nullptr) session->owner = nullptr;
+  }
+
+  bool open() const { return session != nullptr; }
 
   // ---- live state -------------------------------------------------------------------------
 
@@ -252,10 +281,6 @@ class PrefixCacheImpl {
 
   // ---- session -------------------------------------------------------------------------------
 
-  void require_open(const char* call) const {
-    if (!open) throw Error(fmt::format("{}: the session is closed", call));
-  }
-
   // Whether a node ends at `offset` on the matched path with every whole-state snapshot.
   bool complete_boundary(const std::vector<Node*>& path, int64_t offset) const {
     for (Node* node : path) {
@@ -274,22 +299,25 @@ class PrefixCacheImpl {
       layer.cache->cancel_snapshots();
       layer.cache->prepare_snapshots(offsets);
     }
-    scheduled = offsets;
+    session->scheduled = offsets;
   }
 
   std::vector<int64_t> schedule_for(const std::vector<Node*>& path) const {
-    const auto length = static_cast<int64_t>(tokens.size());
-    std::set<int64_t> offsets(user_offsets.begin(), user_offsets.end());
+    const SessionState& s = *session;
+    const int64_t length = s.prompt_length;
+    std::set<int64_t> offsets(s.user_offsets.begin(), s.user_offsets.end());
     // The branch point, so the next divergence there restores, and the last prompt token, so
     // a regeneration of this prompt restores everything but that token.
-    for (int64_t o : {matched < length - 1 ? matched : length - 1, length - 1}) {
-      if (o > cached || (o == cached && o > 0 && !complete_boundary(path, o))) offsets.insert(o);
+    for (int64_t o : {s.matched < length - 1 ? s.matched : length - 1, length - 1}) {
+      if (o > s.cached || (o == s.cached && o > 0 && !complete_boundary(path, o))) {
+        offsets.insert(o);
+      }
     }
     return {offsets.begin(), offsets.end()};
   }
 
-  PrefixCache::Session begin(std::span<const int32_t> prompt) {
-    if (open) throw Error("PrefixCache::begin: a session is already open; close it first");
+  std::shared_ptr<SessionState> begin(std::span<const int32_t> prompt) {
+    if (open()) throw Error("PrefixCache::begin: a session is already open; close it first");
     if (prompt.empty()) {
       throw Error("PrefixCache::begin: the prompt is empty; at least one token must be evaluated");
     }
@@ -312,120 +340,122 @@ class PrefixCacheImpl {
     update_tip();
     for (Node* node : match.path) node->last_used = trie.tick();
 
-    tokens.assign(prompt.begin(), prompt.end());
-    prompt_length = length;
-    matched = match.length;
-    cached = target;
-    user_offsets.clear();
-    prefilled = false;
-    open = true;
+    auto state = std::make_shared<SessionState>();
+    state->owner = this;
+    state->tokens.assign(prompt.begin(), prompt.end());
+    state->prompt_length = length;
+    state->matched = match.length;
+    state->cached = target;
+    session = state;
     prepare(schedule_for(match.path));
 
     ++stats.lookups;
     stats.matched_tokens += match.length;
     stats.reused_tokens += target;
     evict_to_budget();
-    return PrefixCache::Session(this);
+    return state;
   }
 
   void schedule_snapshots(std::span<const int64_t> offsets) {
-    require_open("Session::schedule_snapshots");
-    if (prefilled || layer_offset() != cached) {
+    SessionState& s = *session;
+    if (s.phase != SessionState::Phase::prefill || layer_offset() != s.cached) {
       throw Error(
           fmt::format("Session::schedule_snapshots: call before the prefill forward (the "
                       "caches are at offset {}, the session restored {})",
-                      layer_offset(), cached));
+                      layer_offset(), s.cached));
     }
     for (int64_t o : offsets) {
-      if (o < cached || o > prompt_length) {
+      if (o < s.cached || o > s.prompt_length) {
         throw Error(
             fmt::format("Session::schedule_snapshots: offset {} in [{}] is outside [{}, "
                         "{}] (the restored prefix to the prompt's end)",
-                        o, fmt::join(offsets, ", "), cached, prompt_length));
+                        o, fmt::join(offsets, ", "), s.cached, s.prompt_length));
       }
     }
-    user_offsets.insert(offsets.begin(), offsets.end());
+    s.user_offsets.insert(offsets.begin(), offsets.end());
     // The match may be stale if evictions ran since begin; recompute it from the trie.
-    const std::span<const int32_t> prompt(tokens.data(), static_cast<size_t>(prompt_length));
+    const std::span<const int32_t> prompt(s.tokens.data(), static_cast<size_t>(s.prompt_length));
     prepare(schedule_for(trie.match(prompt).path));
   }
 
   void prefill_done() {
-    require_open("Session::prefill_done");
-    if (prefilled) throw Error("Session::prefill_done: already called for this session");
+    SessionState& s = *session;
+    if (s.phase != SessionState::Phase::prefill) {
+      throw Error("Session::prefill_done: already called for this session");
+    }
     const int64_t offset = layer_offset();
-    if (has_state() && offset != prompt_length) {
+    if (has_state() && offset != s.prompt_length) {
       throw Error(
           fmt::format("Session::prefill_done: the caches are at offset {}; evaluate "
                       "remaining() ({} tokens from offset {}) first",
-                      offset, prompt_length - cached, cached));
+                      offset, s.prompt_length - s.cached, s.cached));
     }
     std::vector<std::vector<SnapshotPtr>> captures(trie.layers().size());
     for (size_t i = 0; i < trie.layers().size(); ++i) {
       if (trie.layers()[i].cache != nullptr) captures[i] = trie.layers()[i].cache->take_snapshots();
     }
-    int64_t edge_start = cached;
-    for (size_t j = 0; j < scheduled.size(); ++j) {
+    int64_t edge_start = s.cached;
+    for (size_t j = 0; j < s.scheduled.size(); ++j) {
       std::vector<SnapshotPtr> ranged(trie.layers().size()), whole(trie.layers().size());
       for (size_t i = 0; i < trie.layers().size(); ++i) {
         if (trie.layers()[i].ranged()) ranged[i] = std::move(captures[i][j]);
         if (trie.layers()[i].whole_state()) whole[i] = std::move(captures[i][j]);
       }
-      if (scheduled[j] > 0) {
-        trie.insert(tokens, edge_start, scheduled[j], std::move(ranged), std::move(whole),
-                    user_offsets.count(scheduled[j]) > 0);
+      if (s.scheduled[j] > 0) {
+        trie.insert(s.tokens, edge_start, s.scheduled[j], std::move(ranged), std::move(whole),
+                    s.user_offsets.count(s.scheduled[j]) > 0);
       }
-      edge_start = scheduled[j];
+      edge_start = s.scheduled[j];
     }
-    paged_end = edge_start;
-    scheduled.clear();
-    live_tokens.assign(tokens.begin(), tokens.begin() + prompt_length);
+    s.paged_end = edge_start;
+    s.scheduled.clear();
+    live_tokens.assign(s.tokens.begin(), s.tokens.begin() + s.prompt_length);
     update_tip();
-    prefilled = true;
+    s.phase = SessionState::Phase::decode;
     evict_to_budget();
   }
 
   void append_output(int32_t token) {
-    require_open("Session::append_output");
-    if (!prefilled) {
+    SessionState& s = *session;
+    if (s.phase != SessionState::Phase::decode) {
       throw Error("Session::append_output: call prefill_done() after the prefill forward first");
     }
-    tokens.push_back(token);
+    s.tokens.push_back(token);
   }
 
   void close() {
-    if (!open) return;
+    SessionState& s = *session;
     int64_t offset = layer_offset();
-    if (!prefilled) {
-      if (offset == prompt_length || !has_state()) {
+    if (s.phase == SessionState::Phase::prefill) {
+      if (offset == s.prompt_length || !has_state()) {
         prefill_done();
       } else {
         for (const LayerInfo& layer : trie.layers()) {
           if (layer.cache != nullptr) layer.cache->cancel_snapshots();
         }
-        scheduled.clear();
-        paged_end = cached;
-        prefilled = true;
+        s.scheduled.clear();
+        s.paged_end = s.cached;
       }
     }
-    offset = has_state() ? layer_offset() : static_cast<int64_t>(tokens.size());
-    open = false;
-    if (offset < 0 || offset > static_cast<int64_t>(tokens.size()) || offset < paged_end) {
+    offset = has_state() ? layer_offset() : static_cast<int64_t>(s.tokens.size());
+    s.phase = SessionState::Phase::closed;
+    const std::shared_ptr<SessionState> closing = std::move(session);
+    if (offset < 0 || offset > static_cast<int64_t>(s.tokens.size()) || offset < s.paged_end) {
       // The caches were driven past what the session knows: nothing consistent to page out.
       reset_live();
       evict_to_budget();
       return;
     }
-    if (offset > paged_end) {
+    if (offset > s.paged_end) {
       std::vector<SnapshotPtr> ranged(trie.layers().size()), whole(trie.layers().size());
       for (size_t i = 0; i < trie.layers().size(); ++i) {
         const LayerInfo& layer = trie.layers()[i];
-        if (layer.ranged()) ranged[i] = layer.cache->snapshot(paged_end);
+        if (layer.ranged()) ranged[i] = layer.cache->snapshot(s.paged_end);
         if (layer.whole_state()) whole[i] = layer.cache->snapshot(0);
       }
-      trie.insert(tokens, paged_end, offset, std::move(ranged), std::move(whole), false);
+      trie.insert(s.tokens, s.paged_end, offset, std::move(ranged), std::move(whole), false);
     }
-    live_tokens.assign(tokens.begin(), tokens.begin() + offset);
+    live_tokens.assign(s.tokens.begin(), s.tokens.begin() + offset);
     update_tip();
     evict_to_budget();
   }
@@ -436,16 +466,7 @@ class PrefixCacheImpl {
   std::vector<int32_t> live_tokens;  // what the live caches hold, [0, their offset)
   Node* tip = &trie.root();
 
-  // The open session.
-  bool open = false;
-  bool prefilled = false;
-  std::vector<int32_t> tokens;  // prompt, then generated tokens
-  int64_t prompt_length = 0;
-  int64_t matched = 0;    // prompt tokens found in the trie
-  int64_t cached = 0;     // offset restored
-  int64_t paged_end = 0;  // the trie holds the session's path up to here
-  std::set<int64_t> user_offsets;
-  std::vector<int64_t> scheduled;
+  std::shared_ptr<SessionState> session;  // the open session, if any
 };
 
 }  // namespace detail
@@ -470,8 +491,9 @@ void PrefixCache::save(const std::string& dir, const std::string& model_id) cons
 }
 
 void PrefixCache::load(const std::string& dir, const std::string& model_id) {
-  if (impl_->open) throw Error("PrefixCache::load: a session is open; close it first");
+  if (impl_->open()) throw Error("PrefixCache::load: a session is open; close it first");
   const std::string path = trie_path(dir);
+  detail::remove_stale_temporaries(path);
   detail::LoadedTrie loaded =
       detail::decode_trie(detail::read_file(path), path, impl_->trie.layers(), model_id);
   impl_->reset_live();
@@ -485,7 +507,7 @@ bool PrefixCache::saved_in(const std::string& dir) {
 }
 
 PrefixCache::Session PrefixCache::begin(std::span<const int32_t> prompt) {
-  return impl_->begin(prompt);
+  return Session(impl_->begin(prompt));
 }
 int64_t PrefixCache::paged_out_bytes() const { return impl_->trie.bytes(); }
 int64_t PrefixCache::recount_paged_out_bytes() const { return impl_->trie.recount_bytes(); }
@@ -494,24 +516,20 @@ PrefixCache::Stats PrefixCache::stats() const { return impl_->stats; }
 std::string PrefixCache::debug_string() const { return impl_->trie.debug_string(); }
 std::string PrefixCache::check_invariants() const { return impl_->trie.check_invariants(); }
 
-PrefixCache::Session::Session(Session&& other) noexcept : owner_(other.owner_) {
-  other.owner_ = nullptr;
-}
+PrefixCache::Session::Session(std::shared_ptr<detail::SessionState> state)
+    : state_(std::move(state)) {}
+PrefixCache::Session::Session(Session&& other) noexcept = default;
 PrefixCache::Session& PrefixCache::Session::operator=(Session&& other) noexcept {
   if (this != &other) {
-    if (owner_ != nullptr) {
-      try {
-        close();
-      } catch (...) {
-      }
+    try {
+      close();
+    } catch (...) {  // close() leaves the cache consistent; a move must not throw
     }
-    owner_ = other.owner_;
-    other.owner_ = nullptr;
+    state_ = std::move(other.state_);
   }
   return *this;
 }
 PrefixCache::Session::~Session() {
-  if (owner_ == nullptr) return;
   try {
     close();
   } catch (...) {  // a destructor must not throw; close() already left the cache consistent
@@ -519,32 +537,43 @@ PrefixCache::Session::~Session() {
 }
 
 namespace {
-detail::PrefixCacheImpl& owner_of(detail::PrefixCacheImpl* owner, const char* call) {
-  if (owner == nullptr || !owner->open) throw Error(fmt::format("{}: the session is closed", call));
-  return *owner;
+// The PrefixCache of an open, attached session; throws Error naming `call` otherwise.
+detail::PrefixCacheImpl& owner_of(const std::shared_ptr<detail::SessionState>& state,
+                                  const char* call) {
+  if (state != nullptr && state->owner == nullptr) {
+    throw Error(fmt::format("{}: the PrefixCache this session belongs to was destroyed", call));
+  }
+  if (state == nullptr || state->phase == detail::SessionState::Phase::closed) {
+    throw Error(fmt::format("{}: the session is closed", call));
+  }
+  return *state->owner;
 }
 }  // namespace
 
 std::span<const int32_t> PrefixCache::Session::remaining() const {
-  auto& o = owner_of(owner_, "Session::remaining");
-  return std::span<const int32_t>(o.tokens.data() + o.cached,
-                                  static_cast<size_t>(o.prompt_length - o.cached));
+  (void)owner_of(state_, "Session::remaining");
+  return std::span<const int32_t>(state_->tokens.data() + state_->cached,
+                                  static_cast<size_t>(state_->prompt_length - state_->cached));
 }
-int64_t PrefixCache::Session::cached() const { return owner_of(owner_, "Session::cached").cached; }
+int64_t PrefixCache::Session::cached() const {
+  (void)owner_of(state_, "Session::cached");
+  return state_->cached;
+}
 void PrefixCache::Session::schedule_snapshots(std::span<const int64_t> offsets) {
-  owner_of(owner_, "Session::schedule_snapshots").schedule_snapshots(offsets);
+  owner_of(state_, "Session::schedule_snapshots").schedule_snapshots(offsets);
 }
 void PrefixCache::Session::prefill_done() {
-  owner_of(owner_, "Session::prefill_done").prefill_done();
+  owner_of(state_, "Session::prefill_done").prefill_done();
 }
 void PrefixCache::Session::append_output(int32_t token) {
-  owner_of(owner_, "Session::append_output").append_output(token);
+  owner_of(state_, "Session::append_output").append_output(token);
 }
 void PrefixCache::Session::close() {
-  if (owner_ == nullptr) return;
-  detail::PrefixCacheImpl* owner = owner_;
-  owner_ = nullptr;
-  owner->close();
+  if (state_ == nullptr || state_->owner == nullptr ||
+      state_->phase == detail::SessionState::Phase::closed) {
+    return;
+  }
+  state_->owner->close();
 }
 
 }  // namespace kvsnap

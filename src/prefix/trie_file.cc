@@ -17,7 +17,9 @@ namespace {
 
 using Json = nlohmann::json;
 constexpr const char* kFormat = "kvsnap-prefix-cache";
-constexpr int kVersion = 1;  // written as a string; files of other versions are refused
+// Written as a string; files of other versions are refused. 2: the checksum covers every byte
+// of the file.
+constexpr int kVersion = 2;
 
 // What a layer is, as recorded in the file and compared on load.
 Json describe(const LayerInfo& layer) {
@@ -32,6 +34,29 @@ Json describe(const LayerInfo& layer) {
   }
   if (layer.ranged()) return {{"kind", "kv"}};
   return {{"kind", "other"}};
+}
+
+// The shapes a snapshot needs its layer's cache to have, with the token count left out.
+std::string signature(const SnapshotRecord& record, const LayerInfo& layer) {
+  const auto shape = [](const Array& a, bool tokens_free) {
+    std::string out = fmt::format("{}[", dtype_name(a.dtype()));
+    for (int axis = 0; axis < a.ndim(); ++axis) {
+      out += axis > 0 ? ", " : "";
+      out += tokens_free && axis == 2 ? "*" : std::to_string(a.dim(axis));
+    }
+    return out + "]";
+  };
+  if (record.kind != SnapshotRecord::Kind::recurrent) {
+    return fmt::format("keys {} values {}", shape(record.first, true), shape(record.second, true));
+  }
+  const auto* r = dynamic_cast<const RecurrentCache*>(layer.cache);
+  const int64_t rows = record.first.ndim() > 0 ? record.first.dim(0) : 0;
+  if (r != nullptr &&
+      (record.first.shape() != Shape{rows, r->conv_tail(), r->conv_dim()} ||
+       record.second.shape() != Shape{rows, r->num_v_heads(), r->head_v_dim(), r->head_k_dim()})) {
+    return "";  // not this layer's shapes
+  }
+  return fmt::format("conv {} delta {}", shape(record.first, false), shape(record.second, false));
 }
 
 const char* kind_name(SnapshotRecord::Kind kind) {
@@ -93,8 +118,7 @@ std::string encode_trie(const Trie& trie, const std::string& model_id) {
   file.metadata["layers"] = layers.dump();
   file.metadata["nodes"] = entries.dump();
   file.metadata["clock"] = std::to_string(trie.clock());
-  file.metadata["checksum"] = checksum(file);
-  return encode_safetensors(file);
+  return encode_sealed(std::move(file));
 }
 
 LoadedTrie decode_trie(const std::string& bytes, const std::string& source,
@@ -114,8 +138,7 @@ LoadedTrie decode_trie(const std::string& bytes, const std::string& source,
     throw fail(fmt::format("version \"{}\" is unknown (this build reads version {})",
                            meta("version"), kVersion));
   }
-  if (meta("checksum") != checksum(file))
-    throw fail("checksum does not match the contents: the file is damaged");
+  check_seal(bytes, file, source);
   if (meta("model") != model_id) {
     throw fail(fmt::format("it was saved for model \"{}\", this cache serves \"{}\"", meta("model"),
                            model_id));
@@ -152,7 +175,8 @@ LoadedTrie decode_trie(const std::string& bytes, const std::string& source,
   std::vector<int64_t> ends;
   std::map<std::pair<int64_t, int32_t>, int64_t> first_tokens;  // (parent, first token) -> node
   size_t position = 0;
-  size_t claimed = 1;  // "edges"
+  size_t claimed = 1;                          // "edges"
+  std::map<size_t, std::string> layer_shapes;  // layer -> signature of its first snapshot
   for (size_t n = 0; n < entries.size(); ++n) {
     const Json& e = entries[n];
     const auto field = [&](const char* key) -> const Json& {
@@ -212,12 +236,32 @@ LoadedTrie decode_trie(const std::string& bytes, const std::string& source,
             end, i, from, to));
       }
       const std::string prefix = fmt::format("node.{}.layer.{}", n, i);
-      SnapshotRecord record{ranged                   ? SnapshotRecord::Kind::kv
-                            : expected == "rotating" ? SnapshotRecord::Kind::rotating
-                                                     : SnapshotRecord::Kind::recurrent,
-                            file.at(fmt::format("{}.a", prefix), source.c_str()),
-                            file.at(fmt::format("{}.b", prefix), source.c_str()), from, to};
+      SnapshotRecord record{
+          ranged                   ? SnapshotRecord::Kind::kv
+          : expected == "rotating" ? SnapshotRecord::Kind::rotating
+                                   : SnapshotRecord::Kind::recurrent,
+          file.at(fmt::format("{}.a", prefix), source.c_str()),
+          file.at(fmt::format("{}.b", prefix), source.c_str()),
+          from,
+          to,
+          expected == "rotating" ? describe(layers[i])["max_size"].get<int64_t>() : 0};
       claimed += 2;
+      // Every snapshot of a layer must fit one cache: the same batch size, heads, depths and
+      // dtypes (a recurrent layer's also its configured shapes).
+      const std::string shapes = signature(record, layers[i]);
+      if (shapes.empty()) {
+        throw fail(fmt::format(
+            "node {} layer {}: recurrent snapshot {} / {} does not have the "
+            "layer's shapes {}",
+            n, i, record.first.describe(), record.second.describe(), describe(layers[i]).dump()));
+      }
+      auto [first, inserted] = layer_shapes.emplace(i, shapes);
+      if (!inserted && first->second != shapes) {
+        throw fail(
+            fmt::format("node {} layer {}: snapshot {} does not fit the layer's other "
+                        "snapshots ({})",
+                        n, i, shapes, first->second));
+      }
       node.snapshots.push_back(
           make_snapshot(std::move(record), fmt::format("{} {}", source, prefix)));
     }

@@ -542,6 +542,24 @@ TEST(KVCacheErrors, MisusedSnapshotsThrow) {
   EXPECT_EQ(cache.offset(), 0);
 }
 
+TEST(KVCacheErrors, ASnapshotOfAnotherLayoutIsRefusedEvenForAnOffsetMove) {
+  // Restoring to the snapshot's start writes nothing, but the snapshot still does not fit.
+  KVCache cache;
+  write(cache, kv, id_range(0, 6));
+  KVCache other;
+  write(other, kv, id_range(0, 4), /*rows=*/2);
+  SnapshotPtr s = other.snapshot(2);
+  EXPECT_TRUE(
+      throws_error([&] { (void)cache.restore(s.get(), 2); }, {"KVCache::restore", "B=2", "B=1"}));
+  EXPECT_EQ(cache.offset(), 6);
+  const TokenKV half{.dtype = DType::f16};
+  KVCache f16;
+  write(f16, half, id_range(0, 4));
+  SnapshotPtr h = f16.snapshot(0);
+  EXPECT_TRUE(throws_error([&] { (void)cache.restore(h.get(), 0); }, {"f16", "f32"}));
+  EXPECT_EQ(cache.offset(), 6);
+}
+
 TEST(KVCache, ResetAllowsANewLayout) {
   KVCache cache;
   write(cache, kv, id_range(0, 3));

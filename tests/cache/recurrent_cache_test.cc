@@ -208,6 +208,34 @@ TEST(RecurrentCacheErrors, MismatchedStateCountsAndShapes) {
   EXPECT_TRUE(throws_error([&] { (void)cache.take_snapshots(); }, {"offset 5 not reached"}));
 }
 
+TEST(RecurrentCacheErrors, AStateOfAnotherBatchSizeOrDtypeIsRefused) {
+  RecurrentCache cache = layer.make_cache();
+  layer.forward(cache, id_range(0, 2));
+  const auto state = cache.state();
+  // A state of two rows, as another cache of the same shapes would hold it.
+  RecurrentCache wide = layer.make_cache();
+  const Batch two = Batch::uniform(2, 1, 0);
+  (void)wide.get(two, DType::f32);
+  const Array conv = Array::zeros(DType::f32, {2, layer.conv_tail, layer.conv_dim});
+  const Array delta =
+      Array::zeros(DType::f32, {2, layer.value_heads, layer.value_depth, layer.key_depth});
+  wide.put(two, std::vector<Array>{conv}, std::vector<Array>{delta});
+  SnapshotPtr s = wide.snapshot(0);
+  EXPECT_TRUE(throws_error([&] { (void)cache.restore(s.get(), 1); },
+                           {"RecurrentCache::restore", "f32[2, 3, 6]", "[1, 3, 6]"}));
+  EXPECT_EQ(cache.offset(), 2);
+  EXPECT_TRUE(cache.state()[1].shares_storage(state[1]));
+  // Another activation dtype.
+  RecurrentCache half = layer.make_cache();
+  const Batch one = Batch::uniform(1, 1, 0);
+  (void)half.get(one, DType::f16);
+  half.put(one, std::vector<Array>{Array::zeros(DType::f16, {1, layer.conv_tail, layer.conv_dim})},
+           std::vector<Array>{delta.slice(0, 0, 1).contiguous()});
+  SnapshotPtr h = half.snapshot(0);
+  EXPECT_TRUE(throws_error([&] { (void)cache.restore(h.get(), 1); }, {"f16", "f32"}));
+  EXPECT_EQ(cache.offset(), 2);
+}
+
 TEST(RecurrentCacheErrors, ForeignSnapshotsAndBadConstruction) {
   EXPECT_TRUE(
       throws_error([] { RecurrentCache cache(3, 0, 1, 1, 1); }, {"RecurrentCache", "conv_dim 0"}));
@@ -221,7 +249,7 @@ TEST(RecurrentCacheErrors, ForeignSnapshotsAndBadConstruction) {
   layer.forward(cache, id_range(0, 2));
   SnapshotPtr s = cache.snapshot(0);
   EXPECT_TRUE(throws_error([&] { (void)other.restore(s.get(), 2); },
-                           {"RecurrentCache::restore", "conv state", "[1, 2, 6]"}));
+                           {"RecurrentCache::restore", "f32[1, 3, 6]", "[1, 2, 6]"}));
 }
 
 }  // namespace

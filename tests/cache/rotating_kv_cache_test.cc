@@ -274,6 +274,55 @@ TEST(RotatingKVCache, WindowOfOne) {
   EXPECT_EQ(held(cache), window(6, 7));
 }
 
+TEST(RotatingKVCache, AWindowOfOneCapturesAnEmptyRestorePoint) {
+  // The next query of a window of 1 needs no old token: the snapshot is empty but real, so a
+  // planner can tell "restorable here" from "no snapshot".
+  RotatingKVCache cache(1);
+  write_positions(cache, 5);
+  SnapshotPtr s = cache.snapshot(0);
+  ASSERT_NE(s, nullptr);
+  EXPECT_EQ(s->size(), 0);
+  EXPECT_EQ(s->to(), 5);
+  decode(cache, 3);
+  ASSERT_TRUE(cache.restore(s.get(), 5));
+  EXPECT_EQ(cache.offset(), 5);
+  decode(cache, 1);
+  EXPECT_EQ(held(cache), window(5, 6));
+  RotatingKVCache empty(1);
+  EXPECT_EQ(empty.snapshot(0), nullptr);  // only offset 0 has nothing to hold
+}
+
+TEST(RotatingKVCacheErrors, AWindowRestoresOnlyIntoACacheOfTheSameWindow) {
+  RotatingKVCache small(4);
+  write_positions(small, 10);
+  SnapshotPtr s = small.snapshot(0);
+  RotatingKVCache big(16);
+  EXPECT_TRUE(throws_error([&] { (void)big.restore(s.get(), 10); },
+                           {"RotatingKVCache::restore", "window 4", "window 16"}));
+  EXPECT_EQ(big.offset(), 0);
+  EXPECT_TRUE(big.state().empty());
+  // The same from a file: the window travels with the snapshot.
+  const LoadedSnapshots loaded =
+      decode_snapshots(encode_snapshots(10, std::vector<const Snapshot*>{s.get()}), "window.st");
+  EXPECT_TRUE(throws_error([&] { (void)big.restore(loaded.snapshots[0].get(), 10); },
+                           {"RotatingKVCache::restore", "window 4", "window 16"}));
+  RotatingKVCache same(4);
+  ASSERT_TRUE(same.restore(loaded.snapshots[0].get(), 10));
+  EXPECT_EQ(held(same), window(7, 10));
+}
+
+TEST(RotatingKVCacheErrors, ASnapshotOfAnotherLayoutIsRefusedWhateverTheTarget) {
+  RotatingKVCache cache(8);
+  write_positions(cache, 3);
+  RotatingKVCache other(8);
+  const TokenKV three_heads{.heads = 3};
+  write(other, three_heads, id_range(0, 2));
+  SnapshotPtr s = other.snapshot(0);
+  EXPECT_TRUE(throws_error([&] { (void)cache.restore(s.get(), 1); },
+                           {"RotatingKVCache::restore", "H=3", "H=2"}));
+  EXPECT_EQ(held(cache), window(0, 3));
+}
+
 TEST(RotatingKVCacheErrors, MisuseThrowsAndChangesNothing) {
   EXPECT_TRUE(throws_error([] { RotatingKVCache cache(0); }, {"RotatingKVCache", "max_size 0"}));
   RotatingKVCache cache(4);

@@ -197,6 +197,39 @@ TEST_F(BadFiles, WrongChecksum) {
       rejected(with_header(good, [](auto& h) { h["__metadata__"]["offset"] = "8"; }), "checksum"));
 }
 
+TEST_F(BadFiles, AnyFlippedByteIsRejected) {
+  // The checksum covers every byte but its own 16 digits: data, header JSON, its padding and
+  // the length prefix.
+  const size_t header_end = 8 + static_cast<unsigned char>(good[0]) +
+                            256 * static_cast<size_t>(static_cast<unsigned char>(good[1]));
+  ASSERT_EQ(good[header_end - 1], ' ') << "the fixture's header should end in padding";
+  for (size_t at = 0; at < good.size(); ++at) {
+    std::string flipped = good;
+    flipped[at] ^= 0x20;
+    EXPECT_THROW((void)decode_snapshots(flipped, "flipped"), Error) << "byte " << at;
+  }
+}
+
+TEST(SnapshotFile, SavingRemovesTemporariesOfDeadWritersOnly) {
+  const auto path = scratch("stale.safetensors").string();
+  const pid_t dead = ::fork();
+  if (dead == 0) ::_exit(0);
+  ::waitpid(dead, nullptr, 0);  // reaped: no process has this pid now
+  const std::string stale = path + ".tmp-" + std::to_string(dead);
+  const std::string live = path + ".tmp-" + std::to_string(::getppid());
+  const std::string other = scratch("other.safetensors").string() + ".tmp-" + std::to_string(dead);
+  for (const std::string& name : {stale, live, other}) std::ofstream(name) << "partial";
+  Fixture f;
+  save_snapshots(path, 9, f.snapshots);
+  EXPECT_FALSE(std::filesystem::exists(stale));
+  EXPECT_TRUE(std::filesystem::exists(live));   // its writer may still be running
+  EXPECT_TRUE(std::filesystem::exists(other));  // not a temporary of this file
+  std::ofstream(stale) << "partial";
+  (void)load_snapshots(path);
+  EXPECT_FALSE(std::filesystem::exists(stale));
+  for (const std::string& name : {live, other}) std::filesystem::remove(name);
+}
+
 TEST_F(BadFiles, UnknownVersion) {
   EXPECT_TRUE(rejected(with_header(good, [](auto& h) { h["__metadata__"]["version"] = "99"; }),
                        "version \"99\""));

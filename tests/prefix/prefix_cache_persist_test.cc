@@ -116,6 +116,36 @@ TEST(PrefixCachePersist, ADamagedFileIsRejectedWhole) {
   std::filesystem::remove_all(dir);
 }
 
+TEST(PrefixCachePersist, AFlipInTheHeaderPaddingIsRejected) {
+  const std::string dir = scratch("padding");
+  HybridStack stack;
+  PrefixCache cache(stack.layers());
+  warm_up(cache, stack);
+  cache.save(dir);
+  const std::string path = dir + "/prefix_cache.safetensors";
+  std::string bytes;
+  {
+    std::ifstream in(path, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  uint64_t length = 0;
+  for (int i = 0; i < 8; ++i)
+    length |= static_cast<uint64_t>(static_cast<unsigned char>(bytes[i])) << (8 * i);
+  // The padding after the header's JSON: a tab there is still valid JSON of the same meaning.
+  const size_t json_end = bytes.rfind('}', 8 + length - 1) + 1;
+  ASSERT_LT(json_end, 8 + length) << "the header should end in padding";
+  for (size_t at = json_end; at < 8 + length; ++at) {
+    std::string damaged = bytes;
+    damaged[at] = '\t';
+    { std::ofstream(path, std::ios::binary | std::ios::trunc) << damaged; }
+    HybridStack fresh;
+    PrefixCache other(fresh.layers());
+    EXPECT_THROW(other.load(dir), Error) << "byte " << at;
+    EXPECT_EQ(other.node_count(), 0);
+  }
+  std::filesystem::remove_all(dir);
+}
+
 TEST(PrefixCachePersist, LoadingDuringASessionIsAnError) {
   const std::string dir = scratch("session");
   HybridStack stack;

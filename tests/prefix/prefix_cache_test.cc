@@ -263,6 +263,34 @@ TEST(PrefixCacheLifetime, CachesMayBeDestroyedBeforeThePrefixCache) {
   EXPECT_EQ(cache.check_invariants(), "");
 }
 
+TEST(PrefixCacheWindow, AWindowOfOneDoesNotDisableReuse) {
+  // The window-1 layer's state at any offset > 0 is empty: an empty snapshot, still a restore
+  // point for the whole stack.
+  HybridStack stack(/*with_recurrent=*/true, /*window_size=*/1);
+  PrefixCache cache(stack.layers());
+  const Tokens prompt = tokens(10, 10);
+  EXPECT_EQ(run_turn(cache, stack, prompt, tokens(50, 3)).cached, 0);
+  EXPECT_EQ(run_turn(cache, stack, prompt, tokens(60, 3)).cached, 9);
+  // The first turn's reply (50, 51 evaluated) was paged out with a restore point at its end.
+  EXPECT_EQ(run_turn(cache, stack, prompt + tokens(50, 2) + tokens(70, 4), tokens(80, 2)).cached,
+            12);
+}
+
+TEST(PrefixCacheLifetime, ASessionMayOutliveItsPrefixCache) {
+  HybridStack stack;
+  auto cache = std::make_unique<PrefixCache>(stack.layers());
+  PrefixCache::Session session = cache->begin(kSystem);
+  ASSERT_TRUE(stack.forward_and_check(session.remaining(), kSystem));
+  cache.reset();  // the session is detached, not dangling
+  EXPECT_TRUE(throws_error([&] { session.prefill_done(); },
+                           {"Session::prefill_done", "PrefixCache", "destroyed"}));
+  EXPECT_TRUE(throws_error([&] { (void)session.remaining(); }, {"destroyed"}));
+  EXPECT_TRUE(throws_error([&] { session.append_output(1); }, {"destroyed"}));
+  session.close();  // a no-op, as is the destructor
+  PrefixCache::Session moved = std::move(session);
+  EXPECT_TRUE(throws_error([&] { (void)moved.cached(); }, {"destroyed"}));
+}
+
 TEST_F(PrefixCacheTest, DebugStringShowsTheTrie) {
   const std::vector<int64_t> end_of_system{12};
   run_turn(cache, stack, kSystem + kUser1, kReply1, end_of_system);

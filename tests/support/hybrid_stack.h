@@ -21,7 +21,8 @@ class HybridStack {
   static constexpr int64_t kWindow = 8;
   static constexpr int64_t kQueryHeads = 4;
 
-  explicit HybridStack(bool with_recurrent = true) : with_recurrent_(with_recurrent) {}
+  explicit HybridStack(bool with_recurrent = true, int64_t window_size = kWindow)
+      : window(window_size), window_size_(window_size), with_recurrent_(with_recurrent) {}
 
   std::vector<Cache*> layers() {
     std::vector<Cache*> out{&attention, &window, nullptr};
@@ -52,8 +53,8 @@ class HybridStack {
     }
     const Array w = sdpa(batch, q, window.update(batch, kv_.keys(ids), kv_.values(ids)),
                          AttentionMask::causal(), 0.5f);
-    if (auto r =
-            all_close(w, sdpa(batch, q, full, AttentionMask::sliding_window(kWindow), 0.5f), 1e-4f);
+    if (auto r = all_close(
+            w, sdpa(batch, q, full, AttentionMask::sliding_window(window_size_), 0.5f), 1e-4f);
         !r) {
       return r << " (sliding window, positions from " << start << ")";
     }
@@ -69,7 +70,7 @@ class HybridStack {
   }
 
   KVCache attention;
-  RotatingKVCache window{kWindow};
+  RotatingKVCache window;
   RecurrentLayer recurrent_layer_;
   RecurrentCache recurrent = recurrent_layer_.make_cache();
 
@@ -89,6 +90,7 @@ class HybridStack {
     return Array::from_floats(data, {1, kQueryHeads, static_cast<int64_t>(ids.size()), kv_.depth});
   }
 
+  int64_t window_size_;
   bool with_recurrent_;
   TokenKV kv_{.heads = 2, .depth = 4};
 };
