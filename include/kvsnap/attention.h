@@ -18,18 +18,25 @@
 
 namespace kvsnap {
 
-// Which keys each query may see. Canonical form: an optional causal rule, an optional window
-// (which implies causal) and a list of explicit arrays, all intersected.
+// Which keys each query may see. Canonical form: an optional causal rule (no key after the
+// query), an optional lookback (no key `window` or more positions before the query) and a list
+// of explicit arrays, all intersected. Causal and lookback are independent: a sliding-window
+// cache imposes only the lookback, the caller's mask decides causality.
 class KVSNAP_EXPORT AttentionMask {
  public:
-  enum class Kind { none, causal, sliding_window, array, intersection };
+  enum class Kind { none, causal, sliding_window, array, intersection, lookback };
 
   // Every key visible.
   [[nodiscard]] static AttentionMask none();
   // Query at position i sees keys at positions j <= i.
   [[nodiscard]] static AttentionMask causal();
-  // Query at position i sees keys at positions j with i - window < j <= i (window >= 1).
+  // The causal sliding window of sliding-window attention: query at position i sees keys at
+  // positions j with i - window < j <= i (window >= 1). Same as causal() ∩ lookback(window).
   [[nodiscard]] static AttentionMask sliding_window(int64_t window);
+  // Query at position i sees keys at positions j > i - window, later keys included (window
+  // >= 1): what a RotatingKVCache's history imposes on top of the caller's mask, so
+  // bidirectional spans (an image's tokens, a prefix-LM prompt) keep working inside the window.
+  [[nodiscard]] static AttentionMask lookback(int64_t window);
   // Explicit mask [B|1, Hq|1, L, P] indexed by batch row, query head, query index within the
   // chunk and absolute key position. An i32 array is boolean (nonzero = visible); a float
   // array is an additive bias on the scores (-inf = hidden).
@@ -38,13 +45,14 @@ class KVSNAP_EXPORT AttentionMask {
   [[nodiscard]] AttentionMask intersect(const AttentionMask&) const;
 
   Kind kind() const;
-  bool is_causal() const { return causal_ || window_ > 0; }
-  // Window size, or 0 when there is none.
+  // Whether keys after the query are hidden.
+  bool is_causal() const { return causal_; }
+  // Lookback window, or 0 when there is none.
   int64_t window() const { return window_; }
   const std::vector<Array>& arrays() const { return arrays_; }
-  // True when the positional rules (causal, window) let query position `query` see `key`.
+  // True when the positional rules (causal, lookback) let query position `query` see `key`.
   bool allows(int64_t query, int64_t key) const {
-    if (is_causal() && key > query) return false;
+    if (causal_ && key > query) return false;
     return window_ == 0 || query - key < window_;
   }
 
@@ -76,12 +84,14 @@ class KVSNAP_EXPORT KVHistory {
   }
   int64_t first_position() const { return first_position_; }
   int64_t oldest_column() const { return oldest_column_; }
-  // The cache's own window (0 = none): a rotating cache's history hides keys older than it.
+  // The cache's own window (0 = none): a rotating cache's history hides, for a query at
+  // position i, the keys at positions <= i - window (AttentionMask::lookback). It never hides
+  // later keys: the caller's logical mask decides causality.
   int64_t window() const { return window_; }
 
   // The physical mask for `batch`'s queries over this history's columns: `logical` intersected
-  // with the history's window, padding queries seeing nothing. Returns none() when every key
-  // is visible to every query, otherwise an f32 additive array [B, 1|Hq, L, K].
+  // with the history's lookback window, padding queries seeing nothing. Returns none() when every
+  // key is visible to every query, otherwise an f32 additive array [B, 1|Hq, L, K].
   AttentionMask apply_mask(const Batch&, const AttentionMask& logical) const;
 
  private:

@@ -2,12 +2,19 @@
 //
 // Single-token writes go into a ring buffer; multi-token writes linearize the window, keep the
 // last max_size-1 old tokens and append the chunk, so every query of the chunk sees its full
-// window. The history it returns carries the rule: ring-order columns for decode, a
-// sliding-window mask of max_size for prefill (KVHistory::window()).
+// window. The history it returns (ring-order columns after decode) carries the window as a
+// lookback (KVHistory::window(), AttentionMask::lookback): a query at position i sees no key at
+// a position <= i - max_size. Nothing else: the caller's logical mask decides causality, so
+// causal() gives sliding-window attention and none() or an explicit array keeps bidirectional
+// spans (an image's tokens, a prefix-LM prompt) inside the window.
 //
-// Snapshots hold the whole window at their end offset (from() == to()): the last max_size-1
-// tokens, or every token while the end is <= max_size. After a chunked write (or before the
-// ring wraps) they are lazy views of the linear buffer; a wrapped ring is copied at capture.
+// Snapshots hold the whole window at their end offset e (from() == to() == e): every token
+// while e <= max_size, else the last max_size-1 tokens [e - max_size + 1, e) — exactly what the
+// next query (at position e) needs besides its own key. So after restoring one, view() holds
+// those tokens: it answers queries at e and later (once update() appends them), but not a query
+// at e-1 or earlier, whose window reached one position further back. Snapshots are lazy views of
+// the linear buffer after a chunked write (or before the ring wraps); a wrapped ring is copied at
+// capture. A snapshot restores only into a cache of the same max_size.
 //
 //   kvsnap::RotatingKVCache cache(4096);
 //   auto history = cache.update(batch, keys, values);

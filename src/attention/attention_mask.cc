@@ -18,8 +18,16 @@ AttentionMask AttentionMask::sliding_window(int64_t window) {
   if (window < 1) {
     throw Error(fmt::format("AttentionMask::sliding_window: window {} must be >= 1", window));
   }
-  AttentionMask mask;
+  AttentionMask mask = lookback(window);
   mask.causal_ = true;
+  return mask;
+}
+
+AttentionMask AttentionMask::lookback(int64_t window) {
+  if (window < 1) {
+    throw Error(fmt::format("AttentionMask::lookback: window {} must be >= 1", window));
+  }
+  AttentionMask mask;
   mask.window_ = window;
   return mask;
 }
@@ -47,12 +55,11 @@ AttentionMask AttentionMask::intersect(const AttentionMask& other) const {
 }
 
 AttentionMask::Kind AttentionMask::kind() const {
-  const bool positional = is_causal();
   if (arrays_.empty()) {
-    if (window_ > 0) return Kind::sliding_window;
-    return positional ? Kind::causal : Kind::none;
+    if (window_ > 0) return causal_ ? Kind::sliding_window : Kind::lookback;
+    return causal_ ? Kind::causal : Kind::none;
   }
-  if (!positional && arrays_.size() == 1) return Kind::array;
+  if (!causal_ && window_ == 0 && arrays_.size() == 1) return Kind::array;
   return Kind::intersection;
 }
 

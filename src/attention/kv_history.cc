@@ -56,7 +56,7 @@ KVHistory::KVHistory(Array keys, Array values, int64_t first_position, int64_t o
 AttentionMask KVHistory::apply_mask(const Batch& batch, const AttentionMask& logical) const {
   batch.validate("KVHistory::apply_mask");
   const AttentionMask effective =
-      window_ > 0 ? logical.intersect(AttentionMask::sliding_window(window_)) : logical;
+      window_ > 0 ? logical.intersect(AttentionMask::lookback(window_)) : logical;
   const int64_t rows = batch.batch_size();
   const int64_t queries = batch.length();
   const int64_t keys = length();

@@ -38,8 +38,7 @@ Array sdpa(const Batch& batch, const Array& q, const KVHistory& history,
   // Positional rules (causal, window) are applied on the fly; only explicit arrays are
   // materialized, through the history's apply_mask.
   const AttentionMask effective =
-      history.window() > 0 ? logical.intersect(AttentionMask::sliding_window(history.window()))
-                           : logical;
+      history.window() > 0 ? logical.intersect(AttentionMask::lookback(history.window())) : logical;
   const bool positional = effective.arrays().empty();
   std::vector<float> mask;
   int64_t mask_heads = 1;

@@ -62,11 +62,28 @@ TEST(AttentionMask, SlidingWindowMatchesHandComputed) {
 }
 
 TEST(AttentionMask, HistoryWindowAppliesWithoutALogicalMask) {
-  // A rotating cache's history carries its window even when the caller passes none().
+  // A rotating cache's history carries its window even when the caller passes none(): as a
+  // lookback only. Query 3 sees 1..4 (a later key too: none() is not causal), query 4 sees 2..4.
   const auto batch = Batch::uniform(1, 2, 3);
   const auto mask = history_of(5, 0, 0, 3).apply_mask(batch, AttentionMask::none());
-  EXPECT_EQ(visibility(mask, batch, 5), (std::vector<int>{0, 1, 1, 1, 0,  //
+  EXPECT_EQ(visibility(mask, batch, 5), (std::vector<int>{0, 1, 1, 1, 1,  //
                                                           0, 0, 1, 1, 1}));
+  const auto causal = history_of(5, 0, 0, 3).apply_mask(batch, AttentionMask::causal());
+  EXPECT_EQ(visibility(causal, batch, 5), (std::vector<int>{0, 1, 1, 1, 0,  //
+                                                            0, 0, 1, 1, 1}));
+}
+
+TEST(AttentionMask, LookbackIsTheNonCausalHalfOfASlidingWindow) {
+  const AttentionMask lookback = AttentionMask::lookback(3);
+  EXPECT_EQ(lookback.kind(), AttentionMask::Kind::lookback);
+  EXPECT_FALSE(lookback.is_causal());
+  EXPECT_TRUE(lookback.allows(5, 9));   // later keys stay visible
+  EXPECT_TRUE(lookback.allows(5, 3));   // 5 - 3 < 3
+  EXPECT_FALSE(lookback.allows(5, 2));  // three positions back: outside
+  const AttentionMask window = lookback.intersect(AttentionMask::causal());
+  EXPECT_EQ(window.kind(), AttentionMask::Kind::sliding_window);
+  EXPECT_FALSE(window.allows(5, 6));
+  EXPECT_TRUE(throws_error([] { (void)AttentionMask::lookback(0); }, {"lookback", "window 0"}));
 }
 
 TEST(AttentionMask, RingOrderColumnsMapToTheirPositions) {

@@ -24,10 +24,28 @@ Array queries(std::span<const int64_t> ids, std::mt19937& rng) {
   return testing::random_array({1, kQueryHeads, static_cast<int64_t>(ids.size()), kv.depth}, rng);
 }
 
+// The caller's logical mask for queries [start, start + length).
+using MaskFor = std::function<AttentionMask(int64_t start, int64_t length)>;
+
+AttentionMask causal_mask(int64_t, int64_t) { return AttentionMask::causal(); }
+AttentionMask no_mask(int64_t, int64_t) { return AttentionMask::none(); }
+// Causal, except that tokens in the same span of 5 positions see each other both ways (an
+// image's patches, a prefix-LM prompt): a boolean array over absolute key positions.
+AttentionMask span_mask(int64_t start, int64_t length) {
+  const int64_t keys = start + length;
+  std::vector<int32_t> visible;
+  for (int64_t l = 0; l < length; ++l) {
+    for (int64_t k = 0; k < keys; ++k) {
+      visible.push_back(k <= start + l || k / 5 == (start + l) / 5 ? 1 : 0);
+    }
+  }
+  return AttentionMask::from_array(Array::from_ints(visible, {1, 1, length, keys}));
+}
+
 struct Scenario {
   std::function<std::unique_ptr<Attention>()> make;
-  AttentionMask logical;  // what the full recomputation uses
-  int64_t window;         // 0 = unlimited
+  int64_t window;              // 0 = unlimited
+  MaskFor mask = causal_mask;  // what the caller passes with the cache's history
 };
 
 // The attention of `q` (queries at positions [start, start + L)) over every token `ids`
@@ -76,23 +94,55 @@ void run(const Scenario& scenario, uint32_t seed, int steps) {
     const Batch batch = Batch::uniform(1, length, start);
     const KVHistory history = cache->update(batch, kv.keys(chunk), kv.values(chunk));
     ids.insert(ids.end(), chunk.begin(), chunk.end());
-    const Array got = sdpa(batch, q, history, AttentionMask::causal(), 0.35f);
-    ASSERT_TRUE(all_close(got, recompute(ids, start, q, scenario.logical), 1e-5f))
+    // The cache's window hides only keys older than the window; the caller's mask the rest.
+    const AttentionMask logical = scenario.mask(start, length);
+    const AttentionMask expected_mask =
+        scenario.window > 0 ? logical.intersect(AttentionMask::lookback(scenario.window)) : logical;
+    const Array got = sdpa(batch, q, history, logical, 0.35f);
+    ASSERT_TRUE(all_close(got, recompute(ids, start, q, expected_mask), 1e-5f))
         << "seed " << seed << " step " << step << " start " << start << " length " << length;
   }
 }
 
 TEST(AttentionParity, KVCacheEqualsRecomputationForRandomChunkings) {
-  const Scenario scenario{[] { return std::make_unique<KVCache>(); }, AttentionMask::causal(), 0};
-  for (uint32_t seed = 1; seed <= 20; ++seed) run(scenario, seed, 60);
+  for (const MaskFor& mask : {MaskFor(causal_mask), MaskFor(no_mask), MaskFor(span_mask)}) {
+    const Scenario scenario{[] { return std::make_unique<KVCache>(); }, 0, mask};
+    for (uint32_t seed = 1; seed <= 20; ++seed) run(scenario, seed, 60);
+  }
 }
 
 TEST(AttentionParity, RotatingCacheEqualsSlidingWindowRecomputation) {
   for (int64_t window : {1, 3, 8, 16}) {
-    const Scenario scenario{[window] { return std::make_unique<RotatingKVCache>(window); },
-                            AttentionMask::sliding_window(window), window};
+    const Scenario scenario{[window] { return std::make_unique<RotatingKVCache>(window); }, window};
     for (uint32_t seed = 1; seed <= 15; ++seed) run(scenario, seed * 100 + window, 60);
   }
+}
+
+TEST(AttentionParity, RotatingCacheHonoursNonCausalAndBidirectionalMasks) {
+  // The window hides only keys older than query - window + 1: none() lets a chunk's queries
+  // see its later keys, and a span mask's bidirectional spans survive inside the window.
+  for (const MaskFor& mask : {MaskFor(no_mask), MaskFor(span_mask)}) {
+    for (int64_t window : {1, 3, 8, 16}) {
+      const Scenario scenario{[window] { return std::make_unique<RotatingKVCache>(window); },
+                              window, mask};
+      for (uint32_t seed = 1; seed <= 10; ++seed) run(scenario, seed * 100 + window, 60);
+    }
+  }
+}
+
+TEST(AttentionParity, AWindowQuerySeesLaterKeysOfItsChunkUnderNone) {
+  // The case: one 6-token update into a window of 4, attention with none().
+  RotatingKVCache cache(4);
+  const std::vector<int64_t> ids = testing::id_range(1, 6);
+  std::mt19937 rng(3);
+  const Array q = queries(ids, rng);
+  const Batch batch = Batch::uniform(1, 6, 0);
+  const KVHistory history = cache.update(batch, kv.keys(ids), kv.values(ids));
+  const Array got = sdpa(batch, q, history, AttentionMask::none(), 0.35f);
+  // Query 0 sees keys 0..5; query 5 sees 2..5.
+  const Array expected = recompute(ids, 0, q, AttentionMask::lookback(4));
+  EXPECT_TRUE(all_close(got, expected, 1e-5f));
+  EXPECT_FALSE(all_close(got, recompute(ids, 0, q, AttentionMask::sliding_window(4)), 1e-3f));
 }
 
 TEST(AttentionParity, RotatingCacheOverLongDecodeAfterPrefill) {
