@@ -103,6 +103,10 @@ class KVSNAP_EXPORT Cache {
   // One entry per scheduled offset, in order (KV kinds: [previous scheduled offset, offset);
   // null for a zero-width edge), and clears the schedule. Throws if an offset is unreached.
   [[nodiscard]] virtual std::vector<SnapshotPtr> take_snapshots() = 0;
+  // For a forward cut short: the entries take_snapshots() would give for the scheduled offsets
+  // already reached (a prefix of the schedule, in order); the rest are dropped with the
+  // schedule. Empty without a schedule.
+  [[nodiscard]] virtual std::vector<SnapshotPtr> take_reached_snapshots() = 0;
   // Returns the cache to offset `target` using `snapshot` (nullptr = live rewind). Returns
   // false and changes nothing when the target is unreachable. Throws Error naming both shapes,
   // changing nothing, for a snapshot that does not fit: another kind, window, batch size,

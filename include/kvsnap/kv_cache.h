@@ -50,6 +50,7 @@ class KVSNAP_EXPORT KVCache final : public Attention {
   [[nodiscard]] SnapshotPtr snapshot(int64_t from_offset) override;
   void prepare_snapshots(std::span<const int64_t> offsets) override;
   [[nodiscard]] std::vector<SnapshotPtr> take_snapshots() override;
+  [[nodiscard]] std::vector<SnapshotPtr> take_reached_snapshots() override;
   void cancel_snapshots() override;
   // nullptr: rewind to target <= offset(). Own lazy snapshot: an offset move, no copy. Other
   // snapshots [from, to): rewind to from, write [from, target), offset = target. Unreachable

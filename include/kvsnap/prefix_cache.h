@@ -15,6 +15,17 @@
 //   for (int32_t t : generate(...)) { session.append_output(t); model.forward({t}); }
 //   session.close();                              // pages the reply out into the trie
 //
+// Restore points. KV layers can resume at any token; whole-state layers (window, recurrent)
+// only where their state was captured, so a request resumes at the deepest offset where every
+// layer can. begin() schedules captures (inside the prefill forward) at:
+//   - the branch point, where the prompt leaves the trie: the next divergence there restores;
+//   - the last prompt token, offset prompt.size() - 1: a regeneration of the same prompt then
+//     evaluates exactly one token (a decoder needs one evaluated token for its logits);
+//   - the caller's schedule_snapshots() offsets (message ends): user nodes.
+// close() pages the evaluated tokens out with a restore point at their end; a session closed in
+// the middle of its prefill keeps the captures its evaluated tokens passed. A window layer's
+// restore point holds its last max_size - 1 tokens (see rotating_kv_cache.h).
+//
 // Not thread-safe; one session at a time.
 #pragma once
 
@@ -114,7 +125,8 @@ class KVSNAP_EXPORT PrefixCache::Session {
   void prefill_done();
   // A generated token. Tokens the model has evaluated when the session closes are paged out.
   void append_output(int32_t token);
-  // Pages the evaluated tokens out into the trie and ends the session (idempotent).
+  // Pages the evaluated tokens out into the trie and ends the session (idempotent). Before
+  // prefill_done(), the captures the evaluated tokens reached are kept and the rest dropped.
   void close();
 
  private:

@@ -57,6 +57,7 @@ class KVSNAP_EXPORT RecurrentCache final : public Cache {
   [[nodiscard]] SnapshotPtr snapshot(int64_t from_offset) override;
   void prepare_snapshots(std::span<const int64_t> offsets) override;
   [[nodiscard]] std::vector<SnapshotPtr> take_snapshots() override;
+  [[nodiscard]] std::vector<SnapshotPtr> take_reached_snapshots() override;
   void cancel_snapshots() override;
   // Only to a snapshot's exact offset; nullptr only to offset() itself. Otherwise false.
   [[nodiscard]] bool restore(Snapshot* snapshot, int64_t target) override;

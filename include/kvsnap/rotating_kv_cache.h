@@ -55,6 +55,7 @@ class KVSNAP_EXPORT RotatingKVCache final : public Attention {
   [[nodiscard]] SnapshotPtr snapshot(int64_t from_offset) override;
   void prepare_snapshots(std::span<const int64_t> offsets) override;
   [[nodiscard]] std::vector<SnapshotPtr> take_snapshots() override;
+  [[nodiscard]] std::vector<SnapshotPtr> take_reached_snapshots() override;
   void cancel_snapshots() override;
   // nullptr: rewind, only while offset() <= max_size. A snapshot ending at e: target == e, or
   // any 0 <= target < e when e <= max_size (nothing was evicted). Otherwise false.

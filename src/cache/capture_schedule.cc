@@ -58,6 +58,12 @@ std::vector<SnapshotPtr> CaptureSchedule::take(int64_t current, const char* call
   return out;
 }
 
+std::vector<SnapshotPtr> CaptureSchedule::take_reached() {
+  std::vector<SnapshotPtr> out = std::move(captured_);
+  clear();
+  return out;
+}
+
 void CaptureSchedule::clear() {
   active_ = false;
   offsets_.clear();

@@ -35,6 +35,8 @@ class CaptureSchedule {
   // Returns the captures and clears the schedule. Throws Error naming `call` (and keeps the
   // schedule) when an offset was not reached by `current`.
   std::vector<SnapshotPtr> take(int64_t current, const char* call);
+  // Returns the captures recorded so far and clears the schedule.
+  std::vector<SnapshotPtr> take_reached();
   void clear();
 
  private:

@@ -318,4 +318,8 @@ RestoreRule KVCache::restore_rule() const { return {RestoreRule::Kind::ranges, 0
 
 void KVCache::cancel_snapshots() { impl_->schedule.clear(); }
 
+std::vector<SnapshotPtr> KVCache::take_reached_snapshots() {
+  return impl_->schedule.take_reached();
+}
+
 }  // namespace kvsnap

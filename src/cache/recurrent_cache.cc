@@ -268,4 +268,8 @@ RestoreRule RecurrentCache::restore_rule() const { return {RestoreRule::Kind::wh
 
 void RecurrentCache::cancel_snapshots() { impl_->schedule.clear(); }
 
+std::vector<SnapshotPtr> RecurrentCache::take_reached_snapshots() {
+  return impl_->schedule.take_reached();
+}
+
 }  // namespace kvsnap

@@ -405,4 +405,8 @@ RestoreRule RotatingKVCache::restore_rule() const {
 
 void RotatingKVCache::cancel_snapshots() { impl_->schedule.clear(); }
 
+std::vector<SnapshotPtr> RotatingKVCache::take_reached_snapshots() {
+  return impl_->schedule.take_reached();
+}
+
 }  // namespace kvsnap

@@ -390,14 +390,30 @@ class PrefixCacheImpl {
                       "remaining() ({} tokens from offset {}) first",
                       offset, s.prompt_length - s.cached, s.cached));
     }
-    std::vector<std::vector<SnapshotPtr>> captures(trie.layers().size());
-    for (size_t i = 0; i < trie.layers().size(); ++i) {
-      if (trie.layers()[i].cache != nullptr) captures[i] = trie.layers()[i].cache->take_snapshots();
+    attach_captures(/*complete=*/true);
+    live_tokens.assign(s.tokens.begin(), s.tokens.begin() + s.prompt_length);
+    update_tip();
+    s.phase = SessionState::Phase::decode;
+    evict_to_budget();
+  }
+
+  // Takes the layers' captures of the session's schedule — all of them, or (a prefill cut
+  // short) those the evaluated tokens reached — and inserts them as trie nodes.
+  void attach_captures(bool complete) {
+    SessionState& s = *session;
+    const size_t layers = trie.layers().size();
+    std::vector<std::vector<SnapshotPtr>> captures(layers);
+    size_t reached = s.scheduled.size();
+    for (size_t i = 0; i < layers; ++i) {
+      Cache* cache = trie.layers()[i].cache;
+      if (cache == nullptr) continue;
+      captures[i] = complete ? cache->take_snapshots() : cache->take_reached_snapshots();
+      reached = std::min(reached, captures[i].size());
     }
     int64_t edge_start = s.cached;
-    for (size_t j = 0; j < s.scheduled.size(); ++j) {
-      std::vector<SnapshotPtr> ranged(trie.layers().size()), whole(trie.layers().size());
-      for (size_t i = 0; i < trie.layers().size(); ++i) {
+    for (size_t j = 0; j < reached; ++j) {
+      std::vector<SnapshotPtr> ranged(layers), whole(layers);
+      for (size_t i = 0; i < layers; ++i) {
         if (trie.layers()[i].ranged()) ranged[i] = std::move(captures[i][j]);
         if (trie.layers()[i].whole_state()) whole[i] = std::move(captures[i][j]);
       }
@@ -409,10 +425,6 @@ class PrefixCacheImpl {
     }
     s.paged_end = edge_start;
     s.scheduled.clear();
-    live_tokens.assign(s.tokens.begin(), s.tokens.begin() + s.prompt_length);
-    update_tip();
-    s.phase = SessionState::Phase::decode;
-    evict_to_budget();
   }
 
   void append_output(int32_t token) {
@@ -429,6 +441,9 @@ class PrefixCacheImpl {
     if (s.phase == SessionState::Phase::prefill) {
       if (offset == s.prompt_length || !has_state()) {
         prefill_done();
+      } else if (offset >= s.cached && offset < s.prompt_length) {
+        // A prefill cut short: keep the captures it passed, as restore points.
+        attach_captures(/*complete=*/false);
       } else {
         for (const LayerInfo& layer : trie.layers()) {
           if (layer.cache != nullptr) layer.cache->cancel_snapshots();

@@ -75,6 +75,22 @@ TYPED_TEST(CacheContract, SnapshotRestoresTheCurrentOffset) {
   EXPECT_EQ(this->cache->offset(), 4);
 }
 
+TYPED_TEST(CacheContract, TakeReachedSnapshotsKeepsThePassedCapturesOfACutForward) {
+  const std::vector<int64_t> offsets{2, 4, 9};
+  this->cache->prepare_snapshots(offsets);
+  this->write(5);  // passes 2 and 4, not 9
+  std::vector<SnapshotPtr> reached = this->cache->take_reached_snapshots();
+  ASSERT_EQ(reached.size(), 2u);
+  EXPECT_EQ(reached[0]->to(), 2);
+  EXPECT_EQ(reached[1]->to(), 4);
+  // The schedule is gone: a new one may be prepared, and the captures restore.
+  this->cache->prepare_snapshots(std::vector<int64_t>{6});
+  this->cache->cancel_snapshots();
+  EXPECT_TRUE(this->cache->take_reached_snapshots().empty());
+  ASSERT_TRUE(this->cache->restore(reached[1].get(), 4));
+  EXPECT_EQ(this->cache->offset(), 4);
+}
+
 TYPED_TEST(CacheContract, ResetDropsStateAndSchedule) {
   this->write(3);
   const std::vector<int64_t> offsets{5};

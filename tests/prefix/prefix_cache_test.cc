@@ -291,6 +291,36 @@ TEST(PrefixCacheLifetime, ASessionMayOutliveItsPrefixCache) {
   EXPECT_TRUE(throws_error([&] { (void)moved.cached(); }, {"destroyed"}));
 }
 
+// Evaluates prompt[from, to) in one forward, checked against recomputation.
+void evaluate(HybridStack& stack, const Tokens& prompt, size_t from, size_t to) {
+  const Tokens prefix(prompt.begin(), prompt.begin() + static_cast<std::ptrdiff_t>(to));
+  ASSERT_TRUE(stack.forward_and_check(std::span(prefix).subspan(from), prefix));
+}
+
+TEST_F(PrefixCacheTest, ClosingInTheMiddleOfThePrefillKeepsThePassedCaptures) {
+  const Tokens prompt = tokens(1, 6);
+  {
+    auto session = cache.begin(prompt);
+    session.schedule_snapshots(std::vector<int64_t>{3});
+    evaluate(stack, prompt, 0, 4);
+    session.close();  // without prefill_done: the capture at 3 was passed
+  }
+  EXPECT_EQ(cache.check_invariants(), "");
+  EXPECT_EQ(run_turn(cache, stack, tokens(1, 3) + Tokens{7, 8}, tokens(50, 2)).cached, 3);
+}
+
+TEST_F(PrefixCacheTest, ACancelledLongPrefillRestoresTheLastCaptureBeforeADivergence) {
+  const Tokens prompt = tokens(1, 47);
+  {
+    auto session = cache.begin(prompt);
+    session.schedule_snapshots(std::vector<int64_t>{8, 16});
+    evaluate(stack, prompt, 0, 10);  // chunked prefill, cancelled after two chunks
+    evaluate(stack, prompt, 10, 20);
+  }  // the destructor closes it
+  EXPECT_EQ(cache.check_invariants(), "");
+  EXPECT_EQ(run_turn(cache, stack, tokens(1, 12) + tokens(90, 3), tokens(50, 2)).cached, 8);
+}
+
 TEST_F(PrefixCacheTest, DebugStringShowsTheTrie) {
   const std::vector<int64_t> end_of_system{12};
   run_turn(cache, stack, kSystem + kUser1, kReply1, end_of_system);
