@@ -20,10 +20,9 @@
 #include "kvsnap/dtype.h"
 #include "kvsnap/error.h"
 #include "kvsnap/export.h"
+#include "kvsnap/shape.h"
 
 namespace kvsnap {
-
-using Shape = std::vector<int64_t>;
 
 namespace detail {
 struct Storage;

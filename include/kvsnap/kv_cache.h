@@ -39,6 +39,9 @@ class KVSNAP_EXPORT KVCache final : public Attention {
   void reserve(int64_t tokens);
   // Tokens the buffers hold room for.
   int64_t capacity() const;
+  // Bytes that lazy snapshots name in slots [from, to): what writing those positions would copy
+  // out first (a slot named by two snapshots is copied for each). 0 when nothing would be lost.
+  int64_t lazy_bytes(int64_t from, int64_t to) const;
 
   KVHistory update(const Batch&, const Array& keys, const Array& values) override;
   KVHistory view(const Batch&) const override;

@@ -16,3 +16,4 @@
 #include "kvsnap/prefix_cache.h"
 #include "kvsnap/recurrent_cache.h"
 #include "kvsnap/rotating_kv_cache.h"
+#include "kvsnap/shape.h"

@@ -1,3 +1,4 @@
+// KVCache: the append policy over the KV core. Column c of the store holds position c.
 #include "kvsnap/kv_cache.h"
 
 #include <fmt/format.h>
@@ -6,99 +7,27 @@
 
 #include "cache/capture_schedule.h"
 #include "cache/kv_layout.h"
-#include "cache/lazy_snapshot.h"
-#include "cache/snapshot_record.h"
+#include "cache/kv_store.h"
 
 namespace kvsnap {
 namespace detail {
 
-class KVCacheImpl;
-
-// Keys/values of [from, to): lazy (slots of `owner`'s buffers) or owned compact arrays.
-class KVSnapshot final : public LazySnapshot {
- public:
-  KVSnapshot(KVCacheImpl* owner, int64_t from, int64_t to) : owner(owner), begin(from), end(to) {}
-  KVSnapshot(Array keys, Array values, int64_t from)
-      : owned_keys(std::move(keys)),
-        owned_values(std::move(values)),
-        begin(from),
-        end(from + owned_keys.dim(2)) {}
-
-  int64_t size() const override {
-    return owner != nullptr ? 0 : owned_keys.nbytes() + owned_values.nbytes();
-  }
-  int64_t from() const override { return begin; }
-  int64_t to() const override { return end; }
-
-  Array keys() const;    // [B, H, to - from, D], a view of the owner's buffer while lazy
-  Array values() const;  // [B, H, to - from, Dv]
-  KVLayout layout() const;
-
-  KVCacheImpl* owner = nullptr;  // non-null exactly while lazy
-  Array owned_keys, owned_values;
-  int64_t begin, end;
-};
+using Kind = SnapshotRecord::Kind;
 
 class KVCacheImpl {
  public:
-  ~KVCacheImpl() { materialize_all(); }
-
-  int64_t capacity() const { return keys.empty() ? 0 : keys.dim(2); }
-  int64_t token_bytes() const { return layout.token_bytes(); }
-
-  // Grows to hold `tokens`, keeping every slot still named by the offset or a lazy snapshot.
-  // Geometric growth keeps the bytes moved by a long prefill linear in its length.
+  // Grows to hold `tokens` columns, keeping every column still named by the offset or a lazy
+  // snapshot in place. Geometric growth keeps the bytes moved by a long prefill linear in its
+  // length.
   void ensure_capacity(int64_t tokens) {
-    const int64_t current = capacity();
+    const int64_t current = store.capacity();
     if (tokens <= current) return;
     const int64_t wanted = std::max({tokens, 2 * current, reserved});
-    const int64_t rounded = round_up(wanted, KVCache::kStep);
-    auto [new_keys, new_values] = layout.allocate(rounded);
-    const int64_t live = std::max(offset, lazy_end());
-    if (live > 0) {
-      new_keys.slice(2, 0, live).assign(keys.slice(2, 0, live));
-      new_values.slice(2, 0, live).assign(values.slice(2, 0, live));
-      stats.growth_bytes += live * token_bytes();
-    }
-    keys = std::move(new_keys);
-    values = std::move(new_values);
+    store.resize(round_up(wanted, KVCache::kStep), std::max(offset, store.lazy_end()));
   }
 
-  int64_t lazy_end() {
-    int64_t end = 0;
-    lazy.for_each([&](LazySnapshot& s) { end = std::max(end, s.to()); });
-    return end;
-  }
-
-  // Copies the snapshot's slots out; it owns its bytes from now on.
-  void materialize(KVSnapshot& s) { materialize_slots(s, lazy, stats); }
-
-  // Before slots [from, to) are overwritten: copy out every lazy snapshot naming one of them.
-  void materialize_overlapping(int64_t from, int64_t to) {
-    lazy.for_each([&](LazySnapshot& s) {
-      if (s.from() < to && from < s.to()) materialize(static_cast<KVSnapshot&>(s));
-    });
-  }
-  void materialize_all() {
-    lazy.for_each([&](LazySnapshot& s) { materialize(static_cast<KVSnapshot&>(s)); });
-  }
-
-  std::unique_ptr<KVSnapshot> lazy_snapshot(int64_t from, int64_t to) {
-    auto s = std::make_unique<KVSnapshot>(this, from, to);
-    lazy.push(s.get());
-    return s;
-  }
-
-  // Writes tokens [at, at + L) from keys/values [B, H, L, *].
-  void write(int64_t at, const Array& new_keys, const Array& new_values) {
-    const int64_t length = new_keys.dim(2);
-    ensure_capacity(at + length);
-    materialize_overlapping(at, at + length);
-    keys.assign_slice(2, at, new_keys);
-    values.assign_slice(2, at, new_values);
-  }
-
-  // Records a capture for every scheduled offset the writes have reached.
+  // Records a capture for every scheduled offset the writes have reached: the edge
+  // [previous scheduled offset, offset), lazy.
   void capture_reached() {
     while (schedule.active() && schedule.next() >= 0 && schedule.next() <= offset) {
       const int64_t start = schedule.edge_start();
@@ -107,64 +36,42 @@ class KVCacheImpl {
     }
   }
 
-  KVHistory history() const {
-    if (!has_layout) return KVHistory();
-    if (keys.empty()) {  // a zero-length first update: an empty history of the right layout
-      auto [k, v] = layout.allocate(0);
-      return KVHistory(std::move(k), std::move(v));
-    }
-    return KVHistory(keys.slice(2, 0, offset), values.slice(2, 0, offset));
+  SnapshotPtr lazy_snapshot(int64_t from, int64_t to) {
+    return store.capture(Kind::kv, from, to - from, from, to, 0);
   }
 
-  Array keys, values;  // [B, H, capacity, D] / [B, H, capacity, Dv]
-  KVLayout layout;
-  bool has_layout = false;
+  KVHistory history() const {
+    if (!store.has_layout) return KVHistory();
+    if (store.keys.empty()) {  // a zero-length first update: an empty history of the layout
+      auto [k, v] = store.layout.allocate(0);
+      return KVHistory(std::move(k), std::move(v));
+    }
+    return KVHistory(store.keys.slice(2, 0, offset), store.values.slice(2, 0, offset));
+  }
+
+  // Writes the snapshot's tokens [from, target) that are not already in their columns: owned
+  // parts, and parts lazy in another cache.
+  void write_back(const KVStateSnapshot& s, int64_t target) {
+    ensure_capacity(target);
+    s.for_each_part(target - s.begin,
+                    [&](int64_t first, const Array& k, const Array& v, int64_t lazy_column) {
+                      const int64_t position = s.begin + first;
+                      if (s.owner == &store && lazy_column == position) return;  // in place
+                      store.write(position, k, v);
+                      store.stats.restored_bytes += k.dim(2) * store.token_bytes();
+                    });
+  }
+
+  KVStore store;  // before `schedule`: captured snapshots unlink from it
   int64_t offset = 0;
   int64_t reserved = 0;
-  CopyStats stats;
-  LazyList lazy;  // declared before `schedule`: captured snapshots unlink from it
   CaptureSchedule schedule;
 };
 
-Array KVSnapshot::keys() const {
-  return owner != nullptr ? owner->keys.slice(2, begin, end) : owned_keys;
-}
-Array KVSnapshot::values() const {
-  return owner != nullptr ? owner->values.slice(2, begin, end) : owned_values;
-}
-KVLayout KVSnapshot::layout() const {
-  return owner != nullptr ? owner->layout : KVLayout::of(owned_keys, owned_values);
-}
-
-namespace {
-
-KVSnapshot& as_kv_snapshot(Snapshot* snapshot, const char* call) {
-  auto* kv = dynamic_cast<KVSnapshot*>(snapshot);
-  if (kv == nullptr) {
-    throw Error(
-        fmt::format("{}: the snapshot is not a KVCache snapshot (snapshots restore only "
-                    "into a cache of their own kind)",
-                    call));
-  }
-  return *kv;
-}
-
-}  // namespace
-
-bool kv_record(const Snapshot& snapshot, SnapshotRecord& record) {
-  const auto* kv = dynamic_cast<const KVSnapshot*>(&snapshot);
-  if (kv == nullptr) return false;
-  record = {SnapshotRecord::Kind::kv, kv->keys(), kv->values(), kv->begin, kv->end};
-  return true;
-}
-
-SnapshotPtr make_kv_snapshot(Array keys, Array values, int64_t from) {
-  return std::make_unique<KVSnapshot>(std::move(keys), std::move(values), from);
-}
-
 }  // namespace detail
 
-using detail::KVSnapshot;
+using detail::Kind;
+using detail::KVStateSnapshot;
 
 KVCache::KVCache() : impl_(std::make_unique<detail::KVCacheImpl>()) {}
 KVCache::~KVCache() = default;
@@ -172,27 +79,30 @@ KVCache::~KVCache() = default;
 void KVCache::reserve(int64_t tokens) {
   if (tokens < 0) throw Error(fmt::format("KVCache::reserve: tokens {} must be >= 0", tokens));
   impl_->reserved = std::max(impl_->reserved, tokens);
-  if (impl_->has_layout) impl_->ensure_capacity(tokens);
+  if (impl_->store.has_layout) impl_->ensure_capacity(tokens);
 }
 
-int64_t KVCache::capacity() const { return impl_->capacity(); }
+int64_t KVCache::capacity() const { return impl_->store.capacity(); }
+
+int64_t KVCache::lazy_bytes(int64_t from, int64_t to) const {
+  return impl_->store.has_layout ? impl_->store.lazy_bytes(from, to) : 0;
+}
 
 KVHistory KVCache::update(const Batch& batch, const Array& keys, const Array& values) {
   detail::KVCacheImpl& c = *impl_;
+  detail::KVStore& store = c.store;
   const int64_t length = detail::check_update(
-      batch, keys, values, c.offset, c.has_layout ? &c.layout : nullptr, "KVCache::update");
-  if (!c.has_layout) {
-    c.layout = detail::KVLayout::of(keys, values);
-    c.has_layout = true;
-  }
+      batch, keys, values, c.offset, store.has_layout ? &store.layout : nullptr, "KVCache::update");
+  if (!store.has_layout) store.adopt_layout(detail::KVLayout::of(keys, values));
   if (length > 0) {
+    c.ensure_capacity(c.offset + length);
     if (length == keys.dim(2)) {  // no padding columns: write the arrays as given
-      c.write(c.offset, keys, values);
+      store.write(c.offset, keys, values);
     } else {
-      c.write(c.offset, keys.slice(2, 0, length), values.slice(2, 0, length));
+      store.write(c.offset, keys.slice(2, 0, length), values.slice(2, 0, length));
     }
     c.offset += length;
-    c.stats.appended_bytes += length * c.token_bytes();
+    store.stats.appended_bytes += length * store.token_bytes();
   }
   c.capture_reached();
   return c.history();
@@ -201,18 +111,15 @@ KVHistory KVCache::update(const Batch& batch, const Array& keys, const Array& va
 KVHistory KVCache::view(const Batch&) const { return impl_->history(); }
 
 std::vector<Array> KVCache::state() const {
-  if (impl_->keys.empty()) return {};
-  return {impl_->keys.slice(2, 0, impl_->offset), impl_->values.slice(2, 0, impl_->offset)};
+  const detail::KVStore& store = impl_->store;
+  if (store.keys.empty()) return {};
+  return {store.keys.slice(2, 0, impl_->offset), store.values.slice(2, 0, impl_->offset)};
 }
 
 void KVCache::reset() {
-  detail::KVCacheImpl& c = *impl_;
-  c.schedule.clear();
-  c.materialize_all();
-  c.keys = Array();
-  c.values = Array();
-  c.has_layout = false;
-  c.offset = 0;
+  impl_->schedule.clear();
+  impl_->store.clear();
+  impl_->offset = 0;
 }
 
 int64_t KVCache::offset() const { return impl_->offset; }
@@ -246,73 +153,42 @@ bool KVCache::restore(Snapshot* snapshot, int64_t target) {
     c.offset = target;
     return true;
   }
-  KVSnapshot& s = detail::as_kv_snapshot(snapshot, "KVCache::restore");
-  const detail::KVLayout layout = s.layout();
-  if (c.has_layout) detail::check_same_layout(c.layout, layout, "KVCache::restore");
+  KVStateSnapshot& s = detail::as_kv_state(snapshot, Kind::kv, "KVCache::restore");
+  if (c.store.has_layout) detail::check_same_layout(c.store.layout, s.layout, "KVCache::restore");
   if (target < 0 || target > s.end || c.offset < s.begin) return false;
-  if (target <= s.begin || s.owner == &c) {
-    // At or before the snapshot's start nothing needs writing; an own lazy snapshot's data is
-    // still in the slots it names, so either way this is an offset move.
-    c.offset = target;
-    return true;
+  if (target > s.begin) {
+    if (!c.store.has_layout) c.store.adopt_layout(s.layout);
+    c.write_back(s, target);  // nothing for this cache's own lazy snapshot: an offset move
   }
-  const Array keys = s.keys().slice(2, 0, target - s.begin);
-  const Array values = s.values().slice(2, 0, target - s.begin);
-  if (!c.has_layout) {
-    c.layout = layout;
-    c.has_layout = true;
-  }
-  c.write(s.begin, keys, values);
-  c.stats.restored_bytes += (target - s.begin) * c.token_bytes();
   c.offset = target;
   return true;
 }
 
 SnapshotPtr KVCache::merge(SnapshotPtr parent, SnapshotPtr child) {
   if (parent == nullptr || child == nullptr) return nullptr;
-  KVSnapshot& a = detail::as_kv_snapshot(parent.get(), "KVCache::merge");
-  KVSnapshot& b = detail::as_kv_snapshot(child.get(), "KVCache::merge");
+  KVStateSnapshot& a = detail::as_kv_state(parent.get(), Kind::kv, "KVCache::merge");
+  KVStateSnapshot& b = detail::as_kv_state(child.get(), Kind::kv, "KVCache::merge");
   if (a.end != b.begin) {
     throw Error(
         fmt::format("KVCache::merge: parent [{}, {}) and child [{}, {}) are not adjacent "
                     "(parent must end where child begins)",
                     a.begin, a.end, b.begin, b.end));
   }
-  if (a.owner != nullptr && a.owner == b.owner) return a.owner->lazy_snapshot(a.begin, b.end);
-  const detail::KVLayout layout = a.layout();
-  detail::check_same_layout(layout, b.layout(), "KVCache::merge");
-  auto [keys, values] = layout.allocate(b.end - a.begin);
-  const int64_t split = a.end - a.begin;
-  keys.slice(2, 0, split).assign(a.keys());
-  keys.slice(2, split, b.end - a.begin).assign(b.keys());
-  values.slice(2, 0, split).assign(a.values());
-  values.slice(2, split, b.end - a.begin).assign(b.values());
-  auto merged = std::make_unique<KVSnapshot>(std::move(keys), std::move(values), a.begin);
-  impl_->stats.snapshot_bytes += merged->size();
-  return merged;
+  detail::check_same_layout(a.layout, b.layout, "KVCache::merge");
+  a.append(b);
+  return parent;
 }
 
 std::pair<SnapshotPtr, SnapshotPtr> KVCache::split(SnapshotPtr snapshot, int64_t at) {
   if (snapshot == nullptr) return {nullptr, nullptr};
-  KVSnapshot& s = detail::as_kv_snapshot(snapshot.get(), "KVCache::split");
+  KVStateSnapshot& s = detail::as_kv_state(snapshot.get(), Kind::kv, "KVCache::split");
   if (at <= s.begin) return {nullptr, std::move(snapshot)};
   if (at >= s.end) return {std::move(snapshot), nullptr};
-  if (s.owner != nullptr) {
-    SnapshotPtr after = s.owner->lazy_snapshot(at, s.end);
-    s.end = at;
-    s.clear_materialize_hook();
-    return {std::move(snapshot), std::move(after)};
-  }
-  const int64_t cut = at - s.begin, length = s.end - s.begin;
-  auto before = std::make_unique<KVSnapshot>(s.owned_keys.slice(2, 0, cut).contiguous(),
-                                             s.owned_values.slice(2, 0, cut).contiguous(), s.begin);
-  auto after = std::make_unique<KVSnapshot>(s.owned_keys.slice(2, cut, length).contiguous(),
-                                            s.owned_values.slice(2, cut, length).contiguous(), at);
-  impl_->stats.snapshot_bytes += before->size() + after->size();
-  return {std::move(before), std::move(after)};
+  SnapshotPtr after = s.split_off(at, impl_->store.stats);
+  return {std::move(snapshot), std::move(after)};
 }
 
-CopyStats KVCache::copy_stats() const { return impl_->stats; }
+CopyStats KVCache::copy_stats() const { return impl_->store.stats; }
 
 RestoreRule KVCache::restore_rule() const { return {RestoreRule::Kind::ranges, 0}; }
 

@@ -20,6 +20,11 @@ std::pair<Array, Array> KVLayout::allocate(int64_t tokens) const {
           Array::zeros(value_dtype, {rows, heads, tokens, value_depth})};
 }
 
+std::pair<Array, Array> KVLayout::allocate_uninitialized(int64_t tokens) const {
+  return {Array::uninitialized(key_dtype, {rows, heads, tokens, key_depth}),
+          Array::uninitialized(value_dtype, {rows, heads, tokens, value_depth})};
+}
+
 void check_same_layout(const KVLayout& existing, const KVLayout& incoming, const char* call) {
   if (existing != incoming) {
     throw Error(

@@ -22,8 +22,10 @@ struct KVLayout {
     return rows * heads *
            (key_depth * dtype_size(key_dtype) + value_depth * dtype_size(value_dtype));
   }
-  // Allocates keys [B, H, tokens, D] and values [B, H, tokens, Dv].
+  // Allocates keys [B, H, tokens, D] and values [B, H, tokens, Dv], zeroed.
   std::pair<Array, Array> allocate(int64_t tokens) const;
+  // The same, contents unspecified: for buffers about to be overwritten.
+  std::pair<Array, Array> allocate_uninitialized(int64_t tokens) const;
 };
 
 // `value` rounded up to a multiple of `step`.
@@ -34,20 +36,6 @@ constexpr int64_t round_up(int64_t value, int64_t step) { return (value + step -
 // length. Throws Error naming `call`.
 int64_t check_update(const Batch& batch, const Array& keys, const Array& values, int64_t offset,
                      const KVLayout* existing, const char* call);
-
-// Copies a lazy KV-like snapshot's slots out of its cache (it owns them from now on), unlinks it
-// and fires its hook. `S` has keys(), values(), owner, owned_keys, owned_values.
-template <class S, class List, class Stats>
-void materialize_slots(S& snapshot, List& lazy, Stats& stats) {
-  Array keys = snapshot.keys().contiguous();
-  Array values = snapshot.values().contiguous();
-  lazy.remove(&snapshot);
-  snapshot.owner = nullptr;
-  snapshot.owned_keys = std::move(keys);
-  snapshot.owned_values = std::move(values);
-  stats.materialized_bytes += snapshot.size();
-  snapshot.fire_materialize_hook(snapshot.size());
-}
 
 // Throws Error naming `call` when `incoming` differs from `existing`.
 void check_same_layout(const KVLayout& existing, const KVLayout& incoming, const char* call);

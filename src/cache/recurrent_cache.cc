@@ -3,21 +3,30 @@
 #include <fmt/format.h>
 
 #include "cache/capture_schedule.h"
-#include "cache/snapshot_record.h"
+#include "cache/state_snapshot.h"
 
 namespace kvsnap {
 namespace detail {
 
 // A whole recurrent state at one offset; shares the immutable arrays of the state it copies.
-class RecurrentSnapshot final : public Snapshot {
+class RecurrentSnapshot final : public StateSnapshot, public Pooled<RecurrentSnapshot> {
  public:
+  using Pooled<RecurrentSnapshot>::operator new;
+  using Pooled<RecurrentSnapshot>::operator delete;
+
   RecurrentSnapshot(Array conv, Array delta, int64_t offset)
-      : conv(std::move(conv)), delta(std::move(delta)), at(offset) {}
+      : StateSnapshot(SnapshotRecord::Kind::recurrent),
+        conv(std::move(conv)),
+        delta(std::move(delta)),
+        at(offset) {}
   int64_t size() const override { return conv.nbytes() + delta.nbytes(); }
   void set_materialize_hook(std::function<void(int64_t)>) override {}  // never lazy
   int64_t from() const override { return at; }
   int64_t to() const override { return at; }
   bool is_lazy() const override { return false; }
+  SnapshotRecord record() const override {
+    return {SnapshotRecord::Kind::recurrent, conv, delta, at, at};
+  }
 
   Array conv, delta;
   int64_t at;
@@ -108,14 +117,6 @@ RecurrentSnapshot* as_recurrent_snapshot(Snapshot* snapshot, const char* call) {
 }
 
 }  // namespace
-
-bool recurrent_record(const Snapshot& snapshot, SnapshotRecord& record) {
-  const auto* recurrent = dynamic_cast<const RecurrentSnapshot*>(&snapshot);
-  if (recurrent == nullptr) return false;
-  record = {SnapshotRecord::Kind::recurrent, recurrent->conv, recurrent->delta, recurrent->at,
-            recurrent->at};
-  return true;
-}
 
 SnapshotPtr make_recurrent_snapshot(Array conv, Array delta, int64_t offset) {
   return std::make_unique<RecurrentSnapshot>(std::move(conv), std::move(delta), offset);

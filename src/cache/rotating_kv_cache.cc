@@ -6,59 +6,23 @@
 
 #include "cache/capture_schedule.h"
 #include "cache/kv_layout.h"
-#include "cache/lazy_snapshot.h"
-#include "cache/snapshot_record.h"
+#include "cache/kv_store.h"
 
 namespace kvsnap {
 namespace detail {
 
-class RotatingKVCacheImpl;
+using Kind = SnapshotRecord::Kind;
 
-// The window of `count` tokens ending at `end`, in position order: lazy columns
-// [column, column + count) of the owner's linear buffer, or owned compact arrays.
-class RotatingSnapshot final : public LazySnapshot {
- public:
-  RotatingSnapshot(RotatingKVCacheImpl* owner, int64_t column, int64_t count, int64_t end,
-                   int64_t window)
-      : owner(owner), column(column), count(count), end(end), window(window) {}
-  RotatingSnapshot(Array keys, Array values, int64_t end, int64_t window)
-      : owned_keys(std::move(keys)),
-        owned_values(std::move(values)),
-        count(owned_keys.dim(2)),
-        end(end),
-        window(window) {}
-
-  int64_t size() const override {
-    return owner != nullptr ? 0 : owned_keys.nbytes() + owned_values.nbytes();
-  }
-  int64_t from() const override { return end; }
-  int64_t to() const override { return end; }
-
-  Array keys() const;
-  Array values() const;
-  KVLayout layout() const;
-
-  RotatingKVCacheImpl* owner = nullptr;  // non-null exactly while lazy
-  Array owned_keys, owned_values;
-  int64_t column = 0;
-  int64_t count;
-  int64_t end;
-  int64_t window;  // max_size of the cache it came from: it restores only into the same window
-};
-
-// Invariant: columns [start, start + length) of the buffers are valid; ring index i (0 = the
-// oldest) lives in column start + (oldest + i) % length and holds position
-// offset - length + i. The buffer is linear when oldest == 0; it wraps only as a full ring
-// (length == max_size, start == 0) fed by single-token writes.
+// The ring policy over the KV core. Invariant: columns [start, start + length) of the store are
+// valid; ring index i (0 = the oldest) lives in column start + (oldest + i) % length and holds
+// position offset - length + i. The buffer is linear when oldest == 0; it wraps only as a full
+// ring (length == max_size, start == 0) fed by single-token writes.
 class RotatingKVCacheImpl {
  public:
   explicit RotatingKVCacheImpl(int64_t max_size) : max_size(max_size) {}
-  ~RotatingKVCacheImpl() { materialize_all(); }
 
-  int64_t capacity() const { return keys.empty() ? 0 : keys.dim(2); }
   int64_t first_position() const { return offset - length; }
   bool linear() const { return oldest == 0; }
-  int64_t token_bytes() const { return layout.token_bytes(); }
   int64_t window_tokens(int64_t end) const { return rotating_window_tokens(end, max_size); }
   int64_t column_of(int64_t ring_index) const { return start + (oldest + ring_index) % length; }
 
@@ -69,36 +33,23 @@ class RotatingKVCacheImpl {
     while (done < count) {
       const int64_t column = column_of(first + done);
       const int64_t run = std::min(count - done, start + length - column);
-      dst_keys.slice(2, done, done + run).assign(keys.slice(2, column, column + run));
-      dst_values.slice(2, done, done + run).assign(values.slice(2, column, column + run));
+      dst_keys.assign_slice(2, done, store.keys.slice(2, column, column + run));
+      dst_values.assign_slice(2, done, store.values.slice(2, column, column + run));
       done += run;
     }
   }
 
   // Replaces the buffers by fresh ones of `new_capacity` columns holding the newest `keep`
-  // tokens, in position order, from column 0.
+  // tokens, in position order, from column 0 (lazy windows are copied out first: their columns
+  // go away).
   void relinearize(int64_t keep, int64_t new_capacity) {
-    auto [new_keys, new_values] = layout.allocate(new_capacity);
+    auto [new_keys, new_values] = store.layout.allocate_uninitialized(new_capacity);
     if (keep > 0) gather(length - keep, keep, new_keys, new_values);
-    materialize_all();  // they name columns of the buffers about to be dropped
-    keys = std::move(new_keys);
-    values = std::move(new_values);
-    stats.growth_bytes += keep * token_bytes();
+    store.replace(std::move(new_keys), std::move(new_values));
+    store.stats.growth_bytes += keep * store.token_bytes();
     start = 0;
     length = keep;
     oldest = 0;
-  }
-
-  void materialize(RotatingSnapshot& s) { materialize_slots(s, lazy, stats); }
-  // Before columns [from, to) are overwritten.
-  void materialize_columns(int64_t from, int64_t to) {
-    lazy.for_each([&](LazySnapshot& base) {
-      auto& s = static_cast<RotatingSnapshot&>(base);
-      if (s.column < to && from < s.column + s.count) materialize(s);
-    });
-  }
-  void materialize_all() {
-    lazy.for_each([&](LazySnapshot& s) { materialize(static_cast<RotatingSnapshot&>(s)); });
   }
 
   // The window ending at `end` (first_position() <= end - window_tokens(end), end <= offset;
@@ -108,19 +59,14 @@ class RotatingKVCacheImpl {
     if (end == 0) return nullptr;
     const int64_t count = window_tokens(end);
     const int64_t first_index = end - count - first_position();
-    if (count == 0) {
-      auto [k, v] = layout.allocate(0);
-      return std::make_unique<RotatingSnapshot>(std::move(k), std::move(v), end, max_size);
+    if (count > 0 && linear()) {
+      return store.capture(Kind::rotating, start + first_index, count, end, end, max_size);
     }
-    if (linear()) {
-      auto s = std::make_unique<RotatingSnapshot>(this, start + first_index, count, end, max_size);
-      lazy.push(s.get());
-      return s;
-    }
-    auto [k, v] = layout.allocate(count);
-    gather(first_index, count, k, v);
-    stats.snapshot_bytes += count * token_bytes();
-    return std::make_unique<RotatingSnapshot>(std::move(k), std::move(v), end, max_size);
+    auto [k, v] = store.layout.allocate_uninitialized(count);
+    if (count > 0) gather(first_index, count, k, v);
+    store.stats.snapshot_bytes += count * store.token_bytes();
+    return std::make_unique<KVStateSnapshot>(Kind::rotating, store.layout, std::move(k),
+                                             std::move(v), end, end, max_size);
   }
 
   void capture_reached() {
@@ -129,42 +75,39 @@ class RotatingKVCacheImpl {
     }
   }
 
-  void write_columns(int64_t column, const Array& k, const Array& v) {
-    const int64_t n = k.dim(2);
-    materialize_columns(column, column + n);
-    keys.assign_slice(2, column, k);
-    values.assign_slice(2, column, v);
-  }
-
   void write_one(const Array& k, const Array& v) {
     if (length < max_size && linear()) {  // filling the window: append
-      if (start + length >= capacity()) {
+      if (start + length >= store.capacity()) {
         // Stepped, geometric growth, never past the window (length < max_size here).
         const int64_t grown = std::max(round_up(length + 1, RotatingKVCache::kStep), 2 * length);
-        relinearize(length, std::min(grown, max_size));
+        if (start == 0) {  // columns stay where they are: lazy windows stay lazy
+          store.resize(std::min(grown, max_size), length);
+        } else {
+          relinearize(length, std::min(grown, max_size));
+        }
       }
-      write_columns(start + length, k, v);
+      store.write(start + length, k, v);
       ++length;
     } else if (length == max_size && start == 0) {  // full ring: overwrite the oldest
-      write_columns(oldest, k, v);
+      store.write(oldest, k, v);
       oldest = (oldest + 1) % max_size;
     } else {  // longer than the window (after a chunk): keep the newest max_size-1, append
       const int64_t keep = max_size - 1;
-      if (linear() && capacity() >= max_size) {
+      if (linear() && store.capacity() >= max_size) {
         const int64_t source = start + length - keep;
-        materialize_columns(0, keep);
+        store.preserve(0, keep);
         if (keep > 0 && source != 0) {
           // Shift along the token axis of every head; runs overlap only within a head (memmove).
-          keys.slice(2, 0, keep).assign(keys.slice(2, source, source + keep));
-          values.slice(2, 0, keep).assign(values.slice(2, source, source + keep));
-          stats.growth_bytes += keep * token_bytes();
+          store.keys.slice(2, 0, keep).assign(store.keys.slice(2, source, source + keep));
+          store.values.slice(2, 0, keep).assign(store.values.slice(2, source, source + keep));
+          store.stats.growth_bytes += keep * store.token_bytes();
         }
         start = 0;
         length = keep;
       } else {
         relinearize(keep, round_up(max_size, RotatingKVCache::kStep));
       }
-      write_columns(keep, k, v);
+      store.write(keep, k, v);
       length = max_size;
     }
   }
@@ -172,9 +115,9 @@ class RotatingKVCacheImpl {
   void write_chunk(const Array& k, const Array& v) {
     const int64_t chunk = k.dim(2);
     const int64_t kept = std::min(length, max_size - 1);
-    if (linear() && start + length + chunk <= capacity()) {
+    if (linear() && start + length + chunk <= store.capacity()) {
       // In place: the oldest tokens drop off by moving `start`; nothing old is copied.
-      write_columns(start + length, k, v);
+      store.write(start + length, k, v);
       start += length - kept;
       length = kept + chunk;
       return;
@@ -183,87 +126,78 @@ class RotatingKVCacheImpl {
     const int64_t need = kept + chunk;
     relinearize(kept, round_up(std::max(need + std::min(need, max_size), max_size),
                                RotatingKVCache::kStep));
-    write_columns(kept, k, v);
+    store.write(kept, k, v);
     length = need;
   }
 
+  // Restores `tokens` tokens of `s` as the whole window, ending at `target`.
+  void restore_window(KVStateSnapshot& s, int64_t tokens, int64_t target) {
+    const Piece* piece = s.only_piece();
+    if (s.owner == &store && piece != nullptr) {
+      // One run of this buffer's columns: write back what was copied out, and the window is
+      // those columns again.
+      const int64_t owned = std::min(piece->owned, tokens);
+      if (owned > 0) {
+        store.write(piece->column, piece->keys.slice(2, 0, owned),
+                    piece->values.slice(2, 0, owned));
+        store.stats.restored_bytes += owned * store.token_bytes();
+      }
+      start = piece->column;
+    } else {
+      if (s.owner == &store) store.materialize(s);  // it is read while the buffer is rewritten
+      if (store.capacity() < tokens || store.capacity() == 0) {
+        auto [k, v] = store.layout.allocate_uninitialized(
+            round_up(std::max<int64_t>(tokens, 1), RotatingKVCache::kStep));
+        store.replace(std::move(k), std::move(v));
+      }
+      s.for_each_part(tokens, [&](int64_t first, const Array& k, const Array& v, int64_t) {
+        store.write(first, k, v);
+        store.stats.restored_bytes += k.dim(2) * store.token_bytes();
+      });
+      start = 0;
+    }
+    length = tokens;
+    oldest = 0;
+    offset = target;
+  }
+
   KVHistory history() const {
-    if (!has_layout) return KVHistory();
-    if (keys.empty()) {
-      auto [k, v] = layout.allocate(0);
+    if (!store.has_layout) return KVHistory();
+    if (store.keys.empty()) {
+      auto [k, v] = store.layout.allocate(0);
       return KVHistory(std::move(k), std::move(v), offset, 0, max_size);
     }
-    return KVHistory(keys.slice(2, start, start + length), values.slice(2, start, start + length),
-                     first_position(), oldest, max_size);
+    return KVHistory(store.keys.slice(2, start, start + length),
+                     store.values.slice(2, start, start + length), first_position(), oldest,
+                     max_size);
   }
 
   const int64_t max_size;
-  Array keys, values;
-  KVLayout layout;
-  bool has_layout = false;
+  KVStore store;  // before `schedule`: captured snapshots unlink from it
   int64_t offset = 0, start = 0, length = 0, oldest = 0;
-  CopyStats stats;
-  LazyList lazy;  // before `schedule`: captured snapshots unlink from it
   CaptureSchedule schedule;
 };
 
-Array RotatingSnapshot::keys() const {
-  return owner != nullptr ? owner->keys.slice(2, column, column + count) : owned_keys;
-}
-Array RotatingSnapshot::values() const {
-  return owner != nullptr ? owner->values.slice(2, column, column + count) : owned_values;
-}
-KVLayout RotatingSnapshot::layout() const {
-  return owner != nullptr ? owner->layout : KVLayout::of(owned_keys, owned_values);
-}
-
-namespace {
-
-RotatingSnapshot* as_rotating_snapshot(Snapshot* snapshot, const char* call) {
+// The snapshot as a window (null stays null); throws Error naming `call` for another kind.
+KVStateSnapshot* as_window(Snapshot* snapshot, const char* call) {
   if (snapshot == nullptr) return nullptr;
-  auto* rotating = dynamic_cast<RotatingSnapshot*>(snapshot);
-  if (rotating == nullptr) {
-    throw Error(
-        fmt::format("{}: the snapshot is not a RotatingKVCache snapshot (snapshots "
-                    "restore only into a cache of their own kind)",
-                    call));
-  }
-  return rotating;
-}
-
-}  // namespace
-
-bool rotating_record(const Snapshot& snapshot, SnapshotRecord& record) {
-  const auto* rotating = dynamic_cast<const RotatingSnapshot*>(&snapshot);
-  if (rotating == nullptr) return false;
-  record = {SnapshotRecord::Kind::rotating,
-            rotating->keys(),
-            rotating->values(),
-            rotating->end,
-            rotating->end,
-            rotating->window};
-  return true;
-}
-
-SnapshotPtr make_rotating_snapshot(Array keys, Array values, int64_t end, int64_t window) {
-  return std::make_unique<RotatingSnapshot>(std::move(keys), std::move(values), end, window);
+  return &as_kv_state(snapshot, Kind::rotating, call);
 }
 
 // Throws Error naming `call` unless `s` fits `c`: the same window, and the same layout once the
 // cache has one.
-void check_fits(const RotatingKVCacheImpl& c, const RotatingSnapshot& s, const char* call) {
-  const KVLayout layout = s.layout();
-  if (s.window == c.max_size && (!c.has_layout || layout == c.layout)) return;
+void check_fits(const RotatingKVCacheImpl& c, const KVStateSnapshot& s, const char* call) {
+  if (s.window == c.max_size && (!c.store.has_layout || s.layout == c.store.layout)) return;
   throw Error(fmt::format(
       "{}: the snapshot (window {}, {}) does not fit this cache (window {}, {}): a window "
       "restores only into a cache of the same window and layout",
-      call, s.window, layout.describe(), c.max_size,
-      c.has_layout ? c.layout.describe() : "no layout yet"));
+      call, s.window, s.layout.describe(), c.max_size,
+      c.store.has_layout ? c.store.layout.describe() : "no layout yet"));
 }
 
 }  // namespace detail
 
-using detail::RotatingSnapshot;
+using detail::KVStateSnapshot;
 
 RotatingKVCache::RotatingKVCache(int64_t max_size) {
   if (max_size < 1) {
@@ -278,12 +212,11 @@ int64_t RotatingKVCache::max_size() const { return impl_->max_size; }
 
 KVHistory RotatingKVCache::update(const Batch& batch, const Array& keys, const Array& values) {
   detail::RotatingKVCacheImpl& c = *impl_;
-  const int64_t length = detail::check_update(
-      batch, keys, values, c.offset, c.has_layout ? &c.layout : nullptr, "RotatingKVCache::update");
-  if (!c.has_layout) {
-    c.layout = detail::KVLayout::of(keys, values);
-    c.has_layout = true;
-  }
+  detail::KVStore& store = c.store;
+  const int64_t length =
+      detail::check_update(batch, keys, values, c.offset,
+                           store.has_layout ? &store.layout : nullptr, "RotatingKVCache::update");
+  if (!store.has_layout) store.adopt_layout(detail::KVLayout::of(keys, values));
   const auto write = [&](const Array& k, const Array& v) {
     if (length == 1) {
       c.write_one(k, v);
@@ -297,7 +230,7 @@ KVHistory RotatingKVCache::update(const Batch& batch, const Array& keys, const A
     write(keys.slice(2, 0, length), values.slice(2, 0, length));
   }
   c.offset += length;
-  c.stats.appended_bytes += length * c.token_bytes();
+  store.stats.appended_bytes += length * store.token_bytes();
   c.capture_reached();
   return c.history();
 }
@@ -313,10 +246,7 @@ std::vector<Array> RotatingKVCache::state() const {
 void RotatingKVCache::reset() {
   detail::RotatingKVCacheImpl& c = *impl_;
   c.schedule.clear();
-  c.materialize_all();
-  c.keys = Array();
-  c.values = Array();
-  c.has_layout = false;
+  c.store.clear();
   c.offset = c.start = c.length = c.oldest = 0;
 }
 
@@ -352,52 +282,27 @@ bool RotatingKVCache::restore(Snapshot* snapshot, int64_t target) {
     c.offset = target;
     return true;
   }
-  RotatingSnapshot& s = *detail::as_rotating_snapshot(snapshot, "RotatingKVCache::restore");
+  KVStateSnapshot& s = *detail::as_window(snapshot, "RotatingKVCache::restore");
   detail::check_fits(c, s, "RotatingKVCache::restore");
   if (target < 0 || target > s.end || (target < s.end && s.end > c.max_size)) return false;
   // Clamping below the end keeps positions [0, target): the window then starts at position 0.
-  const int64_t tokens = target < s.end ? target : s.count;
-  if (s.owner == &c) {  // the data is still in the columns it names
-    c.start = s.column;
-    c.length = tokens;
-    c.oldest = 0;
-    c.offset = target;
-    return true;
-  }
-  const detail::KVLayout layout = s.layout();
-  const Array keys = s.keys().slice(2, 0, tokens);
-  const Array values = s.values().slice(2, 0, tokens);
-  if (!c.has_layout) {
-    c.layout = layout;
-    c.has_layout = true;
-  }
-  if (c.capacity() < tokens || c.capacity() == 0) {
-    c.materialize_all();
-    auto [k, v] = c.layout.allocate(detail::round_up(std::max<int64_t>(tokens, 1), kStep));
-    c.keys = std::move(k);
-    c.values = std::move(v);
-  }
-  if (tokens > 0) c.write_columns(0, keys, values);
-  c.stats.restored_bytes += tokens * c.token_bytes();
-  c.start = 0;
-  c.length = tokens;
-  c.oldest = 0;
-  c.offset = target;
+  if (!c.store.has_layout) c.store.adopt_layout(s.layout);
+  c.restore_window(s, target < s.end ? target : s.tokens(), target);
   return true;
 }
 
 SnapshotPtr RotatingKVCache::merge(SnapshotPtr parent, SnapshotPtr child) {
-  (void)detail::as_rotating_snapshot(parent.get(), "RotatingKVCache::merge");
-  (void)detail::as_rotating_snapshot(child.get(), "RotatingKVCache::merge");
+  (void)detail::as_window(parent.get(), "RotatingKVCache::merge");
+  (void)detail::as_window(child.get(), "RotatingKVCache::merge");
   return child;
 }
 
 std::pair<SnapshotPtr, SnapshotPtr> RotatingKVCache::split(SnapshotPtr snapshot, int64_t) {
-  (void)detail::as_rotating_snapshot(snapshot.get(), "RotatingKVCache::split");
+  (void)detail::as_window(snapshot.get(), "RotatingKVCache::split");
   return {nullptr, std::move(snapshot)};
 }
 
-CopyStats RotatingKVCache::copy_stats() const { return impl_->stats; }
+CopyStats RotatingKVCache::copy_stats() const { return impl_->store.stats; }
 
 RestoreRule RotatingKVCache::restore_rule() const {
   return {RestoreRule::Kind::whole_state, impl_->max_size};

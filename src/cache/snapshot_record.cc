@@ -2,15 +2,28 @@
 
 #include <fmt/format.h>
 
+#include "cache/kv_store.h"
+#include "cache/state_snapshot.h"
+
 namespace kvsnap::detail {
 
 std::optional<SnapshotRecord> snapshot_record(const Snapshot& snapshot) {
-  SnapshotRecord record;
-  if (kv_record(snapshot, record) || rotating_record(snapshot, record) ||
-      recurrent_record(snapshot, record)) {
-    return record;
-  }
-  return std::nullopt;
+  const StateSnapshot* state = as_state_snapshot(&snapshot);
+  if (state == nullptr) return std::nullopt;
+  return state->record();
+}
+
+SnapshotPtr make_kv_snapshot(Array keys, Array values, int64_t from) {
+  const KVLayout layout = KVLayout::of(keys, values);
+  const int64_t to = from + keys.dim(2);
+  return std::make_unique<KVStateSnapshot>(SnapshotRecord::Kind::kv, layout, std::move(keys),
+                                           std::move(values), from, to, 0);
+}
+
+SnapshotPtr make_rotating_snapshot(Array keys, Array values, int64_t end, int64_t window) {
+  const KVLayout layout = KVLayout::of(keys, values);
+  return std::make_unique<KVStateSnapshot>(SnapshotRecord::Kind::rotating, layout, std::move(keys),
+                                           std::move(values), end, end, window);
 }
 
 SnapshotPtr make_snapshot(SnapshotRecord record, const std::string& context) {

@@ -33,10 +33,7 @@ std::optional<SnapshotRecord> snapshot_record(const Snapshot&);
 // offsets are inconsistent (shapes, dtypes, ranges).
 SnapshotPtr make_snapshot(SnapshotRecord record, const std::string& context);
 
-// Per kind, defined next to each snapshot class.
-bool kv_record(const Snapshot&, SnapshotRecord&);
-bool rotating_record(const Snapshot&, SnapshotRecord&);
-bool recurrent_record(const Snapshot&, SnapshotRecord&);
+// Owned snapshots of each kind, defined next to each snapshot class.
 SnapshotPtr make_kv_snapshot(Array keys, Array values, int64_t from);
 SnapshotPtr make_rotating_snapshot(Array keys, Array values, int64_t end, int64_t window);
 SnapshotPtr make_recurrent_snapshot(Array conv, Array delta, int64_t offset);

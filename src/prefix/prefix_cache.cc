@@ -274,7 +274,7 @@ class PrefixCacheImpl {
   // After a restore put a node's owned data into the live cache, the node can hold a lazy
   // view of it instead and give its bytes back.
   void relazify(Node& node, size_t i, int64_t from) {
-    if (node.snapshots[i] == nullptr || node.snapshots[i]->is_lazy()) return;
+    if (node.snapshots[i] == nullptr || node.snapshots[i]->size() == 0) return;
     SnapshotPtr lazy = trie.layers()[i].cache->snapshot(from);
     if (lazy != nullptr && lazy->is_lazy()) trie.replace(node, i, std::move(lazy));
   }

@@ -150,9 +150,9 @@ Node& Trie::insert(std::span<const int32_t> tokens, int64_t from, int64_t to,
         auto [covering, after] = layers_[i].cache->split(std::move(rest), next->end);
         const SnapshotPtr& existing = next->snapshots[i];
         // Keep ours when the node has none, or when ours is a lazy view of the live cache and
-        // the node's is an owned copy of the same tokens: that gives the copy's bytes back.
+        // the node's holds (some) bytes of the same tokens: that gives those bytes back.
         if (covering != nullptr && covering->from() == next->start() &&
-            (existing == nullptr || (!existing->is_lazy() && covering->is_lazy()))) {
+            (existing == nullptr || (existing->size() > 0 && covering->size() == 0))) {
           replace(*next, i, std::move(covering));
         }
         ranged[i] = std::move(after);
@@ -165,7 +165,8 @@ Node& Trie::insert(std::span<const int32_t> tokens, int64_t from, int64_t to,
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (!layers_[i].whole_state() || node == &root_ || whole[i] == nullptr) continue;
     const SnapshotPtr& existing = node->snapshots[i];
-    if (existing == nullptr || (!existing->is_lazy() && whole[i]->is_lazy())) {
+    if (existing == nullptr ||
+        (existing->size() > 0 && whole[i]->size() == 0 && whole[i]->is_lazy())) {
       replace(*node, i, std::move(whole[i]));
     }
   }

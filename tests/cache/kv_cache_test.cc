@@ -14,6 +14,8 @@ using testing::TokenKV;
 using testing::write;
 
 const TokenKV kv;
+// Keys and values of one token: 2 heads x 4 f32 each.
+constexpr int64_t kTokenBytes = 2 * (2 * 4 * 4);
 
 // Ids of every token the cache holds, in position order.
 std::vector<int64_t> held(const KVCache& cache) { return column_ids(cache.view(Batch{})); }
@@ -154,14 +156,15 @@ TEST(KVCache, DataSurvivesSnapshotAndRestore) {
   write(cache, kv, id_range(0, 6));
   SnapshotPtr s = cache.snapshot(0);
   ASSERT_TRUE(cache.restore(nullptr, 2));
-  write(cache, kv, id_range(50, 7));  // overwrites slots 2..8: the snapshot materializes first
-  EXPECT_FALSE(s->is_lazy());
+  write(cache, kv, id_range(50, 7));  // overwrites slots 2..8: slots 2..5 are copied out first
+  EXPECT_TRUE(s->is_lazy());          // slots 0, 1 are still its, in place
+  EXPECT_EQ(cache.copy_stats().materialized_bytes, 4 * kTokenBytes);
   ASSERT_TRUE(cache.restore(s.get(), 6));
   EXPECT_EQ(cache.offset(), 6);
   EXPECT_EQ(held(cache), id_range(0, 6));
 }
 
-TEST(KVCache, AppendAfterRewindMaterializesOverlappingSnapshotsOnce) {
+TEST(KVCache, AppendAfterRewindCopiesExactlyTheOverwrittenSlots) {
   KVCache cache;
   write(cache, kv, id_range(0, 8));
   SnapshotPtr s = cache.snapshot(4);  // [4, 8)
@@ -173,13 +176,16 @@ TEST(KVCache, AppendAfterRewindMaterializesOverlappingSnapshotsOnce) {
   });
   ASSERT_TRUE(cache.restore(nullptr, 6));
   const int64_t bytes = live_bytes();
-  write(cache, kv, id_range(90, 1));                 // slot 6 lies in [4, 8)
-  const int64_t expected = 2 * (1 * 2 * 4 * 4 * 4);  // keys + values, 4 tokens f32 [1,2,.,4]
+  write(cache, kv, id_range(90, 1));  // slot 6 lies in [4, 8): slot 6 alone is copied
+  // [4, 6) stays lazy; storage is taken for [6, 8), the run the appends are overwriting.
+  EXPECT_EQ(cache.copy_stats().materialized_bytes, kTokenBytes);
+  EXPECT_TRUE(s->is_lazy());
   EXPECT_EQ(fired, 1);
-  EXPECT_EQ(delta, expected);
-  EXPECT_EQ(s->size(), expected);
-  EXPECT_EQ(live_bytes() - bytes, expected);
-  write(cache, kv, id_range(91, 1));  // already owned: the hook does not fire again
+  EXPECT_EQ(delta, 2 * kTokenBytes);
+  EXPECT_EQ(s->size(), 2 * kTokenBytes);
+  EXPECT_EQ(live_bytes() - bytes, 2 * kTokenBytes);
+  write(cache, kv, id_range(91, 1));  // slot 7 goes into that storage: no new bytes, no hook
+  EXPECT_EQ(cache.copy_stats().materialized_bytes, 2 * kTokenBytes);
   EXPECT_EQ(fired, 1);
   // It holds the bytes of [4, 8) as they were.
   KVCache other;
@@ -198,9 +204,10 @@ TEST(KVCache, AppendAfterRewindLeavesDisjointSnapshotsLazy) {
   ASSERT_TRUE(cache.restore(nullptr, 8));
   SnapshotPtr first_half = cache.snapshot(0);  // [0, 8) again
   write(cache, kv, id_range(70, 2));           // slots 8, 9: only `late` overlaps
-  EXPECT_TRUE(early->is_lazy());
-  EXPECT_TRUE(first_half->is_lazy());
-  EXPECT_FALSE(late->is_lazy());
+  EXPECT_EQ(early->size(), 0);
+  EXPECT_EQ(first_half->size(), 0);
+  EXPECT_EQ(late->size(), 4 * kTokenBytes);  // storage for [8, 12), slots 8, 9 copied
+  EXPECT_EQ(cache.copy_stats().materialized_bytes, 2 * kTokenBytes);
 }
 
 TEST(KVCache, ResetMaterializesOutstandingSnapshots) {
@@ -315,8 +322,9 @@ TEST(KVCache, MergeOfLazySnapshotsIsArithmetic) {
   EXPECT_EQ(merged->from(), 0);
   EXPECT_EQ(merged->to(), 12);
   (void)cache.restore(nullptr, 0);
-  write(cache, kv, id_range(70, 1));  // the merged range still materializes when overwritten
-  EXPECT_FALSE(merged->is_lazy());
+  write(cache, kv, id_range(70, 1));  // the merged range still copies what is overwritten
+  EXPECT_EQ(cache.copy_stats().materialized_bytes, before.materialized_bytes + kTokenBytes);
+  EXPECT_TRUE(merged->is_lazy());
   KVCache other;
   ASSERT_TRUE(other.restore(merged.get(), 12));
   EXPECT_EQ(held(other), id_range(0, 12));
@@ -348,8 +356,11 @@ TEST(KVCache, MergeMixesLazyAndOwned) {
   write(cache, kv, id_range(0, 4));  // materializes a (same data)
   write(cache, kv, id_range(4, 4));
   SnapshotPtr b = cache.snapshot(4);  // lazy
+  const CopyStats before = cache.copy_stats();
   SnapshotPtr merged = cache.merge(std::move(a), std::move(b));
-  EXPECT_FALSE(merged->is_lazy());
+  EXPECT_TRUE(merged->is_lazy());              // [0, 4) owned, [4, 8) still lazy
+  EXPECT_EQ(merged->size(), 4 * kTokenBytes);  // nothing was copied to join them
+  EXPECT_EQ(cache.copy_stats().snapshot_bytes, before.snapshot_bytes);
   KVCache other;
   ASSERT_TRUE(other.restore(merged.get(), 8));
   EXPECT_EQ(held(other), id_range(0, 8));

@@ -274,6 +274,26 @@ TEST(RotatingKVCache, WindowOfOne) {
   EXPECT_EQ(held(cache), window(6, 7));
 }
 
+TEST(RotatingKVCache, RingDecodeCopiesALazyWindowOneOverwrittenTokenAtATime) {
+  RotatingKVCache cache(4);
+  decode(cache, 8);  // a full ring, its oldest in column 0: positions 4..7 in columns 0..3
+  SnapshotPtr s = cache.snapshot(0);  // the window at 8: positions 5..7, columns 1..3, lazy
+  ASSERT_EQ(s->size(), 0);
+  const int64_t token = 2 * (2 * 4 * 4);
+  decode(cache, 1);  // overwrites column 0 (position 4): not the snapshot's
+  EXPECT_EQ(cache.copy_stats().materialized_bytes, 0);
+  decode(cache, 1);  // column 1: position 5 is copied out, positions 6, 7 stay lazy
+  EXPECT_EQ(cache.copy_stats().materialized_bytes, token);
+  EXPECT_TRUE(s->is_lazy());
+  decode(cache, 2);  // columns 2, 3
+  EXPECT_EQ(cache.copy_stats().materialized_bytes, 3 * token);
+  EXPECT_FALSE(s->is_lazy());
+  EXPECT_EQ(s->size(), 3 * token);
+  RotatingKVCache other(4);
+  ASSERT_TRUE(other.restore(s.get(), 8));
+  EXPECT_EQ(held(other), window(5, 8));
+}
+
 TEST(RotatingKVCache, AWindowOfOneCapturesAnEmptyRestorePoint) {
   // The next query of a window of 1 needs no old token: the snapshot is empty but real, so a
   // planner can tell "restorable here" from "no snapshot".

@@ -321,6 +321,33 @@ TEST_F(PrefixCacheTest, ACancelledLongPrefillRestoresTheLastCaptureBeforeADiverg
   EXPECT_EQ(run_turn(cache, stack, tokens(1, 12) + tokens(90, 3), tokens(50, 2)).cached, 8);
 }
 
+TEST(PrefixCacheCopies, ABranchCopiesOnlyWhatItsWriteOverwrites) {
+  // The peer suite's case: one KVCache, 64 bytes per token. A = 1..8, then B = 1..4, 20..23.
+  // Only [4, 8) is overwritten: [0, 4) stays lazy in the live buffer.
+  KVCache cache;
+  const testing::TokenKV kv{.heads = 2, .depth = 4};
+  PrefixCache prefix({&cache});
+  const auto run = [&](const Tokens& prompt) {
+    auto session = prefix.begin(prompt);
+    const auto remaining = session.remaining();
+    const std::vector<int64_t> ids(remaining.begin(), remaining.end());
+    testing::write(cache, kv, ids);
+    session.prefill_done();
+    session.close();
+  };
+  run(tokens(1, 8));
+  const int64_t copied = cache.copy_stats().materialized_bytes;
+  EXPECT_EQ(prefix.paged_out_bytes(), 0);  // everything is lazy in the live buffer
+  run(tokens(1, 4) + tokens(20, 4));
+  EXPECT_EQ(cache.copy_stats().materialized_bytes - copied, 256);
+  EXPECT_EQ(prefix.paged_out_bytes(), 256);
+  EXPECT_EQ(prefix.check_invariants(), "");
+  // Both branches still restore exactly.
+  auto again = prefix.begin(tokens(1, 8));
+  EXPECT_EQ(again.cached(), 7);
+  EXPECT_EQ(testing::column_ids(cache.view(Batch{})), (std::vector<int64_t>{1, 2, 3, 4, 5, 6, 7}));
+}
+
 TEST_F(PrefixCacheTest, DebugStringShowsTheTrie) {
   const std::vector<int64_t> end_of_system{12};
   run_turn(cache, stack, kSystem + kUser1, kReply1, end_of_system);

@@ -46,8 +46,19 @@ class HybridStack {
     const Batch batch = Batch::uniform(1, length, start);
     const Array q = queries(ids, start);
     const KVHistory full(kv_.keys(all), kv_.values(all));
+    // Copy only what would be lost: the write copies out exactly the slots of [start, end)
+    // that lazy snapshots still name, never more than the bytes it overwrites.
+    const int64_t named = attention.lazy_bytes(start, start + length);
+    const int64_t copied_before = attention.copy_stats().materialized_bytes;
     const Array a = sdpa(batch, q, attention.update(batch, kv_.keys(ids), kv_.values(ids)),
                          AttentionMask::causal(), 0.5f);
+    const int64_t copied = attention.copy_stats().materialized_bytes - copied_before;
+    if (copied != named || copied > length * token_bytes()) {
+      return ::testing::AssertionFailure()
+             << "writing positions [" << start << ", " << start + length << ") copied " << copied
+             << " bytes; lazy snapshots named " << named << " of the " << length * token_bytes()
+             << " it overwrote";
+    }
     if (auto r = all_close(a, sdpa(batch, q, full, AttentionMask::causal(), 0.5f), 1e-4f); !r) {
       return r << " (full attention, positions from " << start << ")";
     }
@@ -68,6 +79,9 @@ class HybridStack {
     }
     return ::testing::AssertionSuccess();
   }
+
+  // Bytes of one token's keys and values in the attention layers.
+  int64_t token_bytes() const { return 2 * kv_.heads * kv_.depth * dtype_size(kv_.dtype); }
 
   KVCache attention;
   RotatingKVCache window;

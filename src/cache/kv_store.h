@@ -1,0 +1,165 @@
+// Internal: the one KV core under KVCache and RotatingKVCache — buffers of columns, the lazy
+// snapshots that name them, and copy-before-overwrite — with the append and ring policies on
+// top in kv_cache.cc and rotating_kv_cache.cc.
+//
+// A KVStore owns keys [B, H, capacity, D] and values [B, H, capacity, Dv]. A KVStateSnapshot is
+// a run of tokens made of Pieces (lazy_index.h): while a piece is lazy it names columns of the
+// store and owns nothing. Before any write overwrites columns a lazy piece names, the store
+// copies exactly those columns into the piece's storage ("materializes" that part) — copying
+// happens only when data would otherwise be lost, and only the data that would be. The pieces
+// overlapping a write are found through a LazyIndex, so a write costs the same however many
+// snapshots are outstanding.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "cache/kv_layout.h"
+#include "cache/lazy_index.h"
+#include "cache/state_snapshot.h"
+
+namespace kvsnap::detail {
+
+class KVStore;
+
+// A KVCache range [from, to) (kind kv) or a RotatingKVCache window ending at to (kind
+// rotating, from == to), held as pieces in token order.
+class KVStateSnapshot final : public StateSnapshot, public Pooled<KVStateSnapshot> {
+ public:
+  using Pooled<KVStateSnapshot>::operator new;
+  using Pooled<KVStateSnapshot>::operator delete;
+
+  // `tokens` lazy tokens in columns [column, column + tokens) of `owner`.
+  KVStateSnapshot(SnapshotRecord::Kind kind, KVStore& owner, int64_t column, int64_t tokens,
+                  int64_t from, int64_t to, int64_t window);
+  // Owned tokens: `keys` [B, H, T, D] and `values` [B, H, T, Dv].
+  KVStateSnapshot(SnapshotRecord::Kind kind, const KVLayout& layout, Array keys, Array values,
+                  int64_t from, int64_t to, int64_t window);
+  ~KVStateSnapshot() override;
+
+  int64_t size() const override;
+  void set_materialize_hook(std::function<void(int64_t)> hook) override { hook_ = std::move(hook); }
+  int64_t from() const override { return begin; }
+  int64_t to() const override { return end; }
+  bool is_lazy() const override { return owner != nullptr; }
+  SnapshotRecord record() const override;
+
+  // Tokens held: to - from for ranges, the window's tokens for windows.
+  int64_t tokens() const { return tokens_; }
+  // Calls visit(first token, keys, values) for consecutive parts covering the first `limit`
+  // tokens, each part's arrays [B, H, n, *] views of a piece's storage or of a store's buffer;
+  // `lazy_column` is the part's first column in `owner`'s buffers, or -1 for owned data.
+  void for_each_part(int64_t limit,
+                     const std::function<void(int64_t first, const Array& keys, const Array& values,
+                                              int64_t lazy_column)>& visit) const;
+  // The tokens as single arrays: views when held in one part, else compact copies.
+  Array keys() const;
+  Array values() const;
+  // The single piece when the snapshot is one run of columns, else null.
+  const Piece* only_piece() const { return tail_.empty() ? &head_ : nullptr; }
+
+  // Splits off [at, to) (from < at < to) as a new snapshot; this one keeps [from, at). Lazy
+  // parts split without a copy, owned parts are copied (counted in `stats`).
+  std::unique_ptr<KVStateSnapshot> split_off(int64_t at, CopyStats& stats);
+  // Appends `next`'s pieces (next.from() == to()); nothing is copied unless the two are lazy in
+  // different stores (then `next` is materialized first).
+  void append(KVStateSnapshot& next);
+
+  // Called by the store when a piece's storage changed size by `delta` bytes, and when the
+  // snapshot's last lazy piece became owned.
+  void storage_changed(int64_t delta);
+  void became_owned() { owner = nullptr; }
+
+  const KVLayout layout;
+  int64_t begin, end;
+  const int64_t window;  // rotating: the max_size of its cache
+  KVStore* owner;        // non-null exactly while a piece is lazy
+
+ private:
+  friend class KVStore;
+  template <class Visit>
+  void for_each_piece(Visit&& visit);
+  template <class Visit>
+  void for_each_piece(Visit&& visit) const;
+  // An empty shell for [from, to) of `like`'s kind, layout, window and owner.
+  KVStateSnapshot(const KVStateSnapshot& like, int64_t from, int64_t to);
+  // Moves `source`'s fields into `target` (re-linking a lazy piece in `store`'s index).
+  void move_piece(Piece& source, Piece& target, KVStore* store);
+  bool has_lazy_piece() const;
+  void insert_after(Piece& piece, std::unique_ptr<Piece> next);
+
+  int64_t tokens_;
+  Piece head_;                                // the first piece, inline: a capture allocates none
+  std::vector<std::unique_ptr<Piece>> tail_;  // the others, in token order
+  std::function<void(int64_t)> hook_;
+};
+
+class KVStore {
+ public:
+  KVStore() = default;
+  KVStore(const KVStore&) = delete;
+  KVStore& operator=(const KVStore&) = delete;
+  // Outstanding lazy snapshots outlive the store: they are materialized first.
+  ~KVStore() { materialize_all(); }
+
+  int64_t capacity() const { return keys.empty() ? 0 : keys.dim(2); }
+  int64_t token_bytes() const { return layout.token_bytes(); }
+  // One past the last column a lazy piece names (0 when none).
+  int64_t lazy_end() const { return index.end(); }
+
+  void adopt_layout(const KVLayout& incoming) {
+    layout = incoming;
+    has_layout = true;
+  }
+  // Materializes every lazy snapshot, drops the buffers and the layout.
+  void clear();
+  // Fresh buffers of `columns` columns; columns [0, keep) are copied over at the same columns
+  // (counted as growth), so lazy pieces naming them stay valid; pieces beyond `keep` are
+  // materialized first.
+  void resize(int64_t columns, int64_t keep);
+  // Swaps in buffers whose columns mean something else: every lazy piece is materialized first.
+  void replace(Array new_keys, Array new_values);
+  // Writes keys/values [B, H, n, *] into columns [column, column + n), first copying out the
+  // lazy parts of snapshots that name those columns.
+  void write(int64_t column, const Array& new_keys, const Array& new_values);
+  // Copies out the lazy parts of snapshots that name columns in [from, to).
+  void preserve(int64_t from, int64_t to);
+  // Bytes preserve(from, to) would copy: each lazy piece's columns in [from, to).
+  int64_t lazy_bytes(int64_t from, int64_t to) const;
+  void materialize_all();
+  void materialize(KVStateSnapshot& snapshot);
+
+  // A lazy snapshot of `tokens` columns from `column`.
+  std::unique_ptr<KVStateSnapshot> capture(SnapshotRecord::Kind kind, int64_t column,
+                                           int64_t tokens, int64_t from, int64_t to,
+                                           int64_t window);
+
+  // Piece bookkeeping for KVStateSnapshot.
+  void link(Piece& piece) { index.insert(&piece); }
+  void unlink(Piece& piece) {
+    if (piece.indexed) index.erase(&piece);
+  }
+  // Splits a lazy or partly owned piece at token `cut` (0 < cut < tokens); returns the second
+  // half. Owned tokens are copied into compact storage for each half (counted as snapshot
+  // bytes), lazy ones are split by arithmetic.
+  std::unique_ptr<Piece> split_piece(Piece& piece, int64_t cut, CopyStats& copies);
+
+  Array keys, values;  // [B, H, capacity, D] / [B, H, capacity, Dv]
+  KVLayout layout;
+  bool has_layout = false;
+  CopyStats stats;
+
+ private:
+  // Copies the piece's lazy columns up to column `to` into its storage.
+  void copy_out(Piece& piece, int64_t to);
+
+  LazyIndex index;
+  std::vector<Piece*> overlapping_;  // reused by preserve: no allocation per write
+};
+
+// The snapshot `snapshot` as a KV-state snapshot of `kind`; throws Error naming `call` when it
+// is another kind ("snapshots restore only into a cache of their own kind").
+KVStateSnapshot& as_kv_state(Snapshot* snapshot, SnapshotRecord::Kind kind, const char* call);
+
+}  // namespace kvsnap::detail

@@ -1,0 +1,83 @@
+// Internal: what every built-in snapshot is — a StateSnapshot that describes itself as a
+// SnapshotRecord — and the pool their objects come from, so a capture allocates nothing once
+// the pool is warm.
+#pragma once
+
+#include <cstddef>
+#include <new>
+#include <vector>
+
+#include "cache/snapshot_record.h"
+#include "kvsnap/cache.h"
+
+namespace kvsnap::detail {
+
+// The base of KVCache, RotatingKVCache and RecurrentCache snapshots: one dynamic_cast tells a
+// built-in snapshot from a foreign one, then `record()` says what it holds.
+class StateSnapshot : public Snapshot {
+ public:
+  explicit StateSnapshot(SnapshotRecord::Kind kind) : kind_(kind) {}
+  SnapshotRecord::Kind kind() const { return kind_; }
+  // Its data (views of the live cache while lazy, or a copy when it is held in parts) and
+  // offsets.
+  virtual SnapshotRecord record() const = 0;
+
+ private:
+  SnapshotRecord::Kind kind_;
+};
+
+// The built-in snapshot `snapshot` is, or null for a foreign kind.
+inline const StateSnapshot* as_state_snapshot(const Snapshot* snapshot) {
+  return dynamic_cast<const StateSnapshot*>(snapshot);
+}
+inline StateSnapshot* as_state_snapshot(Snapshot* snapshot) {
+  return dynamic_cast<StateSnapshot*>(snapshot);
+}
+
+// Class-level operator new/delete for a final class T, from a per-thread free list of bounded
+// length: captures in a decode loop reuse the objects of the snapshots released before them.
+template <class T>
+class Pooled {
+ public:
+  static void* operator new(std::size_t size) {
+    List& pool = list();
+    if (size == sizeof(T) && !pool.items.empty()) {
+      void* object = pool.items.back();
+      pool.items.pop_back();
+      return object;
+    }
+    return ::operator new(size);
+  }
+  static void operator delete(void* object, std::size_t size) noexcept {
+    if (size == sizeof(T) && !dead()) {
+      List& pool = list();
+      if (pool.items.size() < kKeep) {
+        pool.items.push_back(object);  // capacity reserved up front: never allocates
+        return;
+      }
+    }
+    ::operator delete(object);
+  }
+
+ private:
+  static constexpr std::size_t kKeep = 1024;
+  struct List {
+    List() { items.reserve(kKeep); }
+    ~List() {
+      for (void* object : items) ::operator delete(object);
+      dead() = true;
+    }
+    std::vector<void*> items;
+  };
+  static List& list() {
+    thread_local List pool;
+    return pool;
+  }
+  // Set once this thread's list is gone (objects freed during thread exit go to the heap).
+  static bool& dead() {
+    thread_local bool gone = false;
+    return gone;
+  }
+};
+
+}  // namespace kvsnap::detail
