@@ -99,20 +99,22 @@ KVStateSnapshot::KVStateSnapshot(SnapshotRecord::Kind kind, const KVLayout& layo
 }
 
 KVStateSnapshot::~KVStateSnapshot() {
-  if (owner == nullptr) return;
-  for_each_piece([&](Piece& piece) { owner->unlink(piece); });
+  if (owner != nullptr) for_each_piece([&](Piece& piece) { owner->unlink(piece); });
+  for (Piece* piece = head_.next; piece != nullptr;) {
+    Piece* next = piece->next;
+    delete piece;
+    piece = next;
+  }
 }
 
 template <class Visit>
 void KVStateSnapshot::for_each_piece(Visit&& visit) {
-  visit(head_);
-  for (const auto& piece : tail_) visit(*piece);
+  for (Piece* piece = &head_; piece != nullptr; piece = piece->next) visit(*piece);
 }
 
 template <class Visit>
 void KVStateSnapshot::for_each_piece(Visit&& visit) const {
-  visit(head_);
-  for (const auto& piece : tail_) visit(static_cast<const Piece&>(*piece));
+  for (const Piece* piece = &head_; piece != nullptr; piece = piece->next) visit(*piece);
 }
 
 int64_t KVStateSnapshot::size() const {
@@ -197,15 +199,22 @@ bool KVStateSnapshot::has_lazy_piece() const {
   return lazy;
 }
 
+void KVStateSnapshot::append_run(int64_t column, int64_t tokens) {
+  Piece* last = &head_;
+  while (last->next != nullptr) last = last->next;
+  auto run = std::make_unique<Piece>();
+  run->tokens = tokens;
+  run->column = column;
+  owner->link(*run);
+  insert_after(*last, std::move(run));
+  tokens_ += tokens;
+}
+
 void KVStateSnapshot::insert_after(Piece& piece, std::unique_ptr<Piece> next) {
-  next->snapshot = this;
-  if (&piece == &head_) {
-    tail_.insert(tail_.begin(), std::move(next));
-    return;
-  }
-  const auto at = std::find_if(tail_.begin(), tail_.end(),
-                               [&](const std::unique_ptr<Piece>& p) { return p.get() == &piece; });
-  tail_.insert(at + 1, std::move(next));
+  Piece* added = next.release();
+  added->snapshot = this;
+  added->next = piece.next;
+  piece.next = added;
 }
 
 KVStateSnapshot::KVStateSnapshot(const KVStateSnapshot& like, int64_t from, int64_t to)
@@ -221,23 +230,23 @@ KVStateSnapshot::KVStateSnapshot(const KVStateSnapshot& like, int64_t from, int6
 
 std::unique_ptr<KVStateSnapshot> KVStateSnapshot::split_off(int64_t at, CopyStats& stats) {
   const int64_t cut = at - begin;
-  // Make a piece start exactly at `cut`: pieces are head_, tail_[0], tail_[1], ...
-  const auto piece_at = [&](size_t i) -> Piece& { return i == 0 ? head_ : *tail_[i - 1]; };
+  // Make a piece end exactly at `cut`; the pieces after it move.
+  Piece* last = &head_;
   int64_t first = 0;
-  size_t index = 0;
-  while (first + piece_at(index).tokens < cut) first += piece_at(index++).tokens;
-  Piece& straddling = piece_at(index);
-  if (first + straddling.tokens > cut) {
-    insert_after(straddling, cut_piece(straddling, cut - first, owner, stats));
+  while (first + last->tokens < cut) {
+    first += last->tokens;
+    last = last->next;
   }
-  const size_t moved_from = index;  // tail_[moved_from] is the first piece after the cut
+  if (first + last->tokens > cut) insert_after(*last, cut_piece(*last, cut - first, owner, stats));
+  Piece* moved = last->next;
+  last->next = nullptr;
   std::unique_ptr<KVStateSnapshot> after(new KVStateSnapshot(*this, at, end));
-  after->move_piece(*tail_[moved_from], after->head_, owner);
-  for (size_t i = moved_from + 1; i < tail_.size(); ++i) {
-    tail_[i]->snapshot = after.get();
-    after->tail_.push_back(std::move(tail_[i]));
+  after->move_piece(*moved, after->head_, owner);
+  after->head_.next = moved->next;
+  delete moved;
+  for (Piece* piece = after->head_.next; piece != nullptr; piece = piece->next) {
+    piece->snapshot = after.get();
   }
-  tail_.resize(moved_from);
   after->tokens_ = tokens_ - cut;
   tokens_ = cut;
   end = at;
@@ -251,27 +260,27 @@ void KVStateSnapshot::append(KVStateSnapshot& next) {
     next.owner->materialize(next);  // lazy in two stores: one owner per snapshot
   }
   KVStore* store = owner != nullptr ? owner : next.owner;
-  Piece& last = tail_.empty() ? head_ : *tail_.back();
+  Piece* last = &head_;
+  while (last->next != nullptr) last = last->next;
   Piece& join = next.head_;
-  const bool adjacent_lazy_runs = last.tokens > 0 && join.tokens > 0 && last.owned == 0 &&
-                                  join.owned == 0 && last.keys.empty() && join.keys.empty() &&
-                                  last.column + last.tokens == join.column;
+  const bool adjacent_lazy_runs = last->tokens > 0 && join.tokens > 0 && last->owned == 0 &&
+                                  join.owned == 0 && last->keys.empty() && join.keys.empty() &&
+                                  last->column + last->tokens == join.column;
   if (adjacent_lazy_runs) {  // one piece
-    store->unlink(last);
+    store->unlink(*last);
     store->unlink(join);
-    last.tokens += join.tokens;
+    last->tokens += join.tokens;
     join.tokens = 0;
-    store->link(last);
+    store->link(*last);
   } else if (join.tokens > 0) {
-    auto moved = std::make_unique<Piece>();
+    auto* moved = new Piece();
     move_piece(join, *moved, store);
-    tail_.push_back(std::move(moved));
+    last->next = moved;
+    last = moved;
   }
-  for (auto& piece : next.tail_) {
-    piece->snapshot = this;
-    tail_.push_back(std::move(piece));
-  }
-  next.tail_.clear();
+  last->next = join.next;
+  join.next = nullptr;
+  for (Piece* piece = last->next; piece != nullptr; piece = piece->next) piece->snapshot = this;
   next.owner = nullptr;
   tokens_ += next.tokens_;
   next.tokens_ = 0;

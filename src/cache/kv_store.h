@@ -56,8 +56,11 @@ class KVStateSnapshot final : public StateSnapshot, public Pooled<KVStateSnapsho
   // The tokens as single arrays: views when held in one part, else compact copies.
   Array keys() const;
   Array values() const;
+  // Adds `tokens` lazy tokens in columns [column, column + tokens) of `owner` after the others
+  // (a window that wraps around a ring is two runs of columns).
+  void append_run(int64_t column, int64_t tokens);
   // The single piece when the snapshot is one run of columns, else null.
-  const Piece* only_piece() const { return tail_.empty() ? &head_ : nullptr; }
+  const Piece* only_piece() const { return head_.next == nullptr ? &head_ : nullptr; }
 
   // Splits off [at, to) (from < at < to) as a new snapshot; this one keeps [from, at). Lazy
   // parts split without a copy, owned parts are copied (counted in `stats`).
@@ -90,8 +93,9 @@ class KVStateSnapshot final : public StateSnapshot, public Pooled<KVStateSnapsho
   void insert_after(Piece& piece, std::unique_ptr<Piece> next);
 
   int64_t tokens_;
-  Piece head_;                                // the first piece, inline: a capture allocates none
-  std::vector<std::unique_ptr<Piece>> tail_;  // the others, in token order
+  // The first piece, inline (a capture allocates none); the others follow through Piece::next,
+  // owned by the snapshot and drawn from a pool.
+  Piece head_;
   std::function<void(int64_t)> hook_;
 };
 

@@ -14,14 +14,16 @@
 #include <cstdint>
 #include <vector>
 
+#include "cache/state_snapshot.h"
 #include "kvsnap/array.h"
 
 namespace kvsnap::detail {
 
 class KVStateSnapshot;
 
-struct Piece {
+struct Piece : Pooled<Piece> {
   KVStateSnapshot* snapshot = nullptr;
+  Piece* next = nullptr;  // the snapshot's next piece (owned by the snapshot)
   int64_t tokens = 0;
   int64_t column = 0;
   int64_t owned = 0;

@@ -53,20 +53,22 @@ class RotatingKVCacheImpl {
   }
 
   // The window ending at `end` (first_position() <= end - window_tokens(end), end <= offset;
-  // a wrapped ring only at end == offset). Null only at offset 0 (the empty state); a window
-  // that needs no old token (max_size 1) is a real, empty snapshot: a restore point.
+  // a wrapped ring only at end == offset), lazy: one run of columns, or two when it wraps around
+  // the ring. Null only at offset 0 (the empty state); a window that needs no old token
+  // (max_size 1) is a real, empty snapshot: a restore point.
   SnapshotPtr capture_window(int64_t end) {
     if (end == 0) return nullptr;
     const int64_t count = window_tokens(end);
-    const int64_t first_index = end - count - first_position();
-    if (count > 0 && linear()) {
-      return store.capture(Kind::rotating, start + first_index, count, end, end, max_size);
+    if (count == 0) {
+      auto [k, v] = store.layout.allocate_uninitialized(0);
+      return std::make_unique<KVStateSnapshot>(Kind::rotating, store.layout, std::move(k),
+                                               std::move(v), end, end, max_size);
     }
-    auto [k, v] = store.layout.allocate_uninitialized(count);
-    if (count > 0) gather(first_index, count, k, v);
-    store.stats.snapshot_bytes += count * store.token_bytes();
-    return std::make_unique<KVStateSnapshot>(Kind::rotating, store.layout, std::move(k),
-                                             std::move(v), end, end, max_size);
+    const int64_t first_column = column_of(end - count - first_position());
+    const int64_t run = std::min(count, start + length - first_column);
+    auto window = store.capture(Kind::rotating, first_column, run, end, end, max_size);
+    if (run < count) window->append_run(start, count - run);
+    return window;
   }
 
   void capture_reached() {

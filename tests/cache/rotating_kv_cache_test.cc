@@ -128,12 +128,15 @@ TEST(RotatingKVCache, SnapshotAfterAChunkedWriteIsLazy) {
   EXPECT_EQ(s->to(), 10);
 }
 
-TEST(RotatingKVCache, SnapshotOfAWrappedRingCopiesTheWindow) {
+TEST(RotatingKVCache, SnapshotOfAWrappedRingIsLazyInTwoRuns) {
   RotatingKVCache cache(4);
   decode(cache, 10);
-  SnapshotPtr s = cache.snapshot(10);
-  EXPECT_FALSE(s->is_lazy());
-  EXPECT_EQ(s->size(), 3 * 2 * 4 * 4 * 2);  // max_size-1 tokens, keys + values
+  SnapshotPtr s = cache.snapshot(10);  // positions 7, 8 | 9 in ring columns 3 | 0, 1
+  EXPECT_TRUE(s->is_lazy());
+  EXPECT_EQ(s->size(), 0);
+  EXPECT_EQ(cache.copy_stats().snapshot_bytes, 0);
+  decode(cache, 2);  // columns 2 (position 6: not its) and 3 (position 7: copied out)
+  EXPECT_EQ(cache.copy_stats().materialized_bytes, 2 * 4 * 4 * 2);
   RotatingKVCache fresh(4);
   ASSERT_TRUE(fresh.restore(s.get(), 10));
   EXPECT_EQ(held(fresh), window(7, 10));

@@ -78,10 +78,12 @@ TEST(SnapshotFile, RoundTripsEveryKindBitExactly) {
 }
 
 TEST(SnapshotFile, OwnedAndWrappedSnapshotsRoundTrip) {
-  RotatingKVCache window(4);
-  for (int i = 0; i < 11; ++i) testing::write(window, kv, id_range(i, 1));  // a wrapped ring
   std::vector<SnapshotPtr> snapshots;
-  snapshots.push_back(window.snapshot(0));
+  {
+    RotatingKVCache window(4);
+    for (int i = 0; i < 11; ++i) testing::write(window, kv, id_range(i, 1));  // a wrapped ring
+    snapshots.push_back(window.snapshot(0));  // lazy in two runs of the ring
+  }                                           // the cache copies it out as it goes
   ASSERT_FALSE(snapshots[0]->is_lazy());
   const std::string bytes = encode_snapshots(11, std::vector<const Snapshot*>{snapshots[0].get()});
   const LoadedSnapshots loaded = decode_snapshots(bytes, "memory");
