@@ -58,9 +58,7 @@ struct ReplayArguments {
 
 int run_replay(const ReplayArguments& args) {
   const tools::Workload workload =
-      args.workload.empty()
-          ? tools::embedded_workload()
-          : tools::parse_workload(detail::read_file(args.workload), args.workload);
+      args.workload.empty() ? tools::embedded_workload() : tools::load_workload(args.workload);
   if (args.model_config.empty() != args.weights.empty()) {
     throw Error("replay: --model-config and --weights go together");
   }

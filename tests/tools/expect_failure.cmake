@@ -6,6 +6,28 @@
 #   EXPECT_FIRST_LINE  a regular expression the first line of stderr must match
 #   EXPECT_NO_STDOUT   ON: the program must print nothing on stdout (it failed before any work)
 #   TIMEOUT            seconds the program may run (a refusal must be quick)
+#   PREPARE            the input below, written before the run and removed after it (FILE
+#                      names the path, ARGS refers to it):
+#     unreadable       a file that exists but cannot be read (mode 000); when this process can
+#                      read it anyway (root), the test is skipped: it prints "SKIPPED: ..." (give
+#                      the test SKIP_REGULAR_EXPRESSION "SKIPPED")
+
+if(PREPARE STREQUAL "unreadable")
+  file(REMOVE ${FILE})
+  file(WRITE ${FILE} "{}\n")
+  execute_process(COMMAND chmod 000 ${FILE})
+  execute_process(COMMAND ${CMAKE_COMMAND} -E cat ${FILE} RESULT_VARIABLE readable
+                  OUTPUT_QUIET ERROR_QUIET)
+  if(readable EQUAL 0)
+    file(REMOVE ${FILE})
+    message("SKIPPED: this process reads a file of mode 000 anyway (it runs as root), so no "
+            "unreadable workload can be made here; cli_workload_read_error covers a read that "
+            "fails")
+    return()
+  endif()
+elseif(DEFINED PREPARE)
+  message(FATAL_ERROR "PREPARE=${PREPARE}: use unreadable")
+endif()
 
 set(limit)
 if(DEFINED TIMEOUT)
@@ -16,6 +38,9 @@ execute_process(COMMAND ${PROGRAM} ${ARGS} ${limit} RESULT_VARIABLE status OUTPU
                 ERROR_VARIABLE err)
 string(TIMESTAMP finished "%s")
 math(EXPR seconds "${finished} - ${started}")
+if(DEFINED PREPARE)
+  file(REMOVE ${FILE})
+endif()
 
 if(NOT status STREQUAL "${EXPECT_EXIT}")
   message(FATAL_ERROR "exit ${status} after ${seconds} s, expected ${EXPECT_EXIT}\n${out}${err}")

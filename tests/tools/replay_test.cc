@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 
 #include "support/test_support.h"
 #include "workload.h"
@@ -105,6 +106,16 @@ TEST(Workload, PromptsFollowTheirReferences) {
   const auto d = builder.prompt(w.requests[3], nullptr);  // edit: b's context, new messages
   EXPECT_TRUE(std::equal(expected.begin(), expected.end(), d.begin()));
   EXPECT_EQ(d[expected.size()], kTool);
+}
+
+TEST(Workload, LoadReadsAFileAndNamesOneItCannotRead) {
+  const auto path = std::filesystem::temp_directory_path() /
+                    ("kvsnap_workload_" + std::to_string(::getpid()) + ".jsonl");
+  { std::ofstream(path) << kWorkload; }
+  EXPECT_EQ(load_workload(path.string()).requests.size(), 5u);
+  std::filesystem::remove(path);
+  const std::string message = "cannot read " + path.string() + ": No such file or directory";
+  EXPECT_TRUE(throws_error([&] { (void)load_workload(path.string()); }, {message.c_str()}));
 }
 
 TEST(Replay, FiguresAreConsistentAndTheRunsAgree) {
