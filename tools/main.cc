@@ -57,13 +57,18 @@ struct ReplayArguments {
 };
 
 int run_replay(const ReplayArguments& args) {
-  const tools::Workload workload =
-      args.workload.empty() ? tools::embedded_workload() : tools::load_workload(args.workload);
+  // Everything that can be refused is, before any model work: arguments, the workload, requests
+  // over the context length.
   if (args.model_config.empty() != args.weights.empty()) {
     throw Error("replay: --model-config and --weights go together");
   }
+  const tools::Workload workload =
+      args.workload.empty() ? tools::embedded_workload() : tools::load_workload(args.workload);
   ModelConfig config;
   config.seed = args.seed;
+  if (!args.model_config.empty())
+    config = ModelConfig::from_json(detail::read_file(args.model_config));
+  tools::check_context_length(workload, config.context_length);
   const Model model =
       args.weights.empty() ? Model(config) : Model::load(args.model_config, args.weights);
   if (!args.quiet) {

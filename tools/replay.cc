@@ -33,7 +33,27 @@ double percentile(std::vector<double> values, double q) {
   return values[lo] + (values[hi] - values[lo]) * (rank - static_cast<double>(lo));
 }
 
+// The error of check_context_length and of replay's check before each request.
+Error over_context_length(const Workload& workload, const Request& request, int64_t prompt_tokens,
+                          bool minimum, int64_t context_length) {
+  return Error(fmt::format(
+      "{} line {}: request \"{}\": prompt of {}{} tokens + max_tokens {} = {} exceeds the "
+      "model's context length of {}",
+      workload.name, request.line, request.id, minimum ? "at least " : "", prompt_tokens,
+      request.max_tokens, prompt_tokens + request.max_tokens, context_length));
+}
+
 }  // namespace
+
+void check_context_length(const Workload& workload, int64_t context_length) {
+  const std::vector<int64_t> lengths = minimum_prompt_lengths(workload);
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    const Request& request = workload.requests[i];
+    if (lengths[i] + request.max_tokens > context_length) {
+      throw over_context_length(workload, request, lengths[i], true, context_length);
+    }
+  }
+}
 
 RunResult replay(const Workload& workload, const Model& model, const ReplayOptions& options) {
   if (model.config().vocab_size < kVocabularyNeeded) {
@@ -42,6 +62,8 @@ RunResult replay(const Workload& workload, const Model& model, const ReplayOptio
                     "chat format needs",
                     model.config().vocab_size, kVocabularyNeeded));
   }
+  const int64_t context_length = model.config().context_length;
+  check_context_length(workload, context_length);
   RunResult run;
   run.with_cache = options.with_cache;
   auto caches = model.make_caches();
@@ -61,9 +83,13 @@ RunResult replay(const Workload& workload, const Model& model, const ReplayOptio
     const Request& request = workload.requests[index];
     std::vector<int64_t> boundaries;
     const std::vector<int32_t> prompt = builder.prompt(request, &boundaries);
+    const auto prompt_tokens = static_cast<int64_t>(prompt.size());
+    if (prompt_tokens + request.max_tokens > context_length) {
+      throw over_context_length(workload, request, prompt_tokens, false, context_length);
+    }
     RequestResult result;
     result.id = request.id;
-    result.prompt_tokens = static_cast<int64_t>(prompt.size());
+    result.prompt_tokens = prompt_tokens;
     int64_t longest_seen = 0, longest_evaluated = 0;
     for (const auto& s : seen) longest_seen = std::max(longest_seen, common_prefix(prompt, s));
     for (const auto& s : evaluated_sequences) {

@@ -167,6 +167,49 @@ std::vector<int32_t> render(const std::vector<Message>& messages) {
   return out;
 }
 
+int64_t rendered_length(const std::vector<Message>& messages) {
+  int64_t length = 0;
+  for (const Message& m : messages) length += static_cast<int64_t>(m.content.size()) + 2;
+  return length;
+}
+
+std::vector<int64_t> minimum_prompt_lengths(const Workload& workload) {
+  // The fewest tokens of a request's prompt and of its context (what its own messages follow),
+  // as PromptBuilder builds them.
+  struct Bounds {
+    int64_t prompt = 0, context = 0;
+  };
+  std::map<std::string, Bounds> known;
+  std::vector<int64_t> lengths;
+  lengths.reserve(workload.requests.size());
+  for (const Request& request : workload.requests) {
+    Bounds bounds;
+    if (request.kind != Request::Kind::fresh) {
+      const auto reference = known.find(request.reference);
+      if (reference == known.end()) {
+        throw Error(fmt::format(
+            "minimum_prompt_lengths: request \"{}\" refers to \"{}\", which no earlier request "
+            "defines",
+            request.id, request.reference));
+      }
+      if (request.kind == Request::Kind::regenerate) {
+        bounds = reference->second;
+      } else if (request.kind == Request::Kind::after) {
+        // The reply adds at least one token: its own, or the end token an empty reply gets.
+        bounds.context = reference->second.prompt + 1;
+      } else {
+        bounds.context = reference->second.context;
+      }
+    }
+    if (request.kind != Request::Kind::regenerate) {
+      bounds.prompt = bounds.context + rendered_length(request.messages) + 1;  // + kAssistant
+    }
+    known[request.id] = bounds;
+    lengths.push_back(bounds.prompt);
+  }
+  return lengths;
+}
+
 std::vector<int32_t> PromptBuilder::prompt(const Request& request,
                                            std::vector<int64_t>* boundaries) const {
   std::vector<int32_t> context;
@@ -208,8 +251,7 @@ void PromptBuilder::record(const Request& request, std::vector<int32_t> prompt,
     done = done_.at(request.reference);
   } else {
     // The context is the prompt without this request's messages and the assistant marker.
-    size_t own = 1;
-    for (const Message& m : request.messages) own += m.content.size() + 2;
+    const int64_t own = rendered_length(request.messages) + 1;
     done.context.assign(prompt.begin(), prompt.end() - static_cast<std::ptrdiff_t>(own));
     (void)this->prompt(request, &done.boundaries);
   }

@@ -54,6 +54,14 @@ Workload embedded_workload();
 
 // Tokens of `messages`: per message the role token, the content's bytes, kEnd.
 std::vector<int32_t> render(const std::vector<Message>& messages);
+// render(messages).size(), without rendering.
+int64_t rendered_length(const std::vector<Message>& messages);
+
+// Per request, in order, the fewest tokens its prompt can have whatever replies the requests
+// it refers to get (each reply adds at least one token), computed from the messages' lengths
+// alone. Exact for a request that refers to no other. Throws Error when a request refers to
+// an id no earlier request has.
+std::vector<int64_t> minimum_prompt_lengths(const Workload& workload);
 
 // Builds prompts as the replay goes, from the replies generated so far.
 class PromptBuilder {

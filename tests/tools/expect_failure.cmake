@@ -6,13 +6,42 @@
 #   EXPECT_FIRST_LINE  a regular expression the first line of stderr must match
 #   EXPECT_NO_STDOUT   ON: the program must print nothing on stdout (it failed before any work)
 #   TIMEOUT            seconds the program may run (a refusal must be quick)
-#   PREPARE            the input below, written before the run and removed after it (FILE
-#                      names the path, ARGS refers to it):
+#   PREPARE            one of the inputs below, written before the run and removed after it
+#                      (FILE names the path, ARGS refers to it):
+#     big_message      a workload whose one request has a user message of BYTES bytes
+#     inherited        a workload of two requests of BYTES-byte messages, the second continuing
+#                      the first ("after"): the first fits a context of 1.5 * BYTES tokens, the
+#                      second cannot, whatever the first replies
 #     unreadable       a file that exists but cannot be read (mode 000); when this process can
 #                      read it anyway (root), the test is skipped: it prints "SKIPPED: ..." (give
 #                      the test SKIP_REGULAR_EXPRESSION "SKIPPED")
 
-if(PREPARE STREQUAL "unreadable")
+# Appends a request whose user message is BYTES bytes to FILE, in 1 MB writes (one write of
+# 50 MB takes cmake seconds).
+function(append_request id after)
+  set(fields "\"id\": \"${id}\"")
+  if(after)
+    string(APPEND fields ", \"after\": \"${after}\"")
+  endif()
+  file(APPEND ${FILE} "{${fields}, \"messages\": [{\"role\": \"user\", \"content\": \"")
+  math(EXPR chunks "${BYTES} / 1000000")
+  math(EXPR rest "${BYTES} % 1000000")
+  string(REPEAT "a" 1000000 chunk)
+  while(chunks GREATER 0)
+    file(APPEND ${FILE} "${chunk}")
+    math(EXPR chunks "${chunks} - 1")
+  endwhile()
+  string(REPEAT "a" ${rest} chunk)
+  file(APPEND ${FILE} "${chunk}\"}]}\n")
+endfunction()
+
+if(PREPARE STREQUAL "big_message" OR PREPARE STREQUAL "inherited")
+  file(WRITE ${FILE} "")
+  append_request(big "")
+  if(PREPARE STREQUAL "inherited")
+    append_request(more big)
+  endif()
+elseif(PREPARE STREQUAL "unreadable")
   file(REMOVE ${FILE})
   file(WRITE ${FILE} "{}\n")
   execute_process(COMMAND chmod 000 ${FILE})
@@ -26,7 +55,7 @@ if(PREPARE STREQUAL "unreadable")
     return()
   endif()
 elseif(DEFINED PREPARE)
-  message(FATAL_ERROR "PREPARE=${PREPARE}: use unreadable")
+  message(FATAL_ERROR "PREPARE=${PREPARE}: use big_message, inherited or unreadable")
 endif()
 
 set(limit)
