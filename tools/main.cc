@@ -58,7 +58,7 @@ struct ReplayArguments {
 
 int run_replay(const ReplayArguments& args) {
   // Everything that can be refused is, before any model work: arguments, the workload, requests
-  // over the context length.
+  // over the context length, then the cache directory (last: checking may create it).
   if (args.model_config.empty() != args.weights.empty()) {
     throw Error("replay: --model-config and --weights go together");
   }
@@ -69,6 +69,7 @@ int run_replay(const ReplayArguments& args) {
   if (!args.model_config.empty())
     config = ModelConfig::from_json(detail::read_file(args.model_config));
   tools::check_context_length(workload, config.context_length);
+  if (!args.cache_dir.empty()) tools::check_cache_dir(args.cache_dir);
   const Model model =
       args.weights.empty() ? Model(config) : Model::load(args.model_config, args.weights);
   if (!args.quiet) {
@@ -122,8 +123,9 @@ int run_bench(const BenchArguments& args) {
   return 0;
 }
 
-// Exit status: 0 the runs agree (or a help text), 1 they disagree, 2 bad arguments or a bad
-// workload, 3 anything else (out of memory, an internal failure): see main.
+// Exit status: 0 the runs agree (or a help text), 1 they disagree, 2 bad arguments, a bad
+// workload, a request over the context length or an unusable cache directory, 3 anything else
+// (out of memory, an internal failure): see main.
 int run(int argc, char** argv) {
   // The model's matrices are small: one BLAS thread is as fast here and leaves the other core
   // idle (measured on the 2-core machine: same wall time, a third of the CPU time).

@@ -1,11 +1,16 @@
 #include "replay.h"
 
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <kvsnap/prefix_cache.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstring>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 
 namespace kvsnap::tools {
@@ -55,6 +60,29 @@ void check_context_length(const Workload& workload, int64_t context_length) {
   }
 }
 
+void check_cache_dir(const std::string& dir) {
+  const std::filesystem::path path(dir);
+  std::error_code error;
+  const std::filesystem::file_status status = std::filesystem::status(path, error);
+  if (std::filesystem::exists(status) && !std::filesystem::is_directory(status)) {
+    throw Error(fmt::format("cache directory {}: exists and is not a folder", dir));
+  }
+  if (!std::filesystem::exists(status)) {
+    std::filesystem::create_directories(path, error);
+    if (error)
+      throw Error(fmt::format("cache directory {}: cannot create it ({})", dir, error.message()));
+  }
+  // Permission bits do not tell (root, read-only mounts, ACLs): try what saving does.
+  const std::string probe = (path / fmt::format(".kvsnap-probe-{}", ::getpid())).string();
+  const int descriptor = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (descriptor < 0) {
+    throw Error(
+        fmt::format("cache directory {}: cannot write in it ({})", dir, std::strerror(errno)));
+  }
+  ::close(descriptor);
+  ::unlink(probe.c_str());
+}
+
 RunResult replay(const Workload& workload, const Model& model, const ReplayOptions& options) {
   if (model.config().vocab_size < kVocabularyNeeded) {
     throw Error(
@@ -64,6 +92,7 @@ RunResult replay(const Workload& workload, const Model& model, const ReplayOptio
   }
   const int64_t context_length = model.config().context_length;
   check_context_length(workload, context_length);
+  if (options.with_cache && !options.cache_dir.empty()) check_cache_dir(options.cache_dir);
   RunResult run;
   run.with_cache = options.with_cache;
   auto caches = model.make_caches();

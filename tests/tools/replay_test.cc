@@ -177,6 +177,22 @@ TEST(Replay, AContinuationThatRepliesMadeTooLongIsRefusedBeforeItIsEvaluated) {
   EXPECT_EQ(requests_run, 1);
 }
 
+TEST(Replay, AnUnusableCacheDirectoryIsRefusedNamingWhy) {
+  const auto base =
+      std::filesystem::temp_directory_path() / ("kvsnap_cache_dir_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(base);
+  check_cache_dir((base / "new").string());  // created when missing
+  EXPECT_TRUE(std::filesystem::is_directory(base / "new"));
+  EXPECT_TRUE(std::filesystem::is_empty(base / "new"));  // the probe is gone
+  { std::ofstream(base / "file") << "x"; }
+  const std::string named = "cache directory " + (base / "file").string();
+  EXPECT_TRUE(throws_error([&] { check_cache_dir((base / "file").string()); },
+                           {named.c_str(), "exists and is not a folder"}));
+  EXPECT_TRUE(throws_error([&] { check_cache_dir((base / "file" / "sub").string()); },
+                           {"cannot create it"}));
+  std::filesystem::remove_all(base);
+}
+
 TEST(Replay, FiguresAreConsistentAndTheRunsAgree) {
   const Model model(tiny_model());
   const Workload w = parse_workload(kWorkload, "test");
