@@ -11,6 +11,8 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <limits>
+#include <new>
 
 #include "figures.h"
 #include "persist/safetensors.h"
@@ -55,15 +57,19 @@ struct ReplayArguments {
 };
 
 int run_replay(const ReplayArguments& args) {
-  const tools::Workload workload =
-      args.workload.empty()
-          ? tools::embedded_workload()
-          : tools::parse_workload(detail::read_file(args.workload), args.workload);
+  // Everything that can be refused is, before any model work: arguments, the workload, requests
+  // over the context length, then the cache directory (last: checking may create it).
   if (args.model_config.empty() != args.weights.empty()) {
     throw Error("replay: --model-config and --weights go together");
   }
+  const tools::Workload workload =
+      args.workload.empty() ? tools::embedded_workload() : tools::load_workload(args.workload);
   ModelConfig config;
   config.seed = args.seed;
+  if (!args.model_config.empty())
+    config = ModelConfig::from_json(detail::read_file(args.model_config));
+  tools::check_context_length(workload, config.context_length);
+  if (!args.cache_dir.empty()) tools::check_cache_dir(args.cache_dir);
   const Model model =
       args.weights.empty() ? Model(config) : Model::load(args.model_config, args.weights);
   if (!args.quiet) {
@@ -117,9 +123,10 @@ int run_bench(const BenchArguments& args) {
   return 0;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+// Exit status: 0 the runs agree (or a help text), 1 they disagree, 2 bad arguments, a bad
+// workload, a request over the context length or an unusable cache directory, 3 anything else
+// (out of memory, an internal failure): see main.
+int run(int argc, char** argv) {
   // The model's matrices are small: one BLAS thread is as fast here and leaves the other core
   // idle (measured on the 2-core machine: same wall time, a third of the CPU time).
   if (std::getenv("OPENBLAS_NUM_THREADS") == nullptr) openblas_set_num_threads(1);
@@ -142,7 +149,7 @@ int main(int argc, char** argv) {
   replay_command->add_option("--chart", replay.chart, "SVG chart file ('' for none)")
       ->capture_default_str();
   replay_command->add_option("--budget", replay.budget, "prefix cache budget in bytes")
-      ->check(CLI::PositiveNumber)
+      ->check(CLI::Range(int64_t{1}, std::numeric_limits<int64_t>::max()))
       ->capture_default_str();
   replay_command
       ->add_option("--model-config", replay.model_config, "model config JSON (with --weights)")
@@ -168,7 +175,9 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // CLI11 prints the help text or its message; its own codes (105, 109...) all mean "bad
+    // arguments" here.
+    return app.exit(e) == 0 ? 0 : 2;
   }
   try {
     if (*replay_command) return run_replay(replay);
@@ -178,4 +187,20 @@ int main(int argc, char** argv) {
     return 2;
   }
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // The last resort: whatever escapes is reported in one line, never as an abort.
+  try {
+    return run(argc, argv);
+  } catch (const std::bad_alloc& e) {
+    fmt::print(stderr, "kvsnap: out of memory ({})\n", e.what());
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "kvsnap: {}\n", e.what());
+  } catch (...) {
+    fmt::print(stderr, "kvsnap: an unknown exception\n");
+  }
+  return 3;
 }

@@ -1,11 +1,16 @@
 #include "replay.h"
 
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <kvsnap/prefix_cache.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstring>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 
 namespace kvsnap::tools {
@@ -33,7 +38,50 @@ double percentile(std::vector<double> values, double q) {
   return values[lo] + (values[hi] - values[lo]) * (rank - static_cast<double>(lo));
 }
 
+// The error of check_context_length and of replay's check before each request.
+Error over_context_length(const Workload& workload, const Request& request, int64_t prompt_tokens,
+                          bool minimum, int64_t context_length) {
+  return Error(fmt::format(
+      "{} line {}: request \"{}\": prompt of {}{} tokens + max_tokens {} = {} exceeds the "
+      "model's context length of {}",
+      workload.name, request.line, request.id, minimum ? "at least " : "", prompt_tokens,
+      request.max_tokens, prompt_tokens + request.max_tokens, context_length));
+}
+
 }  // namespace
+
+void check_context_length(const Workload& workload, int64_t context_length) {
+  const std::vector<int64_t> lengths = minimum_prompt_lengths(workload);
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    const Request& request = workload.requests[i];
+    if (lengths[i] + request.max_tokens > context_length) {
+      throw over_context_length(workload, request, lengths[i], true, context_length);
+    }
+  }
+}
+
+void check_cache_dir(const std::string& dir) {
+  const std::filesystem::path path(dir);
+  std::error_code error;
+  const std::filesystem::file_status status = std::filesystem::status(path, error);
+  if (std::filesystem::exists(status) && !std::filesystem::is_directory(status)) {
+    throw Error(fmt::format("cache directory {}: exists and is not a folder", dir));
+  }
+  if (!std::filesystem::exists(status)) {
+    std::filesystem::create_directories(path, error);
+    if (error)
+      throw Error(fmt::format("cache directory {}: cannot create it ({})", dir, error.message()));
+  }
+  // Permission bits do not tell (root, read-only mounts, ACLs): try what saving does.
+  const std::string probe = (path / fmt::format(".kvsnap-probe-{}", ::getpid())).string();
+  const int descriptor = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (descriptor < 0) {
+    throw Error(
+        fmt::format("cache directory {}: cannot write in it ({})", dir, std::strerror(errno)));
+  }
+  ::close(descriptor);
+  ::unlink(probe.c_str());
+}
 
 RunResult replay(const Workload& workload, const Model& model, const ReplayOptions& options) {
   if (model.config().vocab_size < kVocabularyNeeded) {
@@ -42,6 +90,9 @@ RunResult replay(const Workload& workload, const Model& model, const ReplayOptio
                     "chat format needs",
                     model.config().vocab_size, kVocabularyNeeded));
   }
+  const int64_t context_length = model.config().context_length;
+  check_context_length(workload, context_length);
+  if (options.with_cache && !options.cache_dir.empty()) check_cache_dir(options.cache_dir);
   RunResult run;
   run.with_cache = options.with_cache;
   auto caches = model.make_caches();
@@ -61,9 +112,13 @@ RunResult replay(const Workload& workload, const Model& model, const ReplayOptio
     const Request& request = workload.requests[index];
     std::vector<int64_t> boundaries;
     const std::vector<int32_t> prompt = builder.prompt(request, &boundaries);
+    const auto prompt_tokens = static_cast<int64_t>(prompt.size());
+    if (prompt_tokens + request.max_tokens > context_length) {
+      throw over_context_length(workload, request, prompt_tokens, false, context_length);
+    }
     RequestResult result;
     result.id = request.id;
-    result.prompt_tokens = static_cast<int64_t>(prompt.size());
+    result.prompt_tokens = prompt_tokens;
     int64_t longest_seen = 0, longest_evaluated = 0;
     for (const auto& s : seen) longest_seen = std::max(longest_seen, common_prefix(prompt, s));
     for (const auto& s : evaluated_sequences) {

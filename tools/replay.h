@@ -46,7 +46,21 @@ struct ReplayOptions {
   std::function<void(size_t, size_t)> progress = [](size_t, size_t) {};
 };
 
+// Runs every request in order. Before any model work it refuses (throws Error) a workload with
+// a request that cannot fit the model's context (check_context_length) and an unusable cache
+// directory (check_cache_dir); before evaluating each request it checks the request's exact
+// prompt length, which replies make longer than the minimum, in the same words.
 RunResult replay(const Workload&, const Model&, const ReplayOptions&);
+
+// Throws Error "<workload> line N: request \"<id>\": prompt of at least P tokens + max_tokens M
+// = T exceeds the model's context length of C" for the first request whose minimum prompt
+// length (minimum_prompt_lengths) plus max_tokens exceeds `context_length`. Linear in the
+// number of requests; renders nothing.
+void check_context_length(const Workload& workload, int64_t context_length);
+
+// Makes sure `dir` is a folder the prefix cache can be saved in: creates it when missing and
+// writes (then removes) a probe file. Throws Error "cache directory <dir>: <why>" otherwise.
+void check_cache_dir(const std::string& dir);
 
 struct Comparison {
   bool same_tokens = true;

@@ -1,11 +1,19 @@
 #include "workload.h"
 
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <kvsnap/error.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <nlohmann/json.hpp>
 #include <set>
-#include <sstream>
+#include <string_view>
+
+#include "json_parse.h"
 
 namespace kvsnap::tools {
 namespace {
@@ -18,7 +26,9 @@ int32_t parse_role(const std::string& role) {
   return -1;
 }
 
-Request parse_line(const nlohmann::json& json, const std::set<std::string>& known,
+// `json` is not const so that message contents can be moved out of it (a message may be tens
+// of megabytes); every other field is only read, each after checking that it is there.
+Request parse_line(nlohmann::json& json, const std::set<std::string>& known,
                    const std::function<Error(const std::string&)>& fail) {
   if (!json.is_object()) throw fail("expected a JSON object");
   Request request;
@@ -52,11 +62,11 @@ Request parse_line(const nlohmann::json& json, const std::set<std::string>& know
   }
   if (references > 1) throw fail("use at most one of \"after\", \"regenerate\", \"edit\"");
   if (json.contains("messages")) {
-    const auto& messages = json["messages"];
+    auto& messages = json["messages"];
     if (!messages.is_array() || messages.empty())
       throw fail("\"messages\" must be a non-empty array");
     for (size_t i = 0; i < messages.size(); ++i) {
-      const auto& m = messages[i];
+      auto& m = messages[i];
       if (!m.is_object() || !m.contains("role") || !m["role"].is_string() ||
           !m.contains("content") || !m["content"].is_string()) {
         throw fail(fmt::format("message {} needs string \"role\" and \"content\"", i));
@@ -66,7 +76,7 @@ Request parse_line(const nlohmann::json& json, const std::set<std::string>& know
         throw fail(fmt::format("message {} has role \"{}\" (use system, user, assistant or tool)",
                                i, m["role"].get<std::string>()));
       }
-      request.messages.push_back({role, m["content"].get<std::string>()});
+      request.messages.push_back({role, std::move(m["content"].get_ref<std::string&>())});
     }
   }
   if (request.kind == Request::Kind::regenerate && !request.messages.empty()) {
@@ -91,20 +101,21 @@ Workload parse_workload(const std::string& text, const std::string& source) {
   Workload workload;
   workload.name = source;
   std::set<std::string> known;
-  std::istringstream lines(text);
-  std::string line;
   int64_t number = 0;
-  while (std::getline(lines, line)) {
+  for (size_t begin = 0; begin < text.size();) {
+    const size_t end = std::min(text.find('\n', begin), text.size());
+    const std::string_view line(text.data() + begin, end - begin);
+    begin = end + 1;
     ++number;
     const size_t first = line.find_first_not_of(" \t\r");
-    if (first == std::string::npos || line[first] == '#') continue;
+    if (first == std::string_view::npos || line[first] == '#') continue;
     const auto fail = [&](const std::string& what) {
       return Error(fmt::format("{} line {}: {}", source, number, what));
     };
     nlohmann::json json;
     try {
-      json = nlohmann::json::parse(line);
-    } catch (const nlohmann::json::exception& e) {
+      json = parse_json(line);
+    } catch (const Error& e) {
       throw fail(fmt::format("not valid JSON ({})", e.what()));
     }
     Request request = parse_line(json, known, fail);
@@ -117,6 +128,35 @@ Workload parse_workload(const std::string& text, const std::string& source) {
   return workload;
 }
 
+Workload load_workload(const std::string& path) {
+  const auto fail = [&](int error) {
+    return Error(fmt::format("cannot read {}: {}", path, std::strerror(error)));
+  };
+  struct File {
+    int descriptor;
+    ~File() {
+      if (descriptor >= 0) ::close(descriptor);
+    }
+  } file{::open(path.c_str(), O_RDONLY | O_CLOEXEC)};
+  if (file.descriptor < 0) throw fail(errno);
+  std::string text;
+  struct stat info {};
+  if (::fstat(file.descriptor, &info) == 0 && S_ISREG(info.st_mode)) {
+    text.reserve(static_cast<size_t>(info.st_size));
+  }
+  char buffer[1 << 16];
+  for (;;) {
+    const ssize_t count = ::read(file.descriptor, buffer, sizeof buffer);
+    if (count == 0) break;
+    if (count < 0) {
+      if (errno == EINTR) continue;
+      throw fail(errno);
+    }
+    text.append(buffer, static_cast<size_t>(count));
+  }
+  return parse_workload(text, path);
+}
+
 std::vector<int32_t> render(const std::vector<Message>& messages) {
   std::vector<int32_t> out;
   for (const Message& m : messages) {
@@ -125,6 +165,49 @@ std::vector<int32_t> render(const std::vector<Message>& messages) {
     out.push_back(kEnd);
   }
   return out;
+}
+
+int64_t rendered_length(const std::vector<Message>& messages) {
+  int64_t length = 0;
+  for (const Message& m : messages) length += static_cast<int64_t>(m.content.size()) + 2;
+  return length;
+}
+
+std::vector<int64_t> minimum_prompt_lengths(const Workload& workload) {
+  // The fewest tokens of a request's prompt and of its context (what its own messages follow),
+  // as PromptBuilder builds them.
+  struct Bounds {
+    int64_t prompt = 0, context = 0;
+  };
+  std::map<std::string, Bounds> known;
+  std::vector<int64_t> lengths;
+  lengths.reserve(workload.requests.size());
+  for (const Request& request : workload.requests) {
+    Bounds bounds;
+    if (request.kind != Request::Kind::fresh) {
+      const auto reference = known.find(request.reference);
+      if (reference == known.end()) {
+        throw Error(fmt::format(
+            "minimum_prompt_lengths: request \"{}\" refers to \"{}\", which no earlier request "
+            "defines",
+            request.id, request.reference));
+      }
+      if (request.kind == Request::Kind::regenerate) {
+        bounds = reference->second;
+      } else if (request.kind == Request::Kind::after) {
+        // The reply adds at least one token: its own, or the end token an empty reply gets.
+        bounds.context = reference->second.prompt + 1;
+      } else {
+        bounds.context = reference->second.context;
+      }
+    }
+    if (request.kind != Request::Kind::regenerate) {
+      bounds.prompt = bounds.context + rendered_length(request.messages) + 1;  // + kAssistant
+    }
+    known[request.id] = bounds;
+    lengths.push_back(bounds.prompt);
+  }
+  return lengths;
 }
 
 std::vector<int32_t> PromptBuilder::prompt(const Request& request,
@@ -168,8 +251,7 @@ void PromptBuilder::record(const Request& request, std::vector<int32_t> prompt,
     done = done_.at(request.reference);
   } else {
     // The context is the prompt without this request's messages and the assistant marker.
-    size_t own = 1;
-    for (const Message& m : request.messages) own += m.content.size() + 2;
+    const int64_t own = rendered_length(request.messages) + 1;
     done.context.assign(prompt.begin(), prompt.end() - static_cast<std::ptrdiff_t>(own));
     (void)this->prompt(request, &done.boundaries);
   }

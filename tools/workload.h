@@ -43,12 +43,25 @@ struct Workload {
 };
 
 // Parses JSONL. Throws kvsnap::Error "<source> line N: <what is wrong>" for the first bad line.
+// Time and memory are linear in the text's size: lines are parsed by parse_json (json_parse.h),
+// which copies strings in runs, and a message's content is moved out, not copied again.
 Workload parse_workload(const std::string& text, const std::string& source);
+// Reads and parses a workload file; throws Error "cannot read <path>: <reason>" when the file
+// cannot be opened or read (a failed read is never taken for an empty file).
+Workload load_workload(const std::string& path);
 // The workload embedded in the binary (data/workload.jsonl).
 Workload embedded_workload();
 
 // Tokens of `messages`: per message the role token, the content's bytes, kEnd.
 std::vector<int32_t> render(const std::vector<Message>& messages);
+// render(messages).size(), without rendering.
+int64_t rendered_length(const std::vector<Message>& messages);
+
+// Per request, in order, the fewest tokens its prompt can have whatever replies the requests
+// it refers to get (each reply adds at least one token), computed from the messages' lengths
+// alone. Exact for a request that refers to no other. Throws Error when a request refers to
+// an id no earlier request has.
+std::vector<int64_t> minimum_prompt_lengths(const Workload& workload);
 
 // Builds prompts as the replay goes, from the replies generated so far.
 class PromptBuilder {

@@ -40,6 +40,9 @@ struct KVSNAP_EXPORT ModelConfig {
   float rope_theta = 10000.0f;
   float rms_eps = 1e-6f;
   uint64_t seed = 42;
+  // The most tokens one sequence may hold: prompt plus reply. Callers (`kvsnap replay`) refuse
+  // a request over it up front, as serving engines do; forward itself does not check it.
+  int64_t context_length = 32768;
 
   // Throws Error naming the field and the rule when a value is out of range.
   void validate() const;

@@ -25,6 +25,7 @@ void ModelConfig::validate() const {
   require(delta_value_heads >= 1 && delta_value_heads % delta_key_heads == 0, "delta_value_heads",
           delta_value_heads, "need a positive multiple of delta_key_heads");
   require(delta_head_dim >= 1, "delta_head_dim", delta_head_dim, "need >= 1");
+  require(context_length >= 1, "context_length", context_length, "need >= 1");
   if (pattern.empty() || pattern.find_first_not_of("ASR") != std::string::npos) {
     throw Error(
         fmt::format("ModelConfig: pattern \"{}\": need one or more of 'A' (attention), "
@@ -78,6 +79,8 @@ ModelConfig ModelConfig::from_json(const std::string& text) {
         config.rms_eps = value.get<float>();
       else if (key == "seed")
         config.seed = value.get<uint64_t>();
+      else if (key == "context_length")
+        config.context_length = value.get<int64_t>();
       else
         throw Error(fmt::format("ModelConfig: unknown field \"{}\"", key));
     } catch (const nlohmann::json::exception&) {
@@ -104,7 +107,8 @@ std::string ModelConfig::to_json() const {
                                {"delta_head_dim", delta_head_dim},
                                {"rope_theta", rope_theta},
                                {"rms_eps", rms_eps},
-                               {"seed", seed}};
+                               {"seed", seed},
+                               {"context_length", context_length}};
   return json.dump(2);
 }
 

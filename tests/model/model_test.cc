@@ -149,7 +149,9 @@ TEST(Model, LoadRejectsWeightsThatDisagreeWithTheConfig) {
 TEST(ModelConfig, JsonRoundTripAndErrors) {
   ModelConfig config = small_config();
   config.rope_theta = 500.0f;
+  config.context_length = 1000;
   const ModelConfig back = ModelConfig::from_json(config.to_json());
+  EXPECT_EQ(back.context_length, 1000);
   EXPECT_EQ(back.to_json(), config.to_json());
   EXPECT_TRUE(throws_error([] { (void)ModelConfig::from_json("{\"hiden\": 3}"); },
                            {"unknown field \"hiden\""}));
@@ -157,6 +159,8 @@ TEST(ModelConfig, JsonRoundTripAndErrors) {
                            {"pattern \"AXR\""}));
   EXPECT_TRUE(throws_error([] { (void)ModelConfig::from_json("{\"query_heads\": 3}"); },
                            {"query_heads = 3", "multiple of kv_heads"}));
+  EXPECT_TRUE(throws_error([] { (void)ModelConfig::from_json("{\"context_length\": 0}"); },
+                           {"context_length = 0", "need >= 1"}));
   EXPECT_TRUE(throws_error([] { (void)ModelConfig::from_json("{\"hidden\": \"big\"}"); },
                            {"\"hidden\"", "wrong type"}));
   EXPECT_TRUE(throws_error([] { (void)ModelConfig::from_json("[1, 2"); }, {"not valid JSON"}));

@@ -1,11 +1,93 @@
-# cmake -P script: runs PROGRAM with ARGS and expects exit code EXPECT_EXIT and EXPECT_OUTPUT
-# somewhere in its output (a clear message, not a crash).
-execute_process(COMMAND ${PROGRAM} ${ARGS} RESULT_VARIABLE status OUTPUT_VARIABLE out ERROR_VARIABLE err)
-if(NOT status EQUAL ${EXPECT_EXIT})
-  message(FATAL_ERROR "exit ${status}, expected ${EXPECT_EXIT}\n${out}${err}")
+# cmake -P script: runs PROGRAM with ARGS and expects exit code EXPECT_EXIT and a clear message,
+# not a crash.
+#
+# Optional:
+#   EXPECT_OUTPUT      text that must appear somewhere in stdout or stderr
+#   EXPECT_FIRST_LINE  a regular expression the first line of stderr must match
+#   EXPECT_NO_STDOUT   ON: the program must print nothing on stdout (it failed before any work)
+#   TIMEOUT            seconds the program may run (a refusal must be quick)
+#   PREPARE            one of the inputs below, written before the run and removed after it
+#                      (FILE names the path, ARGS refers to it):
+#     big_message      a workload whose one request has a user message of BYTES bytes
+#     inherited        a workload of two requests of BYTES-byte messages, the second continuing
+#                      the first ("after"): the first fits a context of 1.5 * BYTES tokens, the
+#                      second cannot, whatever the first replies
+#     unreadable       a file that exists but cannot be read (mode 000); when this process can
+#                      read it anyway (root), the test is skipped: it prints "SKIPPED: ..." (give
+#                      the test SKIP_REGULAR_EXPRESSION "SKIPPED")
+
+# Appends a request whose user message is BYTES bytes to FILE, in 1 MB writes (one write of
+# 50 MB takes cmake seconds).
+function(append_request id after)
+  set(fields "\"id\": \"${id}\"")
+  if(after)
+    string(APPEND fields ", \"after\": \"${after}\"")
+  endif()
+  file(APPEND ${FILE} "{${fields}, \"messages\": [{\"role\": \"user\", \"content\": \"")
+  math(EXPR chunks "${BYTES} / 1000000")
+  math(EXPR rest "${BYTES} % 1000000")
+  string(REPEAT "a" 1000000 chunk)
+  while(chunks GREATER 0)
+    file(APPEND ${FILE} "${chunk}")
+    math(EXPR chunks "${chunks} - 1")
+  endwhile()
+  string(REPEAT "a" ${rest} chunk)
+  file(APPEND ${FILE} "${chunk}\"}]}\n")
+endfunction()
+
+if(PREPARE STREQUAL "big_message" OR PREPARE STREQUAL "inherited")
+  file(WRITE ${FILE} "")
+  append_request(big "")
+  if(PREPARE STREQUAL "inherited")
+    append_request(more big)
+  endif()
+elseif(PREPARE STREQUAL "unreadable")
+  file(REMOVE ${FILE})
+  file(WRITE ${FILE} "{}\n")
+  execute_process(COMMAND chmod 000 ${FILE})
+  execute_process(COMMAND ${CMAKE_COMMAND} -E cat ${FILE} RESULT_VARIABLE readable
+                  OUTPUT_QUIET ERROR_QUIET)
+  if(readable EQUAL 0)
+    file(REMOVE ${FILE})
+    message("SKIPPED: this process reads a file of mode 000 anyway (it runs as root), so no "
+            "unreadable workload can be made here; cli_workload_read_error covers a read that "
+            "fails")
+    return()
+  endif()
+elseif(DEFINED PREPARE)
+  message(FATAL_ERROR "PREPARE=${PREPARE}: use big_message, inherited or unreadable")
 endif()
-string(FIND "${out}${err}" "${EXPECT_OUTPUT}" found)
-if(found EQUAL -1)
-  message(FATAL_ERROR "output lacks \"${EXPECT_OUTPUT}\":\n${out}${err}")
+
+set(limit)
+if(DEFINED TIMEOUT)
+  set(limit TIMEOUT ${TIMEOUT})
 endif()
-message(STATUS "ok: ${err}")
+string(TIMESTAMP started "%s")
+execute_process(COMMAND ${PROGRAM} ${ARGS} ${limit} RESULT_VARIABLE status OUTPUT_VARIABLE out
+                ERROR_VARIABLE err)
+string(TIMESTAMP finished "%s")
+math(EXPR seconds "${finished} - ${started}")
+if(DEFINED PREPARE)
+  file(REMOVE ${FILE})
+endif()
+
+if(NOT status STREQUAL "${EXPECT_EXIT}")
+  message(FATAL_ERROR "exit ${status} after ${seconds} s, expected ${EXPECT_EXIT}\n${out}${err}")
+endif()
+if(DEFINED EXPECT_OUTPUT)
+  string(FIND "${out}${err}" "${EXPECT_OUTPUT}" found)
+  if(found EQUAL -1)
+    message(FATAL_ERROR "output lacks \"${EXPECT_OUTPUT}\":\n${out}${err}")
+  endif()
+endif()
+if(DEFINED EXPECT_FIRST_LINE)
+  string(REGEX MATCH "^[^\n]*" first_line "${err}")
+  if(NOT first_line MATCHES "${EXPECT_FIRST_LINE}")
+    message(FATAL_ERROR "the first line of stderr does not match \"${EXPECT_FIRST_LINE}\":\n"
+                        "${first_line}\n(stderr:\n${err})")
+  endif()
+endif()
+if(EXPECT_NO_STDOUT AND NOT out STREQUAL "")
+  message(FATAL_ERROR "expected no output on stdout (a failure before any work), got:\n${out}")
+endif()
+message(STATUS "ok in ${seconds} s: ${err}")

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 
 #include "support/test_support.h"
 #include "workload.h"
@@ -105,6 +106,91 @@ TEST(Workload, PromptsFollowTheirReferences) {
   const auto d = builder.prompt(w.requests[3], nullptr);  // edit: b's context, new messages
   EXPECT_TRUE(std::equal(expected.begin(), expected.end(), d.begin()));
   EXPECT_EQ(d[expected.size()], kTool);
+}
+
+TEST(Workload, LoadReadsAFileAndNamesOneItCannotRead) {
+  const auto path = std::filesystem::temp_directory_path() /
+                    ("kvsnap_workload_" + std::to_string(::getpid()) + ".jsonl");
+  { std::ofstream(path) << kWorkload; }
+  EXPECT_EQ(load_workload(path.string()).requests.size(), 5u);
+  std::filesystem::remove(path);
+  const std::string message = "cannot read " + path.string() + ": No such file or directory";
+  EXPECT_TRUE(throws_error([&] { (void)load_workload(path.string()); }, {message.c_str()}));
+}
+
+TEST(Workload, MinimumPromptLengthsCountWhatIsKnownBeforeAnyReply) {
+  const Workload w = parse_workload(kWorkload, "test");
+  // a: system (14 bytes) and user (11) messages, each with its role and end tokens, then the
+  // assistant token. b continues a: at least a's prompt, one reply token, b's message (9).
+  // c regenerates b. d edits b: a's prompt and reply, then its tool message. e: fresh.
+  const auto tool = static_cast<int64_t>(w.requests[3].messages[0].content.size());
+  const std::vector<int64_t> expected = {30, 30 + 1 + 11 + 1, 43, 30 + 1 + tool + 2 + 1,
+                                         16 + 9 + 1};
+  EXPECT_EQ(minimum_prompt_lengths(w), expected);
+  const Model model(tiny_model());
+  const RunResult run = replay(w, model, uncached_options());
+  for (size_t i = 0; i < expected.size(); ++i) {
+    EXPECT_LE(expected[i], run.requests[i].prompt_tokens) << w.requests[i].id;
+  }
+  EXPECT_EQ(expected[0], run.requests[0].prompt_tokens);  // exact without references
+  EXPECT_EQ(expected[4], run.requests[4].prompt_tokens);
+}
+
+TEST(Replay, ARequestOverTheContextLengthIsRefusedBeforeAnyModelWork) {
+  ModelConfig config = tiny_model();
+  config.context_length = 46;  // a fits (30 + 5), b cannot (at least 43 + 4)
+  const Model model(config);
+  const Workload w = parse_workload(kWorkload, "test");
+  EXPECT_TRUE(throws_error([&] { check_context_length(w, config.context_length); },
+                           {"test line 3: request \"b\": prompt of at least 43 tokens + "
+                            "max_tokens 4 = 47 exceeds the model's context length of 46"}));
+  ReplayOptions options;
+  int requests_run = 0;
+  options.progress = [&](size_t, size_t) { ++requests_run; };
+  EXPECT_TRUE(throws_error([&] { (void)replay(w, model, options); }, {"request \"b\""}));
+  EXPECT_EQ(requests_run, 0);
+  const int64_t d_needs = minimum_prompt_lengths(w)[3] + 16;  // the largest
+  EXPECT_NO_THROW(check_context_length(w, d_needs));
+  EXPECT_TRUE(throws_error([&] { check_context_length(w, d_needs - 1); }, {"request \"d\""}));
+}
+
+TEST(Replay, AContinuationThatRepliesMadeTooLongIsRefusedBeforeItIsEvaluated) {
+  // a and b only: b continues a, so its exact length depends on a's reply.
+  const Workload w =
+      parse_workload(std::string(kWorkload).substr(0, std::string(kWorkload).find("\n\n")), "test");
+  ASSERT_EQ(w.requests.size(), 2u);
+  const RunResult unlimited = replay(w, Model(tiny_model()), uncached_options());
+  const int64_t b_prompt = unlimited.requests[1].prompt_tokens;
+  ASSERT_GT(b_prompt, minimum_prompt_lengths(w)[1]);  // a's reply is longer than one token
+  ModelConfig config = tiny_model();
+  config.context_length = b_prompt + 4 - 1;
+  const Model model(config);
+  EXPECT_NO_THROW(check_context_length(w, config.context_length));
+  ReplayOptions options = uncached_options();
+  int requests_run = 0;
+  options.progress = [&](size_t, size_t) { ++requests_run; };
+  const std::string message = "test line 3: request \"b\": prompt of " + std::to_string(b_prompt) +
+                              " tokens + max_tokens 4 = " + std::to_string(b_prompt + 4) +
+                              " exceeds the model's context length of " +
+                              std::to_string(b_prompt + 3);
+  EXPECT_TRUE(throws_error([&] { (void)replay(w, model, options); }, {message.c_str()}));
+  EXPECT_EQ(requests_run, 1);
+}
+
+TEST(Replay, AnUnusableCacheDirectoryIsRefusedNamingWhy) {
+  const auto base =
+      std::filesystem::temp_directory_path() / ("kvsnap_cache_dir_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(base);
+  check_cache_dir((base / "new").string());  // created when missing
+  EXPECT_TRUE(std::filesystem::is_directory(base / "new"));
+  EXPECT_TRUE(std::filesystem::is_empty(base / "new"));  // the probe is gone
+  { std::ofstream(base / "file") << "x"; }
+  const std::string named = "cache directory " + (base / "file").string();
+  EXPECT_TRUE(throws_error([&] { check_cache_dir((base / "file").string()); },
+                           {named.c_str(), "exists and is not a folder"}));
+  EXPECT_TRUE(throws_error([&] { check_cache_dir((base / "file" / "sub").string()); },
+                           {"cannot create it"}));
+  std::filesystem::remove_all(base);
 }
 
 TEST(Replay, FiguresAreConsistentAndTheRunsAgree) {
