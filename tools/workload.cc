@@ -13,7 +13,6 @@
 #include <set>
 #include <string_view>
 
-#include "json_parse.h"
 
 namespace kvsnap::tools {
 namespace {
@@ -114,8 +113,8 @@ Workload parse_workload(const std::string& text, const std::string& source) {
     };
     nlohmann::json json;
     try {
-      json = parse_json(line);
-    } catch (const Error& e) {
+      json = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::exception& e) {
       throw fail(fmt::format("not valid JSON ({})", e.what()));
     }
     Request request = parse_line(json, known, fail);

@@ -43,8 +43,8 @@ struct Workload {
 };
 
 // Parses JSONL. Throws kvsnap::Error "<source> line N: <what is wrong>" for the first bad line.
-// Time and memory are linear in the text's size: lines are parsed by parse_json (json_parse.h),
-// which copies strings in runs, and a message's content is moved out, not copied again.
+// Time and memory are linear in the text's size (nlohmann-json parses each line, a message's
+// content is moved out of it, not copied again).
 Workload parse_workload(const std::string& text, const std::string& source);
 // Reads and parses a workload file; throws Error "cannot read <path>: <reason>" when the file
 // cannot be opened or read (a failed read is never taken for an empty file).

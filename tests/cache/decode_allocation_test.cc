@@ -1,0 +1,147 @@
+// A steady-state decode step allocates nothing: every global operator new is counted while 100
+// decode steps of each cache kind run — updates, recurrent get/put, a capture and its release,
+// and a live rewind. (Its own binary: the counting operator new replaces the global one.)
+#include <gtest/gtest.h>
+#include <kvsnap/kvsnap.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <new>
+
+#include "support/cache_support.h"
+
+namespace {
+std::atomic<int64_t> allocations{0};
+}  // namespace
+
+// Every form of global operator new is counted; delete matches (malloc/free underneath).
+void* operator new(std::size_t size) {
+  allocations.fetch_add(1, std::memory_order_relaxed);
+  if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
+  throw std::bad_alloc();
+}
+void* operator new[](std::size_t size) { return ::operator new(size); }
+void* operator new(std::size_t size, std::align_val_t align) {
+  allocations.fetch_add(1, std::memory_order_relaxed);
+  const auto alignment = static_cast<std::size_t>(align);
+  if (void* p = std::aligned_alloc(alignment, (size + alignment - 1) / alignment * alignment)) {
+    return p;
+  }
+  throw std::bad_alloc();
+}
+void* operator new[](std::size_t size, std::align_val_t align) {
+  return ::operator new(size, align);
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+
+namespace kvsnap {
+namespace {
+
+using testing::TokenKV;
+
+const TokenKV kv{.heads = 8, .depth = 64, .dtype = DType::f16};
+
+// Runs `step` 100 times after 100 warm-up steps; returns the global allocations it made.
+template <class Step>
+int64_t allocations_of(Step&& step) {
+  for (int i = 0; i < 100; ++i) step();
+  const int64_t before = allocations.load();
+  for (int i = 0; i < 100; ++i) step();
+  return allocations.load() - before;
+}
+
+TEST(DecodeAllocation, TheCounterSeesEveryAllocation) {
+  // The check itself: a step that allocates is seen, a shared_ptr copy is not.
+  EXPECT_EQ(allocations_of([] { delete new int(1); }), 100);
+  const Array a = Array::zeros(DType::f32, {2, 3});
+  EXPECT_EQ(allocations_of([&] { (void)a.slice(1, 0, 2); }), 0);
+  EXPECT_EQ(allocations_of([&] { (void)Array::zeros(DType::f32, {2}); }), 200);  // storage, buffer
+}
+
+TEST(DecodeAllocation, KVCacheUpdateCaptureAndRewindAllocateNothing) {
+  KVCache cache;
+  cache.reserve(4096);
+  testing::write(cache, kv, testing::id_range(0, 64));
+  const std::vector<int64_t> token{7};
+  const Array keys = kv.keys(token), values = kv.values(token);
+  Batch batch = Batch::uniform(1, 1, 0);
+  const auto decode = [&] {
+    batch.seq_offsets[0] = static_cast<int32_t>(cache.offset());
+    const KVHistory history = cache.update(batch, keys, values);
+    (void)history;
+  };
+  EXPECT_EQ(allocations_of([&] {
+              decode();
+              SnapshotPtr capture = cache.snapshot(cache.offset() - 8);  // lazy, pooled object
+              capture.reset();
+              ASSERT_TRUE(cache.restore(nullptr, cache.offset() - 1));  // a rejected token
+              decode();
+            }),
+            0);
+}
+
+TEST(DecodeAllocation, RotatingKVCacheRingUpdateAndCaptureAllocateNothing) {
+  RotatingKVCache cache(256);
+  testing::write(cache, kv, testing::id_range(0, 300));  // a chunk: longer than the window
+  const std::vector<int64_t> token{7};
+  const Array keys = kv.keys(token), values = kv.values(token);
+  Batch batch = Batch::uniform(1, 1, 0);
+  EXPECT_EQ(allocations_of([&] {
+              batch.seq_offsets[0] = static_cast<int32_t>(cache.offset());
+              const KVHistory history = cache.update(batch, keys, values);
+              (void)history;
+              SnapshotPtr window = cache.snapshot(0);  // lazy runs of the ring
+              window.reset();
+            }),
+            0);
+}
+
+TEST(DecodeAllocation, RotatingKVCacheLiveRewindAllocatesNothing) {
+  RotatingKVCache cache(4096);  // nothing evicted yet: live rewinds are allowed
+  testing::write(cache, kv, testing::id_range(0, 64));
+  const std::vector<int64_t> token{7};
+  const Array keys = kv.keys(token), values = kv.values(token);
+  Batch batch = Batch::uniform(1, 1, 0);
+  EXPECT_EQ(allocations_of([&] {
+              for (int i = 0; i < 2; ++i) {
+                batch.seq_offsets[0] = static_cast<int32_t>(cache.offset());
+                (void)cache.update(batch, keys, values);
+              }
+              ASSERT_TRUE(cache.restore(nullptr, cache.offset() - 1));
+            }),
+            0);
+}
+
+TEST(DecodeAllocation, RecurrentGetPutAndCaptureAllocateNothing) {
+  RecurrentCache cache(3, 64, 4, 32, 32);
+  const Batch first = Batch::uniform(1, 1, 0);
+  (void)cache.get(first, DType::f32);
+  // The states a kernel would return, made up front (the kernel's own buffers are its own).
+  const Array conv[2] = {Array::zeros(DType::f32, {1, 3, 64}), Array::zeros(DType::f32, {1, 3, 64})};
+  const Array delta[2] = {Array::zeros(DType::f32, {1, 4, 32, 32}),
+                          Array::zeros(DType::f32, {1, 4, 32, 32})};
+  Batch batch = Batch::uniform(1, 1, 0);
+  int parity = 0;
+  EXPECT_EQ(allocations_of([&] {
+              batch.seq_offsets[0] = static_cast<int32_t>(cache.offset());
+              const RecurrentHistory history = cache.get(batch, DType::f32);
+              (void)history;
+              (void)cache.snapshot_splits(1);
+              cache.put(batch, std::span(&conv[parity], 1), std::span(&delta[parity], 1));
+              parity ^= 1;
+              SnapshotPtr capture = cache.snapshot(0);  // shares the state: pooled object only
+              ASSERT_TRUE(cache.restore(capture.get(), cache.offset()));
+              ASSERT_TRUE(cache.restore(nullptr, cache.offset()));
+            }),
+            0);
+}
+
+}  // namespace
+}  // namespace kvsnap
