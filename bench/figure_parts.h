@@ -1,0 +1,35 @@
+// Internal to the benchmarks: the groups of figures `kvsnap bench` runs, each appending to the
+// list, and the limits they share.
+#pragma once
+
+#include <vector>
+
+#include "common.h"
+#include "figures.h"
+
+namespace kvsnap::bench {
+
+constexpr double kMiB = 1024.0 * 1024.0;
+
+// memcpy of `bytes` into a warm destination (the bandwidth limit for copies into live buffers).
+double memcpy_ns(int64_t bytes);
+// memcpy of `bytes` into freshly mapped memory (the limit for copies that must fault new pages
+// in: first touch is part of the job).
+double memcpy_fresh_ns(int64_t bytes);
+
+// cache_figures.cc
+void decode_figures(std::vector<Figure>& out, const Shape& shape);
+void outstanding_snapshot_figures(std::vector<Figure>& out, const Shape& shape);
+void prefill_figures(std::vector<Figure>& out, const Shape& shape);
+void capture_figures(std::vector<Figure>& out, const Shape& shape);
+void copy_figures(std::vector<Figure>& out, const Shape& shape);
+void merge_split_figures(std::vector<Figure>& out, const Shape& shape);
+void recurrent_figures(std::vector<Figure>& out);
+
+// serving_figures.cc
+void trie_figures(std::vector<Figure>& out);
+void model_figures(std::vector<Figure>& out);
+void prefix_overhead_figures(std::vector<Figure>& out, const BenchOptions& options);
+void end_to_end_figures(std::vector<Figure>& out, const BenchOptions& options);
+
+}  // namespace kvsnap::bench

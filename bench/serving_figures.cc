@@ -1,0 +1,141 @@
+// `kvsnap bench`: the figures of serving — the prefix trie, the built-in model, the prefix
+// cache's own cost per request, and the end-to-end replay.
+#include <fmt/format.h>
+#include <kvsnap/model.h>
+
+#include <algorithm>
+#include <random>
+
+#include "figure_parts.h"
+#include "replay.h"
+#include "workload.h"
+
+namespace kvsnap::bench {
+
+void trie_figures(std::vector<Figure>& out) {
+  // 10k sessions on a random tree of 100-token edges: ~1M cached tokens (stateless layers, so
+  // this is the trie alone).
+  PrefixCache cache({nullptr});
+  std::mt19937 rng(1);
+  std::vector<std::vector<int32_t>> paths{{}};
+  int32_t next = 1;
+  for (int i = 0; i < 10000; ++i) {
+    std::vector<int32_t> prompt = paths[rng() % paths.size()];
+    for (int t = 0; t < 100; ++t) prompt.push_back(next++);
+    auto session = cache.begin(prompt);
+    session.prefill_done();
+    session.close();
+    paths.push_back(std::move(prompt));
+  }
+  int64_t matched = 0;
+  double seconds = 0;
+  int lookups = 0;
+  for (int i = 0; i < 2000; ++i) {
+    std::vector<int32_t> prompt = paths[1 + rng() % (paths.size() - 1)];
+    prompt.push_back(next++);
+    const auto start = Clock::now();
+    auto session = cache.begin(prompt);
+    seconds += std::chrono::duration<double>(Clock::now() - start).count();
+    matched += session.cached();
+    ++lookups;
+  }
+  const double ns = seconds * 1e9 / lookups;
+  out.push_back({"prefix trie", fmt::format("begin, {} nodes", cache.node_count()), ns / 1e3, "us",
+                 0, "", "", true, fmt::format("avg match {} tokens", matched / lookups)});
+  out.push_back({"prefix trie", "match throughput", static_cast<double>(matched) / seconds / 1e6,
+                 "M tokens/s", 0, "", "", true, "begin() including the walk"});
+}
+
+void model_figures(std::vector<Figure>& out) {
+  const Model model{ModelConfig{}};
+  for (int64_t length : {int64_t(512), int64_t(2048)}) {
+    std::vector<int32_t> prompt(static_cast<size_t>(length));
+    for (int64_t i = 0; i < length; ++i)
+      prompt[static_cast<size_t>(i)] = static_cast<int32_t>(i * 7 % 256);
+    const double ns = time_ns(
+        [&] {
+          auto caches = model.make_caches();
+          keep(model.forward(prompt, cache_pointers(caches)));
+        },
+        0.2, 2);
+    out.push_back({"built-in model prefill", fmt::format("{}-token prompt", length),
+                   static_cast<double>(length) / (ns * 1e-9), "tokens/s", 0, "",
+                   ">= 2000 (a few thousand)", static_cast<double>(length) / (ns * 1e-9) >= 2000,
+                   fmt::format("default size, {:.1f}M parameters, one forward",
+                               static_cast<double>(model.config().parameter_count()) / 1e6)});
+  }
+}
+
+// What the prefix cache itself costs a request at 8k context — begin (matching and paging the
+// branch back in), prefill_done and close, the model excluded — as a share of the time to first
+// token. Each measured request follows one that diverged early, so begin has to switch paths.
+void prefix_overhead_figures(std::vector<Figure>& out, const BenchOptions& options) {
+  options.progress("prefix cache overhead at 8k context");
+  const Model model{ModelConfig{}};
+  auto caches = model.make_caches();
+  const std::vector<Cache*> layers = cache_pointers(caches);
+  PrefixCache prefix(layers);
+  std::vector<int32_t> context(8192);
+  for (size_t i = 0; i < context.size(); ++i) context[i] = static_cast<int32_t>((i * 7 + 3) % 256);
+  const auto request = [&](const std::vector<int32_t>& prompt, double* overhead, double* ttft) {
+    const auto start = Clock::now();
+    PrefixCache::Session session = prefix.begin(prompt);
+    const auto begun = Clock::now();
+    keep(model.forward(session.remaining(), layers));
+    const auto first_token = Clock::now();
+    session.prefill_done();
+    session.close();
+    const auto done = Clock::now();
+    const auto seconds = [](auto a, auto b) {
+      return std::chrono::duration<double>(b - a).count();
+    };
+    if (overhead != nullptr) *overhead = seconds(start, begun) + seconds(first_token, done);
+    if (ttft != nullptr) *ttft = seconds(start, first_token);
+  };
+  request(context, nullptr, nullptr);  // the 8k context, evaluated once
+  std::vector<double> overheads, ttfts;
+  for (int32_t i = 0; i < 5; ++i) {
+    std::vector<int32_t> other(context.begin(), context.begin() + 64);
+    for (int32_t t = 0; t < 32; ++t) other.push_back(300 + (i * 32 + t) % 200);
+    request(other, nullptr, nullptr);  // another branch: the live caches leave the context
+    std::vector<int32_t> prompt = context;
+    for (int32_t t = 0; t < 64; ++t) prompt.push_back((i * 64 + t) % 256);
+    double overhead = 0, ttft = 0;
+    request(prompt, &overhead, &ttft);
+    overheads.push_back(overhead);
+    ttfts.push_back(ttft);
+  }
+  std::sort(overheads.begin(), overheads.end());
+  std::sort(ttfts.begin(), ttfts.end());
+  const double overhead = overheads[overheads.size() / 2], ttft = ttfts[ttfts.size() / 2];
+  out.push_back({"prefix cache per request", "8k context + 64 new tokens, after a branch",
+                 overhead * 1e3, "ms", 100 * overhead / ttft, "% of time to first token", "", true,
+                 fmt::format("begin + page-in + prefill_done + close; TTFT {:.1f} ms (medians)",
+                             ttft * 1e3)});
+}
+
+void end_to_end_figures(std::vector<Figure>& out, const BenchOptions& options) {
+  const Model model{ModelConfig{}};
+  const tools::Workload workload = tools::embedded_workload();
+  options.progress("end to end: replay with the prefix cache");
+  tools::ReplayOptions with_cache;
+  with_cache.with_cache = true;
+  tools::ReplayOptions without_cache;
+  without_cache.with_cache = false;
+  const tools::RunResult cached = tools::replay(workload, model, with_cache);
+  options.progress("end to end: replay without the prefix cache");
+  const tools::RunResult uncached = tools::replay(workload, model, without_cache);
+  const tools::Summary s = tools::summarize(cached, uncached);
+  out.push_back({"end to end (kvsnap replay)", "time to first token, median",
+                 s.ttft_median_cached * 1e3, "ms", s.ttft_median_uncached / s.ttft_median_cached,
+                 "x faster than recomputing", "", true,
+                 fmt::format("without cache {:.1f} ms", s.ttft_median_uncached * 1e3)});
+  out.push_back({"end to end (kvsnap replay)", "time to first token, p90", s.ttft_p90_cached * 1e3,
+                 "ms", s.ttft_p90_uncached / s.ttft_p90_cached, "x faster than recomputing", "",
+                 true, fmt::format("without cache {:.1f} ms", s.ttft_p90_uncached * 1e3)});
+  const double prefill_rate = static_cast<double>(s.evaluated_uncached) / s.seconds_uncached;
+  out.push_back({"end to end (kvsnap replay)", "model throughput without cache", prefill_rate,
+                 "tokens/s", 0, "", "", true, "prefill and decode of the whole workload"});
+}
+
+}  // namespace kvsnap::bench
