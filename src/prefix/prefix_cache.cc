@@ -5,11 +5,12 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <optional>
 #include <set>
 
 #include "persist/files.h"
 #include "persist/safetensors.h"
+#include "prefix/live_state.h"
+#include "prefix/planner.h"
 #include "prefix/trie.h"
 #include "prefix/trie_file.h"
 
@@ -53,23 +54,15 @@ struct SessionState {
   int64_t cached = 0;     // offset restored
   int64_t paged_end = 0;  // the trie holds the session's path up to here
   std::set<int64_t> user_offsets;
-  std::vector<int64_t> scheduled;
+  std::vector<int64_t> scheduled;  // the captures the layers were asked for, ascending
 };
 
-namespace {
-
-// How one whole-state layer gets to the planned offset.
-struct WholeStateStep {
-  enum class Kind { stay, reset, live_rewind, snapshot } kind = Kind::stay;
-  Node* node = nullptr;  // for `snapshot`
-};
-
-}  // namespace
-
+// The trie, the live caches' state and the open session: begin plans (planner.h) and switches
+// (live_state.h); the session schedules captures and pages its path out into the trie.
 class PrefixCacheImpl {
  public:
   PrefixCacheImpl(std::vector<Cache*> layers, PrefixCache::Options options)
-      : trie(describe_layers(layers)), options(options) {
+      : trie(describe_layers(layers)), live(trie), options(options) {
     if (options.max_paged_out_bytes < 0) {
       throw Error(fmt::format("PrefixCache: max_paged_out_bytes {} must be >= 0",
                               options.max_paged_out_bytes));
@@ -81,205 +74,52 @@ class PrefixCacheImpl {
   }
 
   bool open() const { return session != nullptr; }
+  void evict() {
+    evict_to_budget(trie, live, options.max_paged_out_bytes, stats.evicted_nodes,
+                    stats.dropped_snapshots);
+  }
+  // The offset every layer stands at, as the session needs it (-1 never matches an offset).
+  int64_t layer_offset() const { return live.offset().value_or(-1); }
 
-  // ---- live state -------------------------------------------------------------------------
-
-  bool has_state() const {
-    for (const LayerInfo& layer : trie.layers()) {
-      if (layer.cache != nullptr) return true;
+  std::shared_ptr<SessionState> begin(std::span<const int32_t> prompt) {
+    if (open()) throw Error("PrefixCache::begin: a session is already open; close it first");
+    if (prompt.empty()) {
+      throw Error("PrefixCache::begin: the prompt is empty; at least one token must be evaluated");
     }
-    return false;
-  }
+    if (!live.consistent()) live.reset();  // the caches were moved behind our back
+    evict();
 
-  // The offset every stateful layer stands at, or -1 when they disagree.
-  int64_t layer_offset() const {
-    int64_t offset = -2;
-    for (const LayerInfo& layer : trie.layers()) {
-      if (layer.cache == nullptr) continue;
-      if (offset == -2) {
-        offset = layer.cache->offset();
-      } else if (layer.cache->offset() != offset) {
-        return -1;
-      }
+    const Trie::Match match = trie.match(prompt);
+    const auto length = static_cast<int64_t>(prompt.size());
+    const int64_t limit = std::min(match.length, length - 1);  // leave one token to evaluate
+    const LiveView view{
+        static_cast<int64_t>(live.tokens().size()),
+        common_prefix(live.tokens(), prompt.subspan(0, static_cast<size_t>(limit)))};
+    const Plan plan = plan_restore(trie.layers(), match.path, limit, view);
+    try {
+      live.switch_to(match.path, plan, view.shared);
+    } catch (...) {
+      live.reset();
+      throw;
     }
-    return offset == -2 ? static_cast<int64_t>(live_tokens.size()) : offset;
+    live.set_tokens(prompt.subspan(0, static_cast<size_t>(plan.target)));
+    for (Node* node : match.path) trie.touch(*node);
+
+    auto state = std::make_shared<SessionState>();
+    state->owner = this;
+    state->tokens.assign(prompt.begin(), prompt.end());
+    state->prompt_length = length;
+    state->matched = match.length;
+    state->cached = plan.target;
+    session = state;
+    prepare(schedule_for(match.path));
+
+    ++stats.lookups;
+    stats.matched_tokens += match.length;
+    stats.reused_tokens += plan.target;
+    evict();
+    return state;
   }
-
-  // Forgets the live state (e.g. when the caches were moved behind our back).
-  void reset_live() {
-    for (const LayerInfo& layer : trie.layers()) {
-      if (layer.cache == nullptr) continue;
-      layer.cache->cancel_snapshots();
-      layer.cache->reset();
-    }
-    live_tokens.clear();
-    tip = &trie.root();
-  }
-
-  // The deepest node on the live path holding a live token: it and its ancestors are pinned.
-  void update_tip() {
-    tip = &trie.root();
-    const Trie::Match match = trie.match(live_tokens);
-    for (Node* node : match.path) {
-      if (node->start() < static_cast<int64_t>(live_tokens.size())) tip = node;
-    }
-  }
-
-  bool on_active_path(const Node& node) const {
-    for (const Node* n = tip; n != nullptr; n = n->parent) {
-      if (n == &node) return true;
-    }
-    return false;
-  }
-
-  void evict_to_budget() {
-    const auto keep = [this](const Node& n) { return on_active_path(n); };
-    std::vector<Node*> leaves;
-    while (trie.bytes() > options.max_paged_out_bytes) {
-      leaves.clear();
-      trie.leaves(leaves);
-      Node* victim = nullptr;
-      for (Node* leaf : leaves) {
-        if (on_active_path(*leaf)) continue;
-        // Non-user leaves go first, each group least recently used first.
-        if (victim == nullptr ||
-            std::pair(leaf->user, leaf->last_used) < std::pair(victim->user, victim->last_used)) {
-          victim = leaf;
-        }
-      }
-      if (victim == nullptr) break;  // only the active path is left
-      trie.remove_leaf(*victim, keep);
-      ++stats.evicted_nodes;
-    }
-    if (trie.bytes() > options.max_paged_out_bytes) drop_active_path_states();
-  }
-
-  // Last resort under the budget: the active path cannot be evicted (the live caches stand on
-  // it), but the owned snapshots its nodes keep are restore points for later divergence, not
-  // needed for the live state. Drop them, least recently used (non-user) nodes first.
-  void drop_active_path_states() {
-    std::vector<Node*> path;
-    for (Node* n = tip; n != nullptr && n != &trie.root(); n = n->parent) path.push_back(n);
-    std::sort(path.begin(), path.end(), [](const Node* a, const Node* b) {
-      return std::pair(a->user, a->last_used) < std::pair(b->user, b->last_used);
-    });
-    for (Node* node : path) {
-      for (size_t i = 0; i < trie.layers().size(); ++i) {
-        if (trie.bytes() <= options.max_paged_out_bytes) return;
-        const SnapshotPtr& s = node->snapshots[i];
-        if (trie.layers()[i].whole_state() && s != nullptr && s->size() > 0) {
-          trie.replace(*node, i, nullptr);
-          ++stats.dropped_snapshots;
-        }
-      }
-    }
-  }
-
-  // ---- planning -----------------------------------------------------------------------------
-
-  // The deepest offset <= limit every layer can be restored to along `path`, given that the live
-  // state shares its first `shared` tokens with the prompt.
-  int64_t plan(const std::vector<Node*>& path, int64_t limit, int64_t shared) const {
-    const auto live = static_cast<int64_t>(live_tokens.size());
-    std::vector<int64_t> candidates{limit, 0};
-    for (Node* node : path) candidates.push_back(std::min(node->end, limit));
-    candidates.push_back(std::min({live, shared, limit}));
-    std::sort(candidates.rbegin(), candidates.rend());
-    for (int64_t t : candidates) {
-      if (t > limit) continue;
-      bool everyone = true;
-      for (size_t i = 0; i < trie.layers().size() && everyone; ++i) {
-        everyone = reachable(i, path, t, shared);
-      }
-      if (everyone) return t;
-    }
-    return 0;
-  }
-
-  bool reachable(size_t i, const std::vector<Node*>& path, int64_t t, int64_t shared) const {
-    return !trie.layers()[i].whole_state() || whole_state_step(i, path, t, shared).has_value();
-  }
-
-  std::optional<WholeStateStep> whole_state_step(size_t i, const std::vector<Node*>& path,
-                                                 int64_t t, int64_t shared) const {
-    using Kind = WholeStateStep::Kind;
-    const int64_t limit = trie.layers()[i].rule.rewind_limit;
-    const auto live = static_cast<int64_t>(live_tokens.size());
-    if (t == live && shared >= live) return WholeStateStep{Kind::stay};
-    if (limit > 0 && live <= limit && t <= std::min(live, shared)) {
-      return WholeStateStep{Kind::live_rewind};
-    }
-    if (t == 0) return WholeStateStep{Kind::reset};
-    for (Node* node : path) {
-      if (node->snapshots[i] == nullptr) continue;
-      if (node->end == t || (node->end > t && node->end <= limit)) {
-        return WholeStateStep{Kind::snapshot, node};
-      }
-    }
-    return std::nullopt;
-  }
-
-  // ---- switching the live caches -------------------------------------------------------------
-
-  // Moves every layer to offset `target` on `path`; `shared` tokens of the live state are on it.
-  void switch_to(const std::vector<Node*>& path, int64_t target, int64_t shared) {
-    for (size_t i = 0; i < trie.layers().size(); ++i) {
-      Cache* cache = trie.layers()[i].cache;
-      if (cache == nullptr) continue;
-      bool ok = true;
-      if (trie.layers()[i].ranged()) {
-        ok = page_in_ranges(i, path, target, shared);
-      } else {
-        const WholeStateStep step = *whole_state_step(i, path, target, shared);
-        switch (step.kind) {
-          case WholeStateStep::Kind::stay:
-            break;
-          case WholeStateStep::Kind::reset:
-            cache->reset();
-            break;
-          case WholeStateStep::Kind::live_rewind:
-            ok = cache->restore(nullptr, target);
-            break;
-          case WholeStateStep::Kind::snapshot:
-            ok = cache->restore(step.node->snapshots[i].get(), target);
-            if (ok && step.node->end == target) relazify(*step.node, i, 0);
-            break;
-        }
-      }
-      if (!ok) {
-        throw Error(
-            fmt::format("PrefixCache::begin: internal error: layer {} could not reach "
-                        "offset {}",
-                        i, target));
-      }
-    }
-  }
-
-  // KV layer: rewind to what the live state shares, then write the path's ranges up to target.
-  bool page_in_ranges(size_t i, const std::vector<Node*>& path, int64_t target, int64_t shared) {
-    Cache& cache = *trie.layers()[i].cache;
-    if (target <= shared) return cache.restore(nullptr, target);
-    if (!cache.restore(nullptr, shared)) return false;
-    for (Node* node : path) {
-      if (node->end <= shared || node->start() >= target) continue;
-      Snapshot* s = node->snapshots[i].get();
-      if (s == nullptr) return false;
-      const int64_t to = std::min(node->end, target);
-      if (!cache.restore(s, to)) return false;
-      if (to == node->end) relazify(*node, i, node->start());
-    }
-    return true;
-  }
-
-  // After a restore put a node's owned data into the live cache, the node can hold a lazy
-  // view of it instead and give its bytes back.
-  void relazify(Node& node, size_t i, int64_t from) {
-    if (node.snapshots[i] == nullptr || node.snapshots[i]->size() == 0) return;
-    SnapshotPtr lazy = trie.layers()[i].cache->snapshot(from);
-    if (lazy != nullptr && lazy->is_lazy()) trie.replace(node, i, std::move(lazy));
-  }
-
-  // ---- session -------------------------------------------------------------------------------
 
   // Whether a node ends at `offset` on the matched path with every whole-state snapshot.
   bool complete_boundary(const std::vector<Node*>& path, int64_t offset) const {
@@ -316,46 +156,6 @@ class PrefixCacheImpl {
     return {offsets.begin(), offsets.end()};
   }
 
-  std::shared_ptr<SessionState> begin(std::span<const int32_t> prompt) {
-    if (open()) throw Error("PrefixCache::begin: a session is already open; close it first");
-    if (prompt.empty()) {
-      throw Error("PrefixCache::begin: the prompt is empty; at least one token must be evaluated");
-    }
-    if (layer_offset() != static_cast<int64_t>(live_tokens.size())) reset_live();
-    evict_to_budget();
-
-    const Trie::Match match = trie.match(prompt);
-    const auto length = static_cast<int64_t>(prompt.size());
-    const int64_t limit = std::min(match.length, length - 1);  // leave one token to evaluate
-    const int64_t shared =
-        common_prefix(live_tokens, prompt.subspan(0, static_cast<size_t>(limit)));
-    const int64_t target = plan(match.path, limit, shared);
-    try {
-      switch_to(match.path, target, shared);
-    } catch (...) {
-      reset_live();
-      throw;
-    }
-    live_tokens.assign(prompt.begin(), prompt.begin() + target);
-    update_tip();
-    for (Node* node : match.path) node->last_used = trie.tick();
-
-    auto state = std::make_shared<SessionState>();
-    state->owner = this;
-    state->tokens.assign(prompt.begin(), prompt.end());
-    state->prompt_length = length;
-    state->matched = match.length;
-    state->cached = target;
-    session = state;
-    prepare(schedule_for(match.path));
-
-    ++stats.lookups;
-    stats.matched_tokens += match.length;
-    stats.reused_tokens += target;
-    evict_to_budget();
-    return state;
-  }
-
   void schedule_snapshots(std::span<const int64_t> offsets) {
     SessionState& s = *session;
     if (s.phase != SessionState::Phase::prefill || layer_offset() != s.cached) {
@@ -384,17 +184,16 @@ class PrefixCacheImpl {
       throw Error("Session::prefill_done: already called for this session");
     }
     const int64_t offset = layer_offset();
-    if (has_state() && offset != s.prompt_length) {
+    if (live.has_state() && offset != s.prompt_length) {
       throw Error(
           fmt::format("Session::prefill_done: the caches are at offset {}; evaluate "
                       "remaining() ({} tokens from offset {}) first",
                       offset, s.prompt_length - s.cached, s.cached));
     }
     attach_captures(/*complete=*/true);
-    live_tokens.assign(s.tokens.begin(), s.tokens.begin() + s.prompt_length);
-    update_tip();
+    live.set_tokens(std::span(s.tokens).subspan(0, static_cast<size_t>(s.prompt_length)));
     s.phase = SessionState::Phase::decode;
-    evict_to_budget();
+    evict();
   }
 
   // Takes the layers' captures of the session's schedule — all of them, or (a prefill cut
@@ -437,9 +236,9 @@ class PrefixCacheImpl {
 
   void close() {
     SessionState& s = *session;
-    int64_t offset = layer_offset();
     if (s.phase == SessionState::Phase::prefill) {
-      if (offset == s.prompt_length || !has_state()) {
+      const int64_t offset = layer_offset();
+      if (offset == s.prompt_length || !live.has_state()) {
         prefill_done();
       } else if (offset >= s.cached && offset < s.prompt_length) {
         // A prefill cut short: keep the captures it passed, as restore points.
@@ -452,13 +251,14 @@ class PrefixCacheImpl {
         s.paged_end = s.cached;
       }
     }
-    offset = has_state() ? layer_offset() : static_cast<int64_t>(s.tokens.size());
+    const int64_t offset =
+        live.has_state() ? layer_offset() : static_cast<int64_t>(s.tokens.size());
     s.phase = SessionState::Phase::closed;
     const std::shared_ptr<SessionState> closing = std::move(session);
     if (offset < 0 || offset > static_cast<int64_t>(s.tokens.size()) || offset < s.paged_end) {
       // The caches were driven past what the session knows: nothing consistent to page out.
-      reset_live();
-      evict_to_budget();
+      live.reset();
+      evict();
       return;
     }
     if (offset > s.paged_end) {
@@ -470,17 +270,14 @@ class PrefixCacheImpl {
       }
       trie.insert(s.tokens, s.paged_end, offset, std::move(ranged), std::move(whole), false);
     }
-    live_tokens.assign(s.tokens.begin(), s.tokens.begin() + offset);
-    update_tip();
-    evict_to_budget();
+    live.set_tokens(std::span(s.tokens).subspan(0, static_cast<size_t>(offset)));
+    evict();
   }
 
   Trie trie;
+  LiveState live;
   PrefixCache::Options options;
   PrefixCache::Stats stats;
-  std::vector<int32_t> live_tokens;  // what the live caches hold, [0, their offset)
-  Node* tip = &trie.root();
-
   std::shared_ptr<SessionState> session;  // the open session, if any
 };
 
@@ -511,10 +308,9 @@ void PrefixCache::load(const std::string& dir, const std::string& model_id) {
   detail::remove_stale_temporaries(path);
   detail::LoadedTrie loaded =
       detail::decode_trie(detail::read_file(path), path, impl_->trie.layers(), model_id);
-  impl_->reset_live();
+  impl_->live.reset();
   detail::install(impl_->trie, std::move(loaded));
-  impl_->tip = &impl_->trie.root();
-  impl_->evict_to_budget();
+  impl_->evict();
 }
 
 bool PrefixCache::saved_in(const std::string& dir) {

@@ -34,6 +34,27 @@ Trie::~Trie() {
   }
 }
 
+void Trie::unindex(Node& node) {
+  if (&node != &root_ && node.children.empty()) leaves_.erase({node.user, node.last_used, &node});
+}
+
+void Trie::index(Node& node) {
+  if (&node != &root_ && node.children.empty()) leaves_.insert({node.user, node.last_used, &node});
+}
+
+void Trie::touch(Node& node) {
+  unindex(node);
+  node.last_used = tick();
+  index(node);
+}
+
+Node* Trie::eviction_candidate(const std::function<bool(const Node&)>& keep) const {
+  for (const auto& [user, last_used, node] : leaves_) {
+    if (!keep(*node)) return node;
+  }
+  return nullptr;
+}
+
 void Trie::attach(Node& node, size_t layer, SnapshotPtr snapshot) {
   if (snapshot == nullptr) return;
   bytes_ += snapshot->size();
@@ -134,7 +155,9 @@ Node& Trie::insert(std::span<const int32_t> tokens, int64_t from, int64_t to,
         if (layers_[i].ranged()) attach(*leaf, i, drop_front(i, std::move(ranged[i]), position));
       }
       next = leaf.get();
+      unindex(*node);
       node->children.push_back(std::move(leaf));
+      index(*next);
       ++node_count_;
     } else {
       const int64_t k = common_prefix(
@@ -160,7 +183,7 @@ Node& Trie::insert(std::span<const int32_t> tokens, int64_t from, int64_t to,
     }
     node = next;
     position = node->end;
-    node->last_used = tick();
+    touch(*node);
   }
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (!layers_[i].whole_state() || node == &root_ || whole[i] == nullptr) continue;
@@ -170,7 +193,11 @@ Node& Trie::insert(std::span<const int32_t> tokens, int64_t from, int64_t to,
       replace(*node, i, std::move(whole[i]));
     }
   }
-  if (user && node != &root_) node->user = true;
+  if (user && node != &root_) {
+    unindex(*node);
+    node->user = true;
+    index(*node);
+  }
   return *node;
 }
 
@@ -191,7 +218,9 @@ void Trie::merge_into_child(Node& node, const std::function<bool(const Node&)>& 
     attach(only, i, layers_[i].cache->merge(std::move(parent_part), std::move(child_part)));
   }
   only.edge.insert(only.edge.begin(), node.edge.begin(), node.edge.end());
+  unindex(only);
   only.last_used = std::max(only.last_used, node.last_used);
+  index(only);
   Node* grandparent = node.parent;
   std::unique_ptr<Node> kept = std::move(node.children.front());
   kept->parent = grandparent;
@@ -204,19 +233,11 @@ void Trie::merge_into_child(Node& node, const std::function<bool(const Node&)>& 
 void Trie::remove_leaf(Node& node, const std::function<bool(const Node&)>& keep) {
   Node* parent = node.parent;
   for (size_t i = 0; i < layers_.size(); ++i) (void)detach(node, i);
+  unindex(node);
   std::erase_if(parent->children, [&](const auto& c) { return c.get() == &node; });
+  index(*parent);
   --node_count_;
   merge_into_child(*parent, keep);
-}
-
-void Trie::leaves(std::vector<Node*>& out) {
-  std::vector<Node*> stack{&root_};
-  while (!stack.empty()) {
-    Node* node = stack.back();
-    stack.pop_back();
-    if (node->children.empty() && node != &root_) out.push_back(node);
-    for (auto& c : node->children) stack.push_back(c.get());
-  }
 }
 
 void Trie::preorder(std::vector<const Node*>& out) const {
@@ -241,6 +262,7 @@ void Trie::clear() {
     for (auto& c : node->children) stack.push_back(c.get());
   }
   root_.children.clear();
+  leaves_.clear();
   node_count_ = 0;
 }
 
@@ -256,7 +278,9 @@ Node& Trie::add_child(Node& parent, std::vector<int32_t> edge, std::vector<Snaps
   for (size_t i = 0; i < layers_.size() && i < snapshots.size(); ++i)
     attach(*node, i, std::move(snapshots[i]));
   Node& added = *node;
+  unindex(parent);
   parent.children.push_back(std::move(node));
+  index(added);
   ++node_count_;
   return added;
 }
@@ -337,6 +361,22 @@ std::string Trie::check_invariants() const {
   if (problem.empty() && total != bytes_) {
     problem =
         fmt::format("byte counter {} differs from the sum of snapshot sizes {}", bytes_, total);
+  }
+  std::vector<const Node*> nodes;
+  preorder(nodes);
+  size_t leaves = 0;
+  for (const Node* node : nodes) {
+    if (!node->children.empty()) continue;
+    ++leaves;
+    if (problem.empty() &&
+        leaves_.count({node->user, node->last_used, const_cast<Node*>(node)}) == 0) {
+      problem =
+          fmt::format("leaf [{}, {}) is missing from the eviction order", node->start(), node->end);
+    }
+  }
+  if (problem.empty() && leaves != leaves_.size()) {
+    problem =
+        fmt::format("the eviction order holds {} leaves, the trie {}", leaves_.size(), leaves);
   }
   return problem;
 }

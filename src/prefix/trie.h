@@ -8,8 +8,10 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <set>
 #include <span>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kvsnap/cache.h"
@@ -52,6 +54,8 @@ class Trie {
   int64_t node_count() const { return node_count_; }
   // A fresh last-use time, later than every earlier one.
   int64_t tick() { return ++clock_; }
+  // Marks `node` used now.
+  void touch(Node& node);
 
   struct Match {
     std::vector<Node*> path;  // nodes entered, the last possibly only partly matched
@@ -73,8 +77,9 @@ class Trie {
   // that loses nothing (see merge_into_child). `keep(n)` protects nodes from merging.
   void remove_leaf(Node& node, const std::function<bool(const Node&)>& keep);
 
-  // Every leaf, for eviction.
-  void leaves(std::vector<Node*>& out);
+  // The leaf to evict first — non-user leaves before user ones, each least recently used
+  // first — skipping those `keep` protects; null when none is left. O(log n) per leaf looked at.
+  Node* eviction_candidate(const std::function<bool(const Node&)>& keep) const;
   // Every node but the root, parents before children.
   void preorder(std::vector<const Node*>& out) const;
 
@@ -103,12 +108,17 @@ class Trie {
   SnapshotPtr drop_front(size_t layer, SnapshotPtr snapshot, int64_t at);
   void dump(const Node& node, int depth, std::string& out) const;
   void count_bytes(const Node& node, int64_t& total) const;
+  // The leaves, in eviction order; every change to a node's children, user flag or last use
+  // goes through these two.
+  void unindex(Node& node);
+  void index(Node& node);
 
   std::vector<LayerInfo> layers_;
   Node root_;
   int64_t bytes_ = 0;
   int64_t node_count_ = 0;
   int64_t clock_ = 0;
+  std::set<std::tuple<bool, int64_t, Node*>> leaves_;  // (user, last_used, node)
 };
 
 }  // namespace kvsnap::detail

@@ -1,0 +1,141 @@
+#include "prefix/live_state.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+namespace kvsnap::detail {
+
+void LiveState::set_tokens(std::span<const int32_t> tokens) {
+  tokens_.assign(tokens.begin(), tokens.end());
+  tip_ = &trie_.root();
+  for (Node* node : trie_.match(tokens_).path) {
+    if (node->start() < static_cast<int64_t>(tokens_.size())) tip_ = node;
+  }
+}
+
+bool LiveState::has_state() const {
+  return std::any_of(trie_.layers().begin(), trie_.layers().end(),
+                     [](const LayerInfo& layer) { return layer.cache != nullptr; });
+}
+
+std::optional<int64_t> LiveState::offset() const {
+  std::optional<int64_t> common;
+  for (const LayerInfo& layer : trie_.layers()) {
+    if (layer.cache == nullptr) continue;
+    if (!common) {
+      common = layer.cache->offset();
+    } else if (layer.cache->offset() != *common) {
+      return std::nullopt;
+    }
+  }
+  return common ? common : static_cast<int64_t>(tokens_.size());
+}
+
+void LiveState::reset() {
+  for (const LayerInfo& layer : trie_.layers()) {
+    if (layer.cache == nullptr) continue;
+    layer.cache->cancel_snapshots();
+    layer.cache->reset();
+  }
+  tokens_.clear();
+  tip_ = &trie_.root();
+}
+
+bool LiveState::on_active_path(const Node& node) const {
+  for (const Node* n = tip_; n != nullptr; n = n->parent) {
+    if (n == &node) return true;
+  }
+  return false;
+}
+
+std::vector<Node*> LiveState::active_path() const {
+  std::vector<Node*> path;
+  for (Node* n = tip_; n != nullptr && n != &trie_.root(); n = n->parent) path.push_back(n);
+  return path;
+}
+
+void LiveState::switch_to(const std::vector<Node*>& path, const Plan& plan, int64_t shared) {
+  const int64_t target = plan.target;
+  for (size_t i = 0; i < trie_.layers().size(); ++i) {
+    Cache* cache = trie_.layers()[i].cache;
+    if (cache == nullptr) continue;
+    bool ok = true;
+    if (trie_.layers()[i].ranged()) {
+      ok = page_in_ranges(i, path, target, shared);
+    } else {
+      const WholeStateStep& step = plan.steps[i];
+      switch (step.kind) {
+        case WholeStateStep::Kind::stay:
+          break;
+        case WholeStateStep::Kind::reset:
+          cache->reset();
+          break;
+        case WholeStateStep::Kind::live_rewind:
+          ok = cache->restore(nullptr, target);
+          break;
+        case WholeStateStep::Kind::snapshot:
+          ok = cache->restore(step.node->snapshots[i].get(), target);
+          if (ok && step.node->end == target) relazify(*step.node, i, 0);
+          break;
+      }
+    }
+    if (!ok) {
+      throw Error(fmt::format(
+          "PrefixCache::begin: internal error: layer {} could not reach offset {}", i, target));
+    }
+  }
+}
+
+bool LiveState::page_in_ranges(size_t layer, const std::vector<Node*>& path, int64_t target,
+                               int64_t shared) {
+  Cache& cache = *trie_.layers()[layer].cache;
+  if (target <= shared) return cache.restore(nullptr, target);
+  if (!cache.restore(nullptr, shared)) return false;
+  for (Node* node : path) {
+    if (node->end <= shared || node->start() >= target) continue;
+    Snapshot* s = node->snapshots[layer].get();
+    if (s == nullptr) return false;
+    const int64_t to = std::min(node->end, target);
+    if (!cache.restore(s, to)) return false;
+    if (to == node->end) relazify(*node, layer, node->start());
+  }
+  return true;
+}
+
+void LiveState::relazify(Node& node, size_t layer, int64_t from) {
+  if (node.snapshots[layer] == nullptr || node.snapshots[layer]->size() == 0) return;
+  SnapshotPtr lazy = trie_.layers()[layer].cache->snapshot(from);
+  if (lazy != nullptr && lazy->is_lazy()) trie_.replace(node, layer, std::move(lazy));
+}
+
+void evict_to_budget(Trie& trie, const LiveState& live, int64_t budget, int64_t& evicted_nodes,
+                     int64_t& dropped_snapshots) {
+  const auto keep = [&](const Node& node) { return live.on_active_path(node); };
+  while (trie.bytes() > budget) {
+    Node* victim = trie.eviction_candidate(keep);
+    if (victim == nullptr) break;  // only the active path is left
+    trie.remove_leaf(*victim, keep);
+    ++evicted_nodes;
+  }
+  if (trie.bytes() <= budget) return;
+  // Last resort: the active path cannot be evicted (the live caches stand on it), but the owned
+  // whole-state snapshots its nodes keep are restore points for later divergence, not needed
+  // for the live state. Drop them, least recently used (non-user) nodes first.
+  std::vector<Node*> path = live.active_path();
+  std::sort(path.begin(), path.end(), [](const Node* a, const Node* b) {
+    return std::pair(a->user, a->last_used) < std::pair(b->user, b->last_used);
+  });
+  for (Node* node : path) {
+    for (size_t i = 0; i < trie.layers().size(); ++i) {
+      if (trie.bytes() <= budget) return;
+      const SnapshotPtr& s = node->snapshots[i];
+      if (trie.layers()[i].whole_state() && s != nullptr && s->size() > 0) {
+        trie.replace(*node, i, nullptr);
+        ++dropped_snapshots;
+      }
+    }
+  }
+}
+
+}  // namespace kvsnap::detail

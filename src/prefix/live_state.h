@@ -1,0 +1,62 @@
+// Internal: what the live caches hold on behalf of a PrefixCache — the tokens, the trie node
+// they reach (the active path, which eviction must spare) — and moving them to a planned offset
+// on another path (rewinds, restores, page-in of KV ranges).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "prefix/planner.h"
+#include "prefix/trie.h"
+
+namespace kvsnap::detail {
+
+class LiveState {
+ public:
+  explicit LiveState(Trie& trie) : trie_(trie), tip_(&trie.root()) {}
+
+  // The tokens the live caches hold, [0, their offset).
+  const std::vector<int32_t>& tokens() const { return tokens_; }
+  // Records that the caches hold `tokens` now, and finds the active path's tip.
+  void set_tokens(std::span<const int32_t> tokens);
+
+  // Whether any layer holds state (all-stateless stacks track tokens only).
+  bool has_state() const;
+  // The offset every stateful layer stands at (the token count for a stateless stack), or
+  // nullopt when they disagree.
+  std::optional<int64_t> offset() const;
+  // Whether the caches still hold what we recorded (nobody moved them behind our back).
+  bool consistent() const { return offset() == static_cast<int64_t>(tokens_.size()); }
+  // Resets every layer and forgets the live tokens.
+  void reset();
+
+  // `node` and its ancestors are pinned while the live caches stand on them.
+  bool on_active_path(const Node& node) const;
+  // The active path, deepest node first (root excluded).
+  std::vector<Node*> active_path() const;
+
+  // Moves every layer to `plan.target` on `path` (see planner.h). Throws Error when a layer
+  // cannot get there (an internal error: the plan said it could).
+  void switch_to(const std::vector<Node*>& path, const Plan& plan, int64_t shared);
+
+ private:
+  // KV layer: rewind to what the live state shares, then write the path's ranges up to target.
+  bool page_in_ranges(size_t layer, const std::vector<Node*>& path, int64_t target, int64_t shared);
+  // After a restore put a node's data back into the live cache, the node can hold a lazy view
+  // of it instead and give its bytes back.
+  void relazify(Node& node, size_t layer, int64_t from);
+
+  Trie& trie_;
+  std::vector<int32_t> tokens_;
+  Node* tip_;  // the deepest node holding a live token
+};
+
+// Evicts least recently used leaves (user nodes last, the active path never) until the trie
+// holds at most `budget` bytes; as a last resort, drops the active path's owned whole-state
+// snapshots (restore points, not needed by the live state). Counts into the two counters.
+void evict_to_budget(Trie& trie, const LiveState& live, int64_t budget, int64_t& evicted_nodes,
+                     int64_t& dropped_snapshots);
+
+}  // namespace kvsnap::detail
