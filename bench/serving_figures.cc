@@ -1,12 +1,12 @@
 // `kvsnap bench`: the figures of serving — the prefix trie, the built-in model, the prefix
 // cache's own cost per request, and the end-to-end replay.
 #include <fmt/format.h>
-#include <kvsnap/model.h>
 
 #include <algorithm>
 #include <random>
 
 #include "figure_parts.h"
+#include "model/model.h"
 #include "replay.h"
 #include "workload.h"
 

@@ -3,7 +3,6 @@
 #include <cblas.h>
 #include <fmt/format.h>
 #include <kvsnap/kvsnap.h>
-#include <kvsnap/model.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -15,6 +14,7 @@
 #include <new>
 
 #include "figures.h"
+#include "model/model.h"
 #include "persist/safetensors.h"
 #include "replay.h"
 #include "workload.h"

@@ -83,6 +83,63 @@ void check_cache_dir(const std::string& dir) {
   ::unlink(probe.c_str());
 }
 
+namespace {
+
+// The request's ideal (prompt tokens no earlier request had seen, at least one) and floor
+// (those never evaluated before: what a cache of evaluated state can at best skip).
+void measure_ideal(const std::vector<int32_t>& prompt,
+                   const std::vector<std::vector<int32_t>>& seen,
+                   const std::vector<std::vector<int32_t>>& evaluated, RequestResult& result) {
+  int64_t longest_seen = 0, longest_evaluated = 0;
+  for (const auto& s : seen) longest_seen = std::max(longest_seen, common_prefix(prompt, s));
+  for (const auto& s : evaluated) {
+    longest_evaluated = std::max(longest_evaluated, common_prefix(prompt, s));
+  }
+  longest_seen = std::min(longest_seen, result.prompt_tokens);
+  result.ideal = std::max<int64_t>(1, result.prompt_tokens - longest_seen);
+  longest_evaluated = std::min(longest_evaluated, longest_seen);
+  result.floor = std::max<int64_t>(1, result.prompt_tokens - longest_evaluated);
+}
+
+// Serves one request: through a prefix cache session when `prefix` is given (message ends as
+// restore points), else from empty caches; greedy decoding of the reply.
+void run_request(const Request& request, const std::vector<int32_t>& prompt,
+                 const std::vector<int64_t>& boundaries, const Model& model,
+                 const std::vector<Cache*>& layers, PrefixCache* prefix, RequestResult& result) {
+  const int64_t vocab = model.config().vocab_size;
+  const auto request_start = Clock::now();
+  std::optional<PrefixCache::Session> session;
+  std::span<const int32_t> remaining = prompt;
+  if (prefix != nullptr) {
+    session.emplace(prefix->begin(prompt));
+    std::vector<int64_t> restore_points;
+    for (int64_t b : boundaries) {
+      if (b >= session->cached() && b <= result.prompt_tokens) restore_points.push_back(b);
+    }
+    session->schedule_snapshots(restore_points);
+    remaining = session->remaining();
+  } else {
+    for (Cache* layer : layers) layer->reset();
+  }
+  result.evaluated = static_cast<int64_t>(remaining.size());
+  result.reused = result.prompt_tokens - result.evaluated;
+  Array logits = model.forward(remaining, layers);
+  result.ttft_seconds = std::chrono::duration<double>(Clock::now() - request_start).count();
+  if (session) session->prefill_done();
+  for (int64_t step = 0; step < request.max_tokens; ++step) {
+    const float* row = logits.data<float>();
+    result.logits.emplace_back(row, row + vocab);
+    const int32_t token = argmax(row, vocab);
+    result.reply.push_back(token);
+    if (session) session->append_output(token);
+    if (token == kEnd || step + 1 == request.max_tokens) break;
+    logits = model.forward(std::span<const int32_t>(&token, 1), layers);
+  }
+  if (session) session->close();
+}
+
+}  // namespace
+
 RunResult replay(const Workload& workload, const Model& model, const ReplayOptions& options) {
   if (model.config().vocab_size < kVocabularyNeeded) {
     throw Error(
@@ -105,7 +162,6 @@ RunResult replay(const Workload& workload, const Model& model, const ReplayOptio
   }
   PromptBuilder builder;
   std::vector<std::vector<int32_t>> seen, evaluated_sequences;  // what earlier requests held
-  const int64_t vocab = model.config().vocab_size;
   const auto start = Clock::now();
 
   for (size_t index = 0; index < workload.requests.size(); ++index) {
@@ -119,45 +175,9 @@ RunResult replay(const Workload& workload, const Model& model, const ReplayOptio
     RequestResult result;
     result.id = request.id;
     result.prompt_tokens = prompt_tokens;
-    int64_t longest_seen = 0, longest_evaluated = 0;
-    for (const auto& s : seen) longest_seen = std::max(longest_seen, common_prefix(prompt, s));
-    for (const auto& s : evaluated_sequences) {
-      longest_evaluated = std::max(longest_evaluated, common_prefix(prompt, s));
-    }
-    longest_seen = std::min(longest_seen, result.prompt_tokens);
-    result.ideal = std::max<int64_t>(1, result.prompt_tokens - longest_seen);
-    longest_evaluated = std::min(longest_evaluated, longest_seen);
-    result.floor = std::max<int64_t>(1, result.prompt_tokens - longest_evaluated);
-
-    const auto request_start = Clock::now();
-    std::optional<PrefixCache::Session> session;
-    std::span<const int32_t> remaining = prompt;
-    if (options.with_cache) {
-      session.emplace(prefix.begin(prompt));
-      std::vector<int64_t> restore_points;
-      for (int64_t b : boundaries) {
-        if (b >= session->cached() && b <= result.prompt_tokens) restore_points.push_back(b);
-      }
-      session->schedule_snapshots(restore_points);
-      remaining = session->remaining();
-    } else {
-      for (Cache* layer : layers) layer->reset();
-    }
-    result.evaluated = static_cast<int64_t>(remaining.size());
-    result.reused = result.prompt_tokens - result.evaluated;
-    Array logits = model.forward(remaining, layers);
-    result.ttft_seconds = std::chrono::duration<double>(Clock::now() - request_start).count();
-    if (session) session->prefill_done();
-    for (int64_t step = 0; step < request.max_tokens; ++step) {
-      const float* row = logits.data<float>();
-      result.logits.emplace_back(row, row + vocab);
-      const int32_t token = argmax(row, vocab);
-      result.reply.push_back(token);
-      if (session) session->append_output(token);
-      if (token == kEnd || step + 1 == request.max_tokens) break;
-      logits = model.forward(std::span<const int32_t>(&token, 1), layers);
-    }
-    if (session) session->close();
+    measure_ideal(prompt, seen, evaluated_sequences, result);
+    run_request(request, prompt, boundaries, model, layers, options.with_cache ? &prefix : nullptr,
+                result);
 
     std::vector<int32_t> sequence = prompt;
     sequence.insert(sequence.end(), result.reply.begin(), result.reply.end());

@@ -2,13 +2,12 @@
 // without, greedy-decoding every reply, and the figures that compare the two runs.
 #pragma once
 
-#include <kvsnap/model.h>
-
 #include <cstdint>
 #include <functional>
 #include <string>
 #include <vector>
 
+#include "model/model.h"
 #include "workload.h"
 
 namespace kvsnap::tools {

@@ -1,4 +1,5 @@
-// Attention masks, the histories caches hand back to a layer, and reference attention.
+// Attention masks and the histories caches hand back to a layer (reference attention over them,
+// `sdpa`, is in ops.h).
 //
 // Positions are absolute token positions. A *logical* mask says which key positions a query
 // position may see (causal, sliding window, an explicit array); a KVHistory knows which
@@ -116,13 +117,5 @@ class KVSNAP_EXPORT RecurrentHistory {
   Array conv_state_;
   Array delta_state_;
 };
-
-// Reference scaled-dot-product attention in float32. q [B, Hq, L, D] (any float dtype), the
-// history's keys [B, H, K, D] and values [B, H, K, Dv]; GQA when Hq is a multiple of H (query
-// head h reads key head h / (Hq / H)). Returns f32 [B, Hq, L, Dv]:
-//   out[b,h,l] = softmax_k(scale * q[b,h,l]·key[b,h',k] + mask[b,h,l,k]) · value[b,h',k]
-// A query that sees no key (padding) gets zeros. Cost O(B·Hq·L·K·(D+Dv)).
-KVSNAP_EXPORT Array sdpa(const Batch&, const Array& q, const KVHistory&,
-                         const AttentionMask& logical, float scale);
 
 }  // namespace kvsnap

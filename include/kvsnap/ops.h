@@ -1,5 +1,5 @@
-// Reference kernels in float32 for recurrent layers: causal depthwise conv1d with a carried
-// tail and the gated delta rule. (Reference attention, `sdpa`, is in attention.h.)
+// Reference kernels in float32: scaled-dot-product attention over a cache's history, and for
+// recurrent layers causal depthwise conv1d with a carried tail and the gated delta rule.
 //
 // Both run over one forward chunk and can stop at interior `boundaries`, returning the state
 // at each boundary and at the end — what RecurrentCache::put wants. Running a sequence in
@@ -18,6 +18,14 @@
 #include "kvsnap/export.h"
 
 namespace kvsnap {
+
+// Reference scaled-dot-product attention in float32. q [B, Hq, L, D] (any float dtype), the
+// history's keys [B, H, K, D] and values [B, H, K, Dv]; GQA when Hq is a multiple of H (query
+// head h reads key head h / (Hq / H)). Returns f32 [B, Hq, L, Dv]:
+//   out[b,h,l] = softmax_k(scale * q[b,h,l]·key[b,h',k] + mask[b,h,l,k]) · value[b,h',k]
+// A query that sees no key (padding) gets zeros. Cost O(B·Hq·L·K·(D+Dv)).
+KVSNAP_EXPORT Array sdpa(const Batch&, const Array& q, const KVHistory&,
+                         const AttentionMask& logical, float scale);
 
 struct Conv1dResult {
   Array output;              // f32 [B, L, C]

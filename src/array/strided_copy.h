@@ -3,8 +3,6 @@
 
 #include <cstdint>
 
-#include "kvsnap/export.h"
-
 namespace kvsnap::detail {
 
 // Copies the elements of `shape` (ndim axes) from `source` to `destination`; strides are in
@@ -18,6 +16,6 @@ int64_t strided_copy(void* destination, const int64_t* destination_strides, cons
 
 // memcpy calls made by strided_copy in this process (monotonic), so tests can check that a
 // copy moved whole runs rather than single elements.
-KVSNAP_EXPORT int64_t strided_copy_calls();
+int64_t strided_copy_calls();
 
 }  // namespace kvsnap::detail

@@ -5,17 +5,17 @@
 
 #include <algorithm>
 
-#include "cache/capture_schedule.h"
-#include "cache/kv_layout.h"
-#include "cache/kv_store.h"
+#include "cache/kv_kind.h"
 
 namespace kvsnap {
 namespace detail {
 
 using Kind = SnapshotRecord::Kind;
 
-class KVCacheImpl {
+class KVCacheImpl final : public KVKind {
  public:
+  KVCacheImpl() : KVKind("KVCache") {}
+
   // Grows to hold `tokens` columns, keeping every column still named by the offset or a lazy
   // snapshot in place. Geometric growth keeps the bytes moved by a long prefill linear in its
   // length.
@@ -26,9 +26,14 @@ class KVCacheImpl {
     store.resize(round_up(wanted, KVCache::kStep), std::max(offset, store.lazy_end()));
   }
 
-  // Records a capture for every scheduled offset the writes have reached: the edge
-  // [previous scheduled offset, offset), lazy.
-  void capture_reached() {
+  // The append policy: the tokens go to the columns of their positions.
+  void write(const Array& keys, const Array& values) override {
+    ensure_capacity(offset + keys.dim(2));
+    store.write(offset, keys, values);
+  }
+
+  // Captures are edges [previous scheduled offset, offset), lazy.
+  void capture_reached() override {
     while (schedule.active() && schedule.next() >= 0 && schedule.next() <= offset) {
       const int64_t start = schedule.edge_start();
       const int64_t end = schedule.next();
@@ -40,7 +45,7 @@ class KVCacheImpl {
     return store.capture(Kind::kv, from, to - from, from, to, 0);
   }
 
-  KVHistory history() const {
+  KVHistory history() const override {
     if (!store.has_layout) return KVHistory();
     if (store.keys.empty()) {  // a zero-length first update: an empty history of the layout
       auto [k, v] = store.layout.allocate(0);
@@ -62,10 +67,7 @@ class KVCacheImpl {
                     });
   }
 
-  KVStore store;  // before `schedule`: captured snapshots unlink from it
-  int64_t offset = 0;
   int64_t reserved = 0;
-  CaptureSchedule schedule;
 };
 
 }  // namespace detail
@@ -89,23 +91,7 @@ int64_t KVCache::lazy_bytes(int64_t from, int64_t to) const {
 }
 
 KVHistory KVCache::update(const Batch& batch, const Array& keys, const Array& values) {
-  detail::KVCacheImpl& c = *impl_;
-  detail::KVStore& store = c.store;
-  const int64_t length = detail::check_update(
-      batch, keys, values, c.offset, store.has_layout ? &store.layout : nullptr, "KVCache::update");
-  if (!store.has_layout) store.adopt_layout(detail::KVLayout::of(keys, values));
-  if (length > 0) {
-    c.ensure_capacity(c.offset + length);
-    if (length == keys.dim(2)) {  // no padding columns: write the arrays as given
-      store.write(c.offset, keys, values);
-    } else {
-      store.write(c.offset, keys.slice(2, 0, length), values.slice(2, 0, length));
-    }
-    c.offset += length;
-    store.stats.appended_bytes += length * store.token_bytes();
-  }
-  c.capture_reached();
-  return c.history();
+  return impl_->update(batch, keys, values);
 }
 
 KVHistory KVCache::view(const Batch&) const { return impl_->history(); }
@@ -125,36 +111,27 @@ void KVCache::reset() {
 int64_t KVCache::offset() const { return impl_->offset; }
 
 SnapshotPtr KVCache::snapshot(int64_t from_offset) {
-  detail::KVCacheImpl& c = *impl_;
-  if (from_offset < 0 || from_offset > c.offset) {
-    throw Error(
-        fmt::format("KVCache::snapshot: from_offset {} out of range [0, {}] (the cache "
-                    "offset)",
-                    from_offset, c.offset));
-  }
-  if (from_offset == c.offset) return nullptr;
-  return c.lazy_snapshot(from_offset, c.offset);
+  impl_->check_snapshot_from(from_offset);
+  if (from_offset == impl_->offset) return nullptr;
+  return impl_->lazy_snapshot(from_offset, impl_->offset);
 }
 
-void KVCache::prepare_snapshots(std::span<const int64_t> offsets) {
-  impl_->schedule.prepare(offsets, impl_->offset, "KVCache::prepare_snapshots");
-  impl_->capture_reached();
-}
-
-std::vector<SnapshotPtr> KVCache::take_snapshots() {
-  return impl_->schedule.take(impl_->offset, "KVCache::take_snapshots");
-}
+void KVCache::prepare_snapshots(std::span<const int64_t> offsets) { impl_->prepare(offsets); }
+std::vector<SnapshotPtr> KVCache::take_snapshots() { return impl_->take(); }
+std::vector<SnapshotPtr> KVCache::take_reached_snapshots() { return impl_->take_reached(); }
+void KVCache::cancel_snapshots() { impl_->cancel(); }
 
 bool KVCache::restore(Snapshot* snapshot, int64_t target) {
   detail::KVCacheImpl& c = *impl_;
-  c.schedule.require_idle("KVCache::restore");
+  c.require_idle();
   if (snapshot == nullptr) {
     if (target < 0 || target > c.offset) return false;
     c.offset = target;
     return true;
   }
-  KVStateSnapshot& s = detail::as_kv_state(snapshot, Kind::kv, "KVCache::restore");
-  if (c.store.has_layout) detail::check_same_layout(c.store.layout, s.layout, "KVCache::restore");
+  const char* call = c.calls().restore.c_str();
+  KVStateSnapshot& s = detail::as_kv_state(snapshot, Kind::kv, call);
+  if (c.store.has_layout) detail::check_same_layout(c.store.layout, s.layout, call);
   if (target < 0 || target > s.end || c.offset < s.begin) return false;
   if (target > s.begin) {
     if (!c.store.has_layout) c.store.adopt_layout(s.layout);
@@ -191,11 +168,5 @@ std::pair<SnapshotPtr, SnapshotPtr> KVCache::split(SnapshotPtr snapshot, int64_t
 CopyStats KVCache::copy_stats() const { return impl_->store.stats; }
 
 RestoreRule KVCache::restore_rule() const { return {RestoreRule::Kind::ranges, 0}; }
-
-void KVCache::cancel_snapshots() { impl_->schedule.clear(); }
-
-std::vector<SnapshotPtr> KVCache::take_reached_snapshots() {
-  return impl_->schedule.take_reached();
-}
 
 }  // namespace kvsnap

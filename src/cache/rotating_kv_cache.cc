@@ -4,9 +4,7 @@
 
 #include <algorithm>
 
-#include "cache/capture_schedule.h"
-#include "cache/kv_layout.h"
-#include "cache/kv_store.h"
+#include "cache/kv_kind.h"
 
 namespace kvsnap {
 namespace detail {
@@ -17,9 +15,9 @@ using Kind = SnapshotRecord::Kind;
 // valid; ring index i (0 = the oldest) lives in column start + (oldest + i) % length and holds
 // position offset - length + i. The buffer is linear when oldest == 0; it wraps only as a full
 // ring (length == max_size, start == 0) fed by single-token writes.
-class RotatingKVCacheImpl {
+class RotatingKVCacheImpl final : public KVKind {
  public:
-  explicit RotatingKVCacheImpl(int64_t max_size) : max_size(max_size) {}
+  explicit RotatingKVCacheImpl(int64_t max_size) : KVKind("RotatingKVCache"), max_size(max_size) {}
 
   int64_t first_position() const { return offset - length; }
   bool linear() const { return oldest == 0; }
@@ -71,9 +69,19 @@ class RotatingKVCacheImpl {
     return window;
   }
 
-  void capture_reached() {
+  // Captures are whole windows.
+  void capture_reached() override {
     while (schedule.active() && schedule.next() >= 0 && schedule.next() <= offset) {
       schedule.record(capture_window(schedule.next()));
+    }
+  }
+
+  // The ring policy: one token into the ring, a chunk into a linearized window.
+  void write(const Array& keys, const Array& values) override {
+    if (keys.dim(2) == 1) {
+      write_one(keys, values);
+    } else {
+      write_chunk(keys, values);
     }
   }
 
@@ -163,7 +171,7 @@ class RotatingKVCacheImpl {
     offset = target;
   }
 
-  KVHistory history() const {
+  KVHistory history() const override {
     if (!store.has_layout) return KVHistory();
     if (store.keys.empty()) {
       auto [k, v] = store.layout.allocate(0);
@@ -175,9 +183,7 @@ class RotatingKVCacheImpl {
   }
 
   const int64_t max_size;
-  KVStore store;  // before `schedule`: captured snapshots unlink from it
-  int64_t offset = 0, start = 0, length = 0, oldest = 0;
-  CaptureSchedule schedule;
+  int64_t start = 0, length = 0, oldest = 0;
 };
 
 // The snapshot as a window (null stays null); throws Error naming `call` for another kind.
@@ -213,28 +219,7 @@ RotatingKVCache::~RotatingKVCache() = default;
 int64_t RotatingKVCache::max_size() const { return impl_->max_size; }
 
 KVHistory RotatingKVCache::update(const Batch& batch, const Array& keys, const Array& values) {
-  detail::RotatingKVCacheImpl& c = *impl_;
-  detail::KVStore& store = c.store;
-  const int64_t length =
-      detail::check_update(batch, keys, values, c.offset,
-                           store.has_layout ? &store.layout : nullptr, "RotatingKVCache::update");
-  if (!store.has_layout) store.adopt_layout(detail::KVLayout::of(keys, values));
-  const auto write = [&](const Array& k, const Array& v) {
-    if (length == 1) {
-      c.write_one(k, v);
-    } else if (length > 1) {
-      c.write_chunk(k, v);
-    }
-  };
-  if (length == keys.dim(2)) {  // no padding columns: write the arrays as given
-    write(keys, values);
-  } else {
-    write(keys.slice(2, 0, length), values.slice(2, 0, length));
-  }
-  c.offset += length;
-  store.stats.appended_bytes += length * store.token_bytes();
-  c.capture_reached();
-  return c.history();
+  return impl_->update(batch, keys, values);
 }
 
 KVHistory RotatingKVCache::view(const Batch&) const { return impl_->history(); }
@@ -255,28 +240,20 @@ void RotatingKVCache::reset() {
 int64_t RotatingKVCache::offset() const { return impl_->offset; }
 
 SnapshotPtr RotatingKVCache::snapshot(int64_t from_offset) {
-  detail::RotatingKVCacheImpl& c = *impl_;
-  if (from_offset < 0 || from_offset > c.offset) {
-    throw Error(
-        fmt::format("RotatingKVCache::snapshot: from_offset {} out of range [0, {}] (the "
-                    "cache offset)",
-                    from_offset, c.offset));
-  }
-  return c.capture_window(c.offset);
+  impl_->check_snapshot_from(from_offset);
+  return impl_->capture_window(impl_->offset);
 }
 
 void RotatingKVCache::prepare_snapshots(std::span<const int64_t> offsets) {
-  impl_->schedule.prepare(offsets, impl_->offset, "RotatingKVCache::prepare_snapshots");
-  impl_->capture_reached();
+  impl_->prepare(offsets);
 }
-
-std::vector<SnapshotPtr> RotatingKVCache::take_snapshots() {
-  return impl_->schedule.take(impl_->offset, "RotatingKVCache::take_snapshots");
-}
+std::vector<SnapshotPtr> RotatingKVCache::take_snapshots() { return impl_->take(); }
+std::vector<SnapshotPtr> RotatingKVCache::take_reached_snapshots() { return impl_->take_reached(); }
+void RotatingKVCache::cancel_snapshots() { impl_->cancel(); }
 
 bool RotatingKVCache::restore(Snapshot* snapshot, int64_t target) {
   detail::RotatingKVCacheImpl& c = *impl_;
-  c.schedule.require_idle("RotatingKVCache::restore");
+  c.require_idle();
   if (snapshot == nullptr) {
     // Exact only while nothing was evicted: then the window holds every position [0, offset).
     if (c.offset > c.max_size || target < 0 || target > c.offset) return false;
@@ -308,12 +285,6 @@ CopyStats RotatingKVCache::copy_stats() const { return impl_->store.stats; }
 
 RestoreRule RotatingKVCache::restore_rule() const {
   return {RestoreRule::Kind::whole_state, impl_->max_size};
-}
-
-void RotatingKVCache::cancel_snapshots() { impl_->schedule.clear(); }
-
-std::vector<SnapshotPtr> RotatingKVCache::take_reached_snapshots() {
-  return impl_->schedule.take_reached();
 }
 
 }  // namespace kvsnap

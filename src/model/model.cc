@@ -1,4 +1,4 @@
-#include "kvsnap/model.h"
+#include "model/model.h"
 
 #include <cblas.h>
 #include <fmt/format.h>

@@ -2,7 +2,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "kvsnap/model.h"
+#include "model/model.h"
 
 namespace kvsnap {
 

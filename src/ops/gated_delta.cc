@@ -3,9 +3,11 @@
 
 namespace kvsnap {
 
-GatedDeltaResult gated_delta(const Array& q, const Array& k, const Array& v, const Array& g,
-                             const Array& beta, const Array& state,
-                             std::span<const int64_t> boundaries) {
+namespace {
+
+// Throws Error naming gated_delta unless the inputs have the documented shapes.
+void check_inputs(const Array& q, const Array& k, const Array& v, const Array& g, const Array& beta,
+                  const Array& state, std::span<const int64_t> boundaries) {
   constexpr const char* kCall = "gated_delta";
   detail::require_ndim(q, 4, kCall, "q", "[B, L, Hk, Dk]");
   detail::require_ndim(k, 4, kCall, "k", "[B, L, Hk, Dk]");
@@ -36,7 +38,38 @@ GatedDeltaResult gated_delta(const Array& q, const Array& k, const Array& v, con
                             shape_string(state_shape)));
   }
   detail::require_boundaries(boundaries, length, kCall);
+}
 
+// One time step of one value head: decay S ([Dv, Dk]), the delta-rule write of v for k, and the
+// output S q into `out` ([Dv]).
+void delta_step(float* S, const float* q, const float* k, const float* v, float decay, float rate,
+                int64_t value_depth, int64_t key_depth, float* out) {
+  for (int64_t i = 0; i < value_depth; ++i) {
+    float* Si = S + i * key_depth;
+    float u = 0.0f;
+    for (int64_t j = 0; j < key_depth; ++j) {
+      Si[j] *= decay;
+      u += Si[j] * k[j];
+    }
+    const float write = rate * (v[i] - u);
+    float o = 0.0f;
+    for (int64_t j = 0; j < key_depth; ++j) {
+      Si[j] += write * k[j];
+      o += Si[j] * q[j];
+    }
+    out[i] = o;
+  }
+}
+
+}  // namespace
+
+GatedDeltaResult gated_delta(const Array& q, const Array& k, const Array& v, const Array& g,
+                             const Array& beta, const Array& state,
+                             std::span<const int64_t> boundaries) {
+  check_inputs(q, k, v, g, beta, state, boundaries);
+  const int64_t rows = q.dim(0), length = q.dim(1), key_heads = q.dim(2), key_depth = q.dim(3);
+  const int64_t value_heads = v.dim(2), value_depth = v.dim(3);
+  const Shape state_shape{rows, value_heads, value_depth, key_depth};
   const std::vector<float> qf = q.to_floats(), kf = k.to_floats(), vf = v.to_floats();
   const std::vector<float> gf = g.to_floats(), bf = beta.to_floats();
   std::vector<float> s =
@@ -47,7 +80,6 @@ GatedDeltaResult gated_delta(const Array& q, const Array& k, const Array& v, con
   result.output = Array::zeros(DType::f32, {rows, length, value_heads, value_depth});
   float* out = result.output.mutable_data<float>();
   const int64_t group = value_heads / key_heads;
-  std::vector<float> recalled(static_cast<size_t>(value_depth));
 
   auto capture = [&] { result.states.push_back(Array::from_floats(s, state_shape)); };
   size_t next_boundary = 0;
@@ -55,27 +87,12 @@ GatedDeltaResult gated_delta(const Array& q, const Array& k, const Array& v, con
     for (int64_t b = 0; b < rows; ++b) {
       for (int64_t h = 0; h < value_heads; ++h) {
         const int64_t kh = h / group;
-        float* S = s.data() + ((b * value_heads + h) * value_depth) * key_depth;
-        const float* qt = qf.data() + ((b * length + t) * key_heads + kh) * key_depth;
-        const float* kt = kf.data() + ((b * length + t) * key_heads + kh) * key_depth;
-        const float* vt = vf.data() + ((b * length + t) * value_heads + h) * value_depth;
-        const float decay = gf[static_cast<size_t>((b * length + t) * value_heads + h)];
-        const float rate = bf[static_cast<size_t>((b * length + t) * value_heads + h)];
-        for (int64_t i = 0; i < value_depth; ++i) {
-          float* Si = S + i * key_depth;
-          float u = 0.0f;
-          for (int64_t j = 0; j < key_depth; ++j) {
-            Si[j] *= decay;
-            u += Si[j] * kt[j];
-          }
-          const float write = rate * (vt[i] - u);
-          float o = 0.0f;
-          for (int64_t j = 0; j < key_depth; ++j) {
-            Si[j] += write * kt[j];
-            o += Si[j] * qt[j];
-          }
-          out[((b * length + t) * value_heads + h) * value_depth + i] = o;
-        }
+        const int64_t gate = (b * length + t) * value_heads + h;
+        delta_step(s.data() + ((b * value_heads + h) * value_depth) * key_depth,
+                   qf.data() + ((b * length + t) * key_heads + kh) * key_depth,
+                   kf.data() + ((b * length + t) * key_heads + kh) * key_depth,
+                   vf.data() + gate * value_depth, gf[static_cast<size_t>(gate)],
+                   bf[static_cast<size_t>(gate)], value_depth, key_depth, out + gate * value_depth);
       }
     }
     if (next_boundary < boundaries.size() && boundaries[next_boundary] == t + 1) {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -78,13 +79,15 @@ std::string encode_safetensors(const SafetensorsFile& file) {
   return out;
 }
 
-SafetensorsFile decode_safetensors(const std::string& bytes, const std::string& source) {
-  const auto fail = [&](const std::string& rule) {
-    return Error(fmt::format("safetensors {}: {}", source, rule));
-  };
+namespace {
+
+using Fail = std::function<Error(const std::string&)>;
+
+// The JSON header of `bytes` (its 8-byte little-endian length, then the text).
+Json parse_header(const std::string& bytes, uint64_t& length, const Fail& fail) {
   if (bytes.size() < 8)
     throw fail(fmt::format("{} bytes is shorter than the 8-byte header length", bytes.size()));
-  uint64_t length = 0;
+  length = 0;
   for (int i = 0; i < 8; ++i) {
     length |= static_cast<uint64_t>(static_cast<unsigned char>(bytes[static_cast<size_t>(i)]))
               << (8 * i);
@@ -102,64 +105,57 @@ SafetensorsFile decode_safetensors(const std::string& bytes, const std::string& 
     throw fail(fmt::format("the header is not valid JSON ({})", e.what()));
   }
   if (!header.is_object()) throw fail("the header is not a JSON object");
+  return header;
+}
 
-  SafetensorsFile file;
-  const uint64_t data_size = bytes.size() - 8 - length;
-  const char* data = bytes.data() + 8 + length;
-  std::vector<std::pair<uint64_t, uint64_t>> ranges;
-  for (const auto& [name, entry] : header.items()) {
-    if (name == "__metadata__") {
-      if (!entry.is_object()) throw fail("__metadata__ is not an object");
-      for (const auto& [key, value] : entry.items()) {
-        if (!value.is_string()) throw fail(fmt::format("metadata \"{}\" is not a string", key));
-        file.metadata[key] = value.get<std::string>();
-      }
-      continue;
-    }
-    if (!entry.is_object() || !entry.contains("dtype") || !entry.contains("shape") ||
-        !entry.contains("data_offsets")) {
-      throw fail(fmt::format("tensor \"{}\" lacks dtype, shape or data_offsets", name));
-    }
-    DType dtype;
-    if (!entry["dtype"].is_string() || !parse_dtype(entry["dtype"].get<std::string>(), dtype)) {
-      throw fail(fmt::format("tensor \"{}\" has unknown dtype {}", name, entry["dtype"].dump()));
-    }
-    const Json& shape_json = entry["shape"];
-    if (!shape_json.is_array() || shape_json.size() > static_cast<size_t>(Array::kMaxDims)) {
-      throw fail(fmt::format("tensor \"{}\" has shape {} (need at most {} extents)", name,
-                             shape_json.dump(), Array::kMaxDims));
-    }
-    Shape shape;
-    uint64_t elements = 1;
-    for (const Json& extent : shape_json) {
-      if (!extent.is_number_unsigned() || extent.get<uint64_t>() > (uint64_t(1) << 40)) {
-        throw fail(fmt::format("tensor \"{}\" has a bad extent {}", name, extent.dump()));
-      }
-      shape.push_back(static_cast<int64_t>(extent.get<uint64_t>()));
-      elements *= extent.get<uint64_t>();
-      if (elements > (uint64_t(1) << 40))
-        throw fail(fmt::format("tensor \"{}\" is too large", name));
-    }
-    const Json& offsets = entry["data_offsets"];
-    if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
-        !offsets[1].is_number_unsigned()) {
-      throw fail(fmt::format("tensor \"{}\" has bad data_offsets {}", name, offsets.dump()));
-    }
-    const uint64_t begin = offsets[0].get<uint64_t>(), end = offsets[1].get<uint64_t>();
-    const uint64_t expected = elements * static_cast<uint64_t>(dtype_size(dtype));
-    if (begin > end || end > data_size || end - begin != expected) {
-      throw fail(
-          fmt::format("tensor \"{}\" data_offsets [{}, {}) do not hold {} bytes within the "
-                      "{}-byte data section",
-                      name, begin, end, expected, data_size));
-    }
-    ranges.emplace_back(begin, end);
-    Array array = Array::uninitialized(dtype, shape);
-    if (expected > 0) {
-      std::memcpy(array.mutable_bytes(), data + begin, expected);
-    }
-    file.tensors.emplace_back(name, std::move(array));
+// One tensor's entry: its array (data copied from `data`, `data_size` bytes) and byte range.
+Array parse_tensor(const std::string& name, const Json& entry, const char* data, uint64_t data_size,
+                   std::pair<uint64_t, uint64_t>& range, const Fail& fail) {
+  if (!entry.is_object() || !entry.contains("dtype") || !entry.contains("shape") ||
+      !entry.contains("data_offsets")) {
+    throw fail(fmt::format("tensor \"{}\" lacks dtype, shape or data_offsets", name));
   }
+  DType dtype;
+  if (!entry["dtype"].is_string() || !parse_dtype(entry["dtype"].get<std::string>(), dtype)) {
+    throw fail(fmt::format("tensor \"{}\" has unknown dtype {}", name, entry["dtype"].dump()));
+  }
+  const Json& shape_json = entry["shape"];
+  if (!shape_json.is_array() || shape_json.size() > static_cast<size_t>(Array::kMaxDims)) {
+    throw fail(fmt::format("tensor \"{}\" has shape {} (need at most {} extents)", name,
+                           shape_json.dump(), Array::kMaxDims));
+  }
+  Shape shape;
+  uint64_t elements = 1;
+  for (const Json& extent : shape_json) {
+    if (!extent.is_number_unsigned() || extent.get<uint64_t>() > (uint64_t(1) << 40)) {
+      throw fail(fmt::format("tensor \"{}\" has a bad extent {}", name, extent.dump()));
+    }
+    shape.push_back(static_cast<int64_t>(extent.get<uint64_t>()));
+    elements *= extent.get<uint64_t>();
+    if (elements > (uint64_t(1) << 40)) throw fail(fmt::format("tensor \"{}\" is too large", name));
+  }
+  const Json& offsets = entry["data_offsets"];
+  if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
+      !offsets[1].is_number_unsigned()) {
+    throw fail(fmt::format("tensor \"{}\" has bad data_offsets {}", name, offsets.dump()));
+  }
+  const uint64_t begin = offsets[0].get<uint64_t>(), end = offsets[1].get<uint64_t>();
+  const uint64_t expected = elements * static_cast<uint64_t>(dtype_size(dtype));
+  if (begin > end || end > data_size || end - begin != expected) {
+    throw fail(
+        fmt::format("tensor \"{}\" data_offsets [{}, {}) do not hold {} bytes within the "
+                    "{}-byte data section",
+                    name, begin, end, expected, data_size));
+  }
+  range = {begin, end};
+  Array array = Array::uninitialized(dtype, shape);
+  if (expected > 0) std::memcpy(array.mutable_bytes(), data + begin, expected);
+  return array;
+}
+
+// Throws unless the ranges cover [0, data_size) without holes or overlaps.
+void check_coverage(std::vector<std::pair<uint64_t, uint64_t>> ranges, uint64_t data_size,
+                    const Fail& fail) {
   std::sort(ranges.begin(), ranges.end());
   uint64_t covered = 0;
   for (const auto& [begin, end] : ranges) {
@@ -173,11 +169,42 @@ SafetensorsFile decode_safetensors(const std::string& bytes, const std::string& 
   if (covered != data_size) {
     throw fail(fmt::format("bytes [{}, {}) of the data are not indexed", covered, data_size));
   }
+}
+
+}  // namespace
+
+SafetensorsFile decode_safetensors(const std::string& bytes, const std::string& source) {
+  const Fail fail = [&](const std::string& rule) {
+    return Error(fmt::format("safetensors {}: {}", source, rule));
+  };
+  uint64_t length = 0;
+  const Json header = parse_header(bytes, length, fail);
+  SafetensorsFile file;
+  const uint64_t data_size = bytes.size() - 8 - length;
+  const char* data = bytes.data() + 8 + length;
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  for (const auto& [name, entry] : header.items()) {
+    if (name == "__metadata__") {
+      if (!entry.is_object()) throw fail("__metadata__ is not an object");
+      for (const auto& [key, value] : entry.items()) {
+        if (!value.is_string()) throw fail(fmt::format("metadata \"{}\" is not a string", key));
+        file.metadata[key] = value.get<std::string>();
+      }
+      continue;
+    }
+    std::pair<uint64_t, uint64_t> range;
+    file.tensors.emplace_back(name, parse_tensor(name, entry, data, data_size, range, fail));
+    ranges.push_back(range);
+  }
+  check_coverage(ranges, data_size, fail);
   // Keep file order (JSON objects are sorted by key in nlohmann's default object).
-  std::sort(file.tensors.begin(), file.tensors.end(), [&](const auto& a, const auto& b) {
-    return header[a.first]["data_offsets"][0].template get<uint64_t>() <
-           header[b.first]["data_offsets"][0].template get<uint64_t>();
-  });
+  std::vector<size_t> order(file.tensors.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return ranges[a].first < ranges[b].first; });
+  std::vector<std::pair<std::string, Array>> sorted;
+  for (size_t i : order) sorted.push_back(std::move(file.tensors[i]));
+  file.tensors = std::move(sorted);
   return file;
 }
 

@@ -10,7 +10,6 @@
 #include <vector>
 
 #include "kvsnap/array.h"
-#include "kvsnap/export.h"
 
 namespace kvsnap::detail {
 
@@ -23,14 +22,13 @@ struct SafetensorsFile {
 };
 
 // Serializes tensors (any layout; written compact) and metadata to bytes.
-KVSNAP_EXPORT std::string encode_safetensors(const SafetensorsFile&);
+std::string encode_safetensors(const SafetensorsFile&);
 // Parses and validates bytes (every rule above); throws Error naming `source` and the rule
 // broken. Nothing partial is returned.
-KVSNAP_EXPORT SafetensorsFile decode_safetensors(const std::string& bytes,
-                                                 const std::string& source);
+SafetensorsFile decode_safetensors(const std::string& bytes, const std::string& source);
 
 // Whole-file helpers; read errors and decode errors throw Error.
-KVSNAP_EXPORT std::string read_file(const std::string& path);
-KVSNAP_EXPORT SafetensorsFile read_safetensors(const std::string& path);
+std::string read_file(const std::string& path);
+SafetensorsFile read_safetensors(const std::string& path);
 
 }  // namespace kvsnap::detail

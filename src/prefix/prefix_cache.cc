@@ -18,13 +18,6 @@ namespace kvsnap {
 namespace detail {
 namespace {
 
-int64_t common_prefix(std::span<const int32_t> a, std::span<const int32_t> b) {
-  const size_t n = std::min(a.size(), b.size());
-  size_t i = 0;
-  while (i < n && a[i] == b[i]) ++i;
-  return static_cast<int64_t>(i);
-}
-
 std::vector<LayerInfo> describe_layers(const std::vector<Cache*>& layers) {
   std::vector<LayerInfo> out;
   for (Cache* cache : layers) {

@@ -5,16 +5,12 @@
 #include <algorithm>
 
 namespace kvsnap::detail {
-namespace {
-
 int64_t common_prefix(std::span<const int32_t> a, std::span<const int32_t> b) {
   const size_t n = std::min(a.size(), b.size());
   size_t i = 0;
   while (i < n && a[i] == b[i]) ++i;
   return static_cast<int64_t>(i);
 }
-
-}  // namespace
 
 Trie::Trie(std::vector<LayerInfo> layers) : layers_(std::move(layers)) {
   root_.snapshots.resize(layers_.size());

@@ -18,6 +18,9 @@
 
 namespace kvsnap::detail {
 
+// Length of the longest common prefix of two token sequences.
+int64_t common_prefix(std::span<const int32_t> a, std::span<const int32_t> b);
+
 struct Node {
   Node* parent = nullptr;
   std::vector<int32_t> edge;  // tokens [start(), end)

@@ -121,64 +121,79 @@ std::string encode_trie(const Trie& trie, const std::string& model_id) {
   return encode_sealed(std::move(file));
 }
 
-LoadedTrie decode_trie(const std::string& bytes, const std::string& source,
-                       const std::vector<LayerInfo>& layers, const std::string& model_id) {
-  const SafetensorsFile file = decode_safetensors(bytes, source);
-  const auto fail = [&](const std::string& what) {
-    return Error(fmt::format("{}: {}", source, what));
-  };
-  const auto meta = [&](const char* key) -> const std::string& {
-    const auto it = file.metadata.find(key);
-    if (it == file.metadata.end()) throw fail(fmt::format("metadata \"{}\" is missing", key));
+namespace {
+
+// Reads a trie file's nodes in order, checking each against the layers and the nodes before it.
+class TrieDecoder {
+ public:
+  TrieDecoder(const SafetensorsFile& file, const std::string& source,
+              const std::vector<LayerInfo>& layers)
+      : file_(file), source_(source), layers_(layers) {}
+
+  Error fail(const std::string& what) const { return Error(fmt::format("{}: {}", source_, what)); }
+  const std::string& meta(const char* key) const {
+    const auto it = file_.metadata.find(key);
+    if (it == file_.metadata.end()) throw fail(fmt::format("metadata \"{}\" is missing", key));
     return it->second;
-  };
-  if (meta("format") != kFormat)
-    throw fail(fmt::format("format \"{}\" is not {}", meta("format"), kFormat));
-  if (meta("version") != std::to_string(kVersion)) {
-    throw fail(fmt::format("version \"{}\" is unknown (this build reads version {})",
-                           meta("version"), kVersion));
   }
-  check_seal(bytes, file, source);
-  if (meta("model") != model_id) {
-    throw fail(fmt::format("it was saved for model \"{}\", this cache serves \"{}\"", meta("model"),
-                           model_id));
-  }
-  Json saved_layers, entries;
-  try {
-    saved_layers = Json::parse(meta("layers"));
-    entries = Json::parse(meta("nodes"));
-  } catch (const Json::exception& e) {
-    throw fail(fmt::format("layers or nodes metadata is not valid JSON ({})", e.what()));
-  }
-  if (!saved_layers.is_array() || saved_layers.size() != layers.size()) {
-    throw fail(fmt::format("it holds {} layers, this cache has {}",
-                           saved_layers.is_array() ? saved_layers.size() : 0, layers.size()));
-  }
-  for (size_t i = 0; i < layers.size(); ++i) {
-    if (saved_layers[i] != describe(layers[i])) {
-      throw fail(fmt::format("layer {} is {} in the file but {} here", i, saved_layers[i].dump(),
-                             describe(layers[i]).dump()));
+
+  // Format, version, checksum, model and the layers' configuration.
+  void check_header(const std::string& bytes, const std::string& model_id) const {
+    if (meta("format") != kFormat)
+      throw fail(fmt::format("format \"{}\" is not {}", meta("format"), kFormat));
+    if (meta("version") != std::to_string(kVersion)) {
+      throw fail(fmt::format("version \"{}\" is unknown (this build reads version {})",
+                             meta("version"), kVersion));
+    }
+    check_seal(bytes, file_, source_);
+    if (meta("model") != model_id) {
+      throw fail(fmt::format("it was saved for model \"{}\", this cache serves \"{}\"",
+                             meta("model"), model_id));
+    }
+    const Json saved = parse("layers");
+    if (!saved.is_array() || saved.size() != layers_.size()) {
+      throw fail(fmt::format("it holds {} layers, this cache has {}",
+                             saved.is_array() ? saved.size() : 0, layers_.size()));
+    }
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      if (saved[i] != describe(layers_[i])) {
+        throw fail(fmt::format("layer {} is {} in the file but {} here", i, saved[i].dump(),
+                               describe(layers_[i]).dump()));
+      }
     }
   }
-  const Array& edges = file.at("edges", source.c_str());
-  if (edges.dtype() != DType::i32 || edges.ndim() != 1)
-    throw fail("\"edges\" must be a 1-d I32 tensor");
-  const std::vector<int32_t> tokens = edges.to_ints();
-  if (!entries.is_array()) throw fail("\"nodes\" must be an array");
 
-  LoadedTrie loaded;
-  try {
-    loaded.clock = std::stoll(meta("clock"));
-  } catch (const std::exception&) {
-    throw fail("\"clock\" is not an integer");
+  LoadedTrie nodes() {
+    const Array& edges = file_.at("edges", source_.c_str());
+    if (edges.dtype() != DType::i32 || edges.ndim() != 1)
+      throw fail("\"edges\" must be a 1-d I32 tensor");
+    tokens_ = edges.to_ints();
+    const Json entries = parse("nodes");
+    if (!entries.is_array()) throw fail("\"nodes\" must be an array");
+    LoadedTrie loaded;
+    try {
+      loaded.clock = std::stoll(meta("clock"));
+    } catch (const std::exception&) {
+      throw fail("\"clock\" is not an integer");
+    }
+    for (size_t n = 0; n < entries.size(); ++n) loaded.nodes.push_back(node(n, entries[n]));
+    if (position_ != tokens_.size())
+      throw fail(fmt::format("{} edge tokens belong to no node", tokens_.size() - position_));
+    if (claimed_ != file_.tensors.size())
+      throw fail(fmt::format("{} tensors belong to no node", file_.tensors.size() - claimed_));
+    return loaded;
   }
-  std::vector<int64_t> ends;
-  std::map<std::pair<int64_t, int32_t>, int64_t> first_tokens;  // (parent, first token) -> node
-  size_t position = 0;
-  size_t claimed = 1;                          // "edges"
-  std::map<size_t, std::string> layer_shapes;  // layer -> signature of its first snapshot
-  for (size_t n = 0; n < entries.size(); ++n) {
-    const Json& e = entries[n];
+
+ private:
+  Json parse(const char* key) const {
+    try {
+      return Json::parse(meta(key));
+    } catch (const Json::exception& e) {
+      throw fail(fmt::format("metadata \"{}\" is not valid JSON ({})", key, e.what()));
+    }
+  }
+
+  LoadedNode node(size_t n, const Json& e) {
     const auto field = [&](const char* key) -> const Json& {
       if (!e.is_object() || !e.contains(key))
         throw fail(fmt::format("node {} lacks \"{}\"", n, key));
@@ -195,83 +210,94 @@ LoadedTrie decode_trie(const std::string& bytes, const std::string& source,
     if (node.parent < -1 || node.parent >= static_cast<int64_t>(n)) {
       throw fail(fmt::format("node {} names parent {}, not an earlier node", n, node.parent));
     }
-    if (length == 0 || length > tokens.size() - position) {
+    if (length == 0 || length > tokens_.size() - position_) {
       throw fail(fmt::format("node {} has an edge of {} tokens ({} left in \"edges\")", n, length,
-                             tokens.size() - position));
+                             tokens_.size() - position_));
     }
-    node.edge.assign(tokens.begin() + static_cast<std::ptrdiff_t>(position),
-                     tokens.begin() + static_cast<std::ptrdiff_t>(position + length));
-    position += length;
-    if (!first_tokens.emplace(std::pair{node.parent, node.edge.front()}, static_cast<int64_t>(n))
-             .second) {
+    node.edge.assign(tokens_.begin() + static_cast<std::ptrdiff_t>(position_),
+                     tokens_.begin() + static_cast<std::ptrdiff_t>(position_ + length));
+    position_ += length;
+    if (!first_tokens_.emplace(std::pair{node.parent, node.edge.front()}, n).second) {
       throw fail(
           fmt::format("node {} shares its first token {} with a sibling", n, node.edge.front()));
     }
-    const int64_t start = node.parent < 0 ? 0 : ends[static_cast<size_t>(node.parent)];
-    const int64_t end = start + static_cast<int64_t>(length);
-    ends.push_back(end);
+    const int64_t start = node.parent < 0 ? 0 : ends_[static_cast<size_t>(node.parent)];
+    ends_.push_back(start + static_cast<int64_t>(length));
     node.user = field("user").get<bool>();
     node.last_used = field("used").get<int64_t>();
     const Json& snapshots = field("snapshots");
-    if (snapshots.size() != layers.size())
+    if (snapshots.size() != layers_.size())
       throw fail(fmt::format("node {} has {} snapshot slots", n, snapshots.size()));
-    for (size_t i = 0; i < layers.size(); ++i) {
-      const Json& s = snapshots[i];
-      if (s.is_null()) {
-        node.snapshots.push_back(nullptr);
-        continue;
-      }
-      const std::string expected =
-          layers[i].cache == nullptr ? "none" : describe(layers[i])["kind"].get<std::string>();
-      if (!s.is_object() || !s.contains("kind") || s["kind"] != expected || !s.contains("from") ||
-          !s.contains("to") || !s["from"].is_number_integer() || !s["to"].is_number_integer()) {
-        throw fail(fmt::format("node {} layer {}: snapshot {} does not fit a {} layer", n, i,
-                               s.dump(), expected));
-      }
-      const int64_t from = s["from"].get<int64_t>(), to = s["to"].get<int64_t>();
-      const bool ranged = expected == "kv";
-      if (ranged ? (from != start || to != end) : (from != end || to != end)) {
-        throw fail(fmt::format(
-            "node {} [{}, {}) layer {}: snapshot range [{}, {}) does not match the node", n, start,
-            end, i, from, to));
-      }
-      const std::string prefix = fmt::format("node.{}.layer.{}", n, i);
-      SnapshotRecord record{
-          ranged                   ? SnapshotRecord::Kind::kv
-          : expected == "rotating" ? SnapshotRecord::Kind::rotating
-                                   : SnapshotRecord::Kind::recurrent,
-          file.at(fmt::format("{}.a", prefix), source.c_str()),
-          file.at(fmt::format("{}.b", prefix), source.c_str()),
-          from,
-          to,
-          expected == "rotating" ? describe(layers[i])["max_size"].get<int64_t>() : 0};
-      claimed += 2;
-      // Every snapshot of a layer must fit one cache: the same batch size, heads, depths and
-      // dtypes (a recurrent layer's also its configured shapes).
-      const std::string shapes = signature(record, layers[i]);
-      if (shapes.empty()) {
-        throw fail(fmt::format(
-            "node {} layer {}: recurrent snapshot {} / {} does not have the "
-            "layer's shapes {}",
-            n, i, record.first.describe(), record.second.describe(), describe(layers[i]).dump()));
-      }
-      auto [first, inserted] = layer_shapes.emplace(i, shapes);
-      if (!inserted && first->second != shapes) {
-        throw fail(
-            fmt::format("node {} layer {}: snapshot {} does not fit the layer's other "
-                        "snapshots ({})",
-                        n, i, shapes, first->second));
-      }
+    for (size_t i = 0; i < layers_.size(); ++i) {
       node.snapshots.push_back(
-          make_snapshot(std::move(record), fmt::format("{} {}", source, prefix)));
+          snapshots[i].is_null() ? nullptr : snapshot(n, i, snapshots[i], start, ends_.back()));
     }
-    loaded.nodes.push_back(std::move(node));
+    return node;
   }
-  if (position != tokens.size())
-    throw fail(fmt::format("{} edge tokens belong to no node", tokens.size() - position));
-  if (claimed != file.tensors.size())
-    throw fail(fmt::format("{} tensors belong to no node", file.tensors.size() - claimed));
-  return loaded;
+
+  // Layer i's snapshot of node n, which spans [start, end).
+  SnapshotPtr snapshot(size_t n, size_t i, const Json& s, int64_t start, int64_t end) {
+    const std::string expected =
+        layers_[i].cache == nullptr ? "none" : describe(layers_[i])["kind"].get<std::string>();
+    if (!s.is_object() || !s.contains("kind") || s["kind"] != expected || !s.contains("from") ||
+        !s.contains("to") || !s["from"].is_number_integer() || !s["to"].is_number_integer()) {
+      throw fail(fmt::format("node {} layer {}: snapshot {} does not fit a {} layer", n, i,
+                             s.dump(), expected));
+    }
+    const int64_t from = s["from"].get<int64_t>(), to = s["to"].get<int64_t>();
+    const bool ranged = expected == "kv";
+    if (ranged ? (from != start || to != end) : (from != end || to != end)) {
+      throw fail(
+          fmt::format("node {} [{}, {}) layer {}: snapshot range [{}, {}) does not match the node",
+                      n, start, end, i, from, to));
+    }
+    const std::string prefix = fmt::format("node.{}.layer.{}", n, i);
+    SnapshotRecord record{
+        ranged                   ? SnapshotRecord::Kind::kv
+        : expected == "rotating" ? SnapshotRecord::Kind::rotating
+                                 : SnapshotRecord::Kind::recurrent,
+        file_.at(fmt::format("{}.a", prefix), source_.c_str()),
+        file_.at(fmt::format("{}.b", prefix), source_.c_str()),
+        from,
+        to,
+        expected == "rotating" ? describe(layers_[i])["max_size"].get<int64_t>() : 0};
+    claimed_ += 2;
+    // Every snapshot of a layer must fit one cache: the same batch size, heads, depths and
+    // dtypes (a recurrent layer's also its configured shapes).
+    const std::string shapes = signature(record, layers_[i]);
+    if (shapes.empty()) {
+      throw fail(fmt::format(
+          "node {} layer {}: recurrent snapshot {} / {} does not have the layer's shapes {}", n, i,
+          record.first.describe(), record.second.describe(), describe(layers_[i]).dump()));
+    }
+    auto [first, inserted] = layer_shapes_.emplace(i, shapes);
+    if (!inserted && first->second != shapes) {
+      throw fail(
+          fmt::format("node {} layer {}: snapshot {} does not fit the layer's other snapshots ({})",
+                      n, i, shapes, first->second));
+    }
+    return make_snapshot(std::move(record), fmt::format("{} {}", source_, prefix));
+  }
+
+  const SafetensorsFile& file_;
+  const std::string& source_;
+  const std::vector<LayerInfo>& layers_;
+  std::vector<int32_t> tokens_;  // every edge, in node order
+  size_t position_ = 0;          // edge tokens claimed so far
+  size_t claimed_ = 1;           // tensors claimed so far ("edges")
+  std::vector<int64_t> ends_;    // per node read: the offset its edge ends at
+  std::map<std::pair<int64_t, int32_t>, size_t> first_tokens_;  // (parent, first token) -> node
+  std::map<size_t, std::string> layer_shapes_;  // layer -> signature of its first snapshot
+};
+
+}  // namespace
+
+LoadedTrie decode_trie(const std::string& bytes, const std::string& source,
+                       const std::vector<LayerInfo>& layers, const std::string& model_id) {
+  const SafetensorsFile file = decode_safetensors(bytes, source);
+  TrieDecoder decoder(file, source, layers);
+  decoder.check_header(bytes, model_id);
+  return decoder.nodes();
 }
 
 void install(Trie& trie, LoadedTrie loaded) {

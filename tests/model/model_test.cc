@@ -1,6 +1,7 @@
+#include "model/model.h"
+
 #include <gtest/gtest.h>
 #include <kvsnap/kvsnap.h>
-#include <kvsnap/model.h>
 
 #include <filesystem>
 #include <fstream>

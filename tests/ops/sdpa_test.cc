@@ -1,5 +1,5 @@
 #include <gtest/gtest.h>
-#include <kvsnap/attention.h>
+#include <kvsnap/ops.h>
 
 #include <cmath>
 #include <limits>

@@ -1,12 +1,12 @@
 #include "replay.h"
 
 #include <gtest/gtest.h>
-#include <kvsnap/model.h>
 #include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
 
+#include "model/model.h"
 #include "support/test_support.h"
 #include "workload.h"
 

@@ -1,5 +1,5 @@
 // The built-in tiny hybrid transformer: what `kvsnap replay` runs, built only from kvsnap's
-// caches and reference kernels.
+// caches and reference kernels. Part of the tools (not installed): it links kvsnap_internal.
 //
 // Token embedding, then a pattern of layers — 'A' full attention with RoPE and GQA (KVCache),
 // 'S' sliding-window attention (RotatingKVCache), 'R' a gated-delta-net layer with a short causal
@@ -20,11 +20,10 @@
 
 #include "kvsnap/array.h"
 #include "kvsnap/cache.h"
-#include "kvsnap/export.h"
 
 namespace kvsnap {
 
-struct KVSNAP_EXPORT ModelConfig {
+struct ModelConfig {
   int64_t vocab_size = 512;
   int64_t hidden = 256;
   int64_t mlp_hidden = 768;
@@ -57,7 +56,7 @@ namespace detail {
 struct ModelWeights;
 }
 
-class KVSNAP_EXPORT Model {
+class Model {
  public:
   // Weights generated deterministically from config.seed.
   explicit Model(ModelConfig config);
@@ -84,6 +83,6 @@ class KVSNAP_EXPORT Model {
 };
 
 // Raw pointers to owned caches, in order (for Model::forward and PrefixCache).
-KVSNAP_EXPORT std::vector<Cache*> cache_pointers(const std::vector<std::unique_ptr<Cache>>&);
+std::vector<Cache*> cache_pointers(const std::vector<std::unique_ptr<Cache>>&);
 
 }  // namespace kvsnap

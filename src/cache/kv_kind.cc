@@ -1,0 +1,48 @@
+#include "cache/kv_kind.h"
+
+#include <fmt/format.h>
+
+namespace kvsnap::detail {
+
+KVKind::KVKind(const char* name)
+    : calls_{fmt::format("{}::update", name),
+             fmt::format("{}::snapshot", name),
+             fmt::format("{}::prepare_snapshots", name),
+             fmt::format("{}::take_snapshots", name),
+             fmt::format("{}::restore", name),
+             fmt::format("{}::merge", name),
+             fmt::format("{}::split", name)} {}
+
+KVHistory KVKind::update(const Batch& batch, const Array& keys, const Array& values) {
+  const int64_t length =
+      check_update(batch, keys, values, offset, store.has_layout ? &store.layout : nullptr,
+                   calls_.update.c_str());
+  if (!store.has_layout) store.adopt_layout(KVLayout::of(keys, values));
+  if (length > 0) {
+    if (length == keys.dim(2)) {  // no padding columns: write the arrays as given
+      write(keys, values);
+    } else {
+      write(keys.slice(2, 0, length), values.slice(2, 0, length));
+    }
+    offset += length;
+    store.stats.appended_bytes += length * store.token_bytes();
+  }
+  capture_reached();
+  return history();
+}
+
+void KVKind::check_snapshot_from(int64_t from_offset) const {
+  if (from_offset < 0 || from_offset > offset) {
+    throw Error(fmt::format("{}: from_offset {} out of range [0, {}] (the cache offset)",
+                            calls_.snapshot, from_offset, offset));
+  }
+}
+
+void KVKind::prepare(std::span<const int64_t> offsets) {
+  schedule.prepare(offsets, offset, calls_.prepare.c_str());
+  capture_reached();
+}
+
+std::vector<SnapshotPtr> KVKind::take() { return schedule.take(offset, calls_.take.c_str()); }
+
+}  // namespace kvsnap::detail

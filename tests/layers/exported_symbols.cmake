@@ -1,0 +1,17 @@
+# cmake -P script: the shared library exports kvsnap's public API only — no symbol defined in
+# namespace kvsnap::detail (internals stay internal; the tools link kvsnap_internal instead).
+execute_process(COMMAND nm -D --defined-only -C ${LIBRARY} OUTPUT_VARIABLE symbols RESULT_VARIABLE status)
+if(NOT status EQUAL 0)
+  message(FATAL_ERROR "nm failed on ${LIBRARY}")
+endif()
+string(REGEX MATCHALL "[^\n]* [TtWwVvDdBbRr] kvsnap::detail::[^\n]*" leaked "${symbols}")
+if(leaked)
+  string(REPLACE ";" "\n" leaked "${leaked}")
+  message(FATAL_ERROR "exported detail symbols:\n${leaked}")
+endif()
+string(REGEX MATCHALL " T kvsnap::" public "${symbols}")
+list(LENGTH public count)
+if(count LESS 50)
+  message(FATAL_ERROR "only ${count} kvsnap:: functions exported: the public API is missing")
+endif()
+message(STATUS "ok: ${count} public kvsnap:: functions exported, no detail:: symbol")
