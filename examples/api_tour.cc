@@ -60,6 +60,21 @@ int main() {
   }
   if (prefix.stats().reused_tokens != 11) return 4;
 
+  // What a write would copy, and a forward cut short.
+  (void)cache.restore(nullptr, 5);
+  if (cache.lazy_bytes(5, 12) != 7 * 2 * 2 * 8 * 2) return 6;  // s names slots 5..11
+  KVCache cut;
+  cut.prepare_snapshots(std::vector<int64_t>{4, 8});
+  (void)cut.update(Batch::uniform(1, 6, 0), tokens_kv(6, 2.0f), tokens_kv(6, 3.0f));
+  if (cut.take_reached_snapshots().size() != 1) return 7;
+  (void)cache.restore(s.get(), 12);
+
+  // The buffer pool.
+  const PoolOptions pool = pool_options();
+  set_pool_options({.max_bytes = int64_t(1) << 30, .idle_seconds = 5});
+  trim_pool();
+  set_pool_options(pool);
+
   // Persistence.
   const auto dir = std::filesystem::temp_directory_path() / "kvsnap_api_tour";
   std::filesystem::create_directories(dir);

@@ -3,8 +3,10 @@
 //
 // Offsets count tokens written so far. A KV snapshot holds the keys/values of a half-open range
 // [from, to); whole-state snapshots (rotating window, recurrent state) hold the state at one
-// offset. Snapshots may be lazy: they name slots of the live buffer, own no bytes, and the cache
-// copies them out ("materializes" them) before it would overwrite or free those slots.
+// offset. Snapshots may be lazy: they name slots of the live buffer and own no bytes. Before a
+// write overwrites slots a lazy snapshot names, the cache copies exactly those slots out
+// ("materializes" that part); the rest stays lazy. Freeing the buffer (reset, destruction)
+// copies out whatever is still named.
 //
 //   kvsnap::KVCache cache;
 //   cache.update(batch, keys, values);             // 10 tokens
@@ -35,17 +37,20 @@ class KVSNAP_EXPORT Snapshot {
   Snapshot(const Snapshot&) = delete;
   Snapshot& operator=(const Snapshot&) = delete;
 
-  // Bytes this snapshot owns; 0 while lazy.
+  // Bytes this snapshot owns: 0 while wholly lazy. Once a write reaches one of its slots, the
+  // storage for the run of slots it overwrites (up to the end of that run) is owned, though
+  // only the overwritten slots were copied.
   virtual int64_t size() const = 0;
-  // `hook(delta)` runs once, with the bytes newly owned, when a lazy snapshot materializes.
-  // Replaces any previous hook; never runs for a snapshot that is already owned.
+  // `hook(delta)` runs whenever size() changes without a call on the snapshot — a lazy snapshot
+  // materializing, at once or in parts — with the change in bytes. Replaces any previous hook;
+  // never runs for a snapshot that owns everything already.
   virtual void set_materialize_hook(std::function<void(int64_t delta)>) = 0;
 
   // KV kinds: the range [from(), to()) of tokens whose data it holds. Whole-state kinds:
   // from() == to() == the offset whose state it holds.
   virtual int64_t from() const = 0;
   virtual int64_t to() const = 0;
-  // True while it names live cache slots instead of owning its bytes.
+  // True while it names live cache slots for some of its data.
   virtual bool is_lazy() const = 0;
 
  protected:

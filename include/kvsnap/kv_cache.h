@@ -2,16 +2,17 @@
 //
 // Keys and values live in [B, H, capacity, D] buffers. Capacity grows geometrically in steps of
 // at least 256 tokens, so a long prefill copies each byte O(1) times. `snapshot(from)` records
-// [from, offset) as a range of the live buffer: no bytes, no allocation. The cache copies a lazy
-// snapshot out only before it would overwrite or free its slots (an append after a rewind,
-// reset, destruction), then fires the snapshot's materialize hook.
+// [from, offset) as a range of the live buffer: no bytes, no allocation. Before a write
+// overwrites slots a lazy snapshot names (an append after a rewind) the cache copies exactly
+// those slots out and fires the snapshot's materialize hook; reset and destruction copy out what
+// is still named. A write costs the same however many snapshots are outstanding.
 //
 //   kvsnap::KVCache cache;
 //   auto history = cache.update(kvsnap::Batch::uniform(1, 8, 0), keys, values);  // offset 8
 //   auto s = cache.snapshot(0);             // lazy [0, 8)
 //   (void)cache.restore(nullptr, 5);        // live rewind to 5
-//   cache.update(kvsnap::Batch::uniform(1, 1, 5), k1, v1);  // overwrites slot 5: s materializes
-//   (void)cache.restore(s.get(), 8);        // back to the original 8 tokens
+//   cache.update(kvsnap::Batch::uniform(1, 1, 5), k1, v1);  // slot 5 is copied out of s first
+//   (void)cache.restore(s.get(), 8);        // back to the original 8 tokens (slot 5 written)
 #pragma once
 
 #include <memory>
@@ -59,7 +60,8 @@ class KVSNAP_EXPORT KVCache final : public Attention {
   // snapshots [from, to): rewind to from, write [from, target), offset = target. Unreachable
   // (target < 0, target > to, offset() < from): false.
   [[nodiscard]] bool restore(Snapshot* snapshot, int64_t target) override;
-  // [a, b) + [b, c): lazy + lazy of one cache is arithmetic; otherwise one owned [a, c).
+  // [a, b) + [b, c) as one snapshot [a, c): never a copy (the pieces are joined; lazy parts
+  // stay lazy), except a part lazy in another cache, which is copied out first.
   [[nodiscard]] SnapshotPtr merge(SnapshotPtr parent, SnapshotPtr child) override;
   // [from, at) and [at, to); lazy splits are arithmetic, owned halves are compact copies.
   [[nodiscard]] std::pair<SnapshotPtr, SnapshotPtr> split(SnapshotPtr, int64_t at) override;
