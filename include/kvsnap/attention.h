@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "kvsnap/array.h"
@@ -44,6 +45,8 @@ class KVSNAP_EXPORT AttentionMask {
   [[nodiscard]] static AttentionMask from_array(Array additive_or_bool);
   // Keys visible under both masks.
   [[nodiscard]] AttentionMask intersect(const AttentionMask&) const;
+  // The mask of batch row `row` alone: explicit arrays with one slice per row are cut to it.
+  [[nodiscard]] AttentionMask for_row(int64_t row) const;
 
   Kind kind() const;
   // Whether keys after the query are hidden.
@@ -63,21 +66,56 @@ class KVSNAP_EXPORT AttentionMask {
   std::vector<Array> arrays_;
 };
 
+// The key and value columns of one sequence in a paged cache: column k lives in slot
+// k % block_tokens of block table[k / block_tokens]. Blocks are stored in chunks of the pool:
+// block i is row i % blocks_per_chunk of chunk i / blocks_per_chunk.
+struct KVSNAP_EXPORT PagedColumns {
+  std::vector<Array> key_chunks;    // each [blocks_per_chunk, H, T, D]
+  std::vector<Array> value_chunks;  // each [blocks_per_chunk, H, T, Dv]
+  int64_t blocks_per_chunk = 0;
+  int64_t block_tokens = 0;    // T
+  std::vector<int32_t> table;  // block ids, in position order
+  int64_t length = 0;          // columns K (the last block may be partly used)
+
+  // Keys [1, H, T, D] and values [1, H, T, Dv] of table entry `i` (views).
+  Array key_block(size_t i) const;
+  Array value_block(size_t i) const;
+};
+
 // Keys and values a cache hands back for one layer's attention, with the position each key
 // column holds. Columns hold consecutive positions, possibly rotated (a ring buffer read in
 // slot order): column `oldest_column` holds `first_position`, the next column the next
-// position, wrapping at the end.
+// position, wrapping at the end. Three forms:
+//   - contiguous: keys [B, H, K, D] and values [B, H, K, Dv];
+//   - paged: one sequence's columns in the blocks of a paged cache (paged_columns());
+//   - ragged: one history per batch row, for batches whose rows are different sequences with
+//     their own lengths (row(b)).
 class KVSNAP_EXPORT KVHistory {
  public:
   KVHistory() = default;
   // keys [B, H, K, D] and values [B, H, K, Dv] of the same B, H and K.
   KVHistory(Array keys, Array values, int64_t first_position = 0, int64_t oldest_column = 0,
             int64_t window = 0);
+  // A paged history of one sequence, its columns in position order.
+  explicit KVHistory(PagedColumns paged, int64_t first_position = 0, int64_t window = 0);
+  // One history per batch row (each of one row).
+  [[nodiscard]] static KVHistory of_rows(std::vector<KVHistory> rows);
 
+  // Contiguous form only (empty arrays for paged and ragged histories).
   const Array& keys() const { return keys_; }
   const Array& values() const { return values_; }
-  // Key columns K.
-  int64_t length() const { return keys_.empty() ? 0 : keys_.dim(2); }
+  bool paged() const { return paged_ != nullptr; }
+  const PagedColumns& paged_columns() const { return *paged_; }
+  bool ragged() const { return rows_ != nullptr; }
+  // Rows of a ragged history (1 otherwise), and row `b`'s history (this one unless ragged).
+  int64_t rows() const;
+  const KVHistory& row(int64_t b) const;
+  // A contiguous copy of a paged history (for consumers that need plain arrays); a contiguous
+  // history is returned as is. Throws Error for a ragged one (take its rows).
+  [[nodiscard]] KVHistory contiguous() const;
+
+  // Key columns K (a ragged history: its longest row).
+  int64_t length() const;
   // Absolute position held by key column `column` (0 <= column < length()).
   int64_t position(int64_t column) const {
     const int64_t k = length();
@@ -96,26 +134,42 @@ class KVSNAP_EXPORT KVHistory {
   AttentionMask apply_mask(const Batch&, const AttentionMask& logical) const;
 
  private:
+  AttentionMask apply_ragged_mask(const Batch&, const AttentionMask& logical) const;
+
   Array keys_;
   Array values_;
   int64_t first_position_ = 0;
   int64_t oldest_column_ = 0;
   int64_t window_ = 0;
+  std::shared_ptr<const PagedColumns> paged_;           // set for a paged history
+  std::shared_ptr<const std::vector<KVHistory>> rows_;  // set for a ragged history
 };
 
 // Recurrent layer state handed back by a RecurrentCache: conv tail [B, conv_tail, conv_dim]
 // in the activation dtype and delta state [B, v_heads, v_dim, k_dim] in f32.
+// For a batch whose rows are different sequences: one history per row (row(b)).
 class KVSNAP_EXPORT RecurrentHistory {
  public:
   RecurrentHistory() = default;
   RecurrentHistory(Array conv_state, Array delta_state)
       : conv_state_(std::move(conv_state)), delta_state_(std::move(delta_state)) {}
+  [[nodiscard]] static RecurrentHistory of_rows(std::vector<RecurrentHistory> rows) {
+    RecurrentHistory history;
+    history.rows_ = std::make_shared<const std::vector<RecurrentHistory>>(std::move(rows));
+    return history;
+  }
+  // One row's states (empty arrays for a history of several rows: take row(b)).
   const Array& conv_state() const { return conv_state_; }
   const Array& delta_state() const { return delta_state_; }
+  int64_t rows() const { return rows_ == nullptr ? 1 : static_cast<int64_t>(rows_->size()); }
+  const RecurrentHistory& row(int64_t b) const {
+    return rows_ == nullptr ? *this : (*rows_)[static_cast<size_t>(b)];
+  }
 
  private:
   Array conv_state_;
   Array delta_state_;
+  std::shared_ptr<const std::vector<RecurrentHistory>> rows_;
 };
 
 }  // namespace kvsnap

@@ -81,17 +81,45 @@ struct RestoreRule {
   int64_t rewind_limit = 0;
 };
 
-// One layer's inference state. Every mutating call gives the strong exception guarantee: on
-// kvsnap::Error nothing changed. Not thread-safe.
+// A sequence of a multi-sequence cache: batch rows name theirs in Batch::seq_ids.
+using SeqId = int32_t;
+
+// One layer's inference state, for a set of sequences. Every mutating call gives the strong
+// exception guarantee: on kvsnap::Error nothing changed.
+//
+// Sequences: a cache holds one state per sequence id (created on first use). update / get / put
+// with a batch route each row to its sequence; the calls below without a sequence address
+// sequence 0 (a single-sequence cache is sequence 0), those with one address that sequence.
+//
+// Threads: kvsnap's caches lock themselves: any call (and a snapshot's destruction) may come
+// from any thread; calls on one cache run one at a time.
 class KVSNAP_EXPORT Cache {
  public:
   virtual ~Cache();
   Cache(const Cache&) = delete;
   Cache& operator=(const Cache&) = delete;
 
+  // ---- per sequence (the calls without one below address sequence 0) ----
+  // The default implementations serve single-sequence caches: sequence 0 is the cache, any
+  // other throws Error.
+  virtual std::vector<Array> state(SeqId seq) const;
+  // Drops the sequence's state and schedule (lazy snapshots of it are copied out first).
+  virtual void reset(SeqId seq);
+  virtual int64_t offset(SeqId seq) const;
+  [[nodiscard]] virtual SnapshotPtr snapshot(SeqId seq, int64_t from_offset);
+  virtual void prepare_snapshots(SeqId seq, std::span<const int64_t> offsets);
+  virtual void cancel_snapshots(SeqId seq);
+  [[nodiscard]] virtual std::vector<SnapshotPtr> take_snapshots(SeqId seq);
+  [[nodiscard]] virtual std::vector<SnapshotPtr> take_reached_snapshots(SeqId seq);
+  [[nodiscard]] virtual bool restore(SeqId seq, Snapshot* snapshot, int64_t target);
+  // The sequences that hold state (sequence 0 alone for a single-sequence cache).
+  virtual std::vector<SeqId> sequences() const;
+
+  // ---- sequence 0, and the cache as a whole ----
   // The live state arrays (views; treat as read-only).
   virtual std::vector<Array> state() const = 0;
-  // Drops all state (materializing lazy snapshots first) and any schedule; offset becomes 0.
+  // Drops all state of every sequence (materializing lazy snapshots first) and any schedule;
+  // offsets become 0.
   virtual void reset() = 0;
   // Tokens written so far.
   virtual int64_t offset() const = 0;
@@ -123,7 +151,7 @@ class KVSNAP_EXPORT Cache {
   // Splits at offset `at` into (before, after). Null halves mean "nothing to hold".
   [[nodiscard]] virtual std::pair<SnapshotPtr, SnapshotPtr> split(SnapshotPtr, int64_t at) = 0;
 
-  // Bytes copied so far, by reason.
+  // Bytes copied so far, by reason, over all sequences.
   virtual CopyStats copy_stats() const = 0;
   // Which targets this kind's snapshots and live rewinds can reach.
   virtual RestoreRule restore_rule() const = 0;
@@ -135,10 +163,12 @@ class KVSNAP_EXPORT Cache {
 // A cache of attention keys and values.
 class KVSNAP_EXPORT Attention : public Cache {
  public:
-  // Appends the batch's real tokens (keys [B, H, L, D], values [B, H, L, Dv]) and returns the
-  // history every query of the batch attends to. The batch's offsets must equal offset().
+  // Appends the batch's real tokens (keys [B, H, L, D], values [B, H, L, Dv]: row b's first
+  // seq_query_lens[b] columns) to each row's sequence and returns the history every query of
+  // the batch attends to: one row's history for a one-row batch, a ragged history (one per
+  // row) otherwise. Each row's offset must equal its sequence's offset.
   virtual KVHistory update(const Batch&, const Array& keys, const Array& values) = 0;
-  // The current history, without writing.
+  // The current history of the batch's rows' sequences, without writing.
   virtual KVHistory view(const Batch&) const = 0;
 };
 

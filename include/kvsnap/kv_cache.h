@@ -35,14 +35,15 @@ class KVSNAP_EXPORT KVCache final : public Attention {
   // Materializes every outstanding lazy snapshot: they outlive the cache.
   ~KVCache() override;
 
-  // Makes room for `tokens` tokens without further growth (before the first update it is
-  // remembered and applied then). Never shrinks.
+  // Makes room for `tokens` tokens in every sequence without further growth (applied to a
+  // sequence at its first update). Never shrinks.
   void reserve(int64_t tokens);
-  // Tokens the buffers hold room for.
+  // Tokens sequence 0's buffers hold room for.
   int64_t capacity() const;
   // Bytes that lazy snapshots name in slots [from, to): what writing those positions would copy
   // out first (a slot named by two snapshots is copied for each). 0 when nothing would be lost.
   int64_t lazy_bytes(int64_t from, int64_t to) const;
+  int64_t lazy_bytes(SeqId seq, int64_t from, int64_t to) const;
 
   KVHistory update(const Batch&, const Array& keys, const Array& values) override;
   KVHistory view(const Batch&) const override;
@@ -65,6 +66,18 @@ class KVSNAP_EXPORT KVCache final : public Attention {
   [[nodiscard]] SnapshotPtr merge(SnapshotPtr parent, SnapshotPtr child) override;
   // [from, at) and [at, to); lazy splits are arithmetic, owned halves are compact copies.
   [[nodiscard]] std::pair<SnapshotPtr, SnapshotPtr> split(SnapshotPtr, int64_t at) override;
+  // Sequence `seq` (the calls above address sequence 0; see cache.h).
+  std::vector<Array> state(SeqId seq) const override;
+  void reset(SeqId seq) override;
+  int64_t offset(SeqId seq) const override;
+  [[nodiscard]] SnapshotPtr snapshot(SeqId seq, int64_t from_offset) override;
+  void prepare_snapshots(SeqId seq, std::span<const int64_t> offsets) override;
+  void cancel_snapshots(SeqId seq) override;
+  [[nodiscard]] std::vector<SnapshotPtr> take_snapshots(SeqId seq) override;
+  [[nodiscard]] std::vector<SnapshotPtr> take_reached_snapshots(SeqId seq) override;
+  [[nodiscard]] bool restore(SeqId seq, Snapshot* snapshot, int64_t target) override;
+  std::vector<SeqId> sequences() const override;
+
   CopyStats copy_stats() const override;
   RestoreRule restore_rule() const override;
 

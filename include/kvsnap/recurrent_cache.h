@@ -1,7 +1,7 @@
 // RecurrentCache — the state of a recurrent layer (short causal conv + gated delta rule).
 //
-// State: conv tail [B, conv_tail, conv_dim] in the activation dtype and delta state
-// [B, v_heads, v_dim, k_dim] in f32. A recurrent state cannot be rewound, so snapshots are
+// State per sequence: conv tail [1, conv_tail, conv_dim] in the activation dtype and delta
+// state [1, v_heads, v_dim, k_dim] in f32. A recurrent state cannot be rewound, so snapshots are
 // whole states at an exact offset, captured where a later request may resume — including
 // points inside one batched forward, which the layer reports through `put`:
 //
@@ -10,6 +10,10 @@
 //   auto conv = kvsnap::causal_conv1d(x, w, history.conv_state(), splits);
 //   auto delta = kvsnap::gated_delta(q, k, v, g, beta, history.delta_state(), splits);
 //   cache.put(batch, conv.tails, delta.states);          // one state per split, then the end
+//
+// A batch whose rows are different sequences gets one history per row (history.row(b)); the
+// layer runs each row with its state and its splits (snapshot_splits(seq, length)) and puts the
+// rows' states back in one call (put with one RecurrentStates per row).
 //
 // States are immutable values: the cache adopts the arrays `put` is given (no copy) and
 // snapshots share them, so capture and restore copy nothing. Do not write to them.
@@ -26,22 +30,42 @@ namespace detail {
 class RecurrentCacheImpl;
 }
 
+// One row's states for RecurrentCache::put: a conv and a delta state per scheduled split point
+// of the row's forward, then the state at its end.
+struct RecurrentStates {
+  std::vector<Array> conv;
+  std::vector<Array> delta;
+};
+
 class KVSNAP_EXPORT RecurrentCache final : public Cache {
  public:
+  struct Dims {
+    int conv_tail = 0;    // conv inputs carried over (the conv width - 1), >= 0
+    int conv_dim = 1;     // conv channels
+    int num_v_heads = 1;  // value heads of the delta state
+    int head_v_dim = 1;
+    int head_k_dim = 1;
+  };
   // Throws Error unless every extent is >= 1 (conv_tail >= 0).
+  explicit RecurrentCache(const Dims& dims);
   RecurrentCache(int conv_tail, int conv_dim, int num_v_heads, int head_v_dim, int head_k_dim);
   ~RecurrentCache() override;
 
-  // The live state for `batch` (rows at offset()), zero-initialized on first use. Throws when
-  // the batch size or activation dtype differs from the state's.
+  // The live state of each row's sequence (its offset must be the row's), zero-initialized on
+  // first use: one row's history, or one per row (history.row(b)). Throws when the activation
+  // dtype differs from a sequence's state.
   RecurrentHistory get(const Batch&, DType activation_dtype);
-  // Ends a forward of the batch's L real tokens: one conv and one delta state per scheduled
-  // interior split point (snapshot_splits(L)), then the state at the end, which becomes live.
-  // offset() advances by L.
+  // Ends a one-row forward of the row's L real tokens: one conv and one delta state per
+  // scheduled interior split point (snapshot_splits(seq, L)), then the state at the end, which
+  // becomes live. The sequence's offset advances by L.
   void put(const Batch&, std::span<const Array> conv_states, std::span<const Array> delta_states);
-  // Scheduled offsets strictly inside the next forward of `forward_len` tokens, relative to
-  // offset() (ascending, in (0, forward_len)).
+  // The same for a batch of any rows: `rows[b]` for row b. Every row is checked before any
+  // state changes.
+  void put(const Batch&, std::span<const RecurrentStates> rows);
+  // Scheduled offsets strictly inside the next forward of `forward_len` tokens of sequence 0 /
+  // `seq`, relative to its offset (ascending, in (0, forward_len)).
   std::vector<int64_t> snapshot_splits(int64_t forward_len) const;
+  std::vector<int64_t> snapshot_splits(SeqId seq, int64_t forward_len) const;
 
   // The dimensions given at construction.
   int conv_tail() const;
@@ -65,6 +89,18 @@ class KVSNAP_EXPORT RecurrentCache final : public Cache {
   [[nodiscard]] SnapshotPtr merge(SnapshotPtr parent, SnapshotPtr child) override;
   // (null, snapshot): the state stays with the later half.
   [[nodiscard]] std::pair<SnapshotPtr, SnapshotPtr> split(SnapshotPtr, int64_t at) override;
+  // Sequence `seq` (the calls above address sequence 0; see cache.h).
+  std::vector<Array> state(SeqId seq) const override;
+  void reset(SeqId seq) override;
+  int64_t offset(SeqId seq) const override;
+  [[nodiscard]] SnapshotPtr snapshot(SeqId seq, int64_t from_offset) override;
+  void prepare_snapshots(SeqId seq, std::span<const int64_t> offsets) override;
+  void cancel_snapshots(SeqId seq) override;
+  [[nodiscard]] std::vector<SnapshotPtr> take_snapshots(SeqId seq) override;
+  [[nodiscard]] std::vector<SnapshotPtr> take_reached_snapshots(SeqId seq) override;
+  [[nodiscard]] bool restore(SeqId seq, Snapshot* snapshot, int64_t target) override;
+  std::vector<SeqId> sequences() const override;
+
   CopyStats copy_stats() const override;
   RestoreRule restore_rule() const override;
 

@@ -65,6 +65,18 @@ class KVSNAP_EXPORT RotatingKVCache final : public Attention {
   [[nodiscard]] SnapshotPtr merge(SnapshotPtr parent, SnapshotPtr child) override;
   // (null, snapshot): the window stays with the later half.
   [[nodiscard]] std::pair<SnapshotPtr, SnapshotPtr> split(SnapshotPtr, int64_t at) override;
+  // Sequence `seq` (the calls above address sequence 0; see cache.h).
+  std::vector<Array> state(SeqId seq) const override;
+  void reset(SeqId seq) override;
+  int64_t offset(SeqId seq) const override;
+  [[nodiscard]] SnapshotPtr snapshot(SeqId seq, int64_t from_offset) override;
+  void prepare_snapshots(SeqId seq, std::span<const int64_t> offsets) override;
+  void cancel_snapshots(SeqId seq) override;
+  [[nodiscard]] std::vector<SnapshotPtr> take_snapshots(SeqId seq) override;
+  [[nodiscard]] std::vector<SnapshotPtr> take_reached_snapshots(SeqId seq) override;
+  [[nodiscard]] bool restore(SeqId seq, Snapshot* snapshot, int64_t target) override;
+  std::vector<SeqId> sequences() const override;
+
   CopyStats copy_stats() const override;
   RestoreRule restore_rule() const override;
 

@@ -54,6 +54,14 @@ AttentionMask AttentionMask::intersect(const AttentionMask& other) const {
   return mask;
 }
 
+AttentionMask AttentionMask::for_row(int64_t row) const {
+  AttentionMask mask = *this;
+  for (Array& array : mask.arrays_) {
+    if (array.dim(0) > 1) array = array.slice(0, row, row + 1);
+  }
+  return mask;
+}
+
 AttentionMask::Kind AttentionMask::kind() const {
   if (arrays_.empty()) {
     if (window_ > 0) return causal_ ? Kind::sliding_window : Kind::lookback;

@@ -22,6 +22,31 @@ Batch Batch::uniform(int64_t rows, int64_t length, int64_t offset) {
   return batch;
 }
 
+Batch Batch::rows(std::span<const Chunk> chunks) {
+  Batch batch;
+  size_t longest = 0;
+  for (const Chunk& chunk : chunks) longest = std::max(longest, chunk.tokens.size());
+  std::vector<int32_t> ids(chunks.size() * longest, 0);
+  for (size_t r = 0; r < chunks.size(); ++r) {
+    std::copy(chunks[r].tokens.begin(), chunks[r].tokens.end(), ids.begin() + r * longest);
+    batch.seq_ids.push_back(chunks[r].seq);
+    batch.seq_offsets.push_back(static_cast<int32_t>(chunks[r].offset));
+    batch.seq_query_lens.push_back(static_cast<int32_t>(chunks[r].tokens.size()));
+  }
+  batch.input_ids =
+      Array::from_ints(ids, {static_cast<int64_t>(chunks.size()), static_cast<int64_t>(longest)});
+  return batch;
+}
+
+Batch Batch::row(int64_t row) const {
+  Batch one;
+  if (!input_ids.empty()) one.input_ids = input_ids.slice(0, row, row + 1);
+  one.seq_offsets = {seq_offsets[static_cast<size_t>(row)]};
+  one.seq_query_lens = {seq_query_lens[static_cast<size_t>(row)]};
+  one.seq_ids = {seq_id(row)};
+  return one;
+}
+
 int64_t Batch::length() const {
   if (!input_ids.empty() && input_ids.ndim() == 2) return input_ids.dim(1);
   int32_t longest = 0;
@@ -50,6 +75,25 @@ void Batch::validate(const char* call) const {
       throw Error(fmt::format(
           "{}: row {} has offset {} and query length {}; need offset >= 0 and 0 <= length <= {}",
           call, row, seq_offsets[row], seq_query_lens[row], columns));
+    }
+  }
+  if (seq_ids.empty()) return;
+  if (seq_ids.size() != seq_offsets.size()) {
+    throw Error(fmt::format("{}: batch has {} seq_ids for {} rows (one per row, or none)", call,
+                            seq_ids.size(), seq_offsets.size()));
+  }
+  for (size_t row = 0; row < seq_ids.size(); ++row) {
+    if (seq_ids[row] < 0) {
+      throw Error(
+          fmt::format("{}: row {} has sequence id {}; ids are >= 0", call, row, seq_ids[row]));
+    }
+    for (size_t other = 0; other < row; ++other) {
+      if (seq_ids[other] == seq_ids[row]) {
+        throw Error(
+            fmt::format("{}: rows {} and {} are both sequence {} (a sequence has one row "
+                        "per batch)",
+                        call, other, row, seq_ids[row]));
+      }
     }
   }
 }

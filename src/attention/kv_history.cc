@@ -53,8 +53,111 @@ KVHistory::KVHistory(Array keys, Array values, int64_t first_position, int64_t o
   }
 }
 
+Array PagedColumns::key_block(size_t i) const {
+  const int64_t block = table[i];
+  const int64_t row = block % blocks_per_chunk;
+  return key_chunks[static_cast<size_t>(block / blocks_per_chunk)].slice(0, row, row + 1);
+}
+
+Array PagedColumns::value_block(size_t i) const {
+  const int64_t block = table[i];
+  const int64_t row = block % blocks_per_chunk;
+  return value_chunks[static_cast<size_t>(block / blocks_per_chunk)].slice(0, row, row + 1);
+}
+
+KVHistory::KVHistory(PagedColumns paged, int64_t first_position, int64_t window)
+    : first_position_(first_position), window_(window) {
+  if (paged.block_tokens < 1 || paged.length < 0 ||
+      paged.length > static_cast<int64_t>(paged.table.size()) * paged.block_tokens ||
+      paged.key_chunks.size() != paged.value_chunks.size()) {
+    throw Error(fmt::format("KVHistory: a paged history of {} columns in {} blocks of {} tokens",
+                            paged.length, paged.table.size(), paged.block_tokens));
+  }
+  paged_ = std::make_shared<const PagedColumns>(std::move(paged));
+}
+
+KVHistory KVHistory::of_rows(std::vector<KVHistory> rows) {
+  for (const KVHistory& row : rows) {
+    if (row.ragged() || row.rows() != 1) {
+      throw Error(fmt::format("KVHistory::of_rows: each row needs a one-row history"));
+    }
+  }
+  KVHistory history;
+  history.rows_ = std::make_shared<const std::vector<KVHistory>>(std::move(rows));
+  return history;
+}
+
+int64_t KVHistory::rows() const {
+  if (rows_ != nullptr) return static_cast<int64_t>(rows_->size());
+  if (paged_ != nullptr) return 1;
+  return keys_.empty() ? 1 : keys_.dim(0);
+}
+
+const KVHistory& KVHistory::row(int64_t b) const {
+  return rows_ != nullptr ? (*rows_)[static_cast<size_t>(b)] : *this;
+}
+
+int64_t KVHistory::length() const {
+  if (paged_ != nullptr) return paged_->length;
+  if (rows_ != nullptr) {
+    int64_t longest = 0;
+    for (const KVHistory& row : *rows_) longest = std::max(longest, row.length());
+    return longest;
+  }
+  return keys_.empty() ? 0 : keys_.dim(2);
+}
+
+KVHistory KVHistory::contiguous() const {
+  if (rows_ != nullptr) throw Error("KVHistory::contiguous: a ragged history; take its rows");
+  if (paged_ == nullptr) return *this;
+  const PagedColumns& p = *paged_;
+  if (p.table.empty()) return KVHistory(Array(), Array(), first_position_, 0, window_);
+  const Array k0 = p.key_block(0), v0 = p.value_block(0);
+  Array keys = Array::uninitialized(k0.dtype(), {1, k0.dim(1), p.length, k0.dim(3)});
+  Array values = Array::uninitialized(v0.dtype(), {1, v0.dim(1), p.length, v0.dim(3)});
+  for (size_t i = 0; static_cast<int64_t>(i) * p.block_tokens < p.length; ++i) {
+    const int64_t first = static_cast<int64_t>(i) * p.block_tokens;
+    const int64_t count = std::min(p.block_tokens, p.length - first);
+    keys.assign_slice(2, first, p.key_block(i).slice(2, 0, count));
+    values.assign_slice(2, first, p.value_block(i).slice(2, 0, count));
+  }
+  return KVHistory(std::move(keys), std::move(values), first_position_, 0, window_);
+}
+
+// Row by row, padded to the longest row's columns (hidden).
+AttentionMask KVHistory::apply_ragged_mask(const Batch& batch, const AttentionMask& logical) const {
+  const int64_t rows = batch.batch_size(), queries = batch.length(), keys = length();
+  if (rows != this->rows()) {
+    throw Error(fmt::format("KVHistory::apply_mask: a batch of {} rows for a history of {}", rows,
+                            this->rows()));
+  }
+  std::vector<Array> masks;
+  int64_t heads = 1;
+  for (int64_t b = 0; b < rows; ++b) {
+    const AttentionMask physical = row(b).apply_mask(batch.row(b), logical.for_row(b));
+    Array mask = physical.arrays().empty()
+                     ? Array::zeros(DType::f32, {1, 1, queries, row(b).length()})
+                     : physical.arrays().front();
+    heads = std::max(heads, mask.dim(1));
+    masks.push_back(std::move(mask));
+  }
+  std::vector<float> out(static_cast<size_t>(rows * heads * queries * keys), kHidden);
+  for (int64_t b = 0; b < rows; ++b) {
+    const std::vector<float> m = masks[static_cast<size_t>(b)].to_floats();
+    const int64_t mh = masks[static_cast<size_t>(b)].dim(1),
+                  mk = masks[static_cast<size_t>(b)].dim(3);
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t l = 0; l < queries; ++l)
+        for (int64_t k = 0; k < mk; ++k)
+          out[static_cast<size_t>(((b * heads + h) * queries + l) * keys + k)] =
+              m[static_cast<size_t>(((mh == 1 ? 0 : h) * queries + l) * mk + k)];
+  }
+  return AttentionMask::from_array(Array::from_floats(out, {rows, heads, queries, keys}));
+}
+
 AttentionMask KVHistory::apply_mask(const Batch& batch, const AttentionMask& logical) const {
   batch.validate("KVHistory::apply_mask");
+  if (rows_ != nullptr) return apply_ragged_mask(batch, logical);
   const AttentionMask effective =
       window_ > 0 ? logical.intersect(AttentionMask::lookback(window_)) : logical;
   const int64_t rows = batch.batch_size();

@@ -6,15 +6,17 @@
 #include <algorithm>
 
 #include "cache/kv_kind.h"
+#include "cache/sequences.h"
 
 namespace kvsnap {
 namespace detail {
 
 using Kind = SnapshotRecord::Kind;
 
-class KVCacheImpl final : public KVKind {
+// One sequence: the append policy over the KV core.
+class KVSequence final : public KVKind {
  public:
-  KVCacheImpl() : KVKind("KVCache") {}
+  explicit KVSequence(const int64_t& reserved) : KVKind("KVCache"), reserved(reserved) {}
 
   // Grows to hold `tokens` columns, keeping every column still named by the offset or a lazy
   // snapshot in place. Geometric growth keeps the bytes moved by a long prefill linear in its
@@ -61,17 +63,26 @@ class KVCacheImpl final : public KVKind {
     s.for_each_part(target - s.begin,
                     [&](int64_t first, const Array& k, const Array& v, int64_t lazy_column) {
                       const int64_t position = s.begin + first;
-                      if (s.owner == &store && lazy_column == position) return;  // in place
+                      if (s.owner() == &store && lazy_column == position) return;  // in place
                       store.write(position, k, v);
                       store.stats.restored_bytes += k.dim(2) * store.token_bytes();
                     });
   }
 
+  const int64_t& reserved;  // the cache's reserve(), for every sequence
+};
+
+// The cache: its sequences (KVCacheCore) and the reserve every sequence grows to at once.
+class KVCacheImpl : public KVCacheCore<KVSequence> {
+ public:
+  KVCacheImpl()
+      : KVCacheCore("KVCache", [this] { return std::make_unique<KVSequence>(reserved); }) {}
   int64_t reserved = 0;
 };
 
 }  // namespace detail
 
+using detail::Guard;
 using detail::Kind;
 using detail::KVStateSnapshot;
 
@@ -80,49 +91,78 @@ KVCache::~KVCache() = default;
 
 void KVCache::reserve(int64_t tokens) {
   if (tokens < 0) throw Error(fmt::format("KVCache::reserve: tokens {} must be >= 0", tokens));
+  const Guard guard(impl_->lock);
   impl_->reserved = std::max(impl_->reserved, tokens);
-  if (impl_->store.has_layout) impl_->ensure_capacity(tokens);
+  impl_->sequences.for_each([&](SeqId, detail::KVSequence& sequence) {
+    if (sequence.store.has_layout) sequence.ensure_capacity(tokens);
+  });
 }
 
-int64_t KVCache::capacity() const { return impl_->store.capacity(); }
+int64_t KVCache::capacity() const {
+  const Guard guard(impl_->lock);
+  const detail::KVSequence* sequence = impl_->find(0);
+  return sequence == nullptr ? 0 : sequence->store.capacity();
+}
 
-int64_t KVCache::lazy_bytes(int64_t from, int64_t to) const {
-  return impl_->store.has_layout ? impl_->store.lazy_bytes(from, to) : 0;
+int64_t KVCache::lazy_bytes(int64_t from, int64_t to) const { return lazy_bytes(0, from, to); }
+
+int64_t KVCache::lazy_bytes(SeqId seq, int64_t from, int64_t to) const {
+  const Guard guard(impl_->lock);
+  const detail::KVSequence* sequence = impl_->find(seq);
+  return sequence == nullptr || !sequence->store.has_layout ? 0
+                                                            : sequence->store.lazy_bytes(from, to);
 }
 
 KVHistory KVCache::update(const Batch& batch, const Array& keys, const Array& values) {
   return impl_->update(batch, keys, values);
 }
+KVHistory KVCache::view(const Batch& batch) const { return impl_->view(batch); }
 
-KVHistory KVCache::view(const Batch&) const { return impl_->history(); }
+std::vector<Array> KVCache::state() const { return state(0); }
 
-std::vector<Array> KVCache::state() const {
-  const detail::KVStore& store = impl_->store;
-  if (store.keys.empty()) return {};
-  return {store.keys.slice(2, 0, impl_->offset), store.values.slice(2, 0, impl_->offset)};
+std::vector<Array> KVCache::state(SeqId seq) const {
+  const Guard guard(impl_->lock);
+  const detail::KVSequence* sequence = impl_->find(seq);
+  if (sequence == nullptr || sequence->store.keys.empty()) return {};
+  return {sequence->store.keys.slice(2, 0, sequence->offset),
+          sequence->store.values.slice(2, 0, sequence->offset)};
 }
 
-void KVCache::reset() {
-  impl_->schedule.clear();
-  impl_->store.clear();
-  impl_->offset = 0;
+void KVCache::reset() { impl_->reset_all(); }
+void KVCache::reset(SeqId seq) { impl_->reset(seq); }
+int64_t KVCache::offset() const { return impl_->offset(0); }
+int64_t KVCache::offset(SeqId seq) const { return impl_->offset(seq); }
+std::vector<SeqId> KVCache::sequences() const { return impl_->ids(); }
+
+SnapshotPtr KVCache::snapshot(int64_t from_offset) { return snapshot(0, from_offset); }
+
+SnapshotPtr KVCache::snapshot(SeqId seq, int64_t from_offset) {
+  const Guard guard(impl_->lock);
+  detail::KVSequence& sequence = impl_->at(seq);
+  sequence.check_snapshot_from(from_offset);
+  if (from_offset == sequence.offset) return nullptr;
+  return sequence.lazy_snapshot(from_offset, sequence.offset);
 }
 
-int64_t KVCache::offset() const { return impl_->offset; }
-
-SnapshotPtr KVCache::snapshot(int64_t from_offset) {
-  impl_->check_snapshot_from(from_offset);
-  if (from_offset == impl_->offset) return nullptr;
-  return impl_->lazy_snapshot(from_offset, impl_->offset);
+void KVCache::prepare_snapshots(std::span<const int64_t> offsets) { impl_->prepare(0, offsets); }
+void KVCache::prepare_snapshots(SeqId seq, std::span<const int64_t> offsets) {
+  impl_->prepare(seq, offsets);
 }
+std::vector<SnapshotPtr> KVCache::take_snapshots() { return impl_->take(0); }
+std::vector<SnapshotPtr> KVCache::take_snapshots(SeqId seq) { return impl_->take(seq); }
+std::vector<SnapshotPtr> KVCache::take_reached_snapshots() { return impl_->take_reached(0); }
+std::vector<SnapshotPtr> KVCache::take_reached_snapshots(SeqId seq) {
+  return impl_->take_reached(seq);
+}
+void KVCache::cancel_snapshots() { impl_->cancel(0); }
+void KVCache::cancel_snapshots(SeqId seq) { impl_->cancel(seq); }
 
-void KVCache::prepare_snapshots(std::span<const int64_t> offsets) { impl_->prepare(offsets); }
-std::vector<SnapshotPtr> KVCache::take_snapshots() { return impl_->take(); }
-std::vector<SnapshotPtr> KVCache::take_reached_snapshots() { return impl_->take_reached(); }
-void KVCache::cancel_snapshots() { impl_->cancel(); }
+bool KVCache::restore(Snapshot* snapshot, int64_t target) { return restore(0, snapshot, target); }
 
-bool KVCache::restore(Snapshot* snapshot, int64_t target) {
-  detail::KVCacheImpl& c = *impl_;
+bool KVCache::restore(SeqId seq, Snapshot* snapshot, int64_t target) {
+  const Guard guard(impl_->lock);
+  const detail::OwnerGuard owner(snapshot, impl_->lock);
+  detail::KVSequence& c = impl_->at(seq);
   c.require_idle();
   if (snapshot == nullptr) {
     if (target < 0 || target > c.offset) return false;
@@ -135,7 +175,7 @@ bool KVCache::restore(Snapshot* snapshot, int64_t target) {
   if (target < 0 || target > s.end || c.offset < s.begin) return false;
   if (target > s.begin) {
     if (!c.store.has_layout) c.store.adopt_layout(s.layout);
-    c.write_back(s, target);  // nothing for this cache's own lazy snapshot: an offset move
+    c.write_back(s, target);  // nothing for this sequence's own lazy snapshot: an offset move
   }
   c.offset = target;
   return true;
@@ -143,6 +183,9 @@ bool KVCache::restore(Snapshot* snapshot, int64_t target) {
 
 SnapshotPtr KVCache::merge(SnapshotPtr parent, SnapshotPtr child) {
   if (parent == nullptr || child == nullptr) return nullptr;
+  const Guard guard(impl_->lock);
+  const detail::OwnerGuard parent_owner(parent.get(), impl_->lock);
+  const detail::OwnerGuard child_owner(child.get(), impl_->lock);
   KVStateSnapshot& a = detail::as_kv_state(parent.get(), Kind::kv, "KVCache::merge");
   KVStateSnapshot& b = detail::as_kv_state(child.get(), Kind::kv, "KVCache::merge");
   if (a.end != b.begin) {
@@ -158,14 +201,16 @@ SnapshotPtr KVCache::merge(SnapshotPtr parent, SnapshotPtr child) {
 
 std::pair<SnapshotPtr, SnapshotPtr> KVCache::split(SnapshotPtr snapshot, int64_t at) {
   if (snapshot == nullptr) return {nullptr, nullptr};
+  const Guard guard(impl_->lock);
+  const detail::OwnerGuard owner(snapshot.get(), impl_->lock);
   KVStateSnapshot& s = detail::as_kv_state(snapshot.get(), Kind::kv, "KVCache::split");
   if (at <= s.begin) return {nullptr, std::move(snapshot)};
   if (at >= s.end) return {std::move(snapshot), nullptr};
-  SnapshotPtr after = s.split_off(at, impl_->store.stats);
+  SnapshotPtr after = s.split_off(at, impl_->unattributed);
   return {std::move(snapshot), std::move(after)};
 }
 
-CopyStats KVCache::copy_stats() const { return impl_->store.stats; }
+CopyStats KVCache::copy_stats() const { return impl_->stats(); }
 
 RestoreRule KVCache::restore_rule() const { return {RestoreRule::Kind::ranges, 0}; }
 

@@ -13,6 +13,11 @@ KVKind::KVKind(const char* name)
              fmt::format("{}::merge", name),
              fmt::format("{}::split", name)} {}
 
+void KVKind::check(const Batch& batch, const Array& keys, const Array& values) const {
+  (void)check_update(batch, keys, values, offset, store.has_layout ? &store.layout : nullptr,
+                     calls_.update.c_str());
+}
+
 KVHistory KVKind::update(const Batch& batch, const Array& keys, const Array& values) {
   const int64_t length =
       check_update(batch, keys, values, offset, store.has_layout ? &store.layout : nullptr,

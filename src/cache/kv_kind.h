@@ -3,12 +3,15 @@
 // its policy: how a write lands in the store, what a capture holds, what its history is.
 #pragma once
 
+#include <fmt/format.h>
+
 #include <span>
 #include <string>
 #include <vector>
 
 #include "cache/capture_schedule.h"
 #include "cache/kv_store.h"
+#include "cache/sequences.h"
 
 namespace kvsnap::detail {
 
@@ -20,15 +23,23 @@ class KVKind {
   KVKind(const KVKind&) = delete;
   KVKind& operator=(const KVKind&) = delete;
 
-  // Checks the batch and arrays, writes the real tokens through the kind's policy, advances the
-  // offset, captures what the schedule reached and returns the history.
+  // Checks the one-row batch and arrays, writes the real tokens through the kind's policy,
+  // advances the offset, captures what the schedule reached and returns the history.
   KVHistory update(const Batch& batch, const Array& keys, const Array& values);
+  // Throws Error unless update(batch, keys, values) would be accepted; changes nothing.
+  void check(const Batch& batch, const Array& keys, const Array& values) const;
   // Throws Error unless 0 <= from_offset <= offset.
   void check_snapshot_from(int64_t from_offset) const;
   void prepare(std::span<const int64_t> offsets);
   std::vector<SnapshotPtr> take();
   std::vector<SnapshotPtr> take_reached() { return schedule.take_reached(); }
   void cancel() { schedule.clear(); }
+  // Drops the state (copying out what lazy snapshots name) and the schedule.
+  virtual void reset() {
+    schedule.clear();
+    store.clear();
+    offset = 0;
+  }
   // Throws Error naming "<name>::restore" while captures are scheduled.
   void require_idle() const { schedule.require_idle(calls_.restore.c_str()); }
 
@@ -53,6 +64,140 @@ class KVKind {
 
  private:
   Calls calls_;
+};
+
+// update() of a batch over a cache's sequences: a one-row batch is its sequence's update; more
+// rows are checked first (all of them, so a refusal changes nothing), then written one by one
+// into their sequences, and the history is ragged. `sequence(id)` gives a sequence's KVKind.
+template <class SequenceOf>
+KVHistory update_rows(const Batch& batch, const Array& keys, const Array& values, const char* call,
+                      SequenceOf&& sequence) {
+  batch.validate(call);
+  const int64_t rows = batch.batch_size();
+  if (rows == 1) return sequence(batch.seq_id(0)).update(batch, keys, values);
+  if (keys.ndim() != 4 || values.ndim() != 4 || keys.dim(0) != rows || values.dim(0) != rows) {
+    throw Error(fmt::format("{}: keys {} and values {} must be [B, H, L, D] with B = {} rows", call,
+                            keys.describe(), values.describe(), rows));
+  }
+  std::vector<Batch> one(static_cast<size_t>(rows));
+  for (int64_t b = 0; b < rows; ++b) {
+    one[static_cast<size_t>(b)] = batch.row(b);
+    sequence(batch.seq_id(b))
+        .check(one[static_cast<size_t>(b)], keys.slice(0, b, b + 1), values.slice(0, b, b + 1));
+  }
+  std::vector<KVHistory> histories;
+  for (int64_t b = 0; b < rows; ++b) {
+    histories.push_back(sequence(batch.seq_id(b))
+                            .update(one[static_cast<size_t>(b)], keys.slice(0, b, b + 1),
+                                    values.slice(0, b, b + 1)));
+  }
+  return KVHistory::of_rows(std::move(histories));
+}
+
+// view() of a batch: its one row's history, or a ragged one.
+template <class HistoryOf>
+KVHistory view_rows(const Batch& batch, HistoryOf&& history_of) {
+  if (batch.batch_size() <= 1) return history_of(batch.batch_size() == 0 ? 0 : batch.seq_id(0));
+  std::vector<KVHistory> histories;
+  for (int64_t b = 0; b < batch.batch_size(); ++b) histories.push_back(history_of(batch.seq_id(b)));
+  return KVHistory::of_rows(std::move(histories));
+}
+
+// What both attention caches are around their sequences: the sequences, the lock they and their
+// snapshots share, copies that belong to no sequence, and the calls that only route to a
+// sequence. Every member function takes the lock.
+template <class Seq>
+class KVCacheCore {
+ public:
+  // `name` ("KVCache") prefixes error messages; `make` makes an empty sequence.
+  KVCacheCore(const char* name, std::function<std::unique_ptr<Seq>()> make)
+      : name_(name),
+        update_call_(fmt::format("{}::update", name)),
+        sequences([this, make = std::move(make)] {
+          std::unique_ptr<Seq> sequence = make();
+          sequence->store.lock = &lock;
+          return sequence;
+        }) {}
+
+  Seq& at(SeqId id) { return sequences.at(id, name_); }
+  const Seq* find(SeqId id) const { return sequences.find(id); }
+
+  KVHistory update(const Batch& batch, const Array& keys, const Array& values) {
+    const Guard guard(lock);
+    return update_rows(batch, keys, values, update_call_.c_str(),
+                       [&](SeqId id) -> KVKind& { return at(id); });
+  }
+  KVHistory view(const Batch& batch) const {
+    const Guard guard(lock);
+    return view_rows(batch, [&](SeqId id) {
+      const Seq* sequence = find(id);
+      return sequence == nullptr ? KVHistory() : sequence->history();
+    });
+  }
+  void reset_all() {
+    const Guard guard(lock);
+    sequences.for_each([](SeqId, Seq& sequence) { sequence.reset(); });
+  }
+  void reset(SeqId seq) {
+    const Guard guard(lock);
+    if (Seq* sequence = sequences.find(seq)) sequence->reset();
+  }
+  int64_t offset(SeqId seq) const {
+    const Guard guard(lock);
+    const Seq* sequence = find(seq);
+    return sequence == nullptr ? 0 : sequence->offset;
+  }
+  std::vector<SeqId> ids() const {
+    const Guard guard(lock);
+    std::vector<SeqId> out;
+    sequences.for_each([&](SeqId id, const Seq&) { out.push_back(id); });
+    return out;
+  }
+  void prepare(SeqId seq, std::span<const int64_t> offsets) {
+    const Guard guard(lock);
+    at(seq).prepare(offsets);
+  }
+  std::vector<SnapshotPtr> take(SeqId seq) {
+    const Guard guard(lock);
+    return at(seq).take();
+  }
+  std::vector<SnapshotPtr> take_reached(SeqId seq) {
+    const Guard guard(lock);
+    return at(seq).take_reached();
+  }
+  void cancel(SeqId seq) {
+    const Guard guard(lock);
+    if (Seq* sequence = sequences.find(seq)) sequence->cancel();
+  }
+  CopyStats stats() const {
+    const Guard guard(lock);
+    CopyStats total = unattributed;
+    sequences.for_each([&](SeqId, const Seq& sequence) { add(total, sequence.store.stats); });
+    return total;
+  }
+
+ private:
+  const char* name_;
+  std::string update_call_;
+
+ public:
+  mutable CacheLock lock;  // before `sequences`: their snapshots lock it as they go
+  CopyStats unattributed;  // merge and split copies
+  Sequences<Seq> sequences;
+};
+
+// Holds the lock of the store a snapshot is lazy in, when it is not `ours` (a restore, merge or
+// split of another cache's lazy snapshot reads or relinks its pieces).
+class OwnerGuard {
+ public:
+  OwnerGuard(const Snapshot* snapshot, const CacheLock& ours) {
+    const auto* state = dynamic_cast<const KVStateSnapshot*>(snapshot);
+    KVStore* store = state != nullptr ? state->owner() : nullptr;
+    if (store != nullptr && store->lock != &ours) lock_ = std::unique_lock(*store->lock);
+  }
+
+ private:
+  std::unique_lock<CacheLock> lock_;
 };
 
 }  // namespace kvsnap::detail

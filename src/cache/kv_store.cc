@@ -74,7 +74,7 @@ KVStateSnapshot::KVStateSnapshot(SnapshotRecord::Kind kind, KVStore& store, int6
       begin(from),
       end(to),
       window(window),
-      owner(tokens > 0 ? &store : nullptr),
+      owner_(tokens > 0 ? &store : nullptr),
       tokens_(tokens) {
   head_.snapshot = this;
   head_.tokens = tokens;
@@ -89,7 +89,7 @@ KVStateSnapshot::KVStateSnapshot(SnapshotRecord::Kind kind, const KVLayout& layo
       begin(from),
       end(to),
       window(window),
-      owner(nullptr),
+      owner_(nullptr),
       tokens_(keys.dim(2)) {
   head_.snapshot = this;
   head_.tokens = tokens_;
@@ -99,7 +99,10 @@ KVStateSnapshot::KVStateSnapshot(SnapshotRecord::Kind kind, const KVLayout& layo
 }
 
 KVStateSnapshot::~KVStateSnapshot() {
-  if (owner != nullptr) for_each_piece([&](Piece& piece) { owner->unlink(piece); });
+  if (KVStore* store = owner()) {
+    const Guard guard(*store->lock);  // the store's index may be in use on another thread
+    for_each_piece([&](Piece& piece) { store->unlink(piece); });
+  }
   for (Piece* piece = head_.next; piece != nullptr;) {
     Piece* next = piece->next;
     delete piece;
@@ -118,9 +121,16 @@ void KVStateSnapshot::for_each_piece(Visit&& visit) const {
 }
 
 int64_t KVStateSnapshot::size() const {
-  int64_t bytes = 0;
-  for_each_piece([&](const Piece& piece) { bytes += storage_bytes(piece); });
-  return bytes;
+  const auto count = [&] {
+    int64_t bytes = 0;
+    for_each_piece([&](const Piece& piece) { bytes += storage_bytes(piece); });
+    return bytes;
+  };
+  if (KVStore* store = owner()) {  // pieces may be materializing on another thread
+    const Guard guard(*store->lock);
+    return count();
+  }
+  return count();
 }
 
 void KVStateSnapshot::storage_changed(int64_t delta) {
@@ -140,8 +150,8 @@ void KVStateSnapshot::for_each_part(
     }
     if (count > owned) {
       const int64_t column = piece.column + owned;
-      visit(first + owned, owner->keys.slice(2, column, piece.column + count),
-            owner->values.slice(2, column, piece.column + count), column);
+      visit(first + owned, owner()->keys.slice(2, column, piece.column + count),
+            owner()->values.slice(2, column, piece.column + count), column);
     }
     first += piece.tokens;
   });
@@ -178,6 +188,10 @@ Array KVStateSnapshot::values() const {
 }
 
 SnapshotRecord KVStateSnapshot::record() const {
+  if (KVStore* store = owner()) {  // read consistently with the store's writers
+    const Guard guard(*store->lock);
+    return {kind(), keys(), values(), begin, end, window};
+  }
   return {kind(), keys(), values(), begin, end, window};
 }
 
@@ -205,7 +219,7 @@ void KVStateSnapshot::append_run(int64_t column, int64_t tokens) {
   auto run = std::make_unique<Piece>();
   run->tokens = tokens;
   run->column = column;
-  owner->link(*run);
+  owner()->link(*run);
   insert_after(*last, std::move(run));
   tokens_ += tokens;
 }
@@ -223,7 +237,7 @@ KVStateSnapshot::KVStateSnapshot(const KVStateSnapshot& like, int64_t from, int6
       begin(from),
       end(to),
       window(like.window),
-      owner(like.owner),
+      owner_(like.owner()),
       tokens_(0) {
   head_.snapshot = this;
 }
@@ -237,11 +251,13 @@ std::unique_ptr<KVStateSnapshot> KVStateSnapshot::split_off(int64_t at, CopyStat
     first += last->tokens;
     last = last->next;
   }
-  if (first + last->tokens > cut) insert_after(*last, cut_piece(*last, cut - first, owner, stats));
+  if (first + last->tokens > cut) {
+    insert_after(*last, cut_piece(*last, cut - first, owner(), stats));
+  }
   Piece* moved = last->next;
   last->next = nullptr;
   std::unique_ptr<KVStateSnapshot> after(new KVStateSnapshot(*this, at, end));
-  after->move_piece(*moved, after->head_, owner);
+  after->move_piece(*moved, after->head_, owner());
   after->head_.next = moved->next;
   delete moved;
   for (Piece* piece = after->head_.next; piece != nullptr; piece = piece->next) {
@@ -250,16 +266,16 @@ std::unique_ptr<KVStateSnapshot> KVStateSnapshot::split_off(int64_t at, CopyStat
   after->tokens_ = tokens_ - cut;
   tokens_ = cut;
   end = at;
-  if (!after->has_lazy_piece()) after->owner = nullptr;
-  if (!has_lazy_piece()) owner = nullptr;
+  if (!after->has_lazy_piece()) after->set_owner(nullptr);
+  if (!has_lazy_piece()) set_owner(nullptr);
   return after;
 }
 
 void KVStateSnapshot::append(KVStateSnapshot& next) {
-  if (owner != nullptr && next.owner != nullptr && owner != next.owner) {
-    next.owner->materialize(next);  // lazy in two stores: one owner per snapshot
+  if (owner() != nullptr && next.owner() != nullptr && owner() != next.owner()) {
+    next.owner()->materialize(next);  // lazy in two stores: one owner per snapshot
   }
-  KVStore* store = owner != nullptr ? owner : next.owner;
+  KVStore* store = owner() != nullptr ? owner() : next.owner();
   Piece* last = &head_;
   while (last->next != nullptr) last = last->next;
   Piece& join = next.head_;
@@ -281,11 +297,11 @@ void KVStateSnapshot::append(KVStateSnapshot& next) {
   last->next = join.next;
   join.next = nullptr;
   for (Piece* piece = last->next; piece != nullptr; piece = piece->next) piece->snapshot = this;
-  next.owner = nullptr;
+  next.set_owner(nullptr);
   tokens_ += next.tokens_;
   next.tokens_ = 0;
   end = next.end;
-  owner = has_lazy_piece() ? store : nullptr;
+  set_owner(has_lazy_piece() ? store : nullptr);
 }
 
 KVStateSnapshot& as_kv_state(Snapshot* snapshot, SnapshotRecord::Kind kind, const char* call) {
@@ -378,7 +394,7 @@ void KVStore::copy_out(Piece& piece, int64_t to) {
 }
 
 void KVStore::materialize(KVStateSnapshot& snapshot) {
-  if (snapshot.owner != this) return;
+  if (snapshot.owner() != this) return;
   snapshot.for_each_piece([&](Piece& piece) { copy_out(piece, piece.lazy_end()); });
 }
 

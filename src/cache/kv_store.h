@@ -11,12 +11,14 @@
 // snapshots are outstanding.
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <vector>
 
 #include "cache/kv_layout.h"
 #include "cache/lazy_index.h"
+#include "cache/sequences.h"
 #include "cache/state_snapshot.h"
 
 namespace kvsnap::detail {
@@ -42,7 +44,7 @@ class KVStateSnapshot final : public StateSnapshot, public Pooled<KVStateSnapsho
   void set_materialize_hook(std::function<void(int64_t)> hook) override { hook_ = std::move(hook); }
   int64_t from() const override { return begin; }
   int64_t to() const override { return end; }
-  bool is_lazy() const override { return owner != nullptr; }
+  bool is_lazy() const override { return owner() != nullptr; }
   SnapshotRecord record() const override;
 
   // Tokens held: to - from for ranges, the window's tokens for windows.
@@ -72,12 +74,16 @@ class KVStateSnapshot final : public StateSnapshot, public Pooled<KVStateSnapsho
   // Called by the store when a piece's storage changed size by `delta` bytes, and when the
   // snapshot's last lazy piece became owned.
   void storage_changed(int64_t delta);
-  void became_owned() { owner = nullptr; }
+  void became_owned() { set_owner(nullptr); }
+
+  // The store it names columns of: non-null exactly while a piece is lazy. Read from any
+  // thread; changed only under that store's cache lock.
+  KVStore* owner() const { return owner_.load(std::memory_order_acquire); }
+  void set_owner(KVStore* store) { owner_.store(store, std::memory_order_release); }
 
   const KVLayout layout;
   int64_t begin, end;
   const int64_t window;  // rotating: the max_size of its cache
-  KVStore* owner;        // non-null exactly while a piece is lazy
 
  private:
   friend class KVStore;
@@ -92,6 +98,7 @@ class KVStateSnapshot final : public StateSnapshot, public Pooled<KVStateSnapsho
   bool has_lazy_piece() const;
   void insert_after(Piece& piece, std::unique_ptr<Piece> next);
 
+  std::atomic<KVStore*> owner_;
   int64_t tokens_;
   // The first piece, inline (a capture allocates none); the others follow through Piece::next,
   // owned by the snapshot and drawn from a pool.
@@ -150,6 +157,9 @@ class KVStore {
   std::unique_ptr<Piece> split_piece(Piece& piece, int64_t cut, CopyStats& copies);
 
   Array keys, values;  // [B, H, capacity, D] / [B, H, capacity, Dv]
+  // The lock of the cache this store belongs to (set by the cache): held by every call that
+  // reads or changes the store, its index or its snapshots' pieces.
+  CacheLock* lock = nullptr;
   KVLayout layout;
   bool has_layout = false;
   CopyStats stats;

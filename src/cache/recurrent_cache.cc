@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include "cache/capture_schedule.h"
+#include "cache/sequences.h"
 #include "cache/state_snapshot.h"
 
 namespace kvsnap {
@@ -32,11 +33,8 @@ class RecurrentSnapshot final : public StateSnapshot, public Pooled<RecurrentSna
   int64_t at;
 };
 
-class RecurrentCacheImpl {
- public:
-  Shape conv_shape(int64_t rows) const { return {rows, conv_tail, conv_dim}; }
-  Shape delta_shape(int64_t rows) const { return {rows, v_heads, v_dim, k_dim}; }
-
+// One sequence's live state.
+struct RecurrentSequence {
   SnapshotPtr capture() const {
     if (conv.empty() || offset == 0) return nullptr;
     return std::make_unique<RecurrentSnapshot>(conv, delta, offset);
@@ -46,60 +44,133 @@ class RecurrentCacheImpl {
       schedule.record(capture());
     }
   }
+  void reset() {
+    schedule.clear();
+    conv = Array();
+    delta = Array();
+    offset = 0;
+  }
 
-  // Rows at offset() sharing one query length; returns that length.
-  int64_t check_batch(const Batch& batch, const char* call) const {
-    batch.validate(call);
-    const int32_t length = batch.seq_query_lens[0];
-    for (int64_t row = 0; row < batch.batch_size(); ++row) {
-      if (batch.seq_offsets[row] != offset || batch.seq_query_lens[row] != length) {
-        throw Error(fmt::format(
-            "{}: row {} starts at {} with {} tokens; every row must start at "
-            "the cache offset {} with {} tokens",
-            call, row, batch.seq_offsets[row], batch.seq_query_lens[row], offset, length));
+  Array conv, delta;  // live state; empty until first get/put/restore
+  int64_t offset = 0;
+  CopyStats stats;
+  CaptureSchedule schedule;
+};
+
+class RecurrentCacheImpl {
+ public:
+  explicit RecurrentCacheImpl(const RecurrentCache::Dims& dims)
+      : conv_tail(dims.conv_tail),
+        conv_dim(dims.conv_dim),
+        v_heads(dims.num_v_heads),
+        v_dim(dims.head_v_dim),
+        k_dim(dims.head_k_dim),
+        sequences([] { return std::make_unique<RecurrentSequence>(); }) {}
+
+  Shape conv_shape() const { return {1, conv_tail, conv_dim}; }
+  Shape delta_shape() const { return {1, v_heads, v_dim, k_dim}; }
+  RecurrentSequence& at(SeqId id) { return sequences.at(id, "RecurrentCache"); }
+
+  // Row `row` of `batch` at its sequence's offset; returns its length.
+  int64_t check_row(const Batch& batch, int64_t row, const char* call) {
+    const RecurrentSequence* sequence = sequences.find(batch.seq_id(row));
+    const int64_t offset = sequence == nullptr ? 0 : sequence->offset;
+    if (batch.seq_offsets[static_cast<size_t>(row)] != offset) {
+      throw Error(fmt::format("{}: row {} starts at {}; its sequence {} is at offset {}", call, row,
+                              batch.seq_offsets[static_cast<size_t>(row)], batch.seq_id(row),
+                              offset));
+    }
+    return batch.seq_query_lens[static_cast<size_t>(row)];
+  }
+
+  RecurrentHistory get_row(SeqId id, DType activation, const char* call) {
+    RecurrentSequence& sequence = at(id);
+    if (!sequence.conv.empty() && sequence.conv.dtype() != activation) {
+      throw Error(
+          fmt::format("{}: activation dtype {} differs from sequence {}'s state {} (fixed "
+                      "until reset)",
+                      call, dtype_name(activation), id, dtype_name(sequence.conv.dtype())));
+    }
+    if (sequence.conv.empty()) {
+      sequence.conv = Array::zeros(activation, conv_shape());
+      sequence.delta = Array::zeros(DType::f32, delta_shape());
+    }
+    return RecurrentHistory(sequence.conv, sequence.delta);
+  }
+
+  // Throws Error naming `call` unless `states` fit row `row`: the scheduled splits plus the end,
+  // of this cache's shapes and the sequence's activation dtype.
+  void check_states(const Batch& batch, int64_t row, std::span<const Array> conv,
+                    std::span<const Array> delta, const char* call) {
+    const int64_t length = check_row(batch, row, call);
+    const SeqId id = batch.seq_id(row);
+    const size_t expected = splits(id, length).size() + 1;
+    if (conv.size() != expected || delta.size() != expected) {
+      throw Error(fmt::format(
+          "{}: got {} conv and {} delta states for row {}; expected {} ({} scheduled split "
+          "points inside this forward, then the end)",
+          call, conv.size(), delta.size(), row, expected, expected - 1));
+    }
+    const RecurrentSequence* sequence = sequences.find(id);
+    const DType activation = sequence == nullptr || sequence->conv.empty() ? conv.back().dtype()
+                                                                           : sequence->conv.dtype();
+    if (activation == DType::i32) {
+      throw Error(fmt::format("{}: conv states must have a float dtype, not i32", call));
+    }
+    for (size_t i = 0; i < expected; ++i) {
+      if (conv[i].shape() != conv_shape() || conv[i].dtype() != activation) {
+        throw Error(fmt::format("{}: conv state {} must be {}{}", call, conv[i].describe(),
+                                dtype_name(activation), shape_string(conv_shape())));
+      }
+      if (delta[i].shape() != delta_shape() || delta[i].dtype() != DType::f32) {
+        throw Error(fmt::format("{}: delta state {} must be f32{}", call, delta[i].describe(),
+                                shape_string(delta_shape())));
       }
     }
-    if (!conv.empty() && batch.batch_size() != conv.dim(0)) {
-      throw Error(
-          fmt::format("{}: batch of {} rows, but the state holds {} (batch size is fixed "
-                      "until reset)",
-                      call, batch.batch_size(), conv.dim(0)));
-    }
-    return length;
   }
 
-  void check_state(const Array& conv_state, const Array& delta_state, int64_t rows,
-                   DType activation, const char* call) const {
-    if (conv_state.shape() != conv_shape(rows) || conv_state.dtype() != activation) {
-      throw Error(fmt::format("{}: conv state {} must be {}{}", call, conv_state.describe(),
-                              dtype_name(activation), shape_string(conv_shape(rows))));
+  // Adopts row `row`'s checked states: the interior ones are the captures for the scheduled split
+  // points, in order; the last becomes live.
+  void put_row(const Batch& batch, int64_t row, std::span<const Array> conv,
+               std::span<const Array> delta) {
+    RecurrentSequence& sequence = at(batch.seq_id(row));
+    const int64_t length = batch.seq_query_lens[static_cast<size_t>(row)];
+    const std::vector<int64_t> interior = splits(batch.seq_id(row), length);
+    for (size_t i = 0; i < interior.size(); ++i) {
+      sequence.schedule.record(
+          std::make_unique<RecurrentSnapshot>(conv[i], delta[i], sequence.offset + interior[i]));
     }
-    if (delta_state.shape() != delta_shape(rows) || delta_state.dtype() != DType::f32) {
-      throw Error(fmt::format("{}: delta state {} must be f32{}", call, delta_state.describe(),
-                              shape_string(delta_shape(rows))));
-    }
+    sequence.conv = conv.back();
+    sequence.delta = delta.back();
+    sequence.offset += length;
+    sequence.stats.appended_bytes += sequence.conv.nbytes() + sequence.delta.nbytes();
+    sequence.capture_reached();
   }
 
-  // Throws Error naming `call` unless `s` has this cache's shapes, and the live state's batch
-  // size and activation dtype when there is a live state.
-  void check_fits(const RecurrentSnapshot& s, const char* call) const {
-    const int64_t rows = conv.empty() ? s.conv.dim(0) : conv.dim(0);
-    const DType activation = conv.empty() ? s.conv.dtype() : conv.dtype();
-    const bool fits = s.conv.shape() == conv_shape(rows) && s.conv.dtype() == activation &&
-                      s.delta.shape() == delta_shape(rows) && s.delta.dtype() == DType::f32;
+  std::vector<int64_t> splits(SeqId id, int64_t forward_len) const {
+    const RecurrentSequence* sequence = sequences.find(id);
+    if (sequence == nullptr || !sequence->schedule.active()) return {};
+    return sequence->schedule.interior(sequence->offset, sequence->offset + forward_len);
+  }
+
+  // Throws Error naming `call` unless `s` has this cache's shapes, and the live state's
+  // activation dtype when there is a live state.
+  void check_fits(const RecurrentSequence& sequence, const RecurrentSnapshot& s,
+                  const char* call) const {
+    const DType activation = sequence.conv.empty() ? s.conv.dtype() : sequence.conv.dtype();
+    const bool fits = s.conv.shape() == conv_shape() && s.conv.dtype() == activation &&
+                      s.delta.shape() == delta_shape() && s.delta.dtype() == DType::f32;
     if (fits) return;
     throw Error(fmt::format(
         "{}: the snapshot (conv {}, delta {}) does not fit this cache (conv {}{}, delta "
         "f32{}): a state restores only into a cache of the same shapes, batch size and dtype",
         call, s.conv.describe(), s.delta.describe(), dtype_name(activation),
-        shape_string(conv_shape(rows)), shape_string(delta_shape(rows))));
+        shape_string(conv_shape()), shape_string(delta_shape())));
   }
 
-  int64_t conv_tail, conv_dim, v_heads, v_dim, k_dim;
-  Array conv, delta;  // live state; empty until first get/put/restore
-  int64_t offset = 0;
-  CopyStats stats;
-  CaptureSchedule schedule;
+  const int64_t conv_tail, conv_dim, v_heads, v_dim, k_dim;
+  mutable CacheLock lock;
+  Sequences<RecurrentSequence> sequences;
 };
 
 namespace {
@@ -124,125 +195,172 @@ SnapshotPtr make_recurrent_snapshot(Array conv, Array delta, int64_t offset) {
 
 }  // namespace detail
 
+using detail::Guard;
 using detail::RecurrentSnapshot;
 
-RecurrentCache::RecurrentCache(int conv_tail, int conv_dim, int num_v_heads, int head_v_dim,
-                               int head_k_dim) {
-  if (conv_tail < 0 || conv_dim < 1 || num_v_heads < 1 || head_v_dim < 1 || head_k_dim < 1) {
-    throw Error(
-        fmt::format("RecurrentCache: conv_tail {}, conv_dim {}, num_v_heads {}, head_v_dim "
-                    "{}, head_k_dim {}: need conv_tail >= 0 and the rest >= 1",
-                    conv_tail, conv_dim, num_v_heads, head_v_dim, head_k_dim));
+RecurrentCache::RecurrentCache(const Dims& dims) {
+  if (dims.conv_tail < 0 || dims.conv_dim < 1 || dims.num_v_heads < 1 || dims.head_v_dim < 1 ||
+      dims.head_k_dim < 1) {
+    throw Error(fmt::format(
+        "RecurrentCache: conv_tail {}, conv_dim {}, num_v_heads {}, head_v_dim "
+        "{}, head_k_dim {}: need conv_tail >= 0 and the rest >= 1",
+        dims.conv_tail, dims.conv_dim, dims.num_v_heads, dims.head_v_dim, dims.head_k_dim));
   }
-  impl_ = std::make_unique<detail::RecurrentCacheImpl>();
-  impl_->conv_tail = conv_tail;
-  impl_->conv_dim = conv_dim;
-  impl_->v_heads = num_v_heads;
-  impl_->v_dim = head_v_dim;
-  impl_->k_dim = head_k_dim;
+  impl_ = std::make_unique<detail::RecurrentCacheImpl>(dims);
 }
+
+RecurrentCache::RecurrentCache(int conv_tail, int conv_dim, int num_v_heads, int head_v_dim,
+                               int head_k_dim)
+    : RecurrentCache(Dims{conv_tail, conv_dim, num_v_heads, head_v_dim, head_k_dim}) {}
 
 RecurrentCache::~RecurrentCache() = default;
 
 RecurrentHistory RecurrentCache::get(const Batch& batch, DType activation_dtype) {
-  detail::RecurrentCacheImpl& c = *impl_;
-  c.check_batch(batch, "RecurrentCache::get");
+  constexpr const char* kCall = "RecurrentCache::get";
+  const Guard guard(impl_->lock);
+  batch.validate(kCall);
   if (activation_dtype == DType::i32) {
     throw Error("RecurrentCache::get: activation dtype i32 is not a float dtype");
   }
-  if (!c.conv.empty() && c.conv.dtype() != activation_dtype) {
-    throw Error(
-        fmt::format("RecurrentCache::get: activation dtype {} differs from the state's {} "
-                    "(fixed until reset)",
-                    dtype_name(activation_dtype), dtype_name(c.conv.dtype())));
+  for (int64_t b = 0; b < batch.batch_size(); ++b) (void)impl_->check_row(batch, b, kCall);
+  if (batch.batch_size() == 1) return impl_->get_row(batch.seq_id(0), activation_dtype, kCall);
+  std::vector<RecurrentHistory> rows;
+  for (int64_t b = 0; b < batch.batch_size(); ++b) {
+    rows.push_back(impl_->get_row(batch.seq_id(b), activation_dtype, kCall));
   }
-  if (c.conv.empty()) {
-    c.conv = Array::zeros(activation_dtype, c.conv_shape(batch.batch_size()));
-    c.delta = Array::zeros(DType::f32, c.delta_shape(batch.batch_size()));
-  }
-  return RecurrentHistory(c.conv, c.delta);
+  return RecurrentHistory::of_rows(std::move(rows));
 }
 
 void RecurrentCache::put(const Batch& batch, std::span<const Array> conv_states,
                          std::span<const Array> delta_states) {
-  detail::RecurrentCacheImpl& c = *impl_;
-  const int64_t length = c.check_batch(batch, "RecurrentCache::put");
-  const std::vector<int64_t> splits = snapshot_splits(length);
-  const size_t expected = splits.size() + 1;
-  if (conv_states.size() != expected || delta_states.size() != expected) {
+  constexpr const char* kCall = "RecurrentCache::put";
+  const Guard guard(impl_->lock);
+  batch.validate(kCall);
+  if (batch.batch_size() != 1) {
     throw Error(
-        fmt::format("RecurrentCache::put: got {} conv and {} delta states; expected {} ({} "
-                    "scheduled split points inside this forward, then the end)",
-                    conv_states.size(), delta_states.size(), expected, splits.size()));
+        fmt::format("{}: a batch of {} rows needs one RecurrentStates per row (the put "
+                    "overload taking rows)",
+                    kCall, batch.batch_size()));
   }
-  const DType activation = c.conv.empty() ? conv_states.back().dtype() : c.conv.dtype();
-  if (activation == DType::i32) {
-    throw Error("RecurrentCache::put: conv states must have a float dtype, not i32");
+  impl_->check_states(batch, 0, conv_states, delta_states, kCall);
+  impl_->put_row(batch, 0, conv_states, delta_states);
+}
+
+void RecurrentCache::put(const Batch& batch, std::span<const RecurrentStates> rows) {
+  constexpr const char* kCall = "RecurrentCache::put";
+  const Guard guard(impl_->lock);
+  batch.validate(kCall);
+  if (static_cast<int64_t>(rows.size()) != batch.batch_size()) {
+    throw Error(fmt::format("{}: {} rows of states for a batch of {} rows", kCall, rows.size(),
+                            batch.batch_size()));
   }
-  for (size_t i = 0; i < expected; ++i) {
-    c.check_state(conv_states[i], delta_states[i], batch.batch_size(), activation,
-                  "RecurrentCache::put");
+  for (int64_t b = 0; b < batch.batch_size(); ++b) {
+    const RecurrentStates& row = rows[static_cast<size_t>(b)];
+    impl_->check_states(batch, b, row.conv, row.delta, kCall);
   }
-  // Interior states are the captures for the scheduled split points, in order.
-  for (size_t i = 0; i < splits.size(); ++i) {
-    c.schedule.record(
-        std::make_unique<RecurrentSnapshot>(conv_states[i], delta_states[i], c.offset + splits[i]));
+  for (int64_t b = 0; b < batch.batch_size(); ++b) {
+    const RecurrentStates& row = rows[static_cast<size_t>(b)];
+    impl_->put_row(batch, b, row.conv, row.delta);
   }
-  c.conv = conv_states.back();
-  c.delta = delta_states.back();
-  c.offset += length;
-  c.stats.appended_bytes += c.conv.nbytes() + c.delta.nbytes();
-  c.capture_reached();
 }
 
 std::vector<int64_t> RecurrentCache::snapshot_splits(int64_t forward_len) const {
-  if (!impl_->schedule.active()) return {};
-  return impl_->schedule.interior(impl_->offset, impl_->offset + forward_len);
+  return snapshot_splits(0, forward_len);
+}
+std::vector<int64_t> RecurrentCache::snapshot_splits(SeqId seq, int64_t forward_len) const {
+  const Guard guard(impl_->lock);
+  return impl_->splits(seq, forward_len);
 }
 
-std::vector<Array> RecurrentCache::state() const {
-  if (impl_->conv.empty()) return {};
-  return {impl_->conv, impl_->delta};
+std::vector<Array> RecurrentCache::state() const { return state(0); }
+std::vector<Array> RecurrentCache::state(SeqId seq) const {
+  const Guard guard(impl_->lock);
+  const detail::RecurrentSequence* sequence = impl_->sequences.find(seq);
+  if (sequence == nullptr || sequence->conv.empty()) return {};
+  return {sequence->conv, sequence->delta};
 }
 
 void RecurrentCache::reset() {
-  impl_->schedule.clear();
-  impl_->conv = Array();
-  impl_->delta = Array();
-  impl_->offset = 0;
+  const Guard guard(impl_->lock);
+  impl_->sequences.for_each([](SeqId, detail::RecurrentSequence& s) { s.reset(); });
+}
+void RecurrentCache::reset(SeqId seq) {
+  const Guard guard(impl_->lock);
+  if (detail::RecurrentSequence* sequence = impl_->sequences.find(seq)) sequence->reset();
 }
 
-int64_t RecurrentCache::offset() const { return impl_->offset; }
+int64_t RecurrentCache::offset() const { return offset(0); }
+int64_t RecurrentCache::offset(SeqId seq) const {
+  const Guard guard(impl_->lock);
+  const detail::RecurrentSequence* sequence = impl_->sequences.find(seq);
+  return sequence == nullptr ? 0 : sequence->offset;
+}
 
-SnapshotPtr RecurrentCache::snapshot(int64_t from_offset) {
-  if (from_offset < 0 || from_offset > impl_->offset) {
+std::vector<SeqId> RecurrentCache::sequences() const {
+  const Guard guard(impl_->lock);
+  std::vector<SeqId> ids;
+  impl_->sequences.for_each([&](SeqId id, const detail::RecurrentSequence&) { ids.push_back(id); });
+  return ids;
+}
+
+SnapshotPtr RecurrentCache::snapshot(int64_t from_offset) { return snapshot(0, from_offset); }
+SnapshotPtr RecurrentCache::snapshot(SeqId seq, int64_t from_offset) {
+  const Guard guard(impl_->lock);
+  const detail::RecurrentSequence& sequence = impl_->at(seq);
+  if (from_offset < 0 || from_offset > sequence.offset) {
     throw Error(
         fmt::format("RecurrentCache::snapshot: from_offset {} out of range [0, {}] (the "
                     "cache offset)",
-                    from_offset, impl_->offset));
+                    from_offset, sequence.offset));
   }
-  return impl_->capture();
+  return sequence.capture();
 }
 
 void RecurrentCache::prepare_snapshots(std::span<const int64_t> offsets) {
-  impl_->schedule.prepare(offsets, impl_->offset, "RecurrentCache::prepare_snapshots");
-  impl_->capture_reached();
+  prepare_snapshots(0, offsets);
+}
+void RecurrentCache::prepare_snapshots(SeqId seq, std::span<const int64_t> offsets) {
+  const Guard guard(impl_->lock);
+  detail::RecurrentSequence& sequence = impl_->at(seq);
+  sequence.schedule.prepare(offsets, sequence.offset, "RecurrentCache::prepare_snapshots");
+  sequence.capture_reached();
 }
 
-std::vector<SnapshotPtr> RecurrentCache::take_snapshots() {
-  return impl_->schedule.take(impl_->offset, "RecurrentCache::take_snapshots");
+std::vector<SnapshotPtr> RecurrentCache::take_snapshots() { return take_snapshots(0); }
+std::vector<SnapshotPtr> RecurrentCache::take_snapshots(SeqId seq) {
+  const Guard guard(impl_->lock);
+  detail::RecurrentSequence& sequence = impl_->at(seq);
+  return sequence.schedule.take(sequence.offset, "RecurrentCache::take_snapshots");
+}
+
+std::vector<SnapshotPtr> RecurrentCache::take_reached_snapshots() {
+  return take_reached_snapshots(0);
+}
+std::vector<SnapshotPtr> RecurrentCache::take_reached_snapshots(SeqId seq) {
+  const Guard guard(impl_->lock);
+  return impl_->at(seq).schedule.take_reached();
+}
+
+void RecurrentCache::cancel_snapshots() { cancel_snapshots(0); }
+void RecurrentCache::cancel_snapshots(SeqId seq) {
+  const Guard guard(impl_->lock);
+  if (detail::RecurrentSequence* sequence = impl_->sequences.find(seq)) sequence->schedule.clear();
 }
 
 bool RecurrentCache::restore(Snapshot* snapshot, int64_t target) {
-  detail::RecurrentCacheImpl& c = *impl_;
-  c.schedule.require_idle("RecurrentCache::restore");
-  if (snapshot == nullptr) return target == c.offset;
+  return restore(0, snapshot, target);
+}
+bool RecurrentCache::restore(SeqId seq, Snapshot* snapshot, int64_t target) {
+  const Guard guard(impl_->lock);
+  detail::RecurrentSequence& sequence = impl_->at(seq);
+  sequence.schedule.require_idle("RecurrentCache::restore");
+  if (snapshot == nullptr) return target == sequence.offset;
   RecurrentSnapshot& s = *detail::as_recurrent_snapshot(snapshot, "RecurrentCache::restore");
-  c.check_fits(s, "RecurrentCache::restore");
+  impl_->check_fits(sequence, s, "RecurrentCache::restore");
   if (target != s.at) return false;
-  c.conv = s.conv;  // immutable values: sharing is a restore without a copy
-  c.delta = s.delta;
-  c.offset = target;
+  sequence.conv = s.conv;  // immutable values: sharing is a restore without a copy
+  sequence.delta = s.delta;
+  sequence.offset = target;
   return true;
 }
 
@@ -257,7 +375,13 @@ std::pair<SnapshotPtr, SnapshotPtr> RecurrentCache::split(SnapshotPtr snapshot, 
   return {nullptr, std::move(snapshot)};
 }
 
-CopyStats RecurrentCache::copy_stats() const { return impl_->stats; }
+CopyStats RecurrentCache::copy_stats() const {
+  const Guard guard(impl_->lock);
+  CopyStats total;
+  impl_->sequences.for_each(
+      [&](SeqId, const detail::RecurrentSequence& s) { detail::add(total, s.stats); });
+  return total;
+}
 
 int RecurrentCache::conv_tail() const { return static_cast<int>(impl_->conv_tail); }
 int RecurrentCache::conv_dim() const { return static_cast<int>(impl_->conv_dim); }
@@ -266,11 +390,5 @@ int RecurrentCache::head_v_dim() const { return static_cast<int>(impl_->v_dim); 
 int RecurrentCache::head_k_dim() const { return static_cast<int>(impl_->k_dim); }
 
 RestoreRule RecurrentCache::restore_rule() const { return {RestoreRule::Kind::whole_state, 0}; }
-
-void RecurrentCache::cancel_snapshots() { impl_->schedule.clear(); }
-
-std::vector<SnapshotPtr> RecurrentCache::take_reached_snapshots() {
-  return impl_->schedule.take_reached();
-}
 
 }  // namespace kvsnap

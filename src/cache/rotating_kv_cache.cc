@@ -15,9 +15,14 @@ using Kind = SnapshotRecord::Kind;
 // valid; ring index i (0 = the oldest) lives in column start + (oldest + i) % length and holds
 // position offset - length + i. The buffer is linear when oldest == 0; it wraps only as a full
 // ring (length == max_size, start == 0) fed by single-token writes.
-class RotatingKVCacheImpl final : public KVKind {
+class RotatingSequence final : public KVKind {
  public:
-  explicit RotatingKVCacheImpl(int64_t max_size) : KVKind("RotatingKVCache"), max_size(max_size) {}
+  explicit RotatingSequence(int64_t max_size) : KVKind("RotatingKVCache"), max_size(max_size) {}
+
+  void reset() override {
+    KVKind::reset();
+    start = length = oldest = 0;
+  }
 
   int64_t first_position() const { return offset - length; }
   bool linear() const { return oldest == 0; }
@@ -143,7 +148,7 @@ class RotatingKVCacheImpl final : public KVKind {
   // Restores `tokens` tokens of `s` as the whole window, ending at `target`.
   void restore_window(KVStateSnapshot& s, int64_t tokens, int64_t target) {
     const Piece* piece = s.only_piece();
-    if (s.owner == &store && piece != nullptr) {
+    if (s.owner() == &store && piece != nullptr) {
       // One run of this buffer's columns: write back what was copied out, and the window is
       // those columns again.
       const int64_t owned = std::min(piece->owned, tokens);
@@ -154,7 +159,7 @@ class RotatingKVCacheImpl final : public KVKind {
       }
       start = piece->column;
     } else {
-      if (s.owner == &store) store.materialize(s);  // it is read while the buffer is rewritten
+      if (s.owner() == &store) store.materialize(s);  // it is read while the buffer is rewritten
       if (store.capacity() < tokens || store.capacity() == 0) {
         auto [k, v] = store.layout.allocate_uninitialized(
             round_up(std::max<int64_t>(tokens, 1), RotatingKVCache::kStep));
@@ -194,7 +199,7 @@ KVStateSnapshot* as_window(Snapshot* snapshot, const char* call) {
 
 // Throws Error naming `call` unless `s` fits `c`: the same window, and the same layout once the
 // cache has one.
-void check_fits(const RotatingKVCacheImpl& c, const KVStateSnapshot& s, const char* call) {
+void check_fits(const RotatingSequence& c, const KVStateSnapshot& s, const char* call) {
   if (s.window == c.max_size && (!c.store.has_layout || s.layout == c.store.layout)) return;
   throw Error(fmt::format(
       "{}: the snapshot (window {}, {}) does not fit this cache (window {}, {}): a window "
@@ -203,8 +208,19 @@ void check_fits(const RotatingKVCacheImpl& c, const KVStateSnapshot& s, const ch
       c.store.has_layout ? c.store.layout.describe() : "no layout yet"));
 }
 
+// The cache: its sequences, each a window of max_size.
+class RotatingKVCacheImpl : public KVCacheCore<RotatingSequence> {
+ public:
+  explicit RotatingKVCacheImpl(int64_t max_size)
+      : KVCacheCore("RotatingKVCache",
+                    [max_size] { return std::make_unique<RotatingSequence>(max_size); }),
+        max_size(max_size) {}
+  const int64_t max_size;
+};
+
 }  // namespace detail
 
+using detail::Guard;
 using detail::KVStateSnapshot;
 
 RotatingKVCache::RotatingKVCache(int64_t max_size) {
@@ -221,38 +237,57 @@ int64_t RotatingKVCache::max_size() const { return impl_->max_size; }
 KVHistory RotatingKVCache::update(const Batch& batch, const Array& keys, const Array& values) {
   return impl_->update(batch, keys, values);
 }
+KVHistory RotatingKVCache::view(const Batch& batch) const { return impl_->view(batch); }
 
-KVHistory RotatingKVCache::view(const Batch&) const { return impl_->history(); }
-
-std::vector<Array> RotatingKVCache::state() const {
-  const KVHistory history = impl_->history();
+std::vector<Array> RotatingKVCache::state() const { return state(0); }
+std::vector<Array> RotatingKVCache::state(SeqId seq) const {
+  const Guard guard(impl_->lock);
+  const detail::RotatingSequence* sequence = impl_->find(seq);
+  if (sequence == nullptr) return {};
+  const KVHistory history = sequence->history();
   if (history.keys().empty()) return {};
   return {history.keys(), history.values()};
 }
 
-void RotatingKVCache::reset() {
-  detail::RotatingKVCacheImpl& c = *impl_;
-  c.schedule.clear();
-  c.store.clear();
-  c.offset = c.start = c.length = c.oldest = 0;
-}
+void RotatingKVCache::reset() { impl_->reset_all(); }
+void RotatingKVCache::reset(SeqId seq) { impl_->reset(seq); }
+int64_t RotatingKVCache::offset() const { return impl_->offset(0); }
+int64_t RotatingKVCache::offset(SeqId seq) const { return impl_->offset(seq); }
+std::vector<SeqId> RotatingKVCache::sequences() const { return impl_->ids(); }
 
-int64_t RotatingKVCache::offset() const { return impl_->offset; }
-
-SnapshotPtr RotatingKVCache::snapshot(int64_t from_offset) {
-  impl_->check_snapshot_from(from_offset);
-  return impl_->capture_window(impl_->offset);
+SnapshotPtr RotatingKVCache::snapshot(int64_t from_offset) { return snapshot(0, from_offset); }
+SnapshotPtr RotatingKVCache::snapshot(SeqId seq, int64_t from_offset) {
+  const Guard guard(impl_->lock);
+  detail::RotatingSequence& sequence = impl_->at(seq);
+  sequence.check_snapshot_from(from_offset);
+  return sequence.capture_window(sequence.offset);
 }
 
 void RotatingKVCache::prepare_snapshots(std::span<const int64_t> offsets) {
-  impl_->prepare(offsets);
+  impl_->prepare(0, offsets);
 }
-std::vector<SnapshotPtr> RotatingKVCache::take_snapshots() { return impl_->take(); }
-std::vector<SnapshotPtr> RotatingKVCache::take_reached_snapshots() { return impl_->take_reached(); }
-void RotatingKVCache::cancel_snapshots() { impl_->cancel(); }
+void RotatingKVCache::prepare_snapshots(SeqId seq, std::span<const int64_t> offsets) {
+  impl_->prepare(seq, offsets);
+}
+std::vector<SnapshotPtr> RotatingKVCache::take_snapshots() { return impl_->take(0); }
+std::vector<SnapshotPtr> RotatingKVCache::take_snapshots(SeqId seq) { return impl_->take(seq); }
+std::vector<SnapshotPtr> RotatingKVCache::take_reached_snapshots() {
+  return impl_->take_reached(0);
+}
+std::vector<SnapshotPtr> RotatingKVCache::take_reached_snapshots(SeqId seq) {
+  return impl_->take_reached(seq);
+}
+void RotatingKVCache::cancel_snapshots() { impl_->cancel(0); }
+void RotatingKVCache::cancel_snapshots(SeqId seq) { impl_->cancel(seq); }
 
 bool RotatingKVCache::restore(Snapshot* snapshot, int64_t target) {
-  detail::RotatingKVCacheImpl& c = *impl_;
+  return restore(0, snapshot, target);
+}
+
+bool RotatingKVCache::restore(SeqId seq, Snapshot* snapshot, int64_t target) {
+  const Guard guard(impl_->lock);
+  const detail::OwnerGuard owner(snapshot, impl_->lock);
+  detail::RotatingSequence& c = impl_->at(seq);
   c.require_idle();
   if (snapshot == nullptr) {
     // Exact only while nothing was evicted: then the window holds every position [0, offset).
@@ -281,7 +316,7 @@ std::pair<SnapshotPtr, SnapshotPtr> RotatingKVCache::split(SnapshotPtr snapshot,
   return {nullptr, std::move(snapshot)};
 }
 
-CopyStats RotatingKVCache::copy_stats() const { return impl_->store.stats; }
+CopyStats RotatingKVCache::copy_stats() const { return impl_->stats(); }
 
 RestoreRule RotatingKVCache::restore_rule() const {
   return {RestoreRule::Kind::whole_state, impl_->max_size};

@@ -19,24 +19,37 @@ constexpr int64_t kBlock = 128;
 
 void check_inputs(const Batch& batch, const Array& q, const KVHistory& history, float scale) {
   constexpr const char* kCall = "sdpa";
-  const Array& keys = history.keys();
   detail::require_ndim(q, 4, kCall, "q", "[B, Hq, L, D]");
-  detail::require_ndim(keys, 4, kCall, "keys", "[B, H, K, D]");
   detail::require_float(q, kCall, "q");
-  detail::require_float(keys, kCall, "keys");
-  detail::require_float(history.values(), kCall, "values");
   batch.validate(kCall);
-  detail::require_extent(keys, 0, q.dim(0), kCall, "keys");
-  detail::require_extent(keys, 3, q.dim(3), kCall, "keys");
   if (batch.batch_size() != q.dim(0) || batch.length() != q.dim(2)) {
     throw Error(fmt::format("sdpa: q {} does not match the batch ({} rows of {} queries)",
                             q.describe(), batch.batch_size(), batch.length()));
   }
-  if (keys.dim(1) == 0 || q.dim(1) % keys.dim(1) != 0) {
-    throw Error(fmt::format("sdpa: {} query heads is not a multiple of {} key/value heads (GQA)",
-                            q.dim(1), keys.dim(1)));
-  }
   if (!std::isfinite(scale)) throw Error(fmt::format("sdpa: scale {} is not finite", scale));
+  if (history.ragged() && history.rows() != q.dim(0)) {
+    throw Error(fmt::format("sdpa: a history of {} rows for q {}", history.rows(), q.describe()));
+  }
+  for (int64_t b = 0; b < (history.ragged() ? history.rows() : 1); ++b) {
+    const KVHistory& row = history.row(b);
+    const Array keys = row.paged() ? row.paged_columns().key_chunks.empty()
+                                         ? Array()
+                                         : row.paged_columns().key_chunks.front()
+                                   : row.keys();
+    const Array values = row.paged() ? row.paged_columns().value_chunks.empty()
+                                           ? Array()
+                                           : row.paged_columns().value_chunks.front()
+                                     : row.values();
+    detail::require_ndim(keys, 4, kCall, "keys", "[B, H, K, D]");
+    detail::require_float(keys, kCall, "keys");
+    detail::require_float(values, kCall, "values");
+    if (!row.paged() && !history.ragged()) detail::require_extent(keys, 0, q.dim(0), kCall, "keys");
+    detail::require_extent(keys, 3, q.dim(3), kCall, "keys");
+    if (keys.dim(1) == 0 || q.dim(1) % keys.dim(1) != 0) {
+      throw Error(fmt::format("sdpa: {} query heads is not a multiple of {} key/value heads (GQA)",
+                              q.dim(1), keys.dim(1)));
+    }
+  }
 }
 
 // Which key columns each query sees. Positional rules (causal, lookback) apply on the fly; only
@@ -132,26 +145,76 @@ Array rows_f32(const Array& a) {
   return a.dtype() == DType::f32 && a.strides()[3] == 1 ? a : a.astype(DType::f32);
 }
 
-}  // namespace
+// A run of consecutive key columns [first, first + count) of one (row, key head): `count` key
+// rows of `key_stride` floats and value rows of `value_stride` floats.
+struct Run {
+  int64_t first, count;
+  const float* keys;
+  int64_t key_stride;
+  const float* values;
+  int64_t value_stride;
+};
 
-Array sdpa(const Batch& batch, const Array& q, const KVHistory& history,
-           const AttentionMask& logical, float scale) {
-  check_inputs(batch, q, history, scale);
+// The key/value columns of one history row as runs: one for a contiguous history, one per block
+// for a paged one (read in place when f32, else converted a block at a time).
+class Columns {
+ public:
+  explicit Columns(const KVHistory& history) : history_(history) {
+    if (!history.paged()) {
+      keys_ = rows_f32(history.keys());
+      values_ = rows_f32(history.values());
+    }
+  }
+
+  // Calls visit(run) for the runs covering columns [lo, hi) of batch row b, key head h, in
+  // column order (a run may begin before lo; visit clips).
+  template <class Visit>
+  void for_each(int64_t b, int64_t h, int64_t lo, int64_t hi, Visit&& visit) {
+    if (!history_.paged()) {
+      visit(Run{0, keys_.dim(2),
+                keys_.data<float>() + b * keys_.strides()[0] + h * keys_.strides()[1],
+                keys_.strides()[2],
+                values_.data<float>() + b * values_.strides()[0] + h * values_.strides()[1],
+                values_.strides()[2]});
+      return;
+    }
+    const PagedColumns& p = history_.paged_columns();
+    for (int64_t i = lo / p.block_tokens; i * p.block_tokens < hi; ++i) {
+      const Array k = rows_f32(p.key_block(static_cast<size_t>(i)));
+      const Array v = rows_f32(p.value_block(static_cast<size_t>(i)));
+      const int64_t first = i * p.block_tokens;
+      visit(Run{first, std::min(p.block_tokens, p.length - first),
+                k.data<float>() + h * k.strides()[1], k.strides()[2],
+                v.data<float>() + h * v.strides()[1], v.strides()[2]});
+    }
+  }
+
+ private:
+  const KVHistory& history_;
+  Array keys_, values_;
+};
+
+// Attention of one batch (its history one contiguous or paged history, or ragged rows, each
+// handled on its own).
+Array attend(const Batch& batch, const Array& q, const KVHistory& history,
+             const AttentionMask& logical, float scale) {
   const int64_t rows = q.dim(0), query_heads = q.dim(1), queries = q.dim(2), depth = q.dim(3);
-  const int64_t columns = history.length(), value_depth = history.values().dim(3);
+  const int64_t value_depth = history.paged() ? history.paged_columns().value_chunks.front().dim(3)
+                                              : history.values().dim(3);
+  const int64_t kv_heads =
+      history.paged() ? history.paged_columns().key_chunks.front().dim(1) : history.keys().dim(1);
+  const int64_t columns = history.length();
   const Visibility visibility(batch, history, logical, query_heads);
-  const Array qf = rows_f32(q), kf = rows_f32(history.keys()), vf = rows_f32(history.values());
+  const Array qf = rows_f32(q);
+  Columns source(history);
   Array out = Array::zeros(DType::f32, {rows, query_heads, queries, value_depth});
-  const int64_t group = query_heads / history.keys().dim(1);
+  const int64_t group = query_heads / kv_heads;
   std::vector<float> scores(static_cast<size_t>(std::min(queries, kBlock) * columns));
-  const int64_t q_row = qf.strides()[2], k_row = kf.strides()[2], v_row = vf.strides()[2];
+  const int64_t q_row = qf.strides()[2];
 
   for (int64_t b = 0; b < rows; ++b) {
     const int64_t offset = batch.seq_offsets[b], real = batch.seq_query_lens[b];
     for (int64_t h = 0; h < query_heads; ++h) {
-      const int64_t kvh = h / group;
-      const float* key_base = kf.data<float>() + b * kf.strides()[0] + kvh * kf.strides()[1];
-      const float* value_base = vf.data<float>() + b * vf.strides()[0] + kvh * vf.strides()[1];
       const float* query_base = qf.data<float>() + b * qf.strides()[0] + h * qf.strides()[1];
       float* out_base = out.mutable_data<float>() + (b * query_heads + h) * queries * value_depth;
       for (int64_t l0 = 0; l0 < real; l0 += kBlock) {
@@ -159,23 +222,54 @@ Array sdpa(const Batch& batch, const Array& q, const KVHistory& history,
         const auto [lo, hi] = visibility.columns(offset + l0, offset + l0 + block - 1);
         const int64_t width = hi - lo;
         if (width <= 0) continue;
-        // scores = scale * Q K^T over the block's columns [lo, hi).
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(block),
-                    static_cast<int>(width), static_cast<int>(depth), scale,
-                    query_base + l0 * q_row, static_cast<int>(q_row), key_base + lo * k_row,
-                    static_cast<int>(k_row), 0.0f, scores.data(), static_cast<int>(width));
+        // scores = scale * Q K^T over the block's columns [lo, hi), run by run.
+        source.for_each(b, h / group, lo, hi, [&](const Run& run) {
+          const int64_t from = std::max(lo, run.first), to = std::min(hi, run.first + run.count);
+          if (from >= to) return;
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(block),
+                      static_cast<int>(to - from), static_cast<int>(depth), scale,
+                      query_base + l0 * q_row, static_cast<int>(q_row),
+                      run.keys + (from - run.first) * run.key_stride,
+                      static_cast<int>(run.key_stride), 0.0f, scores.data() + (from - lo),
+                      static_cast<int>(width));
+        });
         for (int64_t r = 0; r < block; ++r) {
           float* row = scores.data() + r * width;
           const auto [begin, end] = visibility.mask(row, lo, width, b, h, l0 + r, offset + l0 + r);
           softmax_row(row, width, begin, end);
         }
-        // out = P V.
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(block),
-                    static_cast<int>(value_depth), static_cast<int>(width), 1.0f, scores.data(),
-                    static_cast<int>(width), value_base + lo * v_row, static_cast<int>(v_row), 0.0f,
-                    out_base + l0 * value_depth, static_cast<int>(value_depth));
+        // out = P V, run by run.
+        float beta = 0.0f;
+        source.for_each(b, h / group, lo, hi, [&](const Run& run) {
+          const int64_t from = std::max(lo, run.first), to = std::min(hi, run.first + run.count);
+          if (from >= to) return;
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(block),
+                      static_cast<int>(value_depth), static_cast<int>(to - from), 1.0f,
+                      scores.data() + (from - lo), static_cast<int>(width),
+                      run.values + (from - run.first) * run.value_stride,
+                      static_cast<int>(run.value_stride), beta, out_base + l0 * value_depth,
+                      static_cast<int>(value_depth));
+          beta = 1.0f;
+        });
       }
     }
+  }
+  return out;
+}
+
+}  // namespace
+
+Array sdpa(const Batch& batch, const Array& q, const KVHistory& history,
+           const AttentionMask& logical, float scale) {
+  check_inputs(batch, q, history, scale);
+  if (!history.ragged()) return attend(batch, q, history, logical, scale);
+  // Rows of different sequences, each with its own history.
+  Array out;
+  for (int64_t b = 0; b < batch.batch_size(); ++b) {
+    const Array row =
+        attend(batch.row(b), q.slice(0, b, b + 1), history.row(b), logical.for_row(b), scale);
+    if (out.empty()) out = Array::zeros(DType::f32, {q.dim(0), q.dim(1), q.dim(2), row.dim(3)});
+    out.assign_slice(0, b, row);
   }
   return out;
 }

@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 #include <kvsnap/kv_cache.h>
 
+#include "cache/snapshot_record.h"
 #include "support/cache_support.h"
 #include "support/test_support.h"
 
@@ -501,10 +502,12 @@ TEST(KVCacheErrors, BadUpdatesThrowAndChangeNothing) {
   EXPECT_TRUE(
       throws_error([&] { cache.update(Batch::uniform(1, 2, 3), kv.keys(ids), kv.values(ids)); },
                    {"KVCache::update", "starts at 3", "cache offset 5"}));
-  // Batch size change mid-sequence.
+  // A second row whose sequence (1, empty) is not at the row's offset: nothing is written, not
+  // even the first row's tokens (every row is checked before any is written).
   EXPECT_TRUE(throws_error(
       [&] { cache.update(Batch::uniform(2, 2, 5), kv.keys(ids, 2), kv.values(ids, 2)); },
-      {"KVCache::update", "B=2", "B=1"}));
+      {"KVCache::update", "starts at 5", "cache offset 0"}));
+  EXPECT_EQ(cache.offset(1), 0);
   // Dtype change mid-sequence.
   const TokenKV half{.dtype = DType::f16};
   EXPECT_TRUE(
@@ -557,9 +560,9 @@ TEST(KVCacheErrors, ASnapshotOfAnotherLayoutIsRefusedEvenForAnOffsetMove) {
   // Restoring to the snapshot's start writes nothing, but the snapshot still does not fit.
   KVCache cache;
   write(cache, kv, id_range(0, 6));
-  KVCache other;
-  write(other, kv, id_range(0, 4), /*rows=*/2);
-  SnapshotPtr s = other.snapshot(2);
+  // A snapshot of two rows (as an older file could hold): every sequence here has one.
+  SnapshotPtr s = detail::make_kv_snapshot(Array::zeros(DType::f32, {2, 2, 2, 4}),
+                                           Array::zeros(DType::f32, {2, 2, 2, 4}), 2);
   EXPECT_TRUE(
       throws_error([&] { (void)cache.restore(s.get(), 2); }, {"KVCache::restore", "B=2", "B=1"}));
   EXPECT_EQ(cache.offset(), 6);
@@ -576,8 +579,44 @@ TEST(KVCache, ResetAllowsANewLayout) {
   write(cache, kv, id_range(0, 3));
   cache.reset();
   const TokenKV other{.heads = 1, .depth = 8, .dtype = DType::bf16};
-  write(cache, other, id_range(0, 2), 3);
-  EXPECT_EQ(cache.state()[0].shape(), (Shape{3, 1, 2, 8}));
+  write(cache, other, id_range(0, 2));
+  EXPECT_EQ(cache.state()[0].shape(), (Shape{1, 1, 2, 8}));
+  EXPECT_EQ(cache.state()[0].dtype(), DType::bf16);
+}
+
+TEST(KVCache, RowsOfABatchAreSequencesWithTheirOwnOffsets) {
+  KVCache cache;
+  write(cache, kv, id_range(0, 5));  // sequence 0: 5 tokens
+  // One batch: sequence 0 decodes a token at 5, sequence 3 prefills 3 tokens at 0 (padded).
+  Batch batch = Batch::uniform(2, 3, 0);
+  batch.seq_ids = {0, 3};
+  batch.seq_offsets = {5, 0};
+  batch.seq_query_lens = {1, 3};
+  Array keys = Array::zeros(DType::f32, {2, 2, 3, 4}), values = keys.clone();
+  keys.slice(0, 0, 1).assign(kv.keys(std::vector<int64_t>{70, 0, 0}));
+  keys.slice(0, 1, 2).assign(kv.keys(std::vector<int64_t>{80, 81, 82}));
+  values.slice(0, 0, 1).assign(kv.values(std::vector<int64_t>{70, 0, 0}));
+  values.slice(0, 1, 2).assign(kv.values(std::vector<int64_t>{80, 81, 82}));
+  const KVHistory history = cache.update(batch, keys, values);
+  ASSERT_TRUE(history.ragged());
+  EXPECT_EQ(column_ids(history.row(0)), (std::vector<int64_t>{0, 1, 2, 3, 4, 70}));
+  EXPECT_EQ(column_ids(history.row(1)), (std::vector<int64_t>{80, 81, 82}));
+  EXPECT_EQ(cache.offset(0), 6);
+  EXPECT_EQ(cache.offset(3), 3);
+  EXPECT_EQ(cache.sequences(), (std::vector<SeqId>{0, 3}));
+  // Snapshots, restores and resets address one sequence.
+  SnapshotPtr s = cache.snapshot(3, 1);
+  EXPECT_EQ(s->from(), 1);
+  EXPECT_EQ(s->to(), 3);
+  cache.reset(0);
+  EXPECT_EQ(cache.offset(0), 0);
+  EXPECT_EQ(cache.offset(3), 3);
+  ASSERT_TRUE(cache.restore(3, nullptr, 2));
+  EXPECT_EQ(cache.offset(3), 2);
+  // A lazy snapshot of sequence 3 restores into sequence 0 by copying.
+  write(cache, kv, id_range(90, 1));
+  ASSERT_TRUE(cache.restore(0, s.get(), 3));
+  EXPECT_EQ(column_ids(cache.view(Batch::uniform(1, 1, 0))), (std::vector<int64_t>{90, 81, 82}));
 }
 
 }  // namespace

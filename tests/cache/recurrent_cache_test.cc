@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 #include <kvsnap/kvsnap.h>
 
+#include "cache/snapshot_record.h"
 #include "support/cache_support.h"
 #include "support/recurrent_support.h"
 #include "support/test_support.h"
@@ -22,13 +23,19 @@ std::span<const int64_t> part(const std::vector<int64_t>& ids, size_t from, size
 TEST(RecurrentCache, GetZeroInitializesOnFirstUse) {
   RecurrentCache cache = layer.make_cache();
   EXPECT_TRUE(cache.state().empty());
-  const RecurrentHistory history = cache.get(Batch::uniform(2, 5, 0), DType::bf16);
-  EXPECT_EQ(history.conv_state().shape(), (Shape{2, 3, 6}));
+  const RecurrentHistory history = cache.get(Batch::uniform(1, 5, 0), DType::bf16);
+  EXPECT_EQ(history.conv_state().shape(), (Shape{1, 3, 6}));
   EXPECT_EQ(history.conv_state().dtype(), DType::bf16);
-  EXPECT_EQ(history.delta_state().shape(), (Shape{2, 2, 3, 4}));
+  EXPECT_EQ(history.delta_state().shape(), (Shape{1, 2, 3, 4}));
   EXPECT_EQ(history.delta_state().dtype(), DType::f32);  // delta state is always f32
   for (float v : history.delta_state().to_floats()) EXPECT_EQ(v, 0.0f);
   EXPECT_EQ(cache.offset(), 0);
+  // Two rows: two sequences, one state each.
+  const RecurrentHistory rows = cache.get(Batch::uniform(2, 5, 0), DType::bf16);
+  ASSERT_EQ(rows.rows(), 2);
+  EXPECT_EQ(rows.row(1).conv_state().shape(), (Shape{1, 3, 6}));
+  EXPECT_TRUE(rows.row(0).conv_state().shares_storage(history.conv_state()));
+  EXPECT_FALSE(rows.row(1).conv_state().shares_storage(history.conv_state()));
 }
 
 TEST(RecurrentCache, PutAdvancesAndTheEndStateBecomesLive) {
@@ -162,25 +169,74 @@ TEST(RecurrentCache, MergeKeepsTheChildAndSplitKeepsTheWhole) {
   EXPECT_EQ(after.get(), raw);
 }
 
-TEST(RecurrentCache, ResetAllowsANewBatchSizeAndDtype) {
+TEST(RecurrentCache, OnePutServesRowsOfDifferentSequences) {
+  RecurrentCache cache = layer.make_cache(), alone0 = layer.make_cache(),
+                 alone5 = layer.make_cache();
+  layer.forward(cache, id_range(0, 3));
+  layer.forward(alone0, id_range(0, 3));
+  // Sequence 0 decodes two tokens at 3; sequence 5 prefills four at 0, captured at 2.
+  const std::vector<int64_t> capture_at{2};
+  cache.prepare_snapshots(5, capture_at);
+  Batch batch = Batch::uniform(2, 4, 0);
+  batch.seq_ids = {0, 5};
+  batch.seq_offsets = {3, 0};
+  batch.seq_query_lens = {2, 4};
+  const RecurrentHistory history = cache.get(batch, DType::f32);
+  ASSERT_EQ(history.rows(), 2);
+  const std::vector<std::vector<int64_t>> ids{id_range(10, 2), id_range(20, 4)};
+  std::vector<RecurrentStates> rows;
+  for (int64_t b = 0; b < 2; ++b) {
+    const std::vector<int64_t> splits = cache.snapshot_splits(batch.seq_id(b), ids[b].size());
+    Conv1dResult conv;
+    GatedDeltaResult delta;
+    layer.run(ids[b], history.row(b).conv_state(), history.row(b).delta_state(), splits, &conv,
+              &delta);
+    rows.push_back({conv.tails, delta.states});
+  }
+  EXPECT_EQ(rows[1].conv.size(), 2u);  // the split at 2, then the end
+  cache.put(batch, rows);
+  layer.forward(alone0, ids[0]);
+  layer.forward(alone5, id_range(20, 2));
+  std::vector<SnapshotPtr> captured = cache.take_snapshots(5);
+  ASSERT_EQ(captured.size(), 1u);
+  RecurrentCache at2 = layer.make_cache();
+  ASSERT_TRUE(at2.restore(captured[0].get(), 2));
+  EXPECT_TRUE(all_close(at2.state()[1], alone5.state()[1], 0.0f));
+  layer.forward(alone5, id_range(22, 2));
+  EXPECT_EQ(cache.offset(0), 5);
+  EXPECT_EQ(cache.offset(5), 4);
+  EXPECT_TRUE(all_close(cache.state(0)[1], alone0.state()[1], 0.0f));
+  EXPECT_TRUE(all_close(cache.state(5)[1], alone5.state()[1], 0.0f));
+  // Rows are checked before any state changes: a bad second row changes neither sequence.
+  Batch next = Batch::uniform(2, 1, 0);
+  next.seq_ids = {0, 5};
+  next.seq_offsets = {5, 4};
+  const std::vector<RecurrentStates> bad{rows[0], RecurrentStates{}};
+  EXPECT_TRUE(throws_error([&] { cache.put(next, bad); }, {"RecurrentCache::put", "row 1"}));
+  EXPECT_EQ(cache.offset(0), 5);
+}
+
+TEST(RecurrentCache, ResetAllowsANewDtype) {
   RecurrentCache cache = layer.make_cache();
   layer.forward(cache, id_range(0, 3));
   cache.reset();
   EXPECT_EQ(cache.offset(), 0);
   EXPECT_TRUE(cache.state().empty());
-  EXPECT_EQ(cache.get(Batch::uniform(3, 1, 0), DType::f16).conv_state().shape(), (Shape{3, 3, 6}));
+  EXPECT_EQ(cache.get(Batch::uniform(1, 1, 0), DType::f16).conv_state().dtype(), DType::f16);
 }
 
-TEST(RecurrentCacheErrors, BatchSizeOrDtypeChangeMidSequence) {
+TEST(RecurrentCacheErrors, RowsAtTheWrongOffsetOrDtypeChangesAreRefused) {
   RecurrentCache cache = layer.make_cache();
   layer.forward(cache, id_range(0, 3));
+  // Row 1 is sequence 1, which is at offset 0.
   EXPECT_TRUE(throws_error([&] { (void)cache.get(Batch::uniform(2, 1, 3), DType::f32); },
-                           {"RecurrentCache::get", "batch of 2 rows", "holds 1"}));
+                           {"RecurrentCache::get", "row 1 starts at 3", "sequence 1"}));
   EXPECT_TRUE(throws_error([&] { (void)cache.get(Batch::uniform(1, 1, 3), DType::bf16); },
                            {"RecurrentCache::get", "bf16", "f32"}));
   EXPECT_TRUE(throws_error([&] { (void)cache.get(Batch::uniform(1, 1, 2), DType::f32); },
-                           {"RecurrentCache::get", "starts at 2", "cache offset 3"}));
+                           {"RecurrentCache::get", "starts at 2", "offset 3"}));
   EXPECT_EQ(cache.offset(), 3);
+  EXPECT_TRUE(cache.state(1).empty());
 }
 
 TEST(RecurrentCacheErrors, MismatchedStateCountsAndShapes) {
@@ -208,19 +264,15 @@ TEST(RecurrentCacheErrors, MismatchedStateCountsAndShapes) {
   EXPECT_TRUE(throws_error([&] { (void)cache.take_snapshots(); }, {"offset 5 not reached"}));
 }
 
-TEST(RecurrentCacheErrors, AStateOfAnotherBatchSizeOrDtypeIsRefused) {
+TEST(RecurrentCacheErrors, AStateOfAnotherRowCountOrDtypeIsRefused) {
   RecurrentCache cache = layer.make_cache();
   layer.forward(cache, id_range(0, 2));
   const auto state = cache.state();
-  // A state of two rows, as another cache of the same shapes would hold it.
-  RecurrentCache wide = layer.make_cache();
-  const Batch two = Batch::uniform(2, 1, 0);
-  (void)wide.get(two, DType::f32);
+  // A state of two rows, as an older file could hold it: a sequence holds one.
   const Array conv = Array::zeros(DType::f32, {2, layer.conv_tail, layer.conv_dim});
   const Array delta =
       Array::zeros(DType::f32, {2, layer.value_heads, layer.value_depth, layer.key_depth});
-  wide.put(two, std::vector<Array>{conv}, std::vector<Array>{delta});
-  SnapshotPtr s = wide.snapshot(0);
+  SnapshotPtr s = detail::make_recurrent_snapshot(conv, delta, 1);
   EXPECT_TRUE(throws_error([&] { (void)cache.restore(s.get(), 1); },
                            {"RecurrentCache::restore", "f32[2, 3, 6]", "[1, 3, 6]"}));
   EXPECT_EQ(cache.offset(), 2);

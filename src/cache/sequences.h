@@ -1,0 +1,67 @@
+// Internal: the per-sequence states of a multi-sequence cache, by id, and the lock a cache and
+// its snapshots share.
+#pragma once
+
+#include <fmt/format.h>
+
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "kvsnap/cache.h"
+
+namespace kvsnap::detail {
+
+// Sequence ids index a vector: they are small (slots of a serving engine).
+inline constexpr SeqId kMaxSequences = SeqId(1) << 20;
+
+template <class Seq>
+class Sequences {
+ public:
+  using Make = std::function<std::unique_ptr<Seq>()>;
+  explicit Sequences(Make make) : make_(std::move(make)) {}
+
+  // The state of sequence `id`, created (empty) on first use. Throws Error naming `call` for an
+  // id outside [0, kMaxSequences).
+  Seq& at(SeqId id, const char* call) {
+    if (id < 0 || id >= kMaxSequences) {
+      throw Error(fmt::format("{}: sequence id {} outside [0, {})", call, id, kMaxSequences));
+    }
+    if (static_cast<size_t>(id) >= by_id_.size()) by_id_.resize(static_cast<size_t>(id) + 1);
+    std::unique_ptr<Seq>& slot = by_id_[static_cast<size_t>(id)];
+    if (slot == nullptr) slot = make_();
+    return *slot;
+  }
+  // The state of sequence `id`, or null when it has none.
+  Seq* find(SeqId id) const {
+    if (id < 0 || static_cast<size_t>(id) >= by_id_.size()) return nullptr;
+    return by_id_[static_cast<size_t>(id)].get();
+  }
+  template <class Visit>
+  void for_each(Visit&& visit) const {
+    for (size_t id = 0; id < by_id_.size(); ++id) {
+      if (by_id_[id] != nullptr) visit(static_cast<SeqId>(id), *by_id_[id]);
+    }
+  }
+
+ private:
+  Make make_;
+  std::vector<std::unique_ptr<Seq>> by_id_;
+};
+
+// Adds `more` to `total`, field by field.
+inline void add(CopyStats& total, const CopyStats& more) {
+  total.appended_bytes += more.appended_bytes;
+  total.growth_bytes += more.growth_bytes;
+  total.materialized_bytes += more.materialized_bytes;
+  total.restored_bytes += more.restored_bytes;
+  total.snapshot_bytes += more.snapshot_bytes;
+}
+
+// The lock of one cache: every call of the cache holds it, and so does whoever destroys or reads
+// a snapshot lazy in it. Recursive: a call may destroy snapshots of its own cache.
+using CacheLock = std::recursive_mutex;
+using Guard = std::lock_guard<CacheLock>;
+
+}  // namespace kvsnap::detail
