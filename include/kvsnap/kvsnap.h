@@ -12,6 +12,7 @@
 #include "kvsnap/error.h"
 #include "kvsnap/kv_cache.h"
 #include "kvsnap/ops.h"
+#include "kvsnap/paged_kv_cache.h"
 #include "kvsnap/persistence.h"
 #include "kvsnap/prefix_cache.h"
 #include "kvsnap/recurrent_cache.h"

@@ -111,8 +111,9 @@ KVHistory KVHistory::contiguous() const {
   if (rows_ != nullptr) throw Error("KVHistory::contiguous: a ragged history; take its rows");
   if (paged_ == nullptr) return *this;
   const PagedColumns& p = *paged_;
-  if (p.table.empty()) return KVHistory(Array(), Array(), first_position_, 0, window_);
-  const Array k0 = p.key_block(0), v0 = p.value_block(0);
+  if (p.key_chunks.empty()) return KVHistory();
+  const Array& k0 = p.key_chunks.front();
+  const Array& v0 = p.value_chunks.front();
   Array keys = Array::uninitialized(k0.dtype(), {1, k0.dim(1), p.length, k0.dim(3)});
   Array values = Array::uninitialized(v0.dtype(), {1, v0.dim(1), p.length, v0.dim(3)});
   for (size_t i = 0; static_cast<int64_t>(i) * p.block_tokens < p.length; ++i) {

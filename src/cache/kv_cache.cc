@@ -5,6 +5,7 @@
 
 #include <algorithm>
 
+#include "cache/block_pool.h"
 #include "cache/kv_kind.h"
 #include "cache/sequences.h"
 
@@ -67,6 +68,24 @@ class KVSequence final : public KVKind {
                       store.write(position, k, v);
                       store.stats.restored_bytes += k.dim(2) * store.token_bytes();
                     });
+  }
+
+  // Restores [s.from(), target) of a PagedKVCache snapshot by writing its blocks' tokens.
+  bool restore_paged(const PagedSnapshot& s, int64_t target) {
+    const Guard pool_guard(s.pool()->lock);
+    const char* call = calls().restore.c_str();
+    if (store.has_layout) check_same_layout(store.layout, s.pool()->layout, call);
+    if (target < 0 || target > s.to() || offset < s.from()) return false;
+    if (target > s.from()) {
+      if (!store.has_layout) store.adopt_layout(s.pool()->layout);
+      ensure_capacity(target);
+      s.for_each_part(target - s.from(), [&](int64_t first, const Array& k, const Array& v) {
+        store.write(s.from() + first, k, v);
+        store.stats.restored_bytes += k.dim(2) * store.token_bytes();
+      });
+    }
+    offset = target;
+    return true;
   }
 
   const int64_t& reserved;  // the cache's reserve(), for every sequence
@@ -170,6 +189,9 @@ bool KVCache::restore(SeqId seq, Snapshot* snapshot, int64_t target) {
     return true;
   }
   const char* call = c.calls().restore.c_str();
+  if (auto* paged = dynamic_cast<detail::PagedSnapshot*>(snapshot)) {
+    return c.restore_paged(*paged, target);  // a PagedKVCache's blocks: copied in
+  }
   KVStateSnapshot& s = detail::as_kv_state(snapshot, Kind::kv, call);
   if (c.store.has_layout) detail::check_same_layout(c.store.layout, s.layout, call);
   if (target < 0 || target > s.end || c.offset < s.begin) return false;

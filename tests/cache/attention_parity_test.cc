@@ -111,6 +111,19 @@ TEST(AttentionParity, KVCacheEqualsRecomputationForRandomChunkings) {
   }
 }
 
+TEST(AttentionParity, PagedCacheEqualsRecomputationForRandomChunkings) {
+  for (int64_t block : {1, 3, 16}) {
+    for (const MaskFor& mask : {MaskFor(causal_mask), MaskFor(span_mask)}) {
+      const Scenario scenario{
+          [block] {
+            return std::make_unique<PagedKVCache>(PagedKVCache::Options{block, 2});
+          },
+          0, mask};
+      for (uint32_t seed = 1; seed <= 12; ++seed) run(scenario, seed * 10 + block, 60);
+    }
+  }
+}
+
 TEST(AttentionParity, RotatingCacheEqualsSlidingWindowRecomputation) {
   for (int64_t window : {1, 3, 8, 16}) {
     const Scenario scenario{[window] { return std::make_unique<RotatingKVCache>(window); }, window};

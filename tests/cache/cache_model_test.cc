@@ -100,6 +100,37 @@ class KVModel final : public Model {
   KVCache cache_;
 };
 
+// The paged kind against the same reference as KVCache; its snapshots are also checked by
+// restoring them into a KVCache (a copy) and into a fresh paged cache.
+class PagedModel final : public Model {
+ public:
+  Cache& cache() override { return cache_; }
+  void write(const Ids& ids, const Ids& chunk, std::mt19937& rng) override {
+    write_and_check(cache_, ids, chunk, rng, AttentionMask::causal());
+  }
+  void check_state(const Ids& ids) override {
+    ASSERT_EQ(testing::column_ids(cache_.view(Batch{}).contiguous()), ids);
+  }
+  bool kv_ranges() const override { return true; }
+  bool reachable(const Expected* s, int64_t target, const Ids& ids) const override {
+    return kv_.reachable(s, target, ids);
+  }
+  void check_snapshot(const Expected& s) override {
+    kv_.check_snapshot(s);
+    PagedKVCache fresh({.block_tokens = 3});
+    const Ids filler = id_range(900000, s.from);
+    if (s.from > 0) testing::write(fresh, kv, filler);
+    ASSERT_TRUE(fresh.restore(s.snapshot.get(), s.to));
+    Ids expected = filler;
+    expected.insert(expected.end(), s.ids.begin(), s.ids.end());
+    ASSERT_EQ(testing::column_ids(fresh.view(Batch{}).contiguous()), expected);
+  }
+
+ private:
+  PagedKVCache cache_{{.block_tokens = 3, .blocks_per_chunk = 4}};
+  KVModel kv_;
+};
+
 class RotatingModel final : public Model {
  public:
   Cache& cache() override { return cache_; }
@@ -442,6 +473,10 @@ TEST(CacheModel, KVCacheMatchesTheReference) {
   const Coverage c = run_many<KVModel>(1000, 40);
   EXPECT_GT(c.splits, 100);        // interior splits of KV ranges
   EXPECT_GT(c.materialized, 100);  // lazy snapshots that were copied out along the way
+}
+TEST(CacheModel, PagedKVCacheMatchesTheReference) {
+  const Coverage c = run_many<PagedModel>(600, 40);
+  EXPECT_GT(c.splits, 50);
 }
 TEST(CacheModel, RotatingKVCacheMatchesTheReference) {
   const Coverage c = run_many<RotatingModel>(1000, 40);

@@ -49,6 +49,7 @@ struct TokenKV {
 
 // The token id held by each column of a history (row 0, head 0), in column order.
 inline std::vector<int64_t> column_ids(const KVHistory& history) {
+  if (history.paged()) return column_ids(history.contiguous());
   std::vector<int64_t> ids;
   if (history.keys().empty()) return ids;
   const auto values = history.values().slice(0, 0, 1).slice(1, 0, 1).to_floats();

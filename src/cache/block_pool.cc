@@ -1,0 +1,147 @@
+#include "cache/block_pool.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+namespace kvsnap::detail {
+
+int32_t BlockPool::allocate() {
+  if (free_.empty()) {
+    const auto first = static_cast<int32_t>(blocks_.size());
+    Shape keys{blocks_per_chunk, layout.heads, block_tokens, layout.key_depth};
+    Shape values{blocks_per_chunk, layout.heads, block_tokens, layout.value_depth};
+    key_chunks_.push_back(Array::uninitialized(layout.key_dtype, keys));
+    value_chunks_.push_back(Array::uninitialized(layout.value_dtype, values));
+    blocks_.resize(blocks_.size() + static_cast<size_t>(blocks_per_chunk));
+    // Lowest ids first: free_ is popped from the back.
+    for (int32_t id = static_cast<int32_t>(blocks_.size()) - 1; id >= first; --id) {
+      free_.push_back(id);
+    }
+  }
+  const int32_t id = free_.back();
+  free_.pop_back();
+  return id;
+}
+
+Array BlockPool::keys(int32_t id) const {
+  const int64_t row = id % blocks_per_chunk;
+  return key_chunks_[static_cast<size_t>(id / blocks_per_chunk)].slice(0, row, row + 1);
+}
+
+Array BlockPool::values(int32_t id) const {
+  const int64_t row = id % blocks_per_chunk;
+  return value_chunks_[static_cast<size_t>(id / blocks_per_chunk)].slice(0, row, row + 1);
+}
+
+void BlockPool::copy(int32_t from, int32_t to, int64_t tokens) {
+  if (tokens <= 0) return;
+  keys(to).assign_slice(2, 0, keys(from).slice(2, 0, tokens));
+  values(to).assign_slice(2, 0, values(from).slice(2, 0, tokens));
+}
+
+void BlockPool::acquire(int32_t id) {
+  Block& block = blocks_[static_cast<size_t>(id)];
+  if (block.live++ == 0 && block.payer != nullptr) {
+    // A sequence uses it again: its bytes are the cache's, not the snapshot's.
+    PagedSnapshot* payer = block.payer;
+    block.payer = nullptr;
+    payer->paid(-block_bytes());
+  }
+}
+
+void BlockPool::release(int32_t id) {
+  Block& block = blocks_[static_cast<size_t>(id)];
+  --block.live;
+  settle(id);
+}
+
+void BlockPool::hold(int32_t id, PagedSnapshot* holder) {
+  Block& block = blocks_[static_cast<size_t>(id)];
+  block.holders.push_back(holder);
+  if (block.live == 0 && block.payer == nullptr) block.payer = holder;  // counted in its size()
+}
+
+void BlockPool::unhold(int32_t id, PagedSnapshot* holder) {
+  Block& block = blocks_[static_cast<size_t>(id)];
+  block.holders.erase(std::find(block.holders.begin(), block.holders.end(), holder));
+  if (block.payer == holder) block.payer = nullptr;  // it goes: its bytes go with it
+  settle(id);
+}
+
+void BlockPool::settle(int32_t id) {
+  Block& block = blocks_[static_cast<size_t>(id)];
+  if (block.live > 0 || block.payer != nullptr) return;
+  if (block.holders.empty()) {
+    free_.push_back(id);
+    return;
+  }
+  block.payer = block.holders.front();
+  block.payer->paid(block_bytes());
+}
+
+PagedColumns BlockPool::columns(const std::vector<int32_t>& table, int64_t length) const {
+  return PagedColumns{key_chunks_, value_chunks_, blocks_per_chunk, block_tokens, table, length};
+}
+
+// ---- PagedSnapshot ----------------------------------------------------------------------------
+
+PagedSnapshot::PagedSnapshot(std::shared_ptr<BlockPool> pool, std::vector<int32_t> blocks,
+                             int64_t from, int64_t to)
+    : StateSnapshot(SnapshotRecord::Kind::kv),
+      pool_(std::move(pool)),
+      blocks_(std::move(blocks)),
+      begin_(from),
+      end_(to) {
+  for (int32_t id : blocks_) pool_->hold(id, this);
+}
+
+PagedSnapshot::~PagedSnapshot() {
+  const Guard guard(pool_->lock);
+  hook_ = nullptr;  // its bytes leave with it; the holder that pays next is told
+  for (int32_t id : blocks_) pool_->unhold(id, this);
+}
+
+int64_t PagedSnapshot::size() const {
+  const Guard guard(pool_->lock);
+  int64_t blocks = 0;
+  for (int32_t id : blocks_) blocks += pool_->payer(id) == this ? 1 : 0;
+  return blocks * pool_->block_bytes();
+}
+
+void PagedSnapshot::set_materialize_hook(std::function<void(int64_t)> hook) {
+  const Guard guard(pool_->lock);
+  hook_ = std::move(hook);
+}
+
+bool PagedSnapshot::is_lazy() const {
+  const Guard guard(pool_->lock);
+  return std::any_of(blocks_.begin(), blocks_.end(), [&](int32_t id) { return pool_->live(id); });
+}
+
+void PagedSnapshot::for_each_part(
+    int64_t limit, const std::function<void(int64_t, const Array&, const Array&)>& visit) const {
+  const int64_t block_tokens = pool_->block_tokens;
+  for (size_t i = 0; i < blocks_.size(); ++i) {
+    const int64_t block_start = (first_block() + static_cast<int64_t>(i)) * block_tokens;
+    const int64_t from = std::max(begin_, block_start) - begin_;
+    const int64_t to = std::min(begin_ + limit, block_start + block_tokens) - begin_;
+    if (to <= from) continue;
+    const int64_t slot = from + begin_ - block_start;
+    visit(from, pool_->keys(blocks_[i]).slice(2, slot, slot + to - from),
+          pool_->values(blocks_[i]).slice(2, slot, slot + to - from));
+  }
+}
+
+SnapshotRecord PagedSnapshot::record() const {
+  const Guard guard(pool_->lock);
+  const int64_t tokens = end_ - begin_;
+  auto [keys, values] = pool_->layout.allocate_uninitialized(tokens);
+  for_each_part(tokens, [&](int64_t first, const Array& k, const Array& v) {
+    keys.assign_slice(2, first, k);
+    values.assign_slice(2, first, v);
+  });
+  return {SnapshotRecord::Kind::kv, std::move(keys), std::move(values), begin_, end_};
+}
+
+}  // namespace kvsnap::detail

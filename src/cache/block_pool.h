@@ -1,0 +1,112 @@
+// Internal: the blocks of a PagedKVCache and the snapshots made of them.
+//
+// A block is referenced by sequences ("live" references) and by snapshots ("holders"). While a
+// sequence uses a block, its bytes are the cache's; once no sequence does, one holder pays for
+// them (its size() includes the block) — so the bytes of blocks only snapshots keep are counted
+// exactly once, and a holder's materialize hook runs whenever what it pays for changes.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "cache/kv_layout.h"
+#include "cache/sequences.h"
+#include "cache/state_snapshot.h"
+#include "kvsnap/attention.h"
+
+namespace kvsnap::detail {
+
+class PagedSnapshot;
+
+class BlockPool {
+ public:
+  BlockPool(int64_t block_tokens, int64_t blocks_per_chunk)
+      : block_tokens(block_tokens), blocks_per_chunk(blocks_per_chunk) {}
+
+  int64_t block_bytes() const { return layout.token_bytes() * block_tokens; }
+  // A free block (the pool grows by a chunk when none is left), not yet referenced.
+  int32_t allocate();
+  // Keys [1, H, T, D] / values [1, H, T, Dv] of block `id` (views of its chunk).
+  Array keys(int32_t id) const;
+  Array values(int32_t id) const;
+  // Copies the first `tokens` tokens of block `from` into block `to`.
+  void copy(int32_t from, int32_t to, int64_t tokens);
+  // Whether anyone but one sequence references the block (a write must copy it first).
+  bool shared(int32_t id) const {
+    const Block& b = blocks_[static_cast<size_t>(id)];
+    return b.live > 1 || !b.holders.empty();
+  }
+
+  void acquire(int32_t id);  // a sequence starts using the block
+  void release(int32_t id);  // a sequence stops using it
+  void hold(int32_t id, PagedSnapshot* holder);
+  void unhold(int32_t id, PagedSnapshot* holder);
+  bool live(int32_t id) const { return blocks_[static_cast<size_t>(id)].live > 0; }
+  PagedSnapshot* payer(int32_t id) const { return blocks_[static_cast<size_t>(id)].payer; }
+
+  // A paged history of `length` columns over `table`.
+  PagedColumns columns(const std::vector<int32_t>& table, int64_t length) const;
+  // Blocks allocated, and those referenced by anyone.
+  int64_t blocks() const { return static_cast<int64_t>(blocks_.size()); }
+  int64_t blocks_in_use() const { return blocks() - static_cast<int64_t>(free_.size()); }
+
+  const int64_t block_tokens, blocks_per_chunk;
+  KVLayout layout;  // rows 1: set at the first write, fixed while blocks exist
+  bool has_layout = false;
+  CopyStats stats;  // copies on write (materialized) and joins at restore (restored)
+  int64_t blocks_copied = 0;
+  CacheLock lock;  // the cache's lock: its sequences, its snapshots and these blocks
+
+ private:
+  struct Block {
+    int32_t live = 0;
+    std::vector<PagedSnapshot*> holders;
+    PagedSnapshot* payer = nullptr;
+  };
+  // When no sequence uses the block: a holder pays for it, or it is free.
+  void settle(int32_t id);
+
+  std::vector<Array> key_chunks_, value_chunks_;
+  std::vector<Block> blocks_;
+  std::vector<int32_t> free_;
+};
+
+// Block references of a KV range [from, to): blocks_[i] holds positions
+// [(first_block + i) * T, (first_block + i + 1) * T).
+class PagedSnapshot final : public StateSnapshot, public Pooled<PagedSnapshot> {
+ public:
+  using Pooled<PagedSnapshot>::operator new;
+  using Pooled<PagedSnapshot>::operator delete;
+
+  // Takes references to `blocks` (already in the pool) for [from, to).
+  PagedSnapshot(std::shared_ptr<BlockPool> pool, std::vector<int32_t> blocks, int64_t from,
+                int64_t to);
+  ~PagedSnapshot() override;
+
+  int64_t size() const override;
+  void set_materialize_hook(std::function<void(int64_t)> hook) override;
+  int64_t from() const override { return begin_; }
+  int64_t to() const override { return end_; }
+  bool is_lazy() const override;
+  SnapshotRecord record() const override;
+
+  const std::shared_ptr<BlockPool>& pool() const { return pool_; }
+  const std::vector<int32_t>& blocks() const { return blocks_; }
+  int64_t first_block() const { return begin_ / pool_->block_tokens; }
+  // Calls visit(first token, keys, values) for the parts of its first `limit` tokens, block
+  // by block (the pool's lock held by the caller).
+  void for_each_part(int64_t limit,
+                     const std::function<void(int64_t, const Array&, const Array&)>& visit) const;
+  // Called by the pool when this snapshot starts or stops paying for a block.
+  void paid(int64_t delta) {
+    if (hook_ && delta != 0) hook_(delta);
+  }
+
+ private:
+  std::shared_ptr<BlockPool> pool_;
+  std::vector<int32_t> blocks_;
+  int64_t begin_, end_;
+  std::function<void(int64_t)> hook_;
+};
+
+}  // namespace kvsnap::detail

@@ -1,0 +1,449 @@
+// PagedKVCache: sequences as block lists over one pool (block_pool.h).
+#include "kvsnap/paged_kv_cache.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "cache/block_pool.h"
+#include "cache/capture_schedule.h"
+#include "cache/kv_kind.h"
+#include "cache/kv_store.h"
+#include "cache/sequences.h"
+
+namespace kvsnap {
+namespace detail {
+namespace {
+
+constexpr const char* kUpdate = "PagedKVCache::update";
+constexpr const char* kRestore = "PagedKVCache::restore";
+
+int64_t blocks_for(int64_t tokens, int64_t block_tokens) {
+  return (tokens + block_tokens - 1) / block_tokens;
+}
+
+}  // namespace
+
+// One sequence: its blocks (blocks.size() == ceil(offset / T)), offset and capture schedule.
+class PagedSequence {
+ public:
+  explicit PagedSequence(std::shared_ptr<BlockPool> pool) : pool_(std::move(pool)) {}
+  ~PagedSequence() { rewind(0); }
+
+  void check(const Batch& batch, const Array& keys, const Array& values) const {
+    (void)check_update(batch, keys, values, offset, pool_->has_layout ? &pool_->layout : nullptr,
+                       kUpdate);
+  }
+
+  KVHistory update(const Batch& batch, const Array& keys, const Array& values) {
+    const int64_t length = check_update(batch, keys, values, offset,
+                                        pool_->has_layout ? &pool_->layout : nullptr, kUpdate);
+    if (!pool_->has_layout) adopt(KVLayout::of(keys, values));
+    if (length > 0) {
+      write(keys.slice(2, 0, length), values.slice(2, 0, length));
+      pool_->stats.appended_bytes += length * pool_->layout.token_bytes();
+    }
+    capture_reached();
+    return history();
+  }
+
+  KVHistory history() const {
+    if (!pool_->has_layout) return KVHistory();
+    return KVHistory(pool_->columns(blocks, offset));
+  }
+
+  void adopt(const KVLayout& layout) {
+    pool_->layout = layout;
+    pool_->has_layout = true;
+  }
+
+  // Keeps positions [0, target).
+  void rewind(int64_t target) {
+    const auto keep = static_cast<size_t>(blocks_for(target, pool_->block_tokens));
+    while (blocks.size() > keep) {
+      pool_->release(blocks.back());
+      blocks.pop_back();
+    }
+    offset = target;
+  }
+
+  // Block `index` of the sequence, ready to be written from slot `slot` on: appended when new,
+  // copied first when anyone else references it.
+  int32_t writable(size_t index, int64_t slot) {
+    if (index == blocks.size()) {
+      const int32_t id = pool_->allocate();
+      pool_->acquire(id);
+      blocks.push_back(id);
+      return id;
+    }
+    const int32_t old = blocks[index];
+    if (!pool_->shared(old)) return old;
+    const int32_t copy = pool_->allocate();
+    pool_->copy(old, copy, slot);
+    pool_->acquire(copy);
+    pool_->release(old);
+    blocks[index] = copy;
+    pool_->stats.materialized_bytes += slot * pool_->layout.token_bytes();
+    ++pool_->blocks_copied;
+    return copy;
+  }
+
+  // Writes keys/values [1, H, n, *] at the offset, block by block; advances the offset.
+  void write(const Array& keys, const Array& values) {
+    const int64_t n = keys.dim(2), block_tokens = pool_->block_tokens;
+    for (int64_t done = 0; done < n;) {
+      const int64_t position = offset + done;
+      const int64_t slot = position % block_tokens;
+      const int64_t run = std::min(block_tokens - slot, n - done);
+      const int32_t id = writable(static_cast<size_t>(position / block_tokens), slot);
+      pool_->keys(id).assign_slice(2, slot, keys.slice(2, done, done + run));
+      pool_->values(id).assign_slice(2, slot, values.slice(2, done, done + run));
+      done += run;
+    }
+    offset += n;
+  }
+
+  // References to the blocks of [from, to) (from < to <= offset).
+  std::unique_ptr<PagedSnapshot> capture(int64_t from, int64_t to) const {
+    const int64_t first = from / pool_->block_tokens;
+    std::vector<int32_t> refs(blocks.begin() + first,
+                              blocks.begin() + blocks_for(to, pool_->block_tokens));
+    return std::make_unique<PagedSnapshot>(pool_, std::move(refs), from, to);
+  }
+
+  void capture_reached() {
+    while (schedule.active() && schedule.next() >= 0 && schedule.next() <= offset) {
+      const int64_t start = schedule.edge_start(), end = schedule.next();
+      schedule.record(start == end ? nullptr : capture(start, end));
+    }
+  }
+
+  // Restores [s.from(), target) of this pool's snapshot: block references spliced in, and the
+  // block where the sequence and the snapshot meet mid-block joined in a fresh one.
+  void splice(const PagedSnapshot& s, int64_t target) {
+    const int64_t block_tokens = pool_->block_tokens, from = s.from();
+    rewind(from);
+    size_t next = 0;  // the snapshot's next block to splice
+    const int64_t slot = from % block_tokens;
+    if (slot != 0 && blocks.back() != s.blocks()[0]) {
+      const int32_t joined = pool_->allocate();
+      pool_->copy(blocks.back(), joined, slot);
+      const int64_t count = std::min(block_tokens, target - (from - slot)) - slot;
+      pool_->keys(joined).assign_slice(2, slot,
+                                       pool_->keys(s.blocks()[0]).slice(2, slot, slot + count));
+      pool_->values(joined).assign_slice(2, slot,
+                                         pool_->values(s.blocks()[0]).slice(2, slot, slot + count));
+      pool_->acquire(joined);
+      pool_->release(blocks.back());
+      blocks.back() = joined;
+      pool_->stats.restored_bytes += block_tokens * pool_->layout.token_bytes();
+      ++pool_->blocks_copied;
+      next = 1;
+    } else if (slot != 0) {
+      next = 1;  // the same block: nothing to do
+    }
+    const auto needed = static_cast<size_t>(blocks_for(target, block_tokens));
+    for (; blocks.size() < needed; ++next) {
+      pool_->acquire(s.blocks()[next]);
+      blocks.push_back(s.blocks()[next]);
+    }
+    offset = target;
+  }
+
+  // Restores [from, target) of a snapshot held elsewhere (a KVCache's, another pool's) by
+  // writing its tokens.
+  void copy_in(const Snapshot& s, int64_t target) {
+    rewind(s.from());
+    const auto write_part = [&](const Array& k, const Array& v) {
+      write(k, v);
+      pool_->stats.restored_bytes += k.dim(2) * pool_->layout.token_bytes();
+    };
+    if (const auto* paged = dynamic_cast<const PagedSnapshot*>(&s)) {
+      const Guard guard(paged->pool()->lock);
+      paged->for_each_part(target - s.from(),
+                           [&](int64_t, const Array& k, const Array& v) { write_part(k, v); });
+      return;
+    }
+    const auto& state = dynamic_cast<const KVStateSnapshot&>(s);
+    const OwnerGuard owner(&s, pool_->lock);
+    state.for_each_part(target - s.from(), [&](int64_t, const Array& k, const Array& v, int64_t) {
+      write_part(k, v);
+    });
+  }
+
+  std::vector<int32_t> blocks;
+  int64_t offset = 0;
+  CaptureSchedule schedule;
+
+ private:
+  std::shared_ptr<BlockPool> pool_;
+};
+
+class PagedKVCacheImpl {
+ public:
+  explicit PagedKVCacheImpl(const PagedKVCache::Options& options)
+      : pool(std::make_shared<BlockPool>(options.block_tokens, options.blocks_per_chunk)),
+        sequences([this] { return std::make_unique<PagedSequence>(pool); }) {}
+
+  PagedSequence& at(SeqId id) { return sequences.at(id, "PagedKVCache"); }
+
+  std::shared_ptr<BlockPool> pool;  // before `sequences`: they release their blocks into it
+  Sequences<PagedSequence> sequences;
+};
+
+// The layout a KV snapshot (of this kind or KVCache's) needs its cache to have.
+KVLayout layout_of(const Snapshot& s) {
+  if (const auto* paged = dynamic_cast<const PagedSnapshot*>(&s)) return paged->pool()->layout;
+  return dynamic_cast<const KVStateSnapshot&>(s).layout;
+}
+
+// Throws Error naming `call` unless `s` is a KV range (this kind's or KVCache's).
+void require_kv(const Snapshot* s, const char* call) {
+  const auto* state = dynamic_cast<const StateSnapshot*>(s);
+  if (state == nullptr || state->kind() != SnapshotRecord::Kind::kv) {
+    throw Error(
+        fmt::format("{}: the snapshot is not a PagedKVCache or KVCache snapshot "
+                    "(snapshots restore only into a cache of their own kind)",
+                    call));
+  }
+}
+
+}  // namespace detail
+
+using detail::Guard;
+using detail::PagedSnapshot;
+
+PagedKVCache::PagedKVCache() : PagedKVCache(Options{}) {}
+
+PagedKVCache::PagedKVCache(Options options) {
+  if (options.block_tokens < 1 || options.blocks_per_chunk < 1) {
+    throw Error(fmt::format("PagedKVCache: block_tokens {} and blocks_per_chunk {} must be >= 1",
+                            options.block_tokens, options.blocks_per_chunk));
+  }
+  impl_ = std::make_unique<detail::PagedKVCacheImpl>(options);
+}
+
+PagedKVCache::~PagedKVCache() {
+  const Guard guard(impl_->pool->lock);
+  impl_->sequences.for_each([](SeqId, detail::PagedSequence& s) { s.rewind(0); });
+}
+
+int64_t PagedKVCache::block_tokens() const { return impl_->pool->block_tokens; }
+
+PagedKVCache::PoolStats PagedKVCache::pool_stats() const {
+  const Guard guard(impl_->pool->lock);
+  const detail::BlockPool& pool = *impl_->pool;
+  return {pool.blocks(), pool.blocks_in_use(),
+          pool.has_layout ? pool.blocks_in_use() * pool.block_bytes() : 0, pool.blocks_copied};
+}
+
+KVHistory PagedKVCache::update(const Batch& batch, const Array& keys, const Array& values) {
+  const Guard guard(impl_->pool->lock);
+  return detail::update_rows(batch, keys, values, detail::kUpdate,
+                             [&](SeqId id) -> detail::PagedSequence& { return impl_->at(id); });
+}
+
+KVHistory PagedKVCache::view(const Batch& batch) const {
+  const Guard guard(impl_->pool->lock);
+  return detail::view_rows(batch, [&](SeqId id) {
+    const detail::PagedSequence* sequence = impl_->sequences.find(id);
+    return sequence == nullptr ? KVHistory() : sequence->history();
+  });
+}
+
+std::vector<Array> PagedKVCache::state() const { return state(0); }
+std::vector<Array> PagedKVCache::state(SeqId seq) const {
+  const Guard guard(impl_->pool->lock);
+  const detail::PagedSequence* sequence = impl_->sequences.find(seq);
+  if (sequence == nullptr || sequence->blocks.empty()) return {};
+  const KVHistory contiguous = sequence->history().contiguous();
+  return {contiguous.keys(), contiguous.values()};
+}
+
+void PagedKVCache::reset() {
+  const Guard guard(impl_->pool->lock);
+  impl_->sequences.for_each([](SeqId, detail::PagedSequence& s) {
+    s.schedule.clear();
+    s.rewind(0);
+  });
+}
+void PagedKVCache::reset(SeqId seq) {
+  const Guard guard(impl_->pool->lock);
+  if (detail::PagedSequence* s = impl_->sequences.find(seq)) {
+    s->schedule.clear();
+    s->rewind(0);
+  }
+}
+
+int64_t PagedKVCache::offset() const { return offset(0); }
+int64_t PagedKVCache::offset(SeqId seq) const {
+  const Guard guard(impl_->pool->lock);
+  const detail::PagedSequence* sequence = impl_->sequences.find(seq);
+  return sequence == nullptr ? 0 : sequence->offset;
+}
+
+std::vector<SeqId> PagedKVCache::sequences() const {
+  const Guard guard(impl_->pool->lock);
+  std::vector<SeqId> ids;
+  impl_->sequences.for_each([&](SeqId id, const detail::PagedSequence&) { ids.push_back(id); });
+  return ids;
+}
+
+SnapshotPtr PagedKVCache::snapshot(int64_t from_offset) { return snapshot(0, from_offset); }
+SnapshotPtr PagedKVCache::snapshot(SeqId seq, int64_t from_offset) {
+  const Guard guard(impl_->pool->lock);
+  detail::PagedSequence& sequence = impl_->at(seq);
+  if (from_offset < 0 || from_offset > sequence.offset) {
+    throw Error(fmt::format(
+        "PagedKVCache::snapshot: from_offset {} out of range [0, {}] (the cache offset)",
+        from_offset, sequence.offset));
+  }
+  if (from_offset == sequence.offset) return nullptr;
+  return sequence.capture(from_offset, sequence.offset);
+}
+
+void PagedKVCache::prepare_snapshots(std::span<const int64_t> offsets) {
+  prepare_snapshots(0, offsets);
+}
+void PagedKVCache::prepare_snapshots(SeqId seq, std::span<const int64_t> offsets) {
+  const Guard guard(impl_->pool->lock);
+  detail::PagedSequence& sequence = impl_->at(seq);
+  sequence.schedule.prepare(offsets, sequence.offset, "PagedKVCache::prepare_snapshots");
+  sequence.capture_reached();
+}
+std::vector<SnapshotPtr> PagedKVCache::take_snapshots() { return take_snapshots(0); }
+std::vector<SnapshotPtr> PagedKVCache::take_snapshots(SeqId seq) {
+  const Guard guard(impl_->pool->lock);
+  detail::PagedSequence& sequence = impl_->at(seq);
+  return sequence.schedule.take(sequence.offset, "PagedKVCache::take_snapshots");
+}
+std::vector<SnapshotPtr> PagedKVCache::take_reached_snapshots() {
+  return take_reached_snapshots(0);
+}
+std::vector<SnapshotPtr> PagedKVCache::take_reached_snapshots(SeqId seq) {
+  const Guard guard(impl_->pool->lock);
+  return impl_->at(seq).schedule.take_reached();
+}
+void PagedKVCache::cancel_snapshots() { cancel_snapshots(0); }
+void PagedKVCache::cancel_snapshots(SeqId seq) {
+  const Guard guard(impl_->pool->lock);
+  if (detail::PagedSequence* sequence = impl_->sequences.find(seq)) sequence->schedule.clear();
+}
+
+bool PagedKVCache::restore(Snapshot* snapshot, int64_t target) {
+  return restore(0, snapshot, target);
+}
+
+bool PagedKVCache::restore(SeqId seq, Snapshot* snapshot, int64_t target) {
+  const Guard guard(impl_->pool->lock);
+  detail::PagedSequence& c = impl_->at(seq);
+  c.schedule.require_idle(detail::kRestore);
+  if (snapshot == nullptr) {
+    if (target < 0 || target > c.offset) return false;
+    c.rewind(target);
+    return true;
+  }
+  detail::require_kv(snapshot, detail::kRestore);
+  const detail::KVLayout layout = detail::layout_of(*snapshot);
+  if (impl_->pool->has_layout) {
+    detail::check_same_layout(impl_->pool->layout, layout, detail::kRestore);
+  }
+  if (target < 0 || target > snapshot->to() || c.offset < snapshot->from()) return false;
+  if (target <= snapshot->from()) {
+    c.rewind(target);
+    return true;
+  }
+  if (!impl_->pool->has_layout) c.adopt(layout);
+  const auto* paged = dynamic_cast<const PagedSnapshot*>(snapshot);
+  if (paged != nullptr && paged->pool() == impl_->pool) {
+    c.splice(*paged, target);
+  } else {
+    c.copy_in(*snapshot, target);
+  }
+  return true;
+}
+
+SnapshotPtr PagedKVCache::merge(SnapshotPtr parent, SnapshotPtr child) {
+  if (parent == nullptr || child == nullptr) return nullptr;
+  const Guard guard(impl_->pool->lock);
+  detail::require_kv(parent.get(), "PagedKVCache::merge");
+  detail::require_kv(child.get(), "PagedKVCache::merge");
+  if (parent->to() != child->from()) {
+    throw Error(fmt::format(
+        "PagedKVCache::merge: parent [{}, {}) and child [{}, {}) are not adjacent (parent must "
+        "end where child begins)",
+        parent->from(), parent->to(), child->from(), child->to()));
+  }
+  const auto* a = dynamic_cast<const PagedSnapshot*>(parent.get());
+  const auto* b = dynamic_cast<const PagedSnapshot*>(child.get());
+  if (a == nullptr || b == nullptr || a->pool() != impl_->pool || b->pool() != impl_->pool) {
+    // Not both of this pool: join them as owned token arrays.
+    detail::SnapshotRecord first = detail::as_state_snapshot(parent.get())->record();
+    const detail::SnapshotRecord second = detail::as_state_snapshot(child.get())->record();
+    auto [keys, values] = detail::KVLayout::of(first.first, first.second)
+                              .allocate_uninitialized(child->to() - parent->from());
+    keys.assign_slice(2, 0, first.first);
+    keys.assign_slice(2, first.first.dim(2), second.first);
+    values.assign_slice(2, 0, first.second);
+    values.assign_slice(2, first.second.dim(2), second.second);
+    return detail::make_kv_snapshot(std::move(keys), std::move(values), parent->from());
+  }
+  // Block lists joined; a block where they meet mid-block is the same block or a fresh join.
+  std::vector<int32_t> blocks = a->blocks();
+  const int64_t block_tokens = impl_->pool->block_tokens, slot = b->from() % block_tokens;
+  size_t skip = 0;
+  if (slot != 0) {
+    skip = 1;
+    if (blocks.back() != b->blocks()[0]) {
+      const int32_t joined = impl_->pool->allocate();
+      impl_->pool->copy(blocks.back(), joined, slot);
+      const int64_t count = std::min(block_tokens, b->to() - (b->from() - slot)) - slot;
+      impl_->pool->keys(joined).assign_slice(
+          2, slot, impl_->pool->keys(b->blocks()[0]).slice(2, slot, slot + count));
+      impl_->pool->values(joined).assign_slice(
+          2, slot, impl_->pool->values(b->blocks()[0]).slice(2, slot, slot + count));
+      ++impl_->pool->blocks_copied;
+      impl_->pool->stats.snapshot_bytes += block_tokens * impl_->pool->layout.token_bytes();
+      blocks.back() = joined;
+    }
+  }
+  blocks.insert(blocks.end(), b->blocks().begin() + static_cast<std::ptrdiff_t>(skip),
+                b->blocks().end());
+  return std::make_unique<PagedSnapshot>(impl_->pool, std::move(blocks), a->from(), b->to());
+}
+
+std::pair<SnapshotPtr, SnapshotPtr> PagedKVCache::split(SnapshotPtr snapshot, int64_t at) {
+  if (snapshot == nullptr) return {nullptr, nullptr};
+  const Guard guard(impl_->pool->lock);
+  detail::require_kv(snapshot.get(), "PagedKVCache::split");
+  if (at <= snapshot->from()) return {nullptr, std::move(snapshot)};
+  if (at >= snapshot->to()) return {std::move(snapshot), nullptr};
+  const auto* s = dynamic_cast<const PagedSnapshot*>(snapshot.get());
+  if (s == nullptr) {  // a KVCache snapshot: split as KVCache does
+    auto& state = dynamic_cast<detail::KVStateSnapshot&>(*snapshot);
+    CopyStats copies;
+    SnapshotPtr after = state.split_off(at, copies);
+    impl_->pool->stats.snapshot_bytes += copies.snapshot_bytes;
+    return {std::move(snapshot), std::move(after)};
+  }
+  const int64_t block_tokens = s->pool()->block_tokens;
+  const auto& blocks = s->blocks();
+  const auto cut_before =
+      static_cast<size_t>((at + block_tokens - 1) / block_tokens - s->first_block());
+  const auto cut_after = static_cast<size_t>(at / block_tokens - s->first_block());
+  auto before = std::make_unique<PagedSnapshot>(
+      s->pool(), std::vector<int32_t>(blocks.begin(), blocks.begin() + cut_before), s->from(), at);
+  auto after = std::make_unique<PagedSnapshot>(
+      s->pool(), std::vector<int32_t>(blocks.begin() + cut_after, blocks.end()), at, s->to());
+  snapshot.reset();
+  return {std::move(before), std::move(after)};
+}
+
+CopyStats PagedKVCache::copy_stats() const {
+  const Guard guard(impl_->pool->lock);
+  return impl_->pool->stats;
+}
+
+RestoreRule PagedKVCache::restore_rule() const { return {RestoreRule::Kind::ranges, 0}; }
+
+}  // namespace kvsnap

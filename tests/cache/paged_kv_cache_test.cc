@@ -1,0 +1,171 @@
+// PagedKVCache: sequences share blocks; snapshots are block references; a write copies only a
+// shared block it touches; restores splice references (joining at most one block).
+#include <gtest/gtest.h>
+#include <kvsnap/kvsnap.h>
+
+#include <random>
+
+#include "support/cache_support.h"
+#include "support/test_support.h"
+
+namespace kvsnap {
+namespace {
+
+using testing::column_ids;
+using testing::id_range;
+using testing::throws_error;
+using testing::TokenKV;
+
+const TokenKV kv;  // 2 heads x 4, f32: 64 bytes a token
+constexpr int64_t kToken = 64;
+constexpr int64_t kBlock = 8;
+
+std::vector<int64_t> held(const PagedKVCache& cache, SeqId seq) {
+  Batch batch = Batch::uniform(1, 1, 0);
+  batch.seq_ids = {seq};
+  return column_ids(cache.view(batch));
+}
+
+// Writes `ids` into sequence `seq` at its offset.
+void write(PagedKVCache& cache, SeqId seq, const std::vector<int64_t>& ids) {
+  Batch batch = Batch::uniform(1, static_cast<int64_t>(ids.size()), cache.offset(seq));
+  batch.seq_ids = {seq};
+  (void)cache.update(batch, kv.keys(ids), kv.values(ids));
+}
+
+std::vector<int64_t> concat(std::vector<int64_t> a, const std::vector<int64_t>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+class Paged : public ::testing::Test {
+ protected:
+  PagedKVCache cache{{.block_tokens = kBlock, .blocks_per_chunk = 4}};
+};
+
+TEST_F(Paged, ASequenceIsBlocksAndItsHistoryIsPaged) {
+  write(cache, 0, id_range(0, 20));
+  const KVHistory history = cache.view(Batch::uniform(1, 1, 0));
+  ASSERT_TRUE(history.paged());
+  EXPECT_EQ(history.paged_columns().table.size(), 3u);
+  EXPECT_EQ(history.length(), 20);
+  EXPECT_EQ(column_ids(history), id_range(0, 20));
+  EXPECT_EQ(cache.pool_stats().blocks_in_use, 3);
+  EXPECT_EQ(cache.pool_stats().blocks, 4);  // one chunk
+}
+
+TEST_F(Paged, SharingAPrefixWithAnotherSequenceCopiesNothing) {
+  write(cache, 0, id_range(0, 40));
+  const int64_t bytes = live_bytes();
+  SnapshotPtr prefix = cache.snapshot(0, 0);
+  EXPECT_EQ(prefix->size(), 0);
+  EXPECT_TRUE(prefix->is_lazy());
+  ASSERT_TRUE(cache.restore(1, prefix.get(), 40));
+  EXPECT_EQ(held(cache, 1), id_range(0, 40));
+  EXPECT_EQ(cache.pool_stats().blocks_in_use, 5);
+  EXPECT_EQ(cache.pool_stats().blocks_copied, 0);
+  EXPECT_EQ(live_bytes(), bytes);
+  EXPECT_EQ(cache.copy_stats().restored_bytes, 0);
+}
+
+TEST_F(Paged, AWriteIntoASharedBlockCopiesThatBlockOnly) {
+  write(cache, 0, id_range(0, 40));
+  SnapshotPtr prefix = cache.snapshot(0, 0);
+  ASSERT_TRUE(cache.restore(1, prefix.get(), 37));  // ends inside block 4
+  write(cache, 1, {900, 901});
+  EXPECT_EQ(cache.pool_stats().blocks_copied, 1);
+  EXPECT_EQ(cache.copy_stats().materialized_bytes, 5 * kToken);  // [32, 37) of block 4
+  EXPECT_EQ(held(cache, 1), concat(id_range(0, 37), {900, 901}));
+  EXPECT_EQ(held(cache, 0), id_range(0, 40));  // untouched
+  write(cache, 1, {902});                      // its own block now: no copy
+  EXPECT_EQ(cache.pool_stats().blocks_copied, 1);
+}
+
+TEST_F(Paged, RestoringMidBlockJoinsOneBlockAndSplicesTheRest) {
+  write(cache, 0, id_range(0, 40));
+  SnapshotPtr tail = cache.snapshot(0, 3);  // [3, 40)
+  write(cache, 2, id_range(100, 5));        // another sequence, its own first tokens
+  ASSERT_TRUE(cache.restore(2, tail.get(), 40));
+  EXPECT_EQ(held(cache, 2), concat(id_range(100, 3), id_range(3, 37)));
+  EXPECT_EQ(cache.pool_stats().blocks_copied, 1);  // block 0 joined; blocks 1..4 shared
+  EXPECT_EQ(cache.copy_stats().restored_bytes, kBlock * kToken);
+}
+
+TEST_F(Paged, SnapshotsPayForTheBlocksNoSequenceUses) {
+  write(cache, 0, id_range(0, 20));
+  SnapshotPtr a = cache.snapshot(0, 0), b = cache.snapshot(0, 8);
+  int64_t a_delta = 0, b_delta = 0;
+  a->set_materialize_hook([&](int64_t d) { a_delta += d; });
+  b->set_materialize_hook([&](int64_t d) { b_delta += d; });
+  cache.reset(0);  // the sequence lets go: each block is paid for by exactly one holder
+  const int64_t block = kBlock * kToken;
+  EXPECT_EQ(a->size() + b->size(), 3 * block);
+  EXPECT_EQ(a_delta + b_delta, 3 * block);
+  EXPECT_FALSE(a->is_lazy());
+  a.reset();  // b takes over the blocks it shares with a
+  EXPECT_EQ(b->size(), 2 * block);
+  EXPECT_EQ(cache.pool_stats().blocks_in_use, 2);
+  ASSERT_TRUE(cache.restore(0, b.get(), 20) == false);  // the sequence is at 0 < 8
+  write(cache, 0, id_range(0, 8));
+  ASSERT_TRUE(cache.restore(0, b.get(), 20));  // live again: b pays for nothing
+  EXPECT_EQ(b->size(), 0);
+  EXPECT_EQ(held(cache, 0), id_range(0, 20));
+}
+
+TEST_F(Paged, SplitSharesTheBoundaryBlockAndMergeRejoinsIt) {
+  write(cache, 0, id_range(0, 30));
+  SnapshotPtr whole = cache.snapshot(0, 0);
+  auto [front, back] = cache.split(std::move(whole), 20);
+  EXPECT_EQ(front->to(), 20);
+  EXPECT_EQ(back->from(), 20);
+  EXPECT_EQ(cache.pool_stats().blocks_copied, 0);
+  SnapshotPtr joined = cache.merge(std::move(front), std::move(back));
+  EXPECT_EQ(cache.pool_stats().blocks_copied, 0);
+  ASSERT_TRUE(cache.restore(3, joined.get(), 30));
+  EXPECT_EQ(held(cache, 3), id_range(0, 30));
+}
+
+TEST_F(Paged, RowsOfSeveralSequencesAttendToTheirOwnBlocks) {
+  write(cache, 0, id_range(0, 19));
+  write(cache, 1, id_range(50, 5));
+  Batch batch = Batch::uniform(2, 2, 0);
+  batch.seq_ids = {0, 1};
+  batch.seq_offsets = {19, 5};
+  batch.seq_query_lens = {1, 2};
+  Array keys = Array::zeros(DType::f32, {2, 2, 2, 4}), values = keys.clone();
+  keys.slice(0, 0, 1).assign(kv.keys(std::vector<int64_t>{19, 0}));
+  values.slice(0, 0, 1).assign(kv.values(std::vector<int64_t>{19, 0}));
+  keys.slice(0, 1, 2).assign(kv.keys(std::vector<int64_t>{55, 56}));
+  values.slice(0, 1, 2).assign(kv.values(std::vector<int64_t>{55, 56}));
+  const KVHistory history = cache.update(batch, keys, values);
+  std::mt19937 rng(4);
+  const Array q = testing::random_array({2, 4, 2, 4}, rng);
+  const Array got = sdpa(batch, q, history, AttentionMask::causal(), 0.4f);
+  for (int64_t b = 0; b < 2; ++b) {
+    const std::vector<int64_t> ids = b == 0 ? id_range(0, 20) : id_range(50, 7);
+    const KVHistory full(kv.keys(ids), kv.values(ids));
+    const Array expected =
+        sdpa(batch.row(b), q.slice(0, b, b + 1), full, AttentionMask::causal(), 0.4f);
+    EXPECT_TRUE(testing::all_close(got.slice(0, b, b + 1).contiguous(), expected, 1e-5f)) << b;
+  }
+}
+
+TEST(PagedErrors, BadOptionsAndForeignSnapshots) {
+  EXPECT_TRUE(throws_error([] { PagedKVCache cache({.block_tokens = 0}); },
+                           {"PagedKVCache", "block_tokens 0"}));
+  PagedKVCache cache;
+  write(cache, 0, id_range(0, 4));
+  RotatingKVCache window(4);
+  testing::write(window, kv, id_range(0, 4));
+  SnapshotPtr foreign = window.snapshot(0);
+  EXPECT_TRUE(throws_error([&] { (void)cache.restore(foreign.get(), 4); },
+                           {"PagedKVCache::restore", "not a PagedKVCache or KVCache snapshot"}));
+  KVCache wide;
+  testing::write(wide, TokenKV{.heads = 3}, id_range(0, 4));
+  SnapshotPtr other = wide.snapshot(0);
+  EXPECT_TRUE(throws_error([&] { (void)cache.restore(other.get(), 4); }, {"H=3", "H=2"}));
+  EXPECT_EQ(held(cache, 0), id_range(0, 4));
+}
+
+}  // namespace
+}  // namespace kvsnap
