@@ -26,7 +26,15 @@
 // the middle of its prefill keeps the captures its evaluated tokens passed. A window layer's
 // restore point holds its last max_size - 1 tokens (see rotating_kv_cache.h).
 //
-// Not thread-safe; one session at a time.
+// Many sequences: with Options::slots = N, the layers serve sequences 0..N-1 and each slot runs
+// its own session (begin(slot, prompt)) over the one shared trie. A session restores from the
+// trie — including nodes whose data still lives in another slot's sequence (a paged attention
+// layer shares its blocks; window and recurrent states are copied or shared) — and pages its
+// path out into it. match(prompt) tells a scheduler how many tokens a request would reuse,
+// without changing anything.
+//
+// Thread-safe: calls (sessions' too) may come from any thread and run one at a time; the
+// layers lock themselves, so each slot's forward may run on its own thread.
 #pragma once
 
 #include <cstdint>
@@ -49,9 +57,12 @@ class KVSNAP_EXPORT PrefixCache {
  public:
   struct Options {
     // Budget for bytes held by snapshots in the trie; least recently used leaves are evicted
-    // to stay under it (user nodes last, the active path never: when only it is left, its
-    // owned whole-state snapshots, which are restore points, are dropped instead).
+    // to stay under it (user nodes last, active paths never: when only they are left, their
+    // owned whole-state snapshots, which are restore points, are dropped instead). Checked by
+    // every call: writes between calls may copy lazy snapshots out beyond it until the next.
     int64_t max_paged_out_bytes = int64_t(8) << 30;
+    // Sequences (slots) the layers serve, each with at most one open session.
+    SeqId slots = 1;
   };
 
   // `layers` are not owned and must outlive the PrefixCache; a null entry is a stateless layer.
@@ -63,8 +74,15 @@ class KVSNAP_EXPORT PrefixCache {
   PrefixCache& operator=(const PrefixCache&) = delete;
 
   class Session;
-  // Starts a request for `prompt` (at least one token). Throws while another session is open.
+  // Starts a request for `prompt` (at least one token) on slot 0 / `slot`. Throws while that
+  // slot has a session open.
   [[nodiscard]] Session begin(std::span<const int32_t> prompt);
+  [[nodiscard]] Session begin(SeqId slot, std::span<const int32_t> prompt);
+  // The prompt tokens begin would restore for `prompt` on a slot with nothing live (from the
+  // trie alone) / on `slot` as it stands. Changes nothing (not even last-use order).
+  int64_t match(std::span<const int32_t> prompt) const;
+  int64_t match(SeqId slot, std::span<const int32_t> prompt) const;
+  SeqId slots() const;
 
   // Writes the trie (edges, offsets, user flags, last-use order) and every node's snapshots to
   // `dir`/prefix_cache.safetensors, atomically, with the layers' kinds and shapes and `model_id`
@@ -72,7 +90,7 @@ class KVSNAP_EXPORT PrefixCache {
   void save(const std::string& dir, const std::string& model_id = "") const;
   // Replaces the trie by the one saved in `dir`, for the same layer configuration and model_id
   // (else a clear Error and nothing changes). The live caches are reset: the next request
-  // restores from the loaded snapshots. Throws while a session is open.
+  // restores from the loaded snapshots. Throws while any session is open.
   void load(const std::string& dir, const std::string& model_id = "");
   // Whether `dir` holds a saved trie.
   static bool saved_in(const std::string& dir);
@@ -117,6 +135,8 @@ class KVSNAP_EXPORT PrefixCache::Session {
   std::span<const int32_t> remaining() const;
   // Tokens restored from the cache: the live caches now stand at this offset.
   int64_t cached() const;
+  // The slot (the layers' sequence) this session runs on.
+  SeqId slot() const;
   // Extra restore points (e.g. the end of the system prompt, of each message), as absolute
   // offsets in [cached(), prompt size]. They become user nodes, which resist merging and are
   // evicted last. Call before the prefill forward.

@@ -24,8 +24,8 @@ std::optional<int64_t> LiveState::offset() const {
   for (const LayerInfo& layer : trie_.layers()) {
     if (layer.cache == nullptr) continue;
     if (!common) {
-      common = layer.cache->offset();
-    } else if (layer.cache->offset() != *common) {
+      common = layer.cache->offset(slot_);
+    } else if (layer.cache->offset(slot_) != *common) {
       return std::nullopt;
     }
   }
@@ -35,8 +35,8 @@ std::optional<int64_t> LiveState::offset() const {
 void LiveState::reset() {
   for (const LayerInfo& layer : trie_.layers()) {
     if (layer.cache == nullptr) continue;
-    layer.cache->cancel_snapshots();
-    layer.cache->reset();
+    layer.cache->cancel_snapshots(slot_);
+    layer.cache->reset(slot_);
   }
   tokens_.clear();
   tip_ = &trie_.root();
@@ -69,13 +69,13 @@ void LiveState::switch_to(const std::vector<Node*>& path, const Plan& plan, int6
         case WholeStateStep::Kind::stay:
           break;
         case WholeStateStep::Kind::reset:
-          cache->reset();
+          cache->reset(slot_);
           break;
         case WholeStateStep::Kind::live_rewind:
-          ok = cache->restore(nullptr, target);
+          ok = cache->restore(slot_, nullptr, target);
           break;
         case WholeStateStep::Kind::snapshot:
-          ok = cache->restore(step.node->snapshots[i].get(), target);
+          ok = cache->restore(slot_, step.node->snapshots[i].get(), target);
           if (ok && step.node->end == target) relazify(*step.node, i, 0);
           break;
       }
@@ -90,14 +90,14 @@ void LiveState::switch_to(const std::vector<Node*>& path, const Plan& plan, int6
 bool LiveState::page_in_ranges(size_t layer, const std::vector<Node*>& path, int64_t target,
                                int64_t shared) {
   Cache& cache = *trie_.layers()[layer].cache;
-  if (target <= shared) return cache.restore(nullptr, target);
-  if (!cache.restore(nullptr, shared)) return false;
+  if (target <= shared) return cache.restore(slot_, nullptr, target);
+  if (!cache.restore(slot_, nullptr, shared)) return false;
   for (Node* node : path) {
     if (node->end <= shared || node->start() >= target) continue;
     Snapshot* s = node->snapshots[layer].get();
     if (s == nullptr) return false;
     const int64_t to = std::min(node->end, target);
-    if (!cache.restore(s, to)) return false;
+    if (!cache.restore(slot_, s, to)) return false;
     if (to == node->end) relazify(*node, layer, node->start());
   }
   return true;
@@ -105,24 +105,32 @@ bool LiveState::page_in_ranges(size_t layer, const std::vector<Node*>& path, int
 
 void LiveState::relazify(Node& node, size_t layer, int64_t from) {
   if (node.snapshots[layer] == nullptr || node.snapshots[layer]->size() == 0) return;
-  SnapshotPtr lazy = trie_.layers()[layer].cache->snapshot(from);
+  SnapshotPtr lazy = trie_.layers()[layer].cache->snapshot(slot_, from);
   if (lazy != nullptr && lazy->is_lazy()) trie_.replace(node, layer, std::move(lazy));
 }
 
-void evict_to_budget(Trie& trie, const LiveState& live, int64_t budget, int64_t& evicted_nodes,
-                     int64_t& dropped_snapshots) {
-  const auto keep = [&](const Node& node) { return live.on_active_path(node); };
+void evict_to_budget(Trie& trie, const std::vector<const LiveState*>& live, int64_t budget,
+                     int64_t& evicted_nodes, int64_t& dropped_snapshots) {
+  const auto keep = [&](const Node& node) {
+    return std::any_of(live.begin(), live.end(),
+                       [&](const LiveState* slot) { return slot->on_active_path(node); });
+  };
   while (trie.bytes() > budget) {
     Node* victim = trie.eviction_candidate(keep);
-    if (victim == nullptr) break;  // only the active path is left
+    if (victim == nullptr) break;  // only active paths are left
     trie.remove_leaf(*victim, keep);
     ++evicted_nodes;
   }
   if (trie.bytes() <= budget) return;
-  // Last resort: the active path cannot be evicted (the live caches stand on it), but the owned
-  // whole-state snapshots its nodes keep are restore points for later divergence, not needed
-  // for the live state. Drop them, least recently used (non-user) nodes first.
-  std::vector<Node*> path = live.active_path();
+  // Last resort: the active paths cannot be evicted (live caches stand on them), but the owned
+  // whole-state snapshots their nodes keep are restore points for later divergence, not needed
+  // for the live states. Drop them, least recently used (non-user) nodes first.
+  std::vector<Node*> path;
+  for (const LiveState* slot : live) {
+    for (Node* node : slot->active_path()) {
+      if (std::find(path.begin(), path.end(), node) == path.end()) path.push_back(node);
+    }
+  }
   std::sort(path.begin(), path.end(), [](const Node* a, const Node* b) {
     return std::pair(a->user, a->last_used) < std::pair(b->user, b->last_used);
   });

@@ -15,7 +15,8 @@ namespace kvsnap::detail {
 
 class LiveState {
  public:
-  explicit LiveState(Trie& trie) : trie_(trie), tip_(&trie.root()) {}
+  // The live state of sequence `slot` of every layer.
+  LiveState(Trie& trie, SeqId slot) : trie_(trie), slot_(slot), tip_(&trie.root()) {}
 
   // The tokens the live caches hold, [0, their offset).
   const std::vector<int32_t>& tokens() const { return tokens_; }
@@ -49,14 +50,15 @@ class LiveState {
   void relazify(Node& node, size_t layer, int64_t from);
 
   Trie& trie_;
+  const SeqId slot_;
   std::vector<int32_t> tokens_;
   Node* tip_;  // the deepest node holding a live token
 };
 
-// Evicts least recently used leaves (user nodes last, the active path never) until the trie
-// holds at most `budget` bytes; as a last resort, drops the active path's owned whole-state
-// snapshots (restore points, not needed by the live state). Counts into the two counters.
-void evict_to_budget(Trie& trie, const LiveState& live, int64_t budget, int64_t& evicted_nodes,
-                     int64_t& dropped_snapshots);
+// Evicts least recently used leaves (user nodes last, any slot's active path never) until the
+// trie holds at most `budget` bytes; as a last resort, drops the active paths' owned whole-state
+// snapshots (restore points, not needed by the live states). Counts into the two counters.
+void evict_to_budget(Trie& trie, const std::vector<const LiveState*>& live, int64_t budget,
+                     int64_t& evicted_nodes, int64_t& dropped_snapshots);
 
 }  // namespace kvsnap::detail

@@ -307,7 +307,7 @@ void Trie::dump(const Node& node, int depth, std::string& out) const {
     out += fmt::format("{:{}}[{}, {}){}{} |{} | used {}\n", "", 2 * (depth - 1), node.start(),
                        node.end, tokens, node.user ? " user" : "", layers, node.last_used);
   } else {
-    out += fmt::format("root: {} nodes, {} bytes paged out\n", node_count_, bytes_);
+    out += fmt::format("root: {} nodes, {} bytes paged out\n", node_count_, bytes());
   }
   for (const auto& c : node.children) dump(*c, depth + 1, out);
 }
@@ -354,9 +354,9 @@ std::string Trie::check_invariants() const {
   std::string problem;
   check_node(root_, problem);
   int64_t total = recount_bytes();
-  if (problem.empty() && total != bytes_) {
+  if (problem.empty() && total != bytes()) {
     problem =
-        fmt::format("byte counter {} differs from the sum of snapshot sizes {}", bytes_, total);
+        fmt::format("byte counter {} differs from the sum of snapshot sizes {}", bytes(), total);
   }
   std::vector<const Node*> nodes;
   preorder(nodes);

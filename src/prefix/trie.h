@@ -5,6 +5,7 @@
 // of `size()` over every snapshot held (materialize hooks keep it exact).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -52,7 +53,8 @@ class Trie {
 
   Node& root() { return root_; }
   const std::vector<LayerInfo>& layers() const { return layers_; }
-  int64_t bytes() const { return bytes_; }
+  // Bytes the trie's snapshots own (materialize hooks add to it from any thread).
+  int64_t bytes() const { return bytes_.load(std::memory_order_relaxed); }
   int64_t recount_bytes() const;
   int64_t node_count() const { return node_count_; }
   // A fresh last-use time, later than every earlier one.
@@ -118,7 +120,7 @@ class Trie {
 
   std::vector<LayerInfo> layers_;
   Node root_;
-  int64_t bytes_ = 0;
+  std::atomic<int64_t> bytes_{0};
   int64_t node_count_ = 0;
   int64_t clock_ = 0;
   std::set<std::tuple<bool, int64_t, Node*>> leaves_;  // (user, last_used, node)

@@ -246,7 +246,7 @@ TEST_F(PrefixCacheTest, DestroyingASessionClosesIt) {
 
 TEST_F(PrefixCacheTest, CachesMovedBehindItsBackAreResynchronized) {
   run_turn(cache, stack, kSystem + kUser1, kReply1);
-  stack.attention.reset();  // someone else touched a layer
+  stack.attention().reset();  // someone else touched a layer
   const auto turn = run_turn(cache, stack, kSystem + kUser1 + kReply1, kReply2);
   EXPECT_EQ(turn.cached, 21);  // restored from the trie, not the live caches
 }

@@ -8,6 +8,7 @@
 
 #include <memory>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "support/cache_support.h"
@@ -16,26 +17,44 @@
 
 namespace kvsnap::testing {
 
+struct StackOptions {
+  bool with_recurrent = true;
+  int64_t window = 8;
+  bool paged = false;  // the attention layer: PagedKVCache instead of KVCache
+  int64_t block_tokens = 4;
+  // Check on every write that the attention layer copies exactly what lazy snapshots name (a
+  // KVCache only; not with several threads writing, whose copies interleave).
+  bool check_copies = true;
+};
+
 class HybridStack {
  public:
   static constexpr int64_t kWindow = 8;
   static constexpr int64_t kQueryHeads = 4;
 
   explicit HybridStack(bool with_recurrent = true, int64_t window_size = kWindow)
-      : window(window_size), window_size_(window_size), with_recurrent_(with_recurrent) {}
+      : HybridStack(StackOptions{.with_recurrent = with_recurrent, .window = window_size}) {}
+  explicit HybridStack(const StackOptions& options)
+      : options_(options),
+        attention_(options.paged ? std::unique_ptr<Attention>(std::make_unique<PagedKVCache>(
+                                       PagedKVCache::Options{options.block_tokens, 8}))
+                                 : std::make_unique<KVCache>()),
+        window(options.window) {}
 
   std::vector<Cache*> layers() {
-    std::vector<Cache*> out{&attention, &window, nullptr};
-    if (with_recurrent_) out.push_back(&recurrent);
+    std::vector<Cache*> out{attention_.get(), &window, nullptr};
+    if (options_.with_recurrent) out.push_back(&recurrent);
     return out;
   }
-  int64_t offset() const { return attention.offset(); }
+  Attention& attention() { return *attention_; }
+  int64_t offset(SeqId slot = 0) const { return attention_->offset(slot); }
 
-  // Runs `tokens` through every layer at the caches' offset and checks the outputs against
-  // recomputing `sequence` (the whole sequence so far, ending with `tokens`) from scratch.
+  // Runs `tokens` through every layer at the caches' offset of sequence `slot` and checks the
+  // outputs against recomputing `sequence` (the whole sequence so far, ending with `tokens`)
+  // from scratch.
   ::testing::AssertionResult forward_and_check(std::span<const int32_t> tokens,
-                                               std::span<const int32_t> sequence) {
-    const int64_t start = offset();
+                                               std::span<const int32_t> sequence, SeqId slot = 0) {
+    const int64_t start = offset(slot);
     const auto length = static_cast<int64_t>(tokens.size());
     if (start + length != static_cast<int64_t>(sequence.size())) {
       return ::testing::AssertionFailure() << "caches at " << start << " + " << length
@@ -43,17 +62,20 @@ class HybridStack {
     }
     const std::vector<int64_t> ids = widen(tokens);
     const std::vector<int64_t> all = widen(sequence);
-    const Batch batch = Batch::uniform(1, length, start);
+    Batch batch = Batch::uniform(1, length, start);
+    batch.seq_ids = {slot};
     const Array q = queries(ids, start);
     const KVHistory full(kv_.keys(all), kv_.values(all));
     // Copy only what would be lost: the write copies out exactly the slots of [start, end)
     // that lazy snapshots still name, never more than the bytes it overwrites.
-    const int64_t named = attention.lazy_bytes(start, start + length);
-    const int64_t copied_before = attention.copy_stats().materialized_bytes;
-    const Array a = sdpa(batch, q, attention.update(batch, kv_.keys(ids), kv_.values(ids)),
+    auto* contiguous = dynamic_cast<KVCache*>(attention_.get());
+    const bool check = options_.check_copies && contiguous != nullptr;
+    const int64_t named = check ? contiguous->lazy_bytes(slot, start, start + length) : 0;
+    const int64_t copied_before = attention_->copy_stats().materialized_bytes;
+    const Array a = sdpa(batch, q, attention_->update(batch, kv_.keys(ids), kv_.values(ids)),
                          AttentionMask::causal(), 0.5f);
-    const int64_t copied = attention.copy_stats().materialized_bytes - copied_before;
-    if (copied != named || copied > length * token_bytes()) {
+    const int64_t copied = attention_->copy_stats().materialized_bytes - copied_before;
+    if (check && (copied != named || copied > length * token_bytes())) {
       return ::testing::AssertionFailure()
              << "writing positions [" << start << ", " << start + length << ") copied " << copied
              << " bytes; lazy snapshots named " << named << " of the " << length * token_bytes()
@@ -65,12 +87,12 @@ class HybridStack {
     const Array w = sdpa(batch, q, window.update(batch, kv_.keys(ids), kv_.values(ids)),
                          AttentionMask::causal(), 0.5f);
     if (auto r = all_close(
-            w, sdpa(batch, q, full, AttentionMask::sliding_window(window_size_), 0.5f), 1e-4f);
+            w, sdpa(batch, q, full, AttentionMask::sliding_window(options_.window), 0.5f), 1e-4f);
         !r) {
       return r << " (sliding window, positions from " << start << ")";
     }
-    if (with_recurrent_) {
-      const auto out = recurrent_layer_.forward(recurrent, ids);
+    if (options_.with_recurrent) {
+      const auto out = recurrent_layer_.forward(recurrent, ids, slot);
       const auto expected = recurrent_layer_.reference(all);
       if (auto r = all_close(out.delta, expected.delta.slice(1, start, start + length), 1e-4f);
           !r) {
@@ -83,7 +105,8 @@ class HybridStack {
   // Bytes of one token's keys and values in the attention layers.
   int64_t token_bytes() const { return 2 * kv_.heads * kv_.depth * dtype_size(kv_.dtype); }
 
-  KVCache attention;
+  StackOptions options_;
+  std::unique_ptr<Attention> attention_;
   RotatingKVCache window;
   RecurrentLayer recurrent_layer_;
   RecurrentCache recurrent = recurrent_layer_.make_cache();
@@ -104,8 +127,6 @@ class HybridStack {
     return Array::from_floats(data, {1, kQueryHeads, static_cast<int64_t>(ids.size()), kv_.depth});
   }
 
-  int64_t window_size_;
-  bool with_recurrent_;
   TokenKV kv_{.heads = 2, .depth = 4};
 };
 

@@ -60,10 +60,11 @@ struct RecurrentLayer {
 
   // One forward of `ids` through the cache: get, kernels (stopping at the scheduled splits),
   // put.
-  Output forward(RecurrentCache& cache, std::span<const int64_t> ids) const {
+  Output forward(RecurrentCache& cache, std::span<const int64_t> ids, SeqId seq = 0) const {
     const auto length = static_cast<int64_t>(ids.size());
-    const Batch batch = Batch::uniform(1, length, cache.offset());
-    const std::vector<int64_t> splits = cache.snapshot_splits(length);
+    Batch batch = Batch::uniform(1, length, cache.offset(seq));
+    batch.seq_ids = {seq};
+    const std::vector<int64_t> splits = cache.snapshot_splits(seq, length);
     const RecurrentHistory history = cache.get(batch, activation);
     Conv1dResult conv;
     GatedDeltaResult delta;

@@ -1,0 +1,216 @@
+#include "prefix/slot.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+
+namespace kvsnap::detail {
+
+int64_t Slot::match(std::span<const int32_t> prompt) const {
+  if (prompt.empty()) return 0;
+  const Trie::Match found = trie_.match(prompt);
+  const int64_t limit = std::min(found.length, static_cast<int64_t>(prompt.size()) - 1);
+  LiveView live = view(prompt, limit);
+  if (!live_.consistent()) live = LiveView{};
+  return plan_restore(trie_.layers(), found.path, limit, live).target;
+}
+
+std::shared_ptr<SessionState> Slot::begin(std::span<const int32_t> prompt, PrefixCacheImpl* owner,
+                                          PrefixCache::Stats& stats) {
+  if (open()) {
+    throw Error(
+        fmt::format("PrefixCache::begin: slot {} has a session already open; close it first", id_));
+  }
+  if (prompt.empty()) {
+    throw Error("PrefixCache::begin: the prompt is empty; at least one token must be evaluated");
+  }
+  if (!live_.consistent()) live_.reset();  // the caches were moved behind our back
+  evict_();
+
+  const Trie::Match match = trie_.match(prompt);
+  const auto length = static_cast<int64_t>(prompt.size());
+  const int64_t limit = std::min(match.length, length - 1);  // leave one token to evaluate
+  const LiveView live = view(prompt, limit);
+  const Plan plan = plan_restore(trie_.layers(), match.path, limit, live);
+  try {
+    live_.switch_to(match.path, plan, live.shared);
+  } catch (...) {
+    live_.reset();
+    throw;
+  }
+  live_.set_tokens(prompt.subspan(0, static_cast<size_t>(plan.target)));
+  for (Node* node : match.path) trie_.touch(*node);
+
+  auto state = std::make_shared<SessionState>();
+  state->owner = owner;
+  state->slot = id_;
+  state->prompt.assign(prompt.begin(), prompt.end());
+  state->tokens = state->prompt;
+  state->prompt_length = length;
+  state->matched = match.length;
+  state->cached = plan.target;
+  session_ = state;
+  prepare(schedule_for(match.path));
+
+  ++stats.lookups;
+  stats.matched_tokens += match.length;
+  stats.reused_tokens += plan.target;
+  evict_();
+  return state;
+}
+
+// Whether a node ends at `offset` on the matched path with every whole-state snapshot.
+bool Slot::complete_boundary(const std::vector<Node*>& path, int64_t offset) const {
+  for (Node* node : path) {
+    if (node->end != offset) continue;
+    for (size_t i = 0; i < trie_.layers().size(); ++i) {
+      if (trie_.layers()[i].whole_state() && node->snapshots[i] == nullptr) return false;
+    }
+    return true;
+  }
+  return false;
+}
+
+void Slot::prepare(const std::vector<int64_t>& offsets) {
+  for (const LayerInfo& layer : trie_.layers()) {
+    if (layer.cache == nullptr) continue;
+    layer.cache->cancel_snapshots(id_);
+    layer.cache->prepare_snapshots(id_, offsets);
+  }
+  session_->scheduled = offsets;
+}
+
+std::vector<int64_t> Slot::schedule_for(const std::vector<Node*>& path) const {
+  const SessionState& s = *session_;
+  const int64_t length = s.prompt_length;
+  std::set<int64_t> offsets(s.user_offsets.begin(), s.user_offsets.end());
+  // The branch point, so the next divergence there restores, and the last prompt token, so
+  // a regeneration of this prompt restores everything but that token.
+  for (int64_t o : {s.matched < length - 1 ? s.matched : length - 1, length - 1}) {
+    if (o > s.cached || (o == s.cached && o > 0 && !complete_boundary(path, o))) {
+      offsets.insert(o);
+    }
+  }
+  return {offsets.begin(), offsets.end()};
+}
+
+void Slot::schedule_snapshots(std::span<const int64_t> offsets) {
+  SessionState& s = *session_;
+  if (s.phase != SessionState::Phase::prefill || layer_offset() != s.cached) {
+    throw Error(
+        fmt::format("Session::schedule_snapshots: call before the prefill forward (the "
+                    "caches are at offset {}, the session restored {})",
+                    layer_offset(), s.cached));
+  }
+  for (int64_t o : offsets) {
+    if (o < s.cached || o > s.prompt_length) {
+      throw Error(
+          fmt::format("Session::schedule_snapshots: offset {} in [{}] is outside [{}, "
+                      "{}] (the restored prefix to the prompt's end)",
+                      o, fmt::join(offsets, ", "), s.cached, s.prompt_length));
+    }
+  }
+  s.user_offsets.insert(offsets.begin(), offsets.end());
+  // The match may be stale if evictions ran since begin; recompute it from the trie_.
+  const std::span<const int32_t> prompt(s.tokens.data(), static_cast<size_t>(s.prompt_length));
+  prepare(schedule_for(trie_.match(prompt).path));
+}
+
+void Slot::prefill_done() {
+  SessionState& s = *session_;
+  if (s.phase != SessionState::Phase::prefill) {
+    throw Error("Session::prefill_done: already called for this session");
+  }
+  const int64_t offset = layer_offset();
+  if (live_.has_state() && offset != s.prompt_length) {
+    throw Error(
+        fmt::format("Session::prefill_done: the caches are at offset {}; evaluate "
+                    "remaining() ({} tokens from offset {}) first",
+                    offset, s.prompt_length - s.cached, s.cached));
+  }
+  attach_captures(/*complete=*/true);
+  live_.set_tokens(std::span(s.tokens).subspan(0, static_cast<size_t>(s.prompt_length)));
+  s.phase = SessionState::Phase::decode;
+  evict_();
+}
+
+// Takes the layers' captures of the session's schedule — all of them, or (a prefill cut
+// short) those the evaluated tokens reached — and inserts them as trie nodes.
+void Slot::attach_captures(bool complete) {
+  SessionState& s = *session_;
+  const size_t layers = trie_.layers().size();
+  std::vector<std::vector<SnapshotPtr>> captures(layers);
+  size_t reached = s.scheduled.size();
+  for (size_t i = 0; i < layers; ++i) {
+    Cache* cache = trie_.layers()[i].cache;
+    if (cache == nullptr) continue;
+    captures[i] = complete ? cache->take_snapshots(id_) : cache->take_reached_snapshots(id_);
+    reached = std::min(reached, captures[i].size());
+  }
+  int64_t edge_start = s.cached;
+  for (size_t j = 0; j < reached; ++j) {
+    std::vector<SnapshotPtr> ranged(layers), whole(layers);
+    for (size_t i = 0; i < layers; ++i) {
+      if (trie_.layers()[i].ranged()) ranged[i] = std::move(captures[i][j]);
+      if (trie_.layers()[i].whole_state()) whole[i] = std::move(captures[i][j]);
+    }
+    if (s.scheduled[j] > 0) {
+      trie_.insert(s.tokens, edge_start, s.scheduled[j], std::move(ranged), std::move(whole),
+                   s.user_offsets.count(s.scheduled[j]) > 0);
+    }
+    edge_start = s.scheduled[j];
+  }
+  s.paged_end = edge_start;
+  s.scheduled.clear();
+}
+
+void Slot::append_output(int32_t token) {
+  SessionState& s = *session_;
+  if (s.phase != SessionState::Phase::decode) {
+    throw Error("Session::append_output: call prefill_done() after the prefill forward first");
+  }
+  s.tokens.push_back(token);
+  evict_();  // the last decode step may have copied lazy snapshots out
+}
+
+void Slot::close() {
+  SessionState& s = *session_;
+  if (s.phase == SessionState::Phase::prefill) {
+    const int64_t offset = layer_offset();
+    if (offset == s.prompt_length || !live_.has_state()) {
+      prefill_done();
+    } else if (offset >= s.cached && offset < s.prompt_length) {
+      // A prefill cut short: keep the captures it passed, as restore points.
+      attach_captures(/*complete=*/false);
+    } else {
+      for (const LayerInfo& layer : trie_.layers()) {
+        if (layer.cache != nullptr) layer.cache->cancel_snapshots(id_);
+      }
+      s.scheduled.clear();
+      s.paged_end = s.cached;
+    }
+  }
+  const int64_t offset = live_.has_state() ? layer_offset() : static_cast<int64_t>(s.tokens.size());
+  s.phase = SessionState::Phase::closed;
+  const std::shared_ptr<SessionState> closing = std::move(session_);
+  if (offset < 0 || offset > static_cast<int64_t>(s.tokens.size()) || offset < s.paged_end) {
+    // The caches were driven past what the session knows: nothing consistent to page out.
+    live_.reset();
+    evict_();
+    return;
+  }
+  if (offset > s.paged_end) {
+    std::vector<SnapshotPtr> ranged(trie_.layers().size()), whole(trie_.layers().size());
+    for (size_t i = 0; i < trie_.layers().size(); ++i) {
+      const LayerInfo& layer = trie_.layers()[i];
+      if (layer.ranged()) ranged[i] = layer.cache->snapshot(id_, s.paged_end);
+      if (layer.whole_state()) whole[i] = layer.cache->snapshot(id_, 0);
+    }
+    trie_.insert(s.tokens, s.paged_end, offset, std::move(ranged), std::move(whole), false);
+  }
+  live_.set_tokens(std::span(s.tokens).subspan(0, static_cast<size_t>(offset)));
+  evict_();
+}
+
+}  // namespace kvsnap::detail

@@ -1,0 +1,82 @@
+// Internal: one sequence slot of a PrefixCache — what its live caches hold (LiveState) and its
+// open session: begin plans and switches, the session schedules captures and pages its path out
+// into the shared trie. The PrefixCache's lock is held around every call.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <set>
+#include <span>
+#include <vector>
+
+#include "kvsnap/prefix_cache.h"
+#include "prefix/live_state.h"
+#include "prefix/planner.h"
+#include "prefix/trie.h"
+
+namespace kvsnap::detail {
+
+// One request's state, shared by its Session handle and the PrefixCache while it is open. The
+// PrefixCache detaches it (owner = null) when destroyed first, so the handle never dangles.
+struct SessionState {
+  enum class Phase {
+    prefill,  // begun: the model evaluates remaining(), then prefill_done()
+    decode,   // prefill attached: generated tokens are appended
+    closed,
+  };
+  PrefixCacheImpl* owner = nullptr;
+  SeqId slot = 0;
+  Phase phase = Phase::prefill;
+  std::vector<int32_t> prompt;  // as given (remaining() views it: never reallocated)
+  std::vector<int32_t> tokens;  // prompt, then generated tokens
+  int64_t prompt_length = 0;
+  int64_t matched = 0;    // prompt tokens found in the trie
+  int64_t cached = 0;     // offset restored
+  int64_t paged_end = 0;  // the trie holds the session's path up to here
+  std::set<int64_t> user_offsets;
+  std::vector<int64_t> scheduled;  // the captures the layers were asked for, ascending
+};
+
+class Slot {
+ public:
+  // `evict` keeps the trie under its budget (run after every change).
+  Slot(Trie& trie, SeqId id, std::function<void()> evict)
+      : trie_(trie), id_(id), live_(trie, id), evict_(std::move(evict)) {}
+
+  SeqId id() const { return id_; }
+  const LiveState& live() const { return live_; }
+  LiveState& live() { return live_; }
+  bool open() const { return session_ != nullptr; }
+  const std::shared_ptr<SessionState>& session() const { return session_; }
+
+  // The offset begin would restore `prompt` to on this slot, without changing anything.
+  int64_t match(std::span<const int32_t> prompt) const;
+  // Restores the deepest prefix of `prompt` every layer can reach and opens a session.
+  std::shared_ptr<SessionState> begin(std::span<const int32_t> prompt, PrefixCacheImpl* owner,
+                                      PrefixCache::Stats& stats);
+  void schedule_snapshots(std::span<const int64_t> offsets);
+  void prefill_done();
+  void append_output(int32_t token);
+  void close();
+
+ private:
+  // The offset every layer stands at, as the session needs it (-1 never matches an offset).
+  int64_t layer_offset() const { return live_.offset().value_or(-1); }
+  // The planner's view of the live caches for a prompt cut at `limit`.
+  LiveView view(std::span<const int32_t> prompt, int64_t limit) const {
+    return {static_cast<int64_t>(live_.tokens().size()),
+            common_prefix(live_.tokens(), prompt.subspan(0, static_cast<size_t>(limit)))};
+  }
+  bool complete_boundary(const std::vector<Node*>& path, int64_t offset) const;
+  void prepare(const std::vector<int64_t>& offsets);
+  std::vector<int64_t> schedule_for(const std::vector<Node*>& path) const;
+  void attach_captures(bool complete);
+
+  Trie& trie_;
+  const SeqId id_;
+  LiveState live_;
+  std::function<void()> evict_;
+  std::shared_ptr<SessionState> session_;  // the open session, if any
+};
+
+}  // namespace kvsnap::detail

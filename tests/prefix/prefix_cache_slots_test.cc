@@ -1,0 +1,268 @@
+// A PrefixCache serving several sequences (slots) at once over one trie: sessions on different
+// slots interleave, restore what other slots left in the trie (paged blocks shared, not copied),
+// and every output equals recomputation.
+#include <gtest/gtest.h>
+#include <kvsnap/kvsnap.h>
+
+#include <random>
+
+#include "support/conversation.h"
+#include "support/test_support.h"
+
+namespace kvsnap {
+namespace {
+
+using testing::HybridStack;
+using testing::StackOptions;
+using testing::throws_error;
+using testing::Tokens;
+using testing::tokens;
+using testing::operator+;
+
+// One request on `slot`: begin, evaluate remaining(), prefill_done, decode `reply` (all but its
+// last token evaluated), close; outputs checked against recomputation.
+int64_t request(PrefixCache& cache, HybridStack& stack, SeqId slot, const Tokens& prompt,
+                const Tokens& reply, const std::vector<int64_t>& restore_points = {}) {
+  PrefixCache::Session session = cache.begin(slot, prompt);
+  EXPECT_EQ(session.slot(), slot);
+  std::vector<int64_t> points;
+  for (int64_t p : restore_points) {
+    if (p >= session.cached()) points.push_back(p);
+  }
+  session.schedule_snapshots(points);
+  const int64_t cached = session.cached();
+  EXPECT_TRUE(stack.forward_and_check(session.remaining(), prompt, slot));
+  session.prefill_done();
+  Tokens sequence = prompt;
+  for (size_t i = 0; i < reply.size(); ++i) {
+    session.append_output(reply[i]);
+    sequence.push_back(reply[i]);
+    if (i + 1 < reply.size()) {
+      EXPECT_TRUE(stack.forward_and_check(std::span(&reply[i], 1), sequence, slot));
+    }
+  }
+  session.close();
+  EXPECT_EQ(cache.check_invariants(), "") << cache.debug_string();
+  EXPECT_EQ(cache.paged_out_bytes(), cache.recount_paged_out_bytes());
+  return cached;
+}
+
+const Tokens kSystem = tokens(100, 40);
+
+TEST(PrefixCacheSlots, ASecondSlotReusesThePrefixTheFirstLeft) {
+  HybridStack stack(StackOptions{.paged = true});
+  PrefixCache cache(stack.layers(), {.slots = 2});
+  EXPECT_EQ(cache.slots(), 2);
+  request(cache, stack, 0, kSystem + tokens(200, 6), tokens(300, 3), {40});
+  // Slot 1 has never run: it restores the system prompt from the trie, whose attention blocks
+  // are still slot 0's (shared, not copied).
+  const auto& paged = dynamic_cast<const PagedKVCache&>(stack.attention());
+  const int64_t copied = paged.pool_stats().blocks_copied;
+  EXPECT_EQ(request(cache, stack, 1, kSystem + tokens(400, 5), tokens(500, 2), {40}), 40);
+  EXPECT_LE(paged.pool_stats().blocks_copied - copied, 2);  // joined at begin, written after
+}
+
+TEST(PrefixCacheSlots, BeginOverACachedPrefixCopiesAtMostOneBlockWhateverItsLength) {
+  for (int32_t length : {40, 400}) {
+    HybridStack stack(StackOptions{.paged = true, .block_tokens = 4});
+    PrefixCache cache(stack.layers(), {.slots = 2});
+    const Tokens prefix = tokens(1000, length);
+    const std::vector<int64_t> end_of_prefix{length + 1};
+    request(cache, stack, 0, prefix + Tokens{7} + tokens(200, 3), tokens(300, 2), end_of_prefix);
+    const auto& paged = dynamic_cast<const PagedKVCache&>(stack.attention());
+    const CopyStats before = paged.copy_stats();
+    const int64_t blocks_before = paged.pool_stats().blocks_copied;
+    const CopyStats window_before = stack.window.copy_stats();
+    PrefixCache::Session session = cache.begin(1, prefix + Tokens{7} + tokens(600, 4));
+    EXPECT_EQ(session.cached(), length + 1);
+    // Attention: at most the one block where the restore ends mid-block.
+    EXPECT_LE(paged.pool_stats().blocks_copied - blocks_before, 1) << length;
+    EXPECT_LE(paged.copy_stats().restored_bytes - before.restored_bytes, 4 * stack.token_bytes())
+        << length;
+    // The window layer copies at most its window; the recurrent state is shared.
+    EXPECT_LE(stack.window.copy_stats().restored_bytes - window_before.restored_bytes,
+              HybridStack::kWindow * stack.token_bytes())
+        << length;
+    EXPECT_EQ(stack.recurrent.copy_stats().restored_bytes, 0);
+    ASSERT_TRUE(
+        stack.forward_and_check(session.remaining(), prefix + Tokens{7} + tokens(600, 4), 1));
+  }
+}
+
+TEST(PrefixCacheSlots, MatchTellsWhatBeginWouldRestoreAndChangesNothing) {
+  HybridStack stack;
+  PrefixCache cache(stack.layers(), {.slots = 3});
+  request(cache, stack, 0, kSystem + tokens(200, 6), tokens(300, 3), {40});
+  const Tokens next = kSystem + tokens(700, 3);
+  const std::string before = cache.debug_string();
+  const PrefixCache::Stats stats = cache.stats();
+  EXPECT_EQ(cache.match(next), 40);
+  EXPECT_EQ(cache.match(2, next), 40);
+  EXPECT_EQ(cache.debug_string(), before);
+  EXPECT_EQ(cache.stats().lookups, stats.lookups);
+  EXPECT_EQ(request(cache, stack, 2, next, tokens(800, 2)), 40);
+}
+
+TEST(PrefixCacheSlots, SessionsOnDifferentSlotsInterleave) {
+  HybridStack stack(StackOptions{.paged = true});
+  PrefixCache cache(stack.layers(), {.slots = 2});
+  const Tokens a = kSystem + tokens(200, 5), b = kSystem + tokens(300, 7);
+  PrefixCache::Session first = cache.begin(0, a);
+  PrefixCache::Session second = cache.begin(1, b);
+  EXPECT_TRUE(throws_error([&] { (void)cache.begin(1, b); }, {"slot 1", "already open"}));
+  EXPECT_TRUE(throws_error([&] { (void)cache.begin(2, b); }, {"slot 2 outside [0, 2)"}));
+  ASSERT_TRUE(stack.forward_and_check(first.remaining(), a, 0));
+  ASSERT_TRUE(stack.forward_and_check(second.remaining(), b, 1));
+  second.prefill_done();
+  first.prefill_done();
+  first.close();
+  second.close();
+  EXPECT_EQ(cache.check_invariants(), "");
+  // Both branches are in the trie now, on the shared system prompt.
+  EXPECT_EQ(cache.match(a + Tokens{1}), static_cast<int64_t>(a.size()));
+  EXPECT_EQ(request(cache, stack, 0, b + Tokens{9}, tokens(900, 2)),
+            static_cast<int64_t>(b.size()));
+}
+
+TEST(PrefixCacheSlots, LoadingWithASessionOpenOnAnySlotIsAnError) {
+  HybridStack stack;
+  PrefixCache cache(stack.layers(), {.slots = 2});
+  PrefixCache::Session open = cache.begin(1, kSystem);
+  EXPECT_TRUE(throws_error([&] { cache.load("/nonexistent"); }, {"session is open"}));
+  EXPECT_TRUE(throws_error(
+      [] {
+        HybridStack s;
+        PrefixCache c(s.layers(), {.slots = 0});
+      },
+      {"slots 0"}));
+}
+
+// Random requests on random slots, advanced one step at a time and interleaved: new
+// conversations, continuations and branches over shared prefixes, under a small budget.
+class Interleaving {
+ public:
+  Interleaving(uint32_t seed, SeqId slots, bool paged, int64_t budget)
+      : rng_(seed),
+        stack_(StackOptions{.paged = paged, .block_tokens = 3}),
+        cache_(stack_.layers(), {.max_paged_out_bytes = budget, .slots = slots}),
+        budget_(budget),
+        slots_(static_cast<size_t>(slots)) {}
+
+  void run(int steps) {
+    for (int step = 0; step < steps && !::testing::Test::HasFailure(); ++step) {
+      Slot& slot = slots_[rng_() % slots_.size()];
+      advance(slot, static_cast<SeqId>(&slot - slots_.data()));
+      ASSERT_EQ(cache_.check_invariants(), "") << cache_.debug_string();
+    }
+  }
+  PrefixCache::Stats stats() const { return cache_.stats(); }
+
+ private:
+  struct Slot {
+    std::optional<PrefixCache::Session> session;
+    Tokens sequence;  // the prompt, then the outputs
+    bool prefilled = false;
+    int64_t decode_left = 0;
+  };
+
+  // Every PrefixCache call leaves the trie within its budget (writes between calls may copy
+  // lazy snapshots out beyond it until the next call).
+  void check_budget() const { ASSERT_LE(cache_.paged_out_bytes(), budget_); }
+
+  Tokens next_prompt() {
+    Tokens prompt = done_.empty() || rng_() % 3 == 0 ? tokens(100, 10 + rng_() % 10)
+                                                     : done_[rng_() % done_.size()];
+    if (!prompt.empty() && rng_() % 2 == 0) prompt.resize(1 + rng_() % prompt.size());
+    for (uint32_t i = 0, n = 1 + rng_() % 6; i < n; ++i) prompt.push_back(next_++);
+    return prompt;
+  }
+
+  void advance(Slot& slot, SeqId id) {
+    if (!slot.session) {  // a new request
+      const Tokens prompt = next_prompt();
+      slot.session.emplace(cache_.begin(id, prompt));
+      check_budget();
+      slot.sequence = prompt;
+      const auto remaining = slot.session->remaining();
+      // A chunked prefill: the first chunk now, the rest as one more step.
+      const size_t first = 1 + rng_() % remaining.size();
+      ASSERT_TRUE(stack_.forward_and_check(
+          remaining.subspan(0, first),
+          Tokens(prompt.begin(),
+                 prompt.end() - static_cast<std::ptrdiff_t>(remaining.size() - first)),
+          id));
+      if (first == remaining.size()) finish_prefill(slot);
+      return;
+    }
+    if (!slot.prefilled) {
+      const int64_t offset = stack_.offset(id);
+      if (rng_() % 8 == 0) {  // cancelled mid-prefill
+        close(slot);
+        return;
+      }
+      const Tokens rest(slot.sequence.begin() + offset, slot.sequence.end());
+      ASSERT_TRUE(stack_.forward_and_check(rest, slot.sequence, id));
+      finish_prefill(slot);
+      return;
+    }
+    if (slot.decode_left == 0) {
+      close(slot);
+      return;
+    }
+    const int32_t token = next_++;
+    slot.session->append_output(token);
+    check_budget();
+    slot.sequence.push_back(token);
+    --slot.decode_left;
+    if (slot.decode_left > 0) {
+      ASSERT_TRUE(stack_.forward_and_check(std::span(&token, 1), slot.sequence, id));
+    }
+  }
+
+  void finish_prefill(Slot& slot) {
+    slot.session->prefill_done();
+    check_budget();
+    slot.prefilled = true;
+    slot.decode_left = 1 + static_cast<int64_t>(rng_() % 4);
+  }
+
+  void close(Slot& slot) {
+    slot.session->close();
+    check_budget();
+    slot.session.reset();
+    done_.push_back(slot.sequence);
+    slot.prefilled = false;
+    slot.decode_left = 0;
+  }
+
+  std::mt19937 rng_;
+  HybridStack stack_;
+  PrefixCache cache_;
+  int64_t budget_;
+  std::vector<Slot> slots_;
+  std::vector<Tokens> done_;
+  int32_t next_ = 1000;
+};
+
+TEST(PrefixCacheSlots, RandomInterleavedSessionsEqualRecomputation) {
+  const char* soak = std::getenv("KVSNAP_SOAK_SEEDS");
+  const uint32_t seeds = soak != nullptr ? static_cast<uint32_t>(std::atoi(soak)) : 60;
+  const int64_t baseline = live_bytes();
+  int64_t reused = 0, evicted = 0;
+  for (uint32_t seed = 1; seed <= seeds; ++seed) {
+    {
+      Interleaving run(seed, 1 + static_cast<SeqId>(seed % 4), seed % 2 == 0,
+                       3000 + 2000 * static_cast<int64_t>(seed % 5));
+      run.run(150);
+      reused += run.stats().reused_tokens;
+      evicted += run.stats().evicted_nodes;
+    }
+    ASSERT_FALSE(::testing::Test::HasFailure()) << "seed " << seed;
+    ASSERT_EQ(live_bytes(), baseline) << "seed " << seed << " leaked array bytes";
+  }
+  EXPECT_GT(reused, 500);
+  EXPECT_GT(evicted, 20);
+}
+
+}  // namespace
+}  // namespace kvsnap
