@@ -2,7 +2,8 @@
 #   make demo   installs what is missing, builds, runs the main job on its embedded default
 #   make test   builds and runs every test (dev preset)
 #   make asan   builds and runs the tests under AddressSanitizer + UBSan
-.PHONY: all deps build release demo test asan fuzz bench format clean
+#   make tsan   builds and runs the concurrency tests under ThreadSanitizer
+.PHONY: all deps build release demo test asan tsan fuzz bench format clean
 
 JOBS ?= $(shell nproc)
 
@@ -29,6 +30,12 @@ asan: deps
 	cmake --preset asan
 	cmake --build --preset asan -j $(JOBS)
 	ctest --preset asan
+
+# The concurrency tests (threads, slots, paged sharing) under ThreadSanitizer.
+tsan: deps
+	cmake --preset tsan
+	cmake --build --preset tsan -j $(JOBS)
+	ctest --preset tsan
 
 # Runs the snapshot-loader fuzzer for FUZZ_SECONDS (default 60) from a valid seed file.
 FUZZ_SECONDS ?= 60

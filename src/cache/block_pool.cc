@@ -114,6 +114,12 @@ void PagedSnapshot::set_materialize_hook(std::function<void(int64_t)> hook) {
   hook_ = std::move(hook);
 }
 
+int64_t PagedSnapshot::hook_and_size(std::function<void(int64_t)> hook) {
+  const Guard guard(pool_->lock);
+  hook_ = std::move(hook);
+  return size();
+}
+
 bool PagedSnapshot::is_lazy() const {
   const Guard guard(pool_->lock);
   return std::any_of(blocks_.begin(), blocks_.end(), [&](int32_t id) { return pool_->live(id); });

@@ -85,6 +85,7 @@ class PagedSnapshot final : public StateSnapshot, public Pooled<PagedSnapshot> {
 
   int64_t size() const override;
   void set_materialize_hook(std::function<void(int64_t)> hook) override;
+  int64_t hook_and_size(std::function<void(int64_t)> hook) override;
   int64_t from() const override { return begin_; }
   int64_t to() const override { return end_; }
   bool is_lazy() const override;

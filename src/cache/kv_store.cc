@@ -133,6 +133,16 @@ int64_t KVStateSnapshot::size() const {
   return count();
 }
 
+int64_t KVStateSnapshot::hook_and_size(std::function<void(int64_t)> hook) {
+  if (KVStore* store = owner()) {  // a write on another thread may be materializing it
+    const Guard guard(*store->lock);
+    hook_ = std::move(hook);
+    return size();
+  }
+  hook_ = std::move(hook);
+  return size();
+}
+
 void KVStateSnapshot::storage_changed(int64_t delta) {
   if (hook_ && delta != 0) hook_(delta);
 }

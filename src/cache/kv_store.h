@@ -41,7 +41,10 @@ class KVStateSnapshot final : public StateSnapshot, public Pooled<KVStateSnapsho
   ~KVStateSnapshot() override;
 
   int64_t size() const override;
-  void set_materialize_hook(std::function<void(int64_t)> hook) override { hook_ = std::move(hook); }
+  void set_materialize_hook(std::function<void(int64_t)> hook) override {
+    (void)hook_and_size(std::move(hook));
+  }
+  int64_t hook_and_size(std::function<void(int64_t)> hook) override;
   int64_t from() const override { return begin; }
   int64_t to() const override { return end; }
   bool is_lazy() const override { return owner() != nullptr; }

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <new>
 #include <vector>
 
@@ -21,10 +22,27 @@ class StateSnapshot : public Snapshot {
   // Its data (views of the live cache while lazy, or a copy when it is held in parts) and
   // offsets.
   virtual SnapshotRecord record() const = 0;
+  // Sets the materialize hook and returns size() at the same instant (under the lock of the
+  // cache it is lazy in), so a holder that counts its bytes misses no change another thread
+  // makes in between.
+  virtual int64_t hook_and_size(std::function<void(int64_t)> hook) {
+    set_materialize_hook(std::move(hook));
+    return size();
+  }
 
  private:
   SnapshotRecord::Kind kind_;
 };
+
+// Sets `snapshot`'s materialize hook and returns its size at that instant (atomically for the
+// built-in kinds; foreign ones are set, then measured).
+inline int64_t hook_and_size(Snapshot& snapshot, std::function<void(int64_t)> hook) {
+  if (auto* state = dynamic_cast<StateSnapshot*>(&snapshot)) {
+    return state->hook_and_size(std::move(hook));
+  }
+  snapshot.set_materialize_hook(std::move(hook));
+  return snapshot.size();
+}
 
 // The built-in snapshot `snapshot` is, or null for a foreign kind.
 inline const StateSnapshot* as_state_snapshot(const Snapshot* snapshot) {

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 
+#include "cache/state_snapshot.h"
+
 namespace kvsnap::detail {
 int64_t common_prefix(std::span<const int32_t> a, std::span<const int32_t> b) {
   const size_t n = std::min(a.size(), b.size());
@@ -53,17 +55,15 @@ Node* Trie::eviction_candidate(const std::function<bool(const Node&)>& keep) con
 
 void Trie::attach(Node& node, size_t layer, SnapshotPtr snapshot) {
   if (snapshot == nullptr) return;
-  bytes_ += snapshot->size();
-  snapshot->set_materialize_hook([this](int64_t delta) { bytes_ += delta; });
+  // The hook and the size at one instant: a forward on another thread may be copying the
+  // snapshot out right now.
+  bytes_ += hook_and_size(*snapshot, [this](int64_t delta) { bytes_ += delta; });
   node.snapshots[layer] = std::move(snapshot);
 }
 
 SnapshotPtr Trie::detach(Node& node, size_t layer) {
   SnapshotPtr snapshot = std::move(node.snapshots[layer]);
-  if (snapshot != nullptr) {
-    bytes_ -= snapshot->size();
-    snapshot->set_materialize_hook(nullptr);
-  }
+  if (snapshot != nullptr) bytes_ -= hook_and_size(*snapshot, nullptr);
   return snapshot;
 }
 
