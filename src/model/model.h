@@ -70,12 +70,32 @@ class Model {
   void save(const std::string& config_path, const std::string& weights_path) const;
   const ModelConfig& config() const;
 
+  struct CacheOptions {
+    bool paged = false;         // full-attention layers in a PagedKVCache (else a KVCache)
+    int64_t block_tokens = 16;  // the paged caches' block size
+  };
   // One cache per layer, in layer order, of the kind the layer needs.
   std::vector<std::unique_ptr<Cache>> make_caches() const;
+  std::vector<std::unique_ptr<Cache>> make_caches(CacheOptions options) const;
 
-  // Evaluates `tokens` at the caches' common offset and advances them. Returns f32 logits
-  // [L, vocab] when `all_positions`, else [1, vocab] for the last token.
+  // Evaluates `tokens` for sequence 0 at the caches' common offset and advances them. Returns
+  // f32 logits [L, vocab] when `all_positions`, else [1, vocab] for the last token.
   Array forward(std::span<const int32_t> tokens, std::span<Cache* const> caches,
+                bool all_positions = false) const;
+
+  // Tokens of one sequence for a batched forward.
+  struct Chunk {
+    int32_t seq = 0;
+    std::span<const int32_t> tokens;
+  };
+  // Evaluates every chunk for its sequence at that sequence's offset (the same in every
+  // layer's cache) in one forward — continuous batching: one chunk may be a prefill while
+  // the others decode a token — and advances each sequence. Chunks of equal length share each
+  // layer's cache call. Returns f32 logits for each chunk's last token [chunks, vocab], or
+  // with `all_positions` for all tokens [total tokens, vocab], chunk after chunk. Throws Error
+  // (nothing evaluated) for an empty chunk, a token outside the vocabulary, a sequence twice,
+  // or a sequence whose layers disagree on its offset.
+  Array forward(std::span<const Chunk> chunks, std::span<Cache* const> caches,
                 bool all_positions = false) const;
 
  private:

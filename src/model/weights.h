@@ -1,0 +1,99 @@
+// Internal: the built-in model's weights, and the blocks its forward is made of.
+#pragma once
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kvsnap/attention.h"
+#include "kvsnap/cache.h"
+#include "kvsnap/recurrent_cache.h"
+#include "model/model.h"
+
+namespace kvsnap::detail {
+
+using Floats = std::vector<float>;
+
+// Matrices are row-major [in, out] so a block computes y = x W.
+struct LayerWeights {
+  char kind = 'A';
+  Floats input_norm, post_norm;
+  Floats wq, wk, wv;            // attention
+  Floats wqkv, wa, a_bias, wb;  // recurrent
+  Array conv;                   // recurrent: [conv_dim, kernel]
+  Floats wo;                    // both: output projection
+  Floats w_gate, w_up, w_down;  // MLP
+};
+
+struct ModelWeights {
+  ModelConfig config;
+  Floats embed;  // [vocab, hidden]; also the output head
+  Floats final_norm;
+  std::vector<LayerWeights> layers;
+
+  int64_t conv_dim() const {
+    return 2 * config.delta_key_heads * config.delta_head_dim +
+           config.delta_value_heads * config.delta_head_dim;
+  }
+
+  // Visits every tensor by name with its shape, in a fixed order (init, save and load agree).
+  template <class Visit>
+  void for_each(Visit&& visit) {
+    const ModelConfig& c = config;
+    visit("embed", embed, Shape{c.vocab_size, c.hidden}, 1.0f);
+    visit("final_norm", final_norm, Shape{c.hidden}, 0.0f);
+    const int64_t q = c.query_heads * c.head_dim, kv = c.kv_heads * c.head_dim;
+    for (size_t i = 0; i < layers.size(); ++i) {
+      LayerWeights& l = layers[i];
+      const auto name = [&](const char* field) { return fmt::format("layers.{}.{}", i, field); };
+      const float in = 1.0f / std::sqrt(static_cast<float>(c.hidden));
+      visit(name("input_norm"), l.input_norm, Shape{c.hidden}, 0.0f);
+      visit(name("post_norm"), l.post_norm, Shape{c.hidden}, 0.0f);
+      if (l.kind == 'R') {
+        const int64_t value = c.delta_value_heads * c.delta_head_dim;
+        visit(name("wqkv"), l.wqkv, Shape{c.hidden, conv_dim()}, in);
+        visit(name("wa"), l.wa, Shape{c.hidden, c.delta_value_heads}, in);
+        visit(name("a_bias"), l.a_bias, Shape{c.delta_value_heads}, -4.0f);
+        visit(name("wb"), l.wb, Shape{c.hidden, c.delta_value_heads}, in);
+        visit(name("wo"), l.wo, Shape{value, c.hidden},
+              1.0f / std::sqrt(static_cast<float>(value)));
+      } else {
+        visit(name("wq"), l.wq, Shape{c.hidden, q}, in);
+        visit(name("wk"), l.wk, Shape{c.hidden, kv}, in);
+        visit(name("wv"), l.wv, Shape{c.hidden, kv}, in);
+        visit(name("wo"), l.wo, Shape{q, c.hidden}, 1.0f / std::sqrt(static_cast<float>(q)));
+      }
+      visit(name("w_gate"), l.w_gate, Shape{c.hidden, c.mlp_hidden}, in);
+      visit(name("w_up"), l.w_up, Shape{c.hidden, c.mlp_hidden}, in);
+      visit(name("w_down"), l.w_down, Shape{c.mlp_hidden, c.hidden},
+            1.0f / std::sqrt(static_cast<float>(c.mlp_hidden)));
+    }
+  }
+};
+
+// Rows of one forward that hold the same number of tokens: one Batch (no padding) whose
+// activations are packed row after row, token after token: [rows * length, width].
+struct RowGroup {
+  Batch batch;
+  int64_t rows() const { return batch.batch_size(); }
+  int64_t length() const { return batch.length(); }
+};
+
+// y[rows, out] (+)= x[rows, in] W[in, out]
+void matmul(const float* x, int64_t rows, int64_t in, const Floats& w, int64_t out, float* y,
+            bool accumulate = false);
+Floats rms_norm(const float* x, int64_t rows, int64_t width, const Floats& weight, float eps);
+
+// The blocks of one group, each adding its output to the group's residual stream x
+// [tokens, hidden] given the normalized input h.
+void attention_block(const ModelWeights& w, const LayerWeights& l, Attention& cache,
+                     const RowGroup& group, const Floats& h, float* x);
+void recurrent_block(const ModelWeights& w, const LayerWeights& l, RecurrentCache& cache,
+                     const RowGroup& group, const Floats& h, float* x);
+void mlp_block(const ModelWeights& w, const LayerWeights& l, int64_t tokens, const Floats& h,
+               float* x);
+
+}  // namespace kvsnap::detail
