@@ -416,6 +416,95 @@ static void test_prefix_cache(void) {
   kvsnap_cache_destroy(layer);
 }
 
+/* Every call that takes a handle or an out pointer refuses NULL with a message naming it. */
+#define CHECK_NULL(call, message) CHECK_FAILS(call, KVSNAP_INVALID_ARGUMENT, message)
+static void test_null_arguments_of_arrays_and_caches(void) {
+  const int64_t shape[1] = {1};
+  kvsnap_array* array = NULL;
+  kvsnap_cache* cache = NULL;
+  int64_t number = 0;
+  size_t count = 0;
+  CHECK_NULL(kvsnap_array_zeros(KVSNAP_F32, 1, shape, NULL), "kvsnap_array_zeros: out is NULL");
+  CHECK_NULL(kvsnap_array_from_data(KVSNAP_F32, 1, shape, NULL, &array),
+             "kvsnap_array_from_data: data is NULL");
+  CHECK_NULL(kvsnap_array_wrap(NULL, KVSNAP_F32, 1, shape, NULL, NULL, NULL, NULL),
+             "kvsnap_array_wrap: out is NULL");
+  CHECK_NULL(kvsnap_array_slice(NULL, 0, 0, 0, &array), "kvsnap_array_slice: array is NULL");
+  CHECK_NULL(kvsnap_array_copy_to(NULL, &number, 8), "kvsnap_array_copy_to: array is NULL");
+  CHECK_NULL(kvsnap_array_from_dlpack(NULL, &array), "kvsnap_array_from_dlpack: tensor is NULL");
+  CHECK_NULL(kvsnap_array_to_dlpack(NULL, NULL), "kvsnap_array_to_dlpack: array is NULL");
+  CHECK_NULL(kvsnap_kv_cache_create(NULL), "kvsnap_kv_cache_create: out is NULL");
+  CHECK_NULL(kvsnap_rotating_kv_cache_create(4, NULL),
+             "kvsnap_rotating_kv_cache_create: out is NULL");
+  CHECK_NULL(kvsnap_recurrent_cache_create(NULL, &cache),
+             "kvsnap_recurrent_cache_create: options is NULL");
+  CHECK_NULL(kvsnap_cache_get_kind(NULL, NULL), "kvsnap_cache_get_kind: cache is NULL");
+  CHECK_NULL(kvsnap_cache_offset(NULL, &number), "kvsnap_cache_offset: cache is NULL");
+  CHECK_NULL(kvsnap_cache_reset(NULL), "kvsnap_cache_reset: cache is NULL");
+  CHECK_NULL(kvsnap_cache_state(NULL, NULL, 0, &count), "kvsnap_cache_state: cache is NULL");
+  CHECK_NULL(kvsnap_cache_update(NULL, NULL, NULL, NULL, NULL),
+             "kvsnap_cache_update: cache is NULL");
+  CHECK_NULL(kvsnap_cache_view(cache, NULL, NULL), "kvsnap_cache_view: out is NULL");
+  CHECK_NULL(kvsnap_recurrent_get(NULL, NULL, KVSNAP_F32, &array, &array),
+             "kvsnap_recurrent_get: cache is NULL");
+  CHECK_NULL(kvsnap_recurrent_put(NULL, NULL, NULL, NULL, 0),
+             "kvsnap_recurrent_put: cache is NULL");
+  CHECK_NULL(kvsnap_recurrent_snapshot_splits(NULL, 1, NULL, 0, &count),
+             "kvsnap_recurrent_snapshot_splits: cache is NULL");
+}
+
+static void test_null_arguments_of_snapshots_and_prefix_caches(void) {
+  kvsnap_snapshot* snapshot = NULL;
+  kvsnap_snapshot_list* list = NULL;
+  kvsnap_session* session = NULL;
+  int64_t number = 0;
+  size_t count = 0;
+  bool flag = false;
+  CHECK_NULL(kvsnap_cache_snapshot(NULL, 0, &snapshot), "kvsnap_cache_snapshot: cache is NULL");
+  CHECK_NULL(kvsnap_cache_prepare_snapshots(NULL, NULL, 0),
+             "kvsnap_cache_prepare_snapshots: cache is NULL");
+  CHECK_NULL(kvsnap_cache_take_snapshots(NULL, &list),
+             "kvsnap_cache_take_snapshots: cache is NULL");
+  CHECK_NULL(kvsnap_cache_take_reached_snapshots(NULL, &list),
+             "kvsnap_cache_take_reached_snapshots: cache is NULL");
+  CHECK_NULL(kvsnap_cache_cancel_snapshots(NULL), "kvsnap_cache_cancel_snapshots: cache is NULL");
+  CHECK_NULL(kvsnap_cache_restore(NULL, NULL, 0, &flag), "kvsnap_cache_restore: cache is NULL");
+  CHECK_NULL(kvsnap_cache_merge(NULL, NULL, NULL, &snapshot), "kvsnap_cache_merge: cache is NULL");
+  CHECK_NULL(kvsnap_cache_split(NULL, NULL, 0, &snapshot, &snapshot),
+             "kvsnap_cache_split: cache is NULL");
+  CHECK_NULL(kvsnap_snapshot_get_info(NULL, NULL), "kvsnap_snapshot_get_info: snapshot is NULL");
+  CHECK_NULL(kvsnap_snapshot_list_take(NULL, 0, &snapshot),
+             "kvsnap_snapshot_list_take: list is NULL");
+  CHECK_NULL(kvsnap_save_snapshots(NULL, 0, NULL, 0), "kvsnap_save_snapshots: path is NULL");
+  CHECK_NULL(kvsnap_load_snapshots(NULL, &number, &list), "kvsnap_load_snapshots: path is NULL");
+  CHECK_NULL(kvsnap_prefix_cache_create(NULL, 1, NULL, NULL),
+             "kvsnap_prefix_cache_create: out is NULL");
+  CHECK_NULL(kvsnap_prefix_cache_begin(NULL, NULL, 0, &session),
+             "kvsnap_prefix_cache_begin: prefix is NULL");
+  CHECK_NULL(kvsnap_prefix_cache_get_stats(NULL, NULL),
+             "kvsnap_prefix_cache_get_stats: prefix is NULL");
+  CHECK_NULL(kvsnap_prefix_cache_check(NULL), "kvsnap_prefix_cache_check: prefix is NULL");
+  CHECK_NULL(kvsnap_prefix_cache_save(NULL, "dir", NULL),
+             "kvsnap_prefix_cache_save: prefix is NULL");
+  CHECK_NULL(kvsnap_prefix_cache_load(NULL, "dir", NULL),
+             "kvsnap_prefix_cache_load: prefix is NULL");
+  CHECK(!kvsnap_prefix_cache_saved_in(NULL));
+  CHECK_NULL(kvsnap_session_remaining(NULL, NULL, &count),
+             "kvsnap_session_remaining: session is NULL");
+  CHECK_NULL(kvsnap_session_cached(NULL, &number), "kvsnap_session_cached: session is NULL");
+  CHECK_NULL(kvsnap_session_schedule_snapshots(NULL, NULL, 0),
+             "kvsnap_session_schedule_snapshots: session is NULL");
+  CHECK_NULL(kvsnap_session_prefill_done(NULL), "kvsnap_session_prefill_done: session is NULL");
+  CHECK_NULL(kvsnap_session_append_output(NULL, 1),
+             "kvsnap_session_append_output: session is NULL");
+  CHECK(kvsnap_snapshot_list_size(NULL) == 0);
+  kvsnap_cache_destroy(NULL);
+  kvsnap_snapshot_destroy(NULL);
+  kvsnap_snapshot_list_destroy(NULL);
+  kvsnap_prefix_cache_destroy(NULL);
+  kvsnap_session_destroy(NULL);
+}
+
 int main(int argc, char** argv) {
   if (argc > 1) work_dir = argv[1];
   CHECK(strcmp(kvsnap_last_error(), "") == 0);
@@ -428,6 +517,8 @@ int main(int argc, char** argv) {
   test_recurrent_cache();
   test_persistence();
   test_prefix_cache();
+  test_null_arguments_of_arrays_and_caches();
+  test_null_arguments_of_snapshots_and_prefix_caches();
   if (failures > 0) {
     fprintf(stderr, "%d check(s) failed\n", failures);
     return 1;
