@@ -62,7 +62,10 @@ typedef enum kvsnap_dtype {
   KVSNAP_F32 = 0,
   KVSNAP_F16 = 1,
   KVSNAP_BF16 = 2,
-  KVSNAP_I32 = 3
+  KVSNAP_I32 = 3,
+  /* Not a dtype: makes every non-negative int a value of this type for C++ too, so a wrong
+   * value is refused (KVSNAP_INVALID_ARGUMENT) rather than undefined behaviour. */
+  KVSNAP_DTYPE_LIMIT = 0x7fffffff
 } kvsnap_dtype;
 
 #define KVSNAP_MAX_DIMS 4

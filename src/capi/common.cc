@@ -32,6 +32,8 @@ DType to_dtype(kvsnap_dtype dtype, const char* call) {
       return DType::bf16;
     case KVSNAP_I32:
       return DType::i32;
+    case KVSNAP_DTYPE_LIMIT:
+      break;
   }
   throw InvalidArgument(
       fmt::format("{}: dtype {} is not a kvsnap_dtype", call, static_cast<int>(dtype)));
