@@ -11,7 +11,8 @@ PYBIND11_MODULE(kvsnap, m) {
 
 Caches take numpy arrays (keys and values [B, H, L, D], recurrent states) without copying where
 the layout allows, and hand their buffers back as read-only numpy views. Every contract
-violation raises kvsnap.Error with kvsnap's message; the object is then unchanged.)";
+violation raises kvsnap.Error with kvsnap's message; the object is then unchanged. Objects are
+not thread-safe: use a cache, its snapshots and its prefix cache from one thread at a time.)";
   m.attr("__version__") = "0.1.0";
   py::register_exception<kvsnap::Error>(m, "Error").attr("__doc__") =
       "A contract violation or bad data. The message is kvsnap's (the call, the values, the "

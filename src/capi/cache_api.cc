@@ -121,7 +121,8 @@ kvsnap_status kvsnap_cache_state(const kvsnap_cache* cache, kvsnap_array** array
     }
     if (!state.empty()) require(arrays, call, "arrays");
     std::vector<std::unique_ptr<kvsnap_array>> handles;
-    for (const Array& array : state) handles.push_back(std::make_unique<kvsnap_array>(array));
+    for (const Array& array : state)
+      handles.push_back(std::unique_ptr<kvsnap_array>(new kvsnap_array{array}));
     for (size_t i = 0; i < handles.size(); ++i) arrays[i] = handles[i].release();
   });
 }

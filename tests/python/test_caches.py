@@ -67,6 +67,15 @@ def test_consumed_snapshots_raise_a_clear_error(rng):
         cache.merge(snapshot, None)
 
 
+def test_a_failed_merge_still_consumes_its_inputs(rng):
+    cache = kvsnap.KVCache()
+    append(cache, kv(rng, 6))
+    late, early = cache.snapshot(4), cache.snapshot(0)  # [4, 6) then [0, 6): not adjacent
+    with pytest.raises(kvsnap.Error, match=r"^KVCache::merge"):
+        cache.merge(late, early)
+    assert late.consumed and early.consumed  # as in C++: merge takes ownership
+
+
 def test_scheduled_capture_inside_one_write(rng):
     cache = kvsnap.KVCache()
     cache.prepare_snapshots([3, 7])
