@@ -156,7 +156,9 @@ array stays alive while kvsnap uses it. numpy.asarray(a) and a.numpy() are views
           [](const PyArray& self, py::object /*stream*/) {
             return py::capsule(to_dlpack(self.array), "dltensor", &delete_unused_dltensor);
           },
-          py::arg("stream") = py::none(), "A DLPack capsule viewing this array (no copy).")
+          py::arg("stream") = py::none(),
+          "A DLPack capsule viewing this array (no copy). DLPack has no read-only flag: treat "
+          "views of a cache's buffers as read-only.")
       .def("__dlpack_device__", [](const PyArray&) { return py::make_tuple(int(kDLCPU), 0); })
       .def(
           "numpy", [](const PyArray& self) { return to_numpy(self.array, !self.read_only); },
