@@ -3,7 +3,8 @@
 #   make test   builds and runs every test (dev preset)
 #   make asan   builds and runs the tests under AddressSanitizer + UBSan
 #   make tsan   builds and runs the concurrency tests under ThreadSanitizer
-.PHONY: all deps build release demo test asan tsan fuzz bench format clean
+#   make python builds the Python module for Debian's python3; python-install installs it
+.PHONY: all deps build release demo test asan tsan fuzz bench format clean python python-install
 
 JOBS ?= $(shell nproc)
 
@@ -46,6 +47,17 @@ fuzz: deps
 	KVSNAP_FUZZ_SEED=build/fuzz/corpus ./build/fuzz/fuzz_snapshot_loader
 	./build/fuzz/fuzz_snapshot_loader -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=4096 \
 	    -max_len=65536 build/fuzz/corpus
+
+# The Python module, for an interpreter named explicitly (not the first python3 on PATH):
+# build/release/python/kvsnap*.so; python-install puts it, its stub and libkvsnap into that
+# interpreter's user site-packages, so `import kvsnap` works anywhere.
+PYTHON ?= /usr/bin/python3
+python: deps
+	cmake --preset release -DKVSNAP_PYTHON=$(PYTHON)
+	cmake --build --preset release -j $(JOBS) --target kvsnap_python
+
+python-install: python
+	cmake --install build/release --component python --prefix "$$($(PYTHON) -m site --user-site)"
 
 bench: release
 	./build/release/tools/kvsnap bench

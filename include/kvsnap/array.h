@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -46,6 +47,15 @@ class KVSNAP_EXPORT Array {
                                          DType dtype = DType::f32);
   // A compact i32 array holding `values` (row-major); sizes must agree.
   [[nodiscard]] static Array from_ints(std::span<const int32_t> values, Shape);
+  // An array over memory kvsnap does not own, without copying it. `data` points at element
+  // [0, ..., 0]; `strides` are in elements, one per axis, non-negative (empty: row-major). The
+  // memory must stay valid until `release` runs: once, when the last Array naming it (views,
+  // snapshots, a cache that adopted it) goes away, on the thread that drops it; it must not
+  // throw. Wrapped bytes count in no Allocator (live_bytes() is unchanged); copies made from it
+  // (contiguous, astype) come from the default allocator. Throws Error on a bad shape or strides,
+  // or null data with elements; then `release` is not called (the caller keeps the memory).
+  [[nodiscard]] static Array wrap(void* data, DType, Shape shape, Shape strides = {},
+                                  std::function<void()> release = {});
 
   bool empty() const { return storage_ == nullptr; }
   DType dtype() const { return dtype_; }

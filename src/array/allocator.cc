@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cstdlib>
 #include <map>
@@ -25,9 +26,10 @@ constexpr bool kPooling = true;
 
 // Size classes of pooled buffers: four per power of two (at most 25% rounding), so a buffer
 // released by one array fits the next array of about the same size.
+// Sizes no machine can map (2^60 bytes and up) fail here, before the rounding could overflow.
 int64_t size_class(int64_t bytes) {
-  int64_t power = 1;
-  while (power * 2 <= bytes) power *= 2;
+  if (bytes >= (int64_t{1} << 60)) throw std::bad_alloc();
+  const auto power = static_cast<int64_t>(std::bit_floor(static_cast<uint64_t>(bytes)));
   const int64_t quarter = std::max<int64_t>(power / 4, 1);
   return (bytes + quarter - 1) / quarter * quarter;
 }

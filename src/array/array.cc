@@ -11,17 +11,32 @@ namespace kvsnap {
 
 namespace detail {
 
-// One buffer from an Allocator, released when the last Array naming it goes away.
+// One buffer, released when the last Array naming it goes away: from an Allocator, or memory
+// kvsnap does not own (Array::wrap), handed back through its owner's release callback.
 struct Storage {
   Storage(Allocator& allocator, int64_t bytes)
-      : allocator(allocator), bytes(bytes), data(allocator.allocate(bytes)) {}
-  ~Storage() { allocator.deallocate(data, bytes); }
+      : allocator(&allocator), bytes(bytes), data(allocator.allocate(bytes)) {}
+  Storage(void* external, std::function<void()> release)
+      : data(external), release(std::move(release)) {}
+  ~Storage() {
+    if (allocator != nullptr) {
+      allocator->deallocate(data, bytes);
+    } else if (release) {
+      release();
+    }
+  }
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
 
-  Allocator& allocator;
-  int64_t bytes;
-  void* data;
+  // Where copies of this buffer come from: its own allocator, the default one for wrapped memory.
+  Allocator& copy_allocator() const {
+    return allocator != nullptr ? *allocator : default_allocator();
+  }
+
+  Allocator* allocator = nullptr;  // null for wrapped memory
+  int64_t bytes = 0;               // allocated bytes (0 for wrapped memory)
+  void* data = nullptr;
+  std::function<void()> release;  // wrapped memory only
 };
 
 }  // namespace detail
@@ -52,6 +67,17 @@ void check_shape(const Shape& shape, const char* call) {
   for (int64_t extent : shape) {
     if (extent < 0) {
       throw Error(fmt::format("{}: shape {} has a negative extent", call, shape_string(shape)));
+    }
+  }
+  // Byte counts stay far from overflow: at most 2^60 elements (of at most 8 bytes).
+  constexpr int64_t kMaxElements = int64_t{1} << 60;
+  int64_t count = 1;
+  for (int64_t extent : shape) {
+    if (extent == 0) return;
+    if (__builtin_mul_overflow(count, extent, &count) || count > kMaxElements) count = -1;
+    if (count < 0) {
+      throw Error(fmt::format("{}: shape {} holds more than 2^60 elements, the most supported",
+                              call, shape_string(shape)));
     }
   }
 }
@@ -176,6 +202,35 @@ Array Array::from_ints(std::span<const int32_t> values, Shape shape) {
   return array;
 }
 
+Array Array::wrap(void* data, DType dtype, Shape shape, Shape strides,
+                  std::function<void()> release) {
+  check_shape(shape, "Array::wrap");
+  if (strides.empty()) strides = row_major_strides(shape);
+  if (strides.size() != shape.size()) {
+    throw Error(fmt::format("Array::wrap: {} strides given for shape {} (need one per axis)",
+                            strides.size(), shape_string(shape)));
+  }
+  for (int64_t stride : strides) {
+    if (stride < 0) {
+      throw Error(fmt::format("Array::wrap: strides {} include a negative one (not supported)",
+                              shape_string(strides)));
+    }
+  }
+  if (data == nullptr && element_count(shape) > 0) {
+    throw Error(fmt::format("Array::wrap: null data for shape {}", shape_string(shape)));
+  }
+  if (reinterpret_cast<uintptr_t>(data) % static_cast<uintptr_t>(dtype_size(dtype)) != 0) {
+    throw Error(fmt::format("Array::wrap: data {} is not aligned to {} bytes ({} elements)",
+                            fmt::ptr(data), dtype_size(dtype), dtype_name(dtype)));
+  }
+  Array array;
+  array.dtype_ = dtype;
+  array.shape_ = std::move(shape);
+  array.strides_ = std::move(strides);
+  array.storage_ = std::make_shared<detail::Storage>(data, std::move(release));
+  return array;
+}
+
 int Array::normalize_axis(int axis, const char* call) const {
   const int normalized = axis < 0 ? axis + ndim() : axis;
   if (normalized < 0 || normalized >= ndim()) {
@@ -240,7 +295,7 @@ Array Array::reshape(Shape shape) const {
 
 Array Array::contiguous() const {
   if (empty()) return Array();
-  Array copy = uninitialized(dtype_, shape_, storage_->allocator);
+  Array copy = uninitialized(dtype_, shape_, storage_->copy_allocator());
   copy.assign(*this);
   return copy;
 }
@@ -252,7 +307,7 @@ Array Array::astype(DType dtype) const {
     throw Error(
         fmt::format("Array::astype: conversion {} -> i32 is not supported", dtype_name(dtype_)));
   }
-  Array copy = uninitialized(dtype, shape_, storage_->allocator);
+  Array copy = uninitialized(dtype, shape_, storage_->copy_allocator());
   const char* in = static_cast<const char*>(raw_data(dtype_size(dtype_)));
   char* out = static_cast<char*>(copy.storage_->data);
   const int64_t out_step = dtype_size(dtype);

@@ -6,6 +6,8 @@
 #include <chrono>
 #include <thread>
 
+#include "support/test_support.h"
+
 namespace kvsnap {
 namespace {
 
@@ -39,8 +41,8 @@ TEST_F(Pool, AReleasedLargeBufferIsReusedForTheNextOfItsSize) {
     const Array a = Array::uninitialized(DType::f32, kMiB);
     first = a.bytes();
   }
-  EXPECT_EQ(live_bytes(), live);        // pooled bytes are not live
-  EXPECT_EQ(pool_bytes(), 1 << 20);     // 1 MiB is a size class of its own
+  EXPECT_EQ(live_bytes(), live);     // pooled bytes are not live
+  EXPECT_EQ(pool_bytes(), 1 << 20);  // 1 MiB is a size class of its own
   const Array b = Array::uninitialized(DType::f32, Shape{(256 << 10) - 100});  // same class
   EXPECT_EQ(b.bytes(), first);
   EXPECT_EQ(pool_bytes(), 0);
@@ -76,6 +78,22 @@ TEST_F(Pool, IdleBuffersAreReturnedToTheSystem) {
   EXPECT_EQ(pool_bytes(), 2 << 20);
   trim_pool();
   EXPECT_EQ(pool_bytes(), 0);
+}
+
+// Sizes no machine can map fail at once with bad_alloc, and shapes whose byte count would
+// overflow are refused with an Error naming them.
+TEST_F(Pool, ImpossibleSizesFailInsteadOfHanging) {
+  const int64_t live = live_bytes();
+  for (const int64_t elements : {int64_t{1} << 58, int64_t{1} << 60}) {
+    EXPECT_THROW((void)Array::zeros(DType::f32, {elements}), std::bad_alloc) << elements;
+  }
+  for (const Shape& shape : {Shape{(int64_t{1} << 60) + 1}, Shape{int64_t{1} << 62, 4},
+                             Shape{int64_t{1} << 40, int64_t{1} << 40}}) {
+    EXPECT_TRUE(testing::throws_error([&] { (void)Array::zeros(DType::f32, shape); },
+                                      {"Array::", "more than 2^60 elements"}));
+  }
+  EXPECT_NO_THROW((void)Array::zeros(DType::f32, {0, int64_t{1} << 62, int64_t{1} << 62}));
+  EXPECT_EQ(live_bytes(), live);
 }
 
 }  // namespace

@@ -21,6 +21,8 @@ LAYERS = [
                             "recurrent_cache.h"]),
     ("persist", ["src/persist"], ["persistence.h"]),
     ("prefix", ["src/prefix"], ["prefix_cache.h", "kvsnap.h"]),
+    ("capi", ["src/capi"], ["kvsnap_c.h", "dlpack.h"]),
+    ("python", ["python"], []),
     ("tools", ["src/model", "tools", "bench"], []),
 ]
 # Private headers a layer offers the layers above it (the rest of its folder is its own).

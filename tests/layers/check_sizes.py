@@ -2,7 +2,7 @@
 """Keeps the code in pieces a reader can hold: no source file over 600 lines, no function over
 80 (bodies counted from the line that opens them to the one that closes them).
 
-    check_sizes.py ROOT [FOLDER...]   (folders default to src include tools bench)
+    check_sizes.py ROOT [FOLDER...]   (folders default to src include tools bench python)
 """
 import pathlib
 import re
@@ -42,7 +42,7 @@ def functions(lines):
 
 def main():
     root = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else ".").resolve()
-    folders = sys.argv[2:] or ["src", "include", "tools", "bench"]
+    folders = sys.argv[2:] or ["src", "include", "tools", "bench", "python"]
     problems = []
     for folder in folders:
         for path in sorted((root / folder).rglob("*")):

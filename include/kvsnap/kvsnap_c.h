@@ -1,0 +1,337 @@
+/* kvsnap_c.h — the C API of kvsnap: caches, snapshots, the prefix cache and persistence behind
+ * opaque handles, for engines written in C or bound from other languages (Go, Rust, ...).
+ *
+ * Every call that can fail returns a kvsnap_status; on failure kvsnap_last_error() holds the
+ * message (for KVSNAP_ERROR, exactly the C++ kvsnap::Error text) and the objects involved are
+ * unchanged (merge and split consume their snapshots either way). No exception crosses this
+ * API. Every handle a call hands out has a destroy call (NULL is ignored). Pointers passed in
+ * are read during the call only, except where a call says it keeps them (a prefix cache's
+ * layers; wrapped memory, which lives until its release callback).
+ *
+ *   kvsnap_cache* cache = NULL;
+ *   kvsnap_kv_cache_create(&cache);
+ *   int32_t offsets[1] = {0}, lens[1] = {3};
+ *   kvsnap_batch batch = {.batch_size = 1, .length = 3, .seq_offsets = offsets,
+ *                         .seq_query_lens = lens};
+ *   kvsnap_kv_history history;  (keys, values: kvsnap_array_wrap of the engine's [B, H, L, D])
+ *   if (kvsnap_cache_update(cache, &batch, keys, values, &history) != KVSNAP_OK)
+ *     fprintf(stderr, "%s\n", kvsnap_last_error());
+ *   kvsnap_snapshot* s = NULL;
+ *   kvsnap_cache_snapshot(cache, 0, &s);  (lazy [0, 3): no copy)
+ *   kvsnap_kv_history_clear(&history);
+ *   kvsnap_snapshot_destroy(s);
+ *   kvsnap_cache_destroy(cache);
+ *
+ * Ranges are half-open [from, to). Offsets count tokens. Handles are not thread-safe (use one
+ * from one thread at a time); the last-error message is per thread.
+ */
+#ifndef KVSNAP_KVSNAP_C_H
+#define KVSNAP_KVSNAP_C_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvsnap/export.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- Status and errors ------------------------------------------------------------------- */
+
+typedef enum kvsnap_status {
+  KVSNAP_OK = 0,
+  KVSNAP_ERROR = 1,            /* kvsnap::Error: a contract violation or bad data */
+  KVSNAP_INVALID_ARGUMENT = 2, /* a NULL handle, an unknown enum value, the wrong cache kind */
+  KVSNAP_OUT_OF_MEMORY = 3,
+  KVSNAP_INTERNAL_ERROR = 4 /* any other failure: a bug in kvsnap */
+} kvsnap_status;
+
+/* The message of the last failed call on this thread ("" if none failed yet). Valid until the
+ * next failing call on this thread. */
+KVSNAP_EXPORT const char* kvsnap_last_error(void);
+/* Bytes held by all live kvsnap-allocated arrays (wrapped memory is not counted). */
+KVSNAP_EXPORT int64_t kvsnap_live_bytes(void);
+
+/* ---- Arrays -------------------------------------------------------------------------------- */
+
+typedef struct kvsnap_array kvsnap_array;
+
+typedef enum kvsnap_dtype {
+  KVSNAP_F32 = 0,
+  KVSNAP_F16 = 1,
+  KVSNAP_BF16 = 2,
+  KVSNAP_I32 = 3,
+  /* Not a dtype: makes every non-negative int a value of this type for C++ too, so a wrong
+   * value is refused (KVSNAP_INVALID_ARGUMENT) rather than undefined behaviour. */
+  KVSNAP_DTYPE_LIMIT = 0x7fffffff
+} kvsnap_dtype;
+
+#define KVSNAP_MAX_DIMS 4
+
+typedef struct kvsnap_array_info {
+  kvsnap_dtype dtype;
+  int ndim;
+  int64_t shape[KVSNAP_MAX_DIMS];
+  int64_t strides[KVSNAP_MAX_DIMS]; /* in elements */
+  void* data;                       /* element [0, ..., 0]; treat cache views as read-only */
+} kvsnap_array_info;
+
+/* A compact array of zeros. */
+KVSNAP_EXPORT kvsnap_status kvsnap_array_zeros(kvsnap_dtype dtype, int ndim, const int64_t* shape,
+                                               kvsnap_array** out);
+/* A compact array holding a copy of `data` (row-major, `dtype` elements). */
+KVSNAP_EXPORT kvsnap_status kvsnap_array_from_data(kvsnap_dtype dtype, int ndim,
+                                                   const int64_t* shape, const void* data,
+                                                   kvsnap_array** out);
+/* An array over memory kvsnap does not own (an engine's buffer), without copying it. `strides`
+ * are in elements, non-negative (NULL: row-major). `release(context)` runs once, when the last
+ * array, view, snapshot or cache state naming the memory goes away (possibly after
+ * kvsnap_array_destroy of this handle); it may be NULL. On failure `release` is not called.
+ * Wrapped memory does not count in kvsnap_live_bytes(). */
+KVSNAP_EXPORT kvsnap_status kvsnap_array_wrap(void* data, kvsnap_dtype dtype, int ndim,
+                                              const int64_t* shape, const int64_t* strides,
+                                              void (*release)(void* context), void* context,
+                                              kvsnap_array** out);
+/* The dtype, shape, strides and data pointer of `array`. */
+KVSNAP_EXPORT kvsnap_status kvsnap_array_get_info(const kvsnap_array* array,
+                                                  kvsnap_array_info* out);
+/* A view of [start, stop) along `axis`, sharing storage. */
+KVSNAP_EXPORT kvsnap_status kvsnap_array_slice(const kvsnap_array* array, int axis, int64_t start,
+                                               int64_t stop, kvsnap_array** out);
+/* Copies the elements in logical row-major order into `destination` (`capacity` bytes, at
+ * least the array's size in bytes). */
+KVSNAP_EXPORT kvsnap_status kvsnap_array_copy_to(const kvsnap_array* array, void* destination,
+                                                 size_t capacity);
+/* True when both name the same buffer (false if either is NULL). */
+KVSNAP_EXPORT bool kvsnap_array_shares_storage(const kvsnap_array* a, const kvsnap_array* b);
+KVSNAP_EXPORT void kvsnap_array_destroy(kvsnap_array* array);
+
+/* DLPack (dlpack/dlpack.h, v0.6): an array from a DLManagedTensor on the CPU (f32, f16, bf16,
+ * i32, up to 4-d), zero-copy; kvsnap calls its deleter when the last array naming it goes
+ * away. On failure the tensor is not consumed. */
+struct DLManagedTensor;
+KVSNAP_EXPORT kvsnap_status kvsnap_array_from_dlpack(struct DLManagedTensor* tensor,
+                                                     kvsnap_array** out);
+/* A DLManagedTensor viewing `array` (no copy), which it keeps alive until its deleter runs. */
+KVSNAP_EXPORT kvsnap_status kvsnap_array_to_dlpack(const kvsnap_array* array,
+                                                   struct DLManagedTensor** out);
+
+/* ---- Batches --------------------------------------------------------------------------------
+ * What one forward step processes: B rows of L columns; row b holds seq_query_lens[b] real
+ * tokens starting at absolute position seq_offsets[b]. Borrowed by every call that takes one. */
+typedef struct kvsnap_batch {
+  int64_t batch_size;            /* rows B */
+  int64_t length;                /* columns L */
+  const int32_t* input_ids;      /* [B * L] row-major token ids, or NULL (ids unused) */
+  const int32_t* seq_offsets;    /* [B] */
+  const int32_t* seq_query_lens; /* [B], or NULL: every row has L real tokens */
+} kvsnap_batch;
+
+/* ---- Caches and snapshots ---------------------------------------------------------------- */
+
+typedef struct kvsnap_cache kvsnap_cache;
+typedef struct kvsnap_snapshot kvsnap_snapshot;
+typedef struct kvsnap_snapshot_list kvsnap_snapshot_list;
+
+typedef enum kvsnap_cache_kind {
+  KVSNAP_KV_CACHE = 0,          /* append-only attention cache */
+  KVSNAP_ROTATING_KV_CACHE = 1, /* sliding-window attention cache */
+  KVSNAP_RECURRENT_CACHE = 2    /* conv tail + gated-delta state */
+} kvsnap_cache_kind;
+
+typedef struct kvsnap_recurrent_options {
+  int conv_tail; /* conv tail [B, conv_tail, conv_dim] in the activation dtype */
+  int conv_dim;
+  int num_v_heads; /* delta state [B, num_v_heads, head_v_dim, head_k_dim] in f32 */
+  int head_v_dim;
+  int head_k_dim;
+} kvsnap_recurrent_options;
+
+KVSNAP_EXPORT kvsnap_status kvsnap_kv_cache_create(kvsnap_cache** out);
+/* Fails unless max_size >= 1. */
+KVSNAP_EXPORT kvsnap_status kvsnap_rotating_kv_cache_create(int64_t max_size, kvsnap_cache** out);
+KVSNAP_EXPORT kvsnap_status kvsnap_recurrent_cache_create(const kvsnap_recurrent_options* options,
+                                                          kvsnap_cache** out);
+/* Lazy snapshots of the cache outlive it (their slots are copied out first). */
+KVSNAP_EXPORT void kvsnap_cache_destroy(kvsnap_cache* cache);
+
+KVSNAP_EXPORT kvsnap_status kvsnap_cache_get_kind(const kvsnap_cache* cache,
+                                                  kvsnap_cache_kind* out);
+/* Tokens written so far. */
+KVSNAP_EXPORT kvsnap_status kvsnap_cache_offset(const kvsnap_cache* cache, int64_t* out);
+/* Drops all state and any schedule; offset becomes 0. */
+KVSNAP_EXPORT kvsnap_status kvsnap_cache_reset(kvsnap_cache* cache);
+/* The live state arrays (views, read-only): keys and values, or conv and delta state; none
+ * before the first write. Sets *count to their number; fails if it exceeds `capacity`. */
+KVSNAP_EXPORT kvsnap_status kvsnap_cache_state(const kvsnap_cache* cache, kvsnap_array** arrays,
+                                               size_t capacity, size_t* count);
+
+/* What an attention cache hands back: keys [B, H, K, D] and values [B, H, K, Dv] (views of the
+ * cache's buffers, read-only; the caller destroys them, e.g. with kvsnap_kv_history_clear),
+ * and which position each key column holds: column c holds first_position + (c -
+ * oldest_column) mod K. `window` > 0 hides keys `window` or more positions before a query. */
+typedef struct kvsnap_kv_history {
+  kvsnap_array* keys;
+  kvsnap_array* values;
+  int64_t first_position;
+  int64_t oldest_column;
+  int64_t window;
+} kvsnap_kv_history;
+
+/* Attention kinds: appends the batch's keys [B, H, L, D] and values [B, H, L, Dv] (copied into
+ * the cache) and returns the history every query attends to (`out` may be NULL). */
+KVSNAP_EXPORT kvsnap_status kvsnap_cache_update(kvsnap_cache* cache, const kvsnap_batch* batch,
+                                                const kvsnap_array* keys,
+                                                const kvsnap_array* values, kvsnap_kv_history* out);
+/* Attention kinds: the current history, without writing. */
+KVSNAP_EXPORT kvsnap_status kvsnap_cache_view(const kvsnap_cache* cache, const kvsnap_batch* batch,
+                                              kvsnap_kv_history* out);
+/* Destroys the history's arrays and zeroes it (NULL and zeroed histories are fine). */
+KVSNAP_EXPORT void kvsnap_kv_history_clear(kvsnap_kv_history* history);
+
+/* Recurrent kind: the live conv and delta state for `batch`, zero-initialized on first use. */
+KVSNAP_EXPORT kvsnap_status kvsnap_recurrent_get(kvsnap_cache* cache, const kvsnap_batch* batch,
+                                                 kvsnap_dtype activation_dtype,
+                                                 kvsnap_array** conv_state,
+                                                 kvsnap_array** delta_state);
+/* Recurrent kind: ends a forward of the batch's L tokens with `count` conv and delta states, one
+ * per scheduled split point (kvsnap_recurrent_snapshot_splits), then the end state. The cache
+ * adopts the arrays (no copy; wrapped memory stays referenced): do not write to them. */
+KVSNAP_EXPORT kvsnap_status kvsnap_recurrent_put(kvsnap_cache* cache, const kvsnap_batch* batch,
+                                                 const kvsnap_array* const* conv_states,
+                                                 const kvsnap_array* const* delta_states,
+                                                 size_t count);
+/* Recurrent kind: scheduled offsets strictly inside the next forward of `forward_len` tokens,
+ * relative to the offset. Sets *count; fails if it exceeds `capacity`. */
+KVSNAP_EXPORT kvsnap_status kvsnap_recurrent_snapshot_splits(const kvsnap_cache* cache,
+                                                             int64_t forward_len, int64_t* splits,
+                                                             size_t capacity, size_t* count);
+
+/* A snapshot of [from_offset, offset) (KV) or of the whole state at the offset (others). *out
+ * is NULL when there is nothing to hold (an empty range, or offset 0). */
+KVSNAP_EXPORT kvsnap_status kvsnap_cache_snapshot(kvsnap_cache* cache, int64_t from_offset,
+                                                  kvsnap_snapshot** out);
+/* Schedules captures as writes reach each offset (ascending, unique, >= offset). */
+KVSNAP_EXPORT kvsnap_status kvsnap_cache_prepare_snapshots(kvsnap_cache* cache,
+                                                           const int64_t* offsets, size_t count);
+/* One entry per scheduled offset, in order (NULL entries for zero-width edges); clears the
+ * schedule. Fails if an offset is unreached. */
+KVSNAP_EXPORT kvsnap_status kvsnap_cache_take_snapshots(kvsnap_cache* cache,
+                                                        kvsnap_snapshot_list** out);
+/* For a forward cut short: the entries for the scheduled offsets already reached. */
+KVSNAP_EXPORT kvsnap_status kvsnap_cache_take_reached_snapshots(kvsnap_cache* cache,
+                                                                kvsnap_snapshot_list** out);
+/* Drops the schedule and what it captured. */
+KVSNAP_EXPORT kvsnap_status kvsnap_cache_cancel_snapshots(kvsnap_cache* cache);
+/* Returns the cache to `target` using `snapshot` (NULL: live rewind). *restored is false, and
+ * nothing changed, when the target is unreachable. */
+KVSNAP_EXPORT kvsnap_status kvsnap_cache_restore(kvsnap_cache* cache, kvsnap_snapshot* snapshot,
+                                                 int64_t target, bool* restored);
+/* Joins adjacent snapshots `parent` then `child` (either may be NULL). Consumes both, also on
+ * failure: do not use or destroy them afterwards. */
+KVSNAP_EXPORT kvsnap_status kvsnap_cache_merge(kvsnap_cache* cache, kvsnap_snapshot* parent,
+                                               kvsnap_snapshot* child, kvsnap_snapshot** out);
+/* Splits at `at` into before and after (either may come back NULL). Consumes `snapshot`, also
+ * on failure. */
+KVSNAP_EXPORT kvsnap_status kvsnap_cache_split(kvsnap_cache* cache, kvsnap_snapshot* snapshot,
+                                               int64_t at, kvsnap_snapshot** before,
+                                               kvsnap_snapshot** after);
+
+typedef struct kvsnap_snapshot_info {
+  int64_t from; /* KV kinds: [from, to) of tokens held; whole states: from == to == offset */
+  int64_t to;
+  int64_t size; /* bytes owned: 0 while wholly lazy */
+  bool is_lazy; /* names live cache slots for some of its data */
+} kvsnap_snapshot_info;
+
+KVSNAP_EXPORT kvsnap_status kvsnap_snapshot_get_info(const kvsnap_snapshot* snapshot,
+                                                     kvsnap_snapshot_info* out);
+KVSNAP_EXPORT void kvsnap_snapshot_destroy(kvsnap_snapshot* snapshot);
+
+/* Entries in the list (0 for NULL). */
+KVSNAP_EXPORT size_t kvsnap_snapshot_list_size(const kvsnap_snapshot_list* list);
+/* Moves entry `index` out to the caller (*out NULL for a null entry or one already taken). */
+KVSNAP_EXPORT kvsnap_status kvsnap_snapshot_list_take(kvsnap_snapshot_list* list, size_t index,
+                                                      kvsnap_snapshot** out);
+/* Destroys the list and the entries still in it. */
+KVSNAP_EXPORT void kvsnap_snapshot_list_destroy(kvsnap_snapshot_list* list);
+
+/* ---- Persistence --------------------------------------------------------------------------- */
+
+/* Writes `count` snapshots (NULL entries allowed) with `offset` to a safetensors file,
+ * atomically. Lazy snapshots are read from their cache, not materialized. */
+KVSNAP_EXPORT kvsnap_status kvsnap_save_snapshots(const char* path, int64_t offset,
+                                                  const kvsnap_snapshot* const* snapshots,
+                                                  size_t count);
+/* Reads a file written by kvsnap_save_snapshots: its offset and one entry per saved layer. */
+KVSNAP_EXPORT kvsnap_status kvsnap_load_snapshots(const char* path, int64_t* offset,
+                                                  kvsnap_snapshot_list** out);
+
+/* ---- Prefix cache -------------------------------------------------------------------------- */
+
+typedef struct kvsnap_prefix_cache kvsnap_prefix_cache;
+typedef struct kvsnap_session kvsnap_session;
+
+typedef struct kvsnap_prefix_options {
+  int64_t max_paged_out_bytes; /* budget for snapshot bytes in the trie; <= 0: the default */
+} kvsnap_prefix_options;
+
+typedef struct kvsnap_prefix_stats {
+  int64_t lookups;           /* begin calls */
+  int64_t matched_tokens;    /* prompt tokens found in the trie */
+  int64_t reused_tokens;     /* tokens restored instead of evaluated */
+  int64_t evicted_nodes;     /* trie nodes evicted under the budget */
+  int64_t dropped_snapshots; /* whole-state snapshots dropped from the active path */
+  int64_t paged_out_bytes;   /* bytes owned by snapshots in the trie */
+  int64_t node_count;        /* trie nodes, the root excluded */
+} kvsnap_prefix_stats;
+
+/* A prefix cache over `count` layers, borrowed: they must outlive it (a NULL entry is a
+ * stateless layer). `options` may be NULL. From now on it drives the layers' offsets. */
+KVSNAP_EXPORT kvsnap_status kvsnap_prefix_cache_create(kvsnap_cache* const* layers, size_t count,
+                                                       const kvsnap_prefix_options* options,
+                                                       kvsnap_prefix_cache** out);
+/* Open sessions are detached: their calls then fail, destroying them is fine. */
+KVSNAP_EXPORT void kvsnap_prefix_cache_destroy(kvsnap_prefix_cache* prefix);
+/* Starts a request for `prompt` (at least one token); one session at a time. */
+KVSNAP_EXPORT kvsnap_status kvsnap_prefix_cache_begin(kvsnap_prefix_cache* prefix,
+                                                      const int32_t* prompt, size_t count,
+                                                      kvsnap_session** out);
+KVSNAP_EXPORT kvsnap_status kvsnap_prefix_cache_get_stats(const kvsnap_prefix_cache* prefix,
+                                                          kvsnap_prefix_stats* out);
+/* KVSNAP_OK when the trie's invariants hold; otherwise KVSNAP_ERROR naming the first violation. */
+KVSNAP_EXPORT kvsnap_status kvsnap_prefix_cache_check(const kvsnap_prefix_cache* prefix);
+/* Writes the trie and its snapshots to folder `dir` with `model_id` (NULL: ""), atomically. */
+KVSNAP_EXPORT kvsnap_status kvsnap_prefix_cache_save(const kvsnap_prefix_cache* prefix,
+                                                     const char* dir, const char* model_id);
+/* Replaces the trie by the one saved in `dir` for the same layers and `model_id` (NULL: ""). */
+KVSNAP_EXPORT kvsnap_status kvsnap_prefix_cache_load(kvsnap_prefix_cache* prefix, const char* dir,
+                                                     const char* model_id);
+/* Whether `dir` holds a saved trie. */
+KVSNAP_EXPORT bool kvsnap_prefix_cache_saved_in(const char* dir);
+
+/* The prompt tokens the model must still evaluate; *tokens stays valid until the next call on
+ * the session. */
+KVSNAP_EXPORT kvsnap_status kvsnap_session_remaining(const kvsnap_session* session,
+                                                     const int32_t** tokens, size_t* count);
+/* Tokens restored from the cache: the live caches stand at this offset. */
+KVSNAP_EXPORT kvsnap_status kvsnap_session_cached(const kvsnap_session* session, int64_t* out);
+/* Extra restore points (absolute offsets in [cached, prompt size]), before the prefill. */
+KVSNAP_EXPORT kvsnap_status kvsnap_session_schedule_snapshots(kvsnap_session* session,
+                                                              const int64_t* offsets, size_t count);
+/* After the prefill forward over the remaining tokens. */
+KVSNAP_EXPORT kvsnap_status kvsnap_session_prefill_done(kvsnap_session* session);
+/* A generated token. */
+KVSNAP_EXPORT kvsnap_status kvsnap_session_append_output(kvsnap_session* session, int32_t token);
+/* Pages the evaluated tokens out into the trie and ends the session (idempotent). */
+KVSNAP_EXPORT kvsnap_status kvsnap_session_close(kvsnap_session* session);
+/* Closes the session if still open (a failure to page out is dropped), then frees it. */
+KVSNAP_EXPORT void kvsnap_session_destroy(kvsnap_session* session);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* KVSNAP_KVSNAP_C_H */

@@ -1,0 +1,139 @@
+// kvsnap.Batch, kvsnap.AttentionMask, kvsnap.KVHistory and kvsnap.RecurrentHistory: what a
+// layer passes in and gets back.
+#include <fmt/format.h>
+#include <pybind11/stl.h>
+
+#include "bindings.h"
+
+namespace kvsnap::python {
+namespace {
+
+const char* mask_kind_name(AttentionMask::Kind kind) {
+  switch (kind) {
+    case AttentionMask::Kind::none:
+      return "none";
+    case AttentionMask::Kind::causal:
+      return "causal";
+    case AttentionMask::Kind::sliding_window:
+      return "sliding_window";
+    case AttentionMask::Kind::array:
+      return "array";
+    case AttentionMask::Kind::intersection:
+      return "intersection";
+    case AttentionMask::Kind::lookback:
+      return "lookback";
+  }
+  return "?";
+}
+
+void bind_batch(py::module_& m) {
+  py::class_<Batch>(m, "Batch", R"(What one forward step processes: B rows of L columns.
+
+Row b holds seq_query_lens[b] real tokens (the rest is padding) starting at absolute position
+seq_offsets[b].)")
+      .def(py::init([](py::object input_ids, std::vector<int32_t> seq_offsets,
+                       std::vector<int32_t> seq_query_lens) {
+             Batch batch;
+             batch.input_ids = to_array(input_ids, "Batch.input_ids", /*allow_none=*/true);
+             batch.seq_offsets = std::move(seq_offsets);
+             batch.seq_query_lens = std::move(seq_query_lens);
+             return batch;
+           }),
+           py::arg("input_ids") = py::none(), py::arg("seq_offsets") = std::vector<int32_t>{},
+           py::arg("seq_query_lens") = std::vector<int32_t>{},
+           "input_ids: int32 [B, L] (or None); one offset and one query length per row.")
+      .def_static(
+          "single",
+          [](const std::vector<int32_t>& tokens, int64_t offset) {
+            return Batch::single(tokens, offset);
+          },
+          py::arg("tokens"), py::arg("offset"),
+          "One row of `tokens` starting at `offset`, no padding.")
+      .def_static("uniform", &Batch::uniform, py::arg("rows"), py::arg("length"), py::arg("offset"),
+                  "`rows` rows of `length` placeholder tokens at `offset`.")
+      .def_property_readonly(
+          "input_ids", [](const Batch& b) { return to_numpy(b.input_ids, /*writeable=*/false); })
+      .def_readonly("seq_offsets", &Batch::seq_offsets)
+      .def_readonly("seq_query_lens", &Batch::seq_query_lens)
+      .def_property_readonly("batch_size", &Batch::batch_size, "Rows B.")
+      .def_property_readonly("length", &Batch::length, "Columns L.")
+      .def(
+          "validate", [](const Batch& b) { b.validate("Batch.validate"); },
+          "Raises kvsnap.Error unless the rows agree with each other and with input_ids.");
+}
+
+void bind_mask(py::module_& m) {
+  py::class_<AttentionMask>(m, "AttentionMask",
+                            "Which key positions each query position may see (absolute "
+                            "positions).")
+      .def_static("none", &AttentionMask::none, "Every key visible.")
+      .def_static("causal", &AttentionMask::causal, "Query i sees keys j <= i.")
+      .def_static("sliding_window", &AttentionMask::sliding_window, py::arg("window"),
+                  "Query i sees keys j with i - window < j <= i.")
+      .def_static("lookback", &AttentionMask::lookback, py::arg("window"),
+                  "Query i sees keys j > i - window, later keys included.")
+      .def_static(
+          "from_array",
+          [](py::object array) {
+            return AttentionMask::from_array(to_array(array, "AttentionMask.from_array"));
+          },
+          py::arg("array"),
+          "Explicit [B|1, Hq|1, L, P] mask: int32 is boolean, float an additive bias.")
+      .def("intersect", &AttentionMask::intersect, py::arg("other"), "Keys visible under both.")
+      .def_property_readonly("kind",
+                             [](const AttentionMask& mask) { return mask_kind_name(mask.kind()); })
+      .def_property_readonly("is_causal", &AttentionMask::is_causal)
+      .def_property_readonly("window", &AttentionMask::window, "Lookback window, 0 for none.")
+      .def("allows", &AttentionMask::allows, py::arg("query"), py::arg("key"),
+           "Whether the positional rules let position `query` see `key`.");
+}
+
+void bind_histories(py::module_& m) {
+  py::class_<KVHistory>(m, "KVHistory", R"(Keys and values a cache hands back for attention.
+
+keys [B, H, K, D] and values [B, H, K, Dv] are read-only numpy views of the cache's buffers (no
+copy; they keep the buffers alive). They show the history as of the call that returned it:
+later writes to the cache may change what they show. Key column c holds absolute position
+position(c).)")
+      .def_property_readonly(
+          "keys", [](const KVHistory& h) { return to_numpy(h.keys(), /*writeable=*/false); })
+      .def_property_readonly(
+          "values", [](const KVHistory& h) { return to_numpy(h.values(), /*writeable=*/false); })
+      .def_property_readonly("length", &KVHistory::length, "Key columns K.")
+      .def_property_readonly("first_position", &KVHistory::first_position)
+      .def_property_readonly("oldest_column", &KVHistory::oldest_column)
+      .def_property_readonly("window", &KVHistory::window, "The cache's lookback window, or 0.")
+      .def(
+          "position",
+          [](const KVHistory& h, int64_t column) {
+            if (column < 0 || column >= h.length()) {
+              throw Error(fmt::format("KVHistory.position: column {} out of range [0, {})", column,
+                                      h.length()));
+            }
+            return h.position(column);
+          },
+          py::arg("column"), "Absolute position held by key column `column`.")
+      .def("apply_mask", &KVHistory::apply_mask, py::arg("batch"), py::arg("logical"),
+           "The physical mask over this history's columns for `batch`'s queries.");
+
+  py::class_<RecurrentHistory>(m, "RecurrentHistory",
+                               "A recurrent layer's live state (read-only numpy views).")
+      .def_property_readonly(
+          "conv_state",
+          [](const RecurrentHistory& h) { return to_numpy(h.conv_state(), /*writeable=*/false); },
+          "[B, conv_tail, conv_dim] in the activation dtype.")
+      .def_property_readonly(
+          "delta_state",
+          [](const RecurrentHistory& h) { return to_numpy(h.delta_state(), /*writeable=*/false); },
+          "[B, v_heads, v_dim, k_dim] float32.");
+}
+
+}  // namespace
+
+void bind_batch_and_history(py::module_& m) {
+  bind_batch(m);
+  bind_mask(m);
+  bind_histories(m);
+}
+
+}  // namespace kvsnap::python

@@ -1,0 +1,225 @@
+// kvsnap.Snapshot and the caches: kvsnap.Cache (the shared contract), kvsnap.KVCache,
+// kvsnap.RotatingKVCache and kvsnap.RecurrentCache.
+#include <fmt/format.h>
+#include <pybind11/stl.h>
+
+#include "bindings.h"
+
+namespace kvsnap::python {
+
+Snapshot& PySnapshot::get(const char* call) const {
+  if (snapshot_ == nullptr) {
+    throw Error(fmt::format("{}: this snapshot was consumed by {}; use the snapshot it returned",
+                            call, consumer_));
+  }
+  return *snapshot_;
+}
+
+SnapshotPtr PySnapshot::take(const char* consumer) {
+  (void)get(consumer);
+  consumer_ = consumer;
+  return std::move(snapshot_);
+}
+
+std::unique_ptr<PySnapshot> wrap_snapshot(SnapshotPtr snapshot) {
+  if (snapshot == nullptr) return nullptr;
+  return std::make_unique<PySnapshot>(std::move(snapshot));
+}
+
+namespace {
+
+py::list wrap_snapshots(std::vector<SnapshotPtr> snapshots) {
+  py::list list;
+  for (SnapshotPtr& snapshot : snapshots) list.append(py::cast(wrap_snapshot(std::move(snapshot))));
+  return list;
+}
+
+py::list to_numpy_list(const std::vector<Array>& arrays, bool writeable) {
+  py::list list;
+  for (const Array& array : arrays) list.append(to_numpy(array, writeable));
+  return list;
+}
+
+void bind_snapshot(py::module_& m) {
+  py::class_<PySnapshot>(m, "Snapshot", R"(State that lets a cache return to an offset.
+
+KV kinds hold the tokens [from_offset, to_offset); whole-state kinds (rotating window, recurrent)
+hold the state at one offset (from_offset == to_offset). A lazy snapshot names slots of its
+cache's live buffer and owns no bytes until a write would overwrite them. Dropping the object
+releases its memory. merge() and split() consume their inputs: a consumed snapshot raises
+kvsnap.Error on any use.)")
+      .def_property_readonly(
+          "from_offset", [](const PySnapshot& s) { return s.get("Snapshot.from_offset").from(); })
+      .def_property_readonly("to_offset",
+                             [](const PySnapshot& s) { return s.get("Snapshot.to_offset").to(); })
+      .def_property_readonly(
+          "size", [](const PySnapshot& s) { return s.get("Snapshot.size").size(); },
+          "Bytes this snapshot owns: 0 while wholly lazy.")
+      .def_property_readonly(
+          "is_lazy", [](const PySnapshot& s) { return s.get("Snapshot.is_lazy").is_lazy(); },
+          "True while it names live cache slots for some of its data.")
+      .def_property_readonly("consumed", &PySnapshot::consumed,
+                             "True once merge() or split() took it.")
+      .def("__repr__", [](const PySnapshot& s) {
+        if (s.consumed()) return std::string("kvsnap.Snapshot(consumed)");
+        const Snapshot& snapshot = s.get("Snapshot.__repr__");
+        return fmt::format("kvsnap.Snapshot([{}, {}), size={}, lazy={})", snapshot.from(),
+                           snapshot.to(), snapshot.size(), snapshot.is_lazy() ? "True" : "False");
+      });
+
+  py::class_<CopyStats>(m, "CopyStats", "Bytes a cache has copied, by reason.")
+      .def_readonly("appended_bytes", &CopyStats::appended_bytes)
+      .def_readonly("growth_bytes", &CopyStats::growth_bytes)
+      .def_readonly("materialized_bytes", &CopyStats::materialized_bytes)
+      .def_readonly("restored_bytes", &CopyStats::restored_bytes)
+      .def_readonly("snapshot_bytes", &CopyStats::snapshot_bytes);
+}
+
+Snapshot* pointer(PySnapshot* snapshot, const char* call) {
+  return snapshot != nullptr ? &snapshot->get(call) : nullptr;
+}
+
+std::unique_ptr<PySnapshot> merge(Cache& cache, PySnapshot* parent, PySnapshot* child) {
+  (void)pointer(parent, "Cache.merge");  // both usable before either is taken
+  (void)pointer(child, "Cache.merge");
+  SnapshotPtr first = parent != nullptr ? parent->take("Cache.merge") : nullptr;
+  SnapshotPtr second = child != nullptr ? child->take("Cache.merge") : nullptr;
+  return wrap_snapshot(cache.merge(std::move(first), std::move(second)));
+}
+
+py::tuple split(Cache& cache, PySnapshot* snapshot, int64_t at) {
+  SnapshotPtr whole = snapshot != nullptr ? snapshot->take("Cache.split") : nullptr;
+  auto [before, after] = cache.split(std::move(whole), at);
+  return py::make_tuple(wrap_snapshot(std::move(before)), wrap_snapshot(std::move(after)));
+}
+
+void bind_cache(py::module_& m) {
+  py::class_<Cache>(m, "Cache", R"(One layer's inference state: the contract every kind keeps.
+
+Offsets count tokens written so far. Every mutating call either succeeds or raises kvsnap.Error
+and changes nothing.)")
+      .def_property_readonly(
+          "offset", [](const Cache& c) { return c.offset(); }, "Tokens written so far.")
+      .def(
+          "state", [](const Cache& c) { return to_numpy_list(c.state(), /*writeable=*/false); },
+          "The live state arrays as read-only numpy views (none before the first write).")
+      .def(
+          "reset", [](Cache& c) { c.reset(); },
+          "Drops all state and any schedule; offset becomes 0.")
+      .def(
+          "snapshot", [](Cache& c, int64_t from) { return wrap_snapshot(c.snapshot(from)); },
+          py::arg("from_offset") = 0,
+          "Snapshot of [from_offset, offset) (KV) or of the whole state (others); None when "
+          "there is nothing to hold.")
+      .def(
+          "prepare_snapshots",
+          [](Cache& c, const std::vector<int64_t>& offsets) { c.prepare_snapshots(offsets); },
+          py::arg("offsets"), "Schedules captures as later writes reach each offset.")
+      .def(
+          "take_snapshots", [](Cache& c) { return wrap_snapshots(c.take_snapshots()); },
+          "One entry per scheduled offset, in order (None for zero-width edges).")
+      .def(
+          "take_reached_snapshots",
+          [](Cache& c) { return wrap_snapshots(c.take_reached_snapshots()); },
+          "For a forward cut short: the entries for the offsets already reached.")
+      .def(
+          "cancel_snapshots", [](Cache& c) { c.cancel_snapshots(); },
+          "Drops the schedule and its captures.")
+      .def(
+          "restore",
+          [](Cache& c, PySnapshot* snapshot, int64_t target) {
+            return c.restore(pointer(snapshot, "Cache.restore"), target);
+          },
+          py::arg("snapshot"), py::arg("target"),
+          "Returns to `target` using `snapshot` (None: live rewind); False, changing nothing, "
+          "when unreachable.")
+      .def("merge", &merge, py::arg("parent"), py::arg("child"),
+           "Joins adjacent snapshots (consumes both).")
+      .def("split", &split, py::arg("snapshot"), py::arg("at"),
+           "Splits at `at` into (before, after) (consumes the snapshot).")
+      .def("copy_stats", &Cache::copy_stats, "Bytes copied so far, by reason.");
+}
+
+void bind_attention_caches(py::module_& m) {
+  py::class_<Attention, Cache>(m, "Attention", "A cache of attention keys and values.")
+      .def(
+          "update",
+          [](Attention& c, const Batch& batch, py::object keys, py::object values) {
+            return c.update(batch, to_array(keys, "Attention.update keys"),
+                            to_array(values, "Attention.update values"));
+          },
+          py::arg("batch"), py::arg("keys"), py::arg("values"),
+          "Appends keys [B, H, L, D] and values [B, H, L, Dv] (copied into the cache) and "
+          "returns the history every query of the batch attends to.")
+      .def("view", &Attention::view, py::arg("batch"), "The current history, without writing.");
+
+  py::class_<KVCache, Attention>(m, "KVCache",
+                                 "An append-only attention cache with lazy snapshots.")
+      .def(py::init<>())
+      .def("reserve", &KVCache::reserve, py::arg("tokens"), "Makes room for `tokens` tokens.")
+      .def_property_readonly("capacity", &KVCache::capacity)
+      .def("lazy_bytes", py::overload_cast<int64_t, int64_t>(&KVCache::lazy_bytes, py::const_),
+           py::arg("from_offset"), py::arg("to_offset"),
+           "Bytes lazy snapshots name in slots [from_offset, to_offset).");
+
+  py::class_<RotatingKVCache, Attention>(m, "RotatingKVCache",
+                                         "A sliding-window attention cache of max_size tokens.")
+      .def(py::init<int64_t>(), py::arg("max_size"))
+      .def_property_readonly("max_size", &RotatingKVCache::max_size);
+}
+
+void bind_recurrent_cache(py::module_& m) {
+  py::class_<RecurrentCache, Cache>(m, "RecurrentCache", R"(A recurrent layer's state.
+
+Conv tail [B, conv_tail, conv_dim] in the activation dtype, delta state [B, num_v_heads,
+head_v_dim, head_k_dim] float32. Snapshots are whole states at exact offsets.)")
+      .def(py::init<int, int, int, int, int>(), py::arg("conv_tail"), py::arg("conv_dim"),
+           py::arg("num_v_heads"), py::arg("head_v_dim"), py::arg("head_k_dim"))
+      .def(
+          "get",
+          [](RecurrentCache& c, const Batch& batch, const std::string& dtype) {
+            for (DType d : {DType::f32, DType::f16, DType::bf16}) {
+              if (dtype_name(d) == dtype) return c.get(batch, d);
+            }
+            throw Error(fmt::format(
+                "RecurrentCache.get: activation dtype \"{}\" is not one of f32, f16, bf16", dtype));
+          },
+          py::arg("batch"), py::arg("activation_dtype") = "f32",
+          "The live state for `batch`, zero-initialized on first use.")
+      .def(
+          "put",
+          [](RecurrentCache& c, const Batch& batch, const py::sequence& conv,
+             const py::sequence& delta) {
+            std::vector<Array> conv_states, delta_states;
+            for (py::handle state : conv) {
+              conv_states.push_back(to_array(state, "RecurrentCache.put conv_states"));
+            }
+            for (py::handle state : delta) {
+              delta_states.push_back(to_array(state, "RecurrentCache.put delta_states"));
+            }
+            c.put(batch, conv_states, delta_states);
+          },
+          py::arg("batch"), py::arg("conv_states"), py::arg("delta_states"),
+          "Ends a forward: one state per scheduled split point, then the end state. The cache "
+          "adopts the arrays without a copy (numpy arrays are kept alive): do not write to them.")
+      .def("snapshot_splits",
+           py::overload_cast<int64_t>(&RecurrentCache::snapshot_splits, py::const_),
+           py::arg("forward_len"),
+           "Scheduled offsets strictly inside the next forward, relative to the offset.")
+      .def_property_readonly("conv_tail", &RecurrentCache::conv_tail)
+      .def_property_readonly("conv_dim", &RecurrentCache::conv_dim)
+      .def_property_readonly("num_v_heads", &RecurrentCache::num_v_heads)
+      .def_property_readonly("head_v_dim", &RecurrentCache::head_v_dim)
+      .def_property_readonly("head_k_dim", &RecurrentCache::head_k_dim);
+}
+
+}  // namespace
+
+void bind_caches(py::module_& m) {
+  bind_snapshot(m);
+  bind_cache(m);
+  bind_attention_caches(m);
+  bind_recurrent_cache(m);
+}
+
+}  // namespace kvsnap::python

@@ -1,0 +1,151 @@
+// kvsnap.PrefixCache and its sessions, and snapshot files (save_snapshots, load_snapshots).
+#include <fmt/format.h>
+#include <pybind11/stl.h>
+
+#include <optional>
+
+#include "bindings.h"
+
+namespace kvsnap::python {
+namespace {
+
+// The prefix cache and the Python caches it drives, kept alive as long as it is.
+struct PyPrefixCache {
+  py::tuple layers;                     // destroyed after `prefix` (declared first)
+  std::unique_ptr<PrefixCache> prefix;  // drives the layers' offsets from now on
+};
+
+// A session and the prefix cache it belongs to (kept alive: a session may outlive every other
+// reference to it).
+struct PySession {
+  py::object owner;
+  PrefixCache::Session session;
+};
+
+PyPrefixCache make_prefix_cache(const py::sequence& layers, std::optional<int64_t> budget) {
+  std::vector<Cache*> caches;
+  for (py::handle layer : layers) {
+    caches.push_back(layer.is_none() ? nullptr : layer.cast<Cache*>());
+  }
+  PrefixCache::Options options;
+  if (budget) options.max_paged_out_bytes = *budget;
+  return PyPrefixCache{py::tuple(layers), std::make_unique<PrefixCache>(caches, options)};
+}
+
+void bind_session(py::module_& m) {
+  py::class_<PySession>(m, "Session", R"(One request's use of the prefix cache.
+
+Evaluate remaining() from offset cached(), call prefill_done(), then append_output() for each
+generated token the model evaluates; close() (or leaving a `with` block) pages the evaluated
+tokens out into the trie.)")
+      .def(
+          "remaining",
+          [](const PySession& s) {
+            const std::span<const int32_t> tokens = s.session.remaining();
+            return py::array_t<int32_t>(static_cast<py::ssize_t>(tokens.size()), tokens.data());
+          },
+          "The prompt tokens the model must still evaluate (an int32 copy).")
+      .def_property_readonly(
+          "cached", [](const PySession& s) { return s.session.cached(); },
+          "Tokens restored from the cache: the live caches stand at this offset.")
+      .def(
+          "schedule_snapshots",
+          [](PySession& s, const std::vector<int64_t>& offsets) {
+            s.session.schedule_snapshots(offsets);
+          },
+          py::arg("offsets"), "Extra restore points in [cached, prompt size], before prefill.")
+      .def(
+          "prefill_done", [](PySession& s) { s.session.prefill_done(); },
+          "Call after the prefill forward over remaining().")
+      .def(
+          "append_output", [](PySession& s, int32_t token) { s.session.append_output(token); },
+          py::arg("token"), "A generated token.")
+      .def(
+          "close", [](PySession& s) { s.session.close(); },
+          "Pages the evaluated tokens out and ends the session (idempotent).")
+      .def("__enter__", [](py::object self) { return self; })
+      .def("__exit__", [](PySession& s, py::args) { s.session.close(); });
+}
+
+void bind_prefix_cache(py::module_& m) {
+  py::class_<PyPrefixCache>(m, "PrefixCache",
+                            R"(Reuse inference state across requests that share a prefix.
+
+A compressed token trie whose nodes hold per-layer snapshots. `layers` are the model's caches
+in order (None for a stateless layer); the prefix cache drives their offsets from now on.)")
+      .def(py::init(&make_prefix_cache), py::arg("layers"),
+           py::arg("max_paged_out_bytes") = py::none(),
+           "Budget for snapshot bytes in the trie (default 8 GiB).")
+      .def(
+          "begin",
+          [](py::object self, const std::vector<int32_t>& prompt) {
+            auto& cache = self.cast<PyPrefixCache&>();
+            return PySession{self, cache.prefix->begin(prompt)};
+          },
+          py::arg("prompt"), "Starts a request (one session at a time).")
+      .def(
+          "save",
+          [](const PyPrefixCache& c, const std::string& dir, const std::string& model_id) {
+            c.prefix->save(dir, model_id);
+          },
+          py::arg("dir"), py::arg("model_id") = "", "Writes the trie and its snapshots to `dir`.")
+      .def(
+          "load",
+          [](PyPrefixCache& c, const std::string& dir, const std::string& model_id) {
+            c.prefix->load(dir, model_id);
+          },
+          py::arg("dir"), py::arg("model_id") = "",
+          "Replaces the trie by the one saved in `dir` (same layers and model_id).")
+      .def_static("saved_in", &PrefixCache::saved_in, py::arg("dir"))
+      .def_property_readonly("paged_out_bytes",
+                             [](const PyPrefixCache& c) { return c.prefix->paged_out_bytes(); })
+      .def_property_readonly("node_count",
+                             [](const PyPrefixCache& c) { return c.prefix->node_count(); })
+      .def("stats", [](const PyPrefixCache& c) { return c.prefix->stats(); })
+      .def(
+          "check_invariants", [](const PyPrefixCache& c) { return c.prefix->check_invariants(); },
+          "Empty when the trie's invariants hold, else the first violation.")
+      .def("debug_string", [](const PyPrefixCache& c) { return c.prefix->debug_string(); });
+
+  py::class_<PrefixCache::Stats>(m, "PrefixStats", "What the prefix cache has done so far.")
+      .def_readonly("lookups", &PrefixCache::Stats::lookups)
+      .def_readonly("matched_tokens", &PrefixCache::Stats::matched_tokens)
+      .def_readonly("reused_tokens", &PrefixCache::Stats::reused_tokens)
+      .def_readonly("evicted_nodes", &PrefixCache::Stats::evicted_nodes)
+      .def_readonly("dropped_snapshots", &PrefixCache::Stats::dropped_snapshots);
+}
+
+void bind_files(py::module_& m) {
+  m.def(
+      "save_snapshots",
+      [](const std::string& path, int64_t offset, const py::sequence& snapshots) {
+        std::vector<const Snapshot*> pointers;
+        for (py::handle item : snapshots) {
+          pointers.push_back(
+              item.is_none() ? nullptr : &item.cast<const PySnapshot&>().get("save_snapshots"));
+        }
+        save_snapshots(path, offset, std::span<const Snapshot* const>(pointers));
+      },
+      py::arg("path"), py::arg("offset"), py::arg("snapshots"),
+      "Writes one snapshot per layer (None allowed) to a safetensors file, atomically.");
+  m.def(
+      "load_snapshots",
+      [](const std::string& path) {
+        LoadedSnapshots loaded = load_snapshots(path);
+        py::list snapshots;
+        for (SnapshotPtr& s : loaded.snapshots)
+          snapshots.append(py::cast(wrap_snapshot(std::move(s))));
+        return py::make_tuple(loaded.offset, snapshots);
+      },
+      py::arg("path"), "Reads a snapshot file: (offset, [Snapshot or None per layer]).");
+}
+
+}  // namespace
+
+void bind_prefix(py::module_& m) {
+  bind_session(m);
+  bind_prefix_cache(m);
+  bind_files(m);
+}
+
+}  // namespace kvsnap::python

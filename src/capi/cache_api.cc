@@ -1,0 +1,202 @@
+// The C API for caches: the three kinds, their writes and histories, and their live state.
+#include "capi/handles.h"
+
+using namespace kvsnap;
+using namespace kvsnap::capi;
+
+namespace {
+
+const char* kind_name(kvsnap_cache_kind kind) {
+  switch (kind) {
+    case KVSNAP_KV_CACHE:
+      return "a KV cache";
+    case KVSNAP_ROTATING_KV_CACHE:
+      return "a rotating KV cache";
+    case KVSNAP_RECURRENT_CACHE:
+      return "a recurrent cache";
+  }
+  return "an unknown cache";
+}
+
+Attention& attention(const kvsnap_cache* handle, const char* call) {
+  const kvsnap_cache& cache = require(handle, call, "cache");
+  if (cache.kind == KVSNAP_RECURRENT_CACHE) {
+    throw InvalidArgument(
+        fmt::format("{}: the cache is {}; this call needs an attention cache (KV or rotating)",
+                    call, kind_name(cache.kind)));
+  }
+  return static_cast<Attention&>(*cache.cache);
+}
+
+RecurrentCache& recurrent(const kvsnap_cache* handle, const char* call) {
+  const kvsnap_cache& cache = require(handle, call, "cache");
+  if (cache.kind != KVSNAP_RECURRENT_CACHE) {
+    throw InvalidArgument(fmt::format("{}: the cache is {}; this call needs a recurrent cache",
+                                      call, kind_name(cache.kind)));
+  }
+  return static_cast<RecurrentCache&>(*cache.cache);
+}
+
+kvsnap_status create(kvsnap_cache** out, kvsnap_cache_kind kind, const char* call,
+                     const std::function<std::unique_ptr<Cache>()>& make) {
+  return guard([&] {
+    require(out, call, "out");
+    *out = new kvsnap_cache{make(), kind};
+  });
+}
+
+// Hands `history` out through `out` (when not NULL); the handles are made before `write` runs,
+// so a failure to allocate them leaves the cache unchanged.
+kvsnap_status with_history(kvsnap_kv_history* out, const std::function<KVHistory()>& write) {
+  return guard([&] {
+    auto keys = out != nullptr ? std::make_unique<kvsnap_array>() : nullptr;
+    auto values = out != nullptr ? std::make_unique<kvsnap_array>() : nullptr;
+    KVHistory history = write();
+    if (out == nullptr) return;
+    keys->array = history.keys();
+    values->array = history.values();
+    *out = {keys.release(), values.release(), history.first_position(), history.oldest_column(),
+            history.window()};
+  });
+}
+
+std::vector<Array> arrays(const kvsnap_array* const* handles, size_t count, const char* call,
+                          const char* name) {
+  if (count > 0) require(handles, call, name);
+  std::vector<Array> result;
+  result.reserve(count);
+  for (size_t i = 0; i < count; ++i) result.push_back(require(handles[i], call, name).array);
+  return result;
+}
+
+}  // namespace
+
+extern "C" {
+
+kvsnap_status kvsnap_kv_cache_create(kvsnap_cache** out) {
+  return create(out, KVSNAP_KV_CACHE, "kvsnap_kv_cache_create",
+                [] { return std::make_unique<KVCache>(); });
+}
+
+kvsnap_status kvsnap_rotating_kv_cache_create(int64_t max_size, kvsnap_cache** out) {
+  return create(out, KVSNAP_ROTATING_KV_CACHE, "kvsnap_rotating_kv_cache_create",
+                [&] { return std::make_unique<RotatingKVCache>(max_size); });
+}
+
+kvsnap_status kvsnap_recurrent_cache_create(const kvsnap_recurrent_options* options,
+                                            kvsnap_cache** out) {
+  constexpr const char* call = "kvsnap_recurrent_cache_create";
+  return create(out, KVSNAP_RECURRENT_CACHE, call, [&] {
+    const kvsnap_recurrent_options& o = require(options, call, "options");
+    return std::make_unique<RecurrentCache>(o.conv_tail, o.conv_dim, o.num_v_heads, o.head_v_dim,
+                                            o.head_k_dim);
+  });
+}
+
+void kvsnap_cache_destroy(kvsnap_cache* cache) { delete cache; }
+
+kvsnap_status kvsnap_cache_get_kind(const kvsnap_cache* cache, kvsnap_cache_kind* out) {
+  constexpr const char* call = "kvsnap_cache_get_kind";
+  return guard([&] { require(out, call, "out") = require(cache, call, "cache").kind; });
+}
+
+kvsnap_status kvsnap_cache_offset(const kvsnap_cache* cache, int64_t* out) {
+  constexpr const char* call = "kvsnap_cache_offset";
+  return guard([&] { require(out, call, "out") = require(cache, call, "cache").cache->offset(); });
+}
+
+kvsnap_status kvsnap_cache_reset(kvsnap_cache* cache) {
+  return guard([&] { require(cache, "kvsnap_cache_reset", "cache").cache->reset(); });
+}
+
+kvsnap_status kvsnap_cache_state(const kvsnap_cache* cache, kvsnap_array** arrays, size_t capacity,
+                                 size_t* count) {
+  constexpr const char* call = "kvsnap_cache_state";
+  return guard([&] {
+    const std::vector<Array> state = require(cache, call, "cache").cache->state();
+    require(count, call, "count") = state.size();
+    if (state.size() > capacity) {
+      throw InvalidArgument(fmt::format("{}: capacity {} is less than the {} state arrays", call,
+                                        capacity, state.size()));
+    }
+    if (!state.empty()) require(arrays, call, "arrays");
+    std::vector<std::unique_ptr<kvsnap_array>> handles;
+    for (const Array& array : state)
+      handles.push_back(std::unique_ptr<kvsnap_array>(new kvsnap_array{array}));
+    for (size_t i = 0; i < handles.size(); ++i) arrays[i] = handles[i].release();
+  });
+}
+
+kvsnap_status kvsnap_cache_update(kvsnap_cache* cache, const kvsnap_batch* batch,
+                                  const kvsnap_array* keys, const kvsnap_array* values,
+                                  kvsnap_kv_history* out) {
+  constexpr const char* call = "kvsnap_cache_update";
+  return with_history(out, [&] {
+    Attention& layer = attention(cache, call);
+    const Batch b = to_batch(batch, call);
+    return layer.update(b, require(keys, call, "keys").array,
+                        require(values, call, "values").array);
+  });
+}
+
+kvsnap_status kvsnap_cache_view(const kvsnap_cache* cache, const kvsnap_batch* batch,
+                                kvsnap_kv_history* out) {
+  constexpr const char* call = "kvsnap_cache_view";
+  if (out == nullptr) return fail(KVSNAP_INVALID_ARGUMENT, "kvsnap_cache_view: out is NULL");
+  return with_history(out, [&] { return attention(cache, call).view(to_batch(batch, call)); });
+}
+
+void kvsnap_kv_history_clear(kvsnap_kv_history* history) {
+  if (history == nullptr) return;
+  delete history->keys;
+  delete history->values;
+  *history = {};
+}
+
+kvsnap_status kvsnap_recurrent_get(kvsnap_cache* cache, const kvsnap_batch* batch,
+                                   kvsnap_dtype activation_dtype, kvsnap_array** conv_state,
+                                   kvsnap_array** delta_state) {
+  constexpr const char* call = "kvsnap_recurrent_get";
+  return guard([&] {
+    RecurrentCache& layer = recurrent(cache, call);
+    require(conv_state, call, "conv_state");
+    require(delta_state, call, "delta_state");
+    auto conv = std::make_unique<kvsnap_array>();
+    auto delta = std::make_unique<kvsnap_array>();
+    const RecurrentHistory history =
+        layer.get(to_batch(batch, call), to_dtype(activation_dtype, call));
+    conv->array = history.conv_state();
+    delta->array = history.delta_state();
+    *conv_state = conv.release();
+    *delta_state = delta.release();
+  });
+}
+
+kvsnap_status kvsnap_recurrent_put(kvsnap_cache* cache, const kvsnap_batch* batch,
+                                   const kvsnap_array* const* conv_states,
+                                   const kvsnap_array* const* delta_states, size_t count) {
+  constexpr const char* call = "kvsnap_recurrent_put";
+  return guard([&] {
+    RecurrentCache& layer = recurrent(cache, call);
+    const std::vector<Array> conv = arrays(conv_states, count, call, "conv_states");
+    const std::vector<Array> delta = arrays(delta_states, count, call, "delta_states");
+    layer.put(to_batch(batch, call), conv, delta);
+  });
+}
+
+kvsnap_status kvsnap_recurrent_snapshot_splits(const kvsnap_cache* cache, int64_t forward_len,
+                                               int64_t* splits, size_t capacity, size_t* count) {
+  constexpr const char* call = "kvsnap_recurrent_snapshot_splits";
+  return guard([&] {
+    const std::vector<int64_t> points = recurrent(cache, call).snapshot_splits(forward_len);
+    require(count, call, "count") = points.size();
+    if (points.size() > capacity) {
+      throw InvalidArgument(fmt::format("{}: capacity {} is less than the {} split points", call,
+                                        capacity, points.size()));
+    }
+    if (!points.empty()) require(splits, call, "splits");
+    std::copy(points.begin(), points.end(), splits);
+  });
+}
+
+}  // extern "C"

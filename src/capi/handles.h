@@ -1,0 +1,92 @@
+// Internal: what the C API's opaque handles hold, and the guard that turns every C++ exception
+// into a status code and a per-thread message, so none crosses the C boundary.
+#pragma once
+
+#include <fmt/format.h>
+
+#include <memory>
+#include <new>
+#include <stdexcept>
+#include <utility>
+#include <vector>
+
+#include "kvsnap/kvsnap.h"
+#include "kvsnap/kvsnap_c.h"
+
+struct kvsnap_array {
+  kvsnap::Array array;
+};
+struct kvsnap_cache {
+  std::unique_ptr<kvsnap::Cache> cache;
+  kvsnap_cache_kind kind;
+};
+struct kvsnap_snapshot {
+  kvsnap::SnapshotPtr snapshot;  // never null: a null snapshot is a NULL handle
+};
+struct kvsnap_snapshot_list {
+  std::vector<kvsnap::SnapshotPtr> snapshots;
+};
+struct kvsnap_prefix_cache {
+  std::unique_ptr<kvsnap::PrefixCache> prefix;
+};
+struct kvsnap_session {
+  kvsnap::PrefixCache::Session session;
+};
+
+namespace kvsnap::capi {
+
+// Misuse the C API catches itself (a NULL handle, an unknown enum value, the wrong cache kind):
+// KVSNAP_INVALID_ARGUMENT, where a kvsnap::Error is KVSNAP_ERROR.
+struct InvalidArgument : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+
+// Records `message` as this thread's last error and returns `status`.
+kvsnap_status fail(kvsnap_status status, const char* message) noexcept;
+
+// Runs `body`, mapping what it throws to a status (the message kept for kvsnap_last_error).
+template <class Body>
+kvsnap_status guard(Body&& body) noexcept {
+  try {
+    body();
+    return KVSNAP_OK;
+  } catch (const InvalidArgument& error) {
+    return fail(KVSNAP_INVALID_ARGUMENT, error.what());
+  } catch (const Error& error) {
+    return fail(KVSNAP_ERROR, error.what());
+  } catch (const std::bad_alloc&) {
+    return fail(KVSNAP_OUT_OF_MEMORY, "out of memory");
+  } catch (const std::exception& error) {
+    return fail(KVSNAP_INTERNAL_ERROR, error.what());
+  } catch (...) {
+    return fail(KVSNAP_INTERNAL_ERROR, "unknown exception");
+  }
+}
+
+// `*pointer`, or InvalidArgument "<call>: <name> is NULL".
+template <class T>
+T& require(T* pointer, const char* call, const char* name) {
+  if (pointer == nullptr) throw InvalidArgument(fmt::format("{}: {} is NULL", call, name));
+  return *pointer;
+}
+
+// Untyped pointers: InvalidArgument "<call>: <name> is NULL" when null.
+inline void require_data(const void* pointer, const char* call, const char* name) {
+  if (pointer == nullptr) throw InvalidArgument(fmt::format("{}: {} is NULL", call, name));
+}
+
+// The C++ dtype of a C one; InvalidArgument for a value outside the enum.
+DType to_dtype(kvsnap_dtype dtype, const char* call);
+// The batch a C description names (ids copied; NULL ids become zeros).
+Batch to_batch(const kvsnap_batch* batch, const char* call);
+// `ndim` extents from `extents` (NULL only when ndim is 0); InvalidArgument when ndim is not
+// in [0, KVSNAP_MAX_DIMS].
+Shape to_shape(int ndim, const int64_t* extents, const char* call, const char* name);
+// A new handle for `array`.
+kvsnap_array* new_array(Array array);
+// Adopts a snapshot handle (freeing it): its snapshot, or null for a NULL handle.
+SnapshotPtr adopt(kvsnap_snapshot* handle) noexcept;
+// A new handle for `snapshot`, or NULL when it is null.
+kvsnap_snapshot* new_snapshot(SnapshotPtr snapshot);
+
+}  // namespace kvsnap::capi

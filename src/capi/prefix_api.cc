@@ -1,0 +1,143 @@
+// The C API for the prefix cache and its sessions.
+#include "capi/handles.h"
+
+using namespace kvsnap;
+using namespace kvsnap::capi;
+
+namespace {
+
+PrefixCache& prefix_of(const kvsnap_prefix_cache* prefix, const char* call) {
+  return *require(prefix, call, "prefix").prefix;
+}
+
+PrefixCache::Session& session_of(const kvsnap_session* session, const char* call) {
+  // Session calls are const where the C++ ones are; the handle itself is the caller's.
+  return const_cast<kvsnap_session&>(require(session, call, "session")).session;
+}
+
+}  // namespace
+
+extern "C" {
+
+kvsnap_status kvsnap_prefix_cache_create(kvsnap_cache* const* layers, size_t count,
+                                         const kvsnap_prefix_options* options,
+                                         kvsnap_prefix_cache** out) {
+  constexpr const char* call = "kvsnap_prefix_cache_create";
+  return guard([&] {
+    require(out, call, "out");
+    if (count > 0) require_data(layers, call, "layers");
+    std::vector<Cache*> caches;
+    for (size_t i = 0; i < count; ++i) {
+      caches.push_back(layers[i] != nullptr ? layers[i]->cache.get() : nullptr);
+    }
+    PrefixCache::Options settings;
+    if (options != nullptr && options->max_paged_out_bytes > 0) {
+      settings.max_paged_out_bytes = options->max_paged_out_bytes;
+    }
+    auto handle = std::make_unique<kvsnap_prefix_cache>();
+    handle->prefix = std::make_unique<PrefixCache>(std::move(caches), settings);
+    *out = handle.release();
+  });
+}
+
+void kvsnap_prefix_cache_destroy(kvsnap_prefix_cache* prefix) { delete prefix; }
+
+kvsnap_status kvsnap_prefix_cache_begin(kvsnap_prefix_cache* prefix, const int32_t* prompt,
+                                        size_t count, kvsnap_session** out) {
+  constexpr const char* call = "kvsnap_prefix_cache_begin";
+  return guard([&] {
+    PrefixCache& cache = prefix_of(prefix, call);
+    require(out, call, "out");
+    if (count > 0) require_data(prompt, call, "prompt");
+    *out = new kvsnap_session{cache.begin({prompt, count})};
+  });
+}
+
+kvsnap_status kvsnap_prefix_cache_get_stats(const kvsnap_prefix_cache* prefix,
+                                            kvsnap_prefix_stats* out) {
+  constexpr const char* call = "kvsnap_prefix_cache_get_stats";
+  return guard([&] {
+    const PrefixCache& cache = prefix_of(prefix, call);
+    const PrefixCache::Stats stats = cache.stats();
+    require(out, call, "out") = {
+        stats.lookups,           stats.matched_tokens,    stats.reused_tokens, stats.evicted_nodes,
+        stats.dropped_snapshots, cache.paged_out_bytes(), cache.node_count()};
+  });
+}
+
+kvsnap_status kvsnap_prefix_cache_check(const kvsnap_prefix_cache* prefix) {
+  return guard([&] {
+    const std::string problem = prefix_of(prefix, "kvsnap_prefix_cache_check").check_invariants();
+    if (!problem.empty()) throw Error(problem);
+  });
+}
+
+kvsnap_status kvsnap_prefix_cache_save(const kvsnap_prefix_cache* prefix, const char* dir,
+                                       const char* model_id) {
+  constexpr const char* call = "kvsnap_prefix_cache_save";
+  return guard([&] {
+    const PrefixCache& cache = prefix_of(prefix, call);
+    require_data(dir, call, "dir");
+    cache.save(dir, model_id != nullptr ? model_id : "");
+  });
+}
+
+kvsnap_status kvsnap_prefix_cache_load(kvsnap_prefix_cache* prefix, const char* dir,
+                                       const char* model_id) {
+  constexpr const char* call = "kvsnap_prefix_cache_load";
+  return guard([&] {
+    PrefixCache& cache = prefix_of(prefix, call);
+    require_data(dir, call, "dir");
+    cache.load(dir, model_id != nullptr ? model_id : "");
+  });
+}
+
+bool kvsnap_prefix_cache_saved_in(const char* dir) {
+  if (dir == nullptr) return false;
+  try {
+    return PrefixCache::saved_in(dir);
+  } catch (...) {
+    return false;
+  }
+}
+
+kvsnap_status kvsnap_session_remaining(const kvsnap_session* session, const int32_t** tokens,
+                                       size_t* count) {
+  constexpr const char* call = "kvsnap_session_remaining";
+  return guard([&] {
+    const std::span<const int32_t> remaining = session_of(session, call).remaining();
+    require(tokens, call, "tokens") = remaining.data();
+    require(count, call, "count") = remaining.size();
+  });
+}
+
+kvsnap_status kvsnap_session_cached(const kvsnap_session* session, int64_t* out) {
+  constexpr const char* call = "kvsnap_session_cached";
+  return guard([&] { require(out, call, "out") = session_of(session, call).cached(); });
+}
+
+kvsnap_status kvsnap_session_schedule_snapshots(kvsnap_session* session, const int64_t* offsets,
+                                                size_t count) {
+  constexpr const char* call = "kvsnap_session_schedule_snapshots";
+  return guard([&] {
+    PrefixCache::Session& s = session_of(session, call);
+    if (count > 0) require_data(offsets, call, "offsets");
+    s.schedule_snapshots({offsets, count});
+  });
+}
+
+kvsnap_status kvsnap_session_prefill_done(kvsnap_session* session) {
+  return guard([&] { session_of(session, "kvsnap_session_prefill_done").prefill_done(); });
+}
+
+kvsnap_status kvsnap_session_append_output(kvsnap_session* session, int32_t token) {
+  return guard([&] { session_of(session, "kvsnap_session_append_output").append_output(token); });
+}
+
+kvsnap_status kvsnap_session_close(kvsnap_session* session) {
+  return guard([&] { session_of(session, "kvsnap_session_close").close(); });
+}
+
+void kvsnap_session_destroy(kvsnap_session* session) { delete session; }
+
+}  // extern "C"

@@ -1,0 +1,166 @@
+// The C API for snapshots: capture (at once or scheduled), restore, merge, split, lists of
+// snapshots, and snapshot files.
+#include "capi/handles.h"
+
+using namespace kvsnap;
+using namespace kvsnap::capi;
+
+namespace {
+
+Cache& layer(const kvsnap_cache* cache, const char* call) {
+  return *require(cache, call, "cache").cache;
+}
+
+// Hands `snapshots` out as a new list; the list is made before `take` runs, so a failure to
+// allocate it loses no snapshot.
+kvsnap_status take_into(kvsnap_snapshot_list** out, const char* call,
+                        const std::function<std::vector<SnapshotPtr>()>& take) {
+  return guard([&] {
+    require(out, call, "out");
+    auto list = std::make_unique<kvsnap_snapshot_list>();
+    list->snapshots = take();
+    *out = list.release();
+  });
+}
+
+}  // namespace
+
+extern "C" {
+
+kvsnap_status kvsnap_cache_snapshot(kvsnap_cache* cache, int64_t from_offset,
+                                    kvsnap_snapshot** out) {
+  constexpr const char* call = "kvsnap_cache_snapshot";
+  return guard([&] {
+    Cache& c = layer(cache, call);
+    require(out, call, "out");
+    auto handle = std::make_unique<kvsnap_snapshot>();
+    handle->snapshot = c.snapshot(from_offset);
+    *out = handle->snapshot != nullptr ? handle.release() : nullptr;
+  });
+}
+
+kvsnap_status kvsnap_cache_prepare_snapshots(kvsnap_cache* cache, const int64_t* offsets,
+                                             size_t count) {
+  constexpr const char* call = "kvsnap_cache_prepare_snapshots";
+  return guard([&] {
+    Cache& c = layer(cache, call);
+    if (count > 0) require_data(offsets, call, "offsets");
+    c.prepare_snapshots({offsets, count});
+  });
+}
+
+kvsnap_status kvsnap_cache_take_snapshots(kvsnap_cache* cache, kvsnap_snapshot_list** out) {
+  constexpr const char* call = "kvsnap_cache_take_snapshots";
+  return take_into(out, call, [&] { return layer(cache, call).take_snapshots(); });
+}
+
+kvsnap_status kvsnap_cache_take_reached_snapshots(kvsnap_cache* cache, kvsnap_snapshot_list** out) {
+  constexpr const char* call = "kvsnap_cache_take_reached_snapshots";
+  return take_into(out, call, [&] { return layer(cache, call).take_reached_snapshots(); });
+}
+
+kvsnap_status kvsnap_cache_cancel_snapshots(kvsnap_cache* cache) {
+  return guard([&] { layer(cache, "kvsnap_cache_cancel_snapshots").cancel_snapshots(); });
+}
+
+kvsnap_status kvsnap_cache_restore(kvsnap_cache* cache, kvsnap_snapshot* snapshot, int64_t target,
+                                   bool* restored) {
+  constexpr const char* call = "kvsnap_cache_restore";
+  return guard([&] {
+    Cache& c = layer(cache, call);
+    bool& result = require(restored, call, "restored");
+    result = c.restore(snapshot != nullptr ? snapshot->snapshot.get() : nullptr, target);
+  });
+}
+
+kvsnap_status kvsnap_cache_merge(kvsnap_cache* cache, kvsnap_snapshot* parent,
+                                 kvsnap_snapshot* child, kvsnap_snapshot** out) {
+  constexpr const char* call = "kvsnap_cache_merge";
+  SnapshotPtr before = adopt(parent);  // consumed whatever happens next
+  SnapshotPtr after = adopt(child);
+  return guard([&] {
+    Cache& c = layer(cache, call);
+    require(out, call, "out");
+    auto handle = std::make_unique<kvsnap_snapshot>();
+    handle->snapshot = c.merge(std::move(before), std::move(after));
+    *out = handle->snapshot != nullptr ? handle.release() : nullptr;
+  });
+}
+
+kvsnap_status kvsnap_cache_split(kvsnap_cache* cache, kvsnap_snapshot* snapshot, int64_t at,
+                                 kvsnap_snapshot** before, kvsnap_snapshot** after) {
+  constexpr const char* call = "kvsnap_cache_split";
+  SnapshotPtr whole = adopt(snapshot);  // consumed whatever happens next
+  return guard([&] {
+    Cache& c = layer(cache, call);
+    require(before, call, "before");
+    require(after, call, "after");
+    auto first = std::make_unique<kvsnap_snapshot>();
+    auto second = std::make_unique<kvsnap_snapshot>();
+    std::tie(first->snapshot, second->snapshot) = c.split(std::move(whole), at);
+    *before = first->snapshot != nullptr ? first.release() : nullptr;
+    *after = second->snapshot != nullptr ? second.release() : nullptr;
+  });
+}
+
+kvsnap_status kvsnap_snapshot_get_info(const kvsnap_snapshot* snapshot, kvsnap_snapshot_info* out) {
+  constexpr const char* call = "kvsnap_snapshot_get_info";
+  return guard([&] {
+    const Snapshot& s = *require(snapshot, call, "snapshot").snapshot;
+    require(out, call, "out") = {s.from(), s.to(), s.size(), s.is_lazy()};
+  });
+}
+
+void kvsnap_snapshot_destroy(kvsnap_snapshot* snapshot) { delete snapshot; }
+
+size_t kvsnap_snapshot_list_size(const kvsnap_snapshot_list* list) {
+  return list != nullptr ? list->snapshots.size() : 0;
+}
+
+kvsnap_status kvsnap_snapshot_list_take(kvsnap_snapshot_list* list, size_t index,
+                                        kvsnap_snapshot** out) {
+  constexpr const char* call = "kvsnap_snapshot_list_take";
+  return guard([&] {
+    std::vector<SnapshotPtr>& entries = require(list, call, "list").snapshots;
+    require(out, call, "out");
+    if (index >= entries.size()) {
+      throw InvalidArgument(
+          fmt::format("{}: index {} out of range (the list has {})", call, index, entries.size()));
+    }
+    auto handle = std::make_unique<kvsnap_snapshot>();
+    handle->snapshot = std::move(entries[index]);
+    *out = handle->snapshot != nullptr ? handle.release() : nullptr;
+  });
+}
+
+void kvsnap_snapshot_list_destroy(kvsnap_snapshot_list* list) { delete list; }
+
+kvsnap_status kvsnap_save_snapshots(const char* path, int64_t offset,
+                                    const kvsnap_snapshot* const* snapshots, size_t count) {
+  constexpr const char* call = "kvsnap_save_snapshots";
+  return guard([&] {
+    require_data(path, call, "path");
+    if (count > 0) require_data(snapshots, call, "snapshots");
+    std::vector<const Snapshot*> pointers;
+    for (size_t i = 0; i < count; ++i) {
+      pointers.push_back(snapshots[i] != nullptr ? snapshots[i]->snapshot.get() : nullptr);
+    }
+    save_snapshots(path, offset, std::span<const Snapshot* const>(pointers));
+  });
+}
+
+kvsnap_status kvsnap_load_snapshots(const char* path, int64_t* offset, kvsnap_snapshot_list** out) {
+  constexpr const char* call = "kvsnap_load_snapshots";
+  return guard([&] {
+    require_data(path, call, "path");
+    require(offset, call, "offset");
+    require(out, call, "out");
+    auto list = std::make_unique<kvsnap_snapshot_list>();
+    LoadedSnapshots loaded = load_snapshots(path);
+    list->snapshots = std::move(loaded.snapshots);
+    *offset = loaded.offset;
+    *out = list.release();
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,92 @@
+"""The prefix cache, its sessions and snapshot files from Python; the engine example."""
+import importlib.util
+import sys
+
+import numpy as np
+import pytest
+
+import kvsnap
+from conftest import ROOT, kv
+
+
+def load_engine():
+    spec = importlib.util.spec_from_file_location("engine", ROOT / "examples/python/engine.py")
+    engine = importlib.util.module_from_spec(spec)
+    sys.modules["engine"] = engine  # its dataclasses look their module up
+    spec.loader.exec_module(engine)
+    return engine
+
+
+def test_the_engine_example_equals_recomputation():
+    rows = load_engine().run(verbose=False)  # raises if any logit differs from recomputation
+    assert [row["request"] for row in rows][:3] == ["turn 1", "turn 2", "regenerate 2"]
+    assert rows[0]["cached"] == 0
+    assert all(row["cached"] > 0 for row in rows[1:])
+    assert rows[2]["evaluated"] == 1  # a regeneration evaluates one token
+    assert all(row["max_error"] < 1e-4 for row in rows)
+
+
+def serve(prefix, cache, prompt, rng):
+    with prefix.begin(prompt) as session:
+        remaining = session.remaining()
+        batch = kvsnap.Batch.single(remaining, session.cached)
+        cache.update(batch, kv(rng, len(remaining)), kv(rng, len(remaining)))
+        session.prefill_done()
+        session.append_output(7)
+        return session.cached
+
+
+def test_sessions_reuse_a_shared_prefix(rng):
+    cache = kvsnap.KVCache()
+    prefix = kvsnap.PrefixCache([cache, None])
+    assert serve(prefix, cache, list(range(1, 9)), rng) == 0
+    assert serve(prefix, cache, list(range(1, 6)) + [40, 41], rng) == 5
+    stats = prefix.stats()
+    assert stats.lookups == 2 and stats.reused_tokens == 5
+    assert prefix.check_invariants() == ""
+
+
+def test_one_session_at_a_time(rng):
+    prefix = kvsnap.PrefixCache([kvsnap.KVCache()])
+    session = prefix.begin([1, 2, 3])
+    with pytest.raises(kvsnap.Error, match=r"^PrefixCache::begin"):
+        prefix.begin([1, 2, 3])
+    session.close()
+    with pytest.raises(kvsnap.Error, match=r"^Session::prefill_done: the session is closed$"):
+        session.prefill_done()
+
+
+def test_the_prefix_cache_keeps_its_layers_alive(rng):
+    prefix = kvsnap.PrefixCache([kvsnap.KVCache()])  # no other reference to the cache
+    with prefix.begin([1, 2]) as session:
+        assert session.cached == 0
+
+
+def test_a_prefix_cache_survives_a_restart(tmp_path, rng):
+    cache = kvsnap.KVCache()
+    prefix = kvsnap.PrefixCache([cache])
+    serve(prefix, cache, list(range(10)), rng)
+    prefix.save(str(tmp_path), "model-a")
+    assert kvsnap.PrefixCache.saved_in(str(tmp_path))
+    restarted_cache = kvsnap.KVCache()
+    restarted = kvsnap.PrefixCache([restarted_cache])
+    with pytest.raises(kvsnap.Error, match='saved for model "model-a", this cache serves "b"'):
+        restarted.load(str(tmp_path), "b")
+    restarted.load(str(tmp_path), "model-a")
+    assert restarted.node_count == prefix.node_count
+    assert serve(restarted, restarted_cache, list(range(10)), rng) == 9
+
+
+def test_snapshot_files_round_trip(tmp_path, rng):
+    cache = kvsnap.KVCache()
+    keys = kv(rng, 6)
+    cache.update(kvsnap.Batch.uniform(1, 6, 0), keys, keys)
+    path = str(tmp_path / "turn.safetensors")
+    kvsnap.save_snapshots(path, 6, [cache.snapshot(0), None])
+    offset, snapshots = kvsnap.load_snapshots(path)
+    assert offset == 6 and snapshots[1] is None and not snapshots[0].is_lazy
+    fresh = kvsnap.KVCache()
+    assert fresh.restore(snapshots[0], 6)
+    np.testing.assert_array_equal(fresh.state()[0][:, :, :6], keys)
+    with pytest.raises(kvsnap.Error, match=r"^cannot open .*missing\.safetensors for reading"):
+        kvsnap.load_snapshots(str(tmp_path / "missing.safetensors"))
