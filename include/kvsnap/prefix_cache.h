@@ -33,6 +33,12 @@
 // path out into it. match(prompt) tells a scheduler how many tokens a request would reuse,
 // without changing anything.
 //
+// A shared tier (Options::tier, kvsnap/tier.h): when the trie cannot restore all but the last
+// prompt token, begin asks the tier for a deeper restore point (waiting at most the tier's lookup
+// timeout, without holding the cache's lock) and inserts what it finds into the trie; close
+// hands the restore points the session made past what it restored to the tier, which writes
+// them behind. A tier that fails or is slow only costs restores, never a request.
+//
 // Thread-safe: calls (sessions' too) may come from any thread and run one at a time; the
 // layers lock themselves, so each slot's forward may run on its own thread.
 #pragma once
@@ -47,6 +53,8 @@
 #include "kvsnap/export.h"
 
 namespace kvsnap {
+
+class Tier;
 
 namespace detail {
 class PrefixCacheImpl;
@@ -63,6 +71,8 @@ class KVSNAP_EXPORT PrefixCache {
     int64_t max_paged_out_bytes = int64_t(8) << 30;
     // Sequences (slots) the layers serve, each with at most one open session.
     SeqId slots = 1;
+    // A store shared with other processes (Tier::open for these same layers), or null.
+    std::shared_ptr<Tier> tier = nullptr;
   };
 
   // `layers` are not owned and must outlive the PrefixCache; a null entry is a stateless layer.

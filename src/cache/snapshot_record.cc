@@ -2,8 +2,12 @@
 
 #include <fmt/format.h>
 
+#include <nlohmann/json.hpp>
+
 #include "cache/kv_store.h"
 #include "cache/state_snapshot.h"
+#include "kvsnap/recurrent_cache.h"
+#include "kvsnap/rotating_kv_cache.h"
 
 namespace kvsnap::detail {
 
@@ -70,6 +74,56 @@ SnapshotPtr make_snapshot(SnapshotRecord record, const std::string& context) {
       return make_recurrent_snapshot(std::move(record.first), std::move(record.second), record.to);
   }
   throw fail("unknown kind");
+}
+
+const char* snapshot_kind_name(SnapshotRecord::Kind kind) {
+  switch (kind) {
+    case SnapshotRecord::Kind::kv:
+      return "kv";
+    case SnapshotRecord::Kind::rotating:
+      return "rotating";
+    case SnapshotRecord::Kind::recurrent:
+      return "recurrent";
+  }
+  return "?";
+}
+
+std::string describe_layer(const Cache* layer) {
+  using Json = nlohmann::json;
+  if (layer == nullptr) return Json{{"kind", "none"}}.dump();
+  if (auto* r = dynamic_cast<const RotatingKVCache*>(layer)) {
+    return Json{{"kind", "rotating"}, {"max_size", r->max_size()}}.dump();
+  }
+  if (auto* r = dynamic_cast<const RecurrentCache*>(layer)) {
+    return Json{{"kind", "recurrent"},       {"conv_tail", r->conv_tail()},
+                {"conv_dim", r->conv_dim()}, {"v_heads", r->num_v_heads()},
+                {"v_dim", r->head_v_dim()},  {"k_dim", r->head_k_dim()}}
+        .dump();
+  }
+  if (layer->restore_rule().kind == RestoreRule::Kind::ranges) return Json{{"kind", "kv"}}.dump();
+  return Json{{"kind", "other"}}.dump();
+}
+
+std::string snapshot_signature(const SnapshotRecord& record, const Cache* layer) {
+  const auto shape = [](const Array& a, bool tokens_free) {
+    std::string out = fmt::format("{}[", dtype_name(a.dtype()));
+    for (int axis = 0; axis < a.ndim(); ++axis) {
+      out += axis > 0 ? ", " : "";
+      out += tokens_free && axis == 2 ? "*" : std::to_string(a.dim(axis));
+    }
+    return out + "]";
+  };
+  if (record.kind != SnapshotRecord::Kind::recurrent) {
+    return fmt::format("keys {} values {}", shape(record.first, true), shape(record.second, true));
+  }
+  const auto* r = dynamic_cast<const RecurrentCache*>(layer);
+  const int64_t rows = record.first.ndim() > 0 ? record.first.dim(0) : 0;
+  if (r != nullptr &&
+      (record.first.shape() != Shape{rows, r->conv_tail(), r->conv_dim()} ||
+       record.second.shape() != Shape{rows, r->num_v_heads(), r->head_v_dim(), r->head_k_dim()})) {
+    return "";  // not this layer's shapes
+  }
+  return fmt::format("conv {} delta {}", shape(record.first, false), shape(record.second, false));
 }
 
 }  // namespace kvsnap::detail

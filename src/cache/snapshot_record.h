@@ -33,6 +33,19 @@ std::optional<SnapshotRecord> snapshot_record(const Snapshot&);
 // offsets are inconsistent (shapes, dtypes, ranges).
 SnapshotPtr make_snapshot(SnapshotRecord record, const std::string& context);
 
+// "kv", "rotating" or "recurrent".
+const char* snapshot_kind_name(SnapshotRecord::Kind kind);
+
+// What a layer is, as compact JSON, for checking saved state against the layer it returns to:
+// {"kind":"none"} (null: stateless), {"kind":"kv"}, {"kind":"rotating","max_size":N},
+// {"kind":"recurrent",...its five extents} or {"kind":"other"} (a kind kvsnap cannot store).
+std::string describe_layer(const Cache* layer);
+
+// The shapes a snapshot needs its layer's cache to have, with the token count left out (so every
+// snapshot of one layer has the same signature); empty when a recurrent record does not have
+// `layer`'s configured shapes.
+std::string snapshot_signature(const SnapshotRecord& record, const Cache* layer);
+
 // Owned snapshots of each kind, defined next to each snapshot class.
 SnapshotPtr make_kv_snapshot(Array keys, Array values, int64_t from);
 SnapshotPtr make_rotating_snapshot(Array keys, Array values, int64_t end, int64_t window);

@@ -6,9 +6,11 @@
 #include <filesystem>
 #include <mutex>
 
+#include "kvsnap/tier.h"
 #include "persist/files.h"
 #include "persist/safetensors.h"
 #include "prefix/slot.h"
+#include "prefix/tier_link.h"
 #include "prefix/trie.h"
 #include "prefix/trie_file.h"
 
@@ -42,8 +44,14 @@ class PrefixCacheImpl {
       throw Error(
           fmt::format("PrefixCache: slots {} must be in [1, {}]", options.slots, kMaxSlots));
     }
+    if (options.tier != nullptr && options.tier->layers() != layers) {
+      throw Error(fmt::format(
+          "PrefixCache: the tier at {} was opened for other layers ({}) than this cache's ({})",
+          options.tier->address(), options.tier->layers().size(), layers.size()));
+    }
     for (SeqId id = 0; id < options.slots; ++id) {
-      slots.push_back(std::make_unique<Slot>(trie, id, [this] { evict(); }));
+      slots.push_back(std::make_unique<Slot>(
+          trie, id, [this] { evict(); }, this->options.tier.get()));
       live.push_back(&slots.back()->live());
     }
   }
@@ -68,6 +76,23 @@ class PrefixCacheImpl {
   void evict() {
     evict_to_budget(trie, live, options.max_paged_out_bytes, stats.evicted_nodes,
                     stats.dropped_snapshots);
+  }
+  // Before begin on slot `id`: when the trie cannot restore all of `prompt` but its last token,
+  // asks the tier — without the lock, so other calls go on meanwhile — and inserts what it found.
+  void ask_tier(SeqId id, std::span<const int32_t> prompt) {
+    const auto limit = static_cast<int64_t>(prompt.size()) - 1;
+    int64_t held = 0;
+    {
+      const std::lock_guard<std::mutex> lock(mutex);
+      const Slot& s = slot(id, "PrefixCache::begin");
+      if (s.open() || limit < 1) return;  // begin refuses the first; the second needs nothing
+      held = std::min(s.match(prompt), trie.match(prompt).length);
+    }
+    if (held >= limit) return;
+    TierMatch found = options.tier->lookup(prompt, limit, held);
+    if (found.offset == 0) return;
+    const std::lock_guard<std::mutex> lock(mutex);
+    (void)insert_from_tier(trie, prompt, std::move(found));
   }
 
   mutable std::mutex mutex;
@@ -122,6 +147,7 @@ PrefixCache::Session PrefixCache::begin(std::span<const int32_t> prompt) {
   return begin(0, prompt);
 }
 PrefixCache::Session PrefixCache::begin(SeqId slot, std::span<const int32_t> prompt) {
+  if (impl_->options.tier != nullptr) impl_->ask_tier(slot, prompt);
   const Lock lock(impl_->mutex);
   return Session(impl_->slot(slot, "PrefixCache::begin").begin(prompt, impl_.get(), impl_->stats));
 }

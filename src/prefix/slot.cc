@@ -5,6 +5,8 @@
 
 #include <algorithm>
 
+#include "prefix/tier_link.h"
+
 namespace kvsnap::detail {
 
 int64_t Slot::match(std::span<const int32_t> prompt) const {
@@ -209,7 +211,9 @@ void Slot::close() {
     }
     trie_.insert(s.tokens, s.paged_end, offset, std::move(ranged), std::move(whole), false);
   }
-  live_.set_tokens(std::span(s.tokens).subspan(0, static_cast<size_t>(offset)));
+  const auto evaluated = std::span(s.tokens).subspan(0, static_cast<size_t>(offset));
+  live_.set_tokens(evaluated);
+  if (tier_ != nullptr) store_to_tier(*tier_, trie_, id_, evaluated);
   evict_();
 }
 

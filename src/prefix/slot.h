@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kvsnap/prefix_cache.h"
+#include "kvsnap/tier.h"
 #include "prefix/live_state.h"
 #include "prefix/planner.h"
 #include "prefix/trie.h"
@@ -39,9 +40,10 @@ struct SessionState {
 
 class Slot {
  public:
-  // `evict` keeps the trie under its budget (run after every change).
-  Slot(Trie& trie, SeqId id, std::function<void()> evict)
-      : trie_(trie), id_(id), live_(trie, id), evict_(std::move(evict)) {}
+  // `evict` keeps the trie under its budget (run after every change); `tier` (not owned, may be
+  // null) receives the restore points of each closed session.
+  Slot(Trie& trie, SeqId id, std::function<void()> evict, Tier* tier = nullptr)
+      : trie_(trie), id_(id), live_(trie, id), evict_(std::move(evict)), tier_(tier) {}
 
   SeqId id() const { return id_; }
   const LiveState& live() const { return live_; }
@@ -76,6 +78,7 @@ class Slot {
   const SeqId id_;
   LiveState live_;
   std::function<void()> evict_;
+  Tier* tier_;
   std::shared_ptr<SessionState> session_;  // the open session, if any
 };
 

@@ -7,8 +7,6 @@
 #include <set>
 
 #include "cache/snapshot_record.h"
-#include "kvsnap/recurrent_cache.h"
-#include "kvsnap/rotating_kv_cache.h"
 #include "persist/files.h"
 #include "persist/safetensors.h"
 
@@ -22,53 +20,10 @@ constexpr const char* kFormat = "kvsnap-prefix-cache";
 constexpr int kVersion = 2;
 
 // What a layer is, as recorded in the file and compared on load.
-Json describe(const LayerInfo& layer) {
-  if (layer.cache == nullptr) return {{"kind", "none"}};
-  if (auto* r = dynamic_cast<const RotatingKVCache*>(layer.cache)) {
-    return {{"kind", "rotating"}, {"max_size", r->max_size()}};
-  }
-  if (auto* r = dynamic_cast<const RecurrentCache*>(layer.cache)) {
-    return {{"kind", "recurrent"},       {"conv_tail", r->conv_tail()},
-            {"conv_dim", r->conv_dim()}, {"v_heads", r->num_v_heads()},
-            {"v_dim", r->head_v_dim()},  {"k_dim", r->head_k_dim()}};
-  }
-  if (layer.ranged()) return {{"kind", "kv"}};
-  return {{"kind", "other"}};
-}
+Json describe(const LayerInfo& layer) { return Json::parse(describe_layer(layer.cache)); }
 
-// The shapes a snapshot needs its layer's cache to have, with the token count left out.
 std::string signature(const SnapshotRecord& record, const LayerInfo& layer) {
-  const auto shape = [](const Array& a, bool tokens_free) {
-    std::string out = fmt::format("{}[", dtype_name(a.dtype()));
-    for (int axis = 0; axis < a.ndim(); ++axis) {
-      out += axis > 0 ? ", " : "";
-      out += tokens_free && axis == 2 ? "*" : std::to_string(a.dim(axis));
-    }
-    return out + "]";
-  };
-  if (record.kind != SnapshotRecord::Kind::recurrent) {
-    return fmt::format("keys {} values {}", shape(record.first, true), shape(record.second, true));
-  }
-  const auto* r = dynamic_cast<const RecurrentCache*>(layer.cache);
-  const int64_t rows = record.first.ndim() > 0 ? record.first.dim(0) : 0;
-  if (r != nullptr &&
-      (record.first.shape() != Shape{rows, r->conv_tail(), r->conv_dim()} ||
-       record.second.shape() != Shape{rows, r->num_v_heads(), r->head_v_dim(), r->head_k_dim()})) {
-    return "";  // not this layer's shapes
-  }
-  return fmt::format("conv {} delta {}", shape(record.first, false), shape(record.second, false));
-}
-
-const char* kind_name(SnapshotRecord::Kind kind) {
-  switch (kind) {
-    case SnapshotRecord::Kind::kv:
-      return "kv";
-    case SnapshotRecord::Kind::rotating:
-      return "rotating";
-    case SnapshotRecord::Kind::recurrent:
-      return "recurrent";
-  }
-  return "?";
+  return snapshot_signature(record, layer.cache);
 }
 
 }  // namespace
@@ -101,7 +56,7 @@ std::string encode_trie(const Trie& trie, const std::string& model_id) {
       file.tensors.emplace_back(fmt::format("{}.a", prefix), record->first);
       file.tensors.emplace_back(fmt::format("{}.b", prefix), record->second);
       snapshots.push_back(
-          {{"kind", kind_name(record->kind)}, {"from", record->from}, {"to", record->to}});
+          {{"kind", snapshot_kind_name(record->kind)}, {"from", record->from}, {"to", record->to}});
     }
     entries.push_back({{"parent", node->parent->parent == nullptr ? -1 : index.at(node->parent)},
                        {"length", node->edge.size()},

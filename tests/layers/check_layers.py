@@ -20,6 +20,7 @@ LAYERS = [
     ("cache", ["src/cache"], ["cache.h", "kv_cache.h", "paged_kv_cache.h", "rotating_kv_cache.h",
                             "recurrent_cache.h"]),
     ("persist", ["src/persist"], ["persistence.h"]),
+    ("tier", ["src/tier"], ["tier.h"]),
     ("prefix", ["src/prefix"], ["prefix_cache.h", "kvsnap.h"]),
     ("capi", ["src/capi"], ["kvsnap_c.h", "dlpack.h"]),
     ("python", ["python"], []),

@@ -1,0 +1,163 @@
+// Tier — a store of restore points shared by many processes, below the prefix cache: a request
+// one process evaluated restores in another (or after a restart) instead of being recomputed.
+//
+//   kvsnap::TierOptions options;
+//   options.model_fingerprint = config_json + weights_hash;  // what makes the state valid
+//   options.tenant = "team-a";                                // the operator's isolation salt
+//   options.key = kvsnap::load_tier_key("/etc/kvsnap/tier.key");  // optional: authenticity
+//   auto tier = kvsnap::Tier::open("redis://:secret@10.0.0.5:6379/2", layers, options);
+//   kvsnap::PrefixCache prefix(layers, {.tier = tier});  // begin asks it on a miss; close
+//                                                        // writes behind
+//
+// Backends: `redis://[:PASSWORD@]HOST:PORT[/DB]` (hiredis; AUTH and SELECT as given; every key
+// carries a TTL, so Redis under `maxmemory` with an eviction policy just shortens matches) and
+// `dir:PATH` (a folder of files, the same objects; no TTL).
+//
+// Keys: a BLAKE2b hash chained over the prompt's tokens, rooted in the format version, the chunk
+// size, the model fingerprint, the layer configuration and the tenant salt. Attention (KV) data
+// lives in fixed-size token chunks, each stored once and shared by every prompt that contains it;
+// whole-state layers (sliding window, recurrent) and the KV tail after the last full chunk are one
+// object per restore point, listed in a per-chunk index. A restore point counts only when every
+// layer has what it needs at that exact offset; otherwise a shorter one is used — never mixed
+// offsets, never a partial restore.
+//
+// Integrity: every object is a sealed safetensors file (xxHash64 over every byte, lengths
+// checked) naming its key, format version and root. With a key (TierOptions::key), each also
+// carries a keyed BLAKE2b MAC over its key name and bytes: an object forged without the key,
+// copied from another key name or tenant, or signed with another key is rejected. Rejected
+// objects are counted, logged and never restored. Without a key the tier runs in "trusted
+// store" mode (said once through TierOptions::log): damage is caught, forgery is not.
+//
+// Time: lookups wait at most TierOptions::lookup_timeout for the store (a slow or dead store
+// costs a request no more); writes are encoded at close and sent by a background thread through
+// a bounded queue (a full queue drops the batch, counted). Thread-safe.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvsnap/cache.h"
+#include "kvsnap/export.h"
+
+namespace kvsnap {
+
+namespace detail {
+class TierImpl;
+}  // namespace detail
+
+struct TierOptions {
+  // What makes stored state valid for this model: its configuration and weights (any bytes, or
+  // a hash of them). Required: states of another model are never restored.
+  std::string model_fingerprint;
+  // The operator's isolation boundary: processes with another tenant salt never find these
+  // entries. Never take it from a request.
+  std::string tenant;
+  // MAC key material (load_tier_key), at least 16 bytes; empty: trusted-store mode.
+  std::string key;
+  // Tokens per KV chunk object. Part of the key root: processes must agree to share.
+  int64_t chunk_tokens = 256;
+  // The most a lookup waits for the store, all round trips together.
+  std::chrono::milliseconds lookup_timeout{50};
+  // How long one write batch may take before the writer gives up on it.
+  std::chrono::milliseconds write_timeout{2000};
+  // After a failed connection or round trip, the store is not tried again for this long.
+  std::chrono::milliseconds retry_interval{500};
+  // Lifetime of stored keys (Redis); refreshed when a lookup reads them.
+  std::chrono::seconds ttl{std::chrono::hours(24)};
+  // Write batches (one per closed session) waiting for the writer; more are dropped.
+  int64_t write_queue = 64;
+  // One line per event worth an operator's attention (trusted-store mode, rejected objects,
+  // the store lost or back). Default: "kvsnap tier: ..." on stderr. Called from any thread.
+  std::function<void(const std::string&)> log;
+};
+
+// Counters since open. bytes_* count object bytes (values) moved.
+struct TierStats {
+  int64_t lookups = 0;          // lookups that asked the store
+  int64_t hits = 0;             // lookups that returned a restore point
+  int64_t restored_tokens = 0;  // sum of the offsets returned
+  int64_t bytes_read = 0;
+  int64_t bytes_written = 0;
+  int64_t timeouts = 0;         // lookups cut short by lookup_timeout
+  int64_t rejected = 0;         // objects damaged, truncated, foreign or unauthenticated
+  int64_t unauthenticated = 0;  // of those, objects without a valid MAC
+  int64_t objects_written = 0;  // objects the store accepted
+  int64_t dropped_batches = 0;  // write batches dropped: the queue was full or the store failed
+  int64_t store_errors = 0;     // failed connections, round trips or refused writes
+};
+
+// Tokens [from, to) of a restore point: per layer, the KV data of [from, to) (ranged layers),
+// and in the last segment only, the state at `to` (whole-state layers); null elsewhere.
+struct TierSegment {
+  int64_t from = 0, to = 0;
+  std::vector<SnapshotPtr> snapshots;  // one per layer; owned
+};
+
+// The longest restore point found: `segments` cover [first segment's from, offset) in order.
+struct TierMatch {
+  int64_t offset = 0;  // 0: nothing found
+  std::vector<TierSegment> segments;
+};
+
+// A restore point to store: the state of every whole-state layer at `offset` (null for others).
+struct TierPoint {
+  int64_t offset = 0;
+  std::vector<const Snapshot*> states;  // one per layer; not owned
+};
+
+class KVSNAP_EXPORT Tier {
+ public:
+  // Opens the store at `address` (see above) for `layers` (a null entry is a stateless layer;
+  // not owned: the PrefixCache's layers). Throws Error for a malformed address, an empty model
+  // fingerprint, a key shorter than 16 bytes or a chunk size < 1 — never because the store is
+  // unreachable (it is tried again later; lookups miss meanwhile).
+  [[nodiscard]] static std::shared_ptr<Tier> open(const std::string& address,
+                                                  std::vector<Cache*> layers, TierOptions options);
+  // Throws Error naming `address` and the rule unless it is a well-formed address.
+  static void check_address(const std::string& address);
+  // Waits (at most write_timeout plus the queue) for queued writes, then stops the writer.
+  ~Tier();
+  Tier(const Tier&) = delete;
+  Tier& operator=(const Tier&) = delete;
+
+  // The deepest restore point t of `tokens` with better_than < t <= limit, every layer's data at
+  // t included. Segments start at the chunk boundary at or below `better_than` (the caller
+  // holds KV data for [0, better_than) already). Empty when nothing is found, the store fails
+  // or the timeout passes. Never throws for the store's sake.
+  [[nodiscard]] TierMatch lookup(std::span<const int32_t> tokens, int64_t limit,
+                                 int64_t better_than = 0);
+  // Queues `points` of `tokens` for writing: each with the whole states given and the KV data
+  // of [0, offset) taken from `ranges` (per layer: a snapshot whose range covers [0, the largest
+  // offset), null for other layers). Data is copied before returning (the snapshots may change
+  // afterwards); chunks this process wrote or read are not written again. Never blocks on the
+  // store; a full queue drops the batch (counted).
+  void store(std::span<const int32_t> tokens, std::span<const Snapshot* const> ranges,
+             std::span<const TierPoint> points);
+  // Waits until every queued write has been tried (or `timeout` passes); true when drained.
+  bool flush(std::chrono::milliseconds timeout = std::chrono::seconds(10));
+
+  TierStats stats() const;
+  const std::vector<Cache*>& layers() const;
+  // The address with any password replaced by "***".
+  std::string address() const;
+  // Whether objects carry a MAC (a key was given).
+  bool authenticated() const;
+
+ private:
+  explicit Tier(std::unique_ptr<detail::TierImpl> impl);
+  std::unique_ptr<detail::TierImpl> impl_;
+};
+
+// Reads a MAC key from `path`: a regular file owned by the user running kvsnap, with no access
+// for group or others (like OpenSSH's private keys), holding at least 16 bytes (trailing
+// whitespace ignored), e.g. `head -c 32 /dev/urandom > tier.key; chmod 600 tier.key`. Returns
+// its contents, trailing whitespace removed (for TierOptions::key). Throws Error naming the path,
+// its owner and mode otherwise.
+[[nodiscard]] KVSNAP_EXPORT std::string load_tier_key(const std::string& path);
+
+}  // namespace kvsnap

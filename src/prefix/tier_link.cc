@@ -1,0 +1,46 @@
+#include "prefix/tier_link.h"
+
+namespace kvsnap::detail {
+
+bool insert_from_tier(Trie& trie, std::span<const int32_t> prompt, TierMatch match) {
+  if (match.segments.empty() || trie.match(prompt).length < match.segments.front().from) {
+    return false;
+  }
+  const std::vector<LayerInfo>& layers = trie.layers();
+  for (TierSegment& segment : match.segments) {
+    std::vector<SnapshotPtr> ranged(layers.size()), whole(layers.size());
+    for (size_t i = 0; i < layers.size() && i < segment.snapshots.size(); ++i) {
+      (layers[i].ranged() ? ranged : whole)[i] = std::move(segment.snapshots[i]);
+    }
+    trie.insert(prompt, segment.from, segment.to, std::move(ranged), std::move(whole), false);
+  }
+  return true;
+}
+
+void store_to_tier(Tier& tier, Trie& trie, SeqId slot, std::span<const int32_t> tokens) {
+  const std::vector<LayerInfo>& layers = trie.layers();
+  std::vector<TierPoint> points;
+  for (const Node* node : trie.match(tokens).path) {
+    if (node->end > static_cast<int64_t>(tokens.size())) continue;
+    TierPoint point{node->end, std::vector<const Snapshot*>(layers.size())};
+    bool complete = true;
+    for (size_t i = 0; i < layers.size(); ++i) {
+      if (!layers[i].whole_state()) continue;
+      point.states[i] = node->snapshots[i].get();
+      complete = complete && point.states[i] != nullptr;
+    }
+    if (complete) points.push_back(std::move(point));
+  }
+  if (points.empty()) return;
+  // The live caches hold [0, tokens.size()): one lazy snapshot each lends the KV data (no copy).
+  std::vector<SnapshotPtr> ranges(layers.size());
+  std::vector<const Snapshot*> views(layers.size());
+  for (size_t i = 0; i < layers.size(); ++i) {
+    if (!layers[i].ranged()) continue;
+    ranges[i] = layers[i].cache->snapshot(slot, 0);
+    views[i] = ranges[i].get();
+  }
+  tier.store(tokens, views, points);
+}
+
+}  // namespace kvsnap::detail

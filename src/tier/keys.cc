@@ -1,0 +1,47 @@
+#include "tier/keys.h"
+
+#include "cache/snapshot_record.h"
+
+namespace kvsnap::detail {
+
+std::string tier_layer_configuration(const std::vector<Cache*>& layers) {
+  std::string out = "[";
+  for (size_t i = 0; i < layers.size(); ++i) {
+    out += (i > 0 ? "," : "") + describe_layer(layers[i]);
+  }
+  return out + "]";
+}
+
+TierKeys::TierKeys(const std::string& model_fingerprint, const std::string& layer_configuration,
+                   const std::string& tenant, int64_t chunk_tokens)
+    : root_(Hasher()
+                .field("kvsnap tier root")
+                .number(kTierFormatVersion)
+                .number(chunk_tokens)
+                .field(model_fingerprint)
+                .field(layer_configuration)
+                .field(tenant)
+                .finish()),
+      root_hex_(hex(root_)),
+      chunk_tokens_(chunk_tokens) {}
+
+std::vector<Digest> TierKeys::chain(std::span<const int32_t> tokens, int64_t chunks) const {
+  std::vector<Digest> out{root_};
+  for (int64_t j = 0; j < chunks; ++j) {
+    const auto chunk =
+        tokens.subspan(static_cast<size_t>(j * chunk_tokens_), static_cast<size_t>(chunk_tokens_));
+    out.push_back(Hasher().field("chunk").digest(out.back()).tokens(chunk).finish());
+  }
+  return out;
+}
+
+std::string TierKeys::chunk_key(const Digest& end) { return "kvsnap:c:" + hex(end); }
+
+std::string TierKeys::index_key(const Digest& base) { return "kvsnap:i:" + hex(base); }
+
+std::string TierKeys::point_key(const Digest& base, int64_t offset, std::span<const int32_t> tail) {
+  return "kvsnap:p:" +
+         hex(Hasher().field("point").digest(base).number(offset).tokens(tail).finish());
+}
+
+}  // namespace kvsnap::detail

@@ -1,0 +1,53 @@
+// Internal: one tier object — a sealed safetensors file (persist/files.h: xxHash64 over every
+// byte, lengths checked) with per-layer snapshot data for a token range, whose metadata names
+// the object's key, the tier root (version, model, layers, tenant) and what it holds; with a MAC
+// key it is followed by a 32-byte tag: keyed BLAKE2b over the key name and those bytes.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cache/snapshot_record.h"
+#include "kvsnap/error.h"
+
+namespace kvsnap::detail {
+
+// What an object holds: a chunk, the KV data of [from, to); a restore point, the KV data of
+// [from, to) (the tail after the last full chunk, none when empty) and every whole-state layer's
+// state at `to`.
+struct ObjectSpec {
+  enum class Kind { chunk, point } kind = Kind::chunk;
+  int64_t from = 0, to = 0;
+};
+
+// Whether an object of `spec` holds data for `layer` (KV layers: a non-empty range; whole-state
+// layers: points only; stateless layers: never).
+bool object_holds(const ObjectSpec& spec, const Cache* layer);
+
+// Why an object read from the store is not used. `unauthenticated`: its MAC is missing or wrong.
+struct ObjectRejected : Error {
+  ObjectRejected(const std::string& reason, bool unauthenticated)
+      : Error(reason), unauthenticated(unauthenticated) {}
+  bool unauthenticated;
+};
+
+// The object `key` holding `records` (per layer; nullopt where the spec holds nothing), tagged
+// when `mac_key` is not empty.
+std::string encode_object(const std::string& key, const std::string& root_hex,
+                          const ObjectSpec& spec,
+                          const std::vector<std::optional<SnapshotRecord>>& records);
+// Appends the MAC tag of `key` over `value` (as encode_object left it).
+void append_tag(std::string& value, const std::string& key, const std::string& mac_key);
+
+// Checks `value`, read from `key`, in this order: its MAC (with a MAC key), structure and
+// lengths, format and version, checksum, root and key name, then what it holds against `spec`
+// and `layers` (kinds, ranges, windows, recurrent shapes). Returns one snapshot per layer as the
+// spec says (null elsewhere). Throws ObjectRejected with the reason.
+std::vector<SnapshotPtr> decode_object(std::string value, const std::string& key,
+                                       const std::string& root_hex, const ObjectSpec& spec,
+                                       const std::vector<Cache*>& layers,
+                                       const std::string& mac_key);
+
+}  // namespace kvsnap::detail

@@ -1,0 +1,252 @@
+#include "tier/redis_store.h"
+
+#include <fmt/format.h>
+#include <hiredis/hiredis.h>
+
+#include <cerrno>
+#include <charconv>
+
+#include "kvsnap/error.h"
+
+namespace kvsnap::detail {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+Error bad_address(const std::string& address, const std::string& rule) {
+  return Error(fmt::format(
+      "tier address {}: {} (expected redis://[[USER]:PASSWORD@]HOST[:PORT][/DB] or dir:PATH)",
+      redact_address(address), rule));
+}
+
+int parse_number(const std::string& address, std::string_view text, int low, int high,
+                 const char* what) {
+  int value = 0;
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (text.empty() || error != std::errc() || end != text.data() + text.size() || value < low ||
+      value > high) {
+    throw bad_address(address,
+                      fmt::format("{} \"{}\" is not a number in [{}, {}]", what, text, low, high));
+  }
+  return value;
+}
+
+std::string percent_decode(const std::string& address, std::string_view text) {
+  std::string out;
+  for (size_t i = 0; i < text.size(); ++i) {
+    if (text[i] != '%') {
+      out += text[i];
+      continue;
+    }
+    int value = 0;
+    const char* first = text.data() + i + 1;
+    if (i + 2 >= text.size()) throw bad_address(address, "a % escape needs two hex digits");
+    const auto [end, error] = std::from_chars(first, first + 2, value, 16);
+    if (error != std::errc() || end != first + 2) {
+      throw bad_address(address, "a % escape needs two hex digits");
+    }
+    out += static_cast<char>(value);
+    i += 2;
+  }
+  return out;
+}
+
+timeval remaining(Deadline deadline) {
+  const auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - Clock::now());
+  const int64_t micros = std::max<int64_t>(left.count(), 1);
+  return timeval{static_cast<time_t>(micros / 1000000), static_cast<suseconds_t>(micros % 1000000)};
+}
+
+}  // namespace
+
+RedisAddress parse_redis_address(const std::string& address) {
+  const std::string scheme = "redis://";
+  if (address.rfind(scheme, 0) != 0) throw bad_address(address, "it does not start with redis://");
+  std::string_view rest = std::string_view(address).substr(scheme.size());
+  RedisAddress out;
+  if (const size_t at = rest.rfind('@'); at != std::string_view::npos) {
+    const std::string_view credentials = rest.substr(0, at);
+    const size_t colon = credentials.find(':');
+    if (colon == std::string_view::npos) throw bad_address(address, "credentials need a ':'");
+    out.user = percent_decode(address, credentials.substr(0, colon));
+    out.password = percent_decode(address, credentials.substr(colon + 1));
+    if (out.password.empty()) throw bad_address(address, "the password after ':' is empty");
+    rest = rest.substr(at + 1);
+  }
+  if (const size_t slash = rest.find('/'); slash != std::string_view::npos) {
+    out.database = parse_number(address, rest.substr(slash + 1), 0, 1 << 20, "database");
+    rest = rest.substr(0, slash);
+  }
+  std::string_view host = rest;
+  const size_t bracket = rest.rfind(']');
+  const size_t colon = rest.rfind(':');
+  if (colon != std::string_view::npos && (bracket == std::string_view::npos || colon > bracket)) {
+    out.port = parse_number(address, rest.substr(colon + 1), 1, 65535, "port");
+    host = rest.substr(0, colon);
+  }
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  if (host.empty()) throw bad_address(address, "the host is empty");
+  out.host = std::string(host);
+  return out;
+}
+
+// One reply, freed with it.
+class RedisStore::Reply {
+ public:
+  explicit Reply(redisReply* reply) : reply_(reply, freeReplyObject) {}
+  const redisReply& operator*() const { return *reply_; }
+  const redisReply* operator->() const { return reply_.get(); }
+  bool error() const { return reply_->type == REDIS_REPLY_ERROR; }
+  std::string_view text() const { return {reply_->str, reply_->len}; }
+
+ private:
+  std::unique_ptr<redisReply, void (*)(void*)> reply_;
+};
+
+RedisStore::RedisStore(RedisAddress address, StoreOptions options)
+    : address_(std::move(address)), options_(std::move(options)) {}
+
+RedisStore::~RedisStore() {
+  if (context_ != nullptr) redisFree(context_);
+}
+
+void RedisStore::fail(const std::string& why, bool timed_out) {
+  if (context_ != nullptr) {
+    redisFree(context_);  // replies may still be in flight: the connection is unusable
+    context_ = nullptr;
+  }
+  retry_after_ = Clock::now() + options_.retry_interval;
+  options_.health->failed(why);
+  throw StoreFailure(why,
+                     timed_out ? StoreFailure::Reason::timed_out : StoreFailure::Reason::failed);
+}
+
+void RedisStore::connect(Deadline deadline) {
+  if (Clock::now() < retry_after_) {
+    throw StoreFailure("the store failed moments ago; not retrying yet",
+                       StoreFailure::Reason::waiting);
+  }
+  if (Clock::now() >= deadline) {
+    throw StoreFailure("no time left to connect", StoreFailure::Reason::timed_out);
+  }
+  context_ = redisConnectWithTimeout(address_.host.c_str(), address_.port, remaining(deadline));
+  if (context_ == nullptr) fail("cannot allocate a connection", false);
+  if (context_->err != 0) {
+    const bool timed_out = Clock::now() >= deadline;
+    fail(
+        fmt::format("cannot connect to {}:{} ({})", address_.host, address_.port, context_->errstr),
+        timed_out);
+  }
+  std::vector<Command> setup;
+  const std::string database = std::to_string(address_.database);
+  if (!address_.password.empty()) {
+    setup.push_back(address_.user.empty() ? Command{"AUTH", address_.password}
+                                          : Command{"AUTH", address_.user, address_.password});
+  }
+  if (address_.database != 0) setup.push_back({"SELECT", database});
+  if (setup.empty()) return;
+  const std::vector<Reply> replies = round_trip(setup, deadline);
+  for (size_t i = 0; i < replies.size(); ++i) {
+    if (replies[i].error()) {
+      fail(fmt::format("{} refused: {}", setup[i][0], replies[i].text()), false);
+    }
+  }
+}
+
+std::vector<RedisStore::Reply> RedisStore::round_trip(const std::vector<Command>& commands,
+                                                      Deadline deadline) {
+  if (context_ == nullptr) connect(deadline);
+  if (Clock::now() >= deadline) {
+    throw StoreFailure("no time left for the round trip", StoreFailure::Reason::timed_out);
+  }
+  redisSetTimeout(context_, remaining(deadline));
+  std::vector<const char*> argv;
+  std::vector<size_t> lengths;
+  for (const Command& command : commands) {
+    argv.clear();
+    lengths.clear();
+    for (std::string_view part : command) {
+      argv.push_back(part.data());
+      lengths.push_back(part.size());
+    }
+    if (redisAppendCommandArgv(context_, static_cast<int>(argv.size()), argv.data(),
+                               lengths.data()) != REDIS_OK) {
+      fail(fmt::format("cannot queue {} ({})", command[0], context_->errstr), false);
+    }
+  }
+  std::vector<Reply> replies;
+  replies.reserve(commands.size());
+  for (size_t i = 0; i < commands.size(); ++i) {
+    void* reply = nullptr;
+    if (redisGetReply(context_, &reply) != REDIS_OK || reply == nullptr) {
+      const bool timed_out =
+          (context_->err == REDIS_ERR_IO && (errno == EAGAIN || errno == EWOULDBLOCK)) ||
+          Clock::now() >= deadline;
+      fail(timed_out ? std::string("no answer before the deadline")
+                     : fmt::format("the connection failed ({})", context_->errstr),
+           timed_out);
+    }
+    replies.emplace_back(static_cast<redisReply*>(reply));
+  }
+  options_.health->answered();
+  return replies;
+}
+
+void RedisStore::probe(std::span<const std::string> sets, std::span<const std::string> keys,
+                       Deadline deadline, std::vector<std::vector<std::string>>& members,
+                       std::vector<bool>& exists) {
+  std::vector<Command> commands;
+  for (const std::string& set : sets) commands.push_back({"SMEMBERS", set});
+  for (const std::string& key : keys) commands.push_back({"EXISTS", key});
+  const std::vector<Reply> replies = round_trip(commands, deadline);
+  members.assign(sets.size(), {});
+  exists.assign(keys.size(), false);
+  for (size_t i = 0; i < sets.size(); ++i) {
+    const Reply& reply = replies[i];
+    if (reply->type != REDIS_REPLY_ARRAY) continue;  // an error (e.g. another type): no members
+    for (size_t m = 0; m < reply->elements; ++m) {
+      const redisReply* member = reply->element[m];
+      if (member->type == REDIS_REPLY_STRING) members[i].emplace_back(member->str, member->len);
+    }
+  }
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const Reply& reply = replies[sets.size() + i];
+    exists[i] = reply->type == REDIS_REPLY_INTEGER && reply->integer > 0;
+  }
+}
+
+std::vector<std::optional<std::string>> RedisStore::fetch(std::span<const std::string> keys,
+                                                          Deadline deadline) {
+  // GETEX refreshes the lifetime of what is used (Redis >= 6.2).
+  const std::string ttl = std::to_string(options_.ttl.count());
+  std::vector<Command> commands;
+  for (const std::string& key : keys) commands.push_back({"GETEX", key, "EX", ttl});
+  std::vector<std::optional<std::string>> values;
+  for (const Reply& reply : round_trip(commands, deadline)) {
+    if (reply->type == REDIS_REPLY_STRING) {
+      values.emplace_back(std::string(reply.text()));
+    } else {
+      values.emplace_back(std::nullopt);  // missing, or an error (another type): not usable
+    }
+  }
+  return values;
+}
+
+int64_t RedisStore::write(const WriteBatch& batch, Deadline deadline) {
+  const std::string ttl = std::to_string(options_.ttl.count());
+  std::vector<Command> commands;
+  for (const auto& [key, value] : batch.objects) commands.push_back({"SET", key, value, "EX", ttl});
+  for (const auto& [set, member] : batch.index) {
+    commands.push_back({"SADD", set, member});
+    commands.push_back({"EXPIRE", set, ttl});
+  }
+  int64_t refused = 0;
+  const std::vector<Reply> replies = round_trip(commands, deadline);
+  for (size_t i = 0; i < batch.objects.size(); ++i) refused += replies[i].error() ? 1 : 0;
+  return refused;
+}
+
+}  // namespace kvsnap::detail

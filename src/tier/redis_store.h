@@ -1,0 +1,56 @@
+// Internal: the Redis backend of the tier (hiredis, synchronous, pipelined): one connection,
+// opened lazily and dropped on any failure; every round trip bounded by its deadline through the
+// socket timeouts; after a failure nothing is tried for the retry interval.
+#pragma once
+
+#include <string>
+
+#include "tier/store.h"
+
+struct redisContext;
+
+namespace kvsnap::detail {
+
+struct RedisAddress {
+  std::string host;
+  int port = 6379;
+  std::string user;      // Redis 6 ACL user; empty: AUTH with the password alone
+  std::string password;  // empty: no AUTH
+  int database = 0;
+};
+
+// Parses "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]" (PASSWORD may use %XX escapes; HOST may be
+// a bracketed IPv6 address). Throws Error naming the address (password hidden) and the rule.
+RedisAddress parse_redis_address(const std::string& address);
+
+class RedisStore final : public Store {
+ public:
+  RedisStore(RedisAddress address, StoreOptions options);
+  ~RedisStore() override;
+  RedisStore(const RedisStore&) = delete;
+  RedisStore& operator=(const RedisStore&) = delete;
+
+  void probe(std::span<const std::string> sets, std::span<const std::string> keys,
+             Deadline deadline, std::vector<std::vector<std::string>>& members,
+             std::vector<bool>& exists) override;
+  std::vector<std::optional<std::string>> fetch(std::span<const std::string> keys,
+                                                Deadline deadline) override;
+  int64_t write(const WriteBatch& batch, Deadline deadline) override;
+
+  class Reply;
+  using Command = std::vector<std::string_view>;
+
+ private:
+  // Sends `commands` in one pipeline and returns their replies in order. Throws StoreFailure
+  // (dropping the connection) when the connection or a reply fails or the deadline passes.
+  std::vector<Reply> round_trip(const std::vector<Command>& commands, Deadline deadline);
+  void connect(Deadline deadline);
+  [[noreturn]] void fail(const std::string& why, bool timed_out);
+
+  RedisAddress address_;
+  StoreOptions options_;
+  redisContext* context_ = nullptr;
+  std::chrono::steady_clock::time_point retry_after_{};
+};
+
+}  // namespace kvsnap::detail

@@ -1,0 +1,101 @@
+// Internal: what a tier backend is — a key-value store with sets of strings, reached in batched
+// round trips, each bounded by a deadline — and what the tier counts.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kvsnap/tier.h"
+
+namespace kvsnap::detail {
+
+using Deadline = std::chrono::steady_clock::time_point;
+
+// A round trip that did not complete. The tier goes on without the store.
+struct StoreFailure : std::runtime_error {
+  enum class Reason {
+    failed,     // unreachable, refused, or the connection broke
+    timed_out,  // no answer before the deadline
+    waiting,    // not tried: the store failed less than a retry interval ago
+  };
+  StoreFailure(const std::string& what, Reason reason) : std::runtime_error(what), reason(reason) {}
+  Reason reason;
+};
+
+struct WriteBatch {
+  std::vector<std::pair<std::string, std::string>> objects;  // key, value
+  std::vector<std::pair<std::string, std::string>> index;    // set, member
+  int64_t bytes() const {
+    int64_t total = 0;
+    for (const auto& object : objects) total += static_cast<int64_t>(object.second.size());
+    return total;
+  }
+};
+
+class Store {
+ public:
+  virtual ~Store() = default;
+  // One round trip: the members of each set (empty when missing) and whether each key exists.
+  virtual void probe(std::span<const std::string> sets, std::span<const std::string> keys,
+                     Deadline deadline, std::vector<std::vector<std::string>>& members,
+                     std::vector<bool>& exists) = 0;
+  // One round trip: each key's value (nullopt when missing), its lifetime refreshed.
+  virtual std::vector<std::optional<std::string>> fetch(std::span<const std::string> keys,
+                                                        Deadline deadline) = 0;
+  // Writes the objects, then adds the index members (each with the lifetime). Returns how many
+  // objects the store refused (e.g. out of memory with eviction off).
+  virtual int64_t write(const WriteBatch& batch, Deadline deadline) = 0;
+};
+
+// Whether the store answers, shared by a tier's connections: logs once when it is lost and once
+// when it is back, so an outage is two lines, not one per request; `back` runs then too (the
+// store may have lost what it held).
+class StoreHealth {
+ public:
+  StoreHealth(std::string address, std::function<void(const std::string&)> log,
+              std::function<void()> back)
+      : address_(std::move(address)), log_(std::move(log)), back_(std::move(back)) {}
+  void failed(const std::string& why);
+  void answered();
+
+ private:
+  std::mutex mutex_;
+  bool down_ = false;
+  std::string address_;
+  std::function<void(const std::string&)> log_;
+  std::function<void()> back_;
+};
+
+// The counters behind TierStats, updated from any thread.
+struct TierCounters {
+  std::atomic<int64_t> lookups{0}, hits{0}, restored_tokens{0}, bytes_read{0}, bytes_written{0},
+      timeouts{0}, rejected{0}, unauthenticated{0}, objects_written{0}, dropped_batches{0},
+      store_errors{0};
+  TierStats stats() const;
+};
+
+struct StoreOptions {
+  std::chrono::seconds ttl{0};
+  std::chrono::milliseconds retry_interval{0};
+  std::shared_ptr<StoreHealth> health;
+};
+
+// Throws Error unless `address` is "dir:PATH" or "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]".
+void check_store_address(const std::string& address);
+// `address` with any password replaced by "***".
+std::string redact_address(const std::string& address);
+// A connection to the store at `address` (connecting lazily: never fails for an unreachable
+// store). Throws Error for a malformed address or a folder that cannot be used.
+std::unique_ptr<Store> open_store(const std::string& address, const StoreOptions& options);
+
+}  // namespace kvsnap::detail

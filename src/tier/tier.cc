@@ -1,0 +1,146 @@
+#include "kvsnap/tier.h"
+
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <nlohmann/json.hpp>
+
+#include "cache/snapshot_record.h"
+#include "tier/object.h"
+#include "tier/tier_impl.h"
+
+namespace kvsnap {
+namespace detail {
+namespace {
+
+TierOptions checked(const std::vector<Cache*>& layers, TierOptions options) {
+  const auto fail = [](const std::string& rule) { return Error("Tier::open: " + rule); };
+  if (options.model_fingerprint.empty()) {
+    throw fail("the model fingerprint is empty (states of another model must never restore)");
+  }
+  if (options.chunk_tokens < 1) {
+    throw fail(fmt::format("chunk_tokens {} must be >= 1", options.chunk_tokens));
+  }
+  if (!options.key.empty() && options.key.size() < 16) {
+    throw fail(fmt::format("a key of {} bytes is too short (at least 16)", options.key.size()));
+  }
+  if (options.write_queue < 1) {
+    throw fail(fmt::format("write_queue {} must be >= 1", options.write_queue));
+  }
+  if (options.lookup_timeout.count() < 0 || options.write_timeout.count() < 0 ||
+      options.retry_interval.count() < 0 || options.ttl.count() < 1) {
+    throw fail("timeouts and the retry interval must be >= 0, the ttl >= 1 s");
+  }
+  for (size_t i = 0; i < layers.size(); ++i) {
+    if (describe_layer(layers[i]) == R"({"kind":"other"})") {
+      throw fail(fmt::format("layer {} is a cache kind the tier cannot store", i));
+    }
+  }
+  if (!options.log) {
+    options.log = [](const std::string& line) { fmt::print(stderr, "kvsnap tier: {}\n", line); };
+  }
+  return options;
+}
+
+}  // namespace
+
+bool KnownKeys::contains(const std::string& key) const {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  return keys_.count(key) > 0;
+}
+
+void KnownKeys::add(const std::vector<std::string>& keys) {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  if (keys_.size() + keys.size() > kMaximum) keys_.clear();  // forgetting only costs a rewrite
+  keys_.insert(keys.begin(), keys.end());
+}
+
+void KnownKeys::clear() {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  keys_.clear();
+}
+
+TierImpl::TierImpl(const std::string& address, std::vector<Cache*> layers, TierOptions options)
+    : address_(redact_address(address)),
+      layers_(std::move(layers)),
+      options_(checked(layers_, std::move(options))),
+      mac_key_(options_.key.empty() ? "" : derive_mac_key(options_.key)),
+      keys_(options_.model_fingerprint, tier_layer_configuration(layers_), options_.tenant,
+            options_.chunk_tokens),
+      signatures_(layers_.size()) {
+  // A store that was lost may come back empty (restarted, flushed): write everything again.
+  StoreOptions store_options{
+      options_.ttl, options_.retry_interval,
+      std::make_shared<StoreHealth>(address_, options_.log, [this] { known_.clear(); })};
+  lookup_store_ = open_store(address, store_options);
+  WriteBehind::Options writer;
+  writer.capacity = static_cast<size_t>(options_.write_queue);
+  writer.write_timeout = options_.write_timeout;
+  writer.mac_key = mac_key_;
+  writer.written = [this](const std::vector<std::string>& keys) { known_.add(keys); };
+  writer_ = std::make_unique<WriteBehind>(open_store(address, store_options), writer, counters_);
+  if (mac_key_.empty()) {
+    options_.log(fmt::format(
+        "{}: no key (--tier-key-file): trusted-store mode — objects are checked for damage, not "
+        "for authenticity; whoever can write the store can plant state",
+        address_));
+  }
+}
+
+bool TierImpl::ranged(size_t layer) const {
+  return layers_[layer] != nullptr &&
+         layers_[layer]->restore_rule().kind == RestoreRule::Kind::ranges;
+}
+
+void TierImpl::reject(const std::string& key, size_t bytes, const std::string& why,
+                      bool unauthenticated) {
+  ++counters_.rejected;
+  if (unauthenticated) ++counters_.unauthenticated;
+  constexpr int64_t kMaximumLines = 100;
+  const int64_t line = ++logged_rejections_;
+  if (line <= kMaximumLines) {
+    options_.log(
+        fmt::format("rejected {} ({} bytes): {}{}", key, bytes, why,
+                    line == kMaximumLines ? " (further rejections are only counted)" : ""));
+  }
+}
+
+std::vector<std::string> TierImpl::known_signatures() const {
+  const std::lock_guard<std::mutex> lock(signatures_mutex_);
+  return signatures_;
+}
+
+void TierImpl::learn_signature(size_t layer, const SnapshotRecord& record) {
+  const std::lock_guard<std::mutex> lock(signatures_mutex_);
+  if (signatures_[layer].empty()) {
+    signatures_[layer] = snapshot_signature(record, layers_[layer]);
+  }
+}
+
+}  // namespace detail
+
+std::shared_ptr<Tier> Tier::open(const std::string& address, std::vector<Cache*> layers,
+                                 TierOptions options) {
+  return std::shared_ptr<Tier>(
+      new Tier(std::make_unique<detail::TierImpl>(address, std::move(layers), std::move(options))));
+}
+
+void Tier::check_address(const std::string& address) { detail::check_store_address(address); }
+
+Tier::Tier(std::unique_ptr<detail::TierImpl> impl) : impl_(std::move(impl)) {}
+Tier::~Tier() = default;
+
+TierMatch Tier::lookup(std::span<const int32_t> tokens, int64_t limit, int64_t better_than) {
+  return impl_->lookup(tokens, limit, better_than);
+}
+void Tier::store(std::span<const int32_t> tokens, std::span<const Snapshot* const> ranges,
+                 std::span<const TierPoint> points) {
+  impl_->store(tokens, ranges, points);
+}
+bool Tier::flush(std::chrono::milliseconds timeout) { return impl_->flush(timeout); }
+TierStats Tier::stats() const { return impl_->stats(); }
+const std::vector<Cache*>& Tier::layers() const { return impl_->layers(); }
+std::string Tier::address() const { return impl_->address(); }
+bool Tier::authenticated() const { return impl_->authenticated(); }
+
+}  // namespace kvsnap

@@ -1,0 +1,72 @@
+// Internal: the Tier's implementation — key names (keys.h), objects (object.h), a connection for
+// lookups and the write-behind (writer.h) with its own, the counters, and what this process
+// knows: keys it wrote or read (not written again) and each layer's snapshot shapes.
+#pragma once
+
+#include <mutex>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include "kvsnap/tier.h"
+#include "tier/keys.h"
+#include "tier/store.h"
+#include "tier/writer.h"
+
+namespace kvsnap::detail {
+
+// Keys this process wrote or read, so it does not write them again. Bounded; cleared whenever
+// the store turns out to have lost one (flushed, evicted, restarted).
+class KnownKeys {
+ public:
+  bool contains(const std::string& key) const;
+  void add(const std::vector<std::string>& keys);
+  void clear();
+
+ private:
+  static constexpr size_t kMaximum = size_t(1) << 16;
+  mutable std::mutex mutex_;
+  std::unordered_set<std::string> keys_;
+};
+
+class TierImpl {
+ public:
+  TierImpl(const std::string& address, std::vector<Cache*> layers, TierOptions options);
+
+  TierMatch lookup(std::span<const int32_t> tokens, int64_t limit, int64_t better_than);
+  void store(std::span<const int32_t> tokens, std::span<const Snapshot* const> ranges,
+             std::span<const TierPoint> points);
+  bool flush(std::chrono::milliseconds timeout) { return writer_->flush(timeout); }
+  TierStats stats() const { return counters_.stats(); }
+  const std::vector<Cache*>& layers() const { return layers_; }
+  const std::string& address() const { return address_; }
+  bool authenticated() const { return !mac_key_.empty(); }
+
+ private:
+  class Finder;  // one lookup (lookup.cc)
+  bool ranged(size_t layer) const;
+  // The objects of a store call, encoded (the copy of the data).
+  WriteBatch encode(std::span<const int32_t> tokens,
+                    const std::vector<std::optional<SnapshotRecord>>& kv,
+                    std::span<const TierPoint> points, int64_t end);
+  void reject(const std::string& key, size_t bytes, const std::string& why, bool unauthenticated);
+  // The shapes layer i's snapshots have in this process ("" until it stores one).
+  std::vector<std::string> known_signatures() const;
+  void learn_signature(size_t layer, const SnapshotRecord& record);
+
+  std::string address_;  // redacted
+  std::vector<Cache*> layers_;
+  TierOptions options_;
+  std::string mac_key_;
+  TierKeys keys_;
+  TierCounters counters_;
+  KnownKeys known_;
+  std::atomic<int64_t> logged_rejections_{0};
+  mutable std::mutex signatures_mutex_;
+  std::vector<std::string> signatures_;
+  std::timed_mutex lookup_mutex_;  // one lookup at a time on the connection
+  std::unique_ptr<Store> lookup_store_;
+  std::unique_ptr<WriteBehind> writer_;  // last: its thread stops before the rest goes
+};
+
+}  // namespace kvsnap::detail

@@ -1,0 +1,208 @@
+// TierImpl::lookup: one round trip for the index sets of the prompt's chunks and whether its
+// chunks exist; then, deepest restore point first, one round trip for the point's object and the
+// chunks it needs, each checked (object.h) before anything is returned. A missing or rejected
+// chunk rules out every point past it; a missing or rejected point falls back to the next one.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <charconv>
+#include <map>
+
+#include "tier/object.h"
+#include "tier/tier_impl.h"
+
+namespace kvsnap::detail {
+
+using Clock = std::chrono::steady_clock;
+
+class TierImpl::Finder {
+ public:
+  Finder(TierImpl& tier, std::span<const int32_t> tokens, int64_t limit, int64_t better_than,
+         Deadline deadline)
+      : tier_(tier),
+        tokens_(tokens),
+        limit_(limit),
+        better_than_(better_than),
+        deadline_(deadline),
+        chunk_(tier.keys_.chunk_tokens()),
+        first_(better_than / chunk_),
+        chain_(tier.keys_.chain(tokens, limit / chunk_)),
+        signatures_(tier.known_signatures()) {
+    any_kv_ = false;
+    for (size_t i = 0; i < tier.layers_.size(); ++i) any_kv_ = any_kv_ || tier.ranged(i);
+  }
+
+  TierMatch run() {
+    for (int64_t point : candidates()) {
+      if (Clock::now() >= deadline_) {
+        throw StoreFailure("no time left for the next point", StoreFailure::Reason::timed_out);
+      }
+      if (fetch(point)) return assemble(point);
+    }
+    return {};
+  }
+
+ private:
+  int64_t last() const { return static_cast<int64_t>(chain_.size()) - 1; }
+
+  // Restore points in (better_than, limit] whose chunks all exist, deepest first.
+  std::vector<int64_t> candidates() {
+    std::vector<std::string> sets, chunk_keys;
+    for (int64_t j = first_; j <= last(); ++j) sets.push_back(TierKeys::index_key(digest(j)));
+    // Every chunk of the prompt, also those the caller holds: one this process knows it wrote
+    // but the store lacks means the store lost data (flushed, evicted) — write again.
+    for (int64_t j = 0; any_kv_ && j < last(); ++j) {
+      chunk_keys.push_back(TierKeys::chunk_key(digest(j + 1)));
+    }
+    std::vector<std::vector<std::string>> members;
+    std::vector<bool> exists;
+    tier_.lookup_store_->probe(sets, chunk_keys, deadline_, members, exists);
+    for (size_t k = 0; k < chunk_keys.size(); ++k) {
+      if (!exists[k] && tier_.known_.contains(chunk_keys[k])) tier_.known_.clear();
+    }
+    usable_end_ = any_kv_ ? first_ : last();
+    while (any_kv_ && usable_end_ < last() && exists[static_cast<size_t>(usable_end_)]) {
+      ++usable_end_;
+    }
+    std::vector<int64_t> points;
+    for (size_t k = 0; k < members.size(); ++k) {
+      const int64_t j = first_ + static_cast<int64_t>(k);
+      for (const std::string& member : members[k]) {
+        int64_t t = 0;
+        const auto [end, error] = std::from_chars(member.data(), member.data() + member.size(), t);
+        if (error != std::errc() || end != member.data() + member.size()) continue;  // not ours
+        if (t / chunk_ == j && t > better_than_ && t <= limit_ && j <= usable_end_) {
+          points.push_back(t);
+        }
+      }
+    }
+    std::sort(points.rbegin(), points.rend());
+    points.erase(std::unique(points.begin(), points.end()), points.end());
+    return points;
+  }
+
+  // Fetches and checks point `t` and the chunks before it not fetched yet; true when all hold.
+  bool fetch(int64_t t) {
+    const int64_t base = t / chunk_;
+    if (any_kv_ && base > usable_end_) return false;
+    const ObjectSpec point_spec{ObjectSpec::Kind::point, base * chunk_, t};
+    std::vector<std::string> keys{TierKeys::point_key(digest(base), t, tokens(base * chunk_, t))};
+    std::vector<int64_t> wanted;
+    for (int64_t j = first_; any_kv_ && j < base; ++j) {
+      if (chunks_.count(j) > 0) continue;
+      wanted.push_back(j);
+      keys.push_back(TierKeys::chunk_key(digest(j + 1)));
+    }
+    std::vector<std::optional<std::string>> values = tier_.lookup_store_->fetch(keys, deadline_);
+    for (const std::optional<std::string>& value : values) {
+      tier_.counters_.bytes_read += value ? static_cast<int64_t>(value->size()) : 0;
+    }
+    for (size_t k = 0; k < wanted.size(); ++k) {
+      const int64_t j = wanted[k];
+      const ObjectSpec spec{ObjectSpec::Kind::chunk, j * chunk_, (j + 1) * chunk_};
+      std::vector<SnapshotPtr> chunk = check(keys[k + 1], std::move(values[k + 1]), spec);
+      if (chunk.empty()) {
+        usable_end_ = std::min(usable_end_, j);
+        break;
+      }
+      chunks_[j] = std::move(chunk);
+    }
+    if (any_kv_ && base > usable_end_) return false;
+    point_ = check(keys[0], std::move(values[0]), point_spec);
+    return !point_.empty();
+  }
+
+  // The object's snapshots, or an empty vector when it is missing or rejected.
+  std::vector<SnapshotPtr> check(const std::string& key, std::optional<std::string> value,
+                                 const ObjectSpec& spec) {
+    if (!value) {
+      if (tier_.known_.contains(key)) tier_.known_.clear();  // the store lost it
+      return {};
+    }
+    const size_t bytes = value->size();
+    try {
+      std::vector<SnapshotPtr> snapshots = decode_object(
+          std::move(*value), key, tier_.keys_.root_hex(), spec, tier_.layers_, tier_.mac_key_);
+      fits(snapshots);
+      used_.push_back(key);
+      return snapshots;
+    } catch (const ObjectRejected& rejected) {
+      tier_.reject(key, bytes, rejected.what(), rejected.unauthenticated);
+      return {};
+    }
+  }
+
+  // Throws ObjectRejected unless each snapshot has the shapes of its layer's other snapshots
+  // (those this process stored, or else the first one of this lookup).
+  void fits(const std::vector<SnapshotPtr>& snapshots) {
+    for (size_t i = 0; i < snapshots.size(); ++i) {
+      if (snapshots[i] == nullptr) continue;
+      const std::string shapes =
+          snapshot_signature(*snapshot_record(*snapshots[i]), tier_.layers_[i]);
+      if (signatures_[i].empty()) signatures_[i] = shapes;
+      if (shapes != signatures_[i]) {
+        throw ObjectRejected(fmt::format("layer {} holds {}, this layer's snapshots have {}", i,
+                                         shapes, signatures_[i]),
+                             false);
+      }
+    }
+  }
+
+  TierMatch assemble(int64_t t) {
+    TierMatch match;
+    match.offset = t;
+    const int64_t base = t / chunk_;
+    for (int64_t j = first_; any_kv_ && j < base; ++j) {
+      match.segments.push_back({j * chunk_, (j + 1) * chunk_, std::move(chunks_[j])});
+    }
+    match.segments.push_back({any_kv_ ? base * chunk_ : first_ * chunk_, t, std::move(point_)});
+    tier_.known_.add(used_);
+    return match;
+  }
+
+  const Digest& digest(int64_t j) const { return chain_[static_cast<size_t>(j)]; }
+  std::span<const int32_t> tokens(int64_t from, int64_t to) const {
+    return tokens_.subspan(static_cast<size_t>(from), static_cast<size_t>(to - from));
+  }
+
+  TierImpl& tier_;
+  std::span<const int32_t> tokens_;
+  const int64_t limit_, better_than_;
+  const Deadline deadline_;
+  const int64_t chunk_;
+  const int64_t first_;  // the first chunk to fetch: the caller holds the ones before
+  bool any_kv_ = false;
+  std::vector<Digest> chain_;
+  std::vector<std::string> signatures_;
+  int64_t usable_end_ = 0;  // chunks [first_, usable_end_) exist and none was rejected
+  std::map<int64_t, std::vector<SnapshotPtr>> chunks_;
+  std::vector<SnapshotPtr> point_;
+  std::vector<std::string> used_;
+};
+
+TierMatch TierImpl::lookup(std::span<const int32_t> tokens, int64_t limit, int64_t better_than) {
+  limit = std::min(limit, static_cast<int64_t>(tokens.size()));
+  better_than = std::max<int64_t>(better_than, 0);
+  if (limit <= better_than) return {};
+  ++counters_.lookups;
+  const Deadline deadline = Clock::now() + options_.lookup_timeout;
+  std::unique_lock<std::timed_mutex> lock(lookup_mutex_, deadline);
+  if (!lock.owns_lock()) {
+    ++counters_.timeouts;  // other lookups held the connection until the deadline
+    return {};
+  }
+  try {
+    TierMatch match = Finder(*this, tokens, limit, better_than, deadline).run();
+    if (match.offset > 0) {
+      ++counters_.hits;
+      counters_.restored_tokens += match.offset;
+    }
+    return match;
+  } catch (const StoreFailure& failure) {
+    if (failure.reason == StoreFailure::Reason::timed_out) ++counters_.timeouts;
+    if (failure.reason == StoreFailure::Reason::failed) ++counters_.store_errors;
+    return {};
+  }
+}
+
+}  // namespace kvsnap::detail

@@ -1,0 +1,114 @@
+// TierImpl::store: restore points into objects — KV chunks not yet known to be stored, one
+// object per restore point, index entries last (a reader that finds an entry finds its objects:
+// one connection writes them in order) — handed to the write-behind.
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "tier/object.h"
+#include "tier/tier_impl.h"
+
+namespace kvsnap::detail {
+namespace {
+
+// Layer data of [from, to) from a KV record covering it.
+SnapshotRecord slice(const SnapshotRecord& kv, int64_t from, int64_t to) {
+  SnapshotRecord out = kv;
+  out.first = kv.first.slice(2, from - kv.from, to - kv.from);
+  out.second = kv.second.slice(2, from - kv.from, to - kv.from);
+  out.from = from;
+  out.to = to;
+  return out;
+}
+
+}  // namespace
+
+void TierImpl::store(std::span<const int32_t> tokens, std::span<const Snapshot* const> ranges,
+                     std::span<const TierPoint> points) {
+  const auto fail = [](const std::string& rule) { return Error("Tier::store: " + rule); };
+  if (ranges.size() != layers_.size()) {
+    throw fail(fmt::format("{} ranges for {} layers", ranges.size(), layers_.size()));
+  }
+  int64_t end = 0;
+  for (const TierPoint& point : points) {
+    if (point.offset < 1 || point.offset > static_cast<int64_t>(tokens.size()) ||
+        point.states.size() != layers_.size()) {
+      throw fail(
+          fmt::format("a point at offset {} with {} states is outside [1, {}] tokens or "
+                      "not one state per layer ({})",
+                      point.offset, point.states.size(), tokens.size(), layers_.size()));
+    }
+    end = std::max(end, point.offset);
+  }
+  if (points.empty()) return;
+  std::vector<std::optional<SnapshotRecord>> kv(layers_.size());
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (!ranged(i)) continue;
+    if (ranges[i] != nullptr) kv[i] = snapshot_record(*ranges[i]);
+    if (!kv[i] || kv[i]->kind != SnapshotRecord::Kind::kv || kv[i]->from > 0 || kv[i]->to < end) {
+      throw fail(fmt::format("layer {} needs a KV snapshot covering [0, {}){}", i, end,
+                             kv[i] ? fmt::format(", not [{}, {})", kv[i]->from, kv[i]->to) : ""));
+    }
+  }
+  for (const TierPoint& point : points) {
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Snapshot* state = point.states[i];
+      if (layers_[i] == nullptr || ranged(i)) continue;
+      if (state == nullptr || state->to() != point.offset || !snapshot_record(*state)) {
+        throw fail(fmt::format("layer {} has no state at offset {}", i, point.offset));
+      }
+    }
+  }
+  WriteBatch batch = encode(tokens, kv, points, end);
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (kv[i]) learn_signature(i, *kv[i]);
+  }
+  if (!batch.objects.empty()) (void)writer_->push(std::move(batch));
+}
+
+WriteBatch TierImpl::encode(std::span<const int32_t> tokens,
+                            const std::vector<std::optional<SnapshotRecord>>& kv,
+                            std::span<const TierPoint> points, int64_t end) {
+  const int64_t chunk = keys_.chunk_tokens();
+  const std::vector<Digest> chain = keys_.chain(tokens, end / chunk);
+  WriteBatch batch;
+  std::vector<std::optional<SnapshotRecord>> records(layers_.size());
+  const auto add = [&](const std::string& key, const ObjectSpec& spec) {
+    batch.objects.emplace_back(key, encode_object(key, keys_.root_hex(), spec, records));
+  };
+  const bool any_kv =
+      std::any_of(kv.begin(), kv.end(), [](const auto& r) { return r.has_value(); });
+  for (int64_t j = 0; any_kv && j < end / chunk; ++j) {
+    const std::string key = TierKeys::chunk_key(chain[static_cast<size_t>(j + 1)]);
+    if (known_.contains(key)) continue;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      records[i] = kv[i] ? std::optional(slice(*kv[i], j * chunk, (j + 1) * chunk)) : std::nullopt;
+    }
+    add(key, {ObjectSpec::Kind::chunk, j * chunk, (j + 1) * chunk});
+  }
+  for (const TierPoint& point : points) {
+    const int64_t base = point.offset / chunk;
+    const Digest& digest = chain[static_cast<size_t>(base)];
+    const std::string key =
+        TierKeys::point_key(digest, point.offset,
+                            tokens.subspan(static_cast<size_t>(base * chunk),
+                                           static_cast<size_t>(point.offset - base * chunk)));
+    if (known_.contains(key)) continue;
+    const ObjectSpec spec{ObjectSpec::Kind::point, base * chunk, point.offset};
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      records[i].reset();
+      if (!object_holds(spec, layers_[i])) continue;
+      if (kv[i]) {
+        records[i] = slice(*kv[i], spec.from, spec.to);
+        continue;
+      }
+      records[i] = snapshot_record(*point.states[i]);  // checked by store()
+      learn_signature(i, *records[i]);
+    }
+    add(key, spec);
+    batch.index.emplace_back(TierKeys::index_key(digest), std::to_string(point.offset));
+  }
+  return batch;
+}
+
+}  // namespace kvsnap::detail

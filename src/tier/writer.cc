@@ -1,0 +1,80 @@
+#include "tier/writer.h"
+
+#include "tier/object.h"
+
+namespace kvsnap::detail {
+
+WriteBehind::WriteBehind(std::unique_ptr<Store> store, Options options, TierCounters& counters)
+    : store_(std::move(store)),
+      options_(std::move(options)),
+      counters_(counters),
+      thread_([this] { run(); }) {}
+
+WriteBehind::~WriteBehind() {
+  (void)flush(options_.write_timeout);
+  {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    counters_.dropped_batches += static_cast<int64_t>(queue_.size());
+    queue_.clear();  // the store is too slow: what is left would hold up the exit
+    stopping_ = true;
+  }
+  wake_.notify_all();
+  thread_.join();
+}
+
+bool WriteBehind::push(WriteBatch batch) {
+  {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    if (queue_.size() >= options_.capacity) {
+      ++counters_.dropped_batches;
+      return false;
+    }
+    queue_.push_back(std::move(batch));
+  }
+  wake_.notify_one();
+  return true;
+}
+
+bool WriteBehind::flush(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  return idle_.wait_for(lock, timeout, [this] { return queue_.empty() && !busy_; });
+}
+
+void WriteBehind::run() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (true) {
+    wake_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stopping, and everything was sent
+    WriteBatch batch = std::move(queue_.front());
+    queue_.pop_front();
+    busy_ = true;
+    lock.unlock();
+    send(batch);
+    lock.lock();
+    busy_ = false;
+    if (queue_.empty()) idle_.notify_all();
+  }
+}
+
+void WriteBehind::send(WriteBatch& batch) {
+  if (!options_.mac_key.empty()) {
+    for (auto& [key, value] : batch.objects) append_tag(value, key, options_.mac_key);
+  }
+  try {
+    const auto deadline = std::chrono::steady_clock::now() + options_.write_timeout;
+    const int64_t refused = store_->write(batch, deadline);
+    counters_.store_errors += refused;
+    counters_.objects_written += static_cast<int64_t>(batch.objects.size()) - refused;
+    counters_.bytes_written += batch.bytes();
+    if (refused == 0) {
+      std::vector<std::string> keys;
+      for (const auto& object : batch.objects) keys.push_back(object.first);
+      if (options_.written) options_.written(keys);
+    }
+  } catch (const StoreFailure& failure) {
+    if (failure.reason != StoreFailure::Reason::waiting) ++counters_.store_errors;
+    ++counters_.dropped_batches;
+  }
+}
+
+}  // namespace kvsnap::detail

@@ -1,0 +1,161 @@
+// Authenticated tier objects (a key) against a real redis-server: a correctly keyed object
+// restores; one forged without the key, one replayed from another tenant and one signed with
+// another key are rejected and counted, never restored. The key file is checked like a private
+// key. Without a key the tier says once that it trusts the store.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <pwd.h>
+#include <sys/stat.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "persist/files.h"
+#include "persist/safetensors.h"
+#include "support/tier_support.h"
+
+namespace kvsnap {
+namespace {
+
+using testing::Conversation;
+using testing::ObjectNames;
+using testing::RedisStore;
+using testing::throws_error;
+using testing::tier_options;
+using testing::TierProcess;
+using testing::tokens;
+
+const std::string kKey = "0123456789abcdef0123456789abcdef";
+const std::string kOtherKey = "fedcba9876543210fedcba9876543210";
+
+class TierAuth : public ::testing::Test {
+ protected:
+  // The first turn, written by a process with `options`.
+  void write(const TierOptions& options) {
+    TierProcess writer(store.address(), options);
+    (void)writer.turn(talk.first, talk.reply, talk.ends);
+  }
+  RedisStore store;
+  Conversation talk;
+};
+
+TEST_F(TierAuth, ACorrectlyKeyedObjectRestores) {
+  write(tier_options("", kKey));
+  TierProcess reader(store.address(), tier_options("", kKey));
+  EXPECT_EQ(reader.turn(talk.second, tokens(500, 3)).cached, 31);
+  EXPECT_TRUE(reader.tier->authenticated());
+  EXPECT_EQ(reader.tier->stats().rejected, 0);
+  EXPECT_EQ(reader.log.count("trusted-store"), 0) << reader.log.all();
+}
+
+TEST_F(TierAuth, ObjectsForgedWithoutTheKeyAreRejected) {
+  write(tier_options());  // a writer without the key, same names
+  TierProcess reader(store.address(), tier_options("", kKey));
+  EXPECT_EQ(reader.turn(talk.second, tokens(500, 3)).cached, 0);
+  const TierStats stats = reader.tier->stats();
+  EXPECT_GE(stats.unauthenticated, 1);
+  EXPECT_EQ(stats.unauthenticated, stats.rejected);
+  EXPECT_GE(reader.log.count("MAC does not verify"), 1) << reader.log.all();
+}
+
+TEST_F(TierAuth, AForgeryThatPassesTheChecksumIsRejected) {
+  write(tier_options("", kKey));
+  // Someone who can write the store but lacks the key: takes a real object, changes its data and
+  // seals it again (a valid checksum), keeping the old tag.
+  const ObjectNames names(tier_options("", kKey));
+  const std::string point = names.point(talk.second, 31);
+  std::string bytes = store.get(point);
+  const std::string tag = bytes.substr(bytes.size() - 32);
+  bytes.resize(bytes.size() - 32);
+  detail::SafetensorsFile file = detail::decode_safetensors(bytes, point);
+  file.tensors.back().second =
+      Array::zeros(file.tensors.back().second.dtype(), file.tensors.back().second.shape());
+  store.set(point, detail::encode_sealed(file) + tag);
+  TierProcess reader(store.address(), tier_options("", kKey));
+  EXPECT_EQ(reader.turn(talk.second, tokens(500, 3)).cached, 26);
+  EXPECT_EQ(reader.tier->stats().unauthenticated, 1);
+}
+
+TEST_F(TierAuth, AnObjectReplayedFromAnotherTenantIsRejected) {
+  write(tier_options("tenant a", kKey));
+  write(tier_options("tenant b", kKey));
+  // Tenant a's objects copied over tenant b's: the MAC covers the name.
+  const ObjectNames a(tier_options("tenant a", kKey)), b(tier_options("tenant b", kKey));
+  store.set(b.point(talk.second, 31), store.get(a.point(talk.second, 31)));
+  for (int64_t j = 0; j < 3; ++j) {
+    store.set(b.chunk(talk.second, j), store.get(a.chunk(talk.second, j)));
+  }
+  TierProcess reader(store.address(), tier_options("tenant b", kKey));
+  EXPECT_EQ(reader.turn(talk.second, tokens(500, 3)).cached, 0);
+  EXPECT_GE(reader.tier->stats().unauthenticated, 1);
+}
+
+TEST_F(TierAuth, AnObjectSignedWithAnotherKeyIsRejected) {
+  write(tier_options("", kOtherKey));
+  TierProcess reader(store.address(), tier_options("", kKey));
+  EXPECT_EQ(reader.turn(talk.second, tokens(500, 3)).cached, 0);
+  EXPECT_GE(reader.tier->stats().unauthenticated, 1);
+}
+
+TEST(TierTrust, WithoutAKeyTheTierSaysOnceThatItTrustsTheStore) {
+  testing::FolderStore folder("trust");
+  TierProcess process(folder.address());
+  (void)process.turn(Conversation{}.first, Conversation{}.reply);
+  (void)process.turn(Conversation{}.second, tokens(500, 2));
+  EXPECT_EQ(process.log.count("trusted-store mode"), 1) << process.log.all();
+  EXPECT_FALSE(process.tier->authenticated());
+}
+
+class KeyFile : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::filesystem::remove_all(folder);
+    std::filesystem::create_directories(folder);
+  }
+  void TearDown() override { std::filesystem::remove_all(folder); }
+  std::string file(const std::string& name, const std::string& contents, mode_t mode) {
+    const std::string path = (folder / name).string();
+    std::ofstream(path) << contents;
+    ::chmod(path.c_str(), mode);
+    return path;
+  }
+  const std::filesystem::path folder =
+      std::filesystem::temp_directory_path() / ("kvsnap_key_" + std::to_string(::getpid()));
+};
+
+TEST_F(KeyFile, APrivateFileOfTheUserIsRead) {
+  EXPECT_EQ(load_tier_key(file("good", kKey + "\n", 0600)), kKey);
+  EXPECT_EQ(load_tier_key(file("read_only", kKey, 0400)), kKey);
+}
+
+TEST_F(KeyFile, GroupOrOtherAccessIsRefusedNamingPathOwnerAndMode) {
+  for (const mode_t mode : {0644, 0660, 0602, 0640}) {
+    const std::string path = file("open", kKey, mode);
+    const std::string named = "key file " + path;
+    const std::string shown = fmt::format("mode {:04o}", mode);
+    EXPECT_TRUE(throws_error([&] { (void)load_tier_key(path); },
+                             {named.c_str(), shown.c_str(), "group or others", "chmod 600"}));
+  }
+}
+
+TEST_F(KeyFile, AFileOfAnotherUserIsRefused) {
+  const passwd* nobody = ::getpwnam("nobody");
+  if (nobody == nullptr || ::geteuid() == nobody->pw_uid) GTEST_SKIP() << "no user nobody";
+  const std::string path = file("theirs", kKey, 0600);
+  if (::chown(path.c_str(), nobody->pw_uid, static_cast<gid_t>(-1)) != 0) {
+    GTEST_SKIP() << "cannot chown to nobody (not root)";
+  }
+  EXPECT_TRUE(throws_error([&] { (void)load_tier_key(path); },
+                           {path.c_str(), "owned by nobody", "mode 0600", "who runs kvsnap"}));
+}
+
+TEST_F(KeyFile, AShortMissingOrNonRegularFileIsRefused) {
+  EXPECT_TRUE(throws_error([&] { (void)load_tier_key(file("short", "too short \n", 0600)); },
+                           {"holds 9 bytes", "at least 16"}));
+  EXPECT_TRUE(throws_error([&] { (void)load_tier_key((folder / "missing").string()); },
+                           {"missing", "No such file"}));
+  EXPECT_TRUE(throws_error([&] { (void)load_tier_key(folder.string()); }, {"not a regular file"}));
+}
+
+}  // namespace
+}  // namespace kvsnap

@@ -1,0 +1,177 @@
+// The Redis tier under faults, each against a real redis-server on a free loopback port: absent
+// at start, killed and restarted, paused beyond the lookup timeout, flushed, evicting at
+// maxmemory; AUTH, databases and TTLs. Every output equals recomputation (run_turn) and no
+// request fails because of the tier.
+#include <gtest/gtest.h>
+
+#include <chrono>
+
+#include "support/tier_support.h"
+
+namespace kvsnap {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using testing::Conversation;
+using testing::RedisServer;
+using testing::tier_options;
+using testing::TierProcess;
+using testing::tokens;
+using testing::operator+;
+
+Conversation talk;
+
+TEST(TierRedis, AServerAbsentAtStartCostsNothingButHitsAndIsUsedOnceItAnswers) {
+  RedisServer server;
+  server.stop();
+  TierProcess process(server.address());
+  EXPECT_EQ(process.turn(talk.first, talk.reply, talk.ends).cached, 0);  // nothing, no failure
+  EXPECT_GE(process.tier->stats().store_errors, 1);
+  EXPECT_EQ(process.log.count("is unavailable"), 1) << process.log.all();
+  server.start();
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // past the retry interval
+  (void)process.turn(talk.system + tokens(700, 5), tokens(710, 3), talk.ends);
+  EXPECT_EQ(process.log.count("answers again"), 1) << process.log.all();
+  EXPECT_GT(process.tier->stats().objects_written, 0);
+  TierProcess fresh(server.address());
+  EXPECT_EQ(fresh.turn(talk.system + tokens(720, 4), tokens(730, 2)).cached, 20);
+}
+
+TEST(TierRedis, AServerKilledMidRunAndRestartedLosesEntriesNotRequests) {
+  RedisServer server;
+  TierProcess writer(server.address());
+  (void)writer.turn(talk.first, talk.reply, talk.ends);
+  server.stop();  // SIGKILL: everything it held is gone
+  TierProcess reader(server.address());
+  EXPECT_EQ(reader.turn(talk.second, tokens(500, 3)).cached, 0);
+  (void)writer.turn(talk.second, tokens(500, 3));  // written behind into nothing: dropped
+  server.start();
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  // The writer's next session writes again what the restarted server lost (its chunks too).
+  (void)writer.turn(talk.second + tokens(500, 3) + tokens(510, 4), tokens(520, 2));
+  TierProcess late(server.address());
+  EXPECT_EQ(
+      late.turn(talk.second + tokens(500, 3) + tokens(510, 4) + tokens(520, 2) + tokens(530, 3),
+                tokens(540, 2))
+          .cached,
+      static_cast<int64_t>(talk.second.size()) + 3 + 4 + 1);
+}
+
+TEST(TierRedis, APausedServerDelaysARequestByNoMoreThanTheTimeout) {
+  RedisServer server;
+  {
+    TierProcess writer(server.address());
+    (void)writer.turn(talk.first, talk.reply, talk.ends);
+  }
+  TierOptions options = tier_options();
+  options.lookup_timeout = std::chrono::milliseconds(50);
+  options.write_timeout = std::chrono::milliseconds(100);
+  options.retry_interval = std::chrono::milliseconds(200);
+  TierProcess reader(server.address(), options);
+  server.pause();  // SIGSTOP: connections are accepted, nothing answers
+  const auto start = Clock::now();
+  PrefixCache::Session session = reader.cache.begin(talk.second);
+  const auto waited = Clock::now() - start;
+  EXPECT_EQ(session.cached(), 0);
+  EXPECT_LT(waited, std::chrono::milliseconds(50 + 40)) << "begin waited on a paused store";
+  EXPECT_TRUE(reader.stack.forward_and_check(session.remaining(), talk.second));
+  session.prefill_done();
+  const auto closing = Clock::now();
+  session.close();  // written behind: close does not wait on the store
+  EXPECT_LT(Clock::now() - closing, std::chrono::milliseconds(40));
+  EXPECT_EQ(reader.tier->stats().timeouts, 1);
+  server.resume();
+  std::this_thread::sleep_for(std::chrono::milliseconds(250));  // past the retry interval
+  TierProcess again(server.address(), options);
+  // 31 from the writer, or more if the paused server took the reader's writes once resumed.
+  EXPECT_GE(again.turn(talk.second, tokens(500, 3)).cached, 31);
+}
+
+TEST(TierRedis, AFullWriteQueueDropsBatchesInsteadOfWaiting) {
+  RedisServer server;
+  TierOptions options = tier_options();
+  options.write_queue = 1;
+  options.lookup_timeout = std::chrono::milliseconds(20);
+  options.write_timeout = std::chrono::milliseconds(300);
+  TierProcess writer(server.address(), options);
+  server.pause();
+  const auto start = Clock::now();
+  for (int32_t i = 0; i < 4; ++i) {
+    (void)run_turn(writer.cache, writer.stack, talk.system + tokens(1000 + 10 * i, 5),
+                   tokens(2000, 2));
+  }
+  EXPECT_LT(Clock::now() - start, std::chrono::milliseconds(300));
+  EXPECT_GE(writer.tier->stats().dropped_batches, 2);
+  server.resume();
+}
+
+TEST(TierRedis, AFlushedServerIsRefilledAndOutputsStayExact) {
+  RedisServer server;
+  TierProcess writer(server.address());
+  (void)writer.turn(talk.first, talk.reply, talk.ends);
+  (void)server.command({"FLUSHALL"});
+  TierProcess reader(server.address());
+  EXPECT_EQ(reader.turn(talk.second, tokens(500, 3)).cached, 0);
+  // The writer notices its chunks are gone at its next lookup and writes them again.
+  (void)writer.turn(talk.second, tokens(500, 3));
+  TierProcess late(server.address());
+  EXPECT_EQ(late.turn(talk.second + tokens(500, 3) + tokens(510, 2), tokens(520, 2)).cached,
+            static_cast<int64_t>(talk.second.size()) + 2);
+}
+
+TEST(TierRedis, EvictionAtMaxmemoryOnlyShortensMatches) {
+  RedisServer server({.password = "", .config = {"--maxmemory-policy", "allkeys-lru"}});
+  const int64_t used = server.info("used_memory");
+  (void)server.command({"CONFIG", "SET", "maxmemory", std::to_string(used + 600 * 1024)});
+  std::vector<testing::Tokens> prompts;
+  {
+    TierProcess writer(server.address());
+    for (int32_t c = 0; c < 60; ++c) {
+      prompts.push_back(tokens(3000 + 200 * c, 120));
+      (void)writer.turn(prompts.back(), tokens(9000, 3));
+    }
+  }
+  EXPECT_GT(server.info("evicted_keys"), 0) << "the test needs the server to evict";
+  // Redis's LRU clock ticks once a second, so which of these keys went is close to random; from
+  // here on nothing is evicted, and one more conversation is certainly complete.
+  (void)server.command({"CONFIG", "SET", "maxmemory", "0"});
+  prompts.push_back(tokens(20000, 120));
+  {
+    TierProcess writer(server.address());
+    (void)writer.turn(prompts.back(), tokens(9000, 3));
+  }
+  TierProcess reader(server.address());
+  int64_t restored = 0, last = 0;  // every output is checked against recomputation (run_turn)
+  for (const testing::Tokens& prompt : prompts) {
+    last = reader.turn(prompt, tokens(9100, 2)).cached;
+    restored += last;
+  }
+  EXPECT_EQ(last, 119);
+  EXPECT_LT(restored, 61 * 119);  // evictions shortened matches
+}
+
+TEST(TierRedis, PasswordDatabaseAndTimeToLive) {
+  RedisServer server({.password = "s3cret:pass", .config = {}});
+  {
+    TierProcess writer(server.address(3));
+    (void)writer.turn(talk.first, talk.reply, talk.ends);
+    EXPECT_EQ(writer.tier->address().find("s3cret"), std::string::npos);
+  }
+  EXPECT_EQ(server.command({"DBSIZE"}), "0");  // written to database 3
+  TierProcess reader(server.address(3));
+  EXPECT_EQ(reader.turn(talk.second, tokens(500, 3)).cached, 31);
+  // Every key carries the TTL (a day by default).
+  const std::string keys = server.command({"EVAL",
+                                           "redis.call('SELECT', 3) local n = 0 for _, k in "
+                                           "ipairs(redis.call('KEYS', 'kvsnap:*')) do local t = "
+                                           "redis.call('TTL', k) if t <= 0 or t > 86400 then "
+                                           "return -1 end n = n + 1 end return n",
+                                           "0"});
+  EXPECT_GT(std::stoll(keys), 5);
+  TierProcess wrong("redis://:wrong@127.0.0.1:" + std::to_string(server.port()) + "/3");
+  EXPECT_EQ(wrong.turn(talk.second, tokens(500, 3)).cached, 0);
+  EXPECT_GE(wrong.log.count("AUTH refused"), 1) << wrong.log.all();
+}
+
+}  // namespace
+}  // namespace kvsnap

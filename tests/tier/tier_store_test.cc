@@ -1,0 +1,160 @@
+// What a tier does over either backend (a folder, a real redis-server): another process restores
+// what one stored, chunks are shared, a restore point needs every layer, damaged and foreign
+// objects are rejected and counted, and outputs always equal recomputation (run_turn).
+#include <gtest/gtest.h>
+
+#include "support/tier_support.h"
+
+namespace kvsnap {
+namespace {
+
+using testing::Conversation;
+using testing::ObjectNames;
+using testing::tier_options;
+using testing::TierProcess;
+using testing::Tokens;
+using testing::tokens;
+using testing::operator+;
+
+class TierStore : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    store = testing::make_store(GetParam(),
+                                ::testing::UnitTest::GetInstance()->current_test_info()->name());
+  }
+  // A process that runs the conversation's first turn, so the store holds points 20, 26, 31.
+  void store_first_turn() {
+    TierProcess writer(store->address());
+    EXPECT_EQ(writer.turn(talk.first, talk.reply, talk.ends).cached, 0);
+  }
+  std::unique_ptr<testing::TestStore> store;
+  Conversation talk;
+  ObjectNames names;
+};
+
+TEST_P(TierStore, AnotherProcessContinuesWhereOneStopped) {
+  store_first_turn();
+  TierProcess next(store->address());
+  EXPECT_EQ(next.turn(talk.second, tokens(500, 3)).cached, 31);  // what the reply evaluated
+  TierProcess again(store->address());
+  EXPECT_EQ(again.turn(talk.first, tokens(600, 2)).cached, 26);  // a regeneration: all but one
+  const TierStats stats = next.tier->stats();
+  EXPECT_EQ(stats.hits, 1);
+  EXPECT_EQ(stats.restored_tokens, 31);
+  EXPECT_GT(stats.bytes_read, 0);
+  EXPECT_EQ(stats.rejected, 0);
+}
+
+TEST_P(TierStore, ChunksAreStoredOnceForEveryPromptThatSharesThem) {
+  store_first_turn();
+  // 31 tokens evaluated: chunks [0, 8), [8, 16), [16, 24).
+  EXPECT_EQ(store->keys("kvsnap:c:").size(), 3u);
+  TierProcess other(store->address());
+  // Another user message on the same system prompt: [16, 24) differs (tokens 20..23 are new).
+  (void)other.turn(talk.system + tokens(700, 7), talk.reply);
+  EXPECT_EQ(store->keys("kvsnap:c:").size(), 4u);
+}
+
+TEST_P(TierStore, ARestorePointCountsOnlyWithEveryLayerAtThatOffset) {
+  store_first_turn();
+  store->remove(names.point(talk.second, 31));  // the window and recurrent states at 31
+  TierProcess without_31(store->address());
+  EXPECT_EQ(without_31.turn(talk.second, tokens(500, 3)).cached, 26);
+  store->remove(names.chunk(talk.second, 2));  // KV of [16, 24): points 26 and 31 need it
+  TierProcess without_chunk(store->address());
+  EXPECT_EQ(without_chunk.turn(talk.second, tokens(500, 3)).cached, 20);
+  EXPECT_EQ(without_chunk.tier->stats().rejected, 0);  // missing is not damaged
+}
+
+TEST_P(TierStore, DamagedObjectsAreRejectedCountedAndLoggedNeverRestored) {
+  store_first_turn();
+  const std::string point = names.point(talk.second, 31);
+  std::string bytes = store->get(point);
+  bytes[bytes.size() / 2] ^= 0x01;  // one flipped bit in the data
+  store->set(point, bytes);
+  TierProcess flipped(store->address());
+  EXPECT_EQ(flipped.turn(talk.second, tokens(500, 3)).cached, 26);
+  EXPECT_EQ(flipped.tier->stats().rejected, 1);
+  EXPECT_EQ(flipped.log.count("rejected " + point), 1) << flipped.log.all();
+  EXPECT_EQ(flipped.log.count("checksum"), 1) << flipped.log.all();
+
+  const std::string chunk = names.chunk(talk.second, 2);
+  const std::string whole = store->get(chunk);
+  store->set(chunk, whole.substr(0, whole.size() - 5));  // truncated
+  TierProcess truncated(store->address());
+  EXPECT_EQ(truncated.turn(talk.second, tokens(500, 3)).cached, 20);
+  EXPECT_GE(truncated.tier->stats().rejected, 1);
+  EXPECT_GE(truncated.log.count("rejected " + chunk), 1) << truncated.log.all();
+}
+
+TEST_P(TierStore, ObjectsOfAnotherVersionAreRejected) {
+  store_first_turn();
+  const std::string point = names.point(talk.second, 31);
+  std::string bytes = store->get(point);
+  const size_t at = bytes.find("\"version\":\"1\"");
+  ASSERT_NE(at, std::string::npos);
+  bytes[at + 11] = '9';  // a later format, same length
+  store->set(point, bytes);
+  TierProcess reader(store->address());
+  EXPECT_EQ(reader.turn(talk.second, tokens(500, 3)).cached, 26);
+  EXPECT_EQ(reader.log.count("version \"9\""), 1) << reader.log.all();
+}
+
+TEST_P(TierStore, AnotherTenantOrModelNeverHits) {
+  store_first_turn();
+  TierProcess tenant(store->address(), tier_options("another tenant"));
+  EXPECT_EQ(tenant.turn(talk.second, tokens(500, 3)).cached, 0);
+  TierOptions model = tier_options();
+  model.model_fingerprint = "another model";
+  TierProcess other_model(store->address(), model);
+  EXPECT_EQ(other_model.turn(talk.second, tokens(500, 3)).cached, 0);
+  TierOptions chunks = tier_options();
+  chunks.chunk_tokens = 4;
+  TierProcess other_chunks(store->address(), chunks);
+  EXPECT_EQ(other_chunks.turn(talk.second, tokens(500, 3)).cached, 0);
+  EXPECT_EQ(tenant.tier->stats().rejected + other_model.tier->stats().rejected, 0);
+}
+
+TEST_P(TierStore, ObjectsCopiedFromAnotherModelAreRejected) {
+  TierOptions model = tier_options();
+  model.model_fingerprint = "another model";
+  {
+    TierProcess writer(store->address(), model);
+    (void)writer.turn(talk.first, talk.reply, talk.ends);
+  }
+  store_first_turn();
+  // Its objects over this model's (a confused or malicious writer of the store).
+  const ObjectNames theirs(model);
+  store->set(names.point(talk.second, 31), store->get(theirs.point(talk.second, 31)));
+  for (int64_t j = 0; j < 3; ++j) {
+    store->set(names.chunk(talk.second, j), store->get(theirs.chunk(talk.second, j)));
+  }
+  TierProcess reader(store->address());
+  EXPECT_EQ(reader.turn(talk.second, tokens(500, 3)).cached, 0);
+  EXPECT_GE(reader.tier->stats().rejected, 1);
+  EXPECT_GE(reader.log.count("another model, layer layout or tenant"), 1) << reader.log.all();
+}
+
+TEST_P(TierStore, TheTrieIsAskedFirstAndTheTierOnlyBeyondIt) {
+  store_first_turn();
+  TierProcess reader(store->address());
+  (void)reader.turn(talk.system + tokens(800, 3), tokens(900, 2));  // the system prompt: a hit
+  EXPECT_EQ(reader.tier->stats().hits, 1);
+  // The same process continues the stored conversation: its trie holds [0, 20), the tier the
+  // rest; chunks before 20 are not fetched again.
+  const int64_t read = reader.tier->stats().bytes_read;
+  EXPECT_EQ(reader.turn(talk.second, tokens(500, 3)).cached, 31);
+  const int64_t chunk_bytes = static_cast<int64_t>(store->get(names.chunk(talk.second, 0)).size());
+  const int64_t point_bytes = static_cast<int64_t>(store->get(names.point(talk.second, 31)).size());
+  EXPECT_LE(reader.tier->stats().bytes_read - read, point_bytes + 2 * chunk_bytes);
+  // A prompt the trie restores fully (a regeneration) does not ask the tier.
+  const int64_t lookups = reader.tier->stats().lookups;
+  (void)reader.turn(talk.second, tokens(500, 3));
+  EXPECT_EQ(reader.tier->stats().lookups, lookups);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, TierStore, ::testing::Values("dir", "redis"),
+                         [](const auto& info) { return info.param; });
+
+}  // namespace
+}  // namespace kvsnap

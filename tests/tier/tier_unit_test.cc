@@ -1,0 +1,130 @@
+// The tier's parts: addresses, key names, the contract of Tier::open / store and its place
+// under a PrefixCache.
+#include <gtest/gtest.h>
+
+#include "support/tier_support.h"
+#include "tier/redis_store.h"
+#include "tier/store.h"
+
+namespace kvsnap {
+namespace {
+
+using testing::HybridStack;
+using testing::throws_error;
+using testing::tier_options;
+using testing::tokens;
+using testing::operator+;
+
+TEST(TierAddress, RedisAddressesParse) {
+  const detail::RedisAddress plain = detail::parse_redis_address("redis://cache.local:7000");
+  EXPECT_EQ(plain.host, "cache.local");
+  EXPECT_EQ(plain.port, 7000);
+  EXPECT_EQ(plain.password, "");
+  EXPECT_EQ(plain.database, 0);
+  const detail::RedisAddress full =
+      detail::parse_redis_address("redis://:p%40ss:w@10.0.0.5:6380/2");
+  EXPECT_EQ(full.password, "p@ss:w");
+  EXPECT_EQ(full.user, "");
+  EXPECT_EQ(full.host, "10.0.0.5");
+  EXPECT_EQ(full.port, 6380);
+  EXPECT_EQ(full.database, 2);
+  const detail::RedisAddress user = detail::parse_redis_address("redis://alice:pw@[::1]/1");
+  EXPECT_EQ(user.user, "alice");
+  EXPECT_EQ(user.host, "::1");
+  EXPECT_EQ(user.port, 6379);
+  EXPECT_NO_THROW(Tier::check_address("dir:/var/cache/kvsnap"));
+}
+
+TEST(TierAddress, MalformedAddressesAreRefusedWithoutShowingThePassword) {
+  const auto refused = [](const std::string& address, const char* rule) {
+    return throws_error([&] { Tier::check_address(address); }, {"tier address", rule});
+  };
+  EXPECT_TRUE(refused("http://host:1", "does not start with redis://"));
+  EXPECT_TRUE(refused("redis://host:99999", "port \"99999\""));
+  EXPECT_TRUE(refused("redis://host:6379/x", "database \"x\""));
+  EXPECT_TRUE(refused("redis://:6379", "the host is empty"));
+  EXPECT_TRUE(refused("redis://:@host:1", "password after ':' is empty"));
+  EXPECT_TRUE(refused("dir:", "folder after dir: is empty"));
+  try {
+    Tier::check_address("redis://:hunter2@host:bad");
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()).find("hunter2"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(":***@host"), std::string::npos) << e.what();
+  }
+}
+
+TEST(TierKeys, PromptsThatShareAPrefixShareItsChunkNames) {
+  const testing::ObjectNames names;
+  const auto a = tokens(1, 20), b = tokens(1, 16) + tokens(90, 4);
+  EXPECT_EQ(names.chunk(a, 0), names.chunk(b, 0));
+  EXPECT_EQ(names.chunk(a, 1), names.chunk(b, 1));
+  EXPECT_NE(names.point(a, 18), names.point(b, 18));  // the tail differs
+  EXPECT_EQ(names.point(a, 16), names.point(b, 16));
+  // A chunk's name depends on everything before it, not only on its own tokens.
+  EXPECT_NE(names.chunk(tokens(1, 8) + tokens(50, 8), 1),
+            names.chunk(tokens(2, 8) + tokens(50, 8), 1));
+}
+
+TEST(TierKeys, TheRootSeparatesTenantsModelsLayersAndChunkSizes) {
+  const auto prompt = tokens(1, 20);
+  const std::string base = testing::ObjectNames().chunk(prompt, 0);
+  TierOptions options = tier_options("tenant");
+  EXPECT_NE(testing::ObjectNames(options).chunk(prompt, 0), base);
+  options = tier_options();
+  options.model_fingerprint += " ";
+  EXPECT_NE(testing::ObjectNames(options).chunk(prompt, 0), base);
+  HybridStack stack;
+  const std::string layers = detail::tier_layer_configuration(stack.layers());
+  HybridStack wider(true, 16);
+  EXPECT_NE(detail::tier_layer_configuration(wider.layers()), layers);
+  const detail::TierKeys four("f", layers, "", 4), eight("f", layers, "", 8);
+  EXPECT_NE(four.root_hex(), eight.root_hex());
+}
+
+TEST(TierContract, OpenRefusesWhatCannotWork) {
+  HybridStack stack;
+  TierOptions options = tier_options();
+  options.model_fingerprint = "";
+  EXPECT_TRUE(throws_error([&] { (void)Tier::open("dir:/tmp/x", stack.layers(), options); },
+                           {"Tier::open", "model fingerprint is empty"}));
+  options = tier_options("", "short");
+  EXPECT_TRUE(throws_error([&] { (void)Tier::open("dir:/tmp/x", stack.layers(), options); },
+                           {"Tier::open", "key of 5 bytes"}));
+  options = tier_options();
+  options.chunk_tokens = 0;
+  EXPECT_TRUE(throws_error([&] { (void)Tier::open("dir:/tmp/x", stack.layers(), options); },
+                           {"chunk_tokens 0"}));
+  EXPECT_TRUE(
+      throws_error([&] { (void)Tier::open("dir:/proc/self/x", stack.layers(), tier_options()); },
+                   {"tier folder /proc/self/x"}));
+}
+
+TEST(TierContract, StoreRefusesDataThatDoesNotFitNamingTheRule) {
+  testing::FolderStore folder("contract");
+  HybridStack stack;
+  const std::shared_ptr<Tier> tier = Tier::open(folder.address(), stack.layers(), tier_options());
+  const auto prompt = tokens(1, 10);
+  const TierPoint point{5, std::vector<const Snapshot*>(4)};
+  const std::vector<const Snapshot*> ranges(4);
+  EXPECT_TRUE(throws_error(
+      [&] { tier->store(prompt, std::vector<const Snapshot*>(2), std::span(&point, 1)); },
+      {"Tier::store", "2 ranges for 4 layers"}));
+  EXPECT_TRUE(throws_error([&] { tier->store(prompt, ranges, std::span(&point, 1)); },
+                           {"Tier::store", "layer 0 needs a KV snapshot covering [0, 5)"}));
+  const TierPoint outside{11, std::vector<const Snapshot*>(4)};
+  EXPECT_TRUE(throws_error([&] { tier->store(prompt, ranges, std::span(&outside, 1)); },
+                           {"offset 11", "outside [1, 10]"}));
+  EXPECT_TRUE(tier->flush());
+  EXPECT_TRUE(folder.keys("kvsnap:").empty());  // nothing was written
+}
+
+TEST(TierContract, APrefixCacheRefusesATierOpenedForOtherLayers) {
+  testing::FolderStore folder("layers");
+  HybridStack stack, other;
+  const std::shared_ptr<Tier> tier = Tier::open(folder.address(), other.layers(), tier_options());
+  EXPECT_TRUE(throws_error([&] { PrefixCache cache(stack.layers(), {.tier = tier}); },
+                           {"PrefixCache", "opened for other layers"}));
+}
+
+}  // namespace
+}  // namespace kvsnap
