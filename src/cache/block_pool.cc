@@ -143,7 +143,9 @@ void PagedSnapshot::for_each_part(
 SnapshotRecord PagedSnapshot::record() const {
   const Guard guard(pool_->lock);
   const int64_t tokens = end_ - begin_;
-  auto [keys, values] = pool_->layout.allocate_uninitialized(tokens);
+  auto buffers = pool_->layout.allocate_uninitialized(tokens);
+  Array& keys = buffers.first;
+  Array& values = buffers.second;
   for_each_part(tokens, [&](int64_t first, const Array& k, const Array& v) {
     keys.assign_slice(2, first, k);
     values.assign_slice(2, first, v);
