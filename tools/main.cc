@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <kvsnap/kvsnap.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
@@ -58,7 +59,41 @@ struct ReplayArguments {
   std::string model_config, weights;
   std::string cache_dir;
   uint64_t seed = 42;
+  std::string tier, tenant, tier_key_file;
+  int64_t tier_timeout_ms = 50;
 };
+
+// The shared tier's options, checked before any model work: the address, the key file (like a
+// private key: the user's own, no access for group or others).
+TierOptions tier_options(const ReplayArguments& args) {
+  if (args.tier.empty()) {
+    if (!args.tenant.empty() || !args.tier_key_file.empty()) {
+      throw Error(fmt::format("replay: --{} needs --tier (the store it applies to)",
+                              args.tenant.empty() ? "tier-key-file" : "tenant"));
+    }
+    return {};
+  }
+  if (args.parallel > 0) {
+    throw Error(
+        "replay: --tier works with the sequential replay only, not with --parallel (its slots' "
+        "paged caches are not stored in the tier yet)");
+  }
+  Tier::check_address(args.tier);
+  TierOptions options;
+  options.tenant = args.tenant;
+  if (!args.tier_key_file.empty()) options.key = load_tier_key(args.tier_key_file);
+  options.lookup_timeout = std::chrono::milliseconds(args.tier_timeout_ms);
+  return options;
+}
+
+// What makes state valid for a model: its config (with the seed) and the weights' bytes.
+std::string model_fingerprint(const ReplayArguments& args, const Model& model) {
+  if (args.weights.empty()) return model.config().to_json();
+  const std::string weights = detail::read_file(args.weights);
+  const XXH128_hash_t hash = XXH3_128bits(weights.data(), weights.size());
+  return fmt::format("{} weights {:016x}{:016x}", model.config().to_json(), hash.high64,
+                     hash.low64);
+}
 
 void write_chart(const std::string& path, const tools::RunResult& cached,
                  const tools::RunResult& uncached, bool json) {
@@ -92,6 +127,27 @@ int run_parallel(const ReplayArguments& args, const tools::Workload& workload, c
   return comparison.first_difference.empty() ? 0 : 1;
 }
 
+// Where state outlives the run: --cache-dir (this machine) and the shared tier.
+void add_store_options(CLI::App& command, ReplayArguments& args) {
+  command.add_option("--cache-dir", args.cache_dir,
+                     "load the prefix cache from DIR when saved there, save it at the end "
+                     "(a second run over the same workload starts warm)");
+  command.add_option("--tier", args.tier,
+                     "a snapshot store shared by processes, below the prefix cache: "
+                     "redis://[:PASSWORD@]HOST:PORT[/DB] or dir:PATH (README: the tier)");
+  command.add_option("--tenant", args.tenant,
+                     "with --tier: the isolation salt; processes of other tenants never see "
+                     "these entries");
+  command.add_option("--tier-key-file", args.tier_key_file,
+                     "with --tier: a key (>= 16 bytes, mode 0600) authenticating every object; "
+                     "without it the tier trusts the store");
+  command
+      .add_option("--tier-timeout-ms", args.tier_timeout_ms,
+                  "with --tier: the most a lookup waits for the store")
+      ->check(CLI::Range(int64_t{0}, int64_t{60000}))
+      ->capture_default_str();
+}
+
 int run_replay(const ReplayArguments& args) {
   // Everything that can be refused is, before any model work: arguments, the workload, requests
   // over the context length, then the cache directory (last: checking may create it).
@@ -105,6 +161,7 @@ int run_replay(const ReplayArguments& args) {
   if (!args.model_config.empty())
     config = ModelConfig::from_json(detail::read_file(args.model_config));
   tools::check_context_length(workload, config.context_length);
+  TierOptions tier = tier_options(args);
   if (!args.cache_dir.empty()) tools::check_cache_dir(args.cache_dir);
   const Model model =
       args.weights.empty() ? Model(config) : Model::load(args.model_config, args.weights);
@@ -122,6 +179,9 @@ int run_replay(const ReplayArguments& args) {
   cached_options.max_paged_out_bytes = args.budget;
   cached_options.cache_dir = args.cache_dir;
   cached_options.model_id = model_id;
+  cached_options.tier = args.tier;
+  cached_options.tier_options = std::move(tier);
+  cached_options.tier_options.model_fingerprint = model_fingerprint(args, model);
   cached_options.progress = Progress("with prefix cache", !args.quiet);
   tools::ReplayOptions uncached_options;
   uncached_options.with_cache = false;
@@ -188,9 +248,6 @@ int run(int argc, char** argv) {
       ->check(CLI::ExistingFile);
   replay_command->add_option("--weights", replay.weights, "model safetensors (with --model-config)")
       ->check(CLI::ExistingFile);
-  replay_command->add_option("--cache-dir", replay.cache_dir,
-                             "load the prefix cache from DIR when saved there, save it at the end "
-                             "(a second run over the same workload starts warm)");
   replay_command->add_option("--seed", replay.seed, "seed of the generated weights")
       ->capture_default_str();
   replay_command
@@ -199,6 +256,7 @@ int run(int argc, char** argv) {
                    "(16 users on one long system prompt)")
       ->check(CLI::IsMember(tools::embedded_workload_names()))
       ->capture_default_str();
+  add_store_options(*replay_command, replay);
   CLI::Option* parallel =
       replay_command
           ->add_option("--parallel", replay.parallel,

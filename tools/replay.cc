@@ -172,7 +172,11 @@ RunResult replay(const Workload& workload, const Model& model, const ReplayOptio
   run.with_cache = options.with_cache;
   auto caches = model.make_caches();
   const std::vector<Cache*> layers = cache_pointers(caches);
-  PrefixCache prefix(layers, {.max_paged_out_bytes = options.max_paged_out_bytes});
+  std::shared_ptr<Tier> tier;
+  if (options.with_cache && !options.tier.empty()) {
+    tier = Tier::open(options.tier, layers, options.tier_options);
+  }
+  PrefixCache prefix(layers, {.max_paged_out_bytes = options.max_paged_out_bytes, .tier = tier});
   if (options.with_cache && !options.cache_dir.empty() &&
       PrefixCache::saved_in(options.cache_dir)) {
     prefix.load(options.cache_dir, options.model_id);
@@ -205,6 +209,11 @@ RunResult replay(const Workload& workload, const Model& model, const ReplayOptio
   run.paged_out_bytes = prefix.paged_out_bytes();
   run.evicted_nodes = prefix.stats().evicted_nodes;
   run.trie_nodes = prefix.node_count();
+  if (tier != nullptr) {
+    (void)tier->flush(std::chrono::seconds(10));  // what the next process will find
+    run.with_tier = true;
+    run.tier = tier->stats();
+  }
   return run;
 }
 
@@ -258,8 +267,48 @@ Summary summarize(const RunResult& cached, const RunResult& uncached) {
   s.loaded_nodes = cached.loaded_nodes;
   s.seconds_cached = cached.seconds;
   s.seconds_uncached = uncached.seconds;
+  s.with_tier = cached.with_tier;
+  s.tier = cached.tier;
   return s;
 }
+
+namespace {
+
+// The shared tier's rows of the table.
+std::string tier_rows(const TierStats& t) {
+  const auto row = [](const std::string& name, const std::string& value) {
+    return fmt::format("  {:<30} {:>14}\n", name, value);
+  };
+  std::string out = row("tier hits / lookups", fmt::format("{} / {}", t.hits, t.lookups));
+  out += row("tokens restored from the tier", std::to_string(t.restored_tokens));
+  out += row("tier bytes read", std::to_string(t.bytes_read));
+  out += row("tier bytes written", std::to_string(t.bytes_written));
+  out += row("tier lookups timed out", std::to_string(t.timeouts));
+  out += row("tier objects rejected", std::to_string(t.rejected));
+  if (t.store_errors + t.dropped_batches > 0) {
+    out += row("tier errors / dropped writes",
+               fmt::format("{} / {}", t.store_errors, t.dropped_batches));
+  }
+  return out;
+}
+
+nlohmann::json tier_json(const Summary& s) {
+  if (!s.with_tier) return nullptr;
+  const TierStats& t = s.tier;
+  return {{"lookups", t.lookups},
+          {"hits", t.hits},
+          {"restored_tokens", t.restored_tokens},
+          {"bytes_read", t.bytes_read},
+          {"bytes_written", t.bytes_written},
+          {"timeouts", t.timeouts},
+          {"rejected", t.rejected},
+          {"unauthenticated", t.unauthenticated},
+          {"objects_written", t.objects_written},
+          {"dropped_batches", t.dropped_batches},
+          {"store_errors", t.store_errors}};
+}
+
+}  // namespace
 
 std::string format_table(const Summary& s, const Comparison& c, const std::string& workload) {
   const auto row = [](const std::string& name, const std::string& a, const std::string& b) {
@@ -288,10 +337,12 @@ std::string format_table(const Summary& s, const Comparison& c, const std::strin
   out += row("paged-out bytes", std::to_string(s.paged_out_bytes), "");
   out += row("evicted trie nodes", std::to_string(s.evicted_nodes), "");
   out += row("trie nodes", std::to_string(s.trie_nodes), "");
-  if (s.loaded_nodes >= 0) {
+  if (s.with_tier) out += tier_rows(s.tier);
+  if (s.loaded_nodes >= 0 || (s.with_tier && s.tier.hits > 0)) {
     out += fmt::format(
         "\n  evaluated with the cache vs ideal: {:+.2f}% (the ideal counts tokens new to this "
-        "run; a warm start\n    restores even those, from the state an earlier run saved)\n",
+        "run; a warm start\n    or the tier restores even those, from the state earlier runs "
+        "saved)\n",
         gap);
   } else {
     out += fmt::format("\n  evaluated with the cache vs ideal: {:+.2f}% ({} tokens over)\n", gap,
@@ -351,6 +402,7 @@ std::string format_json(const Summary& s, const Comparison& c, const RunResult& 
       {"evicted_nodes", s.evicted_nodes},
       {"trie_nodes", s.trie_nodes},
       {"loaded_nodes", s.loaded_nodes},
+      {"tier", tier_json(s)},
       {"agree", c.first_difference.empty()},
       {"max_logit_difference", c.max_logit_difference},
       {"per_request", requests}};

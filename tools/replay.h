@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "kvsnap/tier.h"
 #include "model/model.h"
 #include "workload.h"
 
@@ -33,6 +34,8 @@ struct RunResult {
   int64_t trie_nodes = 0;
   int64_t loaded_nodes = -1;  // nodes loaded from the cache directory at start; -1: none loaded
   double seconds = 0;
+  bool with_tier = false;
+  TierStats tier;  // with_tier: the tier's counters at the end (its writes flushed)
 };
 
 struct ReplayOptions {
@@ -41,6 +44,11 @@ struct ReplayOptions {
   // With the cache: load the trie from here at start when saved there, save it at the end.
   std::string cache_dir;
   std::string model_id;  // recorded with the saved trie, checked when loading it
+  // With the cache: a store shared with other processes below the prefix cache (Tier::open's
+  // address; empty: none), opened with `tier_options` for the model's layers. The run waits for
+  // its writes (at most 10 s) before it returns.
+  std::string tier;
+  TierOptions tier_options;
   // Called after each request with (done, total).
   std::function<void(size_t, size_t)> progress = [](size_t, size_t) {};
 };
@@ -89,6 +97,8 @@ struct Summary {
          ttft_p90_uncached = 0;
   int64_t paged_out_bytes = 0, evicted_nodes = 0, trie_nodes = 0, loaded_nodes = -1;
   double seconds_cached = 0, seconds_uncached = 0;
+  bool with_tier = false;
+  TierStats tier;
 };
 Summary summarize(const RunResult& cached, const RunResult& uncached);
 

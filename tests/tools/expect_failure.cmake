@@ -15,6 +15,7 @@
 #     unreadable       a file that exists but cannot be read (mode 000); when this process can
 #                      read it anyway (root), the test is skipped: it prints "SKIPPED: ..." (give
 #                      the test SKIP_REGULAR_EXPRESSION "SKIPPED")
+#     open_key         a tier key file of 32 bytes that group and others may read (mode 0644)
 
 # Appends a request whose user message is BYTES bytes to FILE, in 1 MB writes (one write of
 # 50 MB takes cmake seconds).
@@ -54,8 +55,11 @@ elseif(PREPARE STREQUAL "unreadable")
             "fails")
     return()
   endif()
+elseif(PREPARE STREQUAL "open_key")
+  file(WRITE ${FILE} "0123456789abcdef0123456789abcdef")
+  file(CHMOD ${FILE} PERMISSIONS OWNER_READ OWNER_WRITE GROUP_READ WORLD_READ)
 elseif(DEFINED PREPARE)
-  message(FATAL_ERROR "PREPARE=${PREPARE}: use big_message, inherited or unreadable")
+  message(FATAL_ERROR "PREPARE=${PREPARE}: use big_message, inherited, unreadable or open_key")
 endif()
 
 set(limit)
