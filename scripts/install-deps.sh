@@ -9,6 +9,7 @@ packages=(
   libfmt-dev nlohmann-json3-dev libcli11-dev libopenblas-dev libxxhash-dev
   clang libclang-rt-14-dev python3
   libdlpack-dev python3-dev python3-numpy python3-pytest pybind11-dev
+  libhiredis-dev libsodium-dev redis-server
 )
 
 missing=()
