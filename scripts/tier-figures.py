@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""Measures the shared tier's two figures with the release `kvsnap replay` and a redis-server it
+starts on a free loopback port (stopped at the end):
+
+  1. time to first token of a turn restored from the tier at 8k context, against recomputing it:
+     a first process stores an 8k-token request, fresh processes then replay it (restored from
+     the tier) and time it against their own run without cache;
+  2. the tier's cost on a workload with no shared prefixes (nothing to restore, everything to
+     write): total time of the cached run with --tier against without, alternating runs.
+
+    scripts/tier-figures.py [--kvsnap build/release/tools/kvsnap] [--runs 3]
+"""
+import argparse
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def words(rng, count):
+    alphabet = "abcdefghijklmnopqrstuvwxyz"
+    return " ".join("".join(rng.choice(alphabet) for _ in range(rng.randint(2, 9)))
+                    for _ in range(count))
+
+
+def write_workload(path, requests):
+    with open(path, "w") as out:
+        for request in requests:
+            out.write(json.dumps(request) + "\n")
+
+
+def replay(kvsnap, workload, tier):
+    command = [kvsnap, "replay", "--json", "--quiet", "--chart", "", workload]
+    if tier:
+        command += ["--tier", tier, "--tenant", "figures"]
+    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    return json.loads(result.stdout)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kvsnap", default="build/release/tools/kvsnap")
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    port = free_port()
+    server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                               "--save", "", "--appendonly", "no", "--loglevel", "warning"],
+                              stdout=subprocess.DEVNULL)
+    tier = f"redis://127.0.0.1:{port}"
+    try:
+        time.sleep(0.5)
+        folder = tempfile.mkdtemp(prefix="kvsnap-tier-figures-")
+        rng = random.Random(7)
+
+        # 1. An 8k-token prompt: stored by one process, restored by fresh ones.
+        long_path = os.path.join(folder, "8k.jsonl")
+        message = words(rng, 1400)[:8150]
+        write_workload(long_path, [{"id": "long", "max_tokens": 4,
+                                    "messages": [{"role": "user", "content": message}]}])
+        first = replay(args.kvsnap, long_path, tier)
+        print(f"8k: prompt {first['prompt_tokens']} tokens, stored "
+              f"{first['tier']['bytes_written']} bytes")
+        ratios = []
+        for _ in range(args.runs):
+            run = replay(args.kvsnap, long_path, tier)
+            request = run["per_request"][0]
+            assert run["tier"]["hits"] == 1 and run["agree"], run
+            ratios.append(request["ttft_ms_uncached"] / request["ttft_ms_cached"])
+            print(f"  restored {run['tier']['restored_tokens']} tokens from the tier: time to "
+                  f"first token {request['ttft_ms_cached']:.1f} ms, recomputed "
+                  f"{request['ttft_ms_uncached']:.1f} ms ({ratios[-1]:.1f}x)")
+        print(f"8k: median speed-up {statistics.median(ratios):.1f}x (target >= 5x)")
+
+        # 2. No shared prefixes: 16 unrelated requests of ~1000 tokens.
+        unique_path = os.path.join(folder, "unique.jsonl")
+        write_workload(unique_path, [
+            {"id": f"u{i}", "max_tokens": 8,
+             "messages": [{"role": "user", "content": f"{i:03d} " + words(rng, 170)[:1000]}]}
+            for i in range(16)])
+        with_tier, without = [], []
+        for _ in range(args.runs):
+            subprocess.run(["redis-cli", "-p", str(port), "FLUSHALL"], check=True,
+                           capture_output=True)
+            run = replay(args.kvsnap, unique_path, tier)
+            assert run["tier"]["hits"] == 0 and run["agree"], run
+            with_tier.append(run["seconds"]["cached"])
+            without.append(replay(args.kvsnap, unique_path, "")["seconds"]["cached"])
+            print(f"  no shared prefixes: {with_tier[-1]:.2f} s with the tier, "
+                  f"{without[-1]:.2f} s without ({run['tier']['bytes_written']} bytes written)")
+        overhead = statistics.median(with_tier) / statistics.median(without) - 1
+        print(f"no shared prefixes: tier overhead {100 * overhead:+.1f}% of total time "
+              f"(medians of {args.runs}; target <= 3%)")
+    finally:
+        server.terminate()
+        server.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
