@@ -51,7 +51,7 @@ struct ReplayArguments {
   std::string embedded = "default";
   int64_t parallel = 0;  // 0: the sequential replay
   int64_t prefill_chunk = 512;
-  int64_t block_tokens = 64;
+  int64_t block_tokens = 32;
   bool json = false;
   bool quiet = false;
   std::string chart = "replay.svg";
