@@ -52,6 +52,7 @@ struct ReplayArguments {
   std::string embedded = "default";
   int64_t parallel = 0;  // 0: the sequential replay
   int64_t prefill_chunk = 512;
+  int64_t block_tokens = 32;
   bool json = false;
   bool quiet = false;
   std::string chart = "replay.svg";
@@ -112,6 +113,7 @@ int run_parallel(const ReplayArguments& args, const tools::Workload& workload, c
   options.model_id = model_id;
   options.parallel = args.parallel;
   options.prefill_chunk = args.prefill_chunk;
+  options.block_tokens = args.block_tokens;
   options.max_paged_out_bytes = args.budget;
   options.progress = Progress(fmt::format("{} slots, prefix cache", args.parallel), !args.quiet);
   tools::ReplayOptions uncached_options;
@@ -215,6 +217,28 @@ int run_bench(const BenchArguments& args) {
   return 0;
 }
 
+// --parallel and the options that go with it.
+void add_parallel_options(CLI::App& replay_command, ReplayArguments& replay) {
+  CLI::Option* parallel =
+      replay_command
+          .add_option("--parallel", replay.parallel,
+                      "serve N sequences at once: continuous batching over one prefix cache "
+                      "with paged attention, compared with the sequential run without cache")
+          ->check(CLI::Range(int64_t{1}, int64_t{1024}));
+  replay_command
+      .add_option("--prefill-chunk", replay.prefill_chunk,
+                  "with --parallel: prompt tokens per step, over all prefilling sequences")
+      ->check(CLI::Range(int64_t{1}, std::numeric_limits<int64_t>::max()))
+      ->needs(parallel)
+      ->capture_default_str();
+  replay_command
+      .add_option("--block-tokens", replay.block_tokens,
+                  "with --parallel: tokens per block of the paged attention caches")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+      ->needs(parallel)
+      ->capture_default_str();
+}
+
 // Exit status: 0 the runs agree (or a help text), 1 they disagree, 2 bad arguments, a bad
 // workload, a request over the context length or an unusable cache directory, 3 anything else
 // (out of memory, an internal failure): see main.
@@ -257,18 +281,7 @@ int run(int argc, char** argv) {
       ->check(CLI::IsMember(tools::embedded_workload_names()))
       ->capture_default_str();
   add_store_options(*replay_command, replay);
-  CLI::Option* parallel =
-      replay_command
-          ->add_option("--parallel", replay.parallel,
-                       "serve N sequences at once: continuous batching over one prefix cache "
-                       "with paged attention, compared with the sequential run without cache")
-          ->check(CLI::Range(int64_t{1}, int64_t{1024}));
-  replay_command
-      ->add_option("--prefill-chunk", replay.prefill_chunk,
-                   "with --parallel: prompt tokens per step, over all prefilling sequences")
-      ->check(CLI::Range(int64_t{1}, std::numeric_limits<int64_t>::max()))
-      ->needs(parallel)
-      ->capture_default_str();
+  add_parallel_options(*replay_command, replay);
 
   BenchArguments bench_args;
   CLI::App* bench_command = app.add_subcommand(
