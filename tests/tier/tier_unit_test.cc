@@ -81,6 +81,11 @@ TEST(TierKeys, TheRootSeparatesTenantsModelsLayersAndChunkSizes) {
   EXPECT_NE(four.root_hex(), eight.root_hex());
 }
 
+TEST(TierContract, LookupsWaitAtMost50MsByDefault) {
+  EXPECT_EQ(TierOptions{}.lookup_timeout, std::chrono::milliseconds(50));
+  EXPECT_GE(TierOptions{}.write_queue, 1);
+}
+
 TEST(TierContract, OpenRefusesWhatCannotWork) {
   HybridStack stack;
   TierOptions options = tier_options();
