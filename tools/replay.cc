@@ -285,6 +285,8 @@ std::string tier_rows(const TierStats& t) {
   out += row("tier bytes written", std::to_string(t.bytes_written));
   out += row("tier lookups timed out", std::to_string(t.timeouts));
   out += row("tier objects rejected", std::to_string(t.rejected));
+  out += row("tier time in requests s",
+             fmt::format("{:.3f}", 1e-6 * static_cast<double>(t.caller_microseconds)));
   if (t.store_errors + t.dropped_batches > 0) {
     out += row("tier errors / dropped writes",
                fmt::format("{} / {}", t.store_errors, t.dropped_batches));
@@ -305,7 +307,8 @@ nlohmann::json tier_json(const Summary& s) {
           {"unauthenticated", t.unauthenticated},
           {"objects_written", t.objects_written},
           {"dropped_batches", t.dropped_batches},
-          {"store_errors", t.store_errors}};
+          {"store_errors", t.store_errors},
+          {"caller_seconds", 1e-6 * static_cast<double>(t.caller_microseconds)}};
 }
 
 }  // namespace

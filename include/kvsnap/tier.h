@@ -89,6 +89,9 @@ struct TierStats {
   int64_t objects_written = 0;  // objects the store accepted
   int64_t dropped_batches = 0;  // write batches dropped: the queue was full or the store failed
   int64_t store_errors = 0;     // failed connections, round trips or refused writes
+  // Time lookups and stores took on the callers' threads (what requests waited for the tier;
+  // the writes themselves run on the tier's own thread).
+  int64_t caller_microseconds = 0;
 };
 
 // Tokens [from, to) of a restore point: per layer, the KV data of [from, to) (ranged layers),

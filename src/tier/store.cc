@@ -38,6 +38,7 @@ TierStats TierCounters::stats() const {
   s.objects_written = objects_written;
   s.dropped_batches = dropped_batches;
   s.store_errors = store_errors;
+  s.caller_microseconds = caller_microseconds;
   return s;
 }
 

@@ -80,8 +80,26 @@ class StoreHealth {
 struct TierCounters {
   std::atomic<int64_t> lookups{0}, hits{0}, restored_tokens{0}, bytes_read{0}, bytes_written{0},
       timeouts{0}, rejected{0}, unauthenticated{0}, objects_written{0}, dropped_batches{0},
-      store_errors{0};
+      store_errors{0}, caller_microseconds{0};
   TierStats stats() const;
+};
+
+// Adds the time from its construction to its destruction to a counter.
+class CallerTime {
+ public:
+  explicit CallerTime(std::atomic<int64_t>& counter)
+      : counter_(counter), start_(std::chrono::steady_clock::now()) {}
+  ~CallerTime() {
+    counter_ += std::chrono::duration_cast<std::chrono::microseconds>(
+                    std::chrono::steady_clock::now() - start_)
+                    .count();
+  }
+  CallerTime(const CallerTime&) = delete;
+  CallerTime& operator=(const CallerTime&) = delete;
+
+ private:
+  std::atomic<int64_t>& counter_;
+  std::chrono::steady_clock::time_point start_;
 };
 
 struct StoreOptions {

@@ -184,6 +184,7 @@ TierMatch TierImpl::lookup(std::span<const int32_t> tokens, int64_t limit, int64
   limit = std::min(limit, static_cast<int64_t>(tokens.size()));
   better_than = std::max<int64_t>(better_than, 0);
   if (limit <= better_than) return {};
+  const CallerTime timed(counters_.caller_microseconds);
   ++counters_.lookups;
   const Deadline deadline = Clock::now() + options_.lookup_timeout;
   std::unique_lock<std::timed_mutex> lock(lookup_mutex_, deadline);

@@ -25,6 +25,7 @@ SnapshotRecord slice(const SnapshotRecord& kv, int64_t from, int64_t to) {
 
 void TierImpl::store(std::span<const int32_t> tokens, std::span<const Snapshot* const> ranges,
                      std::span<const TierPoint> points) {
+  const CallerTime timed(counters_.caller_microseconds);
   const auto fail = [](const std::string& rule) { return Error("Tier::store: " + rule); };
   if (ranges.size() != layers_.size()) {
     throw fail(fmt::format("{} ranges for {} layers", ranges.size(), layers_.size()));
