@@ -106,7 +106,9 @@ def main():
             shares.append(run["tier"]["caller_seconds"] / run["seconds"]["cached"])
             print(f"  no shared prefixes: {with_tier[-1]:.2f} s with the tier, "
                   f"{without[-1]:.2f} s without ({run['tier']['bytes_written']} bytes written, "
-                  f"{run['tier']['caller_seconds'] * 1e3:.1f} ms of it in requests' tier calls)")
+                  f"{run['tier']['caller_seconds'] * 1e3:.1f} ms of it in requests' tier calls; "
+                  f"{run['tier']['store_errors']} store errors, "
+                  f"{run['tier']['dropped_batches']} dropped)")
         overhead = statistics.median(with_tier) / statistics.median(without) - 1
         print(f"no shared prefixes: tier overhead {100 * overhead:+.1f}% of total time "
               f"(medians of {args.runs}; target <= 3%)")
