@@ -96,7 +96,8 @@ in order (None for a stateless layer); the prefix cache drives their offsets fro
           },
           py::arg("dir"), py::arg("model_id") = "",
           "Replaces the trie by the one saved in `dir` (same layers and model_id).")
-      .def_static("saved_in", &PrefixCache::saved_in, py::arg("dir"))
+      .def_static("saved_in", static_cast<bool (*)(const std::string&)>(&PrefixCache::saved_in),
+                  py::arg("dir"))
       .def_property_readonly("paged_out_bytes",
                              [](const PyPrefixCache& c) { return c.prefix->paged_out_bytes(); })
       .def_property_readonly("node_count",

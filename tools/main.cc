@@ -53,6 +53,7 @@ struct ReplayArguments {
   int64_t budget = int64_t(8) << 30;
   std::string model_config, weights;
   std::string cache_dir;
+  bool shared_cache_dir = false;
   uint64_t seed = 42;
 };
 
@@ -69,7 +70,7 @@ int run_replay(const ReplayArguments& args) {
   if (!args.model_config.empty())
     config = ModelConfig::from_json(detail::read_file(args.model_config));
   tools::check_context_length(workload, config.context_length);
-  if (!args.cache_dir.empty()) tools::check_cache_dir(args.cache_dir);
+  if (!args.cache_dir.empty()) tools::check_cache_dir(args.cache_dir, args.shared_cache_dir);
   const Model model =
       args.weights.empty() ? Model(config) : Model::load(args.model_config, args.weights);
   if (!args.quiet) {
@@ -84,6 +85,7 @@ int run_replay(const ReplayArguments& args) {
   tools::ReplayOptions cached_options;
   cached_options.max_paged_out_bytes = args.budget;
   cached_options.cache_dir = args.cache_dir;
+  cached_options.shared_cache_dir = args.shared_cache_dir;
   cached_options.model_id = model_id;
   cached_options.progress = Progress("with prefix cache", !args.quiet);
   tools::ReplayOptions uncached_options;
@@ -124,8 +126,9 @@ int run_bench(const BenchArguments& args) {
 }
 
 // Exit status: 0 the runs agree (or a help text), 1 they disagree, 2 bad arguments, a bad
-// workload, a request over the context length or an unusable cache directory, 3 anything else
-// (out of memory, an internal failure): see main.
+// workload, a request over the context length or an unusable cache directory (one that is not
+// private without --shared-cache-dir included), 3 anything else (out of memory, an internal
+// failure): see main.
 int run(int argc, char** argv) {
   // The model's matrices are small: one BLAS thread is as fast here and leaves the other core
   // idle (measured on the 2-core machine: same wall time, a third of the CPU time).
@@ -156,9 +159,16 @@ int run(int argc, char** argv) {
       ->check(CLI::ExistingFile);
   replay_command->add_option("--weights", replay.weights, "model safetensors (with --model-config)")
       ->check(CLI::ExistingFile);
-  replay_command->add_option("--cache-dir", replay.cache_dir,
-                             "load the prefix cache from DIR when saved there, save it at the end "
-                             "(a second run over the same workload starts warm)");
+  CLI::Option* cache_dir = replay_command->add_option(
+      "--cache-dir", replay.cache_dir,
+      "load the prefix cache from DIR when saved there, save it at the end (a second run over "
+      "the same workload starts warm); folders it creates and the file are private (0700, "
+      "0600), and a DIR or file another user owns or others can write is refused");
+  replay_command
+      ->add_flag("--shared-cache-dir", replay.shared_cache_dir,
+                 "trust a --cache-dir that another user owns or that group or others can write "
+                 "(anyone who can write it can plant the state the model continues from)")
+      ->needs(cache_dir);
   replay_command->add_option("--seed", replay.seed, "seed of the generated weights")
       ->capture_default_str();
 

@@ -265,7 +265,9 @@ KVSNAP_EXPORT void kvsnap_snapshot_list_destroy(kvsnap_snapshot_list* list);
 KVSNAP_EXPORT kvsnap_status kvsnap_save_snapshots(const char* path, int64_t offset,
                                                   const kvsnap_snapshot* const* snapshots,
                                                   size_t count);
-/* Reads a file written by kvsnap_save_snapshots: its offset and one entry per saved layer. */
+/* Reads a file written by kvsnap_save_snapshots: its offset and one entry per saved layer.
+ * Refuses a file, or a folder holding it, that another user owns or that group or others can
+ * write (see load_snapshots in persistence.h; the C API has no opt-in to shared files). */
 KVSNAP_EXPORT kvsnap_status kvsnap_load_snapshots(const char* path, int64_t* offset,
                                                   kvsnap_snapshot_list** out);
 
@@ -306,10 +308,12 @@ KVSNAP_EXPORT kvsnap_status kvsnap_prefix_cache_check(const kvsnap_prefix_cache*
 /* Writes the trie and its snapshots to folder `dir` with `model_id` (NULL: ""), atomically. */
 KVSNAP_EXPORT kvsnap_status kvsnap_prefix_cache_save(const kvsnap_prefix_cache* prefix,
                                                      const char* dir, const char* model_id);
-/* Replaces the trie by the one saved in `dir` for the same layers and `model_id` (NULL: ""). */
+/* Replaces the trie by the one saved in `dir` for the same layers and `model_id` (NULL: "").
+ * Refuses, like kvsnap_load_snapshots, a `dir` or file that is not private to this user. */
 KVSNAP_EXPORT kvsnap_status kvsnap_prefix_cache_load(kvsnap_prefix_cache* prefix, const char* dir,
                                                      const char* model_id);
-/* Whether `dir` holds a saved trie. */
+/* Whether `dir` holds a saved trie that kvsnap_prefix_cache_load would read: false too for one
+ * it would refuse as not private (kvsnap_prefix_cache_load then says why). */
 KVSNAP_EXPORT bool kvsnap_prefix_cache_saved_in(const char* dir);
 
 /* The prompt tokens the model must still evaluate; *tokens stays valid until the next call on

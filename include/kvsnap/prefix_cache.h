@@ -45,6 +45,7 @@
 
 #include "kvsnap/cache.h"
 #include "kvsnap/export.h"
+#include "kvsnap/persistence.h"
 
 namespace kvsnap {
 
@@ -86,14 +87,20 @@ class KVSNAP_EXPORT PrefixCache {
 
   // Writes the trie (edges, offsets, user flags, last-use order) and every node's snapshots to
   // `dir`/prefix_cache.safetensors, atomically, with the layers' kinds and shapes and `model_id`
-  // (e.g. the model's config and weights hash). Throws Error when it cannot be written.
+  // (e.g. the model's config and weights hash). The file is mode 0600 and the folders save
+  // creates 0700, whatever the umask; an existing `dir` keeps its mode. Throws Error when it
+  // cannot be written.
   void save(const std::string& dir, const std::string& model_id = "") const;
   // Replaces the trie by the one saved in `dir`, for the same layer configuration and model_id
   // (else a clear Error and nothing changes). The live caches are reset: the next request
-  // restores from the loaded snapshots. Throws while any session is open.
+  // restores from the loaded snapshots. Throws while any session is open. Refuses a `dir` or
+  // file that is not private to this user (see LoadOptions) unless options.allow_shared.
   void load(const std::string& dir, const std::string& model_id = "");
-  // Whether `dir` holds a saved trie.
+  void load(const std::string& dir, const std::string& model_id, const LoadOptions& options);
+  // Whether `dir` holds a saved trie. When it does, `dir` and the file are checked as load
+  // checks them, and an Error is thrown for a cache that load would refuse.
   static bool saved_in(const std::string& dir);
+  static bool saved_in(const std::string& dir, const LoadOptions& options);
 
   // Bytes owned by snapshots in the trie (lazy snapshots count once they materialize).
   int64_t paged_out_bytes() const;

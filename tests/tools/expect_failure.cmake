@@ -15,6 +15,10 @@
 #     unreadable       a file that exists but cannot be read (mode 000); when this process can
 #                      read it anyway (root), the test is skipped: it prints "SKIPPED: ..." (give
 #                      the test SKIP_REGULAR_EXPRESSION "SKIPPED")
+#     shared_folder    an empty folder of mode 0777 (group and others can write it)
+#     foreign_folder   an empty folder of mode 0700 owned by user nobody; skipped ("SKIPPED: ...")
+#                      unless this process runs as root (only root can hand a folder to another
+#                      user)
 
 # Appends a request whose user message is BYTES bytes to FILE, in 1 MB writes (one write of
 # 50 MB takes cmake seconds).
@@ -54,8 +58,25 @@ elseif(PREPARE STREQUAL "unreadable")
             "fails")
     return()
   endif()
+elseif(PREPARE STREQUAL "shared_folder" OR PREPARE STREQUAL "foreign_folder")
+  file(REMOVE_RECURSE ${FILE})
+  file(MAKE_DIRECTORY ${FILE})
+  if(PREPARE STREQUAL "shared_folder")
+    execute_process(COMMAND chmod 0777 ${FILE} COMMAND_ERROR_IS_FATAL ANY)
+  else()
+    execute_process(COMMAND id -u OUTPUT_VARIABLE uid OUTPUT_STRIP_TRAILING_WHITESPACE)
+    if(NOT uid STREQUAL "0")
+      file(REMOVE_RECURSE ${FILE})
+      message("SKIPPED: handing a folder to user nobody (chown) needs root; this runs as uid "
+              "${uid}")
+      return()
+    endif()
+    execute_process(COMMAND chmod 0700 ${FILE} COMMAND_ERROR_IS_FATAL ANY)
+    execute_process(COMMAND chown nobody ${FILE} COMMAND_ERROR_IS_FATAL ANY)
+  endif()
 elseif(DEFINED PREPARE)
-  message(FATAL_ERROR "PREPARE=${PREPARE}: use big_message, inherited or unreadable")
+  message(FATAL_ERROR "PREPARE=${PREPARE}: use big_message, inherited, unreadable, "
+                      "shared_folder or foreign_folder")
 endif()
 
 set(limit)
@@ -68,7 +89,7 @@ execute_process(COMMAND ${PROGRAM} ${ARGS} ${limit} RESULT_VARIABLE status OUTPU
 string(TIMESTAMP finished "%s")
 math(EXPR seconds "${finished} - ${started}")
 if(DEFINED PREPARE)
-  file(REMOVE ${FILE})
+  file(REMOVE_RECURSE ${FILE})
 endif()
 
 if(NOT status STREQUAL "${EXPECT_EXIT}")
