@@ -15,6 +15,7 @@
 
 #include "figures.h"
 #include "model/model.h"
+#include "parallel.h"
 #include "persist/safetensors.h"
 #include "replay.h"
 #include "workload.h"
@@ -47,6 +48,9 @@ class Progress {
 
 struct ReplayArguments {
   std::string workload;
+  std::string embedded = "default";
+  int64_t parallel = 0;  // 0: the sequential replay
+  int64_t prefill_chunk = 512;
   bool json = false;
   bool quiet = false;
   std::string chart = "replay.svg";
@@ -57,14 +61,46 @@ struct ReplayArguments {
   uint64_t seed = 42;
 };
 
+void write_chart(const std::string& path, const tools::RunResult& cached,
+                 const tools::RunResult& uncached, bool json) {
+  if (path.empty()) return;
+  std::ofstream out(path, std::ios::trunc);
+  out << tools::format_chart(cached, uncached);
+  if (!out) throw Error(fmt::format("replay: cannot write the chart to {}", path));
+  if (!json) std::cout << fmt::format("  chart: {}\n", path);
+}
+
+// --parallel N: the scheduler over N slots, compared with the sequential run without cache.
+int run_parallel(const ReplayArguments& args, const tools::Workload& workload, const Model& model,
+                 const std::string& model_id) {
+  tools::ParallelOptions options;
+  options.cache_dir = args.cache_dir;
+  options.model_id = model_id;
+  options.parallel = args.parallel;
+  options.prefill_chunk = args.prefill_chunk;
+  options.max_paged_out_bytes = args.budget;
+  options.progress = Progress(fmt::format("{} slots, prefix cache", args.parallel), !args.quiet);
+  tools::ReplayOptions uncached_options;
+  uncached_options.with_cache = false;
+  uncached_options.progress = Progress("sequential, no cache", !args.quiet);
+  const tools::ParallelRun parallel = tools::replay_parallel(workload, model, options);
+  const tools::RunResult uncached = tools::replay(workload, model, uncached_options);
+  const tools::Comparison comparison = tools::compare(parallel.run, uncached, 1e-4);
+  std::cout << (args.json
+                    ? tools::format_parallel_json(parallel, uncached, comparison, workload.name)
+                    : tools::format_parallel_table(parallel, uncached, comparison, workload.name));
+  write_chart(args.chart, parallel.run, uncached, args.json);
+  return comparison.first_difference.empty() ? 0 : 1;
+}
+
 int run_replay(const ReplayArguments& args) {
   // Everything that can be refused is, before any model work: arguments, the workload, requests
   // over the context length, then the cache directory (last: checking may create it).
   if (args.model_config.empty() != args.weights.empty()) {
     throw Error("replay: --model-config and --weights go together");
   }
-  const tools::Workload workload =
-      args.workload.empty() ? tools::embedded_workload() : tools::load_workload(args.workload);
+  const tools::Workload workload = args.workload.empty() ? tools::embedded_workload(args.embedded)
+                                                         : tools::load_workload(args.workload);
   ModelConfig config;
   config.seed = args.seed;
   if (!args.model_config.empty())
@@ -82,6 +118,7 @@ int run_replay(const ReplayArguments& args) {
   // The saved trie is only valid for this exact model: its config (with the seed) and weights.
   const std::string model_id =
       model.config().to_json() + (args.weights.empty() ? "" : " weights " + args.weights);
+  if (args.parallel > 0) return run_parallel(args, workload, model, model_id);
   tools::ReplayOptions cached_options;
   cached_options.max_paged_out_bytes = args.budget;
   cached_options.cache_dir = args.cache_dir;
@@ -100,12 +137,7 @@ int run_replay(const ReplayArguments& args) {
   } else {
     std::cout << tools::format_table(summary, comparison, workload.name);
   }
-  if (!args.chart.empty()) {
-    std::ofstream out(args.chart, std::ios::trunc);
-    out << tools::format_chart(cached, uncached);
-    if (!out) throw Error(fmt::format("replay: cannot write the chart to {}", args.chart));
-    if (!args.json) std::cout << fmt::format("  chart: {}\n", args.chart);
-  }
+  write_chart(args.chart, cached, uncached, args.json);
   return comparison.first_difference.empty() ? 0 : 1;
 }
 
@@ -170,6 +202,24 @@ int run(int argc, char** argv) {
                  "(anyone who can write it can plant the state the model continues from)")
       ->needs(cache_dir);
   replay_command->add_option("--seed", replay.seed, "seed of the generated weights")
+      ->capture_default_str();
+  replay_command
+      ->add_option("--embedded", replay.embedded,
+                   "which embedded workload runs when no file is given: default, or many-users "
+                   "(16 users on one long system prompt)")
+      ->check(CLI::IsMember(tools::embedded_workload_names()))
+      ->capture_default_str();
+  CLI::Option* parallel =
+      replay_command
+          ->add_option("--parallel", replay.parallel,
+                       "serve N sequences at once: continuous batching over one prefix cache "
+                       "with paged attention, compared with the sequential run without cache")
+          ->check(CLI::Range(int64_t{1}, int64_t{1024}));
+  replay_command
+      ->add_option("--prefill-chunk", replay.prefill_chunk,
+                   "with --parallel: prompt tokens per step, over all prefilling sequences")
+      ->check(CLI::Range(int64_t{1}, std::numeric_limits<int64_t>::max()))
+      ->needs(parallel)
       ->capture_default_str();
 
   BenchArguments bench_args;

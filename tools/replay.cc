@@ -28,6 +28,8 @@ int64_t common_prefix(const std::vector<int32_t>& a, const std::vector<int32_t>&
   return static_cast<int64_t>(i);
 }
 
+}  // namespace
+
 int32_t argmax(const float* logits, int64_t n) {
   return static_cast<int32_t>(std::max_element(logits, logits + n) - logits);
 }
@@ -41,6 +43,8 @@ double percentile(std::vector<double> values, double q) {
   return values[lo] + (values[hi] - values[lo]) * (rank - static_cast<double>(lo));
 }
 
+namespace {
+
 // The error of check_context_length and of replay's check before each request.
 Error over_context_length(const Workload& workload, const Request& request, int64_t prompt_tokens,
                           bool minimum, int64_t context_length) {
@@ -52,6 +56,36 @@ Error over_context_length(const Workload& workload, const Request& request, int6
 }
 
 }  // namespace
+
+void check_prompt_fits(const Workload& workload, const Request& request, int64_t prompt_tokens,
+                       int64_t context_length) {
+  if (prompt_tokens + request.max_tokens > context_length) {
+    throw over_context_length(workload, request, prompt_tokens, false, context_length);
+  }
+}
+
+void measure_ideals(const std::vector<std::vector<int32_t>>& prompts,
+                    std::vector<RequestResult>& requests) {
+  std::vector<std::vector<int32_t>> seen, evaluated;  // what earlier requests held
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const std::vector<int32_t>& prompt = prompts[i];
+    RequestResult& result = requests[i];
+    int64_t longest_seen = 0, longest_evaluated = 0;
+    for (const auto& s : seen) longest_seen = std::max(longest_seen, common_prefix(prompt, s));
+    for (const auto& s : evaluated) {
+      longest_evaluated = std::max(longest_evaluated, common_prefix(prompt, s));
+    }
+    longest_seen = std::min(longest_seen, result.prompt_tokens);
+    result.ideal = std::max<int64_t>(1, result.prompt_tokens - longest_seen);
+    longest_evaluated = std::min(longest_evaluated, longest_seen);
+    result.floor = std::max<int64_t>(1, result.prompt_tokens - longest_evaluated);
+    std::vector<int32_t> sequence = prompt;
+    sequence.insert(sequence.end(), result.reply.begin(), result.reply.end());
+    seen.push_back(sequence);
+    sequence.pop_back();  // a decoder never evaluates its last sampled token
+    evaluated.push_back(std::move(sequence));
+  }
+}
 
 void check_context_length(const Workload& workload, int64_t context_length) {
   const std::vector<int64_t> lengths = minimum_prompt_lengths(workload);
@@ -103,22 +137,6 @@ void check_cache_dir(const std::string& dir, bool shared) {
 }
 
 namespace {
-
-// The request's ideal (prompt tokens no earlier request had seen, at least one) and floor
-// (those never evaluated before: what a cache of evaluated state can at best skip).
-void measure_ideal(const std::vector<int32_t>& prompt,
-                   const std::vector<std::vector<int32_t>>& seen,
-                   const std::vector<std::vector<int32_t>>& evaluated, RequestResult& result) {
-  int64_t longest_seen = 0, longest_evaluated = 0;
-  for (const auto& s : seen) longest_seen = std::max(longest_seen, common_prefix(prompt, s));
-  for (const auto& s : evaluated) {
-    longest_evaluated = std::max(longest_evaluated, common_prefix(prompt, s));
-  }
-  longest_seen = std::min(longest_seen, result.prompt_tokens);
-  result.ideal = std::max<int64_t>(1, result.prompt_tokens - longest_seen);
-  longest_evaluated = std::min(longest_evaluated, longest_seen);
-  result.floor = std::max<int64_t>(1, result.prompt_tokens - longest_evaluated);
-}
 
 // Serves one request: through a prefix cache session when `prefix` is given (message ends as
 // restore points), else from empty caches; greedy decoding of the reply.
@@ -183,7 +201,7 @@ RunResult replay(const Workload& workload, const Model& model, const ReplayOptio
     run.loaded_nodes = prefix.node_count();
   }
   PromptBuilder builder;
-  std::vector<std::vector<int32_t>> seen, evaluated_sequences;  // what earlier requests held
+  std::vector<std::vector<int32_t>> prompts;
   const auto start = Clock::now();
 
   for (size_t index = 0; index < workload.requests.size(); ++index) {
@@ -191,26 +209,19 @@ RunResult replay(const Workload& workload, const Model& model, const ReplayOptio
     std::vector<int64_t> boundaries;
     const std::vector<int32_t> prompt = builder.prompt(request, &boundaries);
     const auto prompt_tokens = static_cast<int64_t>(prompt.size());
-    if (prompt_tokens + request.max_tokens > context_length) {
-      throw over_context_length(workload, request, prompt_tokens, false, context_length);
-    }
+    check_prompt_fits(workload, request, prompt_tokens, context_length);
     RequestResult result;
     result.id = request.id;
     result.prompt_tokens = prompt_tokens;
-    measure_ideal(prompt, seen, evaluated_sequences, result);
     run_request(request, prompt, boundaries, model, layers, options.with_cache ? &prefix : nullptr,
                 result);
-
-    std::vector<int32_t> sequence = prompt;
-    sequence.insert(sequence.end(), result.reply.begin(), result.reply.end());
-    seen.push_back(sequence);
-    sequence.pop_back();  // a decoder never evaluates its last sampled token
-    evaluated_sequences.push_back(std::move(sequence));
     builder.record(request, prompt, result.reply);
+    prompts.push_back(prompt);
     run.requests.push_back(std::move(result));
     options.progress(index + 1, workload.requests.size());
   }
   run.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  measure_ideals(prompts, run.requests);
   if (options.with_cache && !options.cache_dir.empty())
     prefix.save(options.cache_dir, options.model_id);
   run.paged_out_bytes = prefix.paged_out_bytes();

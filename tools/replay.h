@@ -54,6 +54,20 @@ struct ReplayOptions {
 // prompt length, which replies make longer than the minimum, in the same words.
 RunResult replay(const Workload&, const Model&, const ReplayOptions&);
 
+// Shared by the sequential and the parallel replay:
+// The index of the largest logit (greedy decoding; the first on ties).
+int32_t argmax(const float* logits, int64_t n);
+// The q-quantile (0..1) of `values`, linearly interpolated; 0 for none.
+double percentile(std::vector<double> values, double q);
+// Throws the Error of check_context_length for `request`'s exact prompt length.
+void check_prompt_fits(const Workload& workload, const Request& request, int64_t prompt_tokens,
+                       int64_t context_length);
+// Fills each request's ideal (prompt tokens no earlier request had seen, at least one) and
+// floor (those never evaluated before: what a cache of evaluated state can at best skip),
+// earlier meaning before it in workload order; `prompts[i]` is request i's prompt.
+void measure_ideals(const std::vector<std::vector<int32_t>>& prompts,
+                    std::vector<RequestResult>& requests);
+
 // Throws Error "<workload> line N: request \"<id>\": prompt of at least P tokens + max_tokens M
 // = T exceeds the model's context length of C" for the first request whose minimum prompt
 // length (minimum_prompt_lengths) plus max_tokens exceeds `context_length`. Linear in the

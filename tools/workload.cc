@@ -13,7 +13,6 @@
 #include <set>
 #include <string_view>
 
-
 namespace kvsnap::tools {
 namespace {
 

@@ -49,8 +49,12 @@ Workload parse_workload(const std::string& text, const std::string& source);
 // Reads and parses a workload file; throws Error "cannot read <path>: <reason>" when the file
 // cannot be opened or read (a failed read is never taken for an empty file).
 Workload load_workload(const std::string& path);
-// The workload embedded in the binary (data/workload.jsonl).
+// The default workload embedded in the binary (data/workload.jsonl).
 Workload embedded_workload();
+// An embedded workload by name: "default", or "many-users" (data/many-users.jsonl: 16 users
+// on one long system prompt, for --parallel). Throws Error naming the known ones.
+Workload embedded_workload(const std::string& name);
+std::vector<std::string> embedded_workload_names();
 
 // Tokens of `messages`: per message the role token, the content's bytes, kEnd.
 std::vector<int32_t> render(const std::vector<Message>& messages);

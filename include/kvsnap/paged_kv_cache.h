@@ -49,6 +49,8 @@ class KVSNAP_EXPORT PagedKVCache final : public Attention {
     int64_t blocks_in_use = 0;  // referenced by a sequence or a snapshot
     int64_t bytes_in_use = 0;   // their keys and values
     int64_t blocks_copied = 0;  // copies on write and joins at restore
+    int64_t live_blocks = 0;    // used by sequences (a block shared by several counts once)
+    int64_t live_bytes = 0;     // their keys and values
   };
   PoolStats pool_stats() const;
 

@@ -42,6 +42,7 @@ void BlockPool::copy(int32_t from, int32_t to, int64_t tokens) {
 
 void BlockPool::acquire(int32_t id) {
   Block& block = blocks_[static_cast<size_t>(id)];
+  if (block.live == 0) ++live_blocks_;
   if (block.live++ == 0 && block.payer != nullptr) {
     // A sequence uses it again: its bytes are the cache's, not the snapshot's.
     PagedSnapshot* payer = block.payer;
@@ -52,7 +53,7 @@ void BlockPool::acquire(int32_t id) {
 
 void BlockPool::release(int32_t id) {
   Block& block = blocks_[static_cast<size_t>(id)];
-  --block.live;
+  if (--block.live == 0) --live_blocks_;
   settle(id);
 }
 
@@ -142,7 +143,9 @@ void PagedSnapshot::for_each_part(
 SnapshotRecord PagedSnapshot::record() const {
   const Guard guard(pool_->lock);
   const int64_t tokens = end_ - begin_;
-  auto [keys, values] = pool_->layout.allocate_uninitialized(tokens);
+  auto buffers = pool_->layout.allocate_uninitialized(tokens);
+  Array& keys = buffers.first;
+  Array& values = buffers.second;
   for_each_part(tokens, [&](int64_t first, const Array& k, const Array& v) {
     keys.assign_slice(2, first, k);
     values.assign_slice(2, first, v);

@@ -49,6 +49,8 @@ class BlockPool {
   // Blocks allocated, and those referenced by anyone.
   int64_t blocks() const { return static_cast<int64_t>(blocks_.size()); }
   int64_t blocks_in_use() const { return blocks() - static_cast<int64_t>(free_.size()); }
+  // Blocks some sequence uses (each once, however many share it).
+  int64_t live_blocks() const { return live_blocks_; }
 
   const int64_t block_tokens, blocks_per_chunk;
   KVLayout layout;  // rows 1: set at the first write, fixed while blocks exist
@@ -69,6 +71,7 @@ class BlockPool {
   std::vector<Array> key_chunks_, value_chunks_;
   std::vector<Block> blocks_;
   std::vector<int32_t> free_;
+  int64_t live_blocks_ = 0;
 };
 
 // Block references of a KV range [from, to): blocks_[i] holds positions

@@ -233,8 +233,9 @@ int64_t PagedKVCache::block_tokens() const { return impl_->pool->block_tokens; }
 PagedKVCache::PoolStats PagedKVCache::pool_stats() const {
   const Guard guard(impl_->pool->lock);
   const detail::BlockPool& pool = *impl_->pool;
-  return {pool.blocks(), pool.blocks_in_use(),
-          pool.has_layout ? pool.blocks_in_use() * pool.block_bytes() : 0, pool.blocks_copied};
+  const int64_t block_bytes = pool.has_layout ? pool.block_bytes() : 0;
+  return {pool.blocks(),      pool.blocks_in_use(), pool.blocks_in_use() * block_bytes,
+          pool.blocks_copied, pool.live_blocks(),   pool.live_blocks() * block_bytes};
 }
 
 KVHistory PagedKVCache::update(const Batch& batch, const Array& keys, const Array& values) {

@@ -219,7 +219,8 @@ Array attend(const Batch& batch, const Array& q, const KVHistory& history,
       float* out_base = out.mutable_data<float>() + (b * query_heads + h) * queries * value_depth;
       for (int64_t l0 = 0; l0 < real; l0 += kBlock) {
         const int64_t block = std::min(kBlock, real - l0);  // padding rows stay zero
-        const auto [lo, hi] = visibility.columns(offset + l0, offset + l0 + block - 1);
+        const auto columns = visibility.columns(offset + l0, offset + l0 + block - 1);
+        const int64_t lo = columns.first, hi = columns.second;
         const int64_t width = hi - lo;
         if (width <= 0) continue;
         // scores = scale * Q K^T over the block's columns [lo, hi), run by run.

@@ -63,6 +63,8 @@ TEST_F(Paged, SharingAPrefixWithAnotherSequenceCopiesNothing) {
   ASSERT_TRUE(cache.restore(1, prefix.get(), 40));
   EXPECT_EQ(held(cache, 1), id_range(0, 40));
   EXPECT_EQ(cache.pool_stats().blocks_in_use, 5);
+  EXPECT_EQ(cache.pool_stats().live_blocks, 5);  // both sequences use the same five
+  EXPECT_EQ(cache.pool_stats().live_bytes, 5 * kBlock * kToken);
   EXPECT_EQ(cache.pool_stats().blocks_copied, 0);
   EXPECT_EQ(live_bytes(), bytes);
   EXPECT_EQ(cache.copy_stats().restored_bytes, 0);
@@ -97,7 +99,10 @@ TEST_F(Paged, SnapshotsPayForTheBlocksNoSequenceUses) {
   int64_t a_delta = 0, b_delta = 0;
   a->set_materialize_hook([&](int64_t d) { a_delta += d; });
   b->set_materialize_hook([&](int64_t d) { b_delta += d; });
+  EXPECT_EQ(cache.pool_stats().live_blocks, 3);
   cache.reset(0);  // the sequence lets go: each block is paid for by exactly one holder
+  EXPECT_EQ(cache.pool_stats().live_blocks, 0);
+  EXPECT_EQ(cache.pool_stats().blocks_in_use, 3);
   const int64_t block = kBlock * kToken;
   EXPECT_EQ(a->size() + b->size(), 3 * block);
   EXPECT_EQ(a_delta + b_delta, 3 * block);

@@ -1,0 +1,173 @@
+// `kvsnap replay --parallel`: the continuous-batching scheduler over one prefix cache.
+#include "parallel.h"
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <set>
+
+#include "model/model.h"
+#include "support/test_support.h"
+#include "workload.h"
+
+namespace kvsnap::tools {
+namespace {
+
+using kvsnap::testing::throws_error;
+
+ModelConfig tiny_model() {
+  ModelConfig c;
+  c.hidden = 32;
+  c.mlp_hidden = 48;
+  c.query_heads = 4;
+  c.kv_heads = 2;
+  c.head_dim = 8;
+  c.window = 24;
+  c.pattern = "RSA";
+  c.delta_key_heads = 1;
+  c.delta_value_heads = 2;
+  c.delta_head_dim = 8;
+  return c;
+}
+
+// Users on one system prompt: first turns, continuations, a regeneration and an edit, in the
+// order a server would see them. Questions of different users share their first words.
+Workload many_users(int users) {
+  const std::string system =
+      "You are Beacon. Answer in numbered steps, cite the runbook, never print secrets. "
+      "Section 1: when latency rises, check the dashboard, then the last deploy, then page the "
+      "owners. Section 2: when the disk fills, purge old artifacts, then grow the volume.";
+  std::string text;
+  const auto line = [&](const std::string& json) { text += json + "\n"; };
+  for (int u = 0; u < users; ++u) {
+    line(fmt::format(
+        R"({{"id": "u{0}", "messages": [{{"role": "system", "content": "{1}"}}, {{"role": "user", "content": "The {2} service is slow since {0} minutes."}}], "max_tokens": 6}})",
+        u, system, u % 2 == 0 ? "billing" : "search"));
+  }
+  for (int u = 0; u < users; ++u) {
+    line(fmt::format(
+        R"({{"id": "u{0}-2", "after": "u{0}", "messages": [{{"role": "user", "content": "What next?"}}], "max_tokens": 5}})",
+        u));
+  }
+  line(R"({"id": "u0-2r", "regenerate": "u0-2", "max_tokens": 5})");
+  line(
+      R"({"id": "u1-2e", "edit": "u1-2", "messages": [{"role": "user", "content": "Which section?"}], "max_tokens": 5})");
+  return parse_workload(text, "many users");
+}
+
+ParallelOptions slots(int64_t parallel, int64_t prefill_chunk = 64) {
+  ParallelOptions options;
+  options.parallel = parallel;
+  options.prefill_chunk = prefill_chunk;
+  options.block_tokens = 4;
+  return options;
+}
+
+RunResult sequential_uncached(const Workload& workload, const Model& model) {
+  ReplayOptions options;
+  options.with_cache = false;
+  return replay(workload, model, options);
+}
+
+int64_t sum(const RunResult& run, int64_t RequestResult::*field) {
+  int64_t total = 0;
+  for (const RequestResult& r : run.requests) total += r.*field;
+  return total;
+}
+
+TEST(ParallelReplay, AgreesWithTheSequentialRunWithoutCacheForEverySlotCountAndChunk) {
+  const Model model(tiny_model());
+  const Workload workload = many_users(6);
+  const RunResult uncached = sequential_uncached(workload, model);
+  for (const int64_t parallel : {1, 2, 4, 8}) {
+    for (const int64_t chunk : {7, 64, 4096}) {
+      SCOPED_TRACE(fmt::format("--parallel {} --prefill-chunk {}", parallel, chunk));
+      const ParallelRun run = replay_parallel(workload, model, slots(parallel, chunk));
+      const Comparison c = compare(run.run, uncached, 1e-4);
+      EXPECT_TRUE(c.same_tokens) << c.first_difference;
+      EXPECT_LE(c.max_logit_difference, 1e-4);
+      ASSERT_EQ(run.run.requests.size(), workload.requests.size());
+      for (size_t i = 0; i < workload.requests.size(); ++i) {
+        const RequestResult& r = run.run.requests[i];
+        EXPECT_EQ(r.id, workload.requests[i].id);  // workload order, whatever the finish order
+        EXPECT_EQ(r.prompt_tokens, uncached.requests[i].prompt_tokens);
+        EXPECT_EQ(r.evaluated + r.reused, r.prompt_tokens);
+        // Restore points where queued prompts leave this one: every request evaluates only
+        // what was never evaluated before — but an edit, which arrives after the request it
+        // edits has finished, resumes at the message end before it ("<user>Wh" is shared).
+        EXPECT_EQ(r.evaluated, r.floor + (r.id == "u1-2e" ? 3 : 0)) << r.id;
+        EXPECT_GT(r.ttft_seconds, 0.0);
+      }
+      EXPECT_EQ(run.reply_tokens, [&] {
+        int64_t n = 0;
+        for (const RequestResult& r : run.run.requests) n += static_cast<int64_t>(r.reply.size());
+        return n;
+      }());
+      EXPECT_GT(run.throughput(), 0.0);
+      EXPECT_EQ(run.parallel, parallel);
+    }
+  }
+}
+
+TEST(ParallelReplay, SequencesShareTheirPrefixInsteadOfHoldingCopies) {
+  const Model model(tiny_model());
+  const Workload workload = many_users(8);
+  const ParallelRun run = replay_parallel(workload, model, slots(8, 64));
+  const ModelConfig& c = model.config();
+  const int64_t block_bytes = 4 * c.kv_heads * c.head_dim * 2 * 4;  // one 'A' layer
+  // The peak holds what the sequences share once, plus at most a partly used block and a
+  // block joined at restore per sequence.
+  EXPECT_GE(run.kv.peak_bytes, run.kv.ideal_bytes);
+  EXPECT_LE(run.kv.peak_bytes, run.kv.ideal_bytes + 8 * 2 * block_bytes);
+  // Copies would hold the system prompt once per sequence.
+  EXPECT_GT(run.kv.unshared_bytes, 3 * run.kv.peak_bytes);
+}
+
+TEST(ParallelReplay, ARequestWaitsForThePrefillOfItsPrefixInsteadOfRecomputingIt) {
+  const Model model(tiny_model());
+  const Workload workload = many_users(2);
+  const ParallelRun run = replay_parallel(workload, model, slots(2, 16));
+  const RequestResult& first = run.run.requests[0];
+  const RequestResult& second = run.run.requests[1];
+  EXPECT_EQ(first.evaluated, first.prompt_tokens);
+  EXPECT_EQ(second.evaluated, second.ideal);  // its own question only
+  EXPECT_GT(second.reused, 200);              // the system prompt
+  EXPECT_LT(second.evaluated, 50);
+  // Serving both one after the other on one slot evaluates the same.
+  const ParallelRun one = replay_parallel(workload, model, slots(1, 16));
+  EXPECT_EQ(sum(one.run, &RequestResult::evaluated), sum(run.run, &RequestResult::evaluated));
+}
+
+TEST(ParallelReplay, BadOptionsAreRefusedNamingThem) {
+  const Model model(tiny_model());
+  const Workload workload = many_users(2);
+  EXPECT_TRUE(throws_error([&] { (void)replay_parallel(workload, model, slots(0)); },
+                           {"--parallel 0", ">= 1"}));
+  EXPECT_TRUE(throws_error([&] { (void)replay_parallel(workload, model, slots(2, 0)); },
+                           {"--prefill-chunk 0", ">= 1"}));
+}
+
+TEST(ParallelReplay, TheManyUsersWorkloadHasSixteenUsersOnOneLongSystemPrompt) {
+  const Workload w = embedded_workload("many-users");
+  std::set<std::string> users;
+  int regenerations = 0, edits = 0, continuations = 0;
+  for (const Request& r : w.requests) {
+    users.insert(r.id.substr(0, r.id.find('-')));
+    regenerations += r.kind == Request::Kind::regenerate;
+    edits += r.kind == Request::Kind::edit;
+    continuations += r.kind == Request::Kind::after;
+    if (r.kind == Request::Kind::fresh) {
+      ASSERT_FALSE(r.messages.empty());
+      EXPECT_GE(r.messages.front().content.size(), 4000u);  // ~4k tokens of bytes
+      EXPECT_EQ(r.messages.front().content, w.requests.front().messages.front().content);
+    }
+  }
+  EXPECT_GE(users.size(), 16u);
+  EXPECT_GE(continuations, 32);  // turns 2 and 3 of every user
+  EXPECT_GT(regenerations, 0);
+  EXPECT_GT(edits, 0);
+  EXPECT_TRUE(throws_error([] { (void)embedded_workload("nope"); }, {"\"nope\"", "many-users"}));
+}
+
+}  // namespace
+}  // namespace kvsnap::tools

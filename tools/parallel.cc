@@ -1,0 +1,422 @@
+#include "parallel.h"
+
+#include <fmt/format.h>
+#include <kvsnap/paged_kv_cache.h>
+#include <kvsnap/prefix_cache.h>
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
+
+namespace kvsnap::tools {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+int64_t common_prefix(std::span<const int32_t> a, std::span<const int32_t> b) {
+  const auto [end_a, end_b] = std::mismatch(a.begin(), a.end(), b.begin(), b.end());
+  return end_a - a.begin();
+}
+
+// Distinct prefixes of `sequences`: the nodes of a trie holding them all (sum of lengths less
+// the common prefixes of neighbours in sorted order).
+int64_t distinct_prefixes(std::vector<std::span<const int32_t>> sequences) {
+  std::sort(sequences.begin(), sequences.end(), [](auto a, auto b) {
+    return std::lexicographical_compare(a.begin(), a.end(), b.begin(), b.end());
+  });
+  int64_t total = 0;
+  for (size_t i = 0; i < sequences.size(); ++i) {
+    total += static_cast<int64_t>(sequences[i].size());
+    if (i > 0) total -= common_prefix(sequences[i - 1], sequences[i]);
+  }
+  return total;
+}
+
+// A request running on a slot.
+struct Running {
+  size_t index = 0;
+  std::vector<int32_t> prompt;
+  std::optional<PrefixCache::Session> session;
+  std::span<const int32_t> remaining;  // the session's: prompt tokens to evaluate
+  size_t fed = 0;                      // of them, evaluated so far
+  int32_t next = 0;                    // the token the next decode step feeds
+  Clock::time_point arrival;
+  RequestResult result;
+  bool prefilling() const { return fed < remaining.size(); }
+};
+
+class Scheduler {
+ public:
+  Scheduler(const Workload& workload, const Model& model, const ParallelOptions& options)
+      : workload_(workload),
+        model_(model),
+        options_(options),
+        caches_(model.make_caches({.paged = true, .block_tokens = options.block_tokens})),
+        layers_(cache_pointers(caches_)),
+        prefix_(layers_, {.max_paged_out_bytes = options.max_paged_out_bytes,
+                          .slots = static_cast<SeqId>(options.parallel)}),
+        slots_(static_cast<size_t>(options.parallel)),
+        held_(static_cast<size_t>(options.parallel)),
+        results_(workload.requests.size()),
+        prompts_(workload.requests.size()),
+        admitted_(workload.requests.size(), false) {
+    for (Cache* layer : layers_) {
+      if (auto* paged = dynamic_cast<PagedKVCache*>(layer)) paged_.push_back(paged);
+    }
+    const ModelConfig& c = model.config();
+    token_bytes_ = static_cast<int64_t>(paged_.size()) * c.kv_heads * c.head_dim * 2 *
+                   static_cast<int64_t>(sizeof(float));
+  }
+
+  ParallelRun run() {
+    if (!options_.cache_dir.empty() && PrefixCache::saved_in(options_.cache_dir)) {
+      prefix_.load(options_.cache_dir, options_.model_id);
+      out_.run.loaded_nodes = prefix_.node_count();
+    }
+    start_ = Clock::now();
+    while (done_ < workload_.requests.size()) {
+      admit();
+      if (!step()) {
+        throw Error(
+            "replay --parallel: no request can run (a request follows one that never "
+            "finishes)");
+      }
+    }
+    out_.run.seconds = since(start_);
+    if (!options_.cache_dir.empty()) prefix_.save(options_.cache_dir, options_.model_id);
+    measure_ideals(prompts_, results_);
+    out_.run.with_cache = true;
+    out_.run.requests = std::move(results_);
+    out_.run.paged_out_bytes = prefix_.paged_out_bytes();
+    out_.run.evicted_nodes = prefix_.stats().evicted_nodes;
+    out_.run.trie_nodes = prefix_.node_count();
+    out_.parallel = options_.parallel;
+    return std::move(out_);
+  }
+
+ private:
+  // When request `i` may start (the request it follows has finished), if it may.
+  std::optional<Clock::time_point> arrival(size_t i) const {
+    const Request& request = workload_.requests[i];
+    if (request.kind == Request::Kind::fresh) return start_;
+    const auto it = finished_.find(request.reference);
+    if (it == finished_.end()) return std::nullopt;
+    return it->second;
+  }
+
+  void admit() {
+    for (size_t i = 0; i < workload_.requests.size(); ++i) {
+      if (admitted_[i]) continue;
+      const auto free =
+          std::find_if(slots_.begin(), slots_.end(), [](const auto& s) { return !s.has_value(); });
+      if (free == slots_.end()) return;
+      const std::optional<Clock::time_point> arrived = arrival(i);
+      if (arrived) (void)try_admit(i, *arrived);
+    }
+  }
+
+  // Starts request `i` on the free slot whose state it shares most with; false when it should
+  // wait for a prefilling sequence that will hold more of its prompt.
+  bool try_admit(size_t i, Clock::time_point arrived) {
+    const Request& request = workload_.requests[i];
+    std::vector<int64_t> boundaries;
+    std::vector<int32_t> prompt = builder_.prompt(request, &boundaries);
+    check_prompt_fits(workload_, request, static_cast<int64_t>(prompt.size()),
+                      model_.config().context_length);
+    SeqId best = -1;
+    int64_t reuse = -1;
+    for (size_t s = 0; s < slots_.size(); ++s) {
+      if (slots_[s]) continue;
+      const int64_t m = prefix_.match(static_cast<SeqId>(s), prompt);
+      if (m > reuse) reuse = m, best = static_cast<SeqId>(s);
+    }
+    for (const auto& other : slots_) {
+      if (other && other->prefilling() && common_prefix(prompt, other->prompt) > reuse) {
+        return false;
+      }
+    }
+    Running& r = slots_[static_cast<size_t>(best)].emplace();
+    r.index = i;
+    r.arrival = arrived;
+    r.prompt = std::move(prompt);
+    r.session.emplace(prefix_.begin(best, r.prompt));
+    r.session->schedule_snapshots(restore_points(i, r, boundaries));
+    r.remaining = r.session->remaining();
+    r.result.id = request.id;
+    r.result.prompt_tokens = static_cast<int64_t>(r.prompt.size());
+    r.result.evaluated = static_cast<int64_t>(r.remaining.size());
+    r.result.reused = r.result.prompt_tokens - r.result.evaluated;
+    held_[static_cast<size_t>(best)] = r.prompt;
+    admitted_[i] = true;
+    admission_.push_back(best);
+    return true;
+  }
+
+  // The message ends past what the session restored, and where the prompts of requests waiting
+  // to start leave this one (at most kLookahead of them): a request sharing more of this
+  // prompt than the cache holds waits for this prefill, then restores exactly there.
+  std::vector<int64_t> restore_points(size_t admitted, const Running& r,
+                                      const std::vector<int64_t>& boundaries) const {
+    constexpr size_t kLookahead = 16;
+    const int64_t cached = r.session->cached(), length = static_cast<int64_t>(r.prompt.size());
+    std::set<int64_t> points;
+    for (int64_t b : boundaries) {
+      if (b >= cached && b <= length) points.insert(b);
+    }
+    size_t looked = 0;
+    for (size_t j = 0; j < workload_.requests.size() && looked < kLookahead; ++j) {
+      if (admitted_[j] || j == admitted || !arrival(j)) continue;
+      const int64_t shared =
+          common_prefix(builder_.prompt(workload_.requests[j], nullptr), r.prompt);
+      if (shared > cached && shared < length) points.insert(shared), ++looked;
+    }
+    return {points.begin(), points.end()};
+  }
+
+  // One forward over every running sequence; false when none runs.
+  bool step() {
+    std::vector<Model::Chunk> chunks;
+    std::vector<bool> prefill;
+    for (size_t s = 0; s < slots_.size(); ++s) {
+      Running* r = slots_[s] ? &*slots_[s] : nullptr;
+      if (r == nullptr || r->prefilling()) continue;
+      chunks.push_back({static_cast<int32_t>(s), std::span<const int32_t>(&r->next, 1)});
+      prefill.push_back(false);
+    }
+    int64_t budget = options_.prefill_chunk;
+    std::erase_if(admission_, [&](SeqId s) {
+      return !slots_[static_cast<size_t>(s)] || !slots_[static_cast<size_t>(s)]->prefilling();
+    });
+    for (SeqId s : admission_) {
+      if (budget == 0) break;
+      Running& r = *slots_[static_cast<size_t>(s)];
+      const auto n = std::min<int64_t>(budget, static_cast<int64_t>(r.remaining.size() - r.fed));
+      chunks.push_back({s, r.remaining.subspan(r.fed, static_cast<size_t>(n))});
+      prefill.push_back(true);
+      budget -= n;
+    }
+    if (chunks.empty()) return false;
+    const Array logits = model_.forward(chunks, layers_);
+    ++out_.steps;
+    const int64_t vocab = model_.config().vocab_size;
+    for (size_t k = 0; k < chunks.size(); ++k) {
+      Running& r = *slots_[static_cast<size_t>(chunks[k].seq)];
+      if (prefill[k]) {
+        r.fed += chunks[k].tokens.size();
+        if (r.prefilling()) continue;
+        r.result.ttft_seconds = std::chrono::duration<double>(Clock::now() - r.arrival).count();
+        r.session->prefill_done();
+      }
+      sample(chunks[k].seq, r, logits.data<float>() + static_cast<int64_t>(k) * vocab, vocab);
+    }
+    measure_memory();
+    return true;
+  }
+
+  // Greedy decoding of one token from `row`; finishes the request at its end.
+  void sample(SeqId slot, Running& r, const float* row, int64_t vocab) {
+    r.result.logits.emplace_back(row, row + vocab);
+    const int32_t token = argmax(row, vocab);
+    r.result.reply.push_back(token);
+    r.session->append_output(token);
+    held_[static_cast<size_t>(slot)].push_back(token);
+    ++out_.reply_tokens;
+    const Request& request = workload_.requests[r.index];
+    if (token != kEnd && static_cast<int64_t>(r.result.reply.size()) < request.max_tokens) {
+      r.next = token;
+      return;
+    }
+    r.session->close();
+    builder_.record(request, r.prompt, r.result.reply);
+    finished_[request.id] = Clock::now();
+    prompts_[r.index] = std::move(r.prompt);
+    results_[r.index] = std::move(r.result);
+    slots_[static_cast<size_t>(slot)].reset();
+    options_.progress(++done_, workload_.requests.size());
+  }
+
+  void measure_memory() {
+    int64_t live = 0;
+    for (const PagedKVCache* paged : paged_) live += paged->pool_stats().live_bytes;
+    if (live <= out_.kv.peak_bytes || paged_.empty()) return;
+    std::vector<std::span<const int32_t>> held;
+    int64_t tokens = 0;
+    for (size_t s = 0; s < held_.size(); ++s) {
+      const int64_t offset = paged_.front()->offset(static_cast<SeqId>(s));
+      held.push_back(std::span<const int32_t>(held_[s]).first(static_cast<size_t>(offset)));
+      tokens += offset;
+    }
+    out_.kv = {live, tokens * token_bytes_, distinct_prefixes(std::move(held)) * token_bytes_};
+  }
+
+  const Workload& workload_;
+  const Model& model_;
+  const ParallelOptions& options_;
+  std::vector<std::unique_ptr<Cache>> caches_;
+  std::vector<Cache*> layers_;
+  std::vector<PagedKVCache*> paged_;
+  int64_t token_bytes_ = 0;  // keys and values of one token in every paged layer
+  PrefixCache prefix_;
+  PromptBuilder builder_;
+  std::vector<std::optional<Running>> slots_;
+  std::vector<std::vector<int32_t>> held_;  // per slot: its sequence's tokens (a prefix of)
+  std::vector<SeqId> admission_;            // slots in the order their requests came in
+  std::map<std::string, Clock::time_point> finished_;
+  std::vector<RequestResult> results_;
+  std::vector<std::vector<int32_t>> prompts_;
+  std::vector<bool> admitted_;
+  size_t done_ = 0;
+  Clock::time_point start_;
+  ParallelRun out_;
+};
+
+}  // namespace
+
+ParallelRun replay_parallel(const Workload& workload, const Model& model,
+                            const ParallelOptions& options) {
+  if (options.parallel < 1 || options.prefill_chunk < 1 || options.block_tokens < 1) {
+    throw Error(fmt::format(
+        "replay: --parallel {}, --prefill-chunk {} and the block size {} must all be >= 1",
+        options.parallel, options.prefill_chunk, options.block_tokens));
+  }
+  if (model.config().vocab_size < kVocabularyNeeded) {
+    throw Error(
+        fmt::format("replay: the model's vocabulary of {} is smaller than the {} tokens the "
+                    "chat format needs",
+                    model.config().vocab_size, kVocabularyNeeded));
+  }
+  check_context_length(workload, model.config().context_length);
+  if (!options.cache_dir.empty()) check_cache_dir(options.cache_dir);
+  return Scheduler(workload, model, options).run();
+}
+
+namespace {
+
+struct Totals {
+  int64_t prompt_tokens = 0, evaluated = 0, ideal = 0, reply_tokens = 0;
+  std::vector<double> ttft;
+  double seconds = 0;
+  double throughput() const {
+    return seconds > 0 ? static_cast<double>(reply_tokens) / seconds : 0.0;
+  }
+};
+
+Totals totals(const RunResult& run) {
+  Totals t;
+  for (const RequestResult& r : run.requests) {
+    t.prompt_tokens += r.prompt_tokens;
+    t.evaluated += r.evaluated;
+    t.ideal += r.ideal;
+    t.reply_tokens += static_cast<int64_t>(r.reply.size());
+    t.ttft.push_back(r.ttft_seconds);
+  }
+  t.seconds = run.seconds;
+  return t;
+}
+
+double ratio(double a, double b) { return b > 0 ? a / b : 0.0; }
+
+}  // namespace
+
+std::string format_parallel_table(const ParallelRun& parallel, const RunResult& uncached,
+                                  const Comparison& c, const std::string& workload) {
+  const Totals a = totals(parallel.run), b = totals(uncached);
+  const auto row = [](const std::string& name, const std::string& x, const std::string& y) {
+    return fmt::format("  {:<32} {:>20} {:>20}\n", name, x, y);
+  };
+  const auto ms = [](double seconds) { return fmt::format("{:.1f}", seconds * 1e3); };
+  const auto mib = [](int64_t bytes) {
+    return fmt::format("{:.1f} MiB", static_cast<double>(bytes) / (1 << 20));
+  };
+  std::string out =
+      fmt::format("kvsnap replay --parallel {}: {} ({} requests, {} prompt tokens)\n\n",
+                  parallel.parallel, workload, parallel.run.requests.size(), a.prompt_tokens);
+  if (parallel.run.loaded_nodes >= 0) {
+    out += fmt::format("  warm start: {} trie nodes loaded from the cache directory\n\n",
+                       parallel.run.loaded_nodes);
+  }
+  out += row("", fmt::format("{} slots, cache", parallel.parallel), "sequential, no cache");
+  out += row("tokens evaluated", std::to_string(a.evaluated), std::to_string(b.evaluated));
+  out += row("ideal (never seen before)", std::to_string(a.ideal), "");
+  out += row("time to first token, median ms", ms(percentile(a.ttft, 0.5)),
+             ms(percentile(b.ttft, 0.5)));
+  out +=
+      row("time to first token, p90 ms", ms(percentile(a.ttft, 0.9)), ms(percentile(b.ttft, 0.9)));
+  out += row("reply tokens per second", fmt::format("{:.1f}", a.throughput()),
+             fmt::format("{:.1f}", b.throughput()));
+  out += row("total time s", fmt::format("{:.2f}", a.seconds), fmt::format("{:.2f}", b.seconds));
+  out += row("forward steps", std::to_string(parallel.steps), "");
+  out += row("paged-out bytes", std::to_string(parallel.run.paged_out_bytes), "");
+  out += row("evicted trie nodes", std::to_string(parallel.run.evicted_nodes), "");
+  const KVMemory& kv = parallel.kv;
+  out += fmt::format(
+      "\n  attention memory at its peak: {} in blocks the live sequences use; {} if each held "
+      "its own copy\n    ({:.1f}x), the shared prefixes once and each sequence's own tokens: "
+      "{} ({:.3f}x of that)\n",
+      mib(kv.peak_bytes), mib(kv.unshared_bytes), ratio(kv.unshared_bytes, kv.peak_bytes),
+      mib(kv.ideal_bytes), ratio(kv.peak_bytes, kv.ideal_bytes));
+  out += fmt::format("  evaluated with the cache vs ideal: {:+.2f}% ({} tokens over)\n",
+                     100.0 * ratio(a.evaluated - a.ideal, a.ideal), a.evaluated - a.ideal);
+  out += fmt::format("  throughput vs the sequential run without cache: {:.1f}x\n",
+                     ratio(a.throughput(), b.throughput()));
+  out += c.first_difference.empty()
+             ? fmt::format("  runs agree: identical tokens, logits within {:.1e}\n",
+                           c.max_logit_difference)
+             : fmt::format("  RUNS DISAGREE: {}\n", c.first_difference);
+  return out;
+}
+
+std::string format_parallel_json(const ParallelRun& parallel, const RunResult& uncached,
+                                 const Comparison& c, const std::string& workload) {
+  const Totals a = totals(parallel.run), b = totals(uncached);
+  nlohmann::json requests = nlohmann::json::array();
+  for (size_t i = 0; i < parallel.run.requests.size(); ++i) {
+    const RequestResult& r = parallel.run.requests[i];
+    requests.push_back({{"id", r.id},
+                        {"prompt_tokens", r.prompt_tokens},
+                        {"evaluated_cached", r.evaluated},
+                        {"reused", r.reused},
+                        {"evaluated_uncached", uncached.requests[i].evaluated},
+                        {"ideal", r.ideal},
+                        {"ttft_ms_cached", r.ttft_seconds * 1e3},
+                        {"ttft_ms_uncached", uncached.requests[i].ttft_seconds * 1e3},
+                        {"reply_tokens", r.reply.size()}});
+  }
+  const nlohmann::json json = {
+      {"workload", workload},
+      {"parallel", parallel.parallel},
+      {"requests", parallel.run.requests.size()},
+      {"prompt_tokens", a.prompt_tokens},
+      {"evaluated_cached", a.evaluated},
+      {"evaluated_uncached", b.evaluated},
+      {"ideal", a.ideal},
+      {"reply_tokens", a.reply_tokens},
+      {"throughput_tokens_per_s", a.throughput()},
+      {"throughput_tokens_per_s_uncached", b.throughput()},
+      {"ttft_ms",
+       {{"cached",
+         {{"median", percentile(a.ttft, 0.5) * 1e3}, {"p90", percentile(a.ttft, 0.9) * 1e3}}},
+        {"uncached",
+         {{"median", percentile(b.ttft, 0.5) * 1e3}, {"p90", percentile(b.ttft, 0.9) * 1e3}}}}},
+      {"seconds", {{"cached", a.seconds}, {"uncached", b.seconds}}},
+      {"steps", parallel.steps},
+      {"peak_kv_bytes", parallel.kv.peak_bytes},
+      {"unshared_kv_bytes", parallel.kv.unshared_bytes},
+      {"ideal_kv_bytes", parallel.kv.ideal_bytes},
+      {"paged_out_bytes", parallel.run.paged_out_bytes},
+      {"evicted_nodes", parallel.run.evicted_nodes},
+      {"trie_nodes", parallel.run.trie_nodes},
+      {"agree", c.first_difference.empty()},
+      {"max_logit_difference", c.max_logit_difference},
+      {"per_request", requests}};
+  return json.dump(2) + "\n";
+}
+
+}  // namespace kvsnap::tools
