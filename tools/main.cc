@@ -75,6 +75,7 @@ int run_parallel(const ReplayArguments& args, const tools::Workload& workload, c
                  const std::string& model_id) {
   tools::ParallelOptions options;
   options.cache_dir = args.cache_dir;
+  options.shared_cache_dir = args.shared_cache_dir;
   options.model_id = model_id;
   options.parallel = args.parallel;
   options.prefill_chunk = args.prefill_chunk;
