@@ -158,17 +158,8 @@ int run_bench(const BenchArguments& args) {
   return 0;
 }
 
-// Exit status: 0 the runs agree (or a help text), 1 they disagree, 2 bad arguments, a bad
-// workload, a request over the context length or an unusable cache directory (one that is not
-// private without --shared-cache-dir included), 3 anything else (out of memory, an internal
-// failure): see main.
-int run(int argc, char** argv) {
-  // The model's matrices are small: one BLAS thread is as fast here and leaves the other core
-  // idle (measured on the 2-core machine: same wall time, a third of the CPU time).
-  if (std::getenv("OPENBLAS_NUM_THREADS") == nullptr) openblas_set_num_threads(1);
-  CLI::App app{"kvsnap: snapshot, rewind, branch and reuse LLM inference state"};
-  app.require_subcommand(1);
-  ReplayArguments replay;
+// The replay subcommand and its options, parsed into `replay`.
+CLI::App* add_replay_command(CLI::App& app, ReplayArguments& replay) {
   CLI::App* replay_command = app.add_subcommand(
       "replay",
       "Run a multi-turn workload through the built-in hybrid model with and without the prefix "
@@ -222,6 +213,21 @@ int run(int argc, char** argv) {
       ->check(CLI::Range(int64_t{1}, std::numeric_limits<int64_t>::max()))
       ->needs(parallel)
       ->capture_default_str();
+  return replay_command;
+}
+
+// Exit status: 0 the runs agree (or a help text), 1 they disagree, 2 bad arguments, a bad
+// workload, a request over the context length or an unusable cache directory (one that is not
+// private without --shared-cache-dir included), 3 anything else (out of memory, an internal
+// failure): see main.
+int run(int argc, char** argv) {
+  // The model's matrices are small: one BLAS thread is as fast here and leaves the other core
+  // idle (measured on the 2-core machine: same wall time, a third of the CPU time).
+  if (std::getenv("OPENBLAS_NUM_THREADS") == nullptr) openblas_set_num_threads(1);
+  CLI::App app{"kvsnap: snapshot, rewind, branch and reuse LLM inference state"};
+  app.require_subcommand(1);
+  ReplayArguments replay;
+  CLI::App* replay_command = add_replay_command(app, replay);
 
   BenchArguments bench_args;
   CLI::App* bench_command = app.add_subcommand(
