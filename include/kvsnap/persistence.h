@@ -17,9 +17,9 @@
 //
 // Files are private: created mode 0600 whatever the umask. Loading refuses (Error naming the
 // path, its owner and mode, and LoadOptions::allow_shared) a file, or the folder holding it,
-// that another user owns or that group or others can write: whoever can write it can plant
-// state the model then continues from, and the checksum does not stop them (anyone can
-// recompute it). See README.md, "Security".
+// that another user (neither this one nor root) owns or that group or others can write:
+// whoever can write it can plant state the model then continues from, and the checksum does not
+// stop them (anyone can recompute it). See README.md, "Security".
 #pragma once
 
 #include <cstdint>
@@ -50,9 +50,9 @@ KVSNAP_EXPORT void save_snapshots(const std::string& path, int64_t offset,
 // private themselves.
 struct LoadOptions {
   // By default a file, or the folder holding it, is refused unless this process's effective
-  // user owns it (root's are refused too, unless running as root) and group and others cannot
-  // write it; a sticky folder like /tmp may be writable by others when this user or root owns
-  // it. The check is made on the opened file, so what passed is what is read. true: trust a
+  // user or root owns it (root can change any file anyway: OpenSSH's StrictModes trusts the
+  // same two) and group and others cannot write it; a sticky folder like /tmp may be writable by
+  // others. The check is made on the opened file, so what passed is what is read. true: trust a
   // shared cache anyway — and every user who can write it.
   bool allow_shared = false;
 };

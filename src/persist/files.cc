@@ -111,16 +111,16 @@ std::string describe(const struct stat& status) {
 
 // What makes `status` (of a folder, or of a file) not private under `rule`; empty when nothing.
 std::vector<std::string> problems(const struct stat& status, bool folder, const PrivacyRule& rule) {
-  const uid_t me = ::geteuid();
+  // Root can change any file anyway: what root owns is trusted, as OpenSSH's StrictModes does.
+  const bool trusted_owner = status.st_uid == ::geteuid() || status.st_uid == 0;
   const mode_t mode = status.st_mode;
   // In a sticky folder others may add files but only a file's owner can rename or remove it.
-  const bool sticky =
-      folder && (mode & S_ISVTX) != 0 && (status.st_uid == me || status.st_uid == 0);
+  const bool sticky = folder && (mode & S_ISVTX) != 0 && trusted_owner;
   std::vector<std::string> out;
   if (folder ? !S_ISDIR(mode) : !S_ISREG(mode)) {
     out.push_back(folder ? "it is not a folder" : "it is not a regular file");
   }
-  if (status.st_uid != me && !sticky) out.push_back("another user owns it");
+  if (!trusted_owner) out.push_back("another user owns it");
   if (!sticky && (mode & (S_IWGRP | S_IWOTH)) != 0) {
     out.push_back(who(mode, S_IWGRP, S_IWOTH) + " can write it");
   }
@@ -142,12 +142,11 @@ void check(const std::string& what, int fd, bool folder, const PrivacyRule& rule
   std::string reasons;
   for (const std::string& problem : found) reasons += (reasons.empty() ? "" : ", ") + problem;
   throw Error(fmt::format(
-      "{}: refusing the {} {} ({}): {}; kvsnap trusts only {} that this user, {}, owns and that "
-      "group and others cannot write{}{}{}",
+      "{}: refusing the {} {} ({}): {}; kvsnap trusts only {} that this user, {}, {}owns and "
+      "that group and others cannot write{}{}{}",
       rule.call, folder ? "folder" : "file", what, describe(status), reasons,
-      folder ? "folders" : "files", user(::geteuid()),
-      folder ? " (or sticky folders, like /tmp, of this user or root)"
-             : (rule.secret ? " or read" : ""),
+      folder ? "folders" : "files", user(::geteuid()), ::geteuid() == 0 ? "" : "or root ",
+      folder ? " (or sticky folders, like /tmp)" : (rule.secret ? " or read" : ""),
       rule.override_with.empty() ? "" : "; ",
       rule.override_with.empty() ? "" : rule.override_with + " to trust it anyway"));
 }

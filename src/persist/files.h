@@ -48,13 +48,15 @@ struct PrivacyRule {
 };
 
 // Throws Error unless the open descriptor `fd` (of `path`, named in the error) is a regular file
-// owned by this process's effective user (a file of root's is refused too, unless this process
-// runs as root) that group and others cannot write (nor read, under rule.secret). Checks
+// owned by this process's effective user or by root (root can change any file anyway; OpenSSH's
+// StrictModes trusts the same two) that group and others cannot write (nor read, under
+// rule.secret: a MAC key file is read with check_private or read_private_file). Checks
 // fstat(fd): what passed is what is read through `fd`. The error names rule.call, the path, its
 // owner (user name and uid), its mode in octal, what is wrong, the rule and rule.override_with.
 // Checks nothing under rule.allow_shared.
 void check_private(const std::string& path, int fd, const PrivacyRule& rule);
-// The same for a folder (`fd` open on it): owned by this user, group and others cannot write it
+// The same for a folder (`fd` open on it): owned by this user or root, group and others cannot
+// write it
 // — or it has the sticky bit, like /tmp, and is owned by this user or root: others may create
 // files in it, but only a file's owner can rename or remove one, so check_private of the file
 // decides. (rule.secret is about a file's contents and does not apply to its folder.)
