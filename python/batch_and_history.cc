@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 #include <pybind11/stl.h>
 
+#include <tuple>
+
 #include "bindings.h"
 
 namespace kvsnap::python {
@@ -32,16 +34,31 @@ void bind_batch(py::module_& m) {
 Row b holds seq_query_lens[b] real tokens (the rest is padding) starting at absolute position
 seq_offsets[b].)")
       .def(py::init([](py::object input_ids, std::vector<int32_t> seq_offsets,
-                       std::vector<int32_t> seq_query_lens) {
+                       std::vector<int32_t> seq_query_lens, std::vector<SeqId> seq_ids) {
              Batch batch;
              batch.input_ids = to_array(input_ids, "Batch.input_ids", /*allow_none=*/true);
              batch.seq_offsets = std::move(seq_offsets);
              batch.seq_query_lens = std::move(seq_query_lens);
+             batch.seq_ids = std::move(seq_ids);
              return batch;
            }),
            py::arg("input_ids") = py::none(), py::arg("seq_offsets") = std::vector<int32_t>{},
            py::arg("seq_query_lens") = std::vector<int32_t>{},
-           "input_ids: int32 [B, L] (or None); one offset and one query length per row.")
+           py::arg("seq_ids") = std::vector<SeqId>{},
+           "input_ids: int32 [B, L] (or None); one offset and one query length per row; "
+           "seq_ids: the sequence of each row (empty: row b is sequence b).")
+      .def_static(
+          "rows",
+          [](const std::vector<std::tuple<int32_t, int64_t, std::vector<int32_t>>>& rows) {
+            std::vector<Batch::Chunk> chunks;
+            for (const auto& row : rows) {
+              chunks.push_back({std::get<0>(row), std::get<1>(row), std::get<2>(row)});
+            }
+            return Batch::rows(chunks);
+          },
+          py::arg("rows"),
+          "One row per (seq, offset, tokens): rows of different sequences, each at its own "
+          "offset with its own length (shorter rows padded).")
       .def_static(
           "single",
           [](const std::vector<int32_t>& tokens, int64_t offset) {
@@ -55,6 +72,7 @@ seq_offsets[b].)")
           "input_ids", [](const Batch& b) { return to_numpy(b.input_ids, /*writeable=*/false); })
       .def_readonly("seq_offsets", &Batch::seq_offsets)
       .def_readonly("seq_query_lens", &Batch::seq_query_lens)
+      .def_readonly("seq_ids", &Batch::seq_ids)
       .def_property_readonly("batch_size", &Batch::batch_size, "Rows B.")
       .def_property_readonly("length", &Batch::length, "Columns L.")
       .def(
@@ -114,7 +132,23 @@ position(c).)")
           },
           py::arg("column"), "Absolute position held by key column `column`.")
       .def("apply_mask", &KVHistory::apply_mask, py::arg("batch"), py::arg("logical"),
-           "The physical mask over this history's columns for `batch`'s queries.");
+           "The physical mask over this history's columns for `batch`'s queries.")
+      .def_property_readonly("paged", &KVHistory::paged,
+                             "A sequence's blocks in a paged cache (keys/values are None).")
+      .def_property_readonly("ragged", &KVHistory::ragged,
+                             "One history per batch row (rows of different sequences).")
+      .def_property_readonly("rows", &KVHistory::rows, "Rows of a ragged history, else 1.")
+      .def(
+          "row",
+          [](const KVHistory& h, int64_t b) {
+            if (b < 0 || b >= h.rows()) {
+              throw Error(fmt::format("KVHistory.row: row {} out of range [0, {})", b, h.rows()));
+            }
+            return h.row(b);
+          },
+          py::arg("b"), "Row b's history (this one unless ragged).")
+      .def("contiguous", &KVHistory::contiguous,
+           "A contiguous copy of a paged history (keys and values as plain arrays).");
 
   py::class_<RecurrentHistory>(m, "RecurrentHistory",
                                "A recurrent layer's live state (read-only numpy views).")

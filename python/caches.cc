@@ -1,7 +1,9 @@
 // kvsnap.Snapshot and the caches: kvsnap.Cache (the shared contract), kvsnap.KVCache,
-// kvsnap.RotatingKVCache and kvsnap.RecurrentCache.
+// kvsnap.RotatingKVCache, kvsnap.PagedKVCache and kvsnap.RecurrentCache.
 #include <fmt/format.h>
 #include <pybind11/stl.h>
+
+#include <optional>
 
 #include "bindings.h"
 
@@ -101,36 +103,66 @@ and changes nothing.)")
       .def_property_readonly(
           "offset", [](const Cache& c) { return c.offset(); }, "Tokens written so far.")
       .def(
-          "state", [](const Cache& c) { return to_numpy_list(c.state(), /*writeable=*/false); },
-          "The live state arrays as read-only numpy views (none before the first write).")
+          "offset_of", [](const Cache& c, SeqId seq) { return c.offset(seq); }, py::arg("seq"),
+          "Tokens written so far to sequence `seq`.")
       .def(
-          "reset", [](Cache& c) { c.reset(); },
-          "Drops all state and any schedule; offset becomes 0.")
+          "sequences", [](const Cache& c) { return c.sequences(); },
+          "The sequences that hold state (sequence 0 alone for a fresh cache).")
       .def(
-          "snapshot", [](Cache& c, int64_t from) { return wrap_snapshot(c.snapshot(from)); },
-          py::arg("from_offset") = 0,
+          "state",
+          [](const Cache& c, std::optional<SeqId> seq) {
+            return to_numpy_list(seq ? c.state(*seq) : c.state(), /*writeable=*/false);
+          },
+          py::kw_only(), py::arg("seq") = py::none(),
+          "The live state arrays (of sequence `seq`, default 0) as read-only numpy views (none "
+          "before the first write).")
+      .def(
+          "reset", [](Cache& c, std::optional<SeqId> seq) { seq ? c.reset(*seq) : c.reset(); },
+          py::kw_only(), py::arg("seq") = py::none(),
+          "Drops all state and any schedule (of sequence `seq` only, when given).")
+      .def(
+          "snapshot",
+          [](Cache& c, int64_t from, std::optional<SeqId> seq) {
+            return wrap_snapshot(seq ? c.snapshot(*seq, from) : c.snapshot(from));
+          },
+          py::arg("from_offset") = 0, py::kw_only(), py::arg("seq") = py::none(),
           "Snapshot of [from_offset, offset) (KV) or of the whole state (others); None when "
           "there is nothing to hold.")
       .def(
           "prepare_snapshots",
-          [](Cache& c, const std::vector<int64_t>& offsets) { c.prepare_snapshots(offsets); },
-          py::arg("offsets"), "Schedules captures as later writes reach each offset.")
+          [](Cache& c, const std::vector<int64_t>& offsets, std::optional<SeqId> seq) {
+            seq ? c.prepare_snapshots(*seq, offsets) : c.prepare_snapshots(offsets);
+          },
+          py::arg("offsets"), py::kw_only(), py::arg("seq") = py::none(),
+          "Schedules captures as later writes reach each offset.")
       .def(
-          "take_snapshots", [](Cache& c) { return wrap_snapshots(c.take_snapshots()); },
+          "take_snapshots",
+          [](Cache& c, std::optional<SeqId> seq) {
+            return wrap_snapshots(seq ? c.take_snapshots(*seq) : c.take_snapshots());
+          },
+          py::kw_only(), py::arg("seq") = py::none(),
           "One entry per scheduled offset, in order (None for zero-width edges).")
       .def(
           "take_reached_snapshots",
-          [](Cache& c) { return wrap_snapshots(c.take_reached_snapshots()); },
+          [](Cache& c, std::optional<SeqId> seq) {
+            return wrap_snapshots(seq ? c.take_reached_snapshots(*seq)
+                                      : c.take_reached_snapshots());
+          },
+          py::kw_only(), py::arg("seq") = py::none(),
           "For a forward cut short: the entries for the offsets already reached.")
       .def(
-          "cancel_snapshots", [](Cache& c) { c.cancel_snapshots(); },
-          "Drops the schedule and its captures.")
+          "cancel_snapshots",
+          [](Cache& c, std::optional<SeqId> seq) {
+            seq ? c.cancel_snapshots(*seq) : c.cancel_snapshots();
+          },
+          py::kw_only(), py::arg("seq") = py::none(), "Drops the schedule and its captures.")
       .def(
           "restore",
-          [](Cache& c, PySnapshot* snapshot, int64_t target) {
-            return c.restore(pointer(snapshot, "Cache.restore"), target);
+          [](Cache& c, PySnapshot* snapshot, int64_t target, std::optional<SeqId> seq) {
+            Snapshot* s = pointer(snapshot, "Cache.restore");
+            return seq ? c.restore(*seq, s, target) : c.restore(s, target);
           },
-          py::arg("snapshot"), py::arg("target"),
+          py::arg("snapshot"), py::arg("target"), py::kw_only(), py::arg("seq") = py::none(),
           "Returns to `target` using `snapshot` (None: live rewind); False, changing nothing, "
           "when unreachable.")
       .def("merge", &merge, py::arg("parent"), py::arg("child"),
@@ -166,6 +198,32 @@ void bind_attention_caches(py::module_& m) {
                                          "A sliding-window attention cache of max_size tokens.")
       .def(py::init<int64_t>(), py::arg("max_size"))
       .def_property_readonly("max_size", &RotatingKVCache::max_size);
+}
+
+void bind_paged_cache(py::module_& m) {
+  py::class_<PagedKVCache::PoolStats>(m, "PoolStats", "The blocks of a PagedKVCache's pool.")
+      .def_readonly("blocks", &PagedKVCache::PoolStats::blocks, "Blocks allocated.")
+      .def_readonly("blocks_in_use", &PagedKVCache::PoolStats::blocks_in_use,
+                    "Referenced by a sequence or a snapshot.")
+      .def_readonly("bytes_in_use", &PagedKVCache::PoolStats::bytes_in_use)
+      .def_readonly("blocks_copied", &PagedKVCache::PoolStats::blocks_copied,
+                    "Copies on write and joins at restore.")
+      .def_readonly("live_blocks", &PagedKVCache::PoolStats::live_blocks,
+                    "Used by sequences (a block shared by several counts once).")
+      .def_readonly("live_bytes", &PagedKVCache::PoolStats::live_bytes);
+
+  py::class_<PagedKVCache, Attention>(m, "PagedKVCache", R"(A paged attention cache.
+
+Each sequence is a list of blocks of block_tokens tokens; full blocks are shared by reference
+count between sequences and snapshots, a write into a shared block copies that block only, and
+a restore splices block references. Rows of a batch address sequences by seq_ids.)")
+      .def(py::init([](int64_t block_tokens, int64_t blocks_per_chunk) {
+             return std::make_unique<PagedKVCache>(PagedKVCache::Options{
+                 .block_tokens = block_tokens, .blocks_per_chunk = blocks_per_chunk});
+           }),
+           py::arg("block_tokens") = 16, py::arg("blocks_per_chunk") = 64)
+      .def_property_readonly("block_tokens", &PagedKVCache::block_tokens)
+      .def("pool_stats", &PagedKVCache::pool_stats, "Blocks allocated, in use, copied, live.");
 }
 
 void bind_recurrent_cache(py::module_& m) {
@@ -219,6 +277,7 @@ void bind_caches(py::module_& m) {
   bind_snapshot(m);
   bind_cache(m);
   bind_attention_caches(m);
+  bind_paged_cache(m);
   bind_recurrent_cache(m);
 }
 

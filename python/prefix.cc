@@ -22,13 +22,15 @@ struct PySession {
   PrefixCache::Session session;
 };
 
-PyPrefixCache make_prefix_cache(const py::sequence& layers, std::optional<int64_t> budget) {
+PyPrefixCache make_prefix_cache(const py::sequence& layers, std::optional<int64_t> budget,
+                                SeqId slots) {
   std::vector<Cache*> caches;
   for (py::handle layer : layers) {
     caches.push_back(layer.is_none() ? nullptr : layer.cast<Cache*>());
   }
   PrefixCache::Options options;
   if (budget) options.max_paged_out_bytes = *budget;
+  options.slots = slots;
   return PyPrefixCache{py::tuple(layers), std::make_unique<PrefixCache>(caches, options)};
 }
 
@@ -48,6 +50,9 @@ tokens out into the trie.)")
       .def_property_readonly(
           "cached", [](const PySession& s) { return s.session.cached(); },
           "Tokens restored from the cache: the live caches stand at this offset.")
+      .def_property_readonly(
+          "slot", [](const PySession& s) { return s.session.slot(); },
+          "The slot (the layers' sequence) this session runs on.")
       .def(
           "schedule_snapshots",
           [](PySession& s, const std::vector<int64_t>& offsets) {
@@ -74,15 +79,27 @@ void bind_prefix_cache(py::module_& m) {
 A compressed token trie whose nodes hold per-layer snapshots. `layers` are the model's caches
 in order (None for a stateless layer); the prefix cache drives their offsets from now on.)")
       .def(py::init(&make_prefix_cache), py::arg("layers"),
-           py::arg("max_paged_out_bytes") = py::none(),
-           "Budget for snapshot bytes in the trie (default 8 GiB).")
+           py::arg("max_paged_out_bytes") = py::none(), py::arg("slots") = 1,
+           "Budget for snapshot bytes in the trie (default 8 GiB); `slots` sequences of the "
+           "layers served at once, each with at most one open session.")
       .def(
           "begin",
-          [](py::object self, const std::vector<int32_t>& prompt) {
+          [](py::object self, const std::vector<int32_t>& prompt, SeqId slot) {
             auto& cache = self.cast<PyPrefixCache&>();
-            return PySession{self, cache.prefix->begin(prompt)};
+            return PySession{self, cache.prefix->begin(slot, prompt)};
           },
-          py::arg("prompt"), "Starts a request (one session at a time).")
+          py::arg("prompt"), py::kw_only(), py::arg("slot") = 0,
+          "Starts a request on `slot` (one session per slot at a time).")
+      .def(
+          "match",
+          [](const PyPrefixCache& c, const std::vector<int32_t>& prompt,
+             std::optional<SeqId> slot) {
+            return slot ? c.prefix->match(*slot, prompt) : c.prefix->match(prompt);
+          },
+          py::arg("prompt"), py::kw_only(), py::arg("slot") = py::none(),
+          "Prompt tokens begin would restore (from the trie alone, or on `slot` as it stands); "
+          "changes nothing.")
+      .def_property_readonly("slots", [](const PyPrefixCache& c) { return c.prefix->slots(); })
       .def(
           "save",
           [](const PyPrefixCache& c, const std::string& dir, const std::string& model_id) {

@@ -72,17 +72,17 @@ def question():
 USERS = 16
 for u in range(1, USERS + 1):
     add(id=f"u{u}-1", messages=[{"role": "system", "content": SYSTEM}, user(question())],
-        max_tokens=16)
+        max_tokens=128)
 for u in range(1, USERS + 1):
-    add(id=f"u{u}-2", after=f"u{u}-1", messages=[user(random.choice(FOLLOW_UPS))], max_tokens=16)
+    add(id=f"u{u}-2", after=f"u{u}-1", messages=[user(random.choice(FOLLOW_UPS))], max_tokens=96)
     if u % 4 == 1:
-        add(id=f"u{u}-2r", regenerate=f"u{u}-2", max_tokens=16)
+        add(id=f"u{u}-2r", regenerate=f"u{u}-2", max_tokens=96)
     if u % 4 == 3:
         add(id=f"u{u}-2e", edit=f"u{u}-2", messages=[user(random.choice(FOLLOW_UPS))],
-            max_tokens=16)
+            max_tokens=96)
 for u in range(1, USERS + 1):
     previous = f"u{u}-2r" if u % 4 == 1 else f"u{u}-2e" if u % 4 == 3 else f"u{u}-2"
-    add(id=f"u{u}-3", after=previous, messages=[user(random.choice(FOLLOW_UPS))], max_tokens=20)
+    add(id=f"u{u}-3", after=previous, messages=[user(random.choice(FOLLOW_UPS))], max_tokens=128)
 
 out = sys.argv[1] if len(sys.argv) > 1 else "data/many-users.jsonl"
 with open(out, "w") as f:

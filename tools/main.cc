@@ -51,6 +51,7 @@ struct ReplayArguments {
   std::string embedded = "default";
   int64_t parallel = 0;  // 0: the sequential replay
   int64_t prefill_chunk = 512;
+  int64_t block_tokens = 32;
   bool json = false;
   bool quiet = false;
   std::string chart = "replay.svg";
@@ -79,6 +80,7 @@ int run_parallel(const ReplayArguments& args, const tools::Workload& workload, c
   options.model_id = model_id;
   options.parallel = args.parallel;
   options.prefill_chunk = args.prefill_chunk;
+  options.block_tokens = args.block_tokens;
   options.max_paged_out_bytes = args.budget;
   options.progress = Progress(fmt::format("{} slots, prefix cache", args.parallel), !args.quiet);
   tools::ReplayOptions uncached_options;
@@ -158,8 +160,39 @@ int run_bench(const BenchArguments& args) {
   return 0;
 }
 
-// The replay subcommand and its options, parsed into `replay`.
-CLI::App* add_replay_command(CLI::App& app, ReplayArguments& replay) {
+// --parallel and the options that go with it.
+void add_parallel_options(CLI::App& replay_command, ReplayArguments& replay) {
+  CLI::Option* parallel =
+      replay_command
+          .add_option("--parallel", replay.parallel,
+                      "serve N sequences at once: continuous batching over one prefix cache "
+                      "with paged attention, compared with the sequential run without cache")
+          ->check(CLI::Range(int64_t{1}, int64_t{1024}));
+  replay_command
+      .add_option("--prefill-chunk", replay.prefill_chunk,
+                  "with --parallel: prompt tokens per step, over all prefilling sequences")
+      ->check(CLI::Range(int64_t{1}, std::numeric_limits<int64_t>::max()))
+      ->needs(parallel)
+      ->capture_default_str();
+  replay_command
+      .add_option("--block-tokens", replay.block_tokens,
+                  "with --parallel: tokens per block of the paged attention caches")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+      ->needs(parallel)
+      ->capture_default_str();
+}
+
+// Exit status: 0 the runs agree (or a help text), 1 they disagree, 2 bad arguments, a bad
+// workload, a request over the context length or an unusable cache directory (one that is not
+// private without --shared-cache-dir included), 3 anything else (out of memory, an internal
+// failure): see main.
+int run(int argc, char** argv) {
+  // The model's matrices are small: one BLAS thread is as fast here and leaves the other core
+  // idle (measured on the 2-core machine: same wall time, a third of the CPU time).
+  if (std::getenv("OPENBLAS_NUM_THREADS") == nullptr) openblas_set_num_threads(1);
+  CLI::App app{"kvsnap: snapshot, rewind, branch and reuse LLM inference state"};
+  app.require_subcommand(1);
+  ReplayArguments replay;
   CLI::App* replay_command = app.add_subcommand(
       "replay",
       "Run a multi-turn workload through the built-in hybrid model with and without the prefix "
@@ -201,33 +234,7 @@ CLI::App* add_replay_command(CLI::App& app, ReplayArguments& replay) {
                    "(16 users on one long system prompt)")
       ->check(CLI::IsMember(tools::embedded_workload_names()))
       ->capture_default_str();
-  CLI::Option* parallel =
-      replay_command
-          ->add_option("--parallel", replay.parallel,
-                       "serve N sequences at once: continuous batching over one prefix cache "
-                       "with paged attention, compared with the sequential run without cache")
-          ->check(CLI::Range(int64_t{1}, int64_t{1024}));
-  replay_command
-      ->add_option("--prefill-chunk", replay.prefill_chunk,
-                   "with --parallel: prompt tokens per step, over all prefilling sequences")
-      ->check(CLI::Range(int64_t{1}, std::numeric_limits<int64_t>::max()))
-      ->needs(parallel)
-      ->capture_default_str();
-  return replay_command;
-}
-
-// Exit status: 0 the runs agree (or a help text), 1 they disagree, 2 bad arguments, a bad
-// workload, a request over the context length or an unusable cache directory (one that is not
-// private without --shared-cache-dir included), 3 anything else (out of memory, an internal
-// failure): see main.
-int run(int argc, char** argv) {
-  // The model's matrices are small: one BLAS thread is as fast here and leaves the other core
-  // idle (measured on the 2-core machine: same wall time, a third of the CPU time).
-  if (std::getenv("OPENBLAS_NUM_THREADS") == nullptr) openblas_set_num_threads(1);
-  CLI::App app{"kvsnap: snapshot, rewind, branch and reuse LLM inference state"};
-  app.require_subcommand(1);
-  ReplayArguments replay;
-  CLI::App* replay_command = add_replay_command(app, replay);
+  add_parallel_options(*replay_command, replay);
 
   BenchArguments bench_args;
   CLI::App* bench_command = app.add_subcommand(

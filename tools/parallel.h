@@ -12,7 +12,9 @@ namespace kvsnap::tools {
 struct ParallelOptions {
   int64_t parallel = 8;         // slots: sequences evaluated together
   int64_t prefill_chunk = 512;  // prompt tokens per step, over all prefilling sequences
-  int64_t block_tokens = 16;    // the paged attention caches' block size
+  // Tokens per block of the paged attention caches: fewer, larger blocks mean fewer products per
+  // decode step; a restore into the middle of a block copies that one block.
+  int64_t block_tokens = 32;
   int64_t max_paged_out_bytes = int64_t(8) << 30;
   // As ReplayOptions: load the trie from here at start when saved there, save it at the end.
   std::string cache_dir;

@@ -6,14 +6,17 @@
 
 #include "kvsnap/ops.h"
 #include "ops/checks.h"
+#include "ops/sdpa_decode.h"
 #include "ops/softmax.h"
+#include "ops/visibility.h"
 
 namespace kvsnap {
 namespace {
 
-// A hidden score: finite (the vectorized exp needs finite inputs) and so low its weight is
-// exactly 0 next to any visible score.
-constexpr float kMasked = -1e30f;
+using detail::kMasked;
+using detail::softmax_row;
+using detail::Visibility;
+
 // Queries go through in blocks so the score matrix stays small for long prefills.
 constexpr int64_t kBlock = 128;
 
@@ -50,93 +53,6 @@ void check_inputs(const Batch& batch, const Array& q, const KVHistory& history, 
                               q.dim(1), keys.dim(1)));
     }
   }
-}
-
-// Which key columns each query sees. Positional rules (causal, lookback) apply on the fly; only
-// explicit arrays are materialized, through the history's apply_mask.
-class Visibility {
- public:
-  Visibility(const Batch& batch, const KVHistory& history, const AttentionMask& logical,
-             int64_t query_heads)
-      : history_(history),
-        effective_(history.window() > 0
-                       ? logical.intersect(AttentionMask::lookback(history.window()))
-                       : logical),
-        positional_(effective_.arrays().empty()),
-        // Column k of a history in position order holds position first + k, so the keys a
-        // query sees under positional rules are one contiguous range of columns.
-        ordered_(positional_ && history.oldest_column() == 0),
-        columns_(history.length()),
-        queries_(batch.length()) {
-    if (positional_) return;
-    const AttentionMask physical = history.apply_mask(batch, logical);
-    const Array& array = physical.arrays().front();
-    mask_heads_ = array.dim(1);
-    if (mask_heads_ != 1 && mask_heads_ != query_heads) {
-      throw Error(fmt::format("sdpa: mask {} has {} heads; need 1 or Hq = {}", array.describe(),
-                              mask_heads_, query_heads));
-    }
-    bias_ = array.to_floats();
-  }
-
-  // The columns [lo, hi) queries at positions [first, last] may see (all when not ordered).
-  std::pair<int64_t, int64_t> columns(int64_t first, int64_t last) const {
-    if (!ordered_) return {0, columns_};
-    return {visible(first).first, visible(last).second};
-  }
-
-  // Hides the columns query `l` (of row b, head h, at `position`) may not see in `row`, its
-  // scores over columns [lo, lo + width); returns the range [begin, end) of the row it may see.
-  std::pair<int64_t, int64_t> mask(float* row, int64_t lo, int64_t width, int64_t b, int64_t h,
-                                   int64_t l, int64_t position) const {
-    if (ordered_) {
-      const auto [row_lo, row_hi] = visible(position);
-      return {row_lo - lo, row_hi - lo};
-    }
-    if (positional_) {
-      for (int64_t k = 0; k < width; ++k) {
-        if (!effective_.allows(position, history_.position(lo + k))) row[k] = kMasked;
-      }
-      return {0, width};
-    }
-    const float* bias =
-        bias_.data() + ((b * mask_heads_ + (mask_heads_ == 1 ? 0 : h)) * queries_ + l) * columns_;
-    for (int64_t k = 0; k < width; ++k) row[k] = std::max(row[k] + bias[lo + k], kMasked);
-    return {0, width};
-  }
-
- private:
-  std::pair<int64_t, int64_t> visible(int64_t position) const {
-    const int64_t first = history_.first_position();
-    int64_t lo = 0, hi = columns_;
-    if (effective_.is_causal()) hi = std::clamp<int64_t>(position - first + 1, 0, columns_);
-    if (effective_.window() > 0) {
-      lo = std::clamp<int64_t>(position - effective_.window() + 1 - first, 0, columns_);
-    }
-    return {lo, std::max(lo, hi)};
-  }
-
-  const KVHistory& history_;
-  const AttentionMask effective_;
-  const bool positional_, ordered_;
-  const int64_t columns_, queries_;
-  int64_t mask_heads_ = 1;
-  std::vector<float> bias_;
-};
-
-// Softmax over row[begin, end) in place; the rest of the row's `width` columns get weight 0, as
-// does a row that sees nothing (padding, or everything masked).
-void softmax_row(float* row, int64_t width, int64_t begin, int64_t end) {
-  std::fill(row, row + begin, 0.0f);
-  std::fill(row + end, row + width, 0.0f);
-  float best = kMasked;
-  for (int64_t k = begin; k < end; ++k) best = std::max(best, row[k]);
-  if (best <= kMasked) {
-    std::fill(row + begin, row + end, 0.0f);
-    return;
-  }
-  const float inverse = 1.0f / detail::exp_shifted(row + begin, end - begin, best);
-  for (int64_t k = begin; k < end; ++k) row[k] *= inverse;
 }
 
 // f32 views whose rows (the last axis) are unit-strided are read in place; anything else is
@@ -263,6 +179,11 @@ Array attend(const Batch& batch, const Array& q, const KVHistory& history,
 Array sdpa(const Batch& batch, const Array& q, const KVHistory& history,
            const AttentionMask& logical, float scale) {
   check_inputs(batch, q, history, scale);
+  if (batch.length() == 1) {
+    if (std::optional<Array> out = detail::attend_decode(batch, q, history, logical, scale)) {
+      return std::move(*out);
+    }
+  }
   if (!history.ragged()) return attend(batch, q, history, logical, scale);
   // Rows of different sequences, each with its own history.
   Array out;

@@ -155,6 +155,41 @@ TEST_F(Paged, RowsOfSeveralSequencesAttendToTheirOwnBlocks) {
   }
 }
 
+// A decode step of many sequences: rows that hold the same block (a shared prefix, also one
+// that ends inside a block) read it once for all of them; each row still attends to exactly its
+// own history, under causal and lookback masks, with two query heads per key/value head.
+TEST_F(Paged, DecodeRowsSharingBlocksAttendToTheirOwnHistories) {
+  write(cache, 0, id_range(0, 40));
+  SnapshotPtr prefix = cache.snapshot(0, 0);
+  ASSERT_TRUE(cache.restore(1, prefix.get(), 40));
+  write(cache, 1, id_range(200, 5));
+  ASSERT_TRUE(cache.restore(2, prefix.get(), 37));  // shares block 4 with sequence 0, in part
+  ASSERT_TRUE(cache.restore(3, prefix.get(), 16));  // ends on a block boundary
+  write(cache, 3, id_range(300, 3));
+  write(cache, 4, id_range(400, 9));  // shares nothing
+  const std::vector<SeqId> seqs = {0, 1, 2, 3, 4};
+  Batch batch = Batch::uniform(5, 1, 0);
+  batch.seq_ids = seqs;
+  for (size_t b = 0; b < seqs.size(); ++b) {
+    batch.seq_offsets[b] = static_cast<int32_t>(cache.offset(seqs[b]) - 1);  // the last token
+  }
+  const KVHistory history = cache.view(batch);
+  std::mt19937 rng(11);
+  const Array q = testing::random_array({5, 4, 1, 4}, rng);
+  for (const AttentionMask& mask :
+       {AttentionMask::causal(), AttentionMask::sliding_window(7), AttentionMask::lookback(12)}) {
+    const Array got = sdpa(batch, q, history, mask, 0.4f);
+    for (size_t b = 0; b < seqs.size(); ++b) {
+      const std::vector<int64_t> ids = held(cache, seqs[b]);
+      const KVHistory full(kv.keys(ids), kv.values(ids));
+      const auto row = static_cast<int64_t>(b);
+      const Array expected = sdpa(batch.row(row), q.slice(0, row, row + 1), full, mask, 0.4f);
+      EXPECT_TRUE(testing::all_close(got.slice(0, row, row + 1).contiguous(), expected, 1e-5f))
+          << "row " << b << ", mask " << static_cast<int>(mask.kind());
+    }
+  }
+}
+
 TEST(PagedErrors, BadOptionsAndForeignSnapshots) {
   EXPECT_TRUE(throws_error([] { PagedKVCache cache({.block_tokens = 0}); },
                            {"PagedKVCache", "block_tokens 0"}));

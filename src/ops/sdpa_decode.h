@@ -1,0 +1,20 @@
+// Internal: the decode step of many sequences at once, over paged histories.
+#pragma once
+
+#include <optional>
+
+#include "kvsnap/array.h"
+#include "kvsnap/attention.h"
+#include "kvsnap/batch.h"
+
+namespace kvsnap::detail {
+
+// Attention of a batch whose rows each hold one query over a paged f32 history under positional
+// rules (causal, lookback): the decode step of many sequences. Every block is read once per
+// key/value head for all the queries that see it: the query heads that share the key/value head
+// and the rows whose histories hold that same block (a shared prefix) go through one product.
+// nullopt when the batch is not of that form; the caller then takes the general path.
+std::optional<Array> attend_decode(const Batch& batch, const Array& q, const KVHistory& history,
+                                   const AttentionMask& logical, float scale);
+
+}  // namespace kvsnap::detail

@@ -1,0 +1,97 @@
+"""Many sequences from Python: a paged cache sharing blocks, heterogeneous batches whose rows
+attend to their own histories, per-sequence snapshots, and a prefix cache over several slots."""
+import numpy as np
+import pytest
+
+import kvsnap
+from conftest import kv
+
+
+def write(cache, seq, keys):
+    """Appends keys [1, H, L, D] (values: keys + 1) to sequence `seq` at its offset."""
+    batch = kvsnap.Batch(seq_offsets=[cache.offset_of(seq)], seq_query_lens=[keys.shape[2]],
+                         seq_ids=[seq])
+    return cache.update(batch, keys, keys + 1)
+
+
+def test_sequences_share_a_prefix_by_block_references(rng):
+    cache = kvsnap.PagedKVCache(block_tokens=4)
+    prefix = kv(rng, 12)
+    write(cache, 0, prefix)
+    snapshot = cache.snapshot(0, seq=0)
+    assert snapshot.is_lazy and snapshot.size == 0
+    assert cache.restore(snapshot, 12, seq=1)
+    assert cache.restore(snapshot, 10, seq=2)  # ends inside a block
+    stats = cache.pool_stats()
+    assert stats.live_blocks == 3 and stats.blocks_copied == 0  # three blocks, shared by all
+    assert sorted(cache.sequences()) == [0, 1, 2]
+    assert [cache.offset_of(s) for s in (0, 1, 2)] == [12, 12, 10]
+    write(cache, 2, kv(rng, 1))  # writes into the shared third block: that one is copied
+    assert cache.pool_stats().blocks_copied == 1
+    history = cache.view(kvsnap.Batch(seq_offsets=[0], seq_query_lens=[1], seq_ids=[1]))
+    assert history.paged and history.keys is None
+    np.testing.assert_array_equal(history.contiguous().keys, prefix)  # sequence 1 untouched
+
+
+def test_rows_of_different_sequences_attend_to_their_own_histories(rng):
+    cache = kvsnap.PagedKVCache(block_tokens=4)
+    tokens = {0: kv(rng, 9), 1: kv(rng, 3)}
+    for seq, keys in tokens.items():
+        write(cache, seq, keys)
+    batch = kvsnap.Batch.rows([(0, 9, [7]), (1, 3, [8, 9])])  # a decode row and a 2-token chunk
+    assert batch.seq_ids == [0, 1] and batch.seq_query_lens == [1, 2]
+    step = rng.standard_normal((2, 2, 2, 4)).astype(np.float32)
+    history = cache.update(batch, step, step + 1)
+    assert history.ragged and history.rows == 2
+    q = rng.standard_normal((2, 4, 2, 4)).astype(np.float32)
+    out = kvsnap.sdpa(batch, q, history, kvsnap.AttentionMask.causal(), 0.5)
+    for b, seq in enumerate((0, 1)):
+        real = batch.seq_query_lens[b]
+        keys = np.concatenate([tokens[seq], step[b:b + 1, :, :real]], axis=2)
+        reference = kvsnap.KVCache()  # the same row against a contiguous cache of its tokens
+        full = reference.update(kvsnap.Batch.uniform(1, keys.shape[2], 0), keys, keys + 1)
+        row = kvsnap.Batch(seq_offsets=[batch.seq_offsets[b]], seq_query_lens=[real])
+        expected = kvsnap.sdpa(row, q[b:b + 1, :, :real], full, kvsnap.AttentionMask.causal(), 0.5)
+        np.testing.assert_allclose(out[b:b + 1, :, :real], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_per_sequence_calls_refuse_bad_input_and_change_nothing(rng):
+    cache = kvsnap.KVCache()
+    write(cache, 0, kv(rng, 5))
+    write(cache, 1, kv(rng, 3))
+    assert not cache.restore(None, 9, seq=1)  # unreachable: False
+    with pytest.raises(kvsnap.Error, match=r"from_offset 4"):
+        cache.snapshot(4, seq=1)
+    assert (cache.offset_of(0), cache.offset_of(1)) == (5, 3)
+    with pytest.raises(kvsnap.Error, match=r"PagedKVCache"):
+        kvsnap.PagedKVCache(block_tokens=0)
+    with pytest.raises(kvsnap.Error, match=r"KVHistory.row: row 3 out of range"):
+        cache.view(kvsnap.Batch.uniform(1, 1, 0)).row(3)
+
+
+def test_a_prefix_cache_over_two_slots_reuses_across_them(rng):
+    cache = kvsnap.PagedKVCache(block_tokens=4)
+    prefix = kvsnap.PrefixCache([cache], slots=2)
+    assert prefix.slots == 2
+    prompt = list(range(1, 11))
+
+    def serve(slot, tokens):
+        session = prefix.begin(tokens, slot=slot)
+        assert session.slot == slot
+        remaining = session.remaining()
+        keys = kv(rng, len(remaining))
+        write(cache, slot, keys)
+        session.prefill_done()
+        cached = session.cached
+        session.close()
+        return cached
+
+    assert prefix.match(prompt) == 0
+    assert serve(0, prompt) == 0
+    follow_up = prompt[:8] + [50, 51]
+    assert prefix.match(follow_up) == 8 and prefix.match(follow_up, slot=1) == 8
+    assert prefix.stats().lookups == 1  # match changes nothing
+    assert serve(1, follow_up) == 8  # slot 1 restores what slot 0 computed
+    with pytest.raises(kvsnap.Error, match=r"slot"):
+        prefix.begin(prompt, slot=2)
+    assert prefix.check_invariants() == ""
