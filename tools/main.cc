@@ -18,6 +18,7 @@
 #include "parallel.h"
 #include "persist/safetensors.h"
 #include "replay.h"
+#include "speculate.h"
 #include "workload.h"
 
 namespace {
@@ -49,7 +50,8 @@ class Progress {
 struct ReplayArguments {
   std::string workload;
   std::string embedded = "default";
-  int64_t parallel = 0;  // 0: the sequential replay
+  int64_t parallel = 0;   // 0: the sequential replay
+  int64_t speculate = 0;  // 0: plain greedy decoding
   int64_t prefill_chunk = 512;
   int64_t block_tokens = 64;
   bool json = false;
@@ -120,6 +122,17 @@ int run_replay(const ReplayArguments& args) {
   const std::string model_id =
       model.config().to_json() + (args.weights.empty() ? "" : " weights " + args.weights);
   if (args.parallel > 0) return run_parallel(args, workload, model, model_id);
+  if (args.speculate > 0) {
+    const tools::SpeculateReport report = tools::speculate_report(
+        workload, model,
+        {.speculate = args.speculate,
+         .max_paged_out_bytes = args.budget,
+         .progress = Progress("speculative, cache", !args.quiet)},
+        Progress("plain, no cache", !args.quiet), Progress("plain, cache", !args.quiet));
+    std::cout << (args.json ? report.json : report.table);
+    write_chart(args.chart, report.speculative.run, report.uncached, args.json);
+    return report.comparison.first_difference.empty() ? 0 : 1;
+  }
   tools::ReplayOptions cached_options;
   cached_options.max_paged_out_bytes = args.budget;
   cached_options.cache_dir = args.cache_dir;
@@ -219,11 +232,18 @@ int run(int argc, char** argv) {
       ->capture_default_str();
   replay_command
       ->add_option("--embedded", replay.embedded,
-                   "which embedded workload runs when no file is given: default, or many-users "
-                   "(16 users on one long system prompt)")
+                   "which embedded workload runs when no file is given: default, many-users "
+                   "(16 users on one long system prompt) or code-edits (a coding agent quoting "
+                   "files, diffs and test logs back: for --speculate)")
       ->check(CLI::IsMember(tools::embedded_workload_names()))
       ->capture_default_str();
   add_parallel_options(*replay_command, replay);
+  replay_command
+      ->add_option("--speculate", replay.speculate,
+                   "greedy decoding with speculation: prompt-lookup drafts of up to K tokens per "
+                   "round, compared with plain greedy decoding")
+      ->check(CLI::Range(int64_t{1}, int64_t{64}))
+      ->excludes("--parallel");
 
   BenchArguments bench_args;
   CLI::App* bench_command = app.add_subcommand(

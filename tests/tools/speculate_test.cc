@@ -1,0 +1,89 @@
+// Prompt-lookup drafting, and speculative greedy decoding of the built-in model: the tokens and
+// logits of plain greedy decoding, with fewer forwards where the drafts hit; the embedded
+// code-edits workload through `replay --speculate`.
+#include "speculate.h"
+
+#include <gtest/gtest.h>
+
+#include "model/model.h"
+#include "workload.h"
+
+namespace kvsnap::tools {
+namespace {
+
+using Tokens = std::vector<int32_t>;
+
+Tokens drafts_for(const Tokens& context, int64_t k, int64_t max_ngram = 4) {
+  Tokens out;
+  PromptLookup(max_ngram).draft(context, k, out);
+  return out;
+}
+
+TEST(PromptLookup, TheLongestRecentMatchProposesItsContinuation) {
+  // "3 4" occurs twice; "2 3 4" once, followed by 5 6 7: the longer match wins.
+  EXPECT_EQ(drafts_for({1, 2, 3, 4, 5, 6, 7, 9, 3, 4, 8, 2, 3, 4}, 3), (Tokens{5, 6, 7}));
+  // Among equal lengths the most recent occurrence: "3 4" then 8.
+  EXPECT_EQ(drafts_for({3, 4, 5, 3, 4, 8, 1, 3, 4}, 2, 2), (Tokens{8, 1}));
+}
+
+TEST(PromptLookup, AContinuationThatReachesTheEndGoesOnOverTheDrafts) {
+  EXPECT_EQ(drafts_for({7, 7, 7}, 4), (Tokens{7, 7, 7, 7}));           // period 1
+  EXPECT_EQ(drafts_for({1, 2, 1, 2, 1}, 5), (Tokens{2, 1, 2, 1, 2}));  // period 2
+}
+
+TEST(PromptLookup, NoMatchNoDraftsAndAtMostK) {
+  EXPECT_TRUE(drafts_for({1, 2, 3, 4}, 4).empty());
+  EXPECT_TRUE(drafts_for({5}, 4).empty());
+  EXPECT_TRUE(drafts_for({1, 2, 1}, 0).empty());
+  EXPECT_EQ(drafts_for({1, 2, 3, 9, 1, 2}, 1), (Tokens{3}));
+  EXPECT_THROW(PromptLookup(2, 0), Error);
+  EXPECT_THROW(PromptLookup(1, 2), Error);
+}
+
+ModelConfig tiny_model() {
+  ModelConfig c;
+  c.hidden = 32;
+  c.mlp_hidden = 48;
+  c.query_heads = 4;
+  c.kv_heads = 2;
+  c.head_dim = 8;
+  c.window = 8;  // shorter than the prompts: the window layer captures
+  c.pattern = "RSA";
+  c.delta_key_heads = 1;
+  c.delta_value_heads = 2;
+  c.delta_head_dim = 8;
+  return c;
+}
+
+TEST(ModelSpeculation, GreedyTokensAndLogitsEqualPlainDecoding) {
+  const Model model(tiny_model());
+  const int64_t vocab = model.config().vocab_size;
+  std::vector<int32_t> prompt;
+  for (int r = 0; r < 4; ++r) {  // repetitive: prompt lookup proposes
+    for (int32_t t : {5, 9, 17, 33, 65, 129}) prompt.push_back(t);
+  }
+  RequestResult plain, speculative;
+  DecodeStats plain_stats, speculative_stats;
+  for (int64_t k : {0, 4}) {
+    auto caches = model.make_caches();
+    const std::vector<Cache*> layers = cache_pointers(caches);
+    const Array logits = model.forward(prompt, layers);
+    SpeculativeDecoder decoder(model, layers, k);
+    decoder.decode(nullptr, prompt, logits, 48, k == 0 ? plain : speculative,
+                   k == 0 ? plain_stats : speculative_stats);
+  }
+  EXPECT_EQ(speculative.reply, plain.reply);
+  ASSERT_EQ(speculative.logits.size(), plain.logits.size());
+  for (size_t i = 0; i < plain.logits.size(); ++i) {
+    for (int64_t v = 0; v < vocab; ++v) {
+      ASSERT_NEAR(speculative.logits[i][static_cast<size_t>(v)],
+                  plain.logits[i][static_cast<size_t>(v)], 1e-4f)
+          << "token " << i;
+    }
+  }
+  EXPECT_GT(speculative_stats.rounds, 0);
+  EXPECT_LT(speculative_stats.forwards, plain_stats.forwards);  // drafts were accepted
+}
+
+}  // namespace
+}  // namespace kvsnap::tools
