@@ -164,5 +164,52 @@ TEST(Speculation, CancelLeavesTheLayersWhereTheyAre) {
   EXPECT_EQ(stack.offset(), 10);
 }
 
+int64_t copied(const std::vector<Cache*>& layers) {
+  int64_t bytes = 0;
+  for (Cache* layer : layers) {
+    const CopyStats s = layer->copy_stats();
+    bytes += s.growth_bytes + s.materialized_bytes + s.restored_bytes + s.snapshot_bytes;
+  }
+  return bytes;
+}
+
+// Rollback is a cursor move whatever the context: begin and accept copy no byte of state, at
+// 64 tokens as at 8192, for every accepted length.
+TEST(Speculation, RollbackCopiesNothingWhateverTheContext) {
+  const testing::TokenKV kv{.heads = 2, .depth = 8};
+  for (int64_t context : {64, 8192}) {
+    KVCache attention;
+    RotatingKVCache window(16);
+    RecurrentCache recurrent(3, 8, 2, 4, 4);
+    const std::vector<Cache*> layers = {&attention, &window, &recurrent};
+    testing::write(attention, kv, testing::id_range(0, context));
+    testing::write(window, kv, testing::id_range(0, context));
+    const Batch all = Batch::uniform(1, context, 0);
+    (void)recurrent.get(all, DType::f32);
+    const Array conv = Array::zeros(DType::f32, {1, 3, 8});
+    const Array delta = Array::zeros(DType::f32, {1, 2, 4, 4});
+    recurrent.put(all, std::span(&conv, 1), std::span(&delta, 1));
+    Speculation round(layers);
+    constexpr int64_t k = 4;
+    const std::vector<Array> convs(k + 1, conv), deltas(k + 1, delta);
+    for (int64_t accepted = 0; accepted <= k; ++accepted) {
+      const int64_t start = attention.offset();
+      round.begin(k);
+      const std::vector<int64_t> ids = testing::id_range(start, k + 1);
+      Batch batch = Batch::uniform(1, k + 1, start);
+      (void)attention.update(batch, kv.keys(ids), kv.values(ids));
+      (void)window.update(batch, kv.keys(ids), kv.values(ids));
+      (void)recurrent.get(batch, DType::f32);
+      recurrent.put(batch, convs, deltas);
+      const int64_t before = copied(layers);
+      round.accept(accepted);
+      EXPECT_EQ(copied(layers), before) << "context " << context << ", accepted " << accepted;
+      EXPECT_EQ(recurrent.offset(), start + accepted + 1);
+      EXPECT_EQ(window.offset(), start + accepted + 1);
+    }
+    EXPECT_EQ(round.stats().restores, 2 * k);  // window and recurrent, all but a == k
+  }
+}
+
 }  // namespace
 }  // namespace kvsnap

@@ -170,10 +170,14 @@ TEST(SpeculationSessions, RetractOutputsChecksItsCount) {
   session.append_output(8);
   EXPECT_THROW(session.retract_outputs(3), Error);  // only 2 generated: the prompt stays
   EXPECT_THROW(session.retract_outputs(-1), Error);
-  session.retract_outputs(1);
+  session.retract_outputs(1);  // 8 was a rejected draft; the model's token is 9
+  session.append_output(9);
   ASSERT_TRUE(stack.forward_and_check(Tokens{7}, prompt + Tokens{7}));
+  ASSERT_TRUE(stack.forward_and_check(Tokens{9}, prompt + Tokens{7, 9}));
+  session.append_output(10);
   session.close();
-  EXPECT_EQ(cache.match(prompt + Tokens{7, 9}), 5);  // 7 paged out, 8 never evaluated
+  EXPECT_EQ(cache.match(prompt + Tokens{7, 9, 10}), 6);  // 7 and 9 paged out, never 8
+  EXPECT_LT(cache.match(prompt + Tokens{7, 8, 10}), 6);
 }
 
 INSTANTIATE_TEST_SUITE_P(ContiguousAndPaged, SpeculationSessions, ::testing::Bool());
