@@ -50,8 +50,7 @@ class Progress {
 struct ReplayArguments {
   std::string workload;
   std::string embedded = "default";
-  int64_t parallel = 0;   // 0: the sequential replay
-  int64_t speculate = 0;  // 0: plain greedy decoding
+  int64_t parallel = 0;  // 0: the sequential replay
   int64_t prefill_chunk = 512;
   int64_t block_tokens = 64;
   bool json = false;
@@ -61,6 +60,8 @@ struct ReplayArguments {
   std::string model_config, weights;
   std::string cache_dir;
   uint64_t seed = 42;
+  // Drafts per round of greedy decoding with speculation; 0: plain greedy decoding.
+  int64_t speculate = 0;
 };
 
 void write_chart(const std::string& path, const tools::RunResult& cached,
@@ -243,7 +244,8 @@ int run(int argc, char** argv) {
                    "greedy decoding with speculation: prompt-lookup drafts of up to K tokens per "
                    "round, compared with plain greedy decoding")
       ->check(CLI::Range(int64_t{1}, int64_t{64}))
-      ->excludes("--parallel");
+      ->excludes("--parallel")
+      ->excludes("--cache-dir");
 
   BenchArguments bench_args;
   CLI::App* bench_command = app.add_subcommand(

@@ -85,5 +85,33 @@ TEST(ModelSpeculation, GreedyTokensAndLogitsEqualPlainDecoding) {
   EXPECT_LT(speculative_stats.forwards, plain_stats.forwards);  // drafts were accepted
 }
 
+// The replay with speculation over the prefix cache: plain greedy decoding's tokens and logits,
+// the prompt tokens plain decoding with the cache evaluates (the accepted tokens are paged out
+// and reused), and fewer decode forwards.
+TEST(ReplaySpeculative, AgreesWithPlainDecodingAndReusesAsMuch) {
+  const Workload w = parse_workload(
+      R"({"id": "a", "messages": [{"role": "user", "content": "abcabcabcabc"}], "max_tokens": 40}
+{"id": "b", "after": "a", "messages": [{"role": "user", "content": "again abcabc"}], "max_tokens": 40}
+{"id": "a2", "regenerate": "a", "max_tokens": 30}
+{"id": "c", "after": "b", "messages": [{"role": "tool", "content": "abc"}], "max_tokens": 40})",
+      "test");
+  const Model model(tiny_model());
+  const SpeculativeRun speculative = replay_speculative(w, model, {.speculate = 4});
+  const SpeculativeRun plain = replay_speculative(w, model, {.speculate = 0});
+  ReplayOptions reference;
+  reference.with_cache = false;
+  const RunResult uncached = replay(w, model, reference);
+  const Comparison c = compare(speculative.run, uncached, 1e-4);
+  EXPECT_TRUE(c.first_difference.empty()) << c.first_difference;
+  ASSERT_EQ(speculative.run.requests.size(), plain.run.requests.size());
+  for (size_t i = 0; i < plain.run.requests.size(); ++i) {
+    EXPECT_EQ(speculative.run.requests[i].evaluated, plain.run.requests[i].evaluated) << i;
+  }
+  EXPECT_EQ(plain.decode.rounds, 0);
+  EXPECT_GT(speculative.decode.rounds, 0);
+  EXPECT_EQ(speculative.decode.tokens, plain.decode.tokens);
+  EXPECT_LT(speculative.decode.forwards, plain.decode.forwards);
+}
+
 }  // namespace
 }  // namespace kvsnap::tools
