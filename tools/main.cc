@@ -62,6 +62,7 @@ struct ReplayArguments {
   uint64_t seed = 42;
   // Drafts per round of greedy decoding with speculation; 0: plain greedy decoding.
   int64_t speculate = 0;
+  double draft_noise = 0;
 };
 
 void write_chart(const std::string& path, const tools::RunResult& cached,
@@ -127,6 +128,7 @@ int run_replay(const ReplayArguments& args) {
     const tools::SpeculateReport report = tools::speculate_report(
         workload, model,
         {.speculate = args.speculate,
+         .draft_noise = args.draft_noise,
          .max_paged_out_bytes = args.budget,
          .progress = Progress("speculative, cache", !args.quiet)},
         Progress("plain, no cache", !args.quiet), Progress("plain, cache", !args.quiet));
@@ -246,6 +248,12 @@ int run(int argc, char** argv) {
       ->check(CLI::Range(int64_t{1}, int64_t{64}))
       ->excludes("--parallel")
       ->excludes("--cache-dir");
+  replay_command
+      ->add_option("--draft-noise", replay.draft_noise,
+                   "with --speculate: replace each draft by another token with probability P "
+                   "(lowers acceptance, to measure speed and rollback below 1)")
+      ->check(CLI::Range(0.0, 1.0))
+      ->needs("--speculate");
 
   BenchArguments bench_args;
   CLI::App* bench_command = app.add_subcommand(

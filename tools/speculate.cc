@@ -47,8 +47,15 @@ void PromptLookup::draft(std::span<const int32_t> context, int64_t k,
 }
 
 SpeculativeDecoder::SpeculativeDecoder(const Model& model, std::vector<Cache*> layers,
-                                       int64_t speculate)
-    : model_(model), layers_(layers), speculate_(speculate), round_(std::move(layers)) {
+                                       int64_t speculate, double draft_noise)
+    : model_(model),
+      layers_(layers),
+      speculate_(speculate),
+      draft_noise_(draft_noise),
+      round_(std::move(layers)) {
+  if (!(draft_noise >= 0 && draft_noise <= 1)) {
+    throw Error(fmt::format("SpeculativeDecoder: draft_noise {} must be in [0, 1]", draft_noise));
+  }
   if (speculate < 0) {
     throw Error(fmt::format("SpeculativeDecoder: speculate {} must be >= 0", speculate));
   }
@@ -76,6 +83,11 @@ void SpeculativeDecoder::decode(PrefixCache::Session* session, std::vector<int32
     // Every round emits at most drafts + 1 tokens: never past max_tokens.
     const int64_t budget = max_tokens - static_cast<int64_t>(result.reply.size());
     lookup_.draft(context, std::min(speculate_, budget - 1), drafts);
+    for (int32_t& d : drafts) {
+      if (draft_noise_ > 0 && std::uniform_real_distribution<double>(0, 1)(noise_) < draft_noise_) {
+        d = static_cast<int32_t>((d + 1) % vocab);
+      }
+    }
     ++stats.forwards;
     if (drafts.empty()) {
       logits = model_.forward(std::span<const int32_t>(&token, 1), layers_);
@@ -128,7 +140,7 @@ SpeculativeRun replay_speculative(const Workload& workload, const Model& model,
   auto caches = model.make_caches();
   const std::vector<Cache*> layers = cache_pointers(caches);
   PrefixCache prefix(layers, {.max_paged_out_bytes = options.max_paged_out_bytes});
-  SpeculativeDecoder decoder(model, layers, options.speculate);
+  SpeculativeDecoder decoder(model, layers, options.speculate, options.draft_noise);
   PromptBuilder builder;
   std::vector<std::vector<int32_t>> prompts;
   const auto start = Clock::now();
@@ -212,6 +224,7 @@ SpeculateReport speculate_report(const Workload& workload, const Model& model,
       format_json(summary, r.comparison, r.speculative.run, r.uncached, workload.name));
   const DecodeStats& s = r.speculative.decode;
   json["speculate"] = options.speculate;
+  json["draft_noise"] = options.draft_noise;
   json["acceptance_rate"] = s.acceptance_rate();
   json["decode_tokens_per_s"] = s.tokens_per_second();
   json["decode_tokens_per_s_plain"] = r.plain.decode.tokens_per_second();

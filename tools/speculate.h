@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <random>
 #include <span>
 #include <string>
 #include <vector>
@@ -54,7 +55,8 @@ struct SpeculativeRun {
 };
 
 struct SpeculateOptions {
-  int64_t speculate = 4;  // drafts per round; 0: plain greedy decoding
+  int64_t speculate = 4;   // drafts per round; 0: plain greedy decoding
+  double draft_noise = 0;  // see SpeculativeDecoder
   int64_t max_paged_out_bytes = int64_t(8) << 30;
   std::function<void(size_t, size_t)> progress = [](size_t, size_t) {};
 };
@@ -66,7 +68,10 @@ SpeculativeRun replay_speculative(const Workload&, const Model&, const Speculate
 // Greedy decoding of one sequence with speculation rounds (K = 0: plain decode steps).
 class SpeculativeDecoder {
  public:
-  SpeculativeDecoder(const Model& model, std::vector<Cache*> layers, int64_t speculate);
+  // `draft_noise`: the probability that a draft is replaced by another token before
+  // verification — a knob that lowers acceptance to measure speed and rollback below 1.
+  SpeculativeDecoder(const Model& model, std::vector<Cache*> layers, int64_t speculate,
+                     double draft_noise = 0);
   // The reply after a prefill: `logits` is the prefill's last row, `context` the prompt. Every
   // generated token goes to result.reply (with its logits) and, when given, to `session`; the
   // layers end with every reply token but the last evaluated, as plain decoding leaves them.
@@ -77,6 +82,8 @@ class SpeculativeDecoder {
   const Model& model_;
   std::vector<Cache*> layers_;
   int64_t speculate_;
+  double draft_noise_;
+  std::mt19937 noise_{17};
   PromptLookup lookup_;
   Speculation round_;
   std::vector<int32_t> verify_;  // the last token, then the drafts

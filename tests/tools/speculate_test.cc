@@ -111,6 +111,16 @@ TEST(ReplaySpeculative, AgreesWithPlainDecodingAndReusesAsMuch) {
   EXPECT_GT(speculative.decode.rounds, 0);
   EXPECT_EQ(speculative.decode.tokens, plain.decode.tokens);
   EXPECT_LT(speculative.decode.forwards, plain.decode.forwards);
+  // Drafts corrupted at random: rounds reject some, every layer rolls back, and the replies
+  // are still plain greedy decoding's.
+  const SpeculativeRun noisy = replay_speculative(w, model, {.speculate = 4, .draft_noise = 0.3});
+  const Comparison n = compare(noisy.run, uncached, 1e-4);
+  EXPECT_TRUE(n.first_difference.empty()) << n.first_difference;
+  EXPECT_LT(noisy.decode.accepted, noisy.decode.drafted);
+  EXPECT_GT(noisy.decode.accepted, 0);
+  for (size_t i = 0; i < plain.run.requests.size(); ++i) {
+    EXPECT_EQ(noisy.run.requests[i].evaluated, plain.run.requests[i].evaluated) << i;
+  }
 }
 
 }  // namespace
