@@ -195,6 +195,23 @@ void add_parallel_options(CLI::App& replay_command, ReplayArguments& replay) {
       ->capture_default_str();
 }
 
+// --speculate and the option that goes with it.
+void add_speculate_options(CLI::App& replay_command, ReplayArguments& replay) {
+  replay_command
+      .add_option("--speculate", replay.speculate,
+                  "greedy decoding with speculation: prompt-lookup drafts of up to K tokens per "
+                  "round, compared with plain greedy decoding")
+      ->check(CLI::Range(int64_t{1}, int64_t{64}))
+      ->excludes("--parallel")
+      ->excludes("--cache-dir");
+  replay_command
+      .add_option("--draft-noise", replay.draft_noise,
+                  "with --speculate: replace each draft by another token with probability P "
+                  "(lowers acceptance, to measure speed and rollback below 1)")
+      ->check(CLI::Range(0.0, 1.0))
+      ->needs("--speculate");
+}
+
 // Exit status: 0 the runs agree (or a help text), 1 they disagree, 2 bad arguments, a bad
 // workload, a request over the context length or an unusable cache directory, 3 anything else
 // (out of memory, an internal failure): see main.
@@ -241,19 +258,7 @@ int run(int argc, char** argv) {
       ->check(CLI::IsMember(tools::embedded_workload_names()))
       ->capture_default_str();
   add_parallel_options(*replay_command, replay);
-  replay_command
-      ->add_option("--speculate", replay.speculate,
-                   "greedy decoding with speculation: prompt-lookup drafts of up to K tokens per "
-                   "round, compared with plain greedy decoding")
-      ->check(CLI::Range(int64_t{1}, int64_t{64}))
-      ->excludes("--parallel")
-      ->excludes("--cache-dir");
-  replay_command
-      ->add_option("--draft-noise", replay.draft_noise,
-                   "with --speculate: replace each draft by another token with probability P "
-                   "(lowers acceptance, to measure speed and rollback below 1)")
-      ->check(CLI::Range(0.0, 1.0))
-      ->needs("--speculate");
+  add_speculate_options(*replay_command, replay);
 
   BenchArguments bench_args;
   CLI::App* bench_command = app.add_subcommand(
