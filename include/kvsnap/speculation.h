@@ -17,6 +17,10 @@
 // Memory: while a round is open, each whole-state layer holds k captures besides its live state
 // (k + 1 states); accept() and cancel() release them. After warm-up a round allocates nothing
 // here or in the built-in caches (tests/cache/decode_allocation_test.cc).
+//
+// Prefix cache sessions: tell the session only the accepted tokens (or retract_outputs() the
+// rejected drafts) — see prefix_cache.h. Not thread-safe: one thread drives a Speculation (the
+// caches it calls lock themselves).
 #pragma once
 
 #include <cstdint>
