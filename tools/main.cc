@@ -18,6 +18,7 @@
 #include "parallel.h"
 #include "persist/safetensors.h"
 #include "replay.h"
+#include "speculate.h"
 #include "workload.h"
 
 namespace {
@@ -60,6 +61,9 @@ struct ReplayArguments {
   std::string cache_dir;
   bool shared_cache_dir = false;
   uint64_t seed = 42;
+  // Drafts per round of greedy decoding with speculation; 0: plain greedy decoding.
+  int64_t speculate = 0;
+  double draft_noise = 0;
 };
 
 void write_chart(const std::string& path, const tools::RunResult& cached,
@@ -122,6 +126,18 @@ int run_replay(const ReplayArguments& args) {
   const std::string model_id =
       model.config().to_json() + (args.weights.empty() ? "" : " weights " + args.weights);
   if (args.parallel > 0) return run_parallel(args, workload, model, model_id);
+  if (args.speculate > 0) {
+    const tools::SpeculateReport report = tools::speculate_report(
+        workload, model,
+        {.speculate = args.speculate,
+         .draft_noise = args.draft_noise,
+         .max_paged_out_bytes = args.budget,
+         .progress = Progress("speculative, cache", !args.quiet)},
+        Progress("plain, no cache", !args.quiet), Progress("plain, cache", !args.quiet));
+    std::cout << (args.json ? report.json : report.table);
+    write_chart(args.chart, report.speculative.run, report.uncached, args.json);
+    return report.comparison.first_difference.empty() ? 0 : 1;
+  }
   tools::ReplayOptions cached_options;
   cached_options.max_paged_out_bytes = args.budget;
   cached_options.cache_dir = args.cache_dir;
@@ -182,6 +198,23 @@ void add_parallel_options(CLI::App& replay_command, ReplayArguments& replay) {
       ->capture_default_str();
 }
 
+// --speculate and the option that goes with it.
+void add_speculate_options(CLI::App& replay_command, ReplayArguments& replay) {
+  replay_command
+      .add_option("--speculate", replay.speculate,
+                  "greedy decoding with speculation: prompt-lookup drafts of up to K tokens per "
+                  "round, compared with plain greedy decoding")
+      ->check(CLI::Range(int64_t{1}, int64_t{64}))
+      ->excludes("--parallel")
+      ->excludes("--cache-dir");
+  replay_command
+      .add_option("--draft-noise", replay.draft_noise,
+                  "with --speculate: replace each draft by another token with probability P "
+                  "(lowers acceptance, to measure speed and rollback below 1)")
+      ->check(CLI::Range(0.0, 1.0))
+      ->needs("--speculate");
+}
+
 // Exit status: 0 the runs agree (or a help text), 1 they disagree, 2 bad arguments, a bad
 // workload, a request over the context length or an unusable cache directory (one that is not
 // private without --shared-cache-dir included), 3 anything else (out of memory, an internal
@@ -230,11 +263,13 @@ int run(int argc, char** argv) {
       ->capture_default_str();
   replay_command
       ->add_option("--embedded", replay.embedded,
-                   "which embedded workload runs when no file is given: default, or many-users "
-                   "(16 users on one long system prompt)")
+                   "which embedded workload runs when no file is given: default, many-users "
+                   "(16 users on one long system prompt) or code-edits (a coding agent quoting "
+                   "files, diffs and test logs back: for --speculate)")
       ->check(CLI::IsMember(tools::embedded_workload_names()))
       ->capture_default_str();
   add_parallel_options(*replay_command, replay);
+  add_speculate_options(*replay_command, replay);
 
   BenchArguments bench_args;
   CLI::App* bench_command = app.add_subcommand(

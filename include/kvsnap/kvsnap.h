@@ -18,3 +18,4 @@
 #include "kvsnap/recurrent_cache.h"
 #include "kvsnap/rotating_kv_cache.h"
 #include "kvsnap/shape.h"
+#include "kvsnap/speculation.h"

@@ -15,6 +15,10 @@
 //   for (int32_t t : generate(...)) { session.append_output(t); model.forward({t}); }
 //   session.close();                              // pages the reply out into the trie
 //
+// Speculative decoding (speculation.h): append only the tokens a round accepted (or append the
+// drafts and retract_outputs() the rejected ones); close() pages out exactly the evaluated
+// tokens the rolled-back layers hold, never a rejected draft.
+//
 // Restore points. KV layers can resume at any token; whole-state layers (window, recurrent)
 // only where their state was captured, so a request resumes at the deepest offset where every
 // layer can. begin() schedules captures (inside the prefill forward) at:
@@ -152,6 +156,11 @@ class KVSNAP_EXPORT PrefixCache::Session {
   void prefill_done();
   // A generated token. Tokens the model has evaluated when the session closes are paged out.
   void append_output(int32_t token);
+  // Takes back the last `count` generated tokens: speculative drafts appended before their
+  // verification that the model rejected (see speculation.h). They are never paged out; the
+  // layers must be rolled back to at most the remaining tokens before close(). Throws Error,
+  // changing nothing, unless decoding and 0 <= count <= the tokens generated so far.
+  void retract_outputs(int64_t count);
   // Pages the evaluated tokens out into the trie and ends the session (idempotent). Before
   // prefill_done(), the captures the evaluated tokens reached are kept and the rest dropped.
   void close();

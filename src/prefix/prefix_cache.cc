@@ -241,6 +241,10 @@ void PrefixCache::Session::append_output(int32_t token) {
   std::unique_lock<std::mutex> lock;
   slot_of(state_, "Session::append_output", lock).append_output(token);
 }
+void PrefixCache::Session::retract_outputs(int64_t count) {
+  std::unique_lock<std::mutex> lock;
+  slot_of(state_, "Session::retract_outputs", lock).retract_outputs(count);
+}
 void PrefixCache::Session::close() {
   if (state_ == nullptr || state_->owner == nullptr) return;
   const Lock lock(state_->owner->mutex);
