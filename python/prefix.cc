@@ -108,12 +108,19 @@ in order (None for a stateless layer); the prefix cache drives their offsets fro
           py::arg("dir"), py::arg("model_id") = "", "Writes the trie and its snapshots to `dir`.")
       .def(
           "load",
-          [](PyPrefixCache& c, const std::string& dir, const std::string& model_id) {
-            c.prefix->load(dir, model_id);
+          [](PyPrefixCache& c, const std::string& dir, const std::string& model_id,
+             bool allow_shared) {
+            c.prefix->load(dir, model_id, LoadOptions{.allow_shared = allow_shared});
           },
-          py::arg("dir"), py::arg("model_id") = "",
-          "Replaces the trie by the one saved in `dir` (same layers and model_id).")
-      .def_static("saved_in", &PrefixCache::saved_in, py::arg("dir"))
+          py::arg("dir"), py::arg("model_id") = "", py::kw_only(), py::arg("allow_shared") = false,
+          "Replaces the trie by the one saved in `dir` (same layers and model_id). Refuses a "
+          "`dir` or file another user owns or others can write unless allow_shared.")
+      .def_static(
+          "saved_in",
+          [](const std::string& dir, bool allow_shared) {
+            return PrefixCache::saved_in(dir, LoadOptions{.allow_shared = allow_shared});
+          },
+          py::arg("dir"), py::kw_only(), py::arg("allow_shared") = false)
       .def_property_readonly("paged_out_bytes",
                              [](const PyPrefixCache& c) { return c.prefix->paged_out_bytes(); })
       .def_property_readonly("node_count",
@@ -147,14 +154,16 @@ void bind_files(py::module_& m) {
       "Writes one snapshot per layer (None allowed) to a safetensors file, atomically.");
   m.def(
       "load_snapshots",
-      [](const std::string& path) {
-        LoadedSnapshots loaded = load_snapshots(path);
+      [](const std::string& path, bool allow_shared) {
+        LoadedSnapshots loaded = load_snapshots(path, LoadOptions{.allow_shared = allow_shared});
         py::list snapshots;
         for (SnapshotPtr& s : loaded.snapshots)
           snapshots.append(py::cast(wrap_snapshot(std::move(s))));
         return py::make_tuple(loaded.offset, snapshots);
       },
-      py::arg("path"), "Reads a snapshot file: (offset, [Snapshot or None per layer]).");
+      py::arg("path"), py::kw_only(), py::arg("allow_shared") = false,
+      "Reads a snapshot file: (offset, [Snapshot or None per layer]). Refuses a file, or its "
+      "folder, that another user owns or others can write unless allow_shared.");
 }
 
 }  // namespace

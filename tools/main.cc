@@ -19,6 +19,7 @@
 #include "parallel.h"
 #include "persist/safetensors.h"
 #include "replay.h"
+#include "speculate.h"
 #include "workload.h"
 
 namespace {
@@ -59,9 +60,13 @@ struct ReplayArguments {
   int64_t budget = int64_t(8) << 30;
   std::string model_config, weights;
   std::string cache_dir;
+  bool shared_cache_dir = false;
   uint64_t seed = 42;
   std::string tier, tenant, tier_key_file;
   int64_t tier_timeout_ms = 50;
+  // Drafts per round of greedy decoding with speculation; 0: plain greedy decoding.
+  int64_t speculate = 0;
+  double draft_noise = 0;
 };
 
 // The shared tier's options, checked before any model work: the address, the key file (like a
@@ -74,10 +79,12 @@ TierOptions tier_options(const ReplayArguments& args) {
     }
     return {};
   }
-  if (args.parallel > 0) {
-    throw Error(
-        "replay: --tier works with the sequential replay only, not with --parallel (its slots' "
-        "paged caches are not stored in the tier yet)");
+  if (args.parallel > 0 || args.speculate > 0) {
+    throw Error(fmt::format(
+        "replay: --tier works with the sequential replay only, not with --{} (its {} not "
+        "stored in the tier yet)",
+        args.parallel > 0 ? "parallel" : "speculate",
+        args.parallel > 0 ? "slots' paged caches are" : "speculative sessions are"));
   }
   Tier::check_address(args.tier);
   TierOptions options;
@@ -110,6 +117,7 @@ int run_parallel(const ReplayArguments& args, const tools::Workload& workload, c
                  const std::string& model_id) {
   tools::ParallelOptions options;
   options.cache_dir = args.cache_dir;
+  options.shared_cache_dir = args.shared_cache_dir;
   options.model_id = model_id;
   options.parallel = args.parallel;
   options.prefill_chunk = args.prefill_chunk;
@@ -129,11 +137,8 @@ int run_parallel(const ReplayArguments& args, const tools::Workload& workload, c
   return comparison.first_difference.empty() ? 0 : 1;
 }
 
-// Where state outlives the run: --cache-dir (this machine) and the shared tier.
-void add_store_options(CLI::App& command, ReplayArguments& args) {
-  command.add_option("--cache-dir", args.cache_dir,
-                     "load the prefix cache from DIR when saved there, save it at the end "
-                     "(a second run over the same workload starts warm)");
+// The shared tier's options.
+void add_tier_options(CLI::App& command, ReplayArguments& args) {
   command.add_option("--tier", args.tier,
                      "a snapshot store shared by processes, below the prefix cache: "
                      "redis://[:PASSWORD@]HOST:PORT[/DB] or dir:PATH (README: the tier)");
@@ -164,7 +169,7 @@ int run_replay(const ReplayArguments& args) {
     config = ModelConfig::from_json(detail::read_file(args.model_config));
   tools::check_context_length(workload, config.context_length);
   TierOptions tier = tier_options(args);
-  if (!args.cache_dir.empty()) tools::check_cache_dir(args.cache_dir);
+  if (!args.cache_dir.empty()) tools::check_cache_dir(args.cache_dir, args.shared_cache_dir);
   const Model model =
       args.weights.empty() ? Model(config) : Model::load(args.model_config, args.weights);
   if (!args.quiet) {
@@ -177,9 +182,22 @@ int run_replay(const ReplayArguments& args) {
   const std::string model_id =
       model.config().to_json() + (args.weights.empty() ? "" : " weights " + args.weights);
   if (args.parallel > 0) return run_parallel(args, workload, model, model_id);
+  if (args.speculate > 0) {
+    const tools::SpeculateReport report = tools::speculate_report(
+        workload, model,
+        {.speculate = args.speculate,
+         .draft_noise = args.draft_noise,
+         .max_paged_out_bytes = args.budget,
+         .progress = Progress("speculative, cache", !args.quiet)},
+        Progress("plain, no cache", !args.quiet), Progress("plain, cache", !args.quiet));
+    std::cout << (args.json ? report.json : report.table);
+    write_chart(args.chart, report.speculative.run, report.uncached, args.json);
+    return report.comparison.first_difference.empty() ? 0 : 1;
+  }
   tools::ReplayOptions cached_options;
   cached_options.max_paged_out_bytes = args.budget;
   cached_options.cache_dir = args.cache_dir;
+  cached_options.shared_cache_dir = args.shared_cache_dir;
   cached_options.model_id = model_id;
   cached_options.tier = args.tier;
   cached_options.tier_options = std::move(tier);
@@ -239,9 +257,27 @@ void add_parallel_options(CLI::App& replay_command, ReplayArguments& replay) {
       ->capture_default_str();
 }
 
+// --speculate and the option that goes with it.
+void add_speculate_options(CLI::App& replay_command, ReplayArguments& replay) {
+  replay_command
+      .add_option("--speculate", replay.speculate,
+                  "greedy decoding with speculation: prompt-lookup drafts of up to K tokens per "
+                  "round, compared with plain greedy decoding")
+      ->check(CLI::Range(int64_t{1}, int64_t{64}))
+      ->excludes("--parallel")
+      ->excludes("--cache-dir");
+  replay_command
+      .add_option("--draft-noise", replay.draft_noise,
+                  "with --speculate: replace each draft by another token with probability P "
+                  "(lowers acceptance, to measure speed and rollback below 1)")
+      ->check(CLI::Range(0.0, 1.0))
+      ->needs("--speculate");
+}
+
 // Exit status: 0 the runs agree (or a help text), 1 they disagree, 2 bad arguments, a bad
-// workload, a request over the context length or an unusable cache directory, 3 anything else
-// (out of memory, an internal failure): see main.
+// workload, a request over the context length or an unusable cache directory (one that is not
+// private without --shared-cache-dir included), 3 anything else (out of memory, an internal
+// failure): see main.
 int run(int argc, char** argv) {
   // The model's matrices are small: one BLAS thread is as fast here and leaves the other core
   // idle (measured on the 2-core machine: same wall time, a third of the CPU time).
@@ -272,16 +308,28 @@ int run(int argc, char** argv) {
       ->check(CLI::ExistingFile);
   replay_command->add_option("--weights", replay.weights, "model safetensors (with --model-config)")
       ->check(CLI::ExistingFile);
+  CLI::Option* cache_dir = replay_command->add_option(
+      "--cache-dir", replay.cache_dir,
+      "load the prefix cache from DIR when saved there, save it at the end (a second run over "
+      "the same workload starts warm); folders it creates and the file are private (0700, "
+      "0600), and a DIR or file another user owns or others can write is refused");
+  replay_command
+      ->add_flag("--shared-cache-dir", replay.shared_cache_dir,
+                 "trust a --cache-dir that another user owns or that group or others can write "
+                 "(anyone who can write it can plant the state the model continues from)")
+      ->needs(cache_dir);
   replay_command->add_option("--seed", replay.seed, "seed of the generated weights")
       ->capture_default_str();
   replay_command
       ->add_option("--embedded", replay.embedded,
-                   "which embedded workload runs when no file is given: default, or many-users "
-                   "(16 users on one long system prompt)")
+                   "which embedded workload runs when no file is given: default, many-users "
+                   "(16 users on one long system prompt) or code-edits (a coding agent quoting "
+                   "files, diffs and test logs back: for --speculate)")
       ->check(CLI::IsMember(tools::embedded_workload_names()))
       ->capture_default_str();
-  add_store_options(*replay_command, replay);
+  add_tier_options(*replay_command, replay);
   add_parallel_options(*replay_command, replay);
+  add_speculate_options(*replay_command, replay);
 
   BenchArguments bench_args;
   CLI::App* bench_command = app.add_subcommand(

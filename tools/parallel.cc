@@ -76,8 +76,9 @@ class Scheduler {
   }
 
   ParallelRun run() {
-    if (!options_.cache_dir.empty() && PrefixCache::saved_in(options_.cache_dir)) {
-      prefix_.load(options_.cache_dir, options_.model_id);
+    const LoadOptions load_options{.allow_shared = options_.shared_cache_dir};
+    if (!options_.cache_dir.empty() && PrefixCache::saved_in(options_.cache_dir, load_options)) {
+      prefix_.load(options_.cache_dir, options_.model_id, load_options);
       out_.run.loaded_nodes = prefix_.node_count();
     }
     start_ = Clock::now();
@@ -293,7 +294,7 @@ ParallelRun replay_parallel(const Workload& workload, const Model& model,
                     model.config().vocab_size, kVocabularyNeeded));
   }
   check_context_length(workload, model.config().context_length);
-  if (!options.cache_dir.empty()) check_cache_dir(options.cache_dir);
+  if (!options.cache_dir.empty()) check_cache_dir(options.cache_dir, options.shared_cache_dir);
   return Scheduler(workload, model, options).run();
 }
 

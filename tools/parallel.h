@@ -18,6 +18,8 @@ struct ParallelOptions {
   int64_t max_paged_out_bytes = int64_t(8) << 30;
   // As ReplayOptions: load the trie from here at start when saved there, save it at the end.
   std::string cache_dir;
+  // As ReplayOptions: trust a cache_dir that another user owns or that others can write.
+  bool shared_cache_dir = false;
   std::string model_id;
   std::function<void(size_t, size_t)> progress = [](size_t, size_t) {};
 };

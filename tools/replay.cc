@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <kvsnap/prefix_cache.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,6 +13,8 @@
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+
+#include "persist/files.h"
 
 namespace kvsnap::tools {
 namespace {
@@ -94,7 +97,7 @@ void check_context_length(const Workload& workload, int64_t context_length) {
   }
 }
 
-void check_cache_dir(const std::string& dir) {
+void check_cache_dir(const std::string& dir, bool shared) {
   const std::filesystem::path path(dir);
   std::error_code error;
   const std::filesystem::file_status status = std::filesystem::status(path, error);
@@ -102,17 +105,33 @@ void check_cache_dir(const std::string& dir) {
     throw Error(fmt::format("cache directory {}: exists and is not a folder", dir));
   }
   if (!std::filesystem::exists(status)) {
-    std::filesystem::create_directories(path, error);
+    error = detail::make_private_folders(dir);  // 0700, whatever the umask
     if (error)
       throw Error(fmt::format("cache directory {}: cannot create it ({})", dir, error.message()));
   }
+  // Another user's folder or file, or one others can write, could hold a planted cache.
+  const detail::PrivacyRule rule{.call = "replay --cache-dir",
+                                 .override_with = "pass --shared-cache-dir",
+                                 .allow_shared = shared};
+  detail::check_private_folder(dir, rule);
+  const std::string saved = (path / kSavedCacheFile).string();
+  if (!shared && std::filesystem::exists(saved, error)) {
+    (void)detail::open_private_file(saved, rule);
+  }
   // Permission bits do not tell (root, read-only mounts, ACLs): try what saving does.
   const std::string probe = (path / fmt::format(".kvsnap-probe-{}", ::getpid())).string();
-  const int descriptor = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  const auto create = [&] {
+    return ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+  };
+  int descriptor = create();
+  if (descriptor < 0 && errno == EEXIST && ::unlink(probe.c_str()) == 0) {
+    descriptor = create();  // a probe left by a process of the same pid, killed mid-check
+  }
   if (descriptor < 0) {
     throw Error(
         fmt::format("cache directory {}: cannot write in it ({})", dir, std::strerror(errno)));
   }
+  (void)::fchmod(descriptor, 0600);
   ::close(descriptor);
   ::unlink(probe.c_str());
 }
@@ -167,7 +186,9 @@ RunResult replay(const Workload& workload, const Model& model, const ReplayOptio
   }
   const int64_t context_length = model.config().context_length;
   check_context_length(workload, context_length);
-  if (options.with_cache && !options.cache_dir.empty()) check_cache_dir(options.cache_dir);
+  if (options.with_cache && !options.cache_dir.empty()) {
+    check_cache_dir(options.cache_dir, options.shared_cache_dir);
+  }
   RunResult run;
   run.with_cache = options.with_cache;
   auto caches = model.make_caches();
@@ -177,9 +198,10 @@ RunResult replay(const Workload& workload, const Model& model, const ReplayOptio
     tier = Tier::open(options.tier, layers, options.tier_options);
   }
   PrefixCache prefix(layers, {.max_paged_out_bytes = options.max_paged_out_bytes, .tier = tier});
+  const LoadOptions load_options{.allow_shared = options.shared_cache_dir};
   if (options.with_cache && !options.cache_dir.empty() &&
-      PrefixCache::saved_in(options.cache_dir)) {
-    prefix.load(options.cache_dir, options.model_id);
+      PrefixCache::saved_in(options.cache_dir, load_options)) {
+    prefix.load(options.cache_dir, options.model_id, load_options);
     run.loaded_nodes = prefix.node_count();
   }
   PromptBuilder builder;

@@ -43,6 +43,9 @@ struct ReplayOptions {
   int64_t max_paged_out_bytes = int64_t(8) << 30;
   // With the cache: load the trie from here at start when saved there, save it at the end.
   std::string cache_dir;
+  // Trust a cache_dir (and the cache saved in it) that another user owns or that group or
+  // others can write (LoadOptions::allow_shared); by default check_cache_dir refuses it.
+  bool shared_cache_dir = false;
   std::string model_id;  // recorded with the saved trie, checked when loading it
   // With the cache: a store shared with other processes below the prefix cache (Tier::open's
   // address; empty: none), opened with `tier_options` for the model's layers. The run waits for
@@ -79,9 +82,16 @@ void measure_ideals(const std::vector<std::vector<int32_t>>& prompts,
 // number of requests; renders nothing.
 void check_context_length(const Workload& workload, int64_t context_length);
 
-// Makes sure `dir` is a folder the prefix cache can be saved in: creates it when missing and
-// writes (then removes) a probe file. Throws Error "cache directory <dir>: <why>" otherwise.
-void check_cache_dir(const std::string& dir);
+// The file PrefixCache::save writes in its folder.
+inline constexpr const char* kSavedCacheFile = "prefix_cache.safetensors";
+
+// Makes sure `dir` is a folder the prefix cache can be saved in and loaded from: creates it
+// when missing (mode 0700 for each folder made, whatever the umask), and writes (then removes)
+// a probe file. Throws Error "cache directory <dir>: <why>" otherwise. Unless `shared`, it also
+// refuses, before any work, a `dir` or saved cache file that another user owns or that group or
+// others can write (Error "replay --cache-dir: refusing the folder <dir> (owner ..., mode ...):
+// ...; pass --shared-cache-dir to trust it anyway").
+void check_cache_dir(const std::string& dir, bool shared = false);
 
 struct Comparison {
   bool same_tokens = true;

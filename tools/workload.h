@@ -51,8 +51,9 @@ Workload parse_workload(const std::string& text, const std::string& source);
 Workload load_workload(const std::string& path);
 // The default workload embedded in the binary (data/workload.jsonl).
 Workload embedded_workload();
-// An embedded workload by name: "default", or "many-users" (data/many-users.jsonl: 16 users
-// on one long system prompt, for --parallel). Throws Error naming the known ones.
+// An embedded workload by name: "default", "many-users" (data/many-users.jsonl: 16 users
+// on one long system prompt, for --parallel) or "code-edits" (data/code-edits.jsonl: a coding
+// agent quoting files back, for --speculate). Throws Error naming the known ones.
 Workload embedded_workload(const std::string& name);
 std::vector<std::string> embedded_workload_names();
 

@@ -67,17 +67,18 @@ class KVSNAP_EXPORT AttentionMask {
 };
 
 // The key and value columns of one sequence in a paged cache: column k lives in slot
-// k % block_tokens of block table[k / block_tokens]. Blocks are stored in chunks of the pool:
-// block i is row i % blocks_per_chunk of chunk i / blocks_per_chunk.
+// k % block_tokens of block table[k / block_tokens]. Blocks are stored in chunks of the pool,
+// head-major: block i holds columns [r * T, (r + 1) * T) of chunk i / blocks_per_chunk, where
+// r = i % blocks_per_chunk, so a head's columns of consecutive blocks are consecutive.
 struct KVSNAP_EXPORT PagedColumns {
-  std::vector<Array> key_chunks;    // each [blocks_per_chunk, H, T, D]
-  std::vector<Array> value_chunks;  // each [blocks_per_chunk, H, T, Dv]
+  std::vector<Array> key_chunks;    // each [1, H, blocks_per_chunk * T, D]
+  std::vector<Array> value_chunks;  // each [1, H, blocks_per_chunk * T, Dv]
   int64_t blocks_per_chunk = 0;
   int64_t block_tokens = 0;    // T
   std::vector<int32_t> table;  // block ids, in position order
   int64_t length = 0;          // columns K (the last block may be partly used)
 
-  // Keys [1, H, T, D] and values [1, H, T, Dv] of table entry `i` (views).
+  // Keys [1, H, T, D] and values [1, H, T, Dv] of table entry `i` (views of its chunk).
   Array key_block(size_t i) const;
   Array value_block(size_t i) const;
 };

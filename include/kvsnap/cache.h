@@ -111,6 +111,9 @@ class KVSNAP_EXPORT Cache {
   virtual void cancel_snapshots(SeqId seq);
   [[nodiscard]] virtual std::vector<SnapshotPtr> take_snapshots(SeqId seq);
   [[nodiscard]] virtual std::vector<SnapshotPtr> take_reached_snapshots(SeqId seq);
+  // take_snapshots(seq) into `into` (cleared first). The built-in kinds swap buffers, so a
+  // caller that reuses `into` round after round lets capture allocate nothing once warm.
+  virtual void take_snapshots_into(SeqId seq, std::vector<SnapshotPtr>& into);
   [[nodiscard]] virtual bool restore(SeqId seq, Snapshot* snapshot, int64_t target);
   // The sequences that hold state (sequence 0 alone for a single-sequence cache).
   virtual std::vector<SeqId> sequences() const;

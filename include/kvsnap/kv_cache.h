@@ -75,6 +75,7 @@ class KVSNAP_EXPORT KVCache final : public Attention {
   void cancel_snapshots(SeqId seq) override;
   [[nodiscard]] std::vector<SnapshotPtr> take_snapshots(SeqId seq) override;
   [[nodiscard]] std::vector<SnapshotPtr> take_reached_snapshots(SeqId seq) override;
+  void take_snapshots_into(SeqId seq, std::vector<SnapshotPtr>& into) override;
   [[nodiscard]] bool restore(SeqId seq, Snapshot* snapshot, int64_t target) override;
   std::vector<SeqId> sequences() const override;
 

@@ -18,4 +18,5 @@
 #include "kvsnap/recurrent_cache.h"
 #include "kvsnap/rotating_kv_cache.h"
 #include "kvsnap/shape.h"
+#include "kvsnap/speculation.h"
 #include "kvsnap/tier.h"

@@ -127,6 +127,7 @@ typedef struct kvsnap_batch {
   const int32_t* input_ids;      /* [B * L] row-major token ids, or NULL (ids unused) */
   const int32_t* seq_offsets;    /* [B] */
   const int32_t* seq_query_lens; /* [B], or NULL: every row has L real tokens */
+  const int32_t* seq_ids;        /* [B] the sequence of each row, or NULL: row b is sequence b */
 } kvsnap_batch;
 
 /* ---- Caches and snapshots ---------------------------------------------------------------- */
@@ -138,7 +139,8 @@ typedef struct kvsnap_snapshot_list kvsnap_snapshot_list;
 typedef enum kvsnap_cache_kind {
   KVSNAP_KV_CACHE = 0,          /* append-only attention cache */
   KVSNAP_ROTATING_KV_CACHE = 1, /* sliding-window attention cache */
-  KVSNAP_RECURRENT_CACHE = 2    /* conv tail + gated-delta state */
+  KVSNAP_RECURRENT_CACHE = 2,   /* conv tail + gated-delta state */
+  KVSNAP_PAGED_KV_CACHE = 3     /* attention cache of shared, reference-counted blocks */
 } kvsnap_cache_kind;
 
 typedef struct kvsnap_recurrent_options {
@@ -154,6 +156,23 @@ KVSNAP_EXPORT kvsnap_status kvsnap_kv_cache_create(kvsnap_cache** out);
 KVSNAP_EXPORT kvsnap_status kvsnap_rotating_kv_cache_create(int64_t max_size, kvsnap_cache** out);
 KVSNAP_EXPORT kvsnap_status kvsnap_recurrent_cache_create(const kvsnap_recurrent_options* options,
                                                           kvsnap_cache** out);
+/* A paged attention cache: each sequence is a list of `block_tokens`-token blocks; full blocks
+ * are shared by reference count between sequences and snapshots, a write into a shared block
+ * copies that block, a restore splices references. */
+KVSNAP_EXPORT kvsnap_status kvsnap_paged_kv_cache_create(int64_t block_tokens, kvsnap_cache** out);
+
+typedef struct kvsnap_pool_stats {
+  int64_t blocks;        /* blocks the pool has allocated */
+  int64_t blocks_in_use; /* referenced by a sequence or a snapshot */
+  int64_t bytes_in_use;  /* their keys and values */
+  int64_t blocks_copied; /* copies on write and joins at restore */
+  int64_t live_blocks;   /* used by sequences (a block shared by several counts once) */
+  int64_t live_bytes;    /* their keys and values */
+} kvsnap_pool_stats;
+/* Paged kind: the blocks of its pool. */
+KVSNAP_EXPORT kvsnap_status kvsnap_paged_kv_cache_get_stats(const kvsnap_cache* cache,
+                                                            kvsnap_pool_stats* out);
+
 /* Lazy snapshots of the cache outlive it (their slots are copied out first). */
 KVSNAP_EXPORT void kvsnap_cache_destroy(kvsnap_cache* cache);
 
@@ -181,10 +200,20 @@ typedef struct kvsnap_kv_history {
 } kvsnap_kv_history;
 
 /* Attention kinds: appends the batch's keys [B, H, L, D] and values [B, H, L, Dv] (copied into
- * the cache) and returns the history every query attends to (`out` may be NULL). */
+ * the cache) and returns the history every query attends to (`out` may be NULL). A paged
+ * cache's history comes back as a contiguous copy. A batch whose rows are different sequences
+ * has one history per row: use kvsnap_cache_update_rows (with `out` set, this call refuses such
+ * a batch before writing). */
 KVSNAP_EXPORT kvsnap_status kvsnap_cache_update(kvsnap_cache* cache, const kvsnap_batch* batch,
                                                 const kvsnap_array* keys,
                                                 const kvsnap_array* values, kvsnap_kv_history* out);
+/* Attention kinds, a batch whose rows may be different sequences: as kvsnap_cache_update, with
+ * row b's history in rows[b] (`rows` holds batch_size entries, or is NULL). Histories of a
+ * paged cache are contiguous copies, others views. */
+KVSNAP_EXPORT kvsnap_status kvsnap_cache_update_rows(kvsnap_cache* cache, const kvsnap_batch* batch,
+                                                     const kvsnap_array* keys,
+                                                     const kvsnap_array* values,
+                                                     kvsnap_kv_history* rows);
 /* Attention kinds: the current history, without writing. */
 KVSNAP_EXPORT kvsnap_status kvsnap_cache_view(const kvsnap_cache* cache, const kvsnap_batch* batch,
                                               kvsnap_kv_history* out);
@@ -229,6 +258,31 @@ KVSNAP_EXPORT kvsnap_status kvsnap_cache_cancel_snapshots(kvsnap_cache* cache);
  * nothing changed, when the target is unreachable. */
 KVSNAP_EXPORT kvsnap_status kvsnap_cache_restore(kvsnap_cache* cache, kvsnap_snapshot* snapshot,
                                                  int64_t target, bool* restored);
+/* Sequence `seq` of a cache serving many (the calls above address sequence 0; a cache serves a
+ * sequence once a batch row or a restore names it). */
+KVSNAP_EXPORT kvsnap_status kvsnap_cache_offset_seq(const kvsnap_cache* cache, int32_t seq,
+                                                    int64_t* out);
+/* The sequences holding state, ascending; sets *count, fails if it exceeds `capacity`. */
+KVSNAP_EXPORT kvsnap_status kvsnap_cache_sequences(const kvsnap_cache* cache, int32_t* seqs,
+                                                   size_t capacity, size_t* count);
+/* Drops sequence `seq`'s state and schedule (lazy snapshots of it are copied out first). */
+KVSNAP_EXPORT kvsnap_status kvsnap_cache_reset_seq(kvsnap_cache* cache, int32_t seq);
+KVSNAP_EXPORT kvsnap_status kvsnap_cache_snapshot_seq(kvsnap_cache* cache, int32_t seq,
+                                                      int64_t from_offset, kvsnap_snapshot** out);
+KVSNAP_EXPORT kvsnap_status kvsnap_cache_prepare_snapshots_seq(kvsnap_cache* cache, int32_t seq,
+                                                               const int64_t* offsets,
+                                                               size_t count);
+KVSNAP_EXPORT kvsnap_status kvsnap_cache_take_snapshots_seq(kvsnap_cache* cache, int32_t seq,
+                                                            kvsnap_snapshot_list** out);
+KVSNAP_EXPORT kvsnap_status kvsnap_cache_take_reached_snapshots_seq(kvsnap_cache* cache,
+                                                                    int32_t seq,
+                                                                    kvsnap_snapshot_list** out);
+KVSNAP_EXPORT kvsnap_status kvsnap_cache_cancel_snapshots_seq(kvsnap_cache* cache, int32_t seq);
+/* Restores sequence `seq`; a paged cache splices another sequence's blocks without copying. */
+KVSNAP_EXPORT kvsnap_status kvsnap_cache_restore_seq(kvsnap_cache* cache, int32_t seq,
+                                                     kvsnap_snapshot* snapshot, int64_t target,
+                                                     bool* restored);
+
 /* Joins adjacent snapshots `parent` then `child` (either may be NULL). Consumes both, also on
  * failure: do not use or destroy them afterwards. */
 KVSNAP_EXPORT kvsnap_status kvsnap_cache_merge(kvsnap_cache* cache, kvsnap_snapshot* parent,
@@ -265,7 +319,9 @@ KVSNAP_EXPORT void kvsnap_snapshot_list_destroy(kvsnap_snapshot_list* list);
 KVSNAP_EXPORT kvsnap_status kvsnap_save_snapshots(const char* path, int64_t offset,
                                                   const kvsnap_snapshot* const* snapshots,
                                                   size_t count);
-/* Reads a file written by kvsnap_save_snapshots: its offset and one entry per saved layer. */
+/* Reads a file written by kvsnap_save_snapshots: its offset and one entry per saved layer.
+ * Refuses a file, or a folder holding it, that another user owns or that group or others can
+ * write (see load_snapshots in persistence.h; the C API has no opt-in to shared files). */
 KVSNAP_EXPORT kvsnap_status kvsnap_load_snapshots(const char* path, int64_t* offset,
                                                   kvsnap_snapshot_list** out);
 
@@ -276,6 +332,7 @@ typedef struct kvsnap_session kvsnap_session;
 
 typedef struct kvsnap_prefix_options {
   int64_t max_paged_out_bytes; /* budget for snapshot bytes in the trie; <= 0: the default */
+  int32_t slots; /* sequences of the layers served at once (one session each); <= 0: 1 */
 } kvsnap_prefix_options;
 
 typedef struct kvsnap_prefix_stats {
@@ -299,6 +356,15 @@ KVSNAP_EXPORT void kvsnap_prefix_cache_destroy(kvsnap_prefix_cache* prefix);
 KVSNAP_EXPORT kvsnap_status kvsnap_prefix_cache_begin(kvsnap_prefix_cache* prefix,
                                                       const int32_t* prompt, size_t count,
                                                       kvsnap_session** out);
+/* Starts a request on `slot` (the layers' sequence `slot`; one session per slot at a time). */
+KVSNAP_EXPORT kvsnap_status kvsnap_prefix_cache_begin_slot(kvsnap_prefix_cache* prefix,
+                                                           int32_t slot, const int32_t* prompt,
+                                                           size_t count, kvsnap_session** out);
+/* The prompt tokens begin would restore on `slot` as it stands (slot < 0: from the trie alone).
+ * Changes nothing: for schedulers choosing where to run a request. */
+KVSNAP_EXPORT kvsnap_status kvsnap_prefix_cache_match(const kvsnap_prefix_cache* prefix,
+                                                      int32_t slot, const int32_t* prompt,
+                                                      size_t count, int64_t* out);
 KVSNAP_EXPORT kvsnap_status kvsnap_prefix_cache_get_stats(const kvsnap_prefix_cache* prefix,
                                                           kvsnap_prefix_stats* out);
 /* KVSNAP_OK when the trie's invariants hold; otherwise KVSNAP_ERROR naming the first violation. */
@@ -306,10 +372,12 @@ KVSNAP_EXPORT kvsnap_status kvsnap_prefix_cache_check(const kvsnap_prefix_cache*
 /* Writes the trie and its snapshots to folder `dir` with `model_id` (NULL: ""), atomically. */
 KVSNAP_EXPORT kvsnap_status kvsnap_prefix_cache_save(const kvsnap_prefix_cache* prefix,
                                                      const char* dir, const char* model_id);
-/* Replaces the trie by the one saved in `dir` for the same layers and `model_id` (NULL: ""). */
+/* Replaces the trie by the one saved in `dir` for the same layers and `model_id` (NULL: "").
+ * Refuses, like kvsnap_load_snapshots, a `dir` or file that is not private to this user. */
 KVSNAP_EXPORT kvsnap_status kvsnap_prefix_cache_load(kvsnap_prefix_cache* prefix, const char* dir,
                                                      const char* model_id);
-/* Whether `dir` holds a saved trie. */
+/* Whether `dir` holds a saved trie that kvsnap_prefix_cache_load would read: false too for one
+ * it would refuse as not private (kvsnap_prefix_cache_load then says why). */
 KVSNAP_EXPORT bool kvsnap_prefix_cache_saved_in(const char* dir);
 
 /* The prompt tokens the model must still evaluate; *tokens stays valid until the next call on
@@ -318,6 +386,8 @@ KVSNAP_EXPORT kvsnap_status kvsnap_session_remaining(const kvsnap_session* sessi
                                                      const int32_t** tokens, size_t* count);
 /* Tokens restored from the cache: the live caches stand at this offset. */
 KVSNAP_EXPORT kvsnap_status kvsnap_session_cached(const kvsnap_session* session, int64_t* out);
+/* The slot (the layers' sequence) the session runs on. */
+KVSNAP_EXPORT kvsnap_status kvsnap_session_slot(const kvsnap_session* session, int32_t* out);
 /* Extra restore points (absolute offsets in [cached, prompt size]), before the prefill. */
 KVSNAP_EXPORT kvsnap_status kvsnap_session_schedule_snapshots(kvsnap_session* session,
                                                               const int64_t* offsets, size_t count);

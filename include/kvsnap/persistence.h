@@ -14,6 +14,12 @@
 // atomic (temporary file `<path>.tmp-<pid>`, fsync, rename): a crash mid-save leaves the
 // previous file loadable, and the next save or load of `path` removes temporaries of writers
 // that no longer run.
+//
+// Files are private: created mode 0600 whatever the umask. Loading refuses (Error naming the
+// path, its owner and mode, and LoadOptions::allow_shared) a file, or the folder holding it,
+// that another user (neither this one nor root) owns or that group or others can write:
+// whoever can write it can plant state the model then continues from, and the checksum does not
+// stop them (anyone can recompute it). See README.md, "Security".
 #pragma once
 
 #include <cstdint>
@@ -40,8 +46,21 @@ KVSNAP_EXPORT void save_snapshots(const std::string& path, int64_t offset,
                                   const std::vector<SnapshotPtr>& snapshots);
 KVSNAP_EXPORT void save_snapshots(const std::string& path, int64_t offset,
                                   std::initializer_list<const Snapshot*> snapshots);
+// How loaders (load_snapshots, PrefixCache::load and saved_in) treat files they did not make
+// private themselves.
+struct LoadOptions {
+  // By default a file, or the folder holding it, is refused unless this process's effective
+  // user or root owns it (root can change any file anyway: OpenSSH's StrictModes trusts the
+  // same two) and group and others cannot write it; a sticky folder like /tmp may be writable by
+  // others. The check is made on the opened file, so what passed is what is read. true: trust a
+  // shared cache anyway — and every user who can write it.
+  bool allow_shared = false;
+};
+
 // Reads a file written by save_snapshots. Throws Error naming the file and what is wrong.
 [[nodiscard]] KVSNAP_EXPORT LoadedSnapshots load_snapshots(const std::string& path);
+[[nodiscard]] KVSNAP_EXPORT LoadedSnapshots load_snapshots(const std::string& path,
+                                                           const LoadOptions& options);
 
 // The same as bytes (what the files hold).
 KVSNAP_EXPORT std::string encode_snapshots(int64_t offset,

@@ -15,6 +15,10 @@
 //   for (int32_t t : generate(...)) { session.append_output(t); model.forward({t}); }
 //   session.close();                              // pages the reply out into the trie
 //
+// Speculative decoding (speculation.h): append only the tokens a round accepted (or append the
+// drafts and retract_outputs() the rejected ones); close() pages out exactly the evaluated
+// tokens the rolled-back layers hold, never a rejected draft.
+//
 // Restore points. KV layers can resume at any token; whole-state layers (window, recurrent)
 // only where their state was captured, so a request resumes at the deepest offset where every
 // layer can. begin() schedules captures (inside the prefill forward) at:
@@ -51,6 +55,7 @@
 
 #include "kvsnap/cache.h"
 #include "kvsnap/export.h"
+#include "kvsnap/persistence.h"
 
 namespace kvsnap {
 
@@ -96,14 +101,20 @@ class KVSNAP_EXPORT PrefixCache {
 
   // Writes the trie (edges, offsets, user flags, last-use order) and every node's snapshots to
   // `dir`/prefix_cache.safetensors, atomically, with the layers' kinds and shapes and `model_id`
-  // (e.g. the model's config and weights hash). Throws Error when it cannot be written.
+  // (e.g. the model's config and weights hash). The file is mode 0600 and the folders save
+  // creates 0700, whatever the umask; an existing `dir` keeps its mode. Throws Error when it
+  // cannot be written.
   void save(const std::string& dir, const std::string& model_id = "") const;
   // Replaces the trie by the one saved in `dir`, for the same layer configuration and model_id
   // (else a clear Error and nothing changes). The live caches are reset: the next request
-  // restores from the loaded snapshots. Throws while any session is open.
+  // restores from the loaded snapshots. Throws while any session is open. Refuses a `dir` or
+  // file that is not private to this user (see LoadOptions) unless options.allow_shared.
   void load(const std::string& dir, const std::string& model_id = "");
-  // Whether `dir` holds a saved trie.
+  void load(const std::string& dir, const std::string& model_id, const LoadOptions& options);
+  // Whether `dir` holds a saved trie. When it does, `dir` and the file are checked as load
+  // checks them, and an Error is thrown for a cache that load would refuse.
   static bool saved_in(const std::string& dir);
+  static bool saved_in(const std::string& dir, const LoadOptions& options);
 
   // Bytes owned by snapshots in the trie (lazy snapshots count once they materialize).
   int64_t paged_out_bytes() const;
@@ -155,6 +166,11 @@ class KVSNAP_EXPORT PrefixCache::Session {
   void prefill_done();
   // A generated token. Tokens the model has evaluated when the session closes are paged out.
   void append_output(int32_t token);
+  // Takes back the last `count` generated tokens: speculative drafts appended before their
+  // verification that the model rejected (see speculation.h). They are never paged out; the
+  // layers must be rolled back to at most the remaining tokens before close(). Throws Error,
+  // changing nothing, unless decoding and 0 <= count <= the tokens generated so far.
+  void retract_outputs(int64_t count);
   // Pages the evaluated tokens out into the trie and ends the session (idempotent). Before
   // prefill_done(), the captures the evaluated tokens reached are kept and the rest dropped.
   void close();

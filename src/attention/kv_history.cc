@@ -55,14 +55,16 @@ KVHistory::KVHistory(Array keys, Array values, int64_t first_position, int64_t o
 
 Array PagedColumns::key_block(size_t i) const {
   const int64_t block = table[i];
-  const int64_t row = block % blocks_per_chunk;
-  return key_chunks[static_cast<size_t>(block / blocks_per_chunk)].slice(0, row, row + 1);
+  const int64_t first = block % blocks_per_chunk * block_tokens;
+  return key_chunks[static_cast<size_t>(block / blocks_per_chunk)].slice(2, first,
+                                                                        first + block_tokens);
 }
 
 Array PagedColumns::value_block(size_t i) const {
   const int64_t block = table[i];
-  const int64_t row = block % blocks_per_chunk;
-  return value_chunks[static_cast<size_t>(block / blocks_per_chunk)].slice(0, row, row + 1);
+  const int64_t first = block % blocks_per_chunk * block_tokens;
+  return value_chunks[static_cast<size_t>(block / blocks_per_chunk)].slice(2, first,
+                                                                          first + block_tokens);
 }
 
 KVHistory::KVHistory(PagedColumns paged, int64_t first_position, int64_t window)

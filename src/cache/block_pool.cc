@@ -9,8 +9,10 @@ namespace kvsnap::detail {
 int32_t BlockPool::allocate() {
   if (free_.empty()) {
     const auto first = static_cast<int32_t>(blocks_.size());
-    Shape keys{blocks_per_chunk, layout.heads, block_tokens, layout.key_depth};
-    Shape values{blocks_per_chunk, layout.heads, block_tokens, layout.value_depth};
+    // Head-major: a head's columns of consecutive blocks are consecutive (attention multiplies a
+    // run of consecutive blocks at once).
+    Shape keys{1, layout.heads, blocks_per_chunk * block_tokens, layout.key_depth};
+    Shape values{1, layout.heads, blocks_per_chunk * block_tokens, layout.value_depth};
     key_chunks_.push_back(Array::uninitialized(layout.key_dtype, keys));
     value_chunks_.push_back(Array::uninitialized(layout.value_dtype, values));
     blocks_.resize(blocks_.size() + static_cast<size_t>(blocks_per_chunk));
@@ -25,13 +27,15 @@ int32_t BlockPool::allocate() {
 }
 
 Array BlockPool::keys(int32_t id) const {
-  const int64_t row = id % blocks_per_chunk;
-  return key_chunks_[static_cast<size_t>(id / blocks_per_chunk)].slice(0, row, row + 1);
+  const int64_t first = id % blocks_per_chunk * block_tokens;
+  return key_chunks_[static_cast<size_t>(id / blocks_per_chunk)].slice(2, first,
+                                                                      first + block_tokens);
 }
 
 Array BlockPool::values(int32_t id) const {
-  const int64_t row = id % blocks_per_chunk;
-  return value_chunks_[static_cast<size_t>(id / blocks_per_chunk)].slice(0, row, row + 1);
+  const int64_t first = id % blocks_per_chunk * block_tokens;
+  return value_chunks_[static_cast<size_t>(id / blocks_per_chunk)].slice(2, first,
+                                                                        first + block_tokens);
 }
 
 void BlockPool::copy(int32_t from, int32_t to, int64_t tokens) {

@@ -50,6 +50,9 @@ std::vector<SnapshotPtr> Cache::take_reached_snapshots(SeqId seq) {
   require_first(seq, "take_reached_snapshots");
   return take_reached_snapshots();
 }
+void Cache::take_snapshots_into(SeqId seq, std::vector<SnapshotPtr>& into) {
+  into = take_snapshots(seq);
+}
 bool Cache::restore(SeqId seq, Snapshot* snapshot, int64_t target) {
   require_first(seq, "restore");
   return restore(snapshot, target);

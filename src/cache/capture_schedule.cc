@@ -58,6 +58,24 @@ std::vector<SnapshotPtr> CaptureSchedule::take(int64_t current, const char* call
   return out;
 }
 
+void CaptureSchedule::take_into(std::vector<SnapshotPtr>& into, int64_t current, const char* call) {
+  if (captured_.size() < offsets_.size()) {
+    throw Error(fmt::format("{}: scheduled offset {} not reached (cache offset {})", call,
+                            offsets_[captured_.size()], current));
+  }
+  into.clear();
+  into.swap(captured_);
+  clear();
+}
+
+size_t CaptureSchedule::interior_count(int64_t lo, int64_t hi) const {
+  size_t count = 0;
+  for (size_t i = captured_.size(); i < offsets_.size(); ++i) {
+    if (offsets_[i] > lo && offsets_[i] < hi) ++count;
+  }
+  return count;
+}
+
 std::vector<SnapshotPtr> CaptureSchedule::take_reached() {
   std::vector<SnapshotPtr> out = std::move(captured_);
   clear();

@@ -35,6 +35,12 @@ class CaptureSchedule {
   // Returns the captures and clears the schedule. Throws Error naming `call` (and keeps the
   // schedule) when an offset was not reached by `current`.
   std::vector<SnapshotPtr> take(int64_t current, const char* call);
+  // The same into `into` (cleared first): the two buffers swap, so neither side allocates once
+  // both have grown to the schedule's size.
+  void take_into(std::vector<SnapshotPtr>& into, int64_t current, const char* call);
+  // How many scheduled offsets o, not yet captured, have lo < o < hi (interior(lo, hi).size(),
+  // without allocating).
+  size_t interior_count(int64_t lo, int64_t hi) const;
   // Returns the captures recorded so far and clears the schedule.
   std::vector<SnapshotPtr> take_reached();
   void clear();

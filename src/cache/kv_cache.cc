@@ -169,6 +169,9 @@ void KVCache::prepare_snapshots(SeqId seq, std::span<const int64_t> offsets) {
 }
 std::vector<SnapshotPtr> KVCache::take_snapshots() { return impl_->take(0); }
 std::vector<SnapshotPtr> KVCache::take_snapshots(SeqId seq) { return impl_->take(seq); }
+void KVCache::take_snapshots_into(SeqId seq, std::vector<SnapshotPtr>& into) {
+  impl_->take_into(seq, into);
+}
 std::vector<SnapshotPtr> KVCache::take_reached_snapshots() { return impl_->take_reached(0); }
 std::vector<SnapshotPtr> KVCache::take_reached_snapshots(SeqId seq) {
   return impl_->take_reached(seq);

@@ -49,5 +49,8 @@ void KVKind::prepare(std::span<const int64_t> offsets) {
 }
 
 std::vector<SnapshotPtr> KVKind::take() { return schedule.take(offset, calls_.take.c_str()); }
+void KVKind::take_into(std::vector<SnapshotPtr>& into) {
+  schedule.take_into(into, offset, calls_.take.c_str());
+}
 
 }  // namespace kvsnap::detail

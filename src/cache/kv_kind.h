@@ -32,6 +32,7 @@ class KVKind {
   void check_snapshot_from(int64_t from_offset) const;
   void prepare(std::span<const int64_t> offsets);
   std::vector<SnapshotPtr> take();
+  void take_into(std::vector<SnapshotPtr>& into);
   std::vector<SnapshotPtr> take_reached() { return schedule.take_reached(); }
   void cancel() { schedule.clear(); }
   // Drops the state (copying out what lazy snapshots name) and the schedule.
@@ -160,6 +161,10 @@ class KVCacheCore {
   std::vector<SnapshotPtr> take(SeqId seq) {
     const Guard guard(lock);
     return at(seq).take();
+  }
+  void take_into(SeqId seq, std::vector<SnapshotPtr>& into) {
+    const Guard guard(lock);
+    at(seq).take_into(into);
   }
   std::vector<SnapshotPtr> take_reached(SeqId seq) {
     const Guard guard(lock);

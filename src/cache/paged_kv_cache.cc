@@ -318,6 +318,11 @@ std::vector<SnapshotPtr> PagedKVCache::take_snapshots(SeqId seq) {
   detail::PagedSequence& sequence = impl_->at(seq);
   return sequence.schedule.take(sequence.offset, "PagedKVCache::take_snapshots");
 }
+void PagedKVCache::take_snapshots_into(SeqId seq, std::vector<SnapshotPtr>& into) {
+  const Guard guard(impl_->pool->lock);
+  detail::PagedSequence& sequence = impl_->at(seq);
+  sequence.schedule.take_into(into, sequence.offset, "PagedKVCache::take_snapshots");
+}
 std::vector<SnapshotPtr> PagedKVCache::take_reached_snapshots() {
   return take_reached_snapshots(0);
 }

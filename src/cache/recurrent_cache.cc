@@ -104,7 +104,7 @@ class RecurrentCacheImpl {
                     std::span<const Array> delta, const char* call) {
     const int64_t length = check_row(batch, row, call);
     const SeqId id = batch.seq_id(row);
-    const size_t expected = splits(id, length).size() + 1;
+    const size_t expected = split_count(id, length) + 1;
     if (conv.size() != expected || delta.size() != expected) {
       throw Error(fmt::format(
           "{}: got {} conv and {} delta states for row {}; expected {} ({} scheduled split "
@@ -135,10 +135,14 @@ class RecurrentCacheImpl {
                std::span<const Array> delta) {
     RecurrentSequence& sequence = at(batch.seq_id(row));
     const int64_t length = batch.seq_query_lens[static_cast<size_t>(row)];
-    const std::vector<int64_t> interior = splits(batch.seq_id(row), length);
-    for (size_t i = 0; i < interior.size(); ++i) {
+    // The scheduled offsets inside (offset, offset + length), in order: no vector (a
+    // speculation round's put allocates nothing).
+    const int64_t end = sequence.offset + length;
+    for (size_t i = 0; sequence.schedule.active() && sequence.schedule.next() > sequence.offset &&
+                       sequence.schedule.next() < end;
+         ++i) {
       sequence.schedule.record(
-          std::make_unique<RecurrentSnapshot>(conv[i], delta[i], sequence.offset + interior[i]));
+          std::make_unique<RecurrentSnapshot>(conv[i], delta[i], sequence.schedule.next()));
     }
     sequence.conv = conv.back();
     sequence.delta = delta.back();
@@ -147,6 +151,11 @@ class RecurrentCacheImpl {
     sequence.capture_reached();
   }
 
+  size_t split_count(SeqId id, int64_t forward_len) const {
+    const RecurrentSequence* sequence = sequences.find(id);
+    if (sequence == nullptr || !sequence->schedule.active()) return 0;
+    return sequence->schedule.interior_count(sequence->offset, sequence->offset + forward_len);
+  }
   std::vector<int64_t> splits(SeqId id, int64_t forward_len) const {
     const RecurrentSequence* sequence = sequences.find(id);
     if (sequence == nullptr || !sequence->schedule.active()) return {};
@@ -331,6 +340,12 @@ std::vector<SnapshotPtr> RecurrentCache::take_snapshots(SeqId seq) {
   const Guard guard(impl_->lock);
   detail::RecurrentSequence& sequence = impl_->at(seq);
   return sequence.schedule.take(sequence.offset, "RecurrentCache::take_snapshots");
+}
+
+void RecurrentCache::take_snapshots_into(SeqId seq, std::vector<SnapshotPtr>& into) {
+  const Guard guard(impl_->lock);
+  detail::RecurrentSequence& sequence = impl_->at(seq);
+  sequence.schedule.take_into(into, sequence.offset, "RecurrentCache::take_snapshots");
 }
 
 std::vector<SnapshotPtr> RecurrentCache::take_reached_snapshots() {

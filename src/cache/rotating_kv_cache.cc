@@ -137,10 +137,24 @@ class RotatingSequence final : public KVKind {
       length = kept + chunk;
       return;
     }
-    // Fresh linear buffer with room for the window to keep growing by another window.
     const int64_t need = kept + chunk;
-    relinearize(kept, round_up(std::max(need + std::min(need, max_size), max_size),
-                               RotatingKVCache::kStep));
+    if (linear() && store.capacity() >= need) {
+      // Room once the kept tokens move to column 0: the buffer is reused (the verify chunk of
+      // every speculation round allocates nothing); lazy windows naming [0, kept) copy out.
+      const int64_t source = start + length - kept;
+      store.preserve(0, kept);
+      if (kept > 0 && source != 0) {
+        // Along the token axis of every head; runs overlap only within a head (memmove).
+        store.keys.slice(2, 0, kept).assign(store.keys.slice(2, source, source + kept));
+        store.values.slice(2, 0, kept).assign(store.values.slice(2, source, source + kept));
+        store.stats.growth_bytes += kept * store.token_bytes();
+      }
+      start = 0;
+    } else {
+      // Fresh linear buffer with room for the window to keep growing by another window.
+      relinearize(kept, round_up(std::max(need + std::min(need, max_size), max_size),
+                                 RotatingKVCache::kStep));
+    }
     store.write(kept, k, v);
     length = need;
   }
@@ -271,6 +285,9 @@ void RotatingKVCache::prepare_snapshots(SeqId seq, std::span<const int64_t> offs
 }
 std::vector<SnapshotPtr> RotatingKVCache::take_snapshots() { return impl_->take(0); }
 std::vector<SnapshotPtr> RotatingKVCache::take_snapshots(SeqId seq) { return impl_->take(seq); }
+void RotatingKVCache::take_snapshots_into(SeqId seq, std::vector<SnapshotPtr>& into) {
+  impl_->take_into(seq, into);
+}
 std::vector<SnapshotPtr> RotatingKVCache::take_reached_snapshots() {
   return impl_->take_reached(0);
 }

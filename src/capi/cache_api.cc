@@ -1,4 +1,4 @@
-// The C API for caches: the three kinds, their writes and histories, and their live state.
+// The C API for caches: the four kinds, their writes and histories, and their live state.
 #include "capi/handles.h"
 
 using namespace kvsnap;
@@ -14,6 +14,8 @@ const char* kind_name(kvsnap_cache_kind kind) {
       return "a rotating KV cache";
     case KVSNAP_RECURRENT_CACHE:
       return "a recurrent cache";
+    case KVSNAP_PAGED_KV_CACHE:
+      return "a paged KV cache";
   }
   return "an unknown cache";
 }
@@ -21,9 +23,9 @@ const char* kind_name(kvsnap_cache_kind kind) {
 Attention& attention(const kvsnap_cache* handle, const char* call) {
   const kvsnap_cache& cache = require(handle, call, "cache");
   if (cache.kind == KVSNAP_RECURRENT_CACHE) {
-    throw InvalidArgument(
-        fmt::format("{}: the cache is {}; this call needs an attention cache (KV or rotating)",
-                    call, kind_name(cache.kind)));
+    throw InvalidArgument(fmt::format(
+        "{}: the cache is {}; this call needs an attention cache (KV, rotating or paged)", call,
+        kind_name(cache.kind)));
   }
   return static_cast<Attention&>(*cache.cache);
 }
@@ -37,6 +39,15 @@ RecurrentCache& recurrent(const kvsnap_cache* handle, const char* call) {
   return static_cast<RecurrentCache&>(*cache.cache);
 }
 
+PagedKVCache& paged(const kvsnap_cache* handle, const char* call) {
+  const kvsnap_cache& cache = require(handle, call, "cache");
+  if (cache.kind != KVSNAP_PAGED_KV_CACHE) {
+    throw InvalidArgument(fmt::format("{}: the cache is {}; this call needs a paged KV cache", call,
+                                      kind_name(cache.kind)));
+  }
+  return static_cast<PagedKVCache&>(*cache.cache);
+}
+
 kvsnap_status create(kvsnap_cache** out, kvsnap_cache_kind kind, const char* call,
                      const std::function<std::unique_ptr<Cache>()>& make) {
   return guard([&] {
@@ -45,19 +56,43 @@ kvsnap_status create(kvsnap_cache** out, kvsnap_cache_kind kind, const char* cal
   });
 }
 
-// Hands `history` out through `out` (when not NULL); the handles are made before `write` runs,
-// so a failure to allocate them leaves the cache unchanged.
-kvsnap_status with_history(kvsnap_kv_history* out, const std::function<KVHistory()>& write) {
-  return guard([&] {
-    auto keys = out != nullptr ? std::make_unique<kvsnap_array>() : nullptr;
-    auto values = out != nullptr ? std::make_unique<kvsnap_array>() : nullptr;
-    KVHistory history = write();
-    if (out == nullptr) return;
+// One history as the C struct: views of a contiguous history, a contiguous copy of a paged one.
+// The handles are made first (a failure to allocate them changes nothing).
+struct HistoryHandles {
+  std::unique_ptr<kvsnap_array> keys = std::make_unique<kvsnap_array>();
+  std::unique_ptr<kvsnap_array> values = std::make_unique<kvsnap_array>();
+
+  void hand_out(const KVHistory& row, kvsnap_kv_history* out) {
+    const KVHistory history = row.paged() ? row.contiguous() : row;
     keys->array = history.keys();
     values->array = history.values();
     *out = {keys.release(), values.release(), history.first_position(), history.oldest_column(),
             history.window()};
-  });
+  }
+};
+
+// Hands the history `write` returns out through `rows` (one per batch row, or NULL). Given a
+// `batch`, `rows` is one history: the batch must be one sequence's (checked before writing).
+void write_histories(kvsnap_kv_history* rows, size_t count, const Batch* batch, const char* call,
+                     const std::function<KVHistory()>& write) {
+  if (rows != nullptr && batch != nullptr) {
+    for (int64_t b = 1; b < batch->batch_size(); ++b) {
+      if (batch->seq_id(b) != batch->seq_id(0)) {
+        throw InvalidArgument(
+            fmt::format("{}: rows 0 and {} are sequences {} and {}: one history per row needs "
+                        "kvsnap_cache_update_rows",
+                        call, b, batch->seq_id(0), batch->seq_id(b)));
+      }
+    }
+  }
+  std::vector<HistoryHandles> handles(rows != nullptr ? count : 0);
+  const KVHistory history = write();
+  if (handles.empty()) return;
+  std::fill(rows, rows + count, kvsnap_kv_history{});
+  if (!history.ragged()) return handles.front().hand_out(history, rows);
+  for (size_t b = 0; b < count; ++b) {
+    handles[b].hand_out(history.row(static_cast<int64_t>(b)), &rows[b]);
+  }
 }
 
 std::vector<Array> arrays(const kvsnap_array* const* handles, size_t count, const char* call,
@@ -81,6 +116,21 @@ kvsnap_status kvsnap_kv_cache_create(kvsnap_cache** out) {
 kvsnap_status kvsnap_rotating_kv_cache_create(int64_t max_size, kvsnap_cache** out) {
   return create(out, KVSNAP_ROTATING_KV_CACHE, "kvsnap_rotating_kv_cache_create",
                 [&] { return std::make_unique<RotatingKVCache>(max_size); });
+}
+
+kvsnap_status kvsnap_paged_kv_cache_create(int64_t block_tokens, kvsnap_cache** out) {
+  return create(out, KVSNAP_PAGED_KV_CACHE, "kvsnap_paged_kv_cache_create", [&] {
+    return std::make_unique<PagedKVCache>(PagedKVCache::Options{.block_tokens = block_tokens});
+  });
+}
+
+kvsnap_status kvsnap_paged_kv_cache_get_stats(const kvsnap_cache* cache, kvsnap_pool_stats* out) {
+  constexpr const char* call = "kvsnap_paged_kv_cache_get_stats";
+  return guard([&] {
+    const PagedKVCache::PoolStats s = paged(cache, call).pool_stats();
+    require(out, call, "out") = {s.blocks,        s.blocks_in_use, s.bytes_in_use,
+                                 s.blocks_copied, s.live_blocks,   s.live_bytes};
+  });
 }
 
 kvsnap_status kvsnap_recurrent_cache_create(const kvsnap_recurrent_options* options,
@@ -131,11 +181,26 @@ kvsnap_status kvsnap_cache_update(kvsnap_cache* cache, const kvsnap_batch* batch
                                   const kvsnap_array* keys, const kvsnap_array* values,
                                   kvsnap_kv_history* out) {
   constexpr const char* call = "kvsnap_cache_update";
-  return with_history(out, [&] {
+  return guard([&] {
     Attention& layer = attention(cache, call);
     const Batch b = to_batch(batch, call);
-    return layer.update(b, require(keys, call, "keys").array,
-                        require(values, call, "values").array);
+    const Array& k = require(keys, call, "keys").array;
+    const Array& v = require(values, call, "values").array;
+    write_histories(out, 1, &b, call, [&] { return layer.update(b, k, v); });
+  });
+}
+
+kvsnap_status kvsnap_cache_update_rows(kvsnap_cache* cache, const kvsnap_batch* batch,
+                                       const kvsnap_array* keys, const kvsnap_array* values,
+                                       kvsnap_kv_history* rows) {
+  constexpr const char* call = "kvsnap_cache_update_rows";
+  return guard([&] {
+    Attention& layer = attention(cache, call);
+    const Batch b = to_batch(batch, call);
+    const Array& k = require(keys, call, "keys").array;
+    const Array& v = require(values, call, "values").array;
+    write_histories(rows, static_cast<size_t>(b.batch_size()), nullptr, call,
+                    [&] { return layer.update(b, k, v); });
   });
 }
 
@@ -143,7 +208,11 @@ kvsnap_status kvsnap_cache_view(const kvsnap_cache* cache, const kvsnap_batch* b
                                 kvsnap_kv_history* out) {
   constexpr const char* call = "kvsnap_cache_view";
   if (out == nullptr) return fail(KVSNAP_INVALID_ARGUMENT, "kvsnap_cache_view: out is NULL");
-  return with_history(out, [&] { return attention(cache, call).view(to_batch(batch, call)); });
+  return guard([&] {
+    const Attention& layer = attention(cache, call);
+    const Batch b = to_batch(batch, call);
+    write_histories(out, 1, &b, call, [&] { return layer.view(b); });
+  });
 }
 
 void kvsnap_kv_history_clear(kvsnap_kv_history* history) {

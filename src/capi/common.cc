@@ -67,6 +67,7 @@ Batch to_batch(const kvsnap_batch* description, const char* call) {
   } else {
     batch.seq_query_lens.assign(rows, static_cast<int32_t>(b.length));
   }
+  if (b.seq_ids != nullptr) batch.seq_ids.assign(b.seq_ids, b.seq_ids + rows);
   return batch;
 }
 

@@ -34,6 +34,7 @@ kvsnap_status kvsnap_prefix_cache_create(kvsnap_cache* const* layers, size_t cou
     if (options != nullptr && options->max_paged_out_bytes > 0) {
       settings.max_paged_out_bytes = options->max_paged_out_bytes;
     }
+    if (options != nullptr && options->slots > 0) settings.slots = options->slots;
     auto handle = std::make_unique<kvsnap_prefix_cache>();
     handle->prefix = std::make_unique<PrefixCache>(std::move(caches), settings);
     *out = handle.release();
@@ -50,6 +51,30 @@ kvsnap_status kvsnap_prefix_cache_begin(kvsnap_prefix_cache* prefix, const int32
     require(out, call, "out");
     if (count > 0) require_data(prompt, call, "prompt");
     *out = new kvsnap_session{cache.begin({prompt, count})};
+  });
+}
+
+kvsnap_status kvsnap_prefix_cache_begin_slot(kvsnap_prefix_cache* prefix, int32_t slot,
+                                             const int32_t* prompt, size_t count,
+                                             kvsnap_session** out) {
+  constexpr const char* call = "kvsnap_prefix_cache_begin_slot";
+  return guard([&] {
+    PrefixCache& cache = prefix_of(prefix, call);
+    require(out, call, "out");
+    if (count > 0) require_data(prompt, call, "prompt");
+    *out = new kvsnap_session{cache.begin(slot, {prompt, count})};
+  });
+}
+
+kvsnap_status kvsnap_prefix_cache_match(const kvsnap_prefix_cache* prefix, int32_t slot,
+                                        const int32_t* prompt, size_t count, int64_t* out) {
+  constexpr const char* call = "kvsnap_prefix_cache_match";
+  return guard([&] {
+    const PrefixCache& cache = prefix_of(prefix, call);
+    require(out, call, "out");
+    if (count > 0) require_data(prompt, call, "prompt");
+    const std::span<const int32_t> tokens(prompt, count);
+    *out = slot < 0 ? cache.match(tokens) : cache.match(slot, tokens);
   });
 }
 
@@ -114,6 +139,11 @@ kvsnap_status kvsnap_session_remaining(const kvsnap_session* session, const int3
 kvsnap_status kvsnap_session_cached(const kvsnap_session* session, int64_t* out) {
   constexpr const char* call = "kvsnap_session_cached";
   return guard([&] { require(out, call, "out") = session_of(session, call).cached(); });
+}
+
+kvsnap_status kvsnap_session_slot(const kvsnap_session* session, int32_t* out) {
+  constexpr const char* call = "kvsnap_session_slot";
+  return guard([&] { require(out, call, "out") = session_of(session, call).slot(); });
 }
 
 kvsnap_status kvsnap_session_schedule_snapshots(kvsnap_session* session, const int64_t* offsets,

@@ -73,6 +73,78 @@ kvsnap_status kvsnap_cache_restore(kvsnap_cache* cache, kvsnap_snapshot* snapsho
   });
 }
 
+kvsnap_status kvsnap_cache_offset_seq(const kvsnap_cache* cache, int32_t seq, int64_t* out) {
+  constexpr const char* call = "kvsnap_cache_offset_seq";
+  return guard([&] { require(out, call, "out") = layer(cache, call).offset(seq); });
+}
+
+kvsnap_status kvsnap_cache_sequences(const kvsnap_cache* cache, int32_t* seqs, size_t capacity,
+                                     size_t* count) {
+  constexpr const char* call = "kvsnap_cache_sequences";
+  return guard([&] {
+    const std::vector<SeqId> held = layer(cache, call).sequences();
+    require(count, call, "count") = held.size();
+    if (held.size() > capacity) {
+      throw InvalidArgument(fmt::format("{}: capacity {} is less than the {} sequences", call,
+                                        capacity, held.size()));
+    }
+    if (!held.empty()) require_data(seqs, call, "seqs");
+    std::copy(held.begin(), held.end(), seqs);
+  });
+}
+
+kvsnap_status kvsnap_cache_reset_seq(kvsnap_cache* cache, int32_t seq) {
+  return guard([&] { layer(cache, "kvsnap_cache_reset_seq").reset(seq); });
+}
+
+kvsnap_status kvsnap_cache_snapshot_seq(kvsnap_cache* cache, int32_t seq, int64_t from_offset,
+                                        kvsnap_snapshot** out) {
+  constexpr const char* call = "kvsnap_cache_snapshot_seq";
+  return guard([&] {
+    Cache& c = layer(cache, call);
+    require(out, call, "out");
+    auto handle = std::make_unique<kvsnap_snapshot>();
+    handle->snapshot = c.snapshot(seq, from_offset);
+    *out = handle->snapshot != nullptr ? handle.release() : nullptr;
+  });
+}
+
+kvsnap_status kvsnap_cache_prepare_snapshots_seq(kvsnap_cache* cache, int32_t seq,
+                                                 const int64_t* offsets, size_t count) {
+  constexpr const char* call = "kvsnap_cache_prepare_snapshots_seq";
+  return guard([&] {
+    Cache& c = layer(cache, call);
+    if (count > 0) require_data(offsets, call, "offsets");
+    c.prepare_snapshots(seq, {offsets, count});
+  });
+}
+
+kvsnap_status kvsnap_cache_take_snapshots_seq(kvsnap_cache* cache, int32_t seq,
+                                              kvsnap_snapshot_list** out) {
+  constexpr const char* call = "kvsnap_cache_take_snapshots_seq";
+  return take_into(out, call, [&] { return layer(cache, call).take_snapshots(seq); });
+}
+
+kvsnap_status kvsnap_cache_take_reached_snapshots_seq(kvsnap_cache* cache, int32_t seq,
+                                                      kvsnap_snapshot_list** out) {
+  constexpr const char* call = "kvsnap_cache_take_reached_snapshots_seq";
+  return take_into(out, call, [&] { return layer(cache, call).take_reached_snapshots(seq); });
+}
+
+kvsnap_status kvsnap_cache_cancel_snapshots_seq(kvsnap_cache* cache, int32_t seq) {
+  return guard([&] { layer(cache, "kvsnap_cache_cancel_snapshots_seq").cancel_snapshots(seq); });
+}
+
+kvsnap_status kvsnap_cache_restore_seq(kvsnap_cache* cache, int32_t seq, kvsnap_snapshot* snapshot,
+                                       int64_t target, bool* restored) {
+  constexpr const char* call = "kvsnap_cache_restore_seq";
+  return guard([&] {
+    Cache& c = layer(cache, call);
+    bool& result = require(restored, call, "restored");
+    result = c.restore(seq, snapshot != nullptr ? snapshot->snapshot.get() : nullptr, target);
+  });
+}
+
 kvsnap_status kvsnap_cache_merge(kvsnap_cache* cache, kvsnap_snapshot* parent,
                                  kvsnap_snapshot* child, kvsnap_snapshot** out) {
   constexpr const char* call = "kvsnap_cache_merge";

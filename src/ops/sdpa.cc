@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 
 #include "kvsnap/ops.h"
 #include "ops/checks.h"
@@ -94,18 +95,43 @@ class Columns {
                 values_.strides()[2]});
       return;
     }
+    // Blocks read in place that continue each other in memory (consecutive blocks of a chunk)
+    // go as one run; converted blocks go one at a time (their copies end with the call).
     const PagedColumns& p = history_.paged_columns();
+    std::optional<Run> pending;
     for (int64_t i = lo / p.block_tokens; i * p.block_tokens < hi; ++i) {
       const Array k = rows_f32(p.key_block(static_cast<size_t>(i)));
       const Array v = rows_f32(p.value_block(static_cast<size_t>(i)));
       const int64_t first = i * p.block_tokens;
-      visit(Run{first, std::min(p.block_tokens, p.length - first),
-                k.data<float>() + h * k.strides()[1], k.strides()[2],
-                v.data<float>() + h * v.strides()[1], v.strides()[2]});
+      const Run run{first,
+                    std::min(p.block_tokens, p.length - first),
+                    k.data<float>() + h * k.strides()[1],
+                    k.strides()[2],
+                    v.data<float>() + h * v.strides()[1],
+                    v.strides()[2]};
+      if (pending && continues(*pending, run)) {
+        pending->count += run.count;
+        continue;
+      }
+      if (pending) visit(*pending);
+      pending.reset();
+      if (p.key_chunks.front().dtype() == DType::f32) {
+        pending = run;
+      } else {
+        visit(run);
+      }
     }
+    if (pending) visit(*pending);
   }
 
  private:
+  static bool continues(const Run& run, const Run& next) {
+    const int64_t gap = next.first - run.first;
+    return run.count == gap && run.key_stride == next.key_stride &&
+           run.value_stride == next.value_stride && run.keys + gap * run.key_stride == next.keys &&
+           run.values + gap * run.value_stride == next.values;
+  }
+
   const KVHistory& history_;
   Array keys_, values_;
 };

@@ -20,11 +20,13 @@ struct Row {
   int64_t lo = 0, hi = 0;
 };
 
-// Block `i` of a row seen by a group of rows that all hold that same block: one product each for
-// scores and values covers them all.
+// Columns [first, first + count) that a group of rows all hold in the same memory (a block, or a
+// run of consecutive blocks of one chunk): one product each for scores and values covers them.
 struct Job {
-  int64_t first = 0, count = 0;  // columns [first, first + count)
-  std::vector<int64_t> rows;     // batch rows, ascending
+  int64_t first = 0, count = 0;
+  std::vector<int64_t> rows;      // batch rows, ascending
+  const float* keys = nullptr;    // key head 0 at column `first`
+  const float* values = nullptr;  // value head 0 at column `first`
 };
 
 bool plain_f32(const std::vector<Array>& chunks) {
@@ -33,13 +35,11 @@ bool plain_f32(const std::vector<Array>& chunks) {
   });
 }
 
-// Start of key/value head `head` of block `i` of `p` (chunks of [blocks, H, T, D]).
-const float* block_data(const std::vector<Array>& chunks, const PagedColumns& p, size_t i,
-                        int64_t head) {
+// Head 0 of block `i` of `p` (chunks of [1, H, blocks_per_chunk * T, D]).
+const float* block_data(const std::vector<Array>& chunks, const PagedColumns& p, size_t i) {
   const int64_t block = p.table[i];
   const Array& chunk = chunks[static_cast<size_t>(block / p.blocks_per_chunk)];
-  return chunk.data<float>() + (block % p.blocks_per_chunk) * chunk.strides()[0] +
-         head * chunk.strides()[1];
+  return chunk.data<float>() + block % p.blocks_per_chunk * p.block_tokens * chunk.strides()[2];
 }
 
 // The rows of the batch when it has the form attend_decode serves; empty otherwise.
@@ -74,37 +74,76 @@ std::vector<Row> decode_rows(const Batch& batch, const Array& q, const KVHistory
   return out;
 }
 
-// Per block index, the rows that see some of it, grouped by the block they hold there (the same
-// memory: a block shared by reference).
-std::vector<Job> plan(const std::vector<Row>& rows, int64_t block_tokens, int64_t width) {
-  std::vector<Job> jobs;
-  std::vector<std::pair<const float*, int64_t>> holders;  // (the block's keys, row)
-  for (int64_t first = 0; first < width; first += block_tokens) {
-    holders.clear();
-    const auto index = static_cast<size_t>(first / block_tokens);
-    for (size_t b = 0; b < rows.size(); ++b) {
-      const Row& r = rows[b];
-      if (r.lo < first + block_tokens && r.hi > first) {
-        holders.emplace_back(block_data(r.columns->key_chunks, *r.columns, index, 0),
-                             static_cast<int64_t>(b));
+// Per block index, the rows that see some of it, grouped by the memory they hold there (a block
+// shared by reference). A group that continues a job of the block before — the same rows, and
+// the next columns of the same chunk — extends that job instead: a prefix written in one go
+// lies in consecutive blocks, so it is multiplied in a few long runs.
+class Planner {
+ public:
+  Planner(const std::vector<Row>& rows, const PagedColumns& any)
+      : rows_(rows),
+        block_tokens_(any.block_tokens),
+        key_stride_(any.key_chunks.front().strides()[2]),
+        value_stride_(any.value_chunks.front().strides()[2]) {}
+
+  std::vector<Job> plan(int64_t width) {
+    for (int64_t first = 0; first < width; first += block_tokens_) block(first);
+    return std::move(jobs_);
+  }
+
+ private:
+  struct Holder {
+    const float *keys, *values;
+    int64_t row;
+  };
+
+  void block(int64_t first) {
+    holders_.clear();
+    const auto index = static_cast<size_t>(first / block_tokens_);
+    for (size_t b = 0; b < rows_.size(); ++b) {
+      const Row& r = rows_[b];
+      if (r.lo >= first + block_tokens_ || r.hi <= first) continue;
+      holders_.push_back({block_data(r.columns->key_chunks, *r.columns, index),
+                          block_data(r.columns->value_chunks, *r.columns, index),
+                          static_cast<int64_t>(b)});
+    }
+    std::sort(holders_.begin(), holders_.end(), [](const Holder& x, const Holder& y) {
+      return std::less<const float*>()(x.keys, y.keys) || (x.keys == y.keys && x.row < y.row);
+    });
+    std::vector<size_t> open;  // jobs that end at this block's end
+    for (size_t k = 0; k < holders_.size();) {
+      Job job{first, 0, {}, holders_[k].keys, holders_[k].values};
+      for (; k < holders_.size() && holders_[k].keys == job.keys; ++k) {
+        job.rows.push_back(holders_[k].row);
+        // Up to the furthest column any of its rows sees (all within that row's length).
+        const int64_t seen = rows_[static_cast<size_t>(holders_[k].row)].hi - first;
+        job.count = std::max(job.count, std::min(block_tokens_, seen));
+      }
+      open.push_back(extend_or_add(std::move(job)));
+    }
+    open_ = std::move(open);
+  }
+
+  size_t extend_or_add(Job job) {
+    for (size_t i : open_) {
+      Job& j = jobs_[i];
+      const int64_t gap = job.first - j.first;
+      if (j.count == gap && j.rows == job.rows && j.keys + gap * key_stride_ == job.keys &&
+          j.values + gap * value_stride_ == job.values) {
+        j.count += job.count;
+        return i;
       }
     }
-    std::sort(holders.begin(), holders.end(), [](const auto& x, const auto& y) {
-      return std::less<const float*>()(x.first, y.first) ||
-             (x.first == y.first && x.second < y.second);
-    });
-    for (size_t k = 0; k < holders.size(); ++k) {
-      if (k == 0 || holders[k].first != holders[k - 1].first) jobs.push_back({first, 0, {}});
-      Job& job = jobs.back();
-      job.rows.push_back(holders[k].second);
-      // Up to the furthest column any of its rows sees (all within that row's length).
-      job.count =
-          std::max(job.count,
-                   std::min(block_tokens, rows[static_cast<size_t>(holders[k].second)].hi - first));
-    }
+    jobs_.push_back(std::move(job));
+    return jobs_.size() - 1;
   }
-  return jobs;
-}
+
+  const std::vector<Row>& rows_;
+  const int64_t block_tokens_, key_stride_, value_stride_;
+  std::vector<Job> jobs_;
+  std::vector<size_t> open_;
+  std::vector<Holder> holders_;
+};
 
 // The product over each job's block, per key/value head: scores for every query that sees it, a
 // softmax per query, then the values weighted by them.
@@ -119,7 +158,11 @@ class DecodeAttention {
     value_depth_ = any.value_chunks.front().dim(3);
     group_ = query_heads_ / kv_heads_;
     for (const Row& r : rows_) width_ = std::max(width_, r.hi);
-    jobs_ = plan(rows_, any.block_tokens, width_);
+    jobs_ = Planner(rows_, any).plan(width_);
+    key_head_ = any.key_chunks.front().strides()[1];
+    value_head_ = any.value_chunks.front().strides()[1];
+    key_stride_ = any.key_chunks.front().strides()[2];
+    value_stride_ = any.value_chunks.front().strides()[2];
     scores_.resize(rows_.size() * static_cast<size_t>(group_ * width_));
   }
 
@@ -141,10 +184,6 @@ class DecodeAttention {
   // Row b's scores for query head j of the current key/value head, over columns [0, width).
   float* score_row(int64_t b, int64_t j) { return scores_.data() + (b * group_ + j) * width_; }
 
-  const PagedColumns& columns(const Job& job) const {
-    return *rows_[static_cast<size_t>(job.rows.front())].columns;
-  }
-
   // Scores of the job's queries (its rows x the query heads of key/value head g) over its block.
   void score(const Job& job, int64_t g) {
     const auto m = static_cast<int64_t>(job.rows.size()) * group_;
@@ -157,12 +196,11 @@ class DecodeAttention {
         std::copy_n(query, depth_, lhs_.data() + (static_cast<int64_t>(n) * group_ + j) * depth_);
       }
     }
-    const PagedColumns& p = columns(job);
-    const float* keys = block_data(p.key_chunks, p, index(job), g);
+    const float* keys = job.keys + g * key_head_;
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m),
                 static_cast<int>(job.count), static_cast<int>(depth_), scale_, lhs_.data(),
-                static_cast<int>(depth_), keys, static_cast<int>(p.key_chunks.front().strides()[2]),
-                0.0f, product_.data(), static_cast<int>(job.count));
+                static_cast<int>(depth_), keys, static_cast<int>(key_stride_), 0.0f,
+                product_.data(), static_cast<int>(job.count));
     for (size_t n = 0; n < job.rows.size(); ++n) {
       const Row& r = rows_[static_cast<size_t>(job.rows[n])];
       const int64_t from = std::max(r.lo, job.first), to = std::min(r.hi, job.first + job.count);
@@ -185,13 +223,11 @@ class DecodeAttention {
                     lhs_.data() + (static_cast<int64_t>(n) * group_ + j) * job.count);
       }
     }
-    const PagedColumns& p = columns(job);
-    const float* values = block_data(p.value_chunks, p, index(job), g);
+    const float* values = job.values + g * value_head_;
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(m),
                 static_cast<int>(value_depth_), static_cast<int>(job.count), 1.0f, lhs_.data(),
-                static_cast<int>(job.count), values,
-                static_cast<int>(p.value_chunks.front().strides()[2]), 0.0f, product_.data(),
-                static_cast<int>(value_depth_));
+                static_cast<int>(job.count), values, static_cast<int>(value_stride_), 0.0f,
+                product_.data(), static_cast<int>(value_depth_));
     for (size_t n = 0; n < job.rows.size(); ++n) {
       for (int64_t j = 0; j < group_; ++j) {
         const float* add = product_.data() + (static_cast<int64_t>(n) * group_ + j) * value_depth_;
@@ -201,14 +237,11 @@ class DecodeAttention {
     }
   }
 
-  size_t index(const Job& job) const {
-    return static_cast<size_t>(job.first / columns(job).block_tokens);
-  }
-
   const Array& q_;
   const std::vector<Row> rows_;
   const float scale_;
   int64_t query_heads_ = 0, depth_ = 0, kv_heads_ = 0, value_depth_ = 0, group_ = 0, width_ = 0;
+  int64_t key_head_ = 0, value_head_ = 0, key_stride_ = 0, value_stride_ = 0;
   std::vector<Job> jobs_;
   std::vector<float> scores_, lhs_, product_;
 };

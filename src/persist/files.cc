@@ -2,15 +2,20 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <pwd.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
 
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <utility>
+#include <vector>
 
 namespace kvsnap::detail {
 
@@ -43,8 +48,7 @@ void write_file_atomically(const std::string& path, const std::string& bytes) {
     ::unlink(temporary.c_str());
     return Error(fmt::format("writing {}: {} failed ({})", path, step, reason));
   };
-  const int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) throw fail("open");
+  const int fd = create_private_file(temporary, fmt::format("writing {}", path)).release();
   size_t written = 0;
   while (written < bytes.size()) {
     const ssize_t n = ::write(fd, bytes.data() + written, bytes.size() - written);
@@ -68,6 +72,200 @@ void write_file_atomically(const std::string& path, const std::string& bytes) {
     (void)::fsync(dir);
     ::close(dir);
   }
+}
+
+FileDescriptor::~FileDescriptor() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+FileDescriptor& FileDescriptor::operator=(FileDescriptor&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = std::exchange(other.fd_, -1);
+  }
+  return *this;
+}
+
+namespace {
+
+// "nobody (uid 65534)", or "uid 1234 (no user name)".
+std::string user(uid_t uid) {
+  std::vector<char> buffer(16384);
+  struct passwd entry {};
+  struct passwd* found = nullptr;
+  if (::getpwuid_r(uid, &entry, buffer.data(), buffer.size(), &found) == 0 && found != nullptr) {
+    return fmt::format("{} (uid {})", found->pw_name, uid);
+  }
+  return fmt::format("uid {} (no user name)", uid);
+}
+
+// "its group", "others" or "group and others", for the bits of `mode` among group | other.
+std::string who(mode_t mode, mode_t group, mode_t other) {
+  if ((mode & group) != 0 && (mode & other) != 0) return "group and others";
+  return (mode & group) != 0 ? "its group" : "others";
+}
+
+std::string describe(const struct stat& status) {
+  return fmt::format("owner {}, mode {:04o}", user(status.st_uid), status.st_mode & 07777);
+}
+
+// What makes `status` (of a folder, or of a file) not private under `rule`; empty when nothing.
+std::vector<std::string> problems(const struct stat& status, bool folder, const PrivacyRule& rule) {
+  // Root can change any file anyway: what root owns is trusted, as OpenSSH's StrictModes does.
+  const bool trusted_owner = status.st_uid == ::geteuid() || status.st_uid == 0;
+  const mode_t mode = status.st_mode;
+  // In a sticky folder others may add files but only a file's owner can rename or remove it.
+  const bool sticky = folder && (mode & S_ISVTX) != 0 && trusted_owner;
+  std::vector<std::string> out;
+  if (folder ? !S_ISDIR(mode) : !S_ISREG(mode)) {
+    out.push_back(folder ? "it is not a folder" : "it is not a regular file");
+  }
+  if (!trusted_owner) out.push_back("another user owns it");
+  if (!sticky && (mode & (S_IWGRP | S_IWOTH)) != 0) {
+    out.push_back(who(mode, S_IWGRP, S_IWOTH) + " can write it");
+  }
+  if (!folder && rule.secret && (mode & (S_IRGRP | S_IROTH)) != 0) {
+    out.push_back(who(mode, S_IRGRP, S_IROTH) + " can read it");
+  }
+  return out;
+}
+
+// check_private and check_private_folder; `what` names the checked path in the error.
+void check(const std::string& what, int fd, bool folder, const PrivacyRule& rule) {
+  if (rule.allow_shared) return;
+  struct stat status {};
+  if (::fstat(fd, &status) != 0) {
+    throw Error(fmt::format("{}: cannot check {} ({})", rule.call, what, std::strerror(errno)));
+  }
+  const std::vector<std::string> found = problems(status, folder, rule);
+  if (found.empty()) return;
+  std::string reasons;
+  for (const std::string& problem : found) reasons += (reasons.empty() ? "" : ", ") + problem;
+  throw Error(fmt::format(
+      "{}: refusing the {} {} ({}): {}; kvsnap trusts only {} that this user, {}, {}owns and "
+      "that group and others cannot write{}{}{}",
+      rule.call, folder ? "folder" : "file", what, describe(status), reasons,
+      folder ? "folders" : "files", user(::geteuid()), ::geteuid() == 0 ? "" : "or root ",
+      folder ? " (or sticky folders, like /tmp)" : (rule.secret ? " or read" : ""),
+      rule.override_with.empty() ? "" : "; ",
+      rule.override_with.empty() ? "" : rule.override_with + " to trust it anyway"));
+}
+
+}  // namespace
+
+void check_private(const std::string& path, int fd, const PrivacyRule& rule) {
+  check(path, fd, false, rule);
+}
+
+void check_private_folder(const std::string& path, int fd, const PrivacyRule& rule) {
+  check(path, fd, true, rule);
+}
+
+void check_private_folder(const std::string& path, const PrivacyRule& rule) {
+  if (rule.allow_shared) return;
+  const FileDescriptor folder(::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (folder.get() < 0) {
+    throw Error(fmt::format("{}: cannot open {} ({})", rule.call, path, std::strerror(errno)));
+  }
+  check(path, folder.get(), true, rule);
+}
+
+FileDescriptor open_private_file(const std::string& path, const PrivacyRule& rule) {
+  const auto cannot_open = [&](int error) {
+    return Error(fmt::format("cannot open {} for reading ({})", path, std::strerror(error)));
+  };
+  if (rule.allow_shared) {
+    FileDescriptor file(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (file.get() < 0) throw cannot_open(errno);
+    return file;
+  }
+  // The folder checked must be the one that really holds the file: resolve links first.
+  char* resolved = ::realpath(path.c_str(), nullptr);
+  if (resolved == nullptr) throw cannot_open(errno);
+  const std::filesystem::path real(resolved);
+  std::free(resolved);
+  const std::string named =
+      real == path ? path : fmt::format("{} (resolved to {})", path, real.string());
+  const FileDescriptor folder(
+      ::open(real.parent_path().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (folder.get() < 0) throw cannot_open(errno);
+  check(fmt::format("{} holding {}", real.parent_path().string(), named), folder.get(), true, rule);
+  // Relative to the checked folder, and never through a link swapped in since: what is checked
+  // below is what is read.
+  FileDescriptor file(::openat(folder.get(), real.filename().c_str(),
+                               O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+  struct stat status {};
+  if (file.get() < 0) throw cannot_open(errno);
+  if (::fstat(file.get(), &status) == 0 && S_ISDIR(status.st_mode)) throw cannot_open(EISDIR);
+  check(named, file.get(), false, rule);
+  return file;
+}
+
+std::string read_private_file(const std::string& path, const PrivacyRule& rule) {
+  const FileDescriptor file = open_private_file(path, rule);
+  struct stat status {};
+  std::string bytes;
+  if (::fstat(file.get(), &status) == 0 && S_ISREG(status.st_mode)) {
+    bytes.reserve(static_cast<size_t>(status.st_size));
+  }
+  char buffer[1 << 16];
+  for (;;) {
+    const ssize_t n = ::read(file.get(), buffer, sizeof buffer);
+    if (n == 0) return bytes;
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw Error(fmt::format("error reading {} ({})", path, std::strerror(errno)));
+    }
+    bytes.append(buffer, static_cast<size_t>(n));
+  }
+}
+
+FileDescriptor create_private_file(const std::string& path, const std::string& call) {
+  // Not O_TRUNC: whatever is there is checked before anything in it changes.
+  FileDescriptor file(::open(path.c_str(), O_WRONLY | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600));
+  if (file.get() < 0) {
+    throw Error(
+        fmt::format("{}: cannot open {} for writing ({})", call, path, std::strerror(errno)));
+  }
+  struct stat status {};
+  if (::fstat(file.get(), &status) != 0) {
+    throw Error(fmt::format("{}: cannot check {} ({})", call, path, std::strerror(errno)));
+  }
+  const char* refused = !S_ISREG(status.st_mode)       ? "it is not a regular file"
+                        : status.st_uid != ::geteuid() ? "another user owns it"
+                        : status.st_nlink != 1         ? "it has other names (hard links)"
+                                                       : nullptr;
+  if (refused != nullptr) {
+    throw Error(fmt::format("{}: refusing to write into {} ({}): {}", call, path, describe(status),
+                            refused));
+  }
+  if (::fchmod(file.get(), 0600) != 0 || ::ftruncate(file.get(), 0) != 0) {
+    throw Error(
+        fmt::format("{}: cannot make {} private and empty ({})", call, path, std::strerror(errno)));
+  }
+  return file;
+}
+
+std::error_code make_private_folders(const std::string& path) {
+  std::filesystem::path built;
+  for (const std::filesystem::path& part : std::filesystem::path(path).lexically_normal()) {
+    built /= part;
+    if (part.empty()) continue;  // after a trailing '/'
+    if (::mkdir(built.c_str(), 0700) == 0) {
+      // Exactly 0700 whatever the umask, through a descriptor of the folder just made.
+      const FileDescriptor folder(
+          ::open(built.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+      if (folder.get() < 0 || ::fchmod(folder.get(), 0700) != 0) {
+        return {errno, std::generic_category()};
+      }
+      continue;
+    }
+    if (errno != EEXIST) return {errno, std::generic_category()};
+    struct stat status {};
+    if (::stat(built.c_str(), &status) != 0) return {errno, std::generic_category()};
+    if (!S_ISDIR(status.st_mode)) return {ENOTDIR, std::generic_category()};
+  }
+  return {};
 }
 
 namespace {

@@ -1,17 +1,91 @@
-// Internal: durable file writes and the checksum kvsnap files carry.
+// Internal: durable private file writes, the ownership and mode checks on what kvsnap loads, and
+// the checksum kvsnap files carry.
 #pragma once
 
 #include <map>
 #include <string>
+#include <system_error>
+#include <utility>
 
 #include "persist/safetensors.h"
 
 namespace kvsnap::detail {
 
-// Writes `bytes` to `path` atomically: a temporary file in the same folder, fsync, rename over
-// `path`, fsync of the folder. On failure `path` is untouched and Error is thrown.
-// Removes stale temporaries of `path` first (see below).
+// Writes `bytes` to `path` atomically: a temporary file in the same folder (created mode 0600
+// whatever the umask, see create_private_file), fsync, rename over `path`, fsync of the folder.
+// On failure `path` is untouched and Error is thrown. Removes stale temporaries of `path` first
+// (see below).
 void write_file_atomically(const std::string& path, const std::string& bytes);
+
+// --- Private files: what kvsnap creates is 0600 / 0700; what it loads must be private. ---
+
+// An open file descriptor, closed when destroyed (move-only).
+class FileDescriptor {
+ public:
+  explicit FileDescriptor(int fd = -1) : fd_(fd) {}
+  ~FileDescriptor();
+  FileDescriptor(FileDescriptor&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+  FileDescriptor& operator=(FileDescriptor&& other) noexcept;
+  int get() const { return fd_; }  // -1 when none
+  // Hands the descriptor to the caller, who closes it.
+  int release() { return std::exchange(fd_, -1); }
+
+ private:
+  int fd_;
+};
+
+// What check_private and check_private_folder demand, and how their errors read.
+struct PrivacyRule {
+  // The call that checks, first in the error ("PrefixCache::load").
+  std::string call;
+  // How the caller opts out, named at the end of the error: "set LoadOptions::allow_shared"
+  // reads "...; set LoadOptions::allow_shared to trust it anyway". Empty: none is offered.
+  std::string override_with;
+  // The caller's explicit opt-in to a shared file or folder: nothing is checked.
+  bool allow_shared = false;
+  // A secret (e.g. a MAC key file): group and others must not read the file either.
+  bool secret = false;
+};
+
+// Throws Error unless the open descriptor `fd` (of `path`, named in the error) is a regular file
+// owned by this process's effective user or by root (root can change any file anyway; OpenSSH's
+// StrictModes trusts the same two) that group and others cannot write (nor read, under
+// rule.secret: a MAC key file is read with check_private or read_private_file). Checks
+// fstat(fd): what passed is what is read through `fd`. The error names rule.call, the path, its
+// owner (user name and uid), its mode in octal, what is wrong, the rule and rule.override_with.
+// Checks nothing under rule.allow_shared.
+void check_private(const std::string& path, int fd, const PrivacyRule& rule);
+// The same for a folder (`fd` open on it): owned by this user or root, group and others cannot
+// write it
+// — or it has the sticky bit, like /tmp, and is owned by this user or root: others may create
+// files in it, but only a file's owner can rename or remove one, so check_private of the file
+// decides. (rule.secret is about a file's contents and does not apply to its folder.)
+void check_private_folder(const std::string& path, int fd, const PrivacyRule& rule);
+// Opens the folder `path` and checks it as above. Throws Error "cannot open <path> (<why>)".
+void check_private_folder(const std::string& path, const PrivacyRule& rule);
+
+// Opens `path` for reading after the checks, so that no one can swap the file between the check
+// and the read: the path is resolved (links included), the folder that really holds the file is
+// opened and checked (check_private_folder), then the file is opened relative to that folder
+// descriptor, not following a link, without blocking (a FIFO is refused, not waited on), and
+// checked (check_private). Under rule.allow_shared `path` is simply opened. Throws Error
+// "cannot open <path> for reading (<why>)" or the checks' Error.
+FileDescriptor open_private_file(const std::string& path, const PrivacyRule& rule);
+// The whole file, read through open_private_file's descriptor. Throws its Errors or "error
+// reading <path> (<why>)".
+std::string read_private_file(const std::string& path, const PrivacyRule& rule);
+
+// Opens `path` for writing, emptied: created mode 0600 whatever the umask (fchmod after open),
+// never through a symbolic link. An existing file that is not a regular file, that another user
+// owns or that has other names (hard links) is refused: writing into it could hand its contents
+// to someone else. Throws Error "<call>: cannot open <path> for writing (<why>)" or "<call>:
+// refusing to write into <path> (owner ..., mode ...): <why>".
+FileDescriptor create_private_file(const std::string& path, const std::string& call);
+
+// Creates folder `path` and every missing folder above it, each mode 0700 whatever the umask
+// (fchmod right after mkdir); folders that exist keep their modes (neither loosened nor
+// tightened). Returns the first error (ENOTDIR when a component is not a folder), else none.
+std::error_code make_private_folders(const std::string& path);
 
 // Removes `path`.tmp-<pid> files left by writers that died mid-save (a kill -9): only those of
 // `path`, and only when no process <pid> runs. Errors are ignored (best effort).

@@ -167,9 +167,14 @@ void save_snapshots(const std::string& path, int64_t offset,
                  std::span<const Snapshot* const>(snapshots.begin(), snapshots.size()));
 }
 
-LoadedSnapshots load_snapshots(const std::string& path) {
+LoadedSnapshots load_snapshots(const std::string& path) { return load_snapshots(path, {}); }
+
+LoadedSnapshots load_snapshots(const std::string& path, const LoadOptions& options) {
   detail::remove_stale_temporaries(path);
-  return decode_snapshots(detail::read_file(path), path);
+  const detail::PrivacyRule rule{.call = "load_snapshots",
+                                 .override_with = "set LoadOptions::allow_shared",
+                                 .allow_shared = options.allow_shared};
+  return decode_snapshots(detail::read_private_file(path, rule), path);
 }
 
 }  // namespace kvsnap

@@ -116,31 +116,48 @@ namespace {
 std::string trie_path(const std::string& dir) {
   return (std::filesystem::path(dir) / "prefix_cache.safetensors").string();
 }
+detail::PrivacyRule load_rule(const char* call, const LoadOptions& options) {
+  return {.call = call,
+          .override_with = "set LoadOptions::allow_shared",
+          .allow_shared = options.allow_shared};
+}
 }  // namespace
 
 void PrefixCache::save(const std::string& dir, const std::string& model_id) const {
   const Lock lock(impl_->mutex);
-  std::error_code error;
-  std::filesystem::create_directories(dir, error);
+  const std::error_code error = detail::make_private_folders(dir);
   if (error)
     throw Error(fmt::format("PrefixCache::save: cannot create {} ({})", dir, error.message()));
   detail::write_file_atomically(trie_path(dir), detail::encode_trie(impl_->trie, model_id));
 }
 
 void PrefixCache::load(const std::string& dir, const std::string& model_id) {
+  load(dir, model_id, LoadOptions{});
+}
+
+void PrefixCache::load(const std::string& dir, const std::string& model_id,
+                       const LoadOptions& options) {
   const Lock lock(impl_->mutex);
   if (impl_->any_open()) throw Error("PrefixCache::load: a session is open; close it first");
   const std::string path = trie_path(dir);
   detail::remove_stale_temporaries(path);
   detail::LoadedTrie loaded =
-      detail::decode_trie(detail::read_file(path), path, impl_->trie.layers(), model_id);
+      detail::decode_trie(detail::read_private_file(path, load_rule("PrefixCache::load", options)),
+                          path, impl_->trie.layers(), model_id);
   for (const auto& slot : impl_->slots) slot->live().reset();
   detail::install(impl_->trie, std::move(loaded));
   impl_->evict();
 }
 
-bool PrefixCache::saved_in(const std::string& dir) {
-  return std::filesystem::exists(trie_path(dir));
+bool PrefixCache::saved_in(const std::string& dir) { return saved_in(dir, LoadOptions{}); }
+
+bool PrefixCache::saved_in(const std::string& dir, const LoadOptions& options) {
+  const std::string path = trie_path(dir);
+  std::error_code error;
+  if (!std::filesystem::exists(path, error)) return false;
+  // Opening it runs load's checks on the folder and the file.
+  (void)detail::open_private_file(path, load_rule("PrefixCache::saved_in", options));
+  return true;
 }
 
 PrefixCache::Session PrefixCache::begin(std::span<const int32_t> prompt) {
@@ -249,6 +266,10 @@ void PrefixCache::Session::prefill_done() {
 void PrefixCache::Session::append_output(int32_t token) {
   std::unique_lock<std::mutex> lock;
   slot_of(state_, "Session::append_output", lock).append_output(token);
+}
+void PrefixCache::Session::retract_outputs(int64_t count) {
+  std::unique_lock<std::mutex> lock;
+  slot_of(state_, "Session::retract_outputs", lock).retract_outputs(count);
 }
 void PrefixCache::Session::close() {
   if (state_ == nullptr || state_->owner == nullptr) return;

@@ -176,6 +176,18 @@ void Slot::append_output(int32_t token) {
   evict_();  // the last decode step may have copied lazy snapshots out
 }
 
+void Slot::retract_outputs(int64_t count) {
+  SessionState& s = *session_;
+  const auto generated = static_cast<int64_t>(s.tokens.size()) - s.prompt_length;
+  if (s.phase != SessionState::Phase::decode || count < 0 || count > generated) {
+    throw Error(fmt::format(
+        "Session::retract_outputs: count {} must be in [0, {}] (the tokens generated so far), "
+        "after prefill_done()",
+        count, s.phase == SessionState::Phase::decode ? generated : 0));
+  }
+  s.tokens.resize(s.tokens.size() - static_cast<size_t>(count));
+}
+
 void Slot::close() {
   SessionState& s = *session_;
   if (s.phase == SessionState::Phase::prefill) {

@@ -59,6 +59,7 @@ class Slot {
   void schedule_snapshots(std::span<const int64_t> offsets);
   void prefill_done();
   void append_output(int32_t token);
+  void retract_outputs(int64_t count);
   void close();
 
  private:

@@ -124,7 +124,8 @@ TEST(DecodeAllocation, RecurrentGetPutAndCaptureAllocateNothing) {
   const Batch first = Batch::uniform(1, 1, 0);
   (void)cache.get(first, DType::f32);
   // The states a kernel would return, made up front (the kernel's own buffers are its own).
-  const Array conv[2] = {Array::zeros(DType::f32, {1, 3, 64}), Array::zeros(DType::f32, {1, 3, 64})};
+  const Array conv[2] = {Array::zeros(DType::f32, {1, 3, 64}),
+                         Array::zeros(DType::f32, {1, 3, 64})};
   const Array delta[2] = {Array::zeros(DType::f32, {1, 4, 32, 32}),
                           Array::zeros(DType::f32, {1, 4, 32, 32})};
   Batch batch = Batch::uniform(1, 1, 0);
@@ -141,6 +142,46 @@ TEST(DecodeAllocation, RecurrentGetPutAndCaptureAllocateNothing) {
               ASSERT_TRUE(cache.restore(nullptr, cache.offset()));
             }),
             0);
+}
+
+// A speculation round over the three kinds — begin (captures scheduled), the verify write of
+// 1 + k tokens, accept (rewind or restore of a capture, captures released) — allocates nothing
+// once warm, whatever the accepted length.
+TEST(DecodeAllocation, SpeculationRoundAllocatesNothing) {
+  constexpr int64_t k = 3;
+  KVCache attention;
+  attention.reserve(4096);  // 200 rounds stay inside it
+  RotatingKVCache window(8);
+  RecurrentCache recurrent(3, 64, 4, 32, 32);
+  testing::write(attention, kv, testing::id_range(0, 64));
+  testing::write(window, kv, testing::id_range(0, 64));  // evicted: it captures
+  const std::vector<int64_t> ids = testing::id_range(64, k + 1);
+  const Array keys = kv.keys(ids), values = kv.values(ids);
+  const Batch first = Batch::uniform(1, 64, 0);
+  (void)recurrent.get(first, DType::f32);
+  std::vector<Array> conv, delta;  // what the kernels would return for the 1 + k tokens
+  for (int64_t i = 0; i <= k; ++i) {
+    conv.push_back(Array::zeros(DType::f32, {1, 3, 64}));
+    delta.push_back(Array::zeros(DType::f32, {1, 4, 32, 32}));
+  }
+  recurrent.put(first, std::span(conv).first(1), std::span(delta).first(1));  // at 64 too
+  Speculation round({&attention, &window, &recurrent});
+  Batch batch = Batch::uniform(1, k + 1, 0);
+  int64_t accepted = 0;
+  EXPECT_EQ(allocations_of([&] {
+              round.begin(k);
+              batch.seq_offsets[0] = static_cast<int32_t>(attention.offset());
+              (void)attention.update(batch, keys, values);
+              (void)window.update(batch, keys, values);
+              const RecurrentHistory history = recurrent.get(batch, DType::f32);
+              (void)history;
+              recurrent.put(batch, conv, delta);
+              round.accept(accepted);
+              accepted = (accepted + 1) % (k + 1);
+            }),
+            0);
+  EXPECT_GT(round.stats().restores, 0);
+  EXPECT_GT(round.stats().rewinds, 0);
 }
 
 }  // namespace

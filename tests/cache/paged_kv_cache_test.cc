@@ -190,6 +190,34 @@ TEST_F(Paged, DecodeRowsSharingBlocksAttendToTheirOwnHistories) {
   }
 }
 
+// Chunks of several queries read runs of blocks in place: consecutive blocks of one chunk as one
+// run, a chunk boundary or a spliced block starting the next.
+TEST_F(Paged, ChunkRowsReadRunsOfBlocksAcrossChunksAndSplices) {
+  write(cache, 0, id_range(0, 40));  // blocks 0-3 in the first chunk, block 4 in the second
+  SnapshotPtr prefix = cache.snapshot(0, 0);
+  ASSERT_TRUE(cache.restore(1, prefix.get(), 24));
+  write(cache, 1, id_range(200, 13));  // its own blocks after three shared ones
+  const std::vector<SeqId> seqs = {0, 1};
+  Batch batch = Batch::uniform(2, 3, 0);
+  batch.seq_ids = seqs;
+  for (size_t b = 0; b < seqs.size(); ++b) {
+    batch.seq_offsets[b] = static_cast<int32_t>(cache.offset(seqs[b]) - 3);  // the last three
+  }
+  const KVHistory history = cache.view(batch);
+  std::mt19937 rng(12);
+  const Array q = testing::random_array({2, 4, 3, 4}, rng);
+  const Array got = sdpa(batch, q, history, AttentionMask::causal(), 0.4f);
+  for (size_t b = 0; b < seqs.size(); ++b) {
+    const std::vector<int64_t> ids = held(cache, seqs[b]);
+    const KVHistory full(kv.keys(ids), kv.values(ids));
+    const auto row = static_cast<int64_t>(b);
+    const Array expected =
+        sdpa(batch.row(row), q.slice(0, row, row + 1), full, AttentionMask::causal(), 0.4f);
+    EXPECT_TRUE(testing::all_close(got.slice(0, row, row + 1).contiguous(), expected, 1e-5f))
+        << "row " << b;
+  }
+}
+
 TEST(PagedErrors, BadOptionsAndForeignSnapshots) {
   EXPECT_TRUE(throws_error([] { PagedKVCache cache({.block_tokens = 0}); },
                            {"PagedKVCache", "block_tokens 0"}));

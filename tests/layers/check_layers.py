@@ -18,7 +18,7 @@ LAYERS = [
     ("attention", ["src/attention"], ["attention.h", "batch.h"]),
     ("ops", ["src/ops"], ["ops.h"]),
     ("cache", ["src/cache"], ["cache.h", "kv_cache.h", "paged_kv_cache.h", "rotating_kv_cache.h",
-                            "recurrent_cache.h"]),
+                            "recurrent_cache.h", "speculation.h"]),
     ("persist", ["src/persist"], ["persistence.h"]),
     ("tier", ["src/tier"], ["tier.h"]),
     ("prefix", ["src/prefix"], ["prefix_cache.h", "kvsnap.h"]),

@@ -27,6 +27,8 @@ std::filesystem::path scratch(const std::string& name) {
   const auto dir =
       std::filesystem::temp_directory_path() / ("kvsnap_persist_" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
+  // Private whatever the umask: kvsnap loads nothing from a folder others can write.
+  std::filesystem::permissions(dir, std::filesystem::perms::owner_all);
   return dir / name;
 }
 

@@ -1,5 +1,6 @@
 """The prefix cache, its sessions and snapshot files from Python; the engine example."""
 import importlib.util
+import os
 import sys
 
 import numpy as np
@@ -75,6 +76,35 @@ def test_a_prefix_cache_survives_a_restart(tmp_path, rng):
     restarted.load(str(tmp_path), "model-a")
     assert restarted.node_count == prefix.node_count
     assert serve(restarted, restarted_cache, list(range(10)), rng) == 9
+
+
+def test_a_cache_others_can_write_is_refused_unless_shared(tmp_path, rng):
+    cache = kvsnap.KVCache()
+    prefix = kvsnap.PrefixCache([cache])
+    serve(prefix, cache, list(range(10)), rng)
+    prefix.save(str(tmp_path / "cache"), "m")
+    assert os.stat(tmp_path / "cache").st_mode & 0o7777 == 0o700
+    assert os.stat(tmp_path / "cache" / "prefix_cache.safetensors").st_mode & 0o7777 == 0o600
+    os.chmod(tmp_path / "cache", 0o777)
+    refused = r"^PrefixCache::(load|saved_in): refusing the folder .*mode 0777\): group and others"
+    with pytest.raises(kvsnap.Error, match=refused):
+        kvsnap.PrefixCache.saved_in(str(tmp_path / "cache"))
+    restarted = kvsnap.PrefixCache([kvsnap.KVCache()])
+    with pytest.raises(kvsnap.Error, match=refused):
+        restarted.load(str(tmp_path / "cache"), "m")
+    assert restarted.node_count == 0
+    assert kvsnap.PrefixCache.saved_in(str(tmp_path / "cache"), allow_shared=True)
+    restarted.load(str(tmp_path / "cache"), "m", allow_shared=True)
+    assert restarted.node_count == prefix.node_count
+    fresh = kvsnap.KVCache()
+    keys = kv(rng, 2)
+    fresh.update(kvsnap.Batch.uniform(1, 2, 0), keys, keys)
+    path = str(tmp_path / "turn.safetensors")
+    kvsnap.save_snapshots(path, 2, [fresh.snapshot(0)])
+    os.chmod(path, 0o666)
+    with pytest.raises(kvsnap.Error, match=r"^load_snapshots: refusing the file .*mode 0666\)"):
+        kvsnap.load_snapshots(path)
+    assert kvsnap.load_snapshots(path, allow_shared=True)[0] == 2
 
 
 def test_snapshot_files_round_trip(tmp_path, rng):

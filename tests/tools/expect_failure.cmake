@@ -16,6 +16,10 @@
 #                      read it anyway (root), the test is skipped: it prints "SKIPPED: ..." (give
 #                      the test SKIP_REGULAR_EXPRESSION "SKIPPED")
 #     open_key         a tier key file of 32 bytes that group and others may read (mode 0644)
+#     shared_folder    an empty folder of mode 0777 (group and others can write it)
+#     foreign_folder   an empty folder of mode 0700 owned by user nobody; skipped ("SKIPPED: ...")
+#                      unless this process runs as root (only root can hand a folder to another
+#                      user)
 
 # Appends a request whose user message is BYTES bytes to FILE, in 1 MB writes (one write of
 # 50 MB takes cmake seconds).
@@ -58,8 +62,25 @@ elseif(PREPARE STREQUAL "unreadable")
 elseif(PREPARE STREQUAL "open_key")
   file(WRITE ${FILE} "0123456789abcdef0123456789abcdef")
   file(CHMOD ${FILE} PERMISSIONS OWNER_READ OWNER_WRITE GROUP_READ WORLD_READ)
+elseif(PREPARE STREQUAL "shared_folder" OR PREPARE STREQUAL "foreign_folder")
+  file(REMOVE_RECURSE ${FILE})
+  file(MAKE_DIRECTORY ${FILE})
+  if(PREPARE STREQUAL "shared_folder")
+    execute_process(COMMAND chmod 0777 ${FILE} COMMAND_ERROR_IS_FATAL ANY)
+  else()
+    execute_process(COMMAND id -u OUTPUT_VARIABLE uid OUTPUT_STRIP_TRAILING_WHITESPACE)
+    if(NOT uid STREQUAL "0")
+      file(REMOVE_RECURSE ${FILE})
+      message("SKIPPED: handing a folder to user nobody (chown) needs root; this runs as uid "
+              "${uid}")
+      return()
+    endif()
+    execute_process(COMMAND chmod 0700 ${FILE} COMMAND_ERROR_IS_FATAL ANY)
+    execute_process(COMMAND chown nobody ${FILE} COMMAND_ERROR_IS_FATAL ANY)
+  endif()
 elseif(DEFINED PREPARE)
-  message(FATAL_ERROR "PREPARE=${PREPARE}: use big_message, inherited, unreadable or open_key")
+  message(FATAL_ERROR "PREPARE=${PREPARE}: use big_message, inherited, unreadable, "
+                      "shared_folder, foreign_folder or open_key")
 endif()
 
 set(limit)
@@ -72,7 +93,7 @@ execute_process(COMMAND ${PROGRAM} ${ARGS} ${limit} RESULT_VARIABLE status OUTPU
 string(TIMESTAMP finished "%s")
 math(EXPR seconds "${finished} - ${started}")
 if(DEFINED PREPARE)
-  file(REMOVE ${FILE})
+  file(REMOVE_RECURSE ${FILE})
 endif()
 
 if(NOT status STREQUAL "${EXPECT_EXIT}")

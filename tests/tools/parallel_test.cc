@@ -4,9 +4,12 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <filesystem>
+#include <optional>
 #include <set>
 
 #include "model/model.h"
+#include "support/private_support.h"
 #include "support/test_support.h"
 #include "workload.h"
 
@@ -145,6 +148,51 @@ TEST(ParallelReplay, BadOptionsAreRefusedNamingThem) {
                            {"--parallel 0", ">= 1"}));
   EXPECT_TRUE(throws_error([&] { (void)replay_parallel(workload, model, slots(2, 0)); },
                            {"--prefill-chunk 0", ">= 1"}));
+}
+
+// --parallel with --cache-dir checks the folder and the saved cache as the sequential replay
+// does, and --shared-cache-dir opts in the same way.
+TEST(ParallelReplay, ACacheDirectoryOthersCanWriteIsRefusedUnlessShared) {
+  const Model model(tiny_model());
+  const Workload workload = many_users(2);
+  const auto dir = kvsnap::testing::private_scratch("parallel_shared");
+  kvsnap::testing::set_mode(dir, 0777);
+  ParallelOptions options = slots(2);
+  options.cache_dir = dir.string();
+  options.model_id = "tiny";
+  const std::string named = "replay --cache-dir: refusing the folder " + dir.string() + " (owner " +
+                            kvsnap::testing::user_phrase(::geteuid()) +
+                            ", mode 0777): group and others can write it";
+  EXPECT_TRUE(throws_error([&] { (void)replay_parallel(workload, model, options); },
+                           {named.c_str(), "pass --shared-cache-dir to trust it anyway"}));
+  EXPECT_FALSE(std::filesystem::exists(dir / kSavedCacheFile));
+  options.shared_cache_dir = true;
+  const ParallelRun first = replay_parallel(workload, model, options);
+  EXPECT_EQ(kvsnap::testing::mode_of(dir / kSavedCacheFile), 0600u);
+  EXPECT_EQ(replay_parallel(workload, model, options).run.loaded_nodes, first.run.trie_nodes);
+  options.shared_cache_dir = false;
+  EXPECT_TRUE(
+      throws_error([&] { (void)replay_parallel(workload, model, options); }, {named.c_str()}));
+  std::filesystem::remove_all(dir);
+}
+
+TEST(ParallelReplay, ACacheFileOfAnotherUserIsRefusedUnlessShared) {
+  std::string why;
+  const std::optional<uid_t> nobody = kvsnap::testing::nobody_uid(why);
+  if (!nobody) GTEST_SKIP() << why;
+  const Model model(tiny_model());
+  const Workload workload = many_users(2);
+  const auto dir = kvsnap::testing::private_scratch("parallel_foreign");
+  ParallelOptions options = slots(2);
+  options.cache_dir = dir.string();
+  options.model_id = "tiny";
+  const ParallelRun first = replay_parallel(workload, model, options);
+  kvsnap::testing::give_to(dir / kSavedCacheFile, *nobody);
+  EXPECT_TRUE(throws_error([&] { (void)replay_parallel(workload, model, options); },
+                           {"refusing the file", "another user owns it", "--shared-cache-dir"}));
+  options.shared_cache_dir = true;
+  EXPECT_EQ(replay_parallel(workload, model, options).run.loaded_nodes, first.run.trie_nodes);
+  std::filesystem::remove_all(dir);
 }
 
 TEST(ParallelReplay, TheManyUsersWorkloadHasSixteenUsersOnOneLongSystemPrompt) {

@@ -7,6 +7,7 @@
 #include <fstream>
 
 #include "model/model.h"
+#include "support/private_support.h"
 #include "support/test_support.h"
 #include "workload.h"
 
@@ -191,6 +192,68 @@ TEST(Replay, AnUnusableCacheDirectoryIsRefusedNamingWhy) {
   EXPECT_TRUE(throws_error([&] { check_cache_dir((base / "file" / "sub").string()); },
                            {"cannot create it"}));
   std::filesystem::remove_all(base);
+}
+
+TEST(Replay, CacheDirectoriesItCreatesArePrivateWhateverTheUmask) {
+  // 0277 masks even the owner's write bit: only the explicit fchmod after creating gives 0600 /
+  // 0700.
+  for (const mode_t mask : {mode_t{000}, mode_t{077}, mode_t{0277}}) {
+    SCOPED_TRACE(mask);
+    const kvsnap::testing::ScopedUmask umask(mask);
+    const auto base = kvsnap::testing::private_scratch("cache_dir_umask");
+    check_cache_dir((base / "a" / "b").string());
+    EXPECT_EQ(kvsnap::testing::mode_of(base / "a"), 0700u);
+    EXPECT_EQ(kvsnap::testing::mode_of(base / "a" / "b"), 0700u);
+    kvsnap::testing::set_mode(base / "a" / "b", 0750);  // one that exists keeps its mode
+    check_cache_dir((base / "a" / "b").string());
+    EXPECT_EQ(kvsnap::testing::mode_of(base / "a" / "b"), 0750u);
+    std::filesystem::remove_all(base);
+  }
+}
+
+TEST(Replay, ACacheDirectoryOthersCanWriteIsRefusedUnlessShared) {
+  const auto dir = kvsnap::testing::private_scratch("cache_dir_shared");
+  kvsnap::testing::set_mode(dir, 0777);
+  const std::string named = "replay --cache-dir: refusing the folder " + dir.string() + " (owner " +
+                            kvsnap::testing::user_phrase(::geteuid()) +
+                            ", mode 0777): group and others can write it";
+  EXPECT_TRUE(throws_error([&] { check_cache_dir(dir.string()); },
+                           {named.c_str(), "; pass --shared-cache-dir to trust it anyway"}));
+  check_cache_dir(dir.string(), true);
+  // A run saves there with the flag, and a second one loads it only with the flag again.
+  const Model model(tiny_model());
+  const Workload w = parse_workload(kWorkload, "test");
+  ReplayOptions options;
+  options.cache_dir = dir.string();
+  options.model_id = "tiny";
+  options.shared_cache_dir = true;
+  const RunResult first = replay(w, model, options);
+  EXPECT_EQ(kvsnap::testing::mode_of(dir / kSavedCacheFile), 0600u);
+  EXPECT_EQ(replay(w, model, options).loaded_nodes, first.trie_nodes);
+  options.shared_cache_dir = false;
+  EXPECT_TRUE(throws_error([&] { (void)replay(w, model, options); }, {named.c_str()}));
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Replay, ACacheFileOfAnotherUserIsRefusedUnlessShared) {
+  std::string why;
+  const std::optional<uid_t> nobody = kvsnap::testing::nobody_uid(why);
+  if (!nobody) GTEST_SKIP() << why;
+  const auto dir = kvsnap::testing::private_scratch("cache_dir_foreign");
+  { std::ofstream(dir / kSavedCacheFile) << "planted"; }
+  kvsnap::testing::give_to(dir / kSavedCacheFile, *nobody);
+  const std::string named = "replay --cache-dir: refusing the file " +
+                            (dir / kSavedCacheFile).string() + " (owner " +
+                            kvsnap::testing::user_phrase(*nobody) + ", mode ";
+  EXPECT_TRUE(throws_error([&] { check_cache_dir(dir.string()); },
+                           {named.c_str(), "another user owns it", "pass --shared-cache-dir"}));
+  check_cache_dir(dir.string(), true);
+  kvsnap::testing::give_to(dir / kSavedCacheFile, ::geteuid());
+  kvsnap::testing::give_to(dir, *nobody);
+  EXPECT_TRUE(throws_error([&] { check_cache_dir(dir.string()); },
+                           {"refusing the folder", "another user owns it"}));
+  check_cache_dir(dir.string(), true);
+  std::filesystem::remove_all(dir);
 }
 
 TEST(Replay, FiguresAreConsistentAndTheRunsAgree) {

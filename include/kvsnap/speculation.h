@@ -1,0 +1,86 @@
+// Speculation — exact rollback of a verified chunk, for every cache kind.
+//
+// Speculative decoding feeds the last accepted token and k draft tokens through the model in
+// one forward (the verify forward), then keeps the drafts the model agrees with. A round
+// returns every layer to the accepted length without recomputing anything and without copying
+// any state through host memory: attention layers (and windows that have evicted nothing)
+// rewind their offset; whole-state layers (a rotating window past its size, a recurrent state)
+// restore the state the verify forward captured at that draft offset (scheduled capture: a
+// recurrent layer's kernel hands those states to put, a window's captures are lazy views).
+//
+//   kvsnap::Speculation round(layers);            // once; buffers are reused round after round
+//   round.begin(drafts.size());                   // schedules captures at start+1..start+k
+//   auto logits = model.forward({last, d1..dk}, layers, /*all_positions=*/true);
+//   int64_t a = /* how many drafts the logits confirm */;
+//   round.accept(a);                              // every layer at start + a + 1
+//
+// Memory: while a round is open, each whole-state layer holds k captures besides its live state
+// (k + 1 states); accept() and cancel() release them. After warm-up a round allocates nothing
+// here or in the built-in caches (tests/cache/decode_allocation_test.cc).
+//
+// Prefix cache sessions: tell the session only the accepted tokens (or retract_outputs() the
+// rejected drafts) — see prefix_cache.h. Not thread-safe: one thread drives a Speculation (the
+// caches it calls lock themselves).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kvsnap/cache.h"
+#include "kvsnap/export.h"
+
+namespace kvsnap {
+
+class KVSNAP_EXPORT Speculation {
+ public:
+  // Rounds over sequence `seq` of `layers` (not owned; a null entry is a stateless layer).
+  explicit Speculation(std::vector<Cache*> layers, SeqId seq = 0);
+  // Cancels an open round (its captures are dropped, the layers stay where they are).
+  ~Speculation();
+  Speculation(const Speculation&) = delete;
+  Speculation& operator=(const Speculation&) = delete;
+
+  // Opens a round before the verify forward of 1 + `drafts` tokens at the layers' common offset
+  // start: schedules a capture at start+1 .. start+drafts in every layer that cannot rewind
+  // there. Throws Error (nothing changed) for drafts < 0, an open round, layers that disagree on
+  // their offset, or a layer with captures already scheduled.
+  void begin(int64_t drafts);
+  // Closes the round after the verify forward: the first `accepted` drafts (0..drafts) were
+  // confirmed, so every layer returns to start + accepted + 1 (rewind or captured state) and the
+  // captures are released. Throws Error, the round left open and nothing changed, unless
+  // 0 <= accepted <= drafts and every layer stands at start + drafts + 1.
+  void accept(int64_t accepted);
+  // Drops an open round's captures without moving any layer (no-op without a round).
+  void cancel();
+
+  bool open() const { return open_; }
+  // The open round's start offset and draft count.
+  int64_t start() const { return start_; }
+  int64_t drafts() const { return drafts_; }
+  // Layers that capture in the open round (whole-state layers that cannot rewind there).
+  int64_t capturing_layers() const;
+
+  struct Stats {
+    int64_t rounds = 0;    // accepted rounds
+    int64_t drafted = 0;   // draft tokens verified
+    int64_t accepted = 0;  // of them, confirmed
+    int64_t restores = 0;  // layer restores from a capture
+    int64_t rewinds = 0;   // layer offset rewinds
+  };
+  const Stats& stats() const { return stats_; }
+
+ private:
+  struct Layer {
+    Cache* cache = nullptr;
+    bool capture = false;                // this round
+    std::vector<SnapshotPtr> snapshots;  // its captures (capacity kept across rounds)
+  };
+  std::vector<Layer> layers_;
+  SeqId seq_;
+  bool open_ = false;
+  int64_t start_ = 0, drafts_ = 0;
+  std::vector<int64_t> offsets_;  // scratch: the scheduled offsets
+  Stats stats_;
+};
+
+}  // namespace kvsnap

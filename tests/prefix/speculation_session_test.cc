@@ -1,0 +1,186 @@
+// Randomized interleavings of speculation rounds with prefix-cache sessions: conversations that
+// continue, regenerate and edit earlier requests, each reply decoded by plain steps and by
+// speculation rounds accepting a random number of drafts. Every output must equal recomputation,
+// a session must page out exactly the evaluated (accepted) tokens — never a rejected draft — and
+// the next request must reuse them.
+#include <gtest/gtest.h>
+#include <kvsnap/prefix_cache.h>
+#include <kvsnap/speculation.h>
+
+#include <random>
+
+#include "support/conversation.h"
+
+namespace kvsnap {
+namespace {
+
+using testing::HybridStack;
+using testing::StackOptions;
+using testing::Tokens;
+using testing::operator+;
+
+class SpeculativeConversations {
+ public:
+  SpeculativeConversations(uint32_t seed, bool paged, int64_t budget)
+      : rng_(seed),
+        budget_(budget),
+        stack_(StackOptions{.window = 5, .paged = paged}),
+        cache_(stack_.layers(), {.max_paged_out_bytes = budget}),
+        round_(stack_.layers()) {}
+
+  void run(int requests) {
+    for (int r = 0; r < requests && !::testing::Test::HasFailure(); ++r) request();
+  }
+  const Speculation::Stats& stats() const { return round_.stats(); }
+  int64_t reused_all = 0;  // continuations that restored every evaluated token
+
+ private:
+  int64_t random(int64_t below) { return static_cast<int64_t>(rng_() % below); }
+  Tokens fresh(int64_t count) {
+    Tokens out;
+    for (int64_t i = 0; i < count; ++i) out.push_back(next_++);
+    return out;
+  }
+
+  // A new conversation, or one that continues / regenerates / edits an earlier request.
+  Tokens next_prompt(int64_t* expect_cached) {
+    *expect_cached = -1;
+    if (done_.empty() || random(4) == 0) return Tokens{1, 2, 3} + fresh(2 + random(8));
+    const Done& earlier = done_[static_cast<size_t>(random(static_cast<int64_t>(done_.size())))];
+    switch (random(3)) {
+      case 0:  // continue: its evaluated tokens, its last reply token, a new message
+        *expect_cached = static_cast<int64_t>(earlier.evaluated.size());
+        return earlier.evaluated + Tokens{earlier.last} + fresh(1 + random(4));
+      case 1:
+        return earlier.prompt;  // regenerate
+      default: {                // edit: part of its prompt, then new tokens
+        const auto keep = 1 + random(static_cast<int64_t>(earlier.prompt.size()));
+        return Tokens(earlier.prompt.begin(), earlier.prompt.begin() + keep) + fresh(2);
+      }
+    }
+  }
+
+  void request() {
+    int64_t expect_cached = 0;
+    const Tokens prompt = next_prompt(&expect_cached);
+    PrefixCache::Session session = cache_.begin(prompt);
+    // With room for everything, a continuation restores every token the earlier session
+    // evaluated, the accepted drafts included (more when another continuation of it evaluated
+    // its last token since).
+    if (budget_ > (int64_t(1) << 30) && expect_cached >= 0) {
+      ASSERT_GE(session.cached(), expect_cached);
+      ++reused_all;
+    }
+    ASSERT_TRUE(stack_.forward_and_check(session.remaining(), prompt));
+    session.prefill_done();
+    Tokens evaluated = prompt;
+    std::vector<std::pair<Tokens, int32_t>> rejected;  // (evaluated prefix, the rejected draft)
+    int32_t last = fresh(1)[0];
+    session.append_output(last);
+    const int64_t length = 1 + random(14);
+    for (int64_t emitted = 1; emitted < length;) {
+      if (random(4) == 0) {  // a plain decode step
+        ASSERT_TRUE(stack_.forward_and_check(Tokens{last}, evaluated + Tokens{last}));
+        evaluated.push_back(last);
+        last = fresh(1)[0];
+        session.append_output(last);
+        ++emitted;
+        continue;
+      }
+      const int64_t k = 1 + random(4), accepted = random(k + 1);
+      const Tokens drafts = fresh(k), verify = Tokens{last} + drafts;
+      // Either the session learns the drafts up front and takes the rejected ones back, or it
+      // learns only the accepted ones.
+      const bool eager = random(2) == 0;
+      if (eager) {
+        for (int32_t d : drafts) session.append_output(d);
+      }
+      round_.begin(k);
+      ASSERT_TRUE(stack_.forward_and_check(verify, evaluated + verify));
+      round_.accept(accepted);
+      evaluated.insert(evaluated.end(), verify.begin(), verify.begin() + accepted + 1);
+      if (accepted < k) rejected.emplace_back(evaluated, drafts[static_cast<size_t>(accepted)]);
+      if (eager) {
+        session.retract_outputs(k - accepted);
+      } else {
+        for (int64_t i = 0; i < accepted; ++i) {
+          session.append_output(drafts[static_cast<size_t>(i)]);
+        }
+      }
+      last = fresh(1)[0];  // the model's own token where the drafts stopped
+      session.append_output(last);
+      emitted += accepted + 1;
+    }
+    session.close();
+    EXPECT_EQ(cache_.paged_out_bytes(), cache_.recount_paged_out_bytes());
+    EXPECT_LE(cache_.paged_out_bytes(), budget_);
+    ASSERT_EQ(cache_.check_invariants(), "") << cache_.debug_string();
+    // A rejected draft never reaches the trie: nothing restores past its position.
+    for (const auto& [prefix, draft] : rejected) {
+      EXPECT_LE(cache_.match(prefix + Tokens{draft, 0}), static_cast<int64_t>(prefix.size()));
+    }
+    if (budget_ > (int64_t(1) << 30)) {
+      EXPECT_EQ(cache_.match(evaluated + Tokens{last}), static_cast<int64_t>(evaluated.size()));
+    }
+    done_.push_back({prompt, evaluated, last});
+  }
+
+  struct Done {
+    Tokens prompt, evaluated;
+    int32_t last;
+  };
+  std::mt19937 rng_;
+  int64_t budget_;
+  int32_t next_ = 100;
+  HybridStack stack_;
+  PrefixCache cache_;
+  Speculation round_;
+  std::vector<Done> done_;
+};
+
+class SpeculationSessions : public ::testing::TestWithParam<bool> {};
+
+TEST_P(SpeculationSessions, RandomInterleavingsEqualRecomputation) {
+  for (uint32_t seed = 1; seed <= 6 && !HasFailure(); ++seed) {
+    SCOPED_TRACE(::testing::Message() << "seed " << seed);
+    SpeculativeConversations conversations(seed, GetParam(), int64_t(1) << 40);
+    conversations.run(14);
+    EXPECT_GT(conversations.stats().rounds, 0);
+    EXPECT_GT(conversations.reused_all, 0);
+  }
+}
+
+TEST_P(SpeculationSessions, RandomInterleavingsUnderASmallBudget) {
+  for (uint32_t seed = 11; seed <= 14 && !HasFailure(); ++seed) {
+    SCOPED_TRACE(::testing::Message() << "seed " << seed);
+    SpeculativeConversations conversations(seed, GetParam(), 3000);
+    conversations.run(14);
+  }
+}
+
+TEST(SpeculationSessions, RetractOutputsChecksItsCount) {
+  HybridStack stack;
+  PrefixCache cache(stack.layers());
+  const Tokens prompt = {1, 2, 3, 4};
+  PrefixCache::Session session = cache.begin(prompt);
+  EXPECT_THROW(session.retract_outputs(0), Error);  // before prefill_done
+  ASSERT_TRUE(stack.forward_and_check(session.remaining(), prompt));
+  session.prefill_done();
+  session.append_output(7);
+  session.append_output(8);
+  EXPECT_THROW(session.retract_outputs(3), Error);  // only 2 generated: the prompt stays
+  EXPECT_THROW(session.retract_outputs(-1), Error);
+  session.retract_outputs(1);  // 8 was a rejected draft; the model's token is 9
+  session.append_output(9);
+  ASSERT_TRUE(stack.forward_and_check(Tokens{7}, prompt + Tokens{7}));
+  ASSERT_TRUE(stack.forward_and_check(Tokens{9}, prompt + Tokens{7, 9}));
+  session.append_output(10);
+  session.close();
+  EXPECT_EQ(cache.match(prompt + Tokens{7, 9, 10}), 6);  // 7 and 9 paged out, never 8
+  EXPECT_LT(cache.match(prompt + Tokens{7, 8, 10}), 6);
+}
+
+INSTANTIATE_TEST_SUITE_P(ContiguousAndPaged, SpeculationSessions, ::testing::Bool());
+
+}  // namespace
+}  // namespace kvsnap
