@@ -156,11 +156,12 @@ class KVSNAP_EXPORT Tier {
   std::unique_ptr<detail::TierImpl> impl_;
 };
 
-// Reads a MAC key from `path`: a regular file owned by the user running kvsnap (or root), with no
-// access for group or others (like OpenSSH's private keys), holding at least 16 bytes (trailing
-// whitespace ignored), e.g. `head -c 32 /dev/urandom > tier.key; chmod 600 tier.key`. Returns
-// its contents, trailing whitespace removed (for TierOptions::key). Throws Error naming the path,
-// its owner and mode otherwise.
+// Reads a MAC key from `path`: a regular file owned by the user running kvsnap (or root) that
+// group and others can neither read nor write, in a folder they cannot write (like OpenSSH's
+// private keys), holding 16 bytes to 1 MiB (trailing whitespace ignored), e.g.
+// `head -c 32 /dev/urandom > tier.key; chmod 600 tier.key`. Returns its contents, trailing
+// whitespace removed (for TierOptions::key). Throws Error naming the path, its owner and mode
+// and what is wrong otherwise.
 [[nodiscard]] KVSNAP_EXPORT std::string load_tier_key(const std::string& path);
 
 }  // namespace kvsnap

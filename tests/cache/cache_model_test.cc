@@ -244,7 +244,9 @@ class Driver {
         const int64_t full = model_.full_bytes(e);
         if (e.snapshot == nullptr || full < 0) continue;
         ASSERT_LE(e.snapshot->size(), full);
-        if (!e.snapshot->is_lazy()) ASSERT_EQ(e.snapshot->size(), full);
+        if (!e.snapshot->is_lazy()) {
+          ASSERT_EQ(e.snapshot->size(), full);
+        }
       }
       if (::testing::Test::HasFatalFailure()) return;
     }

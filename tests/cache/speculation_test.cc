@@ -52,7 +52,9 @@ TEST_P(RollbackToEveryLength, EqualsRecomputation) {
     EXPECT_EQ(round.capturing_layers(), 0);
     // Every layer stands at start + accepted + 1, holding exactly the accepted tokens.
     for (Cache* layer : stack.layers()) {
-      if (layer != nullptr) EXPECT_EQ(layer->offset(), 22 + accepted + 1);
+      if (layer != nullptr) {
+        EXPECT_EQ(layer->offset(), 22 + accepted + 1);
+      }
     }
     sequence = concat(sequence, Tokens(verify.begin(), verify.begin() + accepted + 1));
     // Nothing was copied back: a rewind or the cache's own lazy / shared state.

@@ -60,7 +60,9 @@ TEST_P(ModelRollback, EveryAcceptedLengthEqualsRecomputation) {
     ASSERT_TRUE(all_close(logits, from_scratch(model, sequence).slice(0, n, n + k + 1), 1e-4f));
     round.accept(accepted);
     for (Cache* layer : layers) {
-      if (layer != nullptr) EXPECT_EQ(layer->offset(), n + accepted + 1);
+      if (layer != nullptr) {
+        EXPECT_EQ(layer->offset(), n + accepted + 1);
+      }
     }
     // Decode after the rollback: the logits recomputation of the accepted sequence gives.
     sequence.resize(static_cast<size_t>(n + accepted + 1));

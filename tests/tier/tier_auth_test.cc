@@ -131,10 +131,10 @@ TEST_F(KeyFile, APrivateFileOfTheUserIsRead) {
 TEST_F(KeyFile, GroupOrOtherAccessIsRefusedNamingPathOwnerAndMode) {
   for (const mode_t mode : {0644, 0660, 0602, 0640}) {
     const std::string path = file("open", kKey, mode);
-    const std::string named = "key file " + path;
     const std::string shown = fmt::format("mode {:04o}", mode);
+    const char* wrong = (mode & 022) != 0 ? "can write it" : "can read it";
     EXPECT_TRUE(throws_error([&] { (void)load_tier_key(path); },
-                             {named.c_str(), shown.c_str(), "group or others", "chmod 600"}));
+                             {"load_tier_key", path.c_str(), shown.c_str(), wrong}));
   }
 }
 
@@ -145,8 +145,9 @@ TEST_F(KeyFile, AFileOfAnotherUserIsRefused) {
   if (::chown(path.c_str(), nobody->pw_uid, static_cast<gid_t>(-1)) != 0) {
     GTEST_SKIP() << "cannot chown to nobody (not root)";
   }
-  EXPECT_TRUE(throws_error([&] { (void)load_tier_key(path); },
-                           {path.c_str(), "owned by nobody", "mode 0600", "who runs kvsnap"}));
+  EXPECT_TRUE(throws_error(
+      [&] { (void)load_tier_key(path); },
+      {"load_tier_key", path.c_str(), "owner nobody", "mode 0600", "another user owns it"}));
 }
 
 TEST_F(KeyFile, AShortMissingOrNonRegularFileIsRefused) {
@@ -154,7 +155,14 @@ TEST_F(KeyFile, AShortMissingOrNonRegularFileIsRefused) {
                            {"holds 9 bytes", "at least 16"}));
   EXPECT_TRUE(throws_error([&] { (void)load_tier_key((folder / "missing").string()); },
                            {"missing", "No such file"}));
-  EXPECT_TRUE(throws_error([&] { (void)load_tier_key(folder.string()); }, {"not a regular file"}));
+  EXPECT_TRUE(throws_error([&] { (void)load_tier_key(folder.string()); }, {"Is a directory"}));
+}
+
+TEST_F(KeyFile, AKeyInAFolderOthersCanWriteIsRefused) {
+  const std::string path = file("good", kKey, 0600);
+  ::chmod(folder.c_str(), 0777);
+  EXPECT_TRUE(throws_error([&] { (void)load_tier_key(path); },
+                           {"load_tier_key", "refusing the folder", "can write it"}));
 }
 
 }  // namespace
