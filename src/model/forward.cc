@@ -1,7 +1,6 @@
 // The built-in model's forward over a batch of sequence chunks: embedding, the layers' blocks,
 // the output head. Rows of equal length form one group and share each layer's cache call;
 // activations are packed group after group, row after row, token after token (no padding).
-#include <cblas.h>
 #include <fmt/format.h>
 
 #include <cmath>
@@ -106,13 +105,6 @@ DeltaInputs delta_inputs(const ModelConfig& c, const float* convolved, int64_t l
 }
 
 }  // namespace
-
-void matmul(const float* x, int64_t rows, int64_t in, const Floats& w, int64_t out, float* y,
-            bool accumulate) {
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows),
-              static_cast<int>(out), static_cast<int>(in), 1.0f, x, static_cast<int>(in), w.data(),
-              static_cast<int>(out), accumulate ? 1.0f : 0.0f, y, static_cast<int>(out));
-}
 
 Floats rms_norm(const float* x, int64_t rows, int64_t width, const Floats& weight, float eps) {
   Floats y(static_cast<size_t>(rows * width));
@@ -325,10 +317,7 @@ Array Model::forward(std::span<const Chunk> chunks, std::span<Cache* const> cach
   const detail::Floats h =
       detail::rms_norm(picked.data(), out_rows, hidden, w.final_norm, c.rms_eps);
   Array logits = Array::uninitialized(DType::f32, {out_rows, c.vocab_size});
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(out_rows),
-              static_cast<int>(c.vocab_size), static_cast<int>(hidden), 1.0f, h.data(),
-              static_cast<int>(hidden), w.embed.data(), static_cast<int>(hidden), 0.0f,
-              logits.mutable_data<float>(), static_cast<int>(c.vocab_size));
+  detail::matmul(h.data(), out_rows, hidden, w.head, c.vocab_size, logits.mutable_data<float>());
   return logits;
 }
 

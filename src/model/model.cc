@@ -56,6 +56,7 @@ Model::Model(ModelConfig config) : weights_(std::make_unique<detail::ModelWeight
     for (float& value : conv) value = normal(rng);
     l.conv = Array::from_floats(conv, {weights_->conv_dim(), config.conv_kernel});
   }
+  weights_->derive();
 }
 
 Model::Model(Model&&) noexcept = default;
@@ -108,6 +109,7 @@ Model Model::load(const std::string& config_path, const std::string& weights_pat
               .astype(DType::f32);
     }
   }
+  model.weights_->derive();
   return model;
 }
 

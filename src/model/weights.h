@@ -31,8 +31,18 @@ struct LayerWeights {
 struct ModelWeights {
   ModelConfig config;
   Floats embed;  // [vocab, hidden]; also the output head
+  Floats head;   // embed transposed, [hidden, vocab]: derived (derive()), not saved
   Floats final_norm;
   std::vector<LayerWeights> layers;
+
+  // Fills what is derived from the weights (head) once they are set.
+  void derive() {
+    const int64_t vocab = config.vocab_size, hidden = config.hidden;
+    head.resize(embed.size());
+    for (int64_t v = 0; v < vocab; ++v) {
+      for (int64_t h = 0; h < hidden; ++h) head[h * vocab + v] = embed[v * hidden + h];
+    }
+  }
 
   int64_t conv_dim() const {
     return 2 * config.delta_key_heads * config.delta_head_dim +
@@ -82,7 +92,8 @@ struct RowGroup {
   int64_t length() const { return batch.length(); }
 };
 
-// y[rows, out] (+)= x[rows, in] W[in, out]
+// y[rows, out] (+)= x[rows, in] W[in, out]. Batch-invariant (matmul.cc): row r's result is
+// bitwise the same whatever the other rows are and however many.
 void matmul(const float* x, int64_t rows, int64_t in, const Floats& w, int64_t out, float* y,
             bool accumulate = false);
 Floats rms_norm(const float* x, int64_t rows, int64_t width, const Floats& weight, float eps);

@@ -1,0 +1,72 @@
+// The built-in model's matrix products y = x W (W row-major [in, out]): a register-blocked kernel
+// that reads W in place, for every row count.
+//
+// Why not cblas_sgemm: (1) batch invariance — every output element is one sum over k in order,
+// whatever the number of rows and wherever a row sits in the batch, so a sequence's projections
+// are bitwise the same decoded alone, fused with seven others, or prefilled in a chunk, and the
+// parallel replay agrees with the sequential one up to attention alone; sgemm (and sgemv for one
+// row) change their blocking and so their rounding with the row count. (2) Speed at the sizes a
+// decode step has: sgemm packs all of W on every call, which costs more than a product of a few
+// rows (bench/matmul_benchmarks.cc measures both against a memcpy of W).
+#include "model/weights.h"
+
+// One clone per instruction set, picked when the library loads (one binary runs everywhere).
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define KVSNAP_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define KVSNAP_VECTOR_CLONES
+#endif
+
+namespace kvsnap::detail {
+namespace {
+
+// Rows [0, R) of y, output columns [j, j + W): R x W sums held in registers while k runs over
+// W's rows in order; each weight is loaded once for all R rows.
+template <int R, int W>
+[[gnu::always_inline]] inline void block(const float* x, int64_t in, const float* w, int64_t out,
+                                         float* y, int64_t j, bool accumulate) {
+  float sum[R][W];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < W; ++c) sum[r][c] = accumulate ? y[r * out + j + c] : 0.0f;
+  }
+  for (int64_t k = 0; k < in; ++k) {
+    const float* wk = w + k * out + j;
+    for (int r = 0; r < R; ++r) {
+      const float xr = x[r * in + k];
+      for (int c = 0; c < W; ++c) sum[r][c] += xr * wk[c];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < W; ++c) y[r * out + j + c] = sum[r][c];
+  }
+}
+
+// Rows [0, R) of y, every column: blocks of W columns (wide blocks keep enough sums in flight
+// when R is small), then of 32, then one column at a time — each the same sum in the same order.
+template <int R, int W>
+[[gnu::always_inline]] inline void rows(const float* x, int64_t in, const float* w, int64_t out,
+                                        float* y, bool accumulate) {
+  int64_t j = 0;
+  for (; j + W <= out; j += W) block<R, W>(x, in, w, out, y, j, accumulate);
+  for (; j + 32 <= out; j += 32) block<R, 32>(x, in, w, out, y, j, accumulate);
+  for (; j < out; ++j) block<R, 1>(x, in, w, out, y, j, accumulate);
+}
+
+KVSNAP_VECTOR_CLONES
+void product(const float* x, int64_t count, int64_t in, const float* w, int64_t out, float* y,
+             bool accumulate) {
+  int64_t r = 0;
+  for (; r + 8 <= count; r += 8) rows<8, 32>(x + r * in, in, w, out, y + r * out, accumulate);
+  for (; r + 4 <= count; r += 4) rows<4, 64>(x + r * in, in, w, out, y + r * out, accumulate);
+  for (; r + 2 <= count; r += 2) rows<2, 64>(x + r * in, in, w, out, y + r * out, accumulate);
+  for (; r < count; ++r) rows<1, 128>(x + r * in, in, w, out, y + r * out, accumulate);
+}
+
+}  // namespace
+
+void matmul(const float* x, int64_t rows, int64_t in, const Floats& w, int64_t out, float* y,
+            bool accumulate) {
+  product(x, rows, in, w.data(), out, y, accumulate);
+}
+
+}  // namespace kvsnap::detail

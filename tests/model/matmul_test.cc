@@ -1,0 +1,78 @@
+// The model's matrix product: right (against a double-precision reference) and batch-invariant
+// (a row's result is bitwise the same whatever rows come with it), for every row count the
+// kernel's blocking distinguishes and widths that leave partial column blocks.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "model/weights.h"
+
+namespace kvsnap::detail {
+namespace {
+
+Floats random_floats(size_t n, std::mt19937& rng) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  Floats out(n);
+  for (float& v : out) v = normal(rng);
+  return out;
+}
+
+struct Shape2 {
+  int64_t in, out;
+};
+
+TEST(Matmul, EqualsTheProductComputedInDoublePrecision) {
+  std::mt19937 rng(7);
+  for (const Shape2 s : {Shape2{256, 768}, Shape2{768, 256}, Shape2{32, 4}, Shape2{17, 161}}) {
+    for (const int64_t rows : {1, 2, 3, 5, 8, 13, 70}) {
+      const Floats x = random_floats(static_cast<size_t>(rows * s.in), rng);
+      const Floats w = random_floats(static_cast<size_t>(s.in * s.out), rng);
+      const Floats base = random_floats(static_cast<size_t>(rows * s.out), rng);
+      for (const bool accumulate : {false, true}) {
+        Floats y = base;
+        matmul(x.data(), rows, s.in, w, s.out, y.data(), accumulate);
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t j = 0; j < s.out; ++j) {
+            double want = accumulate ? base[r * s.out + j] : 0.0, magnitude = std::abs(want);
+            for (int64_t k = 0; k < s.in; ++k) {
+              want += double(x[r * s.in + k]) * double(w[k * s.out + j]);
+              magnitude += std::abs(double(x[r * s.in + k]) * double(w[k * s.out + j]));
+            }
+            ASSERT_NEAR(y[r * s.out + j], want, 1e-6 * magnitude + 1e-6)
+                << s.in << "x" << s.out << " rows " << rows << " row " << r << " column " << j;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(Matmul, ARowsResultIsBitwiseTheSameWhateverRowsComeWithIt) {
+  std::mt19937 rng(11);
+  for (const Shape2 s : {Shape2{256, 768}, Shape2{64, 100}, Shape2{40, 4}}) {
+    const int64_t most = 137;
+    const Floats x = random_floats(static_cast<size_t>(most * s.in), rng);
+    const Floats w = random_floats(static_cast<size_t>(s.in * s.out), rng);
+    // Each row alone.
+    Floats alone(static_cast<size_t>(most * s.out));
+    for (int64_t r = 0; r < most; ++r) {
+      matmul(x.data() + r * s.in, 1, s.in, w, s.out, alone.data() + r * s.out);
+    }
+    // Batches of every size the blocking treats differently, starting at different rows.
+    for (const int64_t rows : {2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 64, 65, 137}) {
+      for (const int64_t first : {int64_t{0}, int64_t{1}, most - rows}) {
+        if (first + rows > most) continue;
+        Floats y(static_cast<size_t>(rows * s.out));
+        matmul(x.data() + first * s.in, rows, s.in, w, s.out, y.data());
+        ASSERT_EQ(std::memcmp(y.data(), alone.data() + first * s.out, y.size() * sizeof(float)), 0)
+            << s.in << "x" << s.out << ": rows " << first << ".." << first + rows - 1
+            << " differ from the same rows multiplied one at a time";
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvsnap::detail
