@@ -3,6 +3,7 @@
 #include <cblas.h>
 #include <fmt/format.h>
 #include <kvsnap/kvsnap.h>
+#include <malloc.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -282,6 +283,10 @@ int run(int argc, char** argv) {
   // The model's matrices are small: one BLAS thread is as fast here and leaves the other core
   // idle (measured on the 2-core machine: same wall time, a third of the CPU time).
   if (std::getenv("OPENBLAS_NUM_THREADS") == nullptr) openblas_set_num_threads(1);
+  // A forward's activations are a few MB per step: by default glibc maps and unmaps blocks that
+  // large on every step, and each first touch of a page faults. Keep freed memory in the heap.
+  (void)::mallopt(M_MMAP_THRESHOLD, 32 << 20);
+  (void)::mallopt(M_TRIM_THRESHOLD, 512 << 20);
   CLI::App app{"kvsnap: snapshot, rewind, branch and reuse LLM inference state"};
   app.require_subcommand(1);
   ReplayArguments replay;
