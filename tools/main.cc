@@ -275,11 +275,8 @@ void add_speculate_options(CLI::App& replay_command, ReplayArguments& replay) {
       ->needs("--speculate");
 }
 
-// Exit status: 0 the runs agree (or a help text), 1 they disagree, 2 bad arguments, a bad
-// workload, a request over the context length or an unusable cache directory (one that is not
-// private without --shared-cache-dir included), 3 anything else (out of memory, an internal
-// failure): see main.
-int run(int argc, char** argv) {
+// Process-wide settings of the CLI (an engine embedding kvsnap makes its own choices).
+void tune_process() {
   // The model's matrices are small: one BLAS thread is as fast here and leaves the other core
   // idle (measured on the 2-core machine: same wall time, a third of the CPU time).
   if (std::getenv("OPENBLAS_NUM_THREADS") == nullptr) openblas_set_num_threads(1);
@@ -287,6 +284,14 @@ int run(int argc, char** argv) {
   // large on every step, and each first touch of a page faults. Keep freed memory in the heap.
   (void)::mallopt(M_MMAP_THRESHOLD, 32 << 20);
   (void)::mallopt(M_TRIM_THRESHOLD, 512 << 20);
+}
+
+// Exit status: 0 the runs agree (or a help text), 1 they disagree, 2 bad arguments, a bad
+// workload, a request over the context length or an unusable cache directory (one that is not
+// private without --shared-cache-dir included), 3 anything else (out of memory, an internal
+// failure): see main.
+int run(int argc, char** argv) {
+  tune_process();
   CLI::App app{"kvsnap: snapshot, rewind, branch and reuse LLM inference state"};
   app.require_subcommand(1);
   ReplayArguments replay;

@@ -137,7 +137,10 @@ class Columns {
 };
 
 // Attention of one batch (its history one contiguous or paged history, or ragged rows, each
-// handled on its own).
+// handled on its own). The query heads that share a key/value head go through together — their
+// queries stacked into one left-hand side — so each product reads (and OpenBLAS packs) a key or
+// value run once per key/value head, not once per query head: a decode step's products have as
+// many rows as the group has heads instead of one.
 Array attend(const Batch& batch, const Array& q, const KVHistory& history,
              const AttentionMask& logical, float scale) {
   const int64_t rows = q.dim(0), query_heads = q.dim(1), queries = q.dim(2), depth = q.dim(3);
@@ -151,49 +154,67 @@ Array attend(const Batch& batch, const Array& q, const KVHistory& history,
   Columns source(history);
   Array out = Array::zeros(DType::f32, {rows, query_heads, queries, value_depth});
   const int64_t group = query_heads / kv_heads;
-  std::vector<float> scores(static_cast<size_t>(std::min(queries, kBlock) * columns));
-  const int64_t q_row = qf.strides()[2];
+  // Queries per block: a block's stacked rows (group x step) stay within kBlock.
+  const int64_t step = std::max<int64_t>(1, kBlock / group);
+  const int64_t most = std::min(queries, step) * group;
+  std::vector<float> scores(static_cast<size_t>(most * columns));
+  std::vector<float> lhs(static_cast<size_t>(most * depth));
+  std::vector<float> weighed(static_cast<size_t>(most * value_depth));
 
   for (int64_t b = 0; b < rows; ++b) {
     const int64_t offset = batch.seq_offsets[b], real = batch.seq_query_lens[b];
-    for (int64_t h = 0; h < query_heads; ++h) {
-      const float* query_base = qf.data<float>() + b * qf.strides()[0] + h * qf.strides()[1];
-      float* out_base = out.mutable_data<float>() + (b * query_heads + h) * queries * value_depth;
-      for (int64_t l0 = 0; l0 < real; l0 += kBlock) {
-        const int64_t block = std::min(kBlock, real - l0);  // padding rows stay zero
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      for (int64_t l0 = 0; l0 < real; l0 += step) {
+        const int64_t block = std::min(step, real - l0);  // padding rows stay zero
+        const int64_t m = group * block;                  // stacked row j * block + r
         const auto columns = visibility.columns(offset + l0, offset + l0 + block - 1);
         const int64_t lo = columns.first, hi = columns.second;
         const int64_t width = hi - lo;
         if (width <= 0) continue;
+        for (int64_t j = 0; j < group; ++j) {
+          const float* from = qf.data<float>() + b * qf.strides()[0] +
+                              (g * group + j) * qf.strides()[1] + l0 * qf.strides()[2];
+          for (int64_t r = 0; r < block; ++r) {
+            std::copy_n(from + r * qf.strides()[2], depth, lhs.data() + (j * block + r) * depth);
+          }
+        }
         // scores = scale * Q K^T over the block's columns [lo, hi), run by run.
-        source.for_each(b, h / group, lo, hi, [&](const Run& run) {
+        source.for_each(b, g, lo, hi, [&](const Run& run) {
           const int64_t from = std::max(lo, run.first), to = std::min(hi, run.first + run.count);
           if (from >= to) return;
-          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(block),
-                      static_cast<int>(to - from), static_cast<int>(depth), scale,
-                      query_base + l0 * q_row, static_cast<int>(q_row),
-                      run.keys + (from - run.first) * run.key_stride,
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m),
+                      static_cast<int>(to - from), static_cast<int>(depth), scale, lhs.data(),
+                      static_cast<int>(depth), run.keys + (from - run.first) * run.key_stride,
                       static_cast<int>(run.key_stride), 0.0f, scores.data() + (from - lo),
                       static_cast<int>(width));
         });
-        for (int64_t r = 0; r < block; ++r) {
-          float* row = scores.data() + r * width;
-          const auto [begin, end] = visibility.mask(row, lo, width, b, h, l0 + r, offset + l0 + r);
-          softmax_row(row, width, begin, end);
+        for (int64_t j = 0; j < group; ++j) {
+          for (int64_t r = 0; r < block; ++r) {
+            float* row = scores.data() + (j * block + r) * width;
+            const auto [begin, end] =
+                visibility.mask(row, lo, width, b, g * group + j, l0 + r, offset + l0 + r);
+            softmax_row(row, width, begin, end);
+          }
         }
-        // out = P V, run by run.
+        // weighed = P V, run by run; then each head's rows to its place in out.
         float beta = 0.0f;
-        source.for_each(b, h / group, lo, hi, [&](const Run& run) {
+        source.for_each(b, g, lo, hi, [&](const Run& run) {
           const int64_t from = std::max(lo, run.first), to = std::min(hi, run.first + run.count);
           if (from >= to) return;
-          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(block),
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(m),
                       static_cast<int>(value_depth), static_cast<int>(to - from), 1.0f,
                       scores.data() + (from - lo), static_cast<int>(width),
                       run.values + (from - run.first) * run.value_stride,
-                      static_cast<int>(run.value_stride), beta, out_base + l0 * value_depth,
+                      static_cast<int>(run.value_stride), beta, weighed.data(),
                       static_cast<int>(value_depth));
           beta = 1.0f;
         });
+        if (beta == 0.0f) continue;  // no run in range: the rows stay zero
+        for (int64_t j = 0; j < group; ++j) {
+          float* to = out.mutable_data<float>() +
+                      ((b * query_heads + g * group + j) * queries + l0) * value_depth;
+          std::copy_n(weighed.data() + j * block * value_depth, block * value_depth, to);
+        }
       }
     }
   }

@@ -2,23 +2,46 @@
 
 #include <cmath>
 
-// One clone per instruction set (libmvec's 16-, 8- or 4-wide expf), picked when the library loads.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define KVSNAP_EXP_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define KVSNAP_EXP_CLONES
-#endif
-
 namespace kvsnap::detail {
+namespace {
 
-KVSNAP_EXP_CLONES
-float exp_shifted(float* row, int64_t n, float shift) {
+[[gnu::always_inline]] inline float exp_loop(float* row, int64_t n, float shift) {
   float total = 0.0f;
   for (int64_t i = 0; i < n; ++i) {
     row[i] = std::exp(row[i] - shift);
     total += row[i];
   }
   return total;
+}
+
+using ExpShifted = float (*)(float*, int64_t, float);
+
+float exp_default(float* row, int64_t n, float shift) { return exp_loop(row, n, shift); }
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// The same loop compiled for wider vectors: libmvec's 16- or 8-wide expf. Chosen once by what
+// the CPU supports (not with target_clones: its resolver would be exported from the library).
+[[gnu::target("avx512f")]] float exp_avx512(float* row, int64_t n, float shift) {
+  return exp_loop(row, n, shift);
+}
+[[gnu::target("avx2,fma")]] float exp_avx2(float* row, int64_t n, float shift) {
+  return exp_loop(row, n, shift);
+}
+ExpShifted pick() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return exp_avx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return exp_avx2;
+  return exp_default;
+}
+#else
+ExpShifted pick() { return exp_default; }
+#endif
+
+}  // namespace
+
+float exp_shifted(float* row, int64_t n, float shift) {
+  static const ExpShifted chosen = pick();
+  return chosen(row, n, shift);
 }
 
 }  // namespace kvsnap::detail

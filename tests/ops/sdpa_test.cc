@@ -159,7 +159,9 @@ TEST(Sdpa, GqaEqualsMhaWithRepeatedHeads) {
   const auto gqa = sdpa(batch, in.q, KVHistory(in.k, in.v), AttentionMask::causal(), 0.35f);
   const auto mha = sdpa(batch, in.q, KVHistory(repeat(in.k, 3), repeat(in.v, 3)),
                         AttentionMask::causal(), 0.35f);
-  EXPECT_TRUE(all_close(gqa, mha, 0.0f));
+  // Not bitwise: GQA stacks a key head's query heads into one product, and OpenBLAS rounds a
+  // product of more rows differently (in the last bit).
+  EXPECT_TRUE(all_close(gqa, mha, 1e-6f));
 }
 
 TEST(Sdpa, HalfPrecisionInputsComputeInFloat32) {
