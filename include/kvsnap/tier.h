@@ -157,8 +157,9 @@ class KVSNAP_EXPORT Tier {
 };
 
 // Reads a MAC key from `path`: a regular file owned by the user running kvsnap (or root) that
-// group and others can neither read nor write, in a folder they cannot write (like OpenSSH's
-// private keys), holding 16 bytes to 1 MiB (trailing whitespace ignored), e.g.
+// group and others can neither read nor write, in a folder they cannot write (or a sticky one,
+// like /tmp; only the folder that holds the file is checked), like OpenSSH's private keys,
+// holding 16 bytes to 1 MiB (trailing whitespace ignored), e.g.
 // `head -c 32 /dev/urandom > tier.key; chmod 600 tier.key`. Returns its contents, trailing
 // whitespace removed (for TierOptions::key). Throws Error naming the path, its owner and mode
 // and what is wrong otherwise.

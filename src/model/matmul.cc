@@ -8,21 +8,25 @@
 // row) change their blocking and so their rounding with the row count. (2) Speed at the sizes a
 // decode step has: sgemm packs all of W on every call, which costs more than a product of a few
 // rows (bench/matmul_benchmarks.cc measures both against a memcpy of W).
-#include "model/weights.h"
+//
+// Every multiply-add is written out (std::fma where the chosen variant has FMA, a * b + c in the
+// default one, and the file is built with -ffp-contract=off), so no compiler heuristic can fuse
+// one instantiation's sums and not another's.
+#include <cmath>
 
-// One clone per instruction set, picked when the library loads (one binary runs everywhere).
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define KVSNAP_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define KVSNAP_VECTOR_CLONES
-#endif
+#include "model/weights.h"
 
 namespace kvsnap::detail {
 namespace {
 
 // Rows [0, R) of y, output columns [j, j + W): R x W sums held in registers while k runs over
 // W's rows in order; each weight is loaded once for all R rows.
-template <int R, int W>
+template <bool Fused>
+[[gnu::always_inline]] inline float madd(float a, float b, float c) {
+  return Fused ? std::fma(a, b, c) : a * b + c;  // this file: -ffp-contract=off
+}
+
+template <bool Fused, int R, int W>
 [[gnu::always_inline]] inline void block(const float* x, int64_t in, const float* w, int64_t out,
                                          float* y, int64_t j, bool accumulate) {
   float sum[R][W];
@@ -33,7 +37,7 @@ template <int R, int W>
     const float* wk = w + k * out + j;
     for (int r = 0; r < R; ++r) {
       const float xr = x[r * in + k];
-      for (int c = 0; c < W; ++c) sum[r][c] += xr * wk[c];
+      for (int c = 0; c < W; ++c) sum[r][c] = madd<Fused>(xr, wk[c], sum[r][c]);
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -43,30 +47,67 @@ template <int R, int W>
 
 // Rows [0, R) of y, every column: blocks of W columns (wide blocks keep enough sums in flight
 // when R is small), then of 32, then one column at a time — each the same sum in the same order.
-template <int R, int W>
+template <bool Fused, int R, int W>
 [[gnu::always_inline]] inline void rows(const float* x, int64_t in, const float* w, int64_t out,
                                         float* y, bool accumulate) {
   int64_t j = 0;
-  for (; j + W <= out; j += W) block<R, W>(x, in, w, out, y, j, accumulate);
-  for (; j + 32 <= out; j += 32) block<R, 32>(x, in, w, out, y, j, accumulate);
-  for (; j < out; ++j) block<R, 1>(x, in, w, out, y, j, accumulate);
+  for (; j + W <= out; j += W) block<Fused, R, W>(x, in, w, out, y, j, accumulate);
+  for (; j + 32 <= out; j += 32) block<Fused, R, 32>(x, in, w, out, y, j, accumulate);
+  for (; j < out; ++j) block<Fused, R, 1>(x, in, w, out, y, j, accumulate);
 }
 
-KVSNAP_VECTOR_CLONES
-void product(const float* x, int64_t count, int64_t in, const float* w, int64_t out, float* y,
-             bool accumulate) {
+template <bool Fused>
+[[gnu::always_inline]] inline void product(const float* x, int64_t count, int64_t in,
+                                           const float* w, int64_t out, float* y, bool accumulate) {
   int64_t r = 0;
-  for (; r + 8 <= count; r += 8) rows<8, 32>(x + r * in, in, w, out, y + r * out, accumulate);
-  for (; r + 4 <= count; r += 4) rows<4, 64>(x + r * in, in, w, out, y + r * out, accumulate);
-  for (; r + 2 <= count; r += 2) rows<2, 64>(x + r * in, in, w, out, y + r * out, accumulate);
-  for (; r < count; ++r) rows<1, 128>(x + r * in, in, w, out, y + r * out, accumulate);
+  for (; r + 8 <= count; r += 8) {
+    rows<Fused, 8, 32>(x + r * in, in, w, out, y + r * out, accumulate);
+  }
+  for (; r + 4 <= count; r += 4) {
+    rows<Fused, 4, 64>(x + r * in, in, w, out, y + r * out, accumulate);
+  }
+  for (; r + 2 <= count; r += 2) {
+    rows<Fused, 2, 64>(x + r * in, in, w, out, y + r * out, accumulate);
+  }
+  for (; r < count; ++r) rows<Fused, 1, 128>(x + r * in, in, w, out, y + r * out, accumulate);
 }
+
+using Product = void (*)(const float*, int64_t, int64_t, const float*, int64_t, float*, bool);
+
+void product_default(const float* x, int64_t count, int64_t in, const float* w, int64_t out,
+                     float* y, bool accumulate) {
+  product<false>(x, count, in, w, out, y, accumulate);
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// The same kernel compiled for wider vectors with explicit fused multiply-adds, chosen once by
+// what the CPU supports (one binary runs everywhere).
+[[gnu::target("avx512f,fma")]] void product_avx512(const float* x, int64_t count, int64_t in,
+                                                   const float* w, int64_t out, float* y,
+                                                   bool accumulate) {
+  product<true>(x, count, in, w, out, y, accumulate);
+}
+[[gnu::target("avx2,fma")]] void product_avx2(const float* x, int64_t count, int64_t in,
+                                              const float* w, int64_t out, float* y,
+                                              bool accumulate) {
+  product<true>(x, count, in, w, out, y, accumulate);
+}
+Product pick() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma")) return product_avx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return product_avx2;
+  return product_default;
+}
+#else
+Product pick() { return product_default; }
+#endif
 
 }  // namespace
 
 void matmul(const float* x, int64_t rows, int64_t in, const Floats& w, int64_t out, float* y,
             bool accumulate) {
-  product(x, rows, in, w.data(), out, y, accumulate);
+  static const Product chosen = pick();
+  chosen(x, rows, in, w.data(), out, y, accumulate);
 }
 
 }  // namespace kvsnap::detail

@@ -154,7 +154,9 @@ Array attend(const Batch& batch, const Array& q, const KVHistory& history,
   Columns source(history);
   Array out = Array::zeros(DType::f32, {rows, query_heads, queries, value_depth});
   const int64_t group = query_heads / kv_heads;
-  // Queries per block: a block's stacked rows (group x step) stay within kBlock.
+  if (group == 0) return out;  // no query heads: nothing to attend
+  // Queries per block: a block stacks group x step rows, within kBlock unless one query's group
+  // alone is larger.
   const int64_t step = std::max<int64_t>(1, kBlock / group);
   const int64_t most = std::min(queries, step) * group;
   std::vector<float> scores(static_cast<size_t>(most * columns));

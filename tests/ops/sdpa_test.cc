@@ -194,6 +194,26 @@ TEST(Sdpa, PaddingQueriesReturnZeros) {
   for (size_t i = 3 * 4 + 4; i < out.size(); ++i) EXPECT_EQ(out[i], 0.0f) << i;
 }
 
+TEST(Sdpa, GroupsOfThreeOverSeveralStackedBlocksWithPaddingMatchNaive) {
+  // Six query heads on two key heads: 42 queries per stacked block (126 rows), so 100 queries
+  // take three blocks, the last one partial; row 1 has 61 real queries, the rest padding.
+  const int64_t queries = 100, offset = 20, keys = offset + queries;
+  const auto in = make_inputs(2, 6, 2, queries, keys, 8, 5, 21);
+  Batch batch = Batch::uniform(2, queries, offset);
+  batch.seq_query_lens[1] = 61;
+  const auto out = sdpa(batch, in.q, KVHistory(in.k, in.v), AttentionMask::causal(), 0.3f);
+  std::vector<double> want =
+      naive_attention(in.q, in.k, in.v, 0.3f,
+                      [&](int64_t, int64_t, int64_t l, int64_t j) { return j <= offset + l; });
+  for (int64_t h = 0; h < 6; ++h) {  // row 1's padding queries give zeros
+    for (int64_t l = 61; l < queries; ++l) {
+      for (int64_t d = 0; d < 5; ++d)
+        want[static_cast<size_t>(((6 + h) * queries + l) * 5 + d)] = 0;
+    }
+  }
+  EXPECT_TRUE(matches(out, want));
+}
+
 TEST(SdpaErrors, ShapesHeadsDtypesAndBatch) {
   const auto in = make_inputs(1, 3, 2, 2, 4, 8, 8, 11);
   const auto batch = Batch::uniform(1, 2, 2);

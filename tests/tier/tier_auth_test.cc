@@ -111,6 +111,8 @@ class KeyFile : public ::testing::Test {
   void SetUp() override {
     std::filesystem::remove_all(folder);
     std::filesystem::create_directories(folder);
+    // Private whatever the umask: the folder holding a key is checked too.
+    std::filesystem::permissions(folder, std::filesystem::perms::owner_all);
   }
   void TearDown() override { std::filesystem::remove_all(folder); }
   std::string file(const std::string& name, const std::string& contents, mode_t mode) {
@@ -153,6 +155,10 @@ TEST_F(KeyFile, AFileOfAnotherUserIsRefused) {
 TEST_F(KeyFile, AShortMissingOrNonRegularFileIsRefused) {
   EXPECT_TRUE(throws_error([&] { (void)load_tier_key(file("short", "too short \n", 0600)); },
                            {"holds 9 bytes", "at least 16"}));
+  const std::string huge = file("huge", "", 0600);
+  std::filesystem::resize_file(huge, std::uintmax_t{1} << 40);  // sparse: nothing is read
+  EXPECT_TRUE(throws_error([&] { (void)load_tier_key(huge); },
+                           {"load_tier_key", "1099511627776 bytes", "at most 1048576"}));
   EXPECT_TRUE(throws_error([&] { (void)load_tier_key((folder / "missing").string()); },
                            {"missing", "No such file"}));
   EXPECT_TRUE(throws_error([&] { (void)load_tier_key(folder.string()); }, {"Is a directory"}));

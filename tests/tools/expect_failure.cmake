@@ -15,7 +15,8 @@
 #     unreadable       a file that exists but cannot be read (mode 000); when this process can
 #                      read it anyway (root), the test is skipped: it prints "SKIPPED: ..." (give
 #                      the test SKIP_REGULAR_EXPRESSION "SKIPPED")
-#     open_key         a tier key file of 32 bytes that group and others may read (mode 0644)
+#     open_key         a tier key file of 32 bytes that group and others may read (mode 0644),
+#                      in a folder of mode 0700
 #     shared_folder    an empty folder of mode 0777 (group and others can write it)
 #     foreign_folder   an empty folder of mode 0700 owned by user nobody; skipped ("SKIPPED: ...")
 #                      unless this process runs as root (only root can hand a folder to another
@@ -60,6 +61,10 @@ elseif(PREPARE STREQUAL "unreadable")
     return()
   endif()
 elseif(PREPARE STREQUAL "open_key")
+  # In a private folder (whatever the umask): the folder is checked first, then the file.
+  get_filename_component(key_folder ${FILE} DIRECTORY)
+  file(MAKE_DIRECTORY ${key_folder})
+  file(CHMOD ${key_folder} PERMISSIONS OWNER_READ OWNER_WRITE OWNER_EXECUTE)
   file(WRITE ${FILE} "0123456789abcdef0123456789abcdef")
   file(CHMOD ${FILE} PERMISSIONS OWNER_READ OWNER_WRITE GROUP_READ WORLD_READ)
 elseif(PREPARE STREQUAL "shared_folder" OR PREPARE STREQUAL "foreign_folder")
