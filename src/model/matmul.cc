@@ -20,7 +20,8 @@ namespace kvsnap::detail {
 namespace {
 
 // Rows [0, R) of y, output columns [j, j + W): R x W sums held in registers while k runs over
-// W's rows in order; each weight is loaded once for all R rows.
+// W's rows in order, from zero; each weight is loaded once for all R rows. Accumulating adds the
+// finished sum to y (adding each product to a large residual instead would round 256+ times).
 template <bool Fused>
 [[gnu::always_inline]] inline float madd(float a, float b, float c) {
   return Fused ? std::fma(a, b, c) : a * b + c;  // this file: -ffp-contract=off
@@ -31,7 +32,7 @@ template <bool Fused, int R, int W>
                                          float* y, int64_t j, bool accumulate) {
   float sum[R][W];
   for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < W; ++c) sum[r][c] = accumulate ? y[r * out + j + c] : 0.0f;
+    for (int c = 0; c < W; ++c) sum[r][c] = 0.0f;
   }
   for (int64_t k = 0; k < in; ++k) {
     const float* wk = w + k * out + j;
@@ -41,7 +42,10 @@ template <bool Fused, int R, int W>
     }
   }
   for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < W; ++c) y[r * out + j + c] = sum[r][c];
+    for (int c = 0; c < W; ++c) {
+      float& to = y[r * out + j + c];
+      to = accumulate ? to + sum[r][c] : sum[r][c];
+    }
   }
 }
 
