@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <kvsnap/kvsnap.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -184,8 +185,11 @@ TEST(Model, ForwardRejectsBadInput) {
 
 // Random continuous batching: every step takes a random set of the sequences, each a chunk of
 // random length (often one token, as a decode), and evaluates them in one forward. Every
-// sequence's logits must equal evaluating it alone in one forward.
-void check_batched_equals_alone(const Model::CacheOptions& options, uint32_t seed) {
+// sequence's logits must equal evaluating it alone in one forward — and, with `bitwise`,
+// bitwise equal evaluating it alone in the same chunks: the projections are batch-invariant
+// and attention and the recurrent kernels run row by row over contiguous caches.
+void check_batched_equals_alone(const Model::CacheOptions& options, uint32_t seed,
+                                bool bitwise = false) {
   const Model model(small_config());
   std::mt19937 rng(seed);
   for (int trial = 0; trial < 6; ++trial) {
@@ -200,6 +204,7 @@ void check_batched_equals_alone(const Model::CacheOptions& options, uint32_t see
     auto caches = model.make_caches(options);
     const auto pointers = cache_pointers(caches);
     std::vector<int64_t> done(static_cast<size_t>(sequences), 0);
+    std::vector<std::vector<int64_t>> lengths(static_cast<size_t>(sequences));
     const auto remaining = [&](int s) {
       return static_cast<int64_t>(prompts[static_cast<size_t>(s)].size()) -
              done[static_cast<size_t>(s)];
@@ -225,6 +230,7 @@ void check_batched_equals_alone(const Model::CacheOptions& options, uint32_t see
         logits[s].slice(0, done[s], done[s] + length).assign(out.slice(0, row, row + length));
         row += length;
         done[s] += length;
+        lengths[s].push_back(length);
       }
       EXPECT_EQ(row, out.dim(0));
       more = false;
@@ -237,11 +243,20 @@ void check_batched_equals_alone(const Model::CacheOptions& options, uint32_t see
                             1e-4))
           << "trial " << trial << " sequence " << s;
       for (Cache* cache : pointers) EXPECT_EQ(cache->offset(2 * s + 1), prompt.size());
+      if (!bitwise) continue;
+      const Array alone = run_chunked(model, prompt, lengths[static_cast<size_t>(s)]);
+      const std::vector<float> a = logits[static_cast<size_t>(s)].to_floats(),
+                               b = alone.to_floats();
+      EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
+          << "trial " << trial << " sequence " << s
+          << ": batched logits differ from the same chunks evaluated alone";
     }
   }
 }
 
-TEST(Model, BatchedForwardEqualsEachSequenceAlone) { check_batched_equals_alone({}, 21); }
+TEST(Model, BatchedForwardEqualsEachSequenceAloneBitwise) {
+  check_batched_equals_alone({}, 21, /*bitwise=*/true);
+}
 
 TEST(Model, BatchedForwardOverPagedCachesEqualsEachSequenceAlone) {
   check_batched_equals_alone({.paged = true, .block_tokens = 4}, 22);
