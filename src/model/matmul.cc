@@ -15,6 +15,7 @@
 #include <cmath>
 
 #include "model/weights.h"
+#include "ops/vector_isa.h"
 
 namespace kvsnap::detail {
 namespace {
@@ -97,9 +98,14 @@ void product_default(const float* x, int64_t count, int64_t in, const float* w, 
   product<true>(x, count, in, w, out, y, accumulate);
 }
 Product pick() {
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma")) return product_avx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return product_avx2;
+  switch (vector_isa()) {
+    case VectorIsa::avx512:
+      return product_avx512;
+    case VectorIsa::avx2:
+      return product_avx2;
+    case VectorIsa::baseline:
+      break;
+  }
   return product_default;
 }
 #else

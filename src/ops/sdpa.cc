@@ -155,14 +155,14 @@ Array attend(const Batch& batch, const Array& q, const KVHistory& history,
   Array out = Array::zeros(DType::f32, {rows, query_heads, queries, value_depth});
   const int64_t group = query_heads / kv_heads;
   if (group == 0) return out;  // no query heads: nothing to attend
-  // Queries per block: a block stacks group x step rows, within kBlock unless one query's group
-  // alone is larger.
+  // Queries per block: group x step stacked rows, within kBlock unless one group is larger.
   const int64_t step = std::max<int64_t>(1, kBlock / group);
   const int64_t most = std::min(queries, step) * group;
-  std::vector<float> scores(static_cast<size_t>(most * columns));
-  std::vector<float> lhs(static_cast<size_t>(most * depth));
-  std::vector<float> weighed(static_cast<size_t>(most * value_depth));
-
+  // One buffer for the stacked queries, their scores and their weighed values.
+  std::vector<float> work(static_cast<size_t>(most * (depth + columns + value_depth)));
+  float* const lhs = work.data();
+  float* const scores = lhs + most * depth;
+  float* const weighed = scores + most * columns;
   for (int64_t b = 0; b < rows; ++b) {
     const int64_t offset = batch.seq_offsets[b], real = batch.seq_query_lens[b];
     for (int64_t g = 0; g < kv_heads; ++g) {
@@ -177,7 +177,7 @@ Array attend(const Batch& batch, const Array& q, const KVHistory& history,
           const float* from = qf.data<float>() + b * qf.strides()[0] +
                               (g * group + j) * qf.strides()[1] + l0 * qf.strides()[2];
           for (int64_t r = 0; r < block; ++r) {
-            std::copy_n(from + r * qf.strides()[2], depth, lhs.data() + (j * block + r) * depth);
+            std::copy_n(from + r * qf.strides()[2], depth, lhs + (j * block + r) * depth);
           }
         }
         // scores = scale * Q K^T over the block's columns [lo, hi), run by run.
@@ -185,14 +185,14 @@ Array attend(const Batch& batch, const Array& q, const KVHistory& history,
           const int64_t from = std::max(lo, run.first), to = std::min(hi, run.first + run.count);
           if (from >= to) return;
           cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m),
-                      static_cast<int>(to - from), static_cast<int>(depth), scale, lhs.data(),
+                      static_cast<int>(to - from), static_cast<int>(depth), scale, lhs,
                       static_cast<int>(depth), run.keys + (from - run.first) * run.key_stride,
-                      static_cast<int>(run.key_stride), 0.0f, scores.data() + (from - lo),
+                      static_cast<int>(run.key_stride), 0.0f, scores + (from - lo),
                       static_cast<int>(width));
         });
         for (int64_t j = 0; j < group; ++j) {
           for (int64_t r = 0; r < block; ++r) {
-            float* row = scores.data() + (j * block + r) * width;
+            float* row = scores + (j * block + r) * width;
             const auto [begin, end] =
                 visibility.mask(row, lo, width, b, g * group + j, l0 + r, offset + l0 + r);
             softmax_row(row, width, begin, end);
@@ -205,9 +205,9 @@ Array attend(const Batch& batch, const Array& q, const KVHistory& history,
           if (from >= to) return;
           cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(m),
                       static_cast<int>(value_depth), static_cast<int>(to - from), 1.0f,
-                      scores.data() + (from - lo), static_cast<int>(width),
+                      scores + (from - lo), static_cast<int>(width),
                       run.values + (from - run.first) * run.value_stride,
-                      static_cast<int>(run.value_stride), beta, weighed.data(),
+                      static_cast<int>(run.value_stride), beta, weighed,
                       static_cast<int>(value_depth));
           beta = 1.0f;
         });
@@ -215,7 +215,7 @@ Array attend(const Batch& batch, const Array& q, const KVHistory& history,
         for (int64_t j = 0; j < group; ++j) {
           float* to = out.mutable_data<float>() +
                       ((b * query_heads + g * group + j) * queries + l0) * value_depth;
-          std::copy_n(weighed.data() + j * block * value_depth, block * value_depth, to);
+          std::copy_n(weighed + j * block * value_depth, block * value_depth, to);
         }
       }
     }

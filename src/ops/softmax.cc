@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "ops/vector_isa.h"
+
 namespace kvsnap::detail {
 namespace {
 
@@ -21,16 +23,21 @@ float exp_default(float* row, int64_t n, float shift) { return exp_loop(row, n, 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 // The same loop compiled for wider vectors: libmvec's 16- or 8-wide expf. Chosen once by what
 // the CPU supports (not with target_clones: its resolver would be exported from the library).
-[[gnu::target("avx512f")]] float exp_avx512(float* row, int64_t n, float shift) {
+[[gnu::target("avx512f,fma")]] float exp_avx512(float* row, int64_t n, float shift) {
   return exp_loop(row, n, shift);
 }
 [[gnu::target("avx2,fma")]] float exp_avx2(float* row, int64_t n, float shift) {
   return exp_loop(row, n, shift);
 }
 ExpShifted pick() {
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return exp_avx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return exp_avx2;
+  switch (vector_isa()) {
+    case VectorIsa::avx512:
+      return exp_avx512;
+    case VectorIsa::avx2:
+      return exp_avx2;
+    case VectorIsa::baseline:
+      break;
+  }
   return exp_default;
 }
 #else

@@ -38,6 +38,30 @@ std::vector<int64_t> concat(std::vector<int64_t> a, const std::vector<int64_t>& 
   return a;
 }
 
+// A batch of the last `queries` tokens of each of `seqs`, one row each.
+Batch last_tokens(const PagedKVCache& cache, const std::vector<SeqId>& seqs, int64_t queries) {
+  Batch batch = Batch::uniform(static_cast<int64_t>(seqs.size()), queries, 0);
+  batch.seq_ids = seqs;
+  for (size_t b = 0; b < seqs.size(); ++b) {
+    batch.seq_offsets[b] = static_cast<int32_t>(cache.offset(seqs[b]) - queries);
+  }
+  return batch;
+}
+
+// sdpa over the batch's paged histories: each row equals that row alone against its sequence's
+// tokens in one contiguous history.
+void expect_rows_as_alone(const PagedKVCache& cache, const Batch& batch, const Array& q,
+                          const AttentionMask& mask) {
+  const Array got = sdpa(batch, q, cache.view(batch), mask, 0.4f);
+  for (int64_t row = 0; row < batch.batch_size(); ++row) {
+    const std::vector<int64_t> ids = held(cache, batch.seq_id(row));
+    const KVHistory full(kv.keys(ids), kv.values(ids));
+    const Array expected = sdpa(batch.row(row), q.slice(0, row, row + 1), full, mask, 0.4f);
+    EXPECT_TRUE(testing::all_close(got.slice(0, row, row + 1).contiguous(), expected, 1e-5f))
+        << "row " << row << ", mask " << static_cast<int>(mask.kind());
+  }
+}
+
 class Paged : public ::testing::Test {
  protected:
   PagedKVCache cache{{.block_tokens = kBlock, .blocks_per_chunk = 4}};
@@ -167,26 +191,12 @@ TEST_F(Paged, DecodeRowsSharingBlocksAttendToTheirOwnHistories) {
   ASSERT_TRUE(cache.restore(3, prefix.get(), 16));  // ends on a block boundary
   write(cache, 3, id_range(300, 3));
   write(cache, 4, id_range(400, 9));  // shares nothing
-  const std::vector<SeqId> seqs = {0, 1, 2, 3, 4};
-  Batch batch = Batch::uniform(5, 1, 0);
-  batch.seq_ids = seqs;
-  for (size_t b = 0; b < seqs.size(); ++b) {
-    batch.seq_offsets[b] = static_cast<int32_t>(cache.offset(seqs[b]) - 1);  // the last token
-  }
-  const KVHistory history = cache.view(batch);
+  const Batch batch = last_tokens(cache, {0, 1, 2, 3, 4}, 1);
   std::mt19937 rng(11);
   const Array q = testing::random_array({5, 4, 1, 4}, rng);
   for (const AttentionMask& mask :
        {AttentionMask::causal(), AttentionMask::sliding_window(7), AttentionMask::lookback(12)}) {
-    const Array got = sdpa(batch, q, history, mask, 0.4f);
-    for (size_t b = 0; b < seqs.size(); ++b) {
-      const std::vector<int64_t> ids = held(cache, seqs[b]);
-      const KVHistory full(kv.keys(ids), kv.values(ids));
-      const auto row = static_cast<int64_t>(b);
-      const Array expected = sdpa(batch.row(row), q.slice(0, row, row + 1), full, mask, 0.4f);
-      EXPECT_TRUE(testing::all_close(got.slice(0, row, row + 1).contiguous(), expected, 1e-5f))
-          << "row " << b << ", mask " << static_cast<int>(mask.kind());
-    }
+    expect_rows_as_alone(cache, batch, q, mask);
   }
 }
 
@@ -197,25 +207,9 @@ TEST_F(Paged, ChunkRowsReadRunsOfBlocksAcrossChunksAndSplices) {
   SnapshotPtr prefix = cache.snapshot(0, 0);
   ASSERT_TRUE(cache.restore(1, prefix.get(), 24));
   write(cache, 1, id_range(200, 13));  // its own blocks after three shared ones
-  const std::vector<SeqId> seqs = {0, 1};
-  Batch batch = Batch::uniform(2, 3, 0);
-  batch.seq_ids = seqs;
-  for (size_t b = 0; b < seqs.size(); ++b) {
-    batch.seq_offsets[b] = static_cast<int32_t>(cache.offset(seqs[b]) - 3);  // the last three
-  }
-  const KVHistory history = cache.view(batch);
   std::mt19937 rng(12);
-  const Array q = testing::random_array({2, 4, 3, 4}, rng);
-  const Array got = sdpa(batch, q, history, AttentionMask::causal(), 0.4f);
-  for (size_t b = 0; b < seqs.size(); ++b) {
-    const std::vector<int64_t> ids = held(cache, seqs[b]);
-    const KVHistory full(kv.keys(ids), kv.values(ids));
-    const auto row = static_cast<int64_t>(b);
-    const Array expected =
-        sdpa(batch.row(row), q.slice(0, row, row + 1), full, AttentionMask::causal(), 0.4f);
-    EXPECT_TRUE(testing::all_close(got.slice(0, row, row + 1).contiguous(), expected, 1e-5f))
-        << "row " << b;
-  }
+  expect_rows_as_alone(cache, last_tokens(cache, {0, 1}, 3),
+                       testing::random_array({2, 4, 3, 4}, rng), AttentionMask::causal());
 }
 
 TEST(PagedErrors, BadOptionsAndForeignSnapshots) {

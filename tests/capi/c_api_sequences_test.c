@@ -5,22 +5,7 @@
 #include <stdio.h>
 #include <string.h>
 
-static int failures = 0;
-
-#define CHECK(condition)                                                                \
-  do {                                                                                  \
-    if (!(condition)) {                                                                 \
-      fprintf(stderr, "%s:%d: CHECK(%s) failed (last error: %s)\n", __FILE__, __LINE__, \
-              #condition, kvsnap_last_error());                                         \
-      ++failures;                                                                       \
-    }                                                                                   \
-  } while (0)
-#define CHECK_OK(call) CHECK((call) == KVSNAP_OK)
-#define CHECK_FAILS(call, status, message_start)                                    \
-  do {                                                                              \
-    CHECK((call) == (status));                                                      \
-    CHECK(strncmp(kvsnap_last_error(), message_start, strlen(message_start)) == 0); \
-  } while (0)
+#include "c_check.h"
 
 /* Keys or values [rows, 2, tokens, 4]: element i is seed + i (copied into a new array). */
 static kvsnap_array* kv_array(int64_t rows, int64_t tokens, float seed) {

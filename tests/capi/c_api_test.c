@@ -8,23 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int failures = 0;
-
-#define CHECK(condition)                                                                \
-  do {                                                                                  \
-    if (!(condition)) {                                                                 \
-      fprintf(stderr, "%s:%d: CHECK(%s) failed (last error: %s)\n", __FILE__, __LINE__, \
-              #condition, kvsnap_last_error());                                         \
-      ++failures;                                                                       \
-    }                                                                                   \
-  } while (0)
-#define CHECK_OK(call) CHECK((call) == KVSNAP_OK)
-/* A failing call: its status, and the start of the message it left. */
-#define CHECK_FAILS(call, status, message_start)                                    \
-  do {                                                                              \
-    CHECK((call) == (status));                                                      \
-    CHECK(strncmp(kvsnap_last_error(), message_start, strlen(message_start)) == 0); \
-  } while (0)
+#include "c_check.h"
 
 static const char* work_dir = ".";
 
@@ -303,7 +287,8 @@ static void test_recurrent_cache(void) {
   }
   CHECK_FAILS(kvsnap_recurrent_put(cache, &batch, (const kvsnap_array* const*)convs,
                                    (const kvsnap_array* const*)deltas, 1),
-              KVSNAP_ERROR, "RecurrentCache::put: got 1 conv and 1 delta states for row 0; expected 2");
+              KVSNAP_ERROR,
+              "RecurrentCache::put: got 1 conv and 1 delta states for row 0; expected 2");
   CHECK_OK(kvsnap_recurrent_put(cache, &batch, (const kvsnap_array* const*)convs,
                                 (const kvsnap_array* const*)deltas, 2));
   CHECK(kvsnap_live_bytes() == before); /* the zero states went, the engine's came in */

@@ -11,27 +11,15 @@
 #include "model/model.h"
 #include "support/private_support.h"
 #include "support/test_support.h"
+#include "support/tiny_model.h"
 #include "workload.h"
 
 namespace kvsnap::tools {
 namespace {
 
-using kvsnap::testing::throws_error;
+using kvsnap::testing::tiny_model;
 
-ModelConfig tiny_model() {
-  ModelConfig c;
-  c.hidden = 32;
-  c.mlp_hidden = 48;
-  c.query_heads = 4;
-  c.kv_heads = 2;
-  c.head_dim = 8;
-  c.window = 24;
-  c.pattern = "RSA";
-  c.delta_key_heads = 1;
-  c.delta_value_heads = 2;
-  c.delta_head_dim = 8;
-  return c;
-}
+using kvsnap::testing::throws_error;
 
 // Users on one system prompt: first turns, continuations, a regeneration and an edit, in the
 // order a server would see them. Questions of different users share their first words.

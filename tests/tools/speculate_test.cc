@@ -6,10 +6,13 @@
 #include <gtest/gtest.h>
 
 #include "model/model.h"
+#include "support/tiny_model.h"
 #include "workload.h"
 
 namespace kvsnap::tools {
 namespace {
+
+using kvsnap::testing::tiny_model;
 
 using Tokens = std::vector<int32_t>;
 
@@ -40,23 +43,8 @@ TEST(PromptLookup, NoMatchNoDraftsAndAtMostK) {
   EXPECT_THROW(PromptLookup(1, 2), Error);
 }
 
-ModelConfig tiny_model() {
-  ModelConfig c;
-  c.hidden = 32;
-  c.mlp_hidden = 48;
-  c.query_heads = 4;
-  c.kv_heads = 2;
-  c.head_dim = 8;
-  c.window = 8;  // shorter than the prompts: the window layer captures
-  c.pattern = "RSA";
-  c.delta_key_heads = 1;
-  c.delta_value_heads = 2;
-  c.delta_head_dim = 8;
-  return c;
-}
-
 TEST(ModelSpeculation, GreedyTokensAndLogitsEqualPlainDecoding) {
-  const Model model(tiny_model());
+  const Model model(tiny_model(/*window=*/8));  // shorter than the prompts: it captures
   const int64_t vocab = model.config().vocab_size;
   std::vector<int32_t> prompt;
   for (int r = 0; r < 4; ++r) {  // repetitive: prompt lookup proposes
@@ -95,7 +83,7 @@ TEST(ReplaySpeculative, AgreesWithPlainDecodingAndReusesAsMuch) {
 {"id": "a2", "regenerate": "a", "max_tokens": 30}
 {"id": "c", "after": "b", "messages": [{"role": "tool", "content": "abc"}], "max_tokens": 40})",
       "test");
-  const Model model(tiny_model());
+  const Model model(tiny_model(/*window=*/8));  // shorter than the prompts: it captures
   const SpeculativeRun speculative = replay_speculative(w, model, {.speculate = 4});
   const SpeculativeRun plain = replay_speculative(w, model, {.speculate = 0});
   ReplayOptions reference;

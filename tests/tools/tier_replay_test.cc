@@ -16,27 +16,15 @@
 
 #include "replay.h"
 #include "support/redis_server.h"
+#include "support/tiny_model.h"
 #include "workload.h"
 
 namespace kvsnap::tools {
 namespace {
 
-using Json = nlohmann::json;
+using kvsnap::testing::tiny_model;
 
-ModelConfig tiny_model() {
-  ModelConfig c;
-  c.hidden = 32;
-  c.mlp_hidden = 48;
-  c.query_heads = 4;
-  c.kv_heads = 2;
-  c.head_dim = 8;
-  c.window = 24;
-  c.pattern = "RSA";
-  c.delta_key_heads = 1;
-  c.delta_value_heads = 2;
-  c.delta_head_dim = 8;
-  return c;
-}
+using Json = nlohmann::json;
 
 // Six conversations of three turns on one system prompt, a regeneration in the third.
 std::string conversations() {
