@@ -70,11 +70,13 @@ std::string encode_safetensors(const SafetensorsFile& file) {
   for (int i = 0; i < 8; ++i)
     out[static_cast<size_t>(i)] = static_cast<char>((length >> (8 * i)) & 0xff);
   out += text;
-  out.reserve(out.size() + offset);
+  size_t at = out.size();
+  out.resize(at + offset);
   for (const auto& [name, array] : file.tensors) {
     if (array.size() == 0) continue;
-    const Array compact = array.is_contiguous() ? array : array.contiguous();
-    out.append(static_cast<const char*>(compact.bytes()), static_cast<size_t>(compact.nbytes()));
+    // Straight from the (possibly strided) view into its place: one copy of the data.
+    Array::wrap(out.data() + at, array.dtype(), array.shape()).assign(array);
+    at += static_cast<size_t>(array.nbytes());
   }
   return out;
 }

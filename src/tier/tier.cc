@@ -76,6 +76,7 @@ TierImpl::TierImpl(const std::string& address, std::vector<Cache*> layers, TierO
   WriteBehind::Options writer;
   writer.capacity = static_cast<size_t>(options_.write_queue);
   writer.write_timeout = options_.write_timeout;
+  writer.lookup_timeout = options_.lookup_timeout;
   writer.mac_key = mac_key_;
   writer.written = [this](const std::vector<std::string>& keys) { known_.add(keys); };
   writer_ = std::make_unique<WriteBehind>(open_store(address, store_options), writer, counters_);

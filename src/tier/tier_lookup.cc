@@ -185,6 +185,7 @@ TierMatch TierImpl::lookup(std::span<const int32_t> tokens, int64_t limit, int64
   better_than = std::max<int64_t>(better_than, 0);
   if (limit <= better_than) return {};
   const CallerTime timed(counters_.caller_microseconds);
+  const LookupGate::Entry in_flight(writer_->lookups());  // writes step aside until it is done
   ++counters_.lookups;
   const Deadline deadline = Clock::now() + options_.lookup_timeout;
   std::unique_lock<std::timed_mutex> lock(lookup_mutex_, deadline);

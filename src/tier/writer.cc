@@ -4,9 +4,30 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
+
 #include "tier/object.h"
 
 namespace kvsnap::detail {
+
+LookupGate::Entry::Entry(LookupGate& gate) : gate_(gate) {
+  const std::lock_guard<std::mutex> lock(gate_.mutex_);
+  ++gate_.started_;
+}
+
+LookupGate::Entry::~Entry() {
+  {
+    const std::lock_guard<std::mutex> lock(gate_.mutex_);
+    ++gate_.finished_;
+  }
+  gate_.finished_one_.notify_all();
+}
+
+void LookupGate::wait_for_lookups(Deadline until) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  const uint64_t in_flight_now = started_;
+  finished_one_.wait_until(lock, until, [&] { return finished_ >= in_flight_now; });
+}
 
 WriteBehind::WriteBehind(std::unique_ptr<Store> store, Options options, TierCounters& counters)
     : store_(std::move(store)),
@@ -67,20 +88,39 @@ void WriteBehind::send(WriteBatch& batch) {
   if (!options_.mac_key.empty()) {
     for (auto& [key, value] : batch.objects) append_tag(value, key, options_.mac_key);
   }
+  const Deadline deadline = std::chrono::steady_clock::now() + options_.write_timeout;
+  WriteBatch slice;
+  int64_t bytes = 0;
+  for (size_t i = 0; i < batch.objects.size(); ++i) {
+    bytes += static_cast<int64_t>(batch.objects[i].second.size());
+    slice.objects.push_back(std::move(batch.objects[i]));
+    const bool last = i + 1 == batch.objects.size();
+    if (last) slice.index = std::move(batch.index);  // entries after every object they name
+    if (!last && bytes < kSliceBytes) continue;
+    if (!send_slice(slice, deadline)) return;
+    slice = {};
+    bytes = 0;
+  }
+}
+
+bool WriteBehind::send_slice(const WriteBatch& slice, Deadline deadline) {
+  lookups_.wait_for_lookups(
+      std::min(deadline, std::chrono::steady_clock::now() + options_.lookup_timeout));
   try {
-    const auto deadline = std::chrono::steady_clock::now() + options_.write_timeout;
-    const int64_t refused = store_->write(batch, deadline);
+    const int64_t refused = store_->write(slice, deadline);
     counters_.store_errors += refused;
-    counters_.objects_written += static_cast<int64_t>(batch.objects.size()) - refused;
-    counters_.bytes_written += batch.bytes();
-    if (refused == 0) {
+    counters_.objects_written += static_cast<int64_t>(slice.objects.size()) - refused;
+    counters_.bytes_written += slice.bytes();
+    if (refused == 0 && options_.written) {
       std::vector<std::string> keys;
-      for (const auto& object : batch.objects) keys.push_back(object.first);
-      if (options_.written) options_.written(keys);
+      for (const auto& object : slice.objects) keys.push_back(object.first);
+      options_.written(keys);
     }
+    return true;
   } catch (const StoreFailure& failure) {
     if (failure.reason != StoreFailure::Reason::waiting) ++counters_.store_errors;
     ++counters_.dropped_batches;
+    return false;
   }
 }
 

@@ -1,10 +1,14 @@
 // Internal: the tier's write-behind — batches encoded at session close wait in a bounded queue
 // and a background thread sends them (tagging each object with its MAC first), so a slow or dead
 // store never holds up a request: when the queue is full, the new batch is dropped (counted).
+// A batch goes out in slices of about kSliceBytes, and before each slice the writer lets the
+// lookups in flight finish: a request's lookup waits behind at most one slice, not behind the
+// megabytes the request before it stored (the store answers each connection in turn).
 #pragma once
 
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <deque>
 #include <functional>
 #include <memory>
@@ -17,11 +21,39 @@
 
 namespace kvsnap::detail {
 
+// Lookups in flight, so the writer can step aside for them between slices.
+class LookupGate {
+ public:
+  // Marks one lookup in flight for its lifetime.
+  class Entry {
+   public:
+    explicit Entry(LookupGate& gate);
+    ~Entry();
+    Entry(const Entry&) = delete;
+    Entry& operator=(const Entry&) = delete;
+
+   private:
+    LookupGate& gate_;
+  };
+  // Waits until the lookups in flight now have finished (later ones are not waited for, so a
+  // stream of lookups cannot starve the writer), or until `until`.
+  void wait_for_lookups(Deadline until);
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable finished_one_;
+  uint64_t started_ = 0, finished_ = 0;
+};
+
 class WriteBehind {
  public:
+  static constexpr int64_t kSliceBytes = int64_t(256) << 10;
+
   struct Options {
     size_t capacity = 64;
     std::chrono::milliseconds write_timeout{2000};
+    // The most the writer steps aside for lookups before each slice (their own time limit).
+    std::chrono::milliseconds lookup_timeout{50};
     std::string mac_key;  // empty: objects go untagged
     // Runs on the writer thread with the keys of every object the store accepted.
     std::function<void(const std::vector<std::string>&)> written;
@@ -37,14 +69,19 @@ class WriteBehind {
   bool push(WriteBatch batch);
   // Waits until the queue is empty and no batch is being written, or `timeout` passes.
   bool flush(std::chrono::milliseconds timeout);
+  // Lookups mark themselves here (LookupGate::Entry) so writes step aside for them.
+  LookupGate& lookups() { return lookups_; }
 
  private:
   void run();
   void send(WriteBatch& batch);
+  // Writes `slice`; false when the store failed (the rest of the batch is dropped).
+  bool send_slice(const WriteBatch& slice, Deadline deadline);
 
   std::unique_ptr<Store> store_;
   Options options_;
   TierCounters& counters_;
+  LookupGate lookups_;
   std::mutex mutex_;
   std::condition_variable wake_;  // a batch was queued, or stopping
   std::condition_variable idle_;  // the queue emptied and nothing is in flight
