@@ -63,6 +63,7 @@ struct ReplayArguments {
   std::string cache_dir;
   bool shared_cache_dir = false;
   uint64_t seed = 42;
+  int threads = 1;
   std::string tier, tenant, tier_key_file;
   int64_t tier_timeout_ms = 50;
   // Drafts per round of greedy decoding with speculation; 0: plain greedy decoding.
@@ -171,6 +172,7 @@ int run_replay(const ReplayArguments& args) {
   tools::check_context_length(workload, config.context_length);
   TierOptions tier = tier_options(args);
   if (!args.cache_dir.empty()) tools::check_cache_dir(args.cache_dir, args.shared_cache_dir);
+  set_threads(args.threads);
   const Model model =
       args.weights.empty() ? Model(config) : Model::load(args.model_config, args.weights);
   if (!args.quiet) {
@@ -234,6 +236,21 @@ int run_bench(const BenchArguments& args) {
   const std::vector<bench::Figure> figures = bench::run_figures(options);
   std::cout << (args.json ? bench::figures_json(figures) : bench::format_figures(figures));
   return 0;
+}
+
+// The model: its weights and the threads its kernels use.
+void add_model_options(CLI::App& command, ReplayArguments& args) {
+  command.add_option("--model-config", args.model_config, "model config JSON (with --weights)")
+      ->check(CLI::ExistingFile);
+  command.add_option("--weights", args.weights, "model safetensors (with --model-config)")
+      ->check(CLI::ExistingFile);
+  command.add_option("--seed", args.seed, "seed of the generated weights")->capture_default_str();
+  command
+      .add_option("--threads", args.threads,
+                  "threads for the model's kernels (matrix products, attention), this one "
+                  "included; every count gives bitwise the same results")
+      ->check(CLI::Range(1, 256))
+      ->capture_default_str();
 }
 
 // --parallel and the options that go with it.
@@ -313,11 +330,6 @@ int run(int argc, char** argv) {
   replay_command->add_option("--budget", replay.budget, "prefix cache budget in bytes")
       ->check(CLI::Range(int64_t{1}, std::numeric_limits<int64_t>::max()))
       ->capture_default_str();
-  replay_command
-      ->add_option("--model-config", replay.model_config, "model config JSON (with --weights)")
-      ->check(CLI::ExistingFile);
-  replay_command->add_option("--weights", replay.weights, "model safetensors (with --model-config)")
-      ->check(CLI::ExistingFile);
   CLI::Option* cache_dir = replay_command->add_option(
       "--cache-dir", replay.cache_dir,
       "load the prefix cache from DIR when saved there, save it at the end (a second run over "
@@ -328,8 +340,6 @@ int run(int argc, char** argv) {
                  "trust a --cache-dir that another user owns or that group or others can write "
                  "(anyone who can write it can plant the state the model continues from)")
       ->needs(cache_dir);
-  replay_command->add_option("--seed", replay.seed, "seed of the generated weights")
-      ->capture_default_str();
   replay_command
       ->add_option("--embedded", replay.embedded,
                    "which embedded workload runs when no file is given: default, many-users "
@@ -337,6 +347,7 @@ int run(int argc, char** argv) {
                    "files, diffs and test logs back: for --speculate)")
       ->check(CLI::IsMember(tools::embedded_workload_names()))
       ->capture_default_str();
+  add_model_options(*replay_command, replay);
   add_tier_options(*replay_command, replay);
   add_parallel_options(*replay_command, replay);
   add_speculate_options(*replay_command, replay);

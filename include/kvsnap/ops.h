@@ -19,6 +19,14 @@
 
 namespace kvsnap {
 
+// Threads the kernels use — sdpa over a batch, and the built-in model's matrix products — the
+// calling thread included; 1 (the default) runs everything on the calling thread. Work is split
+// by output rows, columns or heads, never inside a sum, so results are bitwise the same for every
+// count. One parallel region runs at a time: calls from several threads at once are correct,
+// those that find the workers busy run on their own thread. Throws Error outside [1, 256].
+KVSNAP_EXPORT void set_threads(int threads);
+KVSNAP_EXPORT int threads();
+
 // Reference scaled-dot-product attention in float32. q [B, Hq, L, D] (any float dtype), the
 // history's keys [B, H, K, D] and values [B, H, K, Dv]; GQA when Hq is a multiple of H (query
 // head h reads key head h / (Hq / H)). Returns f32 [B, Hq, L, Dv]:

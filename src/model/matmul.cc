@@ -12,9 +12,11 @@
 // Every multiply-add is written out (std::fma where the chosen variant has FMA, a * b + c in the
 // default one, and the file is built with -ffp-contract=off), so no compiler heuristic can fuse
 // one instantiation's sums and not another's.
+#include <algorithm>
 #include <cmath>
 
 #include "model/weights.h"
+#include "ops/parallel.h"
 #include "ops/vector_isa.h"
 
 namespace kvsnap::detail {
@@ -50,38 +52,43 @@ template <bool Fused, int R, int W>
   }
 }
 
-// Rows [0, R) of y, every column: blocks of W columns (wide blocks keep enough sums in flight
-// when R is small), then of 32, then one column at a time — each the same sum in the same order.
+// Rows [0, R) of y, columns [first, last): blocks of W columns (wide blocks keep enough sums in
+// flight when R is small), then of 32, then one column at a time — each the same sum in the same
+// order, so how columns are split (into blocks, or between threads) never changes a result.
 template <bool Fused, int R, int W>
 [[gnu::always_inline]] inline void rows(const float* x, int64_t in, const float* w, int64_t out,
-                                        float* y, bool accumulate) {
-  int64_t j = 0;
-  for (; j + W <= out; j += W) block<Fused, R, W>(x, in, w, out, y, j, accumulate);
-  for (; j + 32 <= out; j += 32) block<Fused, R, 32>(x, in, w, out, y, j, accumulate);
-  for (; j < out; ++j) block<Fused, R, 1>(x, in, w, out, y, j, accumulate);
+                                        float* y, int64_t first, int64_t last, bool accumulate) {
+  int64_t j = first;
+  for (; j + W <= last; j += W) block<Fused, R, W>(x, in, w, out, y, j, accumulate);
+  for (; j + 32 <= last; j += 32) block<Fused, R, 32>(x, in, w, out, y, j, accumulate);
+  for (; j < last; ++j) block<Fused, R, 1>(x, in, w, out, y, j, accumulate);
 }
 
 template <bool Fused>
 [[gnu::always_inline]] inline void product(const float* x, int64_t count, int64_t in,
-                                           const float* w, int64_t out, float* y, bool accumulate) {
+                                           const float* w, int64_t out, float* y, int64_t first,
+                                           int64_t last, bool accumulate) {
   int64_t r = 0;
   for (; r + 8 <= count; r += 8) {
-    rows<Fused, 8, 32>(x + r * in, in, w, out, y + r * out, accumulate);
+    rows<Fused, 8, 32>(x + r * in, in, w, out, y + r * out, first, last, accumulate);
   }
   for (; r + 4 <= count; r += 4) {
-    rows<Fused, 4, 64>(x + r * in, in, w, out, y + r * out, accumulate);
+    rows<Fused, 4, 64>(x + r * in, in, w, out, y + r * out, first, last, accumulate);
   }
   for (; r + 2 <= count; r += 2) {
-    rows<Fused, 2, 64>(x + r * in, in, w, out, y + r * out, accumulate);
+    rows<Fused, 2, 64>(x + r * in, in, w, out, y + r * out, first, last, accumulate);
   }
-  for (; r < count; ++r) rows<Fused, 1, 128>(x + r * in, in, w, out, y + r * out, accumulate);
+  for (; r < count; ++r) {
+    rows<Fused, 1, 128>(x + r * in, in, w, out, y + r * out, first, last, accumulate);
+  }
 }
 
-using Product = void (*)(const float*, int64_t, int64_t, const float*, int64_t, float*, bool);
+using Product = void (*)(const float*, int64_t, int64_t, const float*, int64_t, float*, int64_t,
+                         int64_t, bool);
 
 void product_default(const float* x, int64_t count, int64_t in, const float* w, int64_t out,
-                     float* y, bool accumulate) {
-  product<false>(x, count, in, w, out, y, accumulate);
+                     float* y, int64_t first, int64_t last, bool accumulate) {
+  product<false>(x, count, in, w, out, y, first, last, accumulate);
 }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -89,13 +96,13 @@ void product_default(const float* x, int64_t count, int64_t in, const float* w, 
 // what the CPU supports (one binary runs everywhere).
 [[gnu::target("avx512f,fma")]] void product_avx512(const float* x, int64_t count, int64_t in,
                                                    const float* w, int64_t out, float* y,
-                                                   bool accumulate) {
-  product<true>(x, count, in, w, out, y, accumulate);
+                                                   int64_t first, int64_t last, bool accumulate) {
+  product<true>(x, count, in, w, out, y, first, last, accumulate);
 }
 [[gnu::target("avx2,fma")]] void product_avx2(const float* x, int64_t count, int64_t in,
-                                              const float* w, int64_t out, float* y,
-                                              bool accumulate) {
-  product<true>(x, count, in, w, out, y, accumulate);
+                                              const float* w, int64_t out, float* y, int64_t first,
+                                              int64_t last, bool accumulate) {
+  product<true>(x, count, in, w, out, y, first, last, accumulate);
 }
 Product pick() {
   switch (vector_isa()) {
@@ -117,7 +124,31 @@ Product pick() { return product_default; }
 void matmul(const float* x, int64_t rows, int64_t in, const Floats& w, int64_t out, float* y,
             bool accumulate) {
   static const Product chosen = pick();
-  chosen(x, rows, in, w.data(), out, y, accumulate);
+  // Split between the kernels' threads (ops/parallel.h) when there is enough work: prefill-sized
+  // products by rows (8-row blocks), decode-sized ones by columns (each thread reads its part of
+  // W). A row's sums are the same whichever thread computes them.
+  constexpr int64_t kMinimumWork = int64_t(1) << 17;  // multiply-adds; below, a region costs more
+  const int64_t threads = parallel_threads();
+  const int64_t work = rows * in * out;
+  if (threads > 1 && work >= kMinimumWork && rows >= 16 * threads) {
+    const int64_t blocks = (rows + 7) / 8;
+    parallel_for(threads, [&](int64_t t) {
+      const int64_t first = blocks * t / threads * 8,
+                    last = std::min(rows, blocks * (t + 1) / threads * 8);
+      chosen(x + first * in, last - first, in, w.data(), out, y + first * out, 0, out, accumulate);
+    });
+    return;
+  }
+  if (threads > 1 && work >= kMinimumWork && out >= 64 * threads) {
+    const int64_t blocks = (out + 31) / 32;
+    parallel_for(threads, [&](int64_t t) {
+      const int64_t first = blocks * t / threads * 32,
+                    last = std::min(out, blocks * (t + 1) / threads * 32);
+      chosen(x, rows, in, w.data(), out, y, first, last, accumulate);
+    });
+    return;
+  }
+  chosen(x, rows, in, w.data(), out, y, 0, out, accumulate);
 }
 
 }  // namespace kvsnap::detail

@@ -4,9 +4,11 @@
 #include <cmath>
 #include <limits>
 #include <optional>
+#include <vector>
 
 #include "kvsnap/ops.h"
 #include "ops/checks.h"
+#include "ops/parallel.h"
 #include "ops/sdpa_decode.h"
 #include "ops/softmax.h"
 #include "ops/visibility.h"
@@ -86,7 +88,7 @@ class Columns {
   // Calls visit(run) for the runs covering columns [lo, hi) of batch row b, key head h, in
   // column order (a run may begin before lo; visit clips).
   template <class Visit>
-  void for_each(int64_t b, int64_t h, int64_t lo, int64_t hi, Visit&& visit) {
+  void for_each(int64_t b, int64_t h, int64_t lo, int64_t hi, Visit&& visit) const {
     if (!history_.paged()) {
       visit(Run{0, keys_.dim(2),
                 keys_.data<float>() + b * keys_.strides()[0] + h * keys_.strides()[1],
@@ -140,87 +142,129 @@ class Columns {
 // handled on its own). The query heads that share a key/value head go through together — their
 // queries stacked into one left-hand side — so each product reads (and OpenBLAS packs) a key or
 // value run once per key/value head, not once per query head: a decode step's products have as
-// many rows as the group has heads instead of one.
-Array attend(const Batch& batch, const Array& q, const KVHistory& history,
-             const AttentionMask& logical, float scale) {
-  const int64_t rows = q.dim(0), query_heads = q.dim(1), queries = q.dim(2), depth = q.dim(3);
-  const int64_t value_depth = history.paged() ? history.paged_columns().value_chunks.front().dim(3)
-                                              : history.values().dim(3);
-  const int64_t kv_heads =
-      history.paged() ? history.paged_columns().key_chunks.front().dim(1) : history.keys().dim(1);
-  const int64_t columns = history.length();
-  const Visibility visibility(batch, history, logical, query_heads);
-  const Array qf = rows_f32(q);
-  Columns source(history);
-  Array out = Array::zeros(DType::f32, {rows, query_heads, queries, value_depth});
-  const int64_t group = query_heads / kv_heads;
-  if (group == 0) return out;  // no query heads: nothing to attend
-  // Queries per block: group x step stacked rows, within kBlock unless one group is larger.
-  const int64_t step = std::max<int64_t>(1, kBlock / group);
-  const int64_t most = std::min(queries, step) * group;
-  // One buffer for the stacked queries, their scores and their weighed values.
-  std::vector<float> work(static_cast<size_t>(most * (depth + columns + value_depth)));
-  float* const lhs = work.data();
-  float* const scores = lhs + most * depth;
-  float* const weighed = scores + most * columns;
-  for (int64_t b = 0; b < rows; ++b) {
-    const int64_t offset = batch.seq_offsets[b], real = batch.seq_query_lens[b];
-    for (int64_t g = 0; g < kv_heads; ++g) {
-      for (int64_t l0 = 0; l0 < real; l0 += step) {
-        const int64_t block = std::min(step, real - l0);  // padding rows stay zero
-        const int64_t m = group * block;                  // stacked row j * block + r
-        const auto columns = visibility.columns(offset + l0, offset + l0 + block - 1);
-        const int64_t lo = columns.first, hi = columns.second;
-        const int64_t width = hi - lo;
-        if (width <= 0) continue;
-        for (int64_t j = 0; j < group; ++j) {
-          const float* from = qf.data<float>() + b * qf.strides()[0] +
-                              (g * group + j) * qf.strides()[1] + l0 * qf.strides()[2];
-          for (int64_t r = 0; r < block; ++r) {
-            std::copy_n(from + r * qf.strides()[2], depth, lhs + (j * block + r) * depth);
-          }
+// many rows as the group has heads instead of one. Each (row, key/value head) is one task for the
+// kernels' threads (ops/parallel.h): its outputs are its own, its sums the same on any thread.
+class Attend {
+ public:
+  Attend(const Batch& batch, const Array& q, const KVHistory& history, const AttentionMask& logical,
+         float scale)
+      : batch_(batch),
+        qf_(rows_f32(q)),
+        visibility_(batch, history, logical, q.dim(1)),
+        source_(history),
+        scale_(scale),
+        query_heads_(q.dim(1)),
+        queries_(q.dim(2)),
+        depth_(q.dim(3)),
+        columns_(history.length()) {
+    value_depth_ = history.paged() ? history.paged_columns().value_chunks.front().dim(3)
+                                   : history.values().dim(3);
+    kv_heads_ =
+        history.paged() ? history.paged_columns().key_chunks.front().dim(1) : history.keys().dim(1);
+    group_ = query_heads_ / kv_heads_;
+    // Queries per block: group x step stacked rows, within kBlock unless one group is larger.
+    step_ = std::max<int64_t>(1, kBlock / std::max<int64_t>(group_, 1));
+    most_ = std::min(queries_, step_) * group_;
+  }
+
+  Array run() {
+    Array out = Array::zeros(DType::f32, {q_rows(), query_heads_, queries_, value_depth_});
+    if (group_ == 0) return out;  // no query heads: nothing to attend
+    const int64_t tasks = q_rows() * kv_heads_;
+    const int64_t threads = std::min(tasks, int64_t{detail::parallel_threads()});
+    detail::parallel_for(threads, [&](int64_t t) {
+      // One buffer per thread for the stacked queries, their scores and their weighed values.
+      std::vector<float> work(static_cast<size_t>(most_ * (depth_ + columns_ + value_depth_)));
+      for (int64_t task = t; task < tasks; task += threads) {
+        head(task / kv_heads_, task % kv_heads_, work.data(), out.mutable_data<float>());
+      }
+    });
+    return out;
+  }
+
+ private:
+  int64_t q_rows() const { return qf_.dim(0); }
+
+  // Row b, key/value head g: its query heads' outputs.
+  void head(int64_t b, int64_t g, float* lhs, float* out) const {
+    float* const scores = lhs + most_ * depth_;
+    float* const weighed = scores + most_ * columns_;
+    const int64_t offset = batch_.seq_offsets[b], real = batch_.seq_query_lens[b];
+    for (int64_t l0 = 0; l0 < real; l0 += step_) {
+      const int64_t block = std::min(step_, real - l0);  // padding rows stay zero
+      const int64_t m = group_ * block;                  // stacked row j * block + r
+      const auto [lo, hi] = visibility_.columns(offset + l0, offset + l0 + block - 1);
+      const int64_t width = hi - lo;
+      if (width <= 0) continue;
+      for (int64_t j = 0; j < group_; ++j) {
+        const float* from = qf_.data<float>() + b * qf_.strides()[0] +
+                            (g * group_ + j) * qf_.strides()[1] + l0 * qf_.strides()[2];
+        for (int64_t r = 0; r < block; ++r) {
+          std::copy_n(from + r * qf_.strides()[2], depth_, lhs + (j * block + r) * depth_);
         }
-        // scores = scale * Q K^T over the block's columns [lo, hi), run by run.
-        source.for_each(b, g, lo, hi, [&](const Run& run) {
-          const int64_t from = std::max(lo, run.first), to = std::min(hi, run.first + run.count);
-          if (from >= to) return;
-          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m),
-                      static_cast<int>(to - from), static_cast<int>(depth), scale, lhs,
-                      static_cast<int>(depth), run.keys + (from - run.first) * run.key_stride,
-                      static_cast<int>(run.key_stride), 0.0f, scores + (from - lo),
-                      static_cast<int>(width));
-        });
-        for (int64_t j = 0; j < group; ++j) {
-          for (int64_t r = 0; r < block; ++r) {
-            float* row = scores + (j * block + r) * width;
-            const auto [begin, end] =
-                visibility.mask(row, lo, width, b, g * group + j, l0 + r, offset + l0 + r);
-            softmax_row(row, width, begin, end);
-          }
+      }
+      scores_of(b, g, lo, hi, m, lhs, scores);
+      for (int64_t j = 0; j < group_; ++j) {
+        for (int64_t r = 0; r < block; ++r) {
+          float* row = scores + (j * block + r) * width;
+          const auto [begin, end] =
+              visibility_.mask(row, lo, width, b, g * group_ + j, l0 + r, offset + l0 + r);
+          softmax_row(row, width, begin, end);
         }
-        // weighed = P V, run by run; then each head's rows to its place in out.
-        float beta = 0.0f;
-        source.for_each(b, g, lo, hi, [&](const Run& run) {
-          const int64_t from = std::max(lo, run.first), to = std::min(hi, run.first + run.count);
-          if (from >= to) return;
-          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(m),
-                      static_cast<int>(value_depth), static_cast<int>(to - from), 1.0f,
-                      scores + (from - lo), static_cast<int>(width),
-                      run.values + (from - run.first) * run.value_stride,
-                      static_cast<int>(run.value_stride), beta, weighed,
-                      static_cast<int>(value_depth));
-          beta = 1.0f;
-        });
-        if (beta == 0.0f) continue;  // no run in range: the rows stay zero
-        for (int64_t j = 0; j < group; ++j) {
-          float* to = out.mutable_data<float>() +
-                      ((b * query_heads + g * group + j) * queries + l0) * value_depth;
-          std::copy_n(weighed + j * block * value_depth, block * value_depth, to);
-        }
+      }
+      if (!weigh(b, g, lo, hi, m, scores, weighed)) continue;  // no run: the rows stay zero
+      for (int64_t j = 0; j < group_; ++j) {
+        float* to = out + ((b * query_heads_ + g * group_ + j) * queries_ + l0) * value_depth_;
+        std::copy_n(weighed + j * block * value_depth_, block * value_depth_, to);
       }
     }
   }
-  return out;
+
+  // scores = scale * Q K^T over columns [lo, hi), run by run.
+  void scores_of(int64_t b, int64_t g, int64_t lo, int64_t hi, int64_t m, const float* lhs,
+                 float* scores) const {
+    const int64_t width = hi - lo;
+    source_.for_each(b, g, lo, hi, [&](const Run& run) {
+      const int64_t from = std::max(lo, run.first), to = std::min(hi, run.first + run.count);
+      if (from >= to) return;
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m),
+                  static_cast<int>(to - from), static_cast<int>(depth_), scale_, lhs,
+                  static_cast<int>(depth_), run.keys + (from - run.first) * run.key_stride,
+                  static_cast<int>(run.key_stride), 0.0f, scores + (from - lo),
+                  static_cast<int>(width));
+    });
+  }
+
+  // weighed = P V over columns [lo, hi), run by run; false when no run lies in range.
+  bool weigh(int64_t b, int64_t g, int64_t lo, int64_t hi, int64_t m, const float* scores,
+             float* weighed) const {
+    const int64_t width = hi - lo;
+    float beta = 0.0f;
+    source_.for_each(b, g, lo, hi, [&](const Run& run) {
+      const int64_t from = std::max(lo, run.first), to = std::min(hi, run.first + run.count);
+      if (from >= to) return;
+      cblas_sgemm(
+          CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(m),
+          static_cast<int>(value_depth_), static_cast<int>(to - from), 1.0f, scores + (from - lo),
+          static_cast<int>(width), run.values + (from - run.first) * run.value_stride,
+          static_cast<int>(run.value_stride), beta, weighed, static_cast<int>(value_depth_));
+      beta = 1.0f;
+    });
+    return beta != 0.0f;
+  }
+
+  const Batch& batch_;
+  const Array qf_;
+  const Visibility visibility_;
+  const Columns source_;
+  const float scale_;
+  const int64_t query_heads_, queries_, depth_, columns_;
+  int64_t value_depth_ = 0, kv_heads_ = 0, group_ = 0, step_ = 0, most_ = 0;
+};
+
+Array attend(const Batch& batch, const Array& q, const KVHistory& history,
+             const AttentionMask& logical, float scale) {
+  return Attend(batch, q, history, logical, scale).run();
 }
 
 }  // namespace
@@ -234,13 +278,17 @@ Array sdpa(const Batch& batch, const Array& q, const KVHistory& history,
     }
   }
   if (!history.ragged()) return attend(batch, q, history, logical, scale);
-  // Rows of different sequences, each with its own history.
-  Array out;
-  for (int64_t b = 0; b < batch.batch_size(); ++b) {
-    const Array row =
+  // Rows of different sequences, each with its own history: one task each for the kernels'
+  // threads (each row's attention runs on one thread, so its sums are the same on any).
+  std::vector<Array> rows(static_cast<size_t>(batch.batch_size()));
+  if (rows.empty()) return {};
+  detail::parallel_for(batch.batch_size(), [&](int64_t b) {
+    rows[static_cast<size_t>(b)] =
         attend(batch.row(b), q.slice(0, b, b + 1), history.row(b), logical.for_row(b), scale);
-    if (out.empty()) out = Array::zeros(DType::f32, {q.dim(0), q.dim(1), q.dim(2), row.dim(3)});
-    out.assign_slice(0, b, row);
+  });
+  Array out = Array::zeros(DType::f32, {q.dim(0), q.dim(1), q.dim(2), rows.front().dim(3)});
+  for (int64_t b = 0; b < batch.batch_size(); ++b) {
+    out.assign_slice(0, b, rows[static_cast<size_t>(b)]);
   }
   return out;
 }

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "ops/parallel.h"
 #include "ops/visibility.h"
 
 namespace kvsnap::detail {
@@ -163,74 +164,88 @@ class DecodeAttention {
     value_head_ = any.value_chunks.front().strides()[1];
     key_stride_ = any.key_chunks.front().strides()[2];
     value_stride_ = any.value_chunks.front().strides()[2];
-    scores_.resize(rows_.size() * static_cast<size_t>(group_ * width_));
   }
 
+  // Each key/value head is one task for the kernels' threads (ops/parallel.h), with its own
+  // scratch: its outputs are its own and its sums the same on any thread.
   Array run() {
     Array out = Array::zeros(DType::f32, {q_.dim(0), query_heads_, 1, value_depth_});
-    for (int64_t g = 0; g < kv_heads_; ++g) {
-      for (const Job& job : jobs_) score(job, g);
-      for (size_t b = 0; b < rows_.size(); ++b) {
-        for (int64_t j = 0; j < group_; ++j) {
-          softmax_row(score_row(static_cast<int64_t>(b), j), width_, rows_[b].lo, rows_[b].hi);
-        }
-      }
-      for (const Job& job : jobs_) weigh(job, g, out.mutable_data<float>());
-    }
+    const int64_t threads = std::min(kv_heads_, int64_t{parallel_threads()});
+    parallel_for(threads, [&](int64_t t) {
+      Scratch scratch;
+      scratch.scores.resize(rows_.size() * static_cast<size_t>(group_ * width_));
+      for (int64_t g = t; g < kv_heads_; g += threads) head(g, scratch, out.mutable_data<float>());
+    });
     return out;
   }
 
  private:
-  // Row b's scores for query head j of the current key/value head, over columns [0, width).
-  float* score_row(int64_t b, int64_t j) { return scores_.data() + (b * group_ + j) * width_; }
+  struct Scratch {
+    std::vector<float> scores, lhs, product;
+    // Row b's scores for query head j of the current key/value head, over columns [0, width).
+    float* row(int64_t b, int64_t j, int64_t group, int64_t width) {
+      return scores.data() + (b * group + j) * width;
+    }
+  };
+
+  void head(int64_t g, Scratch& s, float* out) const {
+    for (const Job& job : jobs_) score(job, g, s);
+    for (size_t b = 0; b < rows_.size(); ++b) {
+      for (int64_t j = 0; j < group_; ++j) {
+        softmax_row(s.row(static_cast<int64_t>(b), j, group_, width_), width_, rows_[b].lo,
+                    rows_[b].hi);
+      }
+    }
+    for (const Job& job : jobs_) weigh(job, g, s, out);
+  }
 
   // Scores of the job's queries (its rows x the query heads of key/value head g) over its block.
-  void score(const Job& job, int64_t g) {
+  void score(const Job& job, int64_t g, Scratch& s) const {
     const auto m = static_cast<int64_t>(job.rows.size()) * group_;
-    lhs_.resize(static_cast<size_t>(m * depth_));
-    product_.resize(static_cast<size_t>(m * job.count));
+    s.lhs.resize(static_cast<size_t>(m * depth_));
+    s.product.resize(static_cast<size_t>(m * job.count));
     for (size_t n = 0; n < job.rows.size(); ++n) {
       for (int64_t j = 0; j < group_; ++j) {
         const float* query =
             q_.data<float>() + job.rows[n] * q_.strides()[0] + (g * group_ + j) * q_.strides()[1];
-        std::copy_n(query, depth_, lhs_.data() + (static_cast<int64_t>(n) * group_ + j) * depth_);
+        std::copy_n(query, depth_, s.lhs.data() + (static_cast<int64_t>(n) * group_ + j) * depth_);
       }
     }
     const float* keys = job.keys + g * key_head_;
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m),
-                static_cast<int>(job.count), static_cast<int>(depth_), scale_, lhs_.data(),
+                static_cast<int>(job.count), static_cast<int>(depth_), scale_, s.lhs.data(),
                 static_cast<int>(depth_), keys, static_cast<int>(key_stride_), 0.0f,
-                product_.data(), static_cast<int>(job.count));
+                s.product.data(), static_cast<int>(job.count));
     for (size_t n = 0; n < job.rows.size(); ++n) {
       const Row& r = rows_[static_cast<size_t>(job.rows[n])];
       const int64_t from = std::max(r.lo, job.first), to = std::min(r.hi, job.first + job.count);
       for (int64_t j = 0; j < group_; ++j) {
         const int64_t row = static_cast<int64_t>(n) * group_ + j;
-        std::copy_n(product_.data() + row * job.count + (from - job.first), to - from,
-                    score_row(job.rows[n], j) + from);
+        std::copy_n(s.product.data() + row * job.count + (from - job.first), to - from,
+                    s.row(job.rows[n], j, group_, width_) + from);
       }
     }
   }
 
   // out += the job's weights times its block's values (weights outside a row's view are 0).
-  void weigh(const Job& job, int64_t g, float* out) {
+  void weigh(const Job& job, int64_t g, Scratch& s, float* out) const {
     const auto m = static_cast<int64_t>(job.rows.size()) * group_;
-    lhs_.resize(static_cast<size_t>(m * job.count));
-    product_.resize(static_cast<size_t>(m * value_depth_));
+    s.lhs.resize(static_cast<size_t>(m * job.count));
+    s.product.resize(static_cast<size_t>(m * value_depth_));
     for (size_t n = 0; n < job.rows.size(); ++n) {
       for (int64_t j = 0; j < group_; ++j) {
-        std::copy_n(score_row(job.rows[n], j) + job.first, job.count,
-                    lhs_.data() + (static_cast<int64_t>(n) * group_ + j) * job.count);
+        std::copy_n(s.row(job.rows[n], j, group_, width_) + job.first, job.count,
+                    s.lhs.data() + (static_cast<int64_t>(n) * group_ + j) * job.count);
       }
     }
     const float* values = job.values + g * value_head_;
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(m),
-                static_cast<int>(value_depth_), static_cast<int>(job.count), 1.0f, lhs_.data(),
+                static_cast<int>(value_depth_), static_cast<int>(job.count), 1.0f, s.lhs.data(),
                 static_cast<int>(job.count), values, static_cast<int>(value_stride_), 0.0f,
-                product_.data(), static_cast<int>(value_depth_));
+                s.product.data(), static_cast<int>(value_depth_));
     for (size_t n = 0; n < job.rows.size(); ++n) {
       for (int64_t j = 0; j < group_; ++j) {
-        const float* add = product_.data() + (static_cast<int64_t>(n) * group_ + j) * value_depth_;
+        const float* add = s.product.data() + (static_cast<int64_t>(n) * group_ + j) * value_depth_;
         float* to = out + (job.rows[n] * query_heads_ + g * group_ + j) * value_depth_;
         for (int64_t d = 0; d < value_depth_; ++d) to[d] += add[d];
       }
@@ -243,7 +258,6 @@ class DecodeAttention {
   int64_t query_heads_ = 0, depth_ = 0, kv_heads_ = 0, value_depth_ = 0, group_ = 0, width_ = 0;
   int64_t key_head_ = 0, value_head_ = 0, key_stride_ = 0, value_stride_ = 0;
   std::vector<Job> jobs_;
-  std::vector<float> scores_, lhs_, product_;
 };
 
 }  // namespace

@@ -2,6 +2,7 @@
 // (a row's result is bitwise the same whatever rows come with it), for every row count the
 // kernel's blocking distinguishes and widths that leave partial column blocks.
 #include <gtest/gtest.h>
+#include <kvsnap/ops.h>
 
 #include <cmath>
 #include <cstring>
@@ -69,6 +70,32 @@ TEST(Matmul, ARowsResultIsBitwiseTheSameWhateverRowsComeWithIt) {
         ASSERT_EQ(std::memcmp(y.data(), alone.data() + first * s.out, y.size() * sizeof(float)), 0)
             << s.in << "x" << s.out << ": rows " << first << ".." << first + rows - 1
             << " differ from the same rows multiplied one at a time";
+      }
+    }
+  }
+}
+
+// Work split between threads (by rows for prefill sizes, by columns for decode sizes) changes no
+// bit of any result: each output is the same sum on whichever thread computes it.
+TEST(MatmulThreads, EveryThreadCountGivesBitwiseTheSameProduct) {
+  std::mt19937 rng(13);
+  for (const Shape2 s : {Shape2{256, 768}, Shape2{768, 256}, Shape2{256, 64}, Shape2{96, 1000}}) {
+    const Floats w = random_floats(static_cast<size_t>(s.in * s.out), rng);
+    for (const int64_t rows : {1, 3, 8, 48, 137}) {
+      const Floats x = random_floats(static_cast<size_t>(rows * s.in), rng);
+      const Floats base = random_floats(static_cast<size_t>(rows * s.out), rng);
+      for (const bool accumulate : {false, true}) {
+        set_threads(1);
+        Floats one = base;
+        matmul(x.data(), rows, s.in, w, s.out, one.data(), accumulate);
+        for (const int threads : {2, 3, 5}) {
+          set_threads(threads);
+          Floats y = base;
+          matmul(x.data(), rows, s.in, w, s.out, y.data(), accumulate);
+          set_threads(1);
+          ASSERT_EQ(std::memcmp(y.data(), one.data(), y.size() * sizeof(float)), 0)
+              << s.in << "x" << s.out << ", " << rows << " rows, " << threads << " threads";
+        }
       }
     }
   }

@@ -1,0 +1,162 @@
+// The kernels' worker threads (parallel.h). A region: the caller publishes the task and bumps a
+// generation; workers spinning or sleeping on it join while the region is open; everyone takes
+// task indices from one counter. The caller returns once every task is done and every worker
+// that joined has left, so the next region may reuse the fields. A worker that wakes late finds
+// the region closed and goes back to waiting: nobody ever waits for a thread that is not
+// running (a busy machine delays a region by no more than its own tasks).
+#include "ops/parallel.h"
+
+#include <fmt/format.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "kvsnap/error.h"
+#include "kvsnap/ops.h"
+
+namespace kvsnap {
+namespace detail {
+namespace {
+
+thread_local bool in_region = false;
+
+void relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+class Pool {
+ public:
+  static Pool& instance() {
+    static Pool* pool = new Pool;  // never destroyed: its workers sleep until the process ends
+    return *pool;
+  }
+
+  int threads() const { return size_.load(); }
+
+  void resize(int threads) {
+    const std::lock_guard<std::mutex> region(region_);  // waits for the region in flight
+    stop_workers();
+    const uint64_t now = generation_.load();  // no region runs: it changes with the next one
+    for (int i = 1; i < threads; ++i) workers_.emplace_back([this, now] { work(now); });
+    size_.store(threads);
+  }
+
+  void run(int64_t n, const std::function<void(int64_t)>& task) {
+    if (n <= 0) return;
+    std::unique_lock<std::mutex> region(region_, std::try_to_lock);
+    if (n == 1 || in_region || !region.owns_lock() || workers_.empty()) {
+      for (int64_t i = 0; i < n; ++i) task(i);
+      return;
+    }
+    task_ = &task;
+    n_ = n;
+    next_.store(0);
+    done_.store(0);
+    error_ = nullptr;
+    open_.store(true);
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      generation_.fetch_add(1);
+    }
+    wake_.notify_all();
+    in_region = true;
+    drain();
+    while (done_.load() < n_) relax();
+    open_.store(false);
+    while (active_.load() != 0) relax();  // joined workers leave right after the last task
+    in_region = false;
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  static constexpr int kSpins = 4000;  // ~20-40 us of pause before a worker sleeps
+
+  void drain() {
+    for (int64_t i = next_.fetch_add(1); i < n_; i = next_.fetch_add(1)) {
+      try {
+        (*task_)(i);
+      } catch (...) {
+        const std::lock_guard<std::mutex> lock(error_mutex_);
+        if (!error_) error_ = std::current_exception();
+      }
+      done_.fetch_add(1);
+    }
+  }
+
+  void work(uint64_t seen) {
+    while (true) {
+      for (int spin = 0; spin < kSpins && generation_.load() == seen && !stopping_.load(); ++spin) {
+        relax();
+      }
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return stopping_.load() || generation_.load() != seen; });
+      }
+      if (stopping_.load()) return;
+      seen = generation_.load();
+      // Join only the region `seen` names, and only while it is open (sequentially consistent:
+      // either the caller sees this worker active, or this worker sees the region closed).
+      active_.fetch_add(1);
+      if (open_.load() && generation_.load() == seen) {
+        in_region = true;
+        drain();
+        in_region = false;
+      }
+      active_.fetch_sub(1);
+    }
+  }
+
+  void stop_workers() {
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      stopping_.store(true);
+    }
+    wake_.notify_all();
+    for (std::thread& worker : workers_) worker.join();
+    workers_.clear();
+    stopping_.store(false);
+  }
+
+  std::mutex region_;  // one region at a time; held while resizing
+  std::mutex mutex_;   // with wake_: sleeping workers
+  std::condition_variable wake_;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<bool> open_{false}, stopping_{false};
+  std::atomic<int> active_{0}, size_{1};
+  std::atomic<int64_t> next_{0}, done_{0};
+  const std::function<void(int64_t)>* task_ = nullptr;
+  int64_t n_ = 0;
+  std::mutex error_mutex_;
+  std::exception_ptr error_;
+  std::vector<std::thread> workers_;
+};
+
+}  // namespace
+
+void parallel_for(int64_t n, const std::function<void(int64_t)>& task) {
+  Pool::instance().run(n, task);
+}
+
+int parallel_threads() { return in_region ? 1 : Pool::instance().threads(); }
+
+}  // namespace detail
+
+void set_threads(int threads) {
+  constexpr int kMaximum = 256;
+  if (threads < 1 || threads > kMaximum) {
+    throw Error(fmt::format("set_threads: {} threads is outside [1, {}]", threads, kMaximum));
+  }
+  detail::Pool::instance().resize(threads);
+}
+
+int threads() { return detail::Pool::instance().threads(); }
+
+}  // namespace kvsnap
