@@ -55,6 +55,11 @@ void bind_kernels(py::module_& m) {
 
 void bind_ops(py::module_& m) {
   bind_kernels(m);
+  m.def("set_threads", &set_threads, py::arg("threads"),
+        "Threads the kernels use (sdpa over a batch), the calling one included; 1 (the default) "
+        "runs everything on the calling thread. Every count gives bitwise the same results. "
+        "Raises kvsnap.Error outside [1, 256].");
+  m.def("threads", &threads, "The kernels' thread count (set_threads).");
   m.def("live_bytes", &live_bytes,
         "Bytes held by live kvsnap-allocated arrays (not wrapped ones).");
   m.def("allocation_count", &allocation_count, "Allocations of kvsnap's allocator so far.");

@@ -1,5 +1,6 @@
 """The reference kernels from Python, against numpy."""
 import numpy as np
+import pytest
 
 import kvsnap
 
@@ -37,3 +38,23 @@ def test_kernels_run_in_segments_with_carried_state(rng):
     late, [again] = kvsnap.gated_delta(q[:, 3:], k[:, 3:], v[:, 3:], g[:, 3:], beta[:, 3:], middle)
     np.testing.assert_allclose(out[:, 3:], late, rtol=1e-5)
     np.testing.assert_allclose(end, again, rtol=1e-5)
+
+
+def test_every_thread_count_gives_bitwise_the_same_attention(rng):
+    q = rng.standard_normal((3, 8, 20, 16)).astype(np.float32)
+    keys = rng.standard_normal((3, 2, 50, 16)).astype(np.float32)
+    values = rng.standard_normal((3, 2, 50, 12)).astype(np.float32)
+    history = kvsnap.KVCache().update(kvsnap.Batch.uniform(3, 50, 0), keys, values)
+    batch = kvsnap.Batch.uniform(3, 20, 30)  # the last 20 positions' queries
+    mask = kvsnap.AttentionMask.causal()
+    assert kvsnap.threads() == 1
+    one = kvsnap.sdpa(batch, q, history, mask, 0.25)
+    try:
+        kvsnap.set_threads(3)
+        assert kvsnap.threads() == 3
+        np.testing.assert_array_equal(kvsnap.sdpa(batch, q, history, mask, 0.25), one)
+    finally:
+        kvsnap.set_threads(1)
+    with pytest.raises(kvsnap.Error, match=r"set_threads: 0 threads is outside \[1, 256\]"):
+        kvsnap.set_threads(0)
+    assert kvsnap.threads() == 1
