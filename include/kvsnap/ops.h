@@ -23,7 +23,10 @@ namespace kvsnap {
 // calling thread included; 1 (the default) runs everything on the calling thread. Work is split
 // by output rows, columns or heads, never inside a sum, so results are bitwise the same for every
 // count. One parallel region runs at a time: calls from several threads at once are correct,
-// those that find the workers busy run on their own thread. Throws Error outside [1, 256].
+// those that find the workers busy run on their own thread. Throws Error outside [1, 256] or
+// when called from inside a kernel's task. Attention's products go through BLAS: with a
+// multithreaded OpenBLAS, give it one thread (OPENBLAS_NUM_THREADS=1) so the two do not
+// multiply.
 KVSNAP_EXPORT void set_threads(int threads);
 KVSNAP_EXPORT int threads();
 

@@ -2,8 +2,8 @@
 // generation; workers spinning or sleeping on it join while the region is open; everyone takes
 // task indices from one counter. The caller returns once every task is done and every worker
 // that joined has left, so the next region may reuse the fields. A worker that wakes late finds
-// the region closed and goes back to waiting: nobody ever waits for a thread that is not
-// running (a busy machine delays a region by no more than its own tasks).
+// the region closed and goes back to waiting: the caller waits only for tasks and for workers
+// that joined (spinning briefly, then yielding, so a preempted worker gets a core back).
 #include "ops/parallel.h"
 
 #include <fmt/format.h>
@@ -42,20 +42,28 @@ class Pool {
   int threads() const { return size_.load(); }
 
   void resize(int threads) {
+    if (in_region) {
+      throw Error(
+          fmt::format("set_threads: called from inside a parallel region's task (it "
+                      "would wait for the region it is part of)"));
+    }
     const std::lock_guard<std::mutex> region(region_);  // waits for the region in flight
     stop_workers();
     const uint64_t now = generation_.load();  // no region runs: it changes with the next one
-    for (int i = 1; i < threads; ++i) workers_.emplace_back([this, now] { work(now); });
+    try {
+      for (int i = 1; i < threads; ++i) workers_.emplace_back([this, now] { work(now); });
+    } catch (...) {
+      size_.store(static_cast<int>(workers_.size()) + 1);  // the threads that did start
+      throw;
+    }
     size_.store(threads);
   }
 
   void run(int64_t n, const std::function<void(int64_t)>& task) {
     if (n <= 0) return;
+    if (n == 1 || in_region) return serially(n, task);
     std::unique_lock<std::mutex> region(region_, std::try_to_lock);
-    if (n == 1 || in_region || !region.owns_lock() || workers_.empty()) {
-      for (int64_t i = 0; i < n; ++i) task(i);
-      return;
-    }
+    if (!region.owns_lock() || workers_.empty()) return serially(n, task);
     task_ = &task;
     n_ = n;
     next_.store(0);
@@ -69,15 +77,44 @@ class Pool {
     wake_.notify_all();
     in_region = true;
     drain();
-    while (done_.load() < n_) relax();
+    wait_until([&] { return done_.load() >= n_; });
     open_.store(false);
-    while (active_.load() != 0) relax();  // joined workers leave right after the last task
+    wait_until([&] { return active_.load() == 0; });  // joined workers leave after the last task
     in_region = false;
     if (error_) std::rethrow_exception(error_);
   }
 
+  // Whether a region runs now (on any thread).
+  bool busy() const { return open_.load(); }
+
  private:
-  static constexpr int kSpins = 4000;  // ~20-40 us of pause before a worker sleeps
+  static constexpr int kSpins = 2000;  // pause instructions (~10-300 us by CPU) before sleeping
+
+  // Like a region, but on this thread: every task runs, then the first exception is rethrown.
+  static void serially(int64_t n, const std::function<void(int64_t)>& task) {
+    std::exception_ptr first;
+    for (int64_t i = 0; i < n; ++i) {
+      try {
+        task(i);
+      } catch (...) {
+        if (!first) first = std::current_exception();
+      }
+    }
+    if (first) std::rethrow_exception(first);
+  }
+
+  // Spins briefly, then yields: a thread it waits for may have been preempted (more threads
+  // than cores, or a busy machine), and spinning would keep it off the core.
+  template <class Ready>
+  static void wait_until(Ready ready) {
+    for (int spin = 0; !ready(); ++spin) {
+      if (spin < kSpins) {
+        relax();
+      } else {
+        std::this_thread::yield();
+      }
+    }
+  }
 
   void drain() {
     for (int64_t i = next_.fetch_add(1); i < n_; i = next_.fetch_add(1)) {
@@ -102,6 +139,7 @@ class Pool {
       }
       if (stopping_.load()) return;
       seen = generation_.load();
+      if (!open_.load()) continue;  // woke late: the region is over (checked again below)
       // Join only the region `seen` names, and only while it is open (sequentially consistent:
       // either the caller sees this worker active, or this worker sees the region closed).
       active_.fetch_add(1);
@@ -145,7 +183,10 @@ void parallel_for(int64_t n, const std::function<void(int64_t)>& task) {
   Pool::instance().run(n, task);
 }
 
-int parallel_threads() { return in_region ? 1 : Pool::instance().threads(); }
+int parallel_threads() {
+  const Pool& pool = Pool::instance();
+  return in_region || pool.busy() ? 1 : pool.threads();
+}
 
 }  // namespace detail
 

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <fstream>
 #include <functional>
@@ -74,8 +75,17 @@ std::string encode_safetensors(const SafetensorsFile& file) {
   out.resize(at + offset);
   for (const auto& [name, array] : file.tensors) {
     if (array.size() == 0) continue;
-    // Straight from the (possibly strided) view into its place: one copy of the data.
-    Array::wrap(out.data() + at, array.dtype(), array.shape()).assign(array);
+    // Straight from the (possibly strided) view into its place: one copy of the data — unless
+    // the place is not aligned for the dtype (after a 2-byte tensor of odd size; the format
+    // has no padding), then through a compact copy.
+    char* place = out.data() + at;
+    if (reinterpret_cast<uintptr_t>(place) % static_cast<uintptr_t>(dtype_size(array.dtype())) ==
+        0) {
+      Array::wrap(place, array.dtype(), array.shape()).assign(array);
+    } else {
+      const Array compact = array.is_contiguous() ? array : array.contiguous();
+      std::memcpy(place, compact.bytes(), static_cast<size_t>(compact.nbytes()));
+    }
     at += static_cast<size_t>(array.nbytes());
   }
   return out;

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <optional>
 
 #include "tier/object.h"
 
@@ -88,39 +89,47 @@ void WriteBehind::send(WriteBatch& batch) {
   if (!options_.mac_key.empty()) {
     for (auto& [key, value] : batch.objects) append_tag(value, key, options_.mac_key);
   }
-  const Deadline deadline = std::chrono::steady_clock::now() + options_.write_timeout;
+  if (batch.objects.empty() && batch.index.empty()) return;
+  // The write timeout bounds the store's time: waiting for lookups extends the deadline.
+  Deadline deadline = std::chrono::steady_clock::now() + options_.write_timeout;
+  std::vector<std::string> accepted;
+  bool refused = false;
   WriteBatch slice;
   int64_t bytes = 0;
-  for (size_t i = 0; i < batch.objects.size(); ++i) {
-    bytes += static_cast<int64_t>(batch.objects[i].second.size());
-    slice.objects.push_back(std::move(batch.objects[i]));
-    const bool last = i + 1 == batch.objects.size();
+  for (size_t i = 0; i < batch.objects.size() || i == 0; ++i) {
+    const bool last = i + 1 >= batch.objects.size();
+    if (i < batch.objects.size()) {
+      bytes += static_cast<int64_t>(batch.objects[i].second.size());
+      slice.objects.push_back(std::move(batch.objects[i]));
+    }
     if (last) slice.index = std::move(batch.index);  // entries after every object they name
     if (!last && bytes < kSliceBytes) continue;
-    if (!send_slice(slice, deadline)) return;
+    const auto waited_from = std::chrono::steady_clock::now();
+    lookups_.wait_for_lookups(waited_from + options_.lookup_timeout);
+    deadline += std::chrono::steady_clock::now() - waited_from;
+    std::optional<int64_t> slice_refused = send_slice(slice, deadline);
+    if (!slice_refused) return;  // the store failed: the rest (and the index) is dropped
+    refused = refused || *slice_refused > 0;
+    for (auto& object : slice.objects) accepted.push_back(std::move(object.first));
     slice = {};
     bytes = 0;
   }
+  // Known only once the whole batch is in, index included: a point whose index entry was lost
+  // with a later slice must be written (and indexed) again, not skipped as known.
+  if (!refused && options_.written) options_.written(accepted);
 }
 
-bool WriteBehind::send_slice(const WriteBatch& slice, Deadline deadline) {
-  lookups_.wait_for_lookups(
-      std::min(deadline, std::chrono::steady_clock::now() + options_.lookup_timeout));
+std::optional<int64_t> WriteBehind::send_slice(const WriteBatch& slice, Deadline deadline) {
   try {
     const int64_t refused = store_->write(slice, deadline);
     counters_.store_errors += refused;
     counters_.objects_written += static_cast<int64_t>(slice.objects.size()) - refused;
     counters_.bytes_written += slice.bytes();
-    if (refused == 0 && options_.written) {
-      std::vector<std::string> keys;
-      for (const auto& object : slice.objects) keys.push_back(object.first);
-      options_.written(keys);
-    }
-    return true;
+    return refused;
   } catch (const StoreFailure& failure) {
     if (failure.reason != StoreFailure::Reason::waiting) ++counters_.store_errors;
     ++counters_.dropped_batches;
-    return false;
+    return std::nullopt;
   }
 }
 

@@ -13,6 +13,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -35,8 +36,9 @@ class LookupGate {
    private:
     LookupGate& gate_;
   };
-  // Waits until the lookups in flight now have finished (later ones are not waited for, so a
-  // stream of lookups cannot starve the writer), or until `until`.
+  // Waits until as many lookups have finished as had started now — the ones in flight now, or
+  // as many later ones (counted, not tracked: later ones cannot hold the writer for long, so a
+  // stream of lookups cannot starve it) — or until `until`.
   void wait_for_lookups(Deadline until);
 
  private:
@@ -75,8 +77,9 @@ class WriteBehind {
  private:
   void run();
   void send(WriteBatch& batch);
-  // Writes `slice`; false when the store failed (the rest of the batch is dropped).
-  bool send_slice(const WriteBatch& slice, Deadline deadline);
+  // Writes `slice`: how many objects the store refused, or nullopt when it failed (the rest of
+  // the batch is dropped).
+  std::optional<int64_t> send_slice(const WriteBatch& slice, Deadline deadline);
 
   std::unique_ptr<Store> store_;
   Options options_;

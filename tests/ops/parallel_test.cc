@@ -86,6 +86,47 @@ TEST(KernelThreads, NestedRegionsRunOnTheTasksThread) {
   EXPECT_EQ(inner.load(), 20);
 }
 
+TEST(KernelThreads, ARegionOfOneTaskLeavesThePoolToTheRegionsItStarts) {
+  const Threads threads(2);
+  std::atomic<int> together{0};
+  detail::parallel_for(1, [&](int64_t) {
+    EXPECT_EQ(detail::parallel_threads(), 2);
+    std::atomic<int> inside{0};
+    detail::parallel_for(2, [&](int64_t) {
+      ++inside;
+      for (int spin = 0; spin < 2000000 && inside.load() < 2; ++spin) std::this_thread::yield();
+      if (inside.load() == 2) ++together;
+    });
+  });
+  EXPECT_EQ(together.load(), 2);  // both inner tasks ran at the same time
+}
+
+TEST(KernelThreads, SerialRegionsAlsoRunEveryTaskBeforeRethrowing) {
+  const Threads threads(2);
+  std::atomic<int> ran{0};
+  detail::parallel_for(2, [&](int64_t) {
+    EXPECT_THROW(detail::parallel_for(6,
+                                      [&](int64_t i) {
+                                        ++ran;
+                                        if (i == 1) throw std::runtime_error("inner");
+                                      }),
+                 std::runtime_error);
+  });
+  EXPECT_EQ(ran.load(), 12);
+}
+
+TEST(KernelThreads, SetThreadsFromInsideATaskIsRefused) {
+  const Threads threads(2);
+  std::atomic<int> refused{0};
+  detail::parallel_for(2, [&](int64_t) {
+    if (throws_error([] { set_threads(3); }, {"set_threads", "inside a parallel region"})) {
+      ++refused;
+    }
+  });
+  EXPECT_EQ(refused.load(), 2);
+  EXPECT_EQ(kvsnap::threads(), 2);
+}
+
 TEST(KernelThreads, RegionsFromSeveralThreadsAtOnceAllComplete) {
   const Threads threads(2);
   std::vector<std::thread> callers;
@@ -136,9 +177,8 @@ TEST(KernelThreads, SdpaGivesBitwiseTheSameResultForEveryThreadCount) {
     const Array one = run(1);
     for (const int n : {2, 3, 7}) {
       const Array many = run(n);
-      ASSERT_EQ(std::memcmp(many.data<float>(), one.data<float>(),
-                            static_cast<size_t>(one.nbytes())),
-                0)
+      ASSERT_EQ(
+          std::memcmp(many.data<float>(), one.data<float>(), static_cast<size_t>(one.nbytes())), 0)
           << n << " threads";
     }
   }

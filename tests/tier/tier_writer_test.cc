@@ -28,12 +28,19 @@ class RecordingStore : public detail::Store {
                                                 detail::Deadline) override {
     return {};
   }
-  int64_t write(const WriteBatch& batch, detail::Deadline) override {
+  int64_t write(const WriteBatch& batch, detail::Deadline deadline) override {
     const std::lock_guard<std::mutex> lock(mutex_);
+    if (std::chrono::steady_clock::now() >= deadline) {  // as the real backends do
+      throw detail::StoreFailure("no time left", detail::StoreFailure::Reason::timed_out);
+    }
+    if (++attempts_ == fail_at) {
+      throw detail::StoreFailure("connection lost", detail::StoreFailure::Reason::failed);
+    }
     writes_.push_back(batch);
     ++write_count_;
     return 0;
   }
+  int fail_at = 0;  // the write that fails (1-based; 0: none)
   std::vector<WriteBatch> writes() {
     const std::lock_guard<std::mutex> lock(mutex_);
     return writes_;
@@ -44,6 +51,7 @@ class RecordingStore : public detail::Store {
   std::mutex mutex_;
   std::vector<WriteBatch> writes_;
   std::atomic<int> write_count_{0};
+  int attempts_ = 0;
 };
 
 WriteBatch batch_of(int objects, size_t bytes_each) {
@@ -57,14 +65,28 @@ WriteBatch batch_of(int objects, size_t bytes_each) {
 }
 
 struct Writer {
-  explicit Writer(std::chrono::milliseconds lookup_timeout) {
+  explicit Writer(std::chrono::milliseconds lookup_timeout,
+                  std::chrono::milliseconds write_timeout = std::chrono::seconds(2),
+                  int fail_at = 0) {
     auto owned = std::make_unique<RecordingStore>();
     store = owned.get();
+    store->fail_at = fail_at;
     WriteBehind::Options options;
     options.lookup_timeout = lookup_timeout;
+    options.write_timeout = write_timeout;
+    options.written = [this](const std::vector<std::string>& keys) {
+      const std::lock_guard<std::mutex> lock(mutex);
+      known.insert(known.end(), keys.begin(), keys.end());
+    };
     writer = std::make_unique<WriteBehind>(std::move(owned), options, counters);
   }
+  std::vector<std::string> known_keys() {
+    const std::lock_guard<std::mutex> lock(mutex);
+    return known;
+  }
   detail::TierCounters counters;
+  std::mutex mutex;
+  std::vector<std::string> known;
   RecordingStore* store = nullptr;
   std::unique_ptr<WriteBehind> writer;
 };
@@ -120,6 +142,47 @@ TEST(TierWriteBehind, LookupsThatStartWhileTheWriterWaitsDoNotHoldItBack) {
   first.reset();
   ASSERT_TRUE(w.writer->flush(10s));  // while `second` is still in flight
   EXPECT_EQ(w.store->write_count(), 1);
+}
+
+TEST(TierWriteBehind, AFailureMidBatchDropsTheRestAndMarksNothingKnown) {
+  Writer w(50ms, 2s, /*fail_at=*/2);
+  ASSERT_TRUE(w.writer->push(batch_of(4, static_cast<size_t>(WriteBehind::kSliceBytes))));
+  ASSERT_TRUE(w.writer->flush(10s));
+  const std::vector<WriteBatch> writes = w.store->writes();
+  ASSERT_EQ(writes.size(), 1u);  // the first slice; the second failed, the rest was dropped
+  EXPECT_TRUE(writes[0].index.empty());
+  EXPECT_EQ(w.counters.dropped_batches.load(), 1);
+  // Nothing counts as stored: the next close writes (and indexes) these objects again.
+  EXPECT_TRUE(w.known_keys().empty());
+}
+
+TEST(TierWriteBehind, ABatchWrittenWholeMarksEveryObjectKnownOnce) {
+  Writer w(50ms);
+  ASSERT_TRUE(w.writer->push(batch_of(3, static_cast<size_t>(WriteBehind::kSliceBytes))));
+  ASSERT_TRUE(w.writer->flush(10s));
+  EXPECT_EQ(w.known_keys(), (std::vector<std::string>{"object0", "object1", "object2"}));
+}
+
+TEST(TierWriteBehind, WaitingForLookupsDoesNotUseUpTheWriteTimeout) {
+  // Each of 3 slices waits 60 ms for a lookup that never ends; the store gets 100 ms.
+  Writer w(60ms, 100ms);
+  const LookupGate::Entry stuck(w.writer->lookups());
+  ASSERT_TRUE(w.writer->push(batch_of(3, static_cast<size_t>(WriteBehind::kSliceBytes))));
+  ASSERT_TRUE(w.writer->flush(10s));
+  const std::vector<WriteBatch> writes = w.store->writes();
+  ASSERT_EQ(writes.size(), 3u);
+  EXPECT_EQ(writes.back().index.size(), 2u);
+  EXPECT_EQ(w.counters.dropped_batches.load(), 0);
+}
+
+TEST(TierWriteBehind, AnIndexOnlyBatchIsSent) {
+  Writer w(50ms);
+  WriteBatch batch = batch_of(0, 0);
+  ASSERT_TRUE(w.writer->push(std::move(batch)));
+  ASSERT_TRUE(w.writer->flush(10s));
+  const std::vector<WriteBatch> writes = w.store->writes();
+  ASSERT_EQ(writes.size(), 1u);
+  EXPECT_EQ(writes[0].index.size(), 2u);
 }
 
 }  // namespace
