@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <exception>
 #include <mutex>
@@ -88,7 +89,11 @@ class Pool {
   bool busy() const { return open_.load(); }
 
  private:
-  static constexpr int kSpins = 2000;  // pause instructions (~10-300 us by CPU) before sleeping
+  // How long a worker spins for the next region before it sleeps (a forward pass starts its
+  // regions tens of microseconds apart; waking a sleeping thread costs about as much), and how
+  // many pauses the caller spins before it yields.
+  static constexpr std::chrono::microseconds kSpinTime{300};
+  static constexpr int kSpins = 2000;
 
   // Like a region, but on this thread: every task runs, then the first exception is rethrown.
   static void serially(int64_t n, const std::function<void(int64_t)>& task) {
@@ -130,8 +135,10 @@ class Pool {
 
   void work(uint64_t seen) {
     while (true) {
-      for (int spin = 0; spin < kSpins && generation_.load() == seen && !stopping_.load(); ++spin) {
+      const auto until = std::chrono::steady_clock::now() + kSpinTime;
+      for (int spin = 1; generation_.load() == seen && !stopping_.load(); ++spin) {
         relax();
+        if (spin % 64 == 0 && std::chrono::steady_clock::now() >= until) break;
       }
       {
         std::unique_lock<std::mutex> lock(mutex_);
