@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "ops/decode_kernels.h"
 #include "ops/parallel.h"
 #include "ops/visibility.h"
 
@@ -181,7 +182,9 @@ class DecodeAttention {
 
  private:
   struct Scratch {
-    std::vector<float> scores, lhs, product;
+    std::vector<float> scores, tile, lhs, product;
+    std::vector<const float*> queries;
+    std::vector<float*> outputs;
     // Row b's scores for query head j of the current key/value head, over columns [0, width).
     float* row(int64_t b, int64_t j, int64_t group, int64_t width) {
       return scores.data() + (b * group + j) * width;
@@ -199,8 +202,45 @@ class DecodeAttention {
     for (const Job& job : jobs_) weigh(job, g, s, out);
   }
 
-  // Scores of the job's queries (its rows x the query heads of key/value head g) over its block.
+  // Scores of the job's queries (its rows x the query heads of key/value head g) over its
+  // columns, straight into each query's score row (columns a row does not see are overwritten
+  // by its softmax with 0): decode_kernels.h where the CPU has them, else BLAS.
   void score(const Job& job, int64_t g, Scratch& s) const {
+    if (!decode_kernels_available()) return score_blas(job, g, s);
+    s.queries.clear();
+    s.outputs.clear();
+    for (const int64_t b : job.rows) {
+      for (int64_t j = 0; j < group_; ++j) {
+        s.queries.push_back(q_.data<float>() + b * q_.strides()[0] +
+                            (g * group_ + j) * q_.strides()[1]);
+        s.outputs.push_back(s.row(b, j, group_, width_) + job.first);
+      }
+    }
+    decode_scores(s.queries.data(), static_cast<int64_t>(s.queries.size()), depth_,
+                  job.keys + g * key_head_, key_stride_, job.count, scale_, s.outputs.data(),
+                  s.tile);
+  }
+
+  // out += the job's weights times its columns' values (weights outside a row's view are 0);
+  // with decode_kernels.h column after column onto what each output holds, so a row's result
+  // does not depend on which rows share its blocks.
+  void weigh(const Job& job, int64_t g, Scratch& s, float* out) const {
+    if (!decode_kernels_available()) return weigh_blas(job, g, s, out);
+    s.queries.clear();
+    s.outputs.clear();
+    for (const int64_t b : job.rows) {
+      for (int64_t j = 0; j < group_; ++j) {
+        s.queries.push_back(s.row(b, j, group_, width_) + job.first);
+        s.outputs.push_back(out + (b * query_heads_ + g * group_ + j) * value_depth_);
+      }
+    }
+    decode_weigh(s.queries.data(), static_cast<int64_t>(s.queries.size()),
+                 job.values + g * value_head_, value_stride_, job.count, value_depth_,
+                 s.outputs.data());
+  }
+
+  // Scores of the job's queries (its rows x the query heads of key/value head g) over its block.
+  void score_blas(const Job& job, int64_t g, Scratch& s) const {
     const auto m = static_cast<int64_t>(job.rows.size()) * group_;
     s.lhs.resize(static_cast<size_t>(m * depth_));
     s.product.resize(static_cast<size_t>(m * job.count));
@@ -228,7 +268,7 @@ class DecodeAttention {
   }
 
   // out += the job's weights times its block's values (weights outside a row's view are 0).
-  void weigh(const Job& job, int64_t g, Scratch& s, float* out) const {
+  void weigh_blas(const Job& job, int64_t g, Scratch& s, float* out) const {
     const auto m = static_cast<int64_t>(job.rows.size()) * group_;
     s.lhs.resize(static_cast<size_t>(m * job.count));
     s.product.resize(static_cast<size_t>(m * value_depth_));

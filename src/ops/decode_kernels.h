@@ -1,0 +1,32 @@
+// Internal: the two products of decode attention over one run of key/value columns, for a set of
+// queries that all see it (the query heads of one key/value head, for every row whose history
+// holds the run): scores = scale * Q K^T, then out += P V.
+//
+// Each result is one sum in a fixed order — scores over the depth from zero, outputs over the
+// columns onto what the output holds — so a query's result does not depend on which other
+// queries share the product: a row's decode attention is the same whether its prefix blocks are
+// shared with seven other rows or not. Keys and values are read in place (no packing): a run is
+// read once for all the queries, in register tiles of up to 16 of them. Built for AVX-512 only
+// (decode_kernels_available()); elsewhere decode attention keeps its BLAS products.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace kvsnap::detail {
+
+// Whether this CPU runs the kernels below (AVX-512F); callers use BLAS otherwise.
+bool decode_kernels_available();
+
+// scores[i][c] = scale * sum_d queries[i][d] * keys[c * key_stride + d], for c in [0, count) and
+// i in [0, m); each queries[i] holds `depth` floats. `scratch` is reused between calls.
+void decode_scores(const float* const* queries, int64_t m, int64_t depth, const float* keys,
+                   int64_t key_stride, int64_t count, float scale, float* const* scores,
+                   std::vector<float>& scratch);
+
+// out[i][v] += sum_c weights[i][c] * values[c * value_stride + v], for v in [0, value_depth),
+// the columns c in [0, count) added in order.
+void decode_weigh(const float* const* weights, int64_t m, const float* values, int64_t value_stride,
+                  int64_t count, int64_t value_depth, float* const* out);
+
+}  // namespace kvsnap::detail

@@ -1,0 +1,122 @@
+// Decode attention's AVX-512 products: right against double precision, and a query's scores and
+// output bitwise the same whatever queries share the product and wherever it sits among them
+// (skipped on CPUs without AVX-512, where decode attention uses BLAS).
+#include "ops/decode_kernels.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+namespace kvsnap::detail {
+namespace {
+
+std::vector<float> random_floats(size_t n, std::mt19937& rng) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> out(n);
+  for (float& v : out) v = normal(rng);
+  return out;
+}
+
+struct Case {
+  int64_t depth, count, value_depth, stride_pad;
+};
+
+TEST(DecodeKernels, ScoresAndOutputsEqualTheDoublePrecisionProducts) {
+  if (!decode_kernels_available()) GTEST_SKIP() << "no AVX-512 on this CPU";
+  std::mt19937 rng(21);
+  std::vector<float> tile;
+  for (const Case k : {Case{32, 100, 32, 0}, Case{7, 13, 40, 3}, Case{32, 1, 12, 5}}) {
+    for (const int64_t m : {1, 3, 4, 5, 16, 17, 33}) {
+      const int64_t key_stride = k.depth + k.stride_pad,
+                    value_stride = k.value_depth + k.stride_pad;
+      const auto q = random_floats(static_cast<size_t>(m * k.depth), rng);
+      const auto keys = random_floats(static_cast<size_t>(k.count * key_stride), rng);
+      const auto values = random_floats(static_cast<size_t>(k.count * value_stride), rng);
+      std::vector<float> scores(static_cast<size_t>(m * k.count), -1.0f);
+      auto out = random_floats(static_cast<size_t>(m * k.value_depth), rng);
+      const auto before = out;
+      std::vector<const float*> queries, weights;
+      std::vector<float*> score_rows, out_rows;
+      for (int64_t i = 0; i < m; ++i) {
+        queries.push_back(q.data() + i * k.depth);
+        score_rows.push_back(scores.data() + i * k.count);
+        weights.push_back(scores.data() + i * k.count);
+        out_rows.push_back(out.data() + i * k.value_depth);
+      }
+      decode_scores(queries.data(), m, k.depth, keys.data(), key_stride, k.count, 0.5f,
+                    score_rows.data(), tile);
+      for (int64_t i = 0; i < m; ++i) {
+        for (int64_t c = 0; c < k.count; ++c) {
+          double want = 0, magnitude = 0;
+          for (int64_t d = 0; d < k.depth; ++d) {
+            want += 0.5 * double(q[i * k.depth + d]) * keys[c * key_stride + d];
+            magnitude += std::abs(0.5 * double(q[i * k.depth + d]) * keys[c * key_stride + d]);
+          }
+          ASSERT_NEAR(scores[i * k.count + c], want, 1e-6 * magnitude + 1e-7) << m << " " << i;
+        }
+      }
+      decode_weigh(weights.data(), m, values.data(), value_stride, k.count, k.value_depth,
+                   out_rows.data());
+      for (int64_t i = 0; i < m; ++i) {
+        for (int64_t v = 0; v < k.value_depth; ++v) {
+          double want = before[i * k.value_depth + v], magnitude = std::abs(want);
+          for (int64_t c = 0; c < k.count; ++c) {
+            const double term = double(scores[i * k.count + c]) * values[c * value_stride + v];
+            want += term;
+            magnitude += std::abs(term);
+          }
+          ASSERT_NEAR(out[i * k.value_depth + v], want, 1e-6 * magnitude + 1e-7) << m << " " << i;
+        }
+      }
+    }
+  }
+}
+
+TEST(DecodeKernels, AQuerysResultIsBitwiseTheSameWhateverQueriesShareTheProduct) {
+  if (!decode_kernels_available()) GTEST_SKIP() << "no AVX-512 on this CPU";
+  std::mt19937 rng(22);
+  std::vector<float> tile;
+  const int64_t depth = 32, count = 37, value_depth = 32, most = 35;
+  const auto q = random_floats(static_cast<size_t>(most * depth), rng);
+  const auto keys = random_floats(static_cast<size_t>(count * depth), rng);
+  const auto values = random_floats(static_cast<size_t>(count * value_depth), rng);
+  // scores, then outputs, of queries [first, first + m) computed together
+  const auto run = [&](int64_t first, int64_t m) {
+    std::vector<float> scores(static_cast<size_t>(m * count)),
+        out(static_cast<size_t>(m * value_depth));
+    std::vector<const float*> queries, weights;
+    std::vector<float*> score_rows, out_rows;
+    for (int64_t i = 0; i < m; ++i) {
+      queries.push_back(q.data() + (first + i) * depth);
+      score_rows.push_back(scores.data() + i * count);
+      weights.push_back(scores.data() + i * count);
+      out_rows.push_back(out.data() + i * value_depth);
+    }
+    decode_scores(queries.data(), m, depth, keys.data(), depth, count, 0.25f, score_rows.data(),
+                  tile);
+    decode_weigh(weights.data(), m, values.data(), value_depth, count, value_depth,
+                 out_rows.data());
+    scores.insert(scores.end(), out.begin(), out.end());
+    return scores;
+  };
+  for (int64_t i = 0; i < most; ++i) {
+    const auto alone = run(i, 1);
+    for (const auto& [first, m] :
+         {std::pair<int64_t, int64_t>{0, most}, {i, most - i}, {0, i + 1}}) {
+      const auto together = run(first, m);
+      const int64_t at = i - first;
+      ASSERT_EQ(std::memcmp(together.data() + at * count, alone.data(), count * sizeof(float)), 0)
+          << "scores of query " << i << " among " << m;
+      ASSERT_EQ(std::memcmp(together.data() + m * count + at * value_depth, alone.data() + count,
+                            value_depth * sizeof(float)),
+                0)
+          << "output of query " << i << " among " << m;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvsnap::detail
