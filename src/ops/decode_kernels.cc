@@ -17,6 +17,14 @@
 namespace kvsnap::detail {
 namespace {
 
+// The kernels this CPU runs; null where it has no AVX-512.
+struct Kernels {
+  void (*scores)(const float* const*, int64_t, int64_t, const float*, int64_t, int64_t, float,
+                 float* const*, float*) = nullptr;
+  void (*weigh)(const float* const*, int64_t, const float*, int64_t, int64_t, int64_t,
+                float* const*) = nullptr;
+};
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 [[gnu::target("avx512f,fma")]] void scores_avx512(const float* const* q, int64_t m, int64_t depth,
                                                   const float* keys, int64_t stride, int64_t count,
@@ -107,24 +115,11 @@ template <int T>
   }
 }
 
-struct Kernels {
-  void (*scores)(const float* const*, int64_t, int64_t, const float*, int64_t, int64_t, float,
-                 float* const*, float*) = nullptr;
-  void (*weigh)(const float* const*, int64_t, const float*, int64_t, int64_t, int64_t,
-                float* const*) = nullptr;
-};
-
 Kernels pick() {
   if (vector_isa() == VectorIsa::avx512) return {scores_avx512, weigh_avx512};
   return {};
 }
 #else
-struct Kernels {
-  void (*scores)(const float* const*, int64_t, int64_t, const float*, int64_t, int64_t, float,
-                 float* const*, float*) = nullptr;
-  void (*weigh)(const float* const*, int64_t, const float*, int64_t, int64_t, int64_t,
-                float* const*) = nullptr;
-};
 Kernels pick() { return {}; }
 #endif
 

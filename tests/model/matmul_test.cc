@@ -9,16 +9,12 @@
 #include <random>
 
 #include "model/weights.h"
+#include "support/test_support.h"
 
 namespace kvsnap::detail {
 namespace {
 
-Floats random_floats(size_t n, std::mt19937& rng) {
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  Floats out(n);
-  for (float& v : out) v = normal(rng);
-  return out;
-}
+using kvsnap::testing::random_floats;
 
 struct Shape2 {
   int64_t in, out;

@@ -10,15 +10,12 @@
 #include <random>
 #include <vector>
 
+#include "support/test_support.h"
+
 namespace kvsnap::detail {
 namespace {
 
-std::vector<float> random_floats(size_t n, std::mt19937& rng) {
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<float> out(n);
-  for (float& v : out) v = normal(rng);
-  return out;
-}
+using kvsnap::testing::random_floats;
 
 struct Case {
   int64_t depth, count, value_depth, stride_pad;
