@@ -23,7 +23,8 @@ using kvsnap::detail::Floats;
 constexpr int64_t kIn = 256, kOut = 768, kMatrices = 24;
 
 struct Inputs {
-  std::vector<Floats> weights;
+  std::vector<Floats> weights;                       // row-major, for OpenBLAS
+  std::vector<kvsnap::detail::PackedMatrix> packed;  // the same, as the model holds them
   Floats x, y;
   Inputs() : x(512 * kIn), y(512 * kOut) {
     std::mt19937 rng(1);
@@ -31,6 +32,7 @@ struct Inputs {
     for (int64_t m = 0; m < kMatrices; ++m) {
       Floats w(kIn * kOut);
       for (float& v : w) v = normal(rng);
+      packed.emplace_back(w, kIn, kOut);
       weights.push_back(std::move(w));
     }
     for (float& v : x) v = normal(rng);
@@ -68,7 +70,7 @@ void run(benchmark::State& state, Product product) {
   int64_t i = 0;
   const auto start = std::chrono::steady_clock::now();
   for (auto _ : state) {
-    product(rows, in.weights[static_cast<size_t>(i++ % kMatrices)], in);
+    product(rows, static_cast<size_t>(i++ % kMatrices), in);
     benchmark::DoNotOptimize(in.y.data());
     benchmark::ClobberMemory();
   }
@@ -81,13 +83,14 @@ void run(benchmark::State& state, Product product) {
 }
 
 void BM_ModelMatmul(benchmark::State& state) {
-  run(state, [](int64_t rows, const Floats& w, Inputs& in) {
-    kvsnap::detail::matmul(in.x.data(), rows, kIn, w, kOut, in.y.data());
+  run(state, [](int64_t rows, size_t m, Inputs& in) {
+    kvsnap::detail::matmul(in.x.data(), rows, in.packed[m], in.y.data());
   });
 }
 
 void BM_OpenBLAS(benchmark::State& state) {
-  run(state, [](int64_t rows, const Floats& w, Inputs& in) {
+  run(state, [](int64_t rows, size_t m, Inputs& in) {
+    const Floats& w = in.weights[m];
     if (rows == 1) {
       cblas_sgemv(CblasRowMajor, CblasTrans, kIn, kOut, 1.0f, w.data(), kOut, in.x.data(), 1, 0.0f,
                   in.y.data(), 1);

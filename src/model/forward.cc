@@ -125,9 +125,9 @@ void attention_block(const ModelWeights& w, const LayerWeights& l, Attention& ca
   const int64_t q_width = c.query_heads * c.head_dim, kv_width = c.kv_heads * c.head_dim;
   Floats q(static_cast<size_t>(tokens * q_width)), k(static_cast<size_t>(tokens * kv_width)),
       v(static_cast<size_t>(tokens * kv_width));
-  matmul(h.data(), tokens, c.hidden, l.wq, q_width, q.data());
-  matmul(h.data(), tokens, c.hidden, l.wk, kv_width, k.data());
-  matmul(h.data(), tokens, c.hidden, l.wv, kv_width, v.data());
+  matmul(h.data(), tokens, l.packed.wq, q.data());
+  matmul(h.data(), tokens, l.packed.wk, k.data());
+  matmul(h.data(), tokens, l.packed.wv, v.data());
   rope(q, group, c.query_heads, c.head_dim, c.rope_theta);
   rope(k, group, c.kv_heads, c.head_dim, c.rope_theta);
   const KVHistory history =
@@ -137,7 +137,7 @@ void attention_block(const ModelWeights& w, const LayerWeights& l, Attention& ca
       l.kind == 'A' ? AttentionMask::causal() : AttentionMask::sliding_window(c.window);
   const Array out = sdpa(group.batch, to_heads(q, rows, length, c.query_heads, c.head_dim), history,
                          mask, 1.0f / std::sqrt(static_cast<float>(c.head_dim)));
-  matmul(from_heads(out).data(), tokens, q_width, l.wo, c.hidden, x, /*accumulate=*/true);
+  matmul(from_heads(out).data(), tokens, l.packed.wo, x, /*accumulate=*/true);
 }
 
 void recurrent_block(const ModelWeights& w, const LayerWeights& l, RecurrentCache& cache,
@@ -147,10 +147,10 @@ void recurrent_block(const ModelWeights& w, const LayerWeights& l, RecurrentCach
   const int64_t channels = w.conv_dim(), value_heads = c.delta_value_heads,
                 key_heads = c.delta_key_heads, depth = c.delta_head_dim;
   Floats mixed(static_cast<size_t>(tokens * channels));
-  matmul(h.data(), tokens, c.hidden, l.wqkv, channels, mixed.data());
+  matmul(h.data(), tokens, l.packed.wqkv, mixed.data());
   Floats gate(static_cast<size_t>(tokens * value_heads)), rate(gate.size());
-  matmul(h.data(), tokens, c.hidden, l.wa, value_heads, gate.data());
-  matmul(h.data(), tokens, c.hidden, l.wb, value_heads, rate.data());
+  matmul(h.data(), tokens, l.packed.wa, gate.data());
+  matmul(h.data(), tokens, l.packed.wb, rate.data());
   for (int64_t r = 0; r < tokens; ++r) {
     for (int64_t hv = 0; hv < value_heads; ++hv) {
       float& g = gate[static_cast<size_t>(r * value_heads + hv)];
@@ -187,17 +187,17 @@ void recurrent_block(const ModelWeights& w, const LayerWeights& l, RecurrentCach
     states[static_cast<size_t>(b)] = {std::move(conv.tails), std::move(delta.states)};
   }
   cache.put(group.batch, states);
-  matmul(output.data(), tokens, value_width, l.wo, c.hidden, x, /*accumulate=*/true);
+  matmul(output.data(), tokens, l.packed.wo, x, /*accumulate=*/true);
 }
 
 void mlp_block(const ModelWeights& w, const LayerWeights& l, int64_t tokens, const Floats& h,
                float* x) {
   const ModelConfig& c = w.config;
   Floats gate(static_cast<size_t>(tokens * c.mlp_hidden)), up(gate.size());
-  matmul(h.data(), tokens, c.hidden, l.w_gate, c.mlp_hidden, gate.data());
-  matmul(h.data(), tokens, c.hidden, l.w_up, c.mlp_hidden, up.data());
+  matmul(h.data(), tokens, l.packed.w_gate, gate.data());
+  matmul(h.data(), tokens, l.packed.w_up, up.data());
   for (size_t i = 0; i < gate.size(); ++i) gate[i] = silu(gate[i]) * up[i];
-  matmul(gate.data(), tokens, c.mlp_hidden, l.w_down, c.hidden, x, /*accumulate=*/true);
+  matmul(gate.data(), tokens, l.packed.w_down, x, /*accumulate=*/true);
 }
 
 }  // namespace detail
@@ -317,7 +317,7 @@ Array Model::forward(std::span<const Chunk> chunks, std::span<Cache* const> cach
   const detail::Floats h =
       detail::rms_norm(picked.data(), out_rows, hidden, w.final_norm, c.rms_eps);
   Array logits = Array::uninitialized(DType::f32, {out_rows, c.vocab_size});
-  detail::matmul(h.data(), out_rows, hidden, w.head, c.vocab_size, logits.mutable_data<float>());
+  detail::matmul(h.data(), out_rows, w.head, logits.mutable_data<float>());
   return logits;
 }
 

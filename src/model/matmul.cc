@@ -1,5 +1,5 @@
-// The built-in model's matrix products y = x W (W row-major [in, out]): a register-blocked kernel
-// that reads W in place, for every row count.
+// The built-in model's matrix products y = x W: register-blocked kernels that stream W's column
+// panels (PackedMatrix, weights.h) once for a block of rows, for every row count.
 //
 // Why not cblas_sgemm: (1) batch invariance — every output element is one sum over k in order,
 // whatever the number of rows and wherever a row sits in the batch, so a sequence's projections
@@ -7,13 +7,20 @@
 // parallel replay agrees with the sequential one up to attention alone; sgemm (and sgemv for one
 // row) change their blocking and so their rounding with the row count. (2) Speed at the sizes a
 // decode step has: sgemm packs all of W on every call, which costs more than a product of a few
-// rows (bench/matmul_benchmarks.cc measures both against a memcpy of W).
+// rows (bench/matmul_benchmarks.cc measures both against a memcpy of W). W is packed once, when
+// the weights are set.
 //
-// Every multiply-add is written out (std::fma where the chosen variant has FMA, a * b + c in the
-// default one, and the file is built with -ffp-contract=off), so no compiler heuristic can fuse
-// one instantiation's sums and not another's.
+// Every multiply-add is written out (fused where the chosen variant has FMA: std::fma, or
+// _mm512_fmadd_ps lane by lane; a * b + c in the default one, and the file is built with
+// -ffp-contract=off), so no compiler heuristic can fuse one instantiation's sums and not
+// another's; the AVX-512 variant's intrinsics compute exactly the AVX2 variant's sums.
 #include <algorithm>
 #include <cmath>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define KVSNAP_MATMUL_X86 1
+#endif
 
 #include "model/weights.h"
 #include "ops/parallel.h"
@@ -22,87 +29,151 @@
 namespace kvsnap::detail {
 namespace {
 
-// Rows [0, R) of y, output columns [j, j + W): R x W sums held in registers while k runs over
-// W's rows in order, from zero; each weight is loaded once for all R rows. Accumulating adds the
-// finished sum to y (adding each product to a large residual instead would round 256+ times).
+constexpr int64_t kPanel = PackedMatrix::kPanel;
+
 template <bool Fused>
 [[gnu::always_inline]] inline float madd(float a, float b, float c) {
   return Fused ? std::fma(a, b, c) : a * b + c;  // this file: -ffp-contract=off
 }
 
-template <bool Fused, int R, int W>
-[[gnu::always_inline]] inline void block(const float* x, int64_t in, const float* w, int64_t out,
-                                         float* y, int64_t j, bool accumulate) {
-  float sum[R][W];
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < W; ++c) sum[r][c] = 0.0f;
+// Where a block writes: y[r * out + j + c] for its rows r and columns j + c. Accumulating adds
+// the finished sum to y (adding each product to a large residual instead would round 256+ times).
+struct Out {
+  float* y;
+  int64_t out;
+  bool accumulate;
+  [[gnu::always_inline]] void put(int64_t r, int64_t column, float sum) const {
+    float& to = y[r * out + column];
+    to = accumulate ? to + sum : sum;
   }
-  for (int64_t k = 0; k < in; ++k) {
-    const float* wk = w + k * out + j;
-    for (int r = 0; r < R; ++r) {
-      const float xr = x[r * in + k];
-      for (int c = 0; c < W; ++c) sum[r][c] = madd<Fused>(xr, wk[c], sum[r][c]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < W; ++c) {
-      float& to = y[r * out + j + c];
-      to = accumulate ? to + sum[r][c] : sum[r][c];
-    }
-  }
-}
+};
 
-// Rows [0, R) of y, columns [first, last): blocks of W columns (wide blocks keep enough sums in
-// flight when R is small), then of 32, then one column at a time — each the same sum in the same
-// order, so how columns are split (into blocks, or between threads) never changes a result.
-template <bool Fused, int R, int W>
-[[gnu::always_inline]] inline void rows(const float* x, int64_t in, const float* w, int64_t out,
-                                        float* y, int64_t first, int64_t last, bool accumulate) {
-  int64_t j = first;
-  for (; j + W <= last; j += W) block<Fused, R, W>(x, in, w, out, y, j, accumulate);
-  for (; j + 32 <= last; j += 32) block<Fused, R, 32>(x, in, w, out, y, j, accumulate);
-  for (; j < last; ++j) block<Fused, R, 1>(x, in, w, out, y, j, accumulate);
-}
-
+// Portable blocks (the compiler vectorizes them for the chosen target).
 template <bool Fused>
-[[gnu::always_inline]] inline void product(const float* x, int64_t count, int64_t in,
-                                           const float* w, int64_t out, float* y, int64_t first,
-                                           int64_t last, bool accumulate) {
+struct Portable {
+  // Rows [0, R) by P full panels starting at column j: R x P * kPanel sums held while k runs
+  // over W's rows in order, from zero; each weight is loaded once for all R rows.
+  template <int R, int P>
+  [[gnu::always_inline]] static void panels(const float* x, int64_t in, const float* panel, Out y,
+                                            int64_t j) {
+    float sum[R][P * kPanel];
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < P * kPanel; ++c) sum[r][c] = 0.0f;
+    }
+    for (int64_t k = 0; k < in; ++k) {
+      for (int p = 0; p < P; ++p) {
+        const float* wk = panel + p * in * kPanel + k * kPanel;
+        for (int r = 0; r < R; ++r) {
+          const float xr = x[r * in + k];
+          for (int c = 0; c < kPanel; ++c) {
+            sum[r][p * kPanel + c] = madd<Fused>(xr, wk[c], sum[r][p * kPanel + c]);
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < P * kPanel; ++c) y.put(r, j + c, sum[r][c]);
+    }
+  }
+};
+
+// The last, narrower panel (width < kPanel) one column at a time: the same sums.
+template <bool Fused, int R>
+[[gnu::always_inline]] inline void narrow_panel(const float* x, int64_t in, const float* panel,
+                                                int64_t width, Out y, int64_t j) {
+  for (int64_t c = 0; c < width; ++c) {
+    float sum[R] = {};
+    for (int64_t k = 0; k < in; ++k) {
+      const float w = panel[k * width + c];
+      for (int r = 0; r < R; ++r) sum[r] = madd<Fused>(x[r * in + k], w, sum[r]);
+    }
+    for (int r = 0; r < R; ++r) y.put(r, j + c, sum[r]);
+  }
+}
+
+#ifdef KVSNAP_MATMUL_X86
+// The same blocks in AVX-512 intrinsics (a compiler's auto-vectorization of Portable keeps the
+// sums in registers at some optimization levels and not at others): lane c of sum[r][v] is
+// the Portable sum of row r, column j + 16 v + c. Not inlined into the portable loops that call
+// it (a function compiled for another target cannot be); a call per block of in x P * kPanel
+// weights costs nothing measurable.
+struct Avx512 {
+  template <int R, int P>
+  [[gnu::target("avx512f,fma"), gnu::noinline]] static void panels(const float* x, int64_t in,
+                                                                   const float* panel, Out y,
+                                                                   int64_t j) {
+    __m512 sum[R][2 * P];
+    for (int r = 0; r < R; ++r) {
+      for (int v = 0; v < 2 * P; ++v) sum[r][v] = _mm512_setzero_ps();
+    }
+    for (int64_t k = 0; k < in; ++k) {
+      __m512 w[2 * P];
+      for (int p = 0; p < P; ++p) {
+        const float* wk = panel + p * in * kPanel + k * kPanel;
+        w[2 * p] = _mm512_loadu_ps(wk);
+        w[2 * p + 1] = _mm512_loadu_ps(wk + 16);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 xr = _mm512_set1_ps(x[r * in + k]);
+        for (int v = 0; v < 2 * P; ++v) sum[r][v] = _mm512_fmadd_ps(xr, w[v], sum[r][v]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int v = 0; v < 2 * P; ++v) {
+        float* to = y.y + r * y.out + j + 16 * v;
+        _mm512_storeu_ps(to,
+                         y.accumulate ? _mm512_add_ps(_mm512_loadu_ps(to), sum[r][v]) : sum[r][v]);
+      }
+    }
+  }
+};
+#endif
+
+// Rows [0, R) of y, columns [first, last) (first a multiple of kPanel; last one too, or the
+// matrix's end): P panels at a time (several keep enough sums in flight when R is small), then
+// one, then the narrow last panel — each column the same sum in the same order, so how columns
+// are split (into blocks, or between threads) never changes a result.
+template <class Blocks, bool Fused, int R, int P>
+[[gnu::always_inline]] inline void rows(const float* x, const PackedMatrix& w, Out y, int64_t first,
+                                        int64_t last) {
+  const int64_t in = w.in(), full = first + (last - first) / kPanel * kPanel;
+  int64_t j = first;
+  for (; j + P * kPanel <= full; j += P * kPanel) {
+    Blocks::template panels<R, P>(x, in, w.panel(j), y, j);
+  }
+  for (; j < full; j += kPanel) Blocks::template panels<R, 1>(x, in, w.panel(j), y, j);
+  if (j < last) narrow_panel<Fused, R>(x, in, w.panel(j), last - j, y, j);
+}
+
+template <class Blocks, bool Fused>
+[[gnu::always_inline]] inline void product(const float* x, int64_t count, const PackedMatrix& w,
+                                           Out y, int64_t first, int64_t last) {
+  const int64_t in = w.in(), out = y.out;
+  const auto at = [&](int64_t r) { return Out{y.y + r * out, out, y.accumulate}; };
   int64_t r = 0;
-  for (; r + 8 <= count; r += 8) {
-    rows<Fused, 8, 32>(x + r * in, in, w, out, y + r * out, first, last, accumulate);
-  }
-  for (; r + 4 <= count; r += 4) {
-    rows<Fused, 4, 64>(x + r * in, in, w, out, y + r * out, first, last, accumulate);
-  }
-  for (; r + 2 <= count; r += 2) {
-    rows<Fused, 2, 64>(x + r * in, in, w, out, y + r * out, first, last, accumulate);
-  }
-  for (; r < count; ++r) {
-    rows<Fused, 1, 128>(x + r * in, in, w, out, y + r * out, first, last, accumulate);
-  }
+  for (; r + 8 <= count; r += 8) rows<Blocks, Fused, 8, 1>(x + r * in, w, at(r), first, last);
+  for (; r + 4 <= count; r += 4) rows<Blocks, Fused, 4, 3>(x + r * in, w, at(r), first, last);
+  for (; r + 2 <= count; r += 2) rows<Blocks, Fused, 2, 4>(x + r * in, w, at(r), first, last);
+  for (; r < count; ++r) rows<Blocks, Fused, 1, 4>(x + r * in, w, at(r), first, last);
 }
 
-using Product = void (*)(const float*, int64_t, int64_t, const float*, int64_t, float*, int64_t,
-                         int64_t, bool);
+using Product = void (*)(const float*, int64_t, const PackedMatrix&, Out, int64_t, int64_t);
 
-void product_default(const float* x, int64_t count, int64_t in, const float* w, int64_t out,
-                     float* y, int64_t first, int64_t last, bool accumulate) {
-  product<false>(x, count, in, w, out, y, first, last, accumulate);
+void product_default(const float* x, int64_t count, const PackedMatrix& w, Out y, int64_t first,
+                     int64_t last) {
+  product<Portable<false>, false>(x, count, w, y, first, last);
 }
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-// The same kernel compiled for wider vectors with explicit fused multiply-adds, chosen once by
-// what the CPU supports (one binary runs everywhere).
-[[gnu::target("avx512f,fma")]] void product_avx512(const float* x, int64_t count, int64_t in,
-                                                   const float* w, int64_t out, float* y,
-                                                   int64_t first, int64_t last, bool accumulate) {
-  product<true>(x, count, in, w, out, y, first, last, accumulate);
+#ifdef KVSNAP_MATMUL_X86
+// Variants chosen once by what the CPU supports (one binary runs everywhere).
+[[gnu::target("avx512f,fma")]] void product_avx512(const float* x, int64_t count,
+                                                   const PackedMatrix& w, Out y, int64_t first,
+                                                   int64_t last) {
+  product<Avx512, true>(x, count, w, y, first, last);
 }
-[[gnu::target("avx2,fma")]] void product_avx2(const float* x, int64_t count, int64_t in,
-                                              const float* w, int64_t out, float* y, int64_t first,
-                                              int64_t last, bool accumulate) {
-  product<true>(x, count, in, w, out, y, first, last, accumulate);
+[[gnu::target("avx2,fma")]] void product_avx2(const float* x, int64_t count, const PackedMatrix& w,
+                                              Out y, int64_t first, int64_t last) {
+  product<Portable<true>, true>(x, count, w, y, first, last);
 }
 Product pick() {
   switch (vector_isa()) {
@@ -121,12 +192,13 @@ Product pick() { return product_default; }
 
 }  // namespace
 
-void matmul(const float* x, int64_t rows, int64_t in, const Floats& w, int64_t out, float* y,
-            bool accumulate) {
+void matmul(const float* x, int64_t rows, const PackedMatrix& w, float* y, bool accumulate) {
   static const Product chosen = pick();
+  const int64_t in = w.in(), out = w.out();
+  const Out to{y, out, accumulate};
   // Split between the kernels' threads (ops/parallel.h) when there is enough work: prefill-sized
-  // products by rows (8-row blocks), decode-sized ones by columns (each thread reads its part of
-  // W). A row's sums are the same whichever thread computes them.
+  // products by rows (8-row blocks), decode-sized ones by columns (each thread reads its panels
+  // of W). A row's sums are the same whichever thread computes them.
   constexpr int64_t kMinimumWork = int64_t(1) << 17;  // multiply-adds; below, a region costs more
   const int64_t threads = parallel_threads();
   const int64_t work = rows * in * out;
@@ -135,20 +207,20 @@ void matmul(const float* x, int64_t rows, int64_t in, const Floats& w, int64_t o
     parallel_for(threads, [&](int64_t t) {
       const int64_t first = blocks * t / threads * 8,
                     last = std::min(rows, blocks * (t + 1) / threads * 8);
-      chosen(x + first * in, last - first, in, w.data(), out, y + first * out, 0, out, accumulate);
+      chosen(x + first * in, last - first, w, Out{y + first * out, out, accumulate}, 0, out);
     });
     return;
   }
-  if (threads > 1 && work >= kMinimumWork && out >= 64 * threads) {
-    const int64_t blocks = (out + 31) / 32;
+  if (threads > 1 && work >= kMinimumWork && out >= 2 * kPanel * threads) {
+    const int64_t panels = (out + kPanel - 1) / kPanel;
     parallel_for(threads, [&](int64_t t) {
-      const int64_t first = blocks * t / threads * 32,
-                    last = std::min(out, blocks * (t + 1) / threads * 32);
-      chosen(x, rows, in, w.data(), out, y, first, last, accumulate);
+      const int64_t first = panels * t / threads * kPanel,
+                    last = std::min(out, panels * (t + 1) / threads * kPanel);
+      chosen(x, rows, w, to, first, last);
     });
     return;
   }
-  chosen(x, rows, in, w.data(), out, y, 0, out, accumulate);
+  chosen(x, rows, w, to, 0, out);
 }
 
 }  // namespace kvsnap::detail

@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -17,6 +18,39 @@ namespace kvsnap::detail {
 
 using Floats = std::vector<float>;
 
+// W [in, out] as matmul reads it: column panels of kPanel columns, each stored [in, width]
+// contiguously (width kPanel; the last panel out % kPanel when that is not 0), so a product
+// streams each panel front to back instead of striding across W's rows. Derived from the
+// row-major matrix; the values, and so every product, are the same.
+class PackedMatrix {
+ public:
+  static constexpr int64_t kPanel = 32;
+  PackedMatrix() = default;
+  PackedMatrix(const Floats& w, int64_t in, int64_t out) : in_(in), out_(out), data_(w.size()) {
+    for (int64_t j = 0; j < out; j += kPanel) {
+      const int64_t width = this->width(j);
+      float* to = data_.data() + j * in;
+      for (int64_t k = 0; k < in; ++k) {
+        std::copy_n(w.data() + k * out + j, width, to + k * width);
+      }
+    }
+  }
+  int64_t in() const { return in_; }
+  int64_t out() const { return out_; }
+  // The panel whose first column is j (a multiple of kPanel), and its width.
+  const float* panel(int64_t j) const { return data_.data() + j * in_; }
+  int64_t width(int64_t j) const { return std::min(kPanel, out_ - j); }
+
+ private:
+  int64_t in_ = 0, out_ = 0;
+  Floats data_;
+};
+
+// What matmul reads: each layer matrix packed (PackedMatrix); derived, not saved.
+struct PackedLayer {
+  PackedMatrix wq, wk, wv, wqkv, wa, wb, wo, w_gate, w_up, w_down;
+};
+
 // Matrices are row-major [in, out] so a block computes y = x W.
 struct LayerWeights {
   char kind = 'A';
@@ -26,21 +60,43 @@ struct LayerWeights {
   Array conv;                   // recurrent: [conv_dim, kernel]
   Floats wo;                    // both: output projection
   Floats w_gate, w_up, w_down;  // MLP
+  PackedLayer packed;           // the matrices above as matmul reads them (derive())
 };
 
 struct ModelWeights {
   ModelConfig config;
-  Floats embed;  // [vocab, hidden]; also the output head
-  Floats head;   // embed transposed, [hidden, vocab]: derived (derive()), not saved
+  Floats embed;       // [vocab, hidden]; also the output head
+  PackedMatrix head;  // embed transposed, [hidden, vocab]: derived (derive()), not saved
   Floats final_norm;
   std::vector<LayerWeights> layers;
 
-  // Fills what is derived from the weights (head) once they are set.
+  // Fills what is derived from the weights (head, the packed matrices) once they are set.
   void derive() {
-    const int64_t vocab = config.vocab_size, hidden = config.hidden;
-    head.resize(embed.size());
-    for (int64_t v = 0; v < vocab; ++v) {
-      for (int64_t h = 0; h < hidden; ++h) head[h * vocab + v] = embed[v * hidden + h];
+    const ModelConfig& c = config;
+    Floats transposed(embed.size());
+    for (int64_t v = 0; v < c.vocab_size; ++v) {
+      for (int64_t h = 0; h < c.hidden; ++h) {
+        transposed[h * c.vocab_size + v] = embed[v * c.hidden + h];
+      }
+    }
+    head = PackedMatrix(transposed, c.hidden, c.vocab_size);
+    const int64_t q = c.query_heads * c.head_dim, kv = c.kv_heads * c.head_dim,
+                  value = c.delta_value_heads * c.delta_head_dim;
+    for (LayerWeights& l : layers) {
+      const auto pack = [](const Floats& w, int64_t in, int64_t out) {
+        return w.empty() ? PackedMatrix() : PackedMatrix(w, in, out);
+      };
+      PackedLayer& p = l.packed;
+      p.wq = pack(l.wq, c.hidden, q);
+      p.wk = pack(l.wk, c.hidden, kv);
+      p.wv = pack(l.wv, c.hidden, kv);
+      p.wqkv = pack(l.wqkv, c.hidden, conv_dim());
+      p.wa = pack(l.wa, c.hidden, c.delta_value_heads);
+      p.wb = pack(l.wb, c.hidden, c.delta_value_heads);
+      p.wo = pack(l.wo, l.kind == 'R' ? value : q, c.hidden);
+      p.w_gate = pack(l.w_gate, c.hidden, c.mlp_hidden);
+      p.w_up = pack(l.w_up, c.hidden, c.mlp_hidden);
+      p.w_down = pack(l.w_down, c.mlp_hidden, c.hidden);
     }
   }
 
@@ -94,8 +150,7 @@ struct RowGroup {
 
 // y[rows, out] (+)= x[rows, in] W[in, out]. Batch-invariant (matmul.cc): row r's result is
 // bitwise the same whatever the other rows are and however many.
-void matmul(const float* x, int64_t rows, int64_t in, const Floats& w, int64_t out, float* y,
-            bool accumulate = false);
+void matmul(const float* x, int64_t rows, const PackedMatrix& w, float* y, bool accumulate = false);
 Floats rms_norm(const float* x, int64_t rows, int64_t width, const Floats& weight, float eps);
 
 // The blocks of one group, each adding its output to the group's residual stream x

@@ -26,10 +26,11 @@ TEST(Matmul, EqualsTheProductComputedInDoublePrecision) {
     for (const int64_t rows : {1, 2, 3, 5, 8, 13, 70}) {
       const Floats x = random_floats(static_cast<size_t>(rows * s.in), rng);
       const Floats w = random_floats(static_cast<size_t>(s.in * s.out), rng);
+      const PackedMatrix packed(w, s.in, s.out);
       const Floats base = random_floats(static_cast<size_t>(rows * s.out), rng);
       for (const bool accumulate : {false, true}) {
         Floats y = base;
-        matmul(x.data(), rows, s.in, w, s.out, y.data(), accumulate);
+        matmul(x.data(), rows, packed, y.data(), accumulate);
         for (int64_t r = 0; r < rows; ++r) {
           for (int64_t j = 0; j < s.out; ++j) {
             double want = accumulate ? base[r * s.out + j] : 0.0, magnitude = std::abs(want);
@@ -52,17 +53,18 @@ TEST(Matmul, ARowsResultIsBitwiseTheSameWhateverRowsComeWithIt) {
     const int64_t most = 137;
     const Floats x = random_floats(static_cast<size_t>(most * s.in), rng);
     const Floats w = random_floats(static_cast<size_t>(s.in * s.out), rng);
+    const PackedMatrix packed(w, s.in, s.out);
     // Each row alone.
     Floats alone(static_cast<size_t>(most * s.out));
     for (int64_t r = 0; r < most; ++r) {
-      matmul(x.data() + r * s.in, 1, s.in, w, s.out, alone.data() + r * s.out);
+      matmul(x.data() + r * s.in, 1, packed, alone.data() + r * s.out);
     }
     // Batches of every size the blocking treats differently, starting at different rows.
     for (const int64_t rows : {2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 64, 65, 137}) {
       for (const int64_t first : {int64_t{0}, int64_t{1}, most - rows}) {
         if (first + rows > most) continue;
         Floats y(static_cast<size_t>(rows * s.out));
-        matmul(x.data() + first * s.in, rows, s.in, w, s.out, y.data());
+        matmul(x.data() + first * s.in, rows, packed, y.data());
         ASSERT_EQ(std::memcmp(y.data(), alone.data() + first * s.out, y.size() * sizeof(float)), 0)
             << s.in << "x" << s.out << ": rows " << first << ".." << first + rows - 1
             << " differ from the same rows multiplied one at a time";
@@ -77,17 +79,18 @@ TEST(MatmulThreads, EveryThreadCountGivesBitwiseTheSameProduct) {
   std::mt19937 rng(13);
   for (const Shape2 s : {Shape2{256, 768}, Shape2{768, 256}, Shape2{256, 64}, Shape2{96, 1000}}) {
     const Floats w = random_floats(static_cast<size_t>(s.in * s.out), rng);
+    const PackedMatrix packed(w, s.in, s.out);
     for (const int64_t rows : {1, 3, 8, 48, 137}) {
       const Floats x = random_floats(static_cast<size_t>(rows * s.in), rng);
       const Floats base = random_floats(static_cast<size_t>(rows * s.out), rng);
       for (const bool accumulate : {false, true}) {
         set_threads(1);
         Floats one = base;
-        matmul(x.data(), rows, s.in, w, s.out, one.data(), accumulate);
+        matmul(x.data(), rows, packed, one.data(), accumulate);
         for (const int threads : {2, 3, 5}) {
           set_threads(threads);
           Floats y = base;
-          matmul(x.data(), rows, s.in, w, s.out, y.data(), accumulate);
+          matmul(x.data(), rows, packed, y.data(), accumulate);
           set_threads(1);
           ASSERT_EQ(std::memcmp(y.data(), one.data(), y.size() * sizeof(float)), 0)
               << s.in << "x" << s.out << ", " << rows << " rows, " << threads << " threads";
