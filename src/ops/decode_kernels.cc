@@ -1,8 +1,8 @@
 // Decode attention's products (decode_kernels.h) for CPUs with AVX-512: scores with 16 queries
-// per vector (one lane each) and 8 key columns at a time, outputs with 32 value columns in two
-// vectors for 4 queries at a time. Each lane is one fma chain in a fixed order (the depth for a
-// score, the columns for an output), so tiles and sharing never change a result; keys and
-// values are read in place, no packing.
+// per vector (one lane each), two vectors and 8 key columns at a time, outputs with 32 value
+// columns in two vectors for 4 queries at a time. Each lane is one fma chain in a fixed order (the
+// depth for a score, the columns for an output), so tiles and sharing never change a result; keys
+// and values are read in place, no packing.
 #include "ops/decode_kernels.h"
 
 #include <algorithm>
@@ -26,47 +26,116 @@ struct Kernels {
 };
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// GCC 12's AVX-512 unpack and shuffle intrinsics pass an undefined vector as their unused
+// merge source, which -Wmaybe-uninitialized reports at every use.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+[[gnu::target("avx512f,fma")]] inline __m512d as_pd(__m512 x) { return _mm512_castps_pd(x); }
+[[gnu::target("avx512f,fma")]] inline __m256 upper(__m512 x) {
+  return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
+}
+
+// Scales sums[u] (lane t: query t's score of key column c + u) and writes query t's eight
+// scores to out[t][c, c + 8) for t < valid: an 8 x 16 transpose in registers (unpacks within
+// 128-bit lanes, then 128-bit lane shuffles), two 256-bit stores per pair of queries.
+[[gnu::target("avx512f,fma")]] inline void store_columns(__m512 (&sums)[8], __m512 scale,
+                                                         float* const* out, int64_t c,
+                                                         int64_t valid) {
+  __m512 t[8], u[8];
+  for (int p = 0; p < 4; ++p) {
+    const __m512 a = _mm512_mul_ps(sums[2 * p], scale), b = _mm512_mul_ps(sums[2 * p + 1], scale);
+    t[2 * p] = _mm512_unpacklo_ps(a, b);  // lane l: a[4l], b[4l], a[4l+1], b[4l+1]
+    t[2 * p + 1] = _mm512_unpackhi_ps(a, b);
+  }
+  for (int h = 0; h < 2; ++h) {  // keys 4h .. 4h+3: u[4h + m] lane l = query 4l + m
+    const __m512* v = t + 4 * h;
+    u[4 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(as_pd(v[0]), as_pd(v[2])));
+    u[4 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(as_pd(v[0]), as_pd(v[2])));
+    u[4 * h + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(as_pd(v[1]), as_pd(v[3])));
+    u[4 * h + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(as_pd(v[1]), as_pd(v[3])));
+  }
+  for (int m = 0; m < 4; ++m) {
+    // [keys 0-3, keys 4-7] of queries m, 4 + m (lo) and 8 + m, 12 + m (hi).
+    const __m512 lo = _mm512_shuffle_f32x4(
+        _mm512_shuffle_f32x4(u[m], u[4 + m], _MM_SHUFFLE(1, 0, 1, 0)),
+        _mm512_shuffle_f32x4(u[m], u[4 + m], _MM_SHUFFLE(1, 0, 1, 0)), _MM_SHUFFLE(3, 1, 2, 0));
+    const __m512 hi = _mm512_shuffle_f32x4(
+        _mm512_shuffle_f32x4(u[m], u[4 + m], _MM_SHUFFLE(3, 2, 3, 2)),
+        _mm512_shuffle_f32x4(u[m], u[4 + m], _MM_SHUFFLE(3, 2, 3, 2)), _MM_SHUFFLE(3, 1, 2, 0));
+    const int64_t query[4] = {m, 4 + m, 8 + m, 12 + m};
+    const __m256 eight[4] = {_mm512_castps512_ps256(lo), upper(lo), _mm512_castps512_ps256(hi),
+                             upper(hi)};
+    for (int i = 0; i < 4; ++i) {
+      if (query[i] < valid) _mm256_storeu_ps(out[query[i]] + c, eight[i]);
+    }
+  }
+}
+
+// T tiles of 16 queries (qt: [T][depth][16]) against 8 key columns: each key broadcast once
+// for all T tiles.
+template <int T>
+[[gnu::target("avx512f,fma")]] inline void score_columns(const float* qt, int64_t depth,
+                                                         const float* k, int64_t stride,
+                                                         __m512 (&sums)[T][8]) {
+  for (int t = 0; t < T; ++t) {
+    for (int u = 0; u < 8; ++u) sums[t][u] = _mm512_setzero_ps();
+  }
+  for (int64_t d = 0; d < depth; ++d) {
+    __m512 x[T];
+    for (int t = 0; t < T; ++t) x[t] = _mm512_loadu_ps(qt + (t * depth + d) * 16);
+    for (int u = 0; u < 8; ++u) {
+      const __m512 key = _mm512_set1_ps(k[u * stride + d]);
+      for (int t = 0; t < T; ++t) sums[t][u] = _mm512_fmadd_ps(key, x[t], sums[t][u]);
+    }
+  }
+}
+
+template <int T>
+[[gnu::target("avx512f,fma")]] void score_tiles(const float* qt, int64_t depth, const float* keys,
+                                                int64_t stride, int64_t count, __m512 scale,
+                                                float* const* out, int64_t valid) {
+  alignas(64) float tile[16];
+  int64_t c = 0;
+  for (; c + 8 <= count; c += 8) {
+    __m512 sums[T][8];
+    score_columns<T>(qt, depth, keys + c * stride, stride, sums);
+    for (int t = 0; t < T; ++t) store_columns(sums[t], scale, out + 16 * t, c, valid - 16 * t);
+  }
+  for (; c < count; ++c) {
+    const float* k = keys + c * stride;
+    for (int t = 0; t < T; ++t) {
+      __m512 s0 = _mm512_setzero_ps();
+      for (int64_t d = 0; d < depth; ++d) {
+        s0 = _mm512_fmadd_ps(_mm512_set1_ps(k[d]), _mm512_loadu_ps(qt + (t * depth + d) * 16), s0);
+      }
+      _mm512_store_ps(tile, _mm512_mul_ps(s0, scale));
+      for (int64_t i = 0; i < std::min<int64_t>(16, valid - 16 * t); ++i) {
+        out[16 * t + i][c] = tile[i];
+      }
+    }
+  }
+}
+
+// Queries in pairs of 16-lane tiles (one lane each; a partial tile's spare lanes are zero and
+// never stored), transposed once into qt.
 [[gnu::target("avx512f,fma")]] void scores_avx512(const float* const* q, int64_t m, int64_t depth,
                                                   const float* keys, int64_t stride, int64_t count,
                                                   float scale, float* const* out, float* qt) {
-  alignas(64) float tile[8 * 16];
   const __m512 scale16 = _mm512_set1_ps(scale);
-  for (int64_t i0 = 0; i0 < m; i0 += 16) {
-    const int64_t valid = std::min<int64_t>(16, m - i0);
-    for (int64_t d = 0; d < depth; ++d) {
-      for (int64_t t = 0; t < 16; ++t) qt[d * 16 + t] = t < valid ? q[i0 + t][d] : 0.0f;
-    }
-    int64_t c = 0;
-    for (; c + 8 <= count; c += 8) {
-      const float* k = keys + c * stride;
-      __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0,
-             s7 = s0;
+  for (int64_t i0 = 0; i0 < m; i0 += 32) {
+    const int64_t valid = std::min<int64_t>(32, m - i0), tiles = (valid + 15) / 16;
+    for (int64_t t = 0; t < tiles; ++t) {
       for (int64_t d = 0; d < depth; ++d) {
-        const __m512 x = _mm512_loadu_ps(qt + d * 16);
-        s0 = _mm512_fmadd_ps(_mm512_set1_ps(k[d]), x, s0);
-        s1 = _mm512_fmadd_ps(_mm512_set1_ps(k[stride + d]), x, s1);
-        s2 = _mm512_fmadd_ps(_mm512_set1_ps(k[2 * stride + d]), x, s2);
-        s3 = _mm512_fmadd_ps(_mm512_set1_ps(k[3 * stride + d]), x, s3);
-        s4 = _mm512_fmadd_ps(_mm512_set1_ps(k[4 * stride + d]), x, s4);
-        s5 = _mm512_fmadd_ps(_mm512_set1_ps(k[5 * stride + d]), x, s5);
-        s6 = _mm512_fmadd_ps(_mm512_set1_ps(k[6 * stride + d]), x, s6);
-        s7 = _mm512_fmadd_ps(_mm512_set1_ps(k[7 * stride + d]), x, s7);
-      }
-      const __m512 sums[8] = {s0, s1, s2, s3, s4, s5, s6, s7};
-      for (int u = 0; u < 8; ++u) _mm512_store_ps(tile + u * 16, _mm512_mul_ps(sums[u], scale16));
-      for (int64_t t = 0; t < valid; ++t) {
-        float* row = out[i0 + t] + c;
-        for (int u = 0; u < 8; ++u) row[u] = tile[u * 16 + t];
+        for (int64_t i = 0; i < 16; ++i) {
+          const int64_t query = 16 * t + i;
+          qt[(t * depth + d) * 16 + i] = query < valid ? q[i0 + query][d] : 0.0f;
+        }
       }
     }
-    for (; c < count; ++c) {
-      const float* k = keys + c * stride;
-      __m512 s0 = _mm512_setzero_ps();
-      for (int64_t d = 0; d < depth; ++d) {
-        s0 = _mm512_fmadd_ps(_mm512_set1_ps(k[d]), _mm512_loadu_ps(qt + d * 16), s0);
-      }
-      _mm512_store_ps(tile, _mm512_mul_ps(s0, scale16));
-      for (int64_t t = 0; t < valid; ++t) out[i0 + t][c] = tile[t];
+    if (tiles == 2) {
+      score_tiles<2>(qt, depth, keys, stride, count, scale16, out + i0, valid);
+    } else {
+      score_tiles<1>(qt, depth, keys, stride, count, scale16, out + i0, valid);
     }
   }
 }
@@ -135,7 +204,7 @@ bool decode_kernels_available() { return kernels().scores != nullptr; }
 void decode_scores(const float* const* queries, int64_t m, int64_t depth, const float* keys,
                    int64_t key_stride, int64_t count, float scale, float* const* out,
                    std::vector<float>& scratch) {
-  scratch.resize(static_cast<size_t>(depth * 16));
+  scratch.resize(static_cast<size_t>(depth * 32));
   kernels().scores(queries, m, depth, keys, key_stride, count, scale, out, scratch.data());
 }
 

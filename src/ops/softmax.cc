@@ -1,5 +1,6 @@
 #include "ops/softmax.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "ops/vector_isa.h"
@@ -16,9 +17,20 @@ namespace {
   return total;
 }
 
-using ExpShifted = float (*)(float*, int64_t, float);
+// Max is exact, so the vectorized loop's order changes no result.
+[[gnu::always_inline]] inline float max_loop(const float* row, int64_t n, float floor) {
+  float best = floor;
+  for (int64_t i = 0; i < n; ++i) best = std::max(best, row[i]);
+  return best;
+}
+
+struct Kernels {
+  float (*exp_shifted)(float*, int64_t, float);
+  float (*max_of)(const float*, int64_t, float);
+};
 
 float exp_default(float* row, int64_t n, float shift) { return exp_loop(row, n, shift); }
+float max_default(const float* row, int64_t n, float floor) { return max_loop(row, n, floor); }
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 // The same loop compiled for wider vectors: libmvec's 16- or 8-wide expf. Chosen once by what
@@ -26,29 +38,41 @@ float exp_default(float* row, int64_t n, float shift) { return exp_loop(row, n, 
 [[gnu::target("avx512f,fma")]] float exp_avx512(float* row, int64_t n, float shift) {
   return exp_loop(row, n, shift);
 }
+[[gnu::target("avx512f,fma")]] float max_avx512(const float* row, int64_t n, float floor) {
+  return max_loop(row, n, floor);
+}
 [[gnu::target("avx2,fma")]] float exp_avx2(float* row, int64_t n, float shift) {
   return exp_loop(row, n, shift);
 }
-ExpShifted pick() {
+[[gnu::target("avx2,fma")]] float max_avx2(const float* row, int64_t n, float floor) {
+  return max_loop(row, n, floor);
+}
+Kernels pick() {
   switch (vector_isa()) {
     case VectorIsa::avx512:
-      return exp_avx512;
+      return {exp_avx512, max_avx512};
     case VectorIsa::avx2:
-      return exp_avx2;
+      return {exp_avx2, max_avx2};
     case VectorIsa::baseline:
       break;
   }
-  return exp_default;
+  return {exp_default, max_default};
 }
 #else
-ExpShifted pick() { return exp_default; }
+Kernels pick() { return {exp_default, max_default}; }
 #endif
+
+const Kernels& kernels() {
+  static const Kernels chosen = pick();
+  return chosen;
+}
 
 }  // namespace
 
 float exp_shifted(float* row, int64_t n, float shift) {
-  static const ExpShifted chosen = pick();
-  return chosen(row, n, shift);
+  return kernels().exp_shifted(row, n, shift);
 }
+
+float max_of(const float* row, int64_t n, float floor) { return kernels().max_of(row, n, floor); }
 
 }  // namespace kvsnap::detail

@@ -1,4 +1,4 @@
-// Internal: the exponentials of a softmax row, vectorized.
+// Internal: the maximum and the exponentials of a softmax row, vectorized.
 #pragma once
 
 #include <cstdint>
@@ -9,5 +9,9 @@ namespace kvsnap::detail {
 // (callers pass masked entries as a large negative number): this file is built with
 // -ffast-math so the loop runs on the vector math library.
 float exp_shifted(float* row, int64_t n, float shift);
+
+// The largest of floor and row[0, n): vectorized (exact, so the same as a scalar loop). Inputs
+// must not be NaN.
+float max_of(const float* row, int64_t n, float floor);
 
 }  // namespace kvsnap::detail

@@ -99,8 +99,7 @@ class Visibility {
 inline void softmax_row(float* row, int64_t width, int64_t begin, int64_t end) {
   std::fill(row, row + begin, 0.0f);
   std::fill(row + end, row + width, 0.0f);
-  float best = kMasked;
-  for (int64_t k = begin; k < end; ++k) best = std::max(best, row[k]);
+  const float best = detail::max_of(row + begin, end - begin, kMasked);
   if (best <= kMasked) {
     std::fill(row + begin, row + end, 0.0f);
     return;
