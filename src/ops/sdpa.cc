@@ -8,6 +8,7 @@
 
 #include "kvsnap/ops.h"
 #include "ops/checks.h"
+#include "ops/decode_kernels.h"
 #include "ops/parallel.h"
 #include "ops/sdpa_decode.h"
 #include "ops/softmax.h"
@@ -174,19 +175,27 @@ class Attend {
     const int64_t threads = std::min(tasks, int64_t{detail::parallel_threads()});
     detail::parallel_for(threads, [&](int64_t t) {
       // One buffer per thread for the stacked queries, their scores and their weighed values.
-      std::vector<float> work(static_cast<size_t>(most_ * (depth_ + columns_ + value_depth_)));
+      Work work;
+      work.buffer.resize(static_cast<size_t>(most_ * (depth_ + columns_ + value_depth_)));
       for (int64_t task = t; task < tasks; task += threads) {
-        head(task / kv_heads_, task % kv_heads_, work.data(), out.mutable_data<float>());
+        head(task / kv_heads_, task % kv_heads_, work, out.mutable_data<float>());
       }
     });
     return out;
   }
 
  private:
+  struct Work {
+    std::vector<float> buffer, tile;
+    std::vector<const float*> from;  // the kernels' operand rows (decode_kernels.h)
+    std::vector<float*> to;          // and result rows
+  };
+
   int64_t q_rows() const { return qf_.dim(0); }
 
   // Row b, key/value head g: its query heads' outputs.
-  void head(int64_t b, int64_t g, float* lhs, float* out) const {
+  void head(int64_t b, int64_t g, Work& work, float* out) const {
+    float* const lhs = work.buffer.data();
     float* const scores = lhs + most_ * depth_;
     float* const weighed = scores + most_ * columns_;
     const int64_t offset = batch_.seq_offsets[b], real = batch_.seq_query_lens[b];
@@ -203,7 +212,7 @@ class Attend {
           std::copy_n(from + r * qf_.strides()[2], depth_, lhs + (j * block + r) * depth_);
         }
       }
-      scores_of(b, g, lo, hi, m, lhs, scores);
+      scores_of(b, g, lo, hi, m, lhs, scores, work);
       for (int64_t j = 0; j < group_; ++j) {
         for (int64_t r = 0; r < block; ++r) {
           float* row = scores + (j * block + r) * width;
@@ -212,7 +221,7 @@ class Attend {
           softmax_row(row, width, begin, end);
         }
       }
-      if (!weigh(b, g, lo, hi, m, scores, weighed)) continue;  // no run: the rows stay zero
+      if (!weigh(b, g, lo, hi, m, scores, weighed, work)) continue;  // no run: rows stay zero
       for (int64_t j = 0; j < group_; ++j) {
         float* to = out + ((b * query_heads_ + g * group_ + j) * queries_ + l0) * value_depth_;
         std::copy_n(weighed + j * block * value_depth_, block * value_depth_, to);
@@ -220,13 +229,24 @@ class Attend {
     }
   }
 
-  // scores = scale * Q K^T over columns [lo, hi), run by run.
+  // scores = scale * Q K^T over columns [lo, hi), run by run: with decode_kernels.h where the
+  // CPU has them (keys read in place; sgemm would pack them for a product of a few queries),
+  // else BLAS.
   void scores_of(int64_t b, int64_t g, int64_t lo, int64_t hi, int64_t m, const float* lhs,
-                 float* scores) const {
+                 float* scores, Work& work) const {
     const int64_t width = hi - lo;
+    const bool kernels = detail::decode_kernels_available();
+    if (kernels) rows_of(lhs, depth_, scores, width, m, work);
     source_.for_each(b, g, lo, hi, [&](const Run& run) {
       const int64_t from = std::max(lo, run.first), to = std::min(hi, run.first + run.count);
       if (from >= to) return;
+      if (kernels) {
+        for (int64_t i = 0; i < m; ++i) work.to[i] = scores + i * width + (from - lo);
+        detail::decode_scores(work.from.data(), m, depth_,
+                              run.keys + (from - run.first) * run.key_stride, run.key_stride,
+                              to - from, scale_, work.to.data(), work.tile);
+        return;
+      }
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m),
                   static_cast<int>(to - from), static_cast<int>(depth_), scale_, lhs,
                   static_cast<int>(depth_), run.keys + (from - run.first) * run.key_stride,
@@ -237,12 +257,25 @@ class Attend {
 
   // weighed = P V over columns [lo, hi), run by run; false when no run lies in range.
   bool weigh(int64_t b, int64_t g, int64_t lo, int64_t hi, int64_t m, const float* scores,
-             float* weighed) const {
+             float* weighed, Work& work) const {
     const int64_t width = hi - lo;
     float beta = 0.0f;
+    const bool kernels = detail::decode_kernels_available();
+    if (kernels) {
+      std::fill_n(weighed, m * value_depth_, 0.0f);
+      rows_of(scores, width, weighed, value_depth_, m, work);
+    }
     source_.for_each(b, g, lo, hi, [&](const Run& run) {
       const int64_t from = std::max(lo, run.first), to = std::min(hi, run.first + run.count);
       if (from >= to) return;
+      if (kernels) {
+        for (int64_t i = 0; i < m; ++i) work.from[i] = scores + i * width + (from - lo);
+        detail::decode_weigh(work.from.data(), m,
+                             run.values + (from - run.first) * run.value_stride, run.value_stride,
+                             to - from, value_depth_, work.to.data());
+        beta = 1.0f;
+        return;
+      }
       cblas_sgemm(
           CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(m),
           static_cast<int>(value_depth_), static_cast<int>(to - from), 1.0f, scores + (from - lo),
@@ -251,6 +284,17 @@ class Attend {
       beta = 1.0f;
     });
     return beta != 0.0f;
+  }
+
+  // The kernels' row pointers: from[i] = in + i * in_width, to[i] = out + i * out_width.
+  static void rows_of(const float* in, int64_t in_width, float* out, int64_t out_width, int64_t m,
+                      Work& work) {
+    work.from.resize(static_cast<size_t>(m));
+    work.to.resize(static_cast<size_t>(m));
+    for (int64_t i = 0; i < m; ++i) {
+      work.from[i] = in + i * in_width;
+      work.to[i] = out + i * out_width;
+    }
   }
 
   const Batch& batch_;
