@@ -184,6 +184,10 @@ Array Array::from_floats(std::span<const float> values, Shape shape, DType dtype
   }
   Array array = uninitialized(dtype, std::move(shape));
   auto* out = static_cast<char*>(array.storage_->data);
+  if (dtype == DType::f32) {  // no conversion: one copy
+    if (!values.empty()) std::memcpy(out, values.data(), values.size() * sizeof(float));
+    return array;
+  }
   const int64_t step = dtype_size(dtype);
   for (size_t i = 0; i < values.size(); ++i) {
     store_float(out + static_cast<int64_t>(i) * step, dtype, values[i]);
@@ -321,6 +325,13 @@ Array Array::astype(DType dtype) const {
 std::vector<float> Array::to_floats() const {
   std::vector<float> values;
   if (empty()) return values;
+  if (dtype_ == DType::f32) {  // no conversion: one (strided) copy
+    values.resize(static_cast<size_t>(size()));
+    const Shape compact = row_major_strides(shape_);
+    detail::strided_copy(values.data(), compact.data(), raw_data(4), strides_.data(), shape_.data(),
+                         ndim(), 4);
+    return values;
+  }
   values.reserve(static_cast<size_t>(size()));
   const char* in = static_cast<const char*>(raw_data(dtype_size(dtype_)));
   for_each_element(shape_, strides_, dtype_size(dtype_), [&](int64_t byte_offset) {
