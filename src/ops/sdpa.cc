@@ -175,10 +175,13 @@ class Attend {
     const int64_t threads = std::min(tasks, int64_t{detail::parallel_threads()});
     detail::parallel_for(threads, [&](int64_t t) {
       // One buffer per thread for the stacked queries, their scores and their weighed values.
-      // Kept by each thread between calls (a prefill's buffer is megabytes: allocating it per
-      // call costs page faults); every part is written before it is read.
-      thread_local Work work;
+      // Kept by each thread between calls up to detail::kKeptScratch floats (a prefill's buffer
+      // is megabytes: allocating it per call costs page faults); larger ones live for the call.
+      // Every part is written before it is read.
+      thread_local Work kept;
+      Work once;
       const auto need = static_cast<size_t>(most_ * (depth_ + columns_ + value_depth_));
+      Work& work = need <= detail::kKeptScratch ? kept : once;
       if (work.buffer.size() < need) work.buffer.resize(need);
       for (int64_t task = t; task < tasks; task += threads) {
         head(task / kv_heads_, task % kv_heads_, work, out.mutable_data<float>());

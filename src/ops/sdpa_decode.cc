@@ -173,11 +173,14 @@ class DecodeAttention {
     Array out = Array::zeros(DType::f32, {q_.dim(0), query_heads_, 1, value_depth_});
     const int64_t threads = std::min(kv_heads_, int64_t{parallel_threads()});
     parallel_for(threads, [&](int64_t t) {
-      // Kept by each thread between calls: a step's scores (rows x heads x context) are large
-      // enough that allocating them afresh costs page faults on every layer. Never read before
-      // written (columns a row does not see get 0 from its softmax).
-      thread_local Scratch scratch;
+      // Kept by each thread between calls up to kKeptScratch floats: a step's scores (rows x
+      // heads x context) are large enough that allocating them afresh costs page faults on every
+      // layer; larger ones live for the call. Never read before written (columns a row does not
+      // see get 0 from its softmax).
+      thread_local Scratch kept;
+      Scratch once;
       const size_t need = rows_.size() * static_cast<size_t>(group_ * width_);
+      Scratch& scratch = need <= kKeptScratch ? kept : once;
       if (scratch.scores.size() < need) scratch.scores.resize(need);
       for (int64_t g = t; g < kv_heads_; g += threads) head(g, scratch, out.mutable_data<float>());
     });

@@ -1,6 +1,7 @@
 // Internal: the decode step of many sequences at once, over paged histories.
 #pragma once
 
+#include <cstddef>
 #include <optional>
 
 #include "kvsnap/array.h"
@@ -8,6 +9,11 @@
 #include "kvsnap/batch.h"
 
 namespace kvsnap::detail {
+
+// The most floats of attention scratch (scores, stacked queries) a thread keeps between calls
+// (8 MB): below it, buffers are reused instead of allocated, page-faulted and zeroed on every
+// layer of every step; above it (prefills of very long contexts), they live for the call.
+inline constexpr size_t kKeptScratch = size_t{2} << 20;
 
 // Attention of a batch whose rows each hold one query over a paged f32 history under positional
 // rules (causal, lookback): the decode step of many sequences. Every block is read once per
