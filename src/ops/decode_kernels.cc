@@ -116,11 +116,92 @@ template <int T>
   }
 }
 
+// In place: rows r[j] (j < 16) become columns: r[i] lane j = old r[j] lane i.
+[[gnu::target("avx512f,fma")]] inline void transpose16(__m512 (&r)[16]) {
+  __m512 t[16], u[16];
+  for (int p = 0; p < 8; ++p) {
+    t[2 * p] = _mm512_unpacklo_ps(r[2 * p], r[2 * p + 1]);
+    t[2 * p + 1] = _mm512_unpackhi_ps(r[2 * p], r[2 * p + 1]);
+  }
+  for (int q = 0; q < 4; ++q) {  // rows 4q .. 4q+3: u[4q + e] lane l = element 4l + e
+    const __m512* v = t + 4 * q;
+    u[4 * q] = _mm512_castpd_ps(_mm512_unpacklo_pd(as_pd(v[0]), as_pd(v[2])));
+    u[4 * q + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(as_pd(v[0]), as_pd(v[2])));
+    u[4 * q + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(as_pd(v[1]), as_pd(v[3])));
+    u[4 * q + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(as_pd(v[1]), as_pd(v[3])));
+  }
+  for (int e = 0; e < 4; ++e) {
+    // Lanes 0, 2 (then 1, 3) of rows 0-3 and 4-7, and of rows 8-11 and 12-15.
+    const __m512 a0 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0x88),
+                 a1 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0xdd),
+                 b0 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0x88),
+                 b1 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0xdd);
+    r[e] = _mm512_shuffle_f32x4(a0, b0, 0x88);
+    r[8 + e] = _mm512_shuffle_f32x4(a0, b0, 0xdd);
+    r[4 + e] = _mm512_shuffle_f32x4(a1, b1, 0x88);
+    r[12 + e] = _mm512_shuffle_f32x4(a1, b1, 0xdd);
+  }
+}
+
+// M (<= 8) queries with 16 key columns per vector (one lane each): each block of 16 keys is
+// transposed in registers, 16 depths at a time, so a few queries fill every lane. The same fma
+// chain per score as scores_avx512's, so a query's scores are bitwise the same either way.
+template <int M>
+[[gnu::target("avx512f,fma")]] void scores_by_key(const float* const* q, int64_t depth,
+                                                  const float* keys, int64_t stride, int64_t count,
+                                                  float scale, float* const* out) {
+  const __m512 scale16 = _mm512_set1_ps(scale);
+  for (int64_t c = 0; c < count; c += 16) {
+    const int64_t rows = std::min<int64_t>(16, count - c);
+    __m512 sum[M];
+    for (int i = 0; i < M; ++i) sum[i] = _mm512_setzero_ps();
+    for (int64_t d0 = 0; d0 < depth; d0 += 16) {
+      const int64_t span = std::min<int64_t>(16, depth - d0);
+      const auto lanes = static_cast<__mmask16>((1u << span) - 1u);
+      __m512 k[16];
+      for (int j = 0; j < 16; ++j) {
+        k[j] = j < rows ? _mm512_maskz_loadu_ps(lanes, keys + (c + j) * stride + d0)
+                        : _mm512_setzero_ps();
+      }
+      transpose16(k);  // k[e] lane j: key c + j at depth d0 + e
+      for (int64_t e = 0; e < span; ++e) {
+        for (int i = 0; i < M; ++i) {
+          sum[i] = _mm512_fmadd_ps(k[e], _mm512_set1_ps(q[i][d0 + e]), sum[i]);
+        }
+      }
+    }
+    const auto valid = static_cast<__mmask16>((1u << rows) - 1u);
+    for (int i = 0; i < M; ++i) {
+      _mm512_mask_storeu_ps(out[i] + c, valid, _mm512_mul_ps(sum[i], scale16));
+    }
+  }
+}
+
 // Queries in pairs of 16-lane tiles (one lane each; a partial tile's spare lanes are zero and
 // never stored), transposed once into qt.
 [[gnu::target("avx512f,fma")]] void scores_avx512(const float* const* q, int64_t m, int64_t depth,
                                                   const float* keys, int64_t stride, int64_t count,
                                                   float scale, float* const* out, float* qt) {
+  switch (m) {  // a few queries: keys in the lanes instead (scores_by_key)
+    case 1:
+      return scores_by_key<1>(q, depth, keys, stride, count, scale, out);
+    case 2:
+      return scores_by_key<2>(q, depth, keys, stride, count, scale, out);
+    case 3:
+      return scores_by_key<3>(q, depth, keys, stride, count, scale, out);
+    case 4:
+      return scores_by_key<4>(q, depth, keys, stride, count, scale, out);
+    case 5:
+      return scores_by_key<5>(q, depth, keys, stride, count, scale, out);
+    case 6:
+      return scores_by_key<6>(q, depth, keys, stride, count, scale, out);
+    case 7:
+      return scores_by_key<7>(q, depth, keys, stride, count, scale, out);
+    case 8:
+      return scores_by_key<8>(q, depth, keys, stride, count, scale, out);
+    default:
+      break;
+  }
   const __m512 scale16 = _mm512_set1_ps(scale);
   for (int64_t i0 = 0; i0 < m; i0 += 32) {
     const int64_t valid = std::min<int64_t>(32, m - i0), tiles = (valid + 15) / 16;
