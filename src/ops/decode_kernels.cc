@@ -6,7 +6,9 @@
 #include "ops/decode_kernels.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <utility>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -177,30 +179,23 @@ template <int M>
   }
 }
 
+// scores_by_key<1> .. scores_by_key<kByKey>, by query count less one.
+constexpr int64_t kByKey = 8;
+using ByKey = void (*)(const float* const*, int64_t, const float*, int64_t, int64_t, float,
+                       float* const*);
+template <size_t... M>
+constexpr std::array<ByKey, sizeof...(M)> by_key(std::index_sequence<M...>) {
+  return {scores_by_key<static_cast<int>(M) + 1>...};
+}
+
 // Queries in pairs of 16-lane tiles (one lane each; a partial tile's spare lanes are zero and
 // never stored), transposed once into qt.
 [[gnu::target("avx512f,fma")]] void scores_avx512(const float* const* q, int64_t m, int64_t depth,
                                                   const float* keys, int64_t stride, int64_t count,
                                                   float scale, float* const* out, float* qt) {
-  switch (m) {  // a few queries: keys in the lanes instead (scores_by_key)
-    case 1:
-      return scores_by_key<1>(q, depth, keys, stride, count, scale, out);
-    case 2:
-      return scores_by_key<2>(q, depth, keys, stride, count, scale, out);
-    case 3:
-      return scores_by_key<3>(q, depth, keys, stride, count, scale, out);
-    case 4:
-      return scores_by_key<4>(q, depth, keys, stride, count, scale, out);
-    case 5:
-      return scores_by_key<5>(q, depth, keys, stride, count, scale, out);
-    case 6:
-      return scores_by_key<6>(q, depth, keys, stride, count, scale, out);
-    case 7:
-      return scores_by_key<7>(q, depth, keys, stride, count, scale, out);
-    case 8:
-      return scores_by_key<8>(q, depth, keys, stride, count, scale, out);
-    default:
-      break;
+  if (m >= 1 && m <= kByKey) {  // a few queries: keys in the lanes instead (scores_by_key)
+    return by_key(std::make_index_sequence<kByKey>{})[static_cast<size_t>(m - 1)](
+        q, depth, keys, stride, count, scale, out);
   }
   const __m512 scale16 = _mm512_set1_ps(scale);
   for (int64_t i0 = 0; i0 < m; i0 += 32) {
