@@ -17,8 +17,9 @@
 namespace kvsnap {
 namespace {
 
+using detail::divide_by;
 using detail::kMasked;
-using detail::softmax_row;
+using detail::softmax_numerators;
 using detail::Visibility;
 
 // Queries go through in blocks so the score matrix stays small for long prefills.
@@ -183,6 +184,8 @@ class Attend {
       const auto need = static_cast<size_t>(most_ * (depth_ + columns_ + value_depth_));
       Work& work = need <= detail::kKeptScratch ? kept : once;
       if (work.buffer.size() < need) work.buffer.resize(need);
+      if (work.sums.size() < static_cast<size_t>(most_))
+        work.sums.resize(static_cast<size_t>(most_));
       for (int64_t task = t; task < tasks; task += threads) {
         head(task / kv_heads_, task % kv_heads_, work, out.mutable_data<float>());
       }
@@ -193,6 +196,7 @@ class Attend {
  private:
   struct Work {
     std::vector<float> buffer, tile;
+    std::vector<float> sums;         // per stacked query row: its softmax's denominator
     std::vector<const float*> from;  // the kernels' operand rows (decode_kernels.h)
     std::vector<float*> to;          // and result rows
   };
@@ -224,13 +228,18 @@ class Attend {
           float* row = scores + (j * block + r) * width;
           const auto [begin, end] =
               visibility_.mask(row, lo, width, b, g * group_ + j, l0 + r, offset + l0 + r);
-          softmax_row(row, width, begin, end);
+          work.sums[static_cast<size_t>(j * block + r)] =
+              softmax_numerators(row, width, begin, end);
         }
       }
       if (!weigh(b, g, lo, hi, m, scores, weighed, work)) continue;  // no run: rows stay zero
       for (int64_t j = 0; j < group_; ++j) {
         float* to = out + ((b * query_heads_ + g * group_ + j) * queries_ + l0) * value_depth_;
         std::copy_n(weighed + j * block * value_depth_, block * value_depth_, to);
+        for (int64_t r = 0; r < block; ++r) {
+          divide_by(to + r * value_depth_, value_depth_,
+                    work.sums[static_cast<size_t>(j * block + r)]);
+        }
       }
     }
   }

@@ -190,6 +190,7 @@ class DecodeAttention {
  private:
   struct Scratch {
     std::vector<float> scores, tile, lhs, product;
+    std::vector<float> sums;  // per query: its softmax's denominator
     std::vector<const float*> queries;
     std::vector<float*> outputs;
     // Row b's scores for query head j of the current key/value head, over columns [0, width).
@@ -200,13 +201,20 @@ class DecodeAttention {
 
   void head(int64_t g, Scratch& s, float* out) const {
     for (const Job& job : jobs_) score(job, g, s);
+    s.sums.resize(rows_.size() * static_cast<size_t>(group_));
     for (size_t b = 0; b < rows_.size(); ++b) {
       for (int64_t j = 0; j < group_; ++j) {
-        softmax_row(s.row(static_cast<int64_t>(b), j, group_, width_), width_, rows_[b].lo,
-                    rows_[b].hi);
+        s.sums[b * static_cast<size_t>(group_) + static_cast<size_t>(j)] = softmax_numerators(
+            s.row(static_cast<int64_t>(b), j, group_, width_), width_, rows_[b].lo, rows_[b].hi);
       }
     }
     for (const Job& job : jobs_) weigh(job, g, s, out);
+    for (size_t b = 0; b < rows_.size(); ++b) {
+      for (int64_t j = 0; j < group_; ++j) {
+        divide_by(out + (static_cast<int64_t>(b) * query_heads_ + g * group_ + j) * value_depth_,
+                  value_depth_, s.sums[b * static_cast<size_t>(group_) + static_cast<size_t>(j)]);
+      }
+    }
   }
 
   // Scores of the job's queries (its rows x the query heads of key/value head g) over its

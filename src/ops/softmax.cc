@@ -3,6 +3,10 @@
 #include <algorithm>
 #include <cmath>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "ops/vector_isa.h"
 
 namespace kvsnap::detail {
@@ -33,11 +37,52 @@ float exp_default(float* row, int64_t n, float shift) { return exp_loop(row, n, 
 float max_default(const float* row, int64_t n, float floor) { return max_loop(row, n, floor); }
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-// The same loop compiled for wider vectors: libmvec's 16- or 8-wide expf. Chosen once by what
-// the CPU supports (not with target_clones: its resolver would be exported from the library).
-[[gnu::target("avx512f,fma")]] float exp_avx512(float* row, int64_t n, float shift) {
-  return exp_loop(row, n, shift);
+// GCC 12's AVX-512 intrinsics (roundscale, scalef, reduce_add) pass an undefined vector as their
+// unused merge source, which the uninitialized-use warnings report at every use.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+
+// exp of 16 lanes inline (a call into libmvec per vector spilled the loop's registers and cost
+// as much as the exponential): e^x = 2^k e^r with k = round(x / ln 2), r = x - k ln 2 in two
+// parts, e^r by Cephes' expf polynomial (within 2 ulp), 2^k applied by scalef. Below -87.3 the
+// results are denormal, as expf's are, and from -110 down (masked entries: a large negative
+// number) exactly 0.
+[[gnu::target("avx512f,fma")]] inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-110.0f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, k);
 }
+
+[[gnu::target("avx512f,fma")]] float exp_avx512(float* row, int64_t n, float shift) {
+  const __m512 s = _mm512_set1_ps(shift);
+  __m512 total = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + i), s));
+    _mm512_storeu_ps(row + i, e);
+    total = _mm512_add_ps(total, e);
+  }
+  if (i < n) {
+    const auto tail = static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + i), s));
+    _mm512_mask_storeu_ps(row + i, tail, e);
+    total = _mm512_mask_add_ps(total, tail, total, e);
+  }
+  return _mm512_reduce_add_ps(total);
+}
+// The loops below compiled for wider vectors (the AVX2 exp: libmvec's 8-wide expf). Chosen once
+// by what the CPU supports (not with target_clones: its resolver would be exported from the
+// library).
 [[gnu::target("avx512f,fma")]] float max_avx512(const float* row, int64_t n, float floor) {
   return max_loop(row, n, floor);
 }

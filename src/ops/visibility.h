@@ -94,18 +94,25 @@ class Visibility {
   std::vector<float> bias_;
 };
 
-// Softmax over row[begin, end) in place; the rest of the row's `width` columns get weight 0, as
-// does a row that sees nothing (padding, or everything masked).
-inline void softmax_row(float* row, int64_t width, int64_t begin, int64_t end) {
+// The numerators of a softmax over row[begin, end), in place: exp(row - its maximum) there, 0 in
+// the rest of the row's `width` columns. Returns their sum — what the caller divides the weighed
+// values by (one division per output instead of one per column) — or 0 for a row that sees
+// nothing (padding, or everything masked), whose weights are all 0.
+inline float softmax_numerators(float* row, int64_t width, int64_t begin, int64_t end) {
   std::fill(row, row + begin, 0.0f);
   std::fill(row + end, row + width, 0.0f);
   const float best = detail::max_of(row + begin, end - begin, kMasked);
   if (best <= kMasked) {
     std::fill(row + begin, row + end, 0.0f);
-    return;
+    return 0.0f;
   }
-  const float inverse = 1.0f / detail::exp_shifted(row + begin, end - begin, best);
-  for (int64_t k = begin; k < end; ++k) row[k] *= inverse;
+  return detail::exp_shifted(row + begin, end - begin, best);
+}
+
+// out[0, n) /= sum (a softmax's denominator from softmax_numerators; 0 leaves zeros).
+inline void divide_by(float* out, int64_t n, float sum) {
+  const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;
+  for (int64_t i = 0; i < n; ++i) out[i] *= inverse;
 }
 
 }  // namespace kvsnap::detail
