@@ -8,6 +8,7 @@
 #include "kvsnap/ops.h"
 #include "model/model.h"
 #include "model/weights.h"
+#include "ops/activations.h"
 
 namespace kvsnap {
 namespace detail {
@@ -192,12 +193,20 @@ void recurrent_block(const ModelWeights& w, const LayerWeights& l, RecurrentCach
 
 void mlp_block(const ModelWeights& w, const LayerWeights& l, int64_t tokens, const Floats& h,
                float* x) {
-  const ModelConfig& c = w.config;
-  Floats gate(static_cast<size_t>(tokens * c.mlp_hidden)), up(gate.size());
-  matmul(h.data(), tokens, l.packed.w_gate, gate.data());
-  matmul(h.data(), tokens, l.packed.w_up, up.data());
-  for (size_t i = 0; i < gate.size(); ++i) gate[i] = silu(gate[i]) * up[i];
-  matmul(gate.data(), tokens, l.packed.w_down, x, /*accumulate=*/true);
+  // The gate and up projections, kept by the thread between calls up to 8 MB (a prefill chunk's
+  // are megabytes: allocated per layer they cost page faults and zeroing); larger ones live for
+  // the call. Both are written in full before they are read.
+  constexpr size_t kKept = size_t{2} << 20;
+  const auto n = static_cast<size_t>(tokens * w.config.mlp_hidden);
+  thread_local Floats kept;
+  Floats once;
+  Floats& buffer = 2 * n <= kKept ? kept : once;
+  if (buffer.size() < 2 * n) buffer.resize(2 * n);
+  float *gate = buffer.data(), *up = gate + n;
+  matmul(h.data(), tokens, l.packed.w_gate, gate);
+  matmul(h.data(), tokens, l.packed.w_up, up);
+  silu_gated(gate, up, static_cast<int64_t>(n));
+  matmul(gate, tokens, l.packed.w_down, x, /*accumulate=*/true);
 }
 
 }  // namespace detail
