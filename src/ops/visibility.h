@@ -63,9 +63,12 @@ class Visibility {
       const auto [row_lo, row_hi] = visible(position);
       return {row_lo - lo, row_hi - lo};
     }
-    if (positional_) {
+    if (positional_) {  // a rotated history: column c holds position first + (c - oldest) mod n
+      const int64_t n = columns_, first = history_.first_position();
+      int64_t at = width > 0 ? (lo - history_.oldest_column() + n) % n : 0;
       for (int64_t k = 0; k < width; ++k) {
-        if (!effective_.allows(position, history_.position(lo + k))) row[k] = kMasked;
+        if (!effective_.allows(position, first + at)) row[k] = kMasked;
+        if (++at == n) at = 0;
       }
       return {0, width};
     }
