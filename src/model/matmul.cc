@@ -190,7 +190,24 @@ Product pick() {
 Product pick() { return product_default; }
 #endif
 
+// A variant over every column on the calling thread (matmul_variants).
+template <Product P>
+void whole(const float* x, int64_t rows, const PackedMatrix& w, float* y, bool accumulate) {
+  P(x, rows, w, Out{y, w.out(), accumulate}, 0, w.out());
+}
+
 }  // namespace
+
+std::vector<MatmulVariant> matmul_variants() {
+  std::vector<MatmulVariant> out{{"portable", whole<product_default>}};
+#ifdef KVSNAP_MATMUL_X86
+  const VectorIsa isa = vector_isa();
+  if (isa == VectorIsa::avx2 || isa == VectorIsa::avx512)
+    out.push_back({"avx2", whole<product_avx2>});
+  if (isa == VectorIsa::avx512) out.push_back({"avx512", whole<product_avx512>});
+#endif
+  return out;
+}
 
 void matmul(const float* x, int64_t rows, const PackedMatrix& w, float* y, bool accumulate) {
   static const Product chosen = pick();

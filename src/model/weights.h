@@ -151,6 +151,15 @@ struct RowGroup {
 // y[rows, out] (+)= x[rows, in] W[in, out]. Batch-invariant (matmul.cc): row r's result is
 // bitwise the same whatever the other rows are and however many.
 void matmul(const float* x, int64_t rows, const PackedMatrix& w, float* y, bool accumulate = false);
+
+// Every variant of matmul's kernel this CPU runs — "portable" (multiply, then add), then where
+// supported "avx2" and "avx512" (fused multiply-adds, bitwise equal to each other); matmul uses
+// the last — each run on the calling thread over all columns, so that tests cover them all.
+struct MatmulVariant {
+  const char* name;
+  void (*run)(const float* x, int64_t rows, const PackedMatrix& w, float* y, bool accumulate);
+};
+std::vector<MatmulVariant> matmul_variants();
 Floats rms_norm(const float* x, int64_t rows, int64_t width, const Floats& weight, float eps);
 
 // The blocks of one group, each adding its output to the group's residual stream x
