@@ -3,6 +3,7 @@
 // activations are packed group after group, row after row, token after token (no padding).
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "kvsnap/ops.h"
@@ -193,20 +194,25 @@ void recurrent_block(const ModelWeights& w, const LayerWeights& l, RecurrentCach
 
 void mlp_block(const ModelWeights& w, const LayerWeights& l, int64_t tokens, const Floats& h,
                float* x) {
-  // The gate and up projections, kept by the thread between calls up to 8 MB (a prefill chunk's
-  // are megabytes: allocated per layer they cost page faults and zeroing); larger ones live for
-  // the call. Both are written in full before they are read.
-  constexpr size_t kKept = size_t{2} << 20;
-  const auto n = static_cast<size_t>(tokens * w.config.mlp_hidden);
-  thread_local Floats kept;
-  Floats once;
-  Floats& buffer = 2 * n <= kKept ? kept : once;
-  if (buffer.size() < 2 * n) buffer.resize(2 * n);
-  float *gate = buffer.data(), *up = gate + n;
-  matmul(h.data(), tokens, l.packed.w_gate, gate);
-  matmul(h.data(), tokens, l.packed.w_up, up);
-  silu_gated(gate, up, static_cast<int64_t>(n));
-  matmul(gate, tokens, l.packed.w_down, x, /*accumulate=*/true);
+  // The gate and up projections of at most kKept floats of tokens at a time, in a buffer the
+  // thread keeps between calls: a prefill's would be tens of megabytes, allocated per layer at
+  // the cost of page faults and zeroing. matmul is batch-invariant, so every token's result is
+  // the same as in one product over all of them.
+  constexpr int64_t kKept = int64_t{2} << 20;
+  const int64_t hidden = w.config.hidden, width = w.config.mlp_hidden;
+  const int64_t step = std::clamp<int64_t>(kKept / (2 * width), 1, std::max<int64_t>(tokens, 1));
+  thread_local Floats buffer;
+  if (buffer.size() < static_cast<size_t>(2 * step * width)) {
+    buffer.resize(static_cast<size_t>(2 * step * width));
+  }
+  for (int64_t t0 = 0; t0 < tokens; t0 += step) {
+    const int64_t rows = std::min(step, tokens - t0);
+    float *gate = buffer.data(), *up = gate + rows * width;
+    matmul(h.data() + t0 * hidden, rows, l.packed.w_gate, gate);
+    matmul(h.data() + t0 * hidden, rows, l.packed.w_up, up);
+    silu_gated(gate, up, rows * width);
+    matmul(gate, rows, l.packed.w_down, x + t0 * hidden, /*accumulate=*/true);
+  }
 }
 
 }  // namespace detail

@@ -6,19 +6,18 @@
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 
-// GCC 12's AVX-512 intrinsics (roundscale, scalef, reduce_add) pass an undefined vector as their
-// unused merge source, which the uninitialized-use warnings report wherever they are inlined.
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
+// (GCC 12's AVX-512 intrinsics used here pass an undefined vector as their unused merge source,
+// which its uninitialized-use warnings report where they are inlined: the files that include
+// this header silence those two warnings.)
 
 namespace kvsnap::detail {
 
 // e^x = 2^k e^r with k = round(x / ln 2), r = x - k ln 2 in two parts, e^r by Cephes' expf
 // polynomial (within 2 ulp), 2^k applied by scalef. Below -87.3 the results are denormal, as
-// expf's are, and from -110 down (masked entries: a large negative number) exactly 0; above 88.7
-// they are +inf.
+// expf's are, and from -110 down (masked entries: a large negative number) exactly 0; from 89 up
+// +inf. NaN stays NaN (max and min return their second operand when one is NaN).
 [[gnu::target("avx512f,fma")]] inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-110.0f));
+  x = _mm512_min_ps(_mm512_set1_ps(89.0f), _mm512_max_ps(_mm512_set1_ps(-110.0f), x));
   const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
