@@ -5,13 +5,6 @@
 #include "ops/exp16.h"
 #include "ops/vector_isa.h"
 
-#if defined(__GNUC__) && !defined(__clang__)
-// GCC 12's AVX-512 intrinsics (ops/exp16.h) pass an undefined vector as their unused merge
-// source, which the uninitialized-use warnings report at every use.
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
-
 namespace kvsnap::detail {
 namespace {
 

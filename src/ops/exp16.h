@@ -6,11 +6,15 @@
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 
-// (GCC 12's AVX-512 intrinsics used here pass an undefined vector as their unused merge source,
-// which its uninitialized-use warnings report where they are inlined: the files that include
-// this header silence those two warnings.)
-
 namespace kvsnap::detail {
+
+#if defined(__GNUC__) && !defined(__clang__)
+// GCC 12's AVX-512 intrinsics (roundscale, scalef) pass an undefined vector as their unused
+// merge source, which its uninitialized-use warnings report where they are inlined.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
 
 // e^x = 2^k e^r with k = round(x / ln 2), r = x - k ln 2 in two parts, e^r by Cephes' expf
 // polynomial (within 2 ulp), 2^k applied by scalef. Below -87.3 the results are denormal, as
@@ -31,6 +35,10 @@ namespace kvsnap::detail {
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return _mm512_scalef_ps(p, k);
 }
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 
 }  // namespace kvsnap::detail
 

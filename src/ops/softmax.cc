@@ -6,13 +6,6 @@
 #include "ops/exp16.h"
 #include "ops/vector_isa.h"
 
-#if defined(__GNUC__) && !defined(__clang__)
-// GCC 12's AVX-512 intrinsics (ops/exp16.h) pass an undefined vector as their unused merge
-// source, which the uninitialized-use warnings report at every use.
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
-
 namespace kvsnap::detail {
 namespace {
 
@@ -41,6 +34,11 @@ float exp_default(float* row, int64_t n, float shift) { return exp_loop(row, n, 
 float max_default(const float* row, int64_t n, float floor) { return max_loop(row, n, floor); }
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// GCC 12's _mm512_reduce_add_ps passes an undefined vector to the extract it starts with, which
+// -Wuninitialized reports.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 [[gnu::target("avx512f,fma")]] float exp_avx512(float* row, int64_t n, float shift) {
   const __m512 s = _mm512_set1_ps(shift);
   __m512 total = _mm512_setzero_ps();
@@ -58,6 +56,7 @@ float max_default(const float* row, int64_t n, float floor) { return max_loop(ro
   }
   return _mm512_reduce_add_ps(total);
 }
+#pragma GCC diagnostic pop
 // The loops below compiled for wider vectors (the AVX2 exp: libmvec's 8-wide expf). Chosen once
 // by what the CPU supports (not with target_clones: its resolver would be exported from the
 // library).
