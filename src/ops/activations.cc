@@ -32,18 +32,21 @@ void silu_gated_default(float* gate, const float* up, int64_t n) {
   }
 }
 
-using Kernel = void (*)(float*, const float*, int64_t);
-Kernel pick() { return vector_isa() == VectorIsa::avx512 ? silu_gated_avx512 : silu_gated_default; }
-#else
-using Kernel = void (*)(float*, const float*, int64_t);
-Kernel pick() { return silu_gated_default; }
 #endif
 
 }  // namespace
 
+std::vector<SiluVariant> silu_gated_variants() {
+  std::vector<SiluVariant> out{{"portable", silu_gated_default}};
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+  if (vector_isa() == VectorIsa::avx512) out.push_back({"avx512", silu_gated_avx512});
+#endif
+  return out;
+}
+
 void silu_gated(float* gate, const float* up, int64_t n) {
-  static const Kernel chosen = pick();
-  chosen(gate, up, n);
+  static const SiluVariant chosen = silu_gated_variants().back();
+  chosen.run(gate, up, n);
 }
 
 }  // namespace kvsnap::detail

@@ -2,11 +2,20 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace kvsnap::detail {
 
 // gate[i] = silu(gate[i]) * up[i] for i in [0, n), silu(v) = v / (1 + e^-v): the gated MLP's
 // middle. With AVX-512 the exponentials are ops/exp16.h's (within 2 ulp of expf).
 void silu_gated(float* gate, const float* up, int64_t n);
+
+// Every variant this CPU runs — "portable" (expf), then "avx512" where supported; silu_gated
+// uses the last — so that tests cover them all.
+struct SiluVariant {
+  const char* name;
+  void (*run)(float* gate, const float* up, int64_t n);
+};
+std::vector<SiluVariant> silu_gated_variants();
 
 }  // namespace kvsnap::detail

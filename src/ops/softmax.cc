@@ -25,11 +25,6 @@ namespace {
   return best;
 }
 
-struct Kernels {
-  float (*exp_shifted)(float*, int64_t, float);
-  float (*max_of)(const float*, int64_t, float);
-};
-
 float exp_default(float* row, int64_t n, float shift) { return exp_loop(row, n, shift); }
 float max_default(const float* row, int64_t n, float floor) { return max_loop(row, n, floor); }
 
@@ -69,23 +64,26 @@ float max_default(const float* row, int64_t n, float floor) { return max_loop(ro
 [[gnu::target("avx2,fma")]] float max_avx2(const float* row, int64_t n, float floor) {
   return max_loop(row, n, floor);
 }
-Kernels pick() {
-  switch (vector_isa()) {
-    case VectorIsa::avx512:
-      return {exp_avx512, max_avx512};
-    case VectorIsa::avx2:
-      return {exp_avx2, max_avx2};
-    case VectorIsa::baseline:
-      break;
-  }
-  return {exp_default, max_default};
-}
-#else
-Kernels pick() { return {exp_default, max_default}; }
 #endif
 
-const Kernels& kernels() {
-  static const Kernels chosen = pick();
+}  // namespace
+
+std::vector<SoftmaxVariant> softmax_variants() {
+  std::vector<SoftmaxVariant> out{{"portable", exp_default, max_default}};
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+  const VectorIsa isa = vector_isa();
+  if (isa == VectorIsa::avx2 || isa == VectorIsa::avx512) {
+    out.push_back({"avx2", exp_avx2, max_avx2});
+  }
+  if (isa == VectorIsa::avx512) out.push_back({"avx512", exp_avx512, max_avx512});
+#endif
+  return out;
+}
+
+namespace {
+
+const SoftmaxVariant& kernels() {
+  static const SoftmaxVariant chosen = softmax_variants().back();
   return chosen;
 }
 

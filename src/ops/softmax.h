@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace kvsnap::detail {
 
@@ -13,5 +14,15 @@ float exp_shifted(float* row, int64_t n, float shift);
 // The largest of floor and row[0, n): vectorized (exact, so the same as a scalar loop). Inputs
 // must not be NaN.
 float max_of(const float* row, int64_t n, float floor);
+
+// Every variant of the two kernels above this CPU runs — "portable", then where supported "avx2"
+// (libmvec's 8-wide expf) and "avx512" (ops/exp16.h); the functions above use the last — so that
+// tests cover them all.
+struct SoftmaxVariant {
+  const char* name;
+  float (*exp_shifted)(float* row, int64_t n, float shift);
+  float (*max_of)(const float* row, int64_t n, float floor);
+};
+std::vector<SoftmaxVariant> softmax_variants();
 
 }  // namespace kvsnap::detail

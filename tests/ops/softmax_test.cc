@@ -1,6 +1,7 @@
 // The softmax pieces attention runs on (ops/softmax.h, ops/visibility.h): the exponentials within a
 // few ulp of exp in double, masked entries weighing exactly 0, the maximum exact, the lanes past
-// a row's end untouched, and the numerators' sum what the division needs.
+// a row's end untouched, and the numerators' sum what the division needs — the kernels in every
+// variant this CPU runs (softmax_variants), not only the one attention picks.
 #include "ops/softmax.h"
 
 #include <gtest/gtest.h>
@@ -20,50 +21,59 @@ namespace {
 TEST(Softmax, ExponentialsAreWithinAFewUlpOfDoubleAndTheSumIsTheirs) {
   std::mt19937 rng(5);
   std::uniform_real_distribution<float> value(-90.0f, 20.0f);
-  for (const int64_t n : {0, 1, 7, 15, 16, 17, 31, 33, 100, 257, 1000}) {
-    std::vector<float> row(static_cast<size_t>(n) + 8, 7.0f);  // 8 guard floats past the end
-    for (int64_t i = 0; i < n; ++i) row[static_cast<size_t>(i)] = value(rng);
-    const std::vector<float> in = row;
-    const float shift = 3.5f;
-    const float sum = exp_shifted(row.data(), n, shift);
-    double expected_sum = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      const float x = in[static_cast<size_t>(i)] - shift;  // rounded to float, as the kernel does
-      const double expected = std::exp(static_cast<double>(x));
-      expected_sum += expected;
-      const float got = row[static_cast<size_t>(i)];
-      if (expected < 1e-37) {  // below float's normal range: 0 or a tiny denormal
-        EXPECT_LE(got, 1e-37f) << "n " << n << " at " << i;
-      } else {
-        EXPECT_NEAR(got, expected, 4e-7 * expected) << "n " << n << " at " << i;
+  for (const SoftmaxVariant& variant : softmax_variants()) {
+    SCOPED_TRACE(variant.name);
+    for (const int64_t n : {0, 1, 7, 15, 16, 17, 31, 33, 100, 257, 1000}) {
+      std::vector<float> row(static_cast<size_t>(n) + 8, 7.0f);  // 8 guard floats past the end
+      for (int64_t i = 0; i < n; ++i) row[static_cast<size_t>(i)] = value(rng);
+      const std::vector<float> in = row;
+      const float shift = 3.5f;
+      const float sum = variant.exp_shifted(row.data(), n, shift);
+      double expected_sum = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        const float x = in[static_cast<size_t>(i)] - shift;  // rounded to float, as the kernel does
+        const double expected = std::exp(static_cast<double>(x));
+        expected_sum += expected;
+        const float got = row[static_cast<size_t>(i)];
+        if (expected < 1e-37) {  // below float's normal range: 0 or a tiny denormal
+          EXPECT_LE(got, 1e-37f) << "n " << n << " at " << i;
+        } else {
+          EXPECT_NEAR(got, expected, 4e-7 * expected) << "n " << n << " at " << i;
+        }
       }
+      EXPECT_NEAR(sum, expected_sum, 1e-6 * expected_sum + 1e-30) << "n " << n;
+      for (size_t i = static_cast<size_t>(n); i < row.size(); ++i) EXPECT_EQ(row[i], 7.0f);
     }
-    EXPECT_NEAR(sum, expected_sum, 1e-6 * expected_sum + 1e-30) << "n " << n;
-    for (size_t i = static_cast<size_t>(n); i < row.size(); ++i) EXPECT_EQ(row[i], 7.0f);
   }
 }
 
 TEST(Softmax, TheLargestEntryWeighsOneAndMaskedEntriesZero) {
-  std::vector<float> row{2.0f, kMasked, -1.0f, kMasked, 2.0f};
-  const float sum = exp_shifted(row.data(), static_cast<int64_t>(row.size()), 2.0f);
-  EXPECT_EQ(row[0], 1.0f);
-  EXPECT_EQ(row[4], 1.0f);
-  EXPECT_EQ(row[1], 0.0f);
-  EXPECT_EQ(row[3], 0.0f);
-  EXPECT_NEAR(row[2], std::exp(-3.0), 4e-7 * std::exp(-3.0));
-  EXPECT_NEAR(sum, 2.0 + std::exp(-3.0), 1e-6);
+  for (const SoftmaxVariant& variant : softmax_variants()) {
+    SCOPED_TRACE(variant.name);
+    std::vector<float> row{2.0f, kMasked, -1.0f, kMasked, 2.0f};
+    const float sum = variant.exp_shifted(row.data(), static_cast<int64_t>(row.size()), 2.0f);
+    EXPECT_EQ(row[0], 1.0f);
+    EXPECT_EQ(row[4], 1.0f);
+    EXPECT_EQ(row[1], 0.0f);
+    EXPECT_EQ(row[3], 0.0f);
+    EXPECT_NEAR(row[2], std::exp(-3.0), 4e-7 * std::exp(-3.0));
+    EXPECT_NEAR(sum, 2.0 + std::exp(-3.0), 1e-6);
+  }
 }
 
 TEST(Softmax, MaximumIsExactForEveryLength) {
   std::mt19937 rng(9);
   std::normal_distribution<float> value(0.0f, 50.0f);
-  for (int64_t n = 0; n <= 70; ++n) {
-    std::vector<float> row(static_cast<size_t>(n));
-    for (float& v : row) v = value(rng);
-    const float expected = std::accumulate(row.begin(), row.end(), -1e9f,
-                                           [](float a, float b) { return std::max(a, b); });
-    EXPECT_EQ(max_of(row.data(), n, -1e9f), expected) << "n " << n;
-    EXPECT_EQ(max_of(row.data(), n, 1e9f), 1e9f) << "the floor wins, n " << n;
+  for (const SoftmaxVariant& variant : softmax_variants()) {
+    SCOPED_TRACE(variant.name);
+    for (int64_t n = 0; n <= 70; ++n) {
+      std::vector<float> row(static_cast<size_t>(n));
+      for (float& v : row) v = value(rng);
+      const float expected = std::accumulate(row.begin(), row.end(), -1e9f,
+                                             [](float a, float b) { return std::max(a, b); });
+      EXPECT_EQ(variant.max_of(row.data(), n, -1e9f), expected) << "n " << n;
+      EXPECT_EQ(variant.max_of(row.data(), n, 1e9f), 1e9f) << "the floor wins, n " << n;
+    }
   }
 }
 
