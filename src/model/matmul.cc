@@ -175,19 +175,6 @@ void product_default(const float* x, int64_t count, const PackedMatrix& w, Out y
                                               Out y, int64_t first, int64_t last) {
   product<Portable<true>, true>(x, count, w, y, first, last);
 }
-Product pick() {
-  switch (vector_isa()) {
-    case VectorIsa::avx512:
-      return product_avx512;
-    case VectorIsa::avx2:
-      return product_avx2;
-    case VectorIsa::baseline:
-      break;
-  }
-  return product_default;
-}
-#else
-Product pick() { return product_default; }
 #endif
 
 // A variant over every column on the calling thread (matmul_variants).
@@ -196,21 +183,38 @@ void whole(const float* x, int64_t rows, const PackedMatrix& w, float* y, bool a
   P(x, rows, w, Out{y, w.out(), accumulate}, 0, w.out());
 }
 
-}  // namespace
+struct Kernel {
+  MatmulVariant variant;
+  Product product;
+};
 
-std::vector<MatmulVariant> matmul_variants() {
-  std::vector<MatmulVariant> out{{"portable", whole<product_default>}};
+// The variants this CPU runs, portable first; matmul uses the last.
+template <Product P>
+Kernel kernel(const char* name) {
+  return {{name, whole<P>}, P};
+}
+std::vector<Kernel> kernels() {
+  std::vector<Kernel> out{kernel<product_default>("portable")};
 #ifdef KVSNAP_MATMUL_X86
   const VectorIsa isa = vector_isa();
-  if (isa == VectorIsa::avx2 || isa == VectorIsa::avx512)
-    out.push_back({"avx2", whole<product_avx2>});
-  if (isa == VectorIsa::avx512) out.push_back({"avx512", whole<product_avx512>});
+  if (isa == VectorIsa::avx2 || isa == VectorIsa::avx512) {
+    out.push_back(kernel<product_avx2>("avx2"));
+  }
+  if (isa == VectorIsa::avx512) out.push_back(kernel<product_avx512>("avx512"));
 #endif
   return out;
 }
 
+}  // namespace
+
+std::vector<MatmulVariant> matmul_variants() {
+  std::vector<MatmulVariant> out;
+  for (const Kernel& k : kernels()) out.push_back(k.variant);
+  return out;
+}
+
 void matmul(const float* x, int64_t rows, const PackedMatrix& w, float* y, bool accumulate) {
-  static const Product chosen = pick();
+  static const Product chosen = kernels().back().product;
   const int64_t in = w.in(), out = w.out();
   const Out to{y, out, accumulate};
   // Split between the kernels' threads (ops/parallel.h) when there is enough work: prefill-sized

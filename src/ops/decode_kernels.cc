@@ -193,9 +193,9 @@ constexpr std::array<ByKey, sizeof...(M)> by_key(std::index_sequence<M...>) {
 [[gnu::target("avx512f,fma")]] void scores_avx512(const float* const* q, int64_t m, int64_t depth,
                                                   const float* keys, int64_t stride, int64_t count,
                                                   float scale, float* const* out, float* qt) {
+  static constexpr std::array<ByKey, kByKey> kByKeyOf = by_key(std::make_index_sequence<kByKey>{});
   if (m >= 1 && m <= kByKey) {  // a few queries: keys in the lanes instead (scores_by_key)
-    return by_key(std::make_index_sequence<kByKey>{})[static_cast<size_t>(m - 1)](
-        q, depth, keys, stride, count, scale, out);
+    return kByKeyOf[static_cast<size_t>(m - 1)](q, depth, keys, stride, count, scale, out);
   }
   const __m512 scale16 = _mm512_set1_ps(scale);
   for (int64_t i0 = 0; i0 < m; i0 += 32) {

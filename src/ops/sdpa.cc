@@ -179,10 +179,9 @@ class Attend {
       // Kept by each thread between calls up to detail::kKeptScratch floats (a prefill's buffer
       // is megabytes: allocating it per call costs page faults); larger ones live for the call.
       // Every part is written before it is read.
-      thread_local Work kept;
       Work once;
       const auto need = static_cast<size_t>(most_ * (depth_ + columns_ + value_depth_));
-      Work& work = need <= detail::kKeptScratch ? kept : once;
+      Work& work = detail::scratch_for(need, once);
       if (work.buffer.size() < need) work.buffer.resize(need);
       if (work.sums.size() < static_cast<size_t>(most_))
         work.sums.resize(static_cast<size_t>(most_));

@@ -177,10 +177,9 @@ class DecodeAttention {
       // heads x context) are large enough that allocating them afresh costs page faults on every
       // layer; larger ones live for the call. Never read before written (columns a row does not
       // see get 0 from its softmax).
-      thread_local Scratch kept;
       Scratch once;
       const size_t need = rows_.size() * static_cast<size_t>(group_ * width_);
-      Scratch& scratch = need <= kKeptScratch ? kept : once;
+      Scratch& scratch = scratch_for(need, once);
       if (scratch.scores.size() < need) scratch.scores.resize(need);
       for (int64_t g = t; g < kv_heads_; g += threads) head(g, scratch, out.mutable_data<float>());
     });

@@ -15,6 +15,14 @@ namespace kvsnap::detail {
 // layer of every step; above it (prefills of very long contexts), they live for the call.
 inline constexpr size_t kKeptScratch = size_t{2} << 20;
 
+// The calling thread's kept Scratch when `floats` fit within kKeptScratch, else `once` (which
+// lives for the call). One kept Scratch per type and thread.
+template <class Scratch>
+Scratch& scratch_for(size_t floats, Scratch& once) {
+  thread_local Scratch kept;
+  return floats <= kKeptScratch ? kept : once;
+}
+
 // Attention of a batch whose rows each hold one query over a paged f32 history under positional
 // rules (causal, lookback): the decode step of many sequences. Every block is read once per
 // key/value head for all the queries that see it: the query heads that share the key/value head
