@@ -1,13 +1,14 @@
 // Decode attention's products (decode_kernels.h) for CPUs with AVX-512: scores with 16 queries
 // per vector (one lane each), two vectors and 8 key columns at a time, outputs with 32 value
-// columns in two vectors for 4 queries at a time. Each lane is one fma chain in a fixed order (the
-// depth for a score, the columns for an output), so tiles and sharing never change a result; keys
-// and values are read in place, no packing.
+// columns in two vectors for 4 queries at a time, over runs of columns. Each lane is one fma chain
+// in a fixed order (the depth for a score, the columns for an output), so tiles and sharing never
+// change a result; keys and values are read in place, no packing.
 #include "ops/decode_kernels.h"
 
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdint>
 #include <utility>
 
 #if defined(__x86_64__)
@@ -18,6 +19,13 @@
 
 namespace kvsnap::detail {
 namespace {
+
+// In a decode step these kernels read keys and values that the weights' stream has pushed out of
+// the caches: each fetches them a few kilobytes ahead (columns, here) of the product.
+constexpr int64_t kAhead = 32;
+// The outputs go over the columns in runs this long (32 KB of values at depth 32), every query
+// tile over a run before the next, so the values come from memory once, not once per tile.
+constexpr int64_t kWeighRun = 256;
 
 // The kernels this CPU runs; null where it has no AVX-512.
 struct Kernels {
@@ -35,6 +43,14 @@ struct Kernels {
 [[gnu::target("avx512f,fma")]] inline __m512d as_pd(__m512 x) { return _mm512_castps_pd(x); }
 [[gnu::target("avx512f,fma")]] inline __m256 upper(__m512 x) {
   return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
+}
+
+// Fetches the 128 bytes `floats` past p (a column of depth 32) into L1: a hint, which never
+// faults, so the address (computed as an integer, not as a pointer) may lie past the data's end.
+[[gnu::target("avx512f,fma")]] inline void prefetch(const float* p, int64_t floats) {
+  const uintptr_t at = reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(floats) * 4;
+  _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(at + 64), _MM_HINT_T0);
 }
 
 // Scales sums[u] (lane t: query t's score of key column c + u) and writes query t's eight
@@ -100,6 +116,7 @@ template <int T>
   int64_t c = 0;
   for (; c + 8 <= count; c += 8) {
     __m512 sums[T][8];
+    for (int u = 0; u < 8; ++u) prefetch(keys, (c + kAhead + u) * stride);
     score_columns<T>(qt, depth, keys + c * stride, stride, sums);
     for (int t = 0; t < T; ++t) store_columns(sums[t], scale, out + 16 * t, c, valid - 16 * t);
   }
@@ -228,6 +245,7 @@ template <int T>
     hi[t] = _mm512_loadu_ps(out[t] + v0 + 16);
   }
   for (int64_t c = 0; c < count; ++c) {
+    prefetch(values, (c + kAhead) * stride + v0);
     const __m512 a = _mm512_loadu_ps(values + c * stride + v0);
     const __m512 b = _mm512_loadu_ps(values + c * stride + v0 + 16);
     for (int t = 0; t < T; ++t) {
@@ -246,10 +264,19 @@ template <int T>
                                                  const float* values, int64_t stride, int64_t count,
                                                  int64_t value_depth, float* const* out) {
   const int64_t wide = value_depth / 32 * 32;
-  for (int64_t v0 = 0; v0 < wide; v0 += 32) {
-    int64_t i = 0;
-    for (; i + 4 <= m; i += 4) weigh_avx512_tile<4>(w + i, values, stride, count, v0, out + i);
-    for (; i < m; ++i) weigh_avx512_tile<1>(w + i, values, stride, count, v0, out + i);
+  for (int64_t c0 = 0; c0 < count; c0 += kWeighRun) {
+    const int64_t n = std::min(kWeighRun, count - c0);
+    for (int64_t v0 = 0; v0 < wide; v0 += 32) {
+      int64_t i = 0;
+      for (; i + 4 <= m; i += 4) {
+        const float* ws[4] = {w[i] + c0, w[i + 1] + c0, w[i + 2] + c0, w[i + 3] + c0};
+        weigh_avx512_tile<4>(ws, values + c0 * stride, stride, n, v0, out + i);
+      }
+      for (; i < m; ++i) {
+        const float* ws[1] = {w[i] + c0};
+        weigh_avx512_tile<1>(ws, values + c0 * stride, stride, n, v0, out + i);
+      }
+    }
   }
   for (int64_t i = 0; i < m; ++i) {
     for (int64_t v = wide; v < value_depth; ++v) {

@@ -25,7 +25,9 @@ TEST(DecodeKernels, ScoresAndOutputsEqualTheDoublePrecisionProducts) {
   if (!decode_kernels_available()) GTEST_SKIP() << "no AVX-512 on this CPU";
   std::mt19937 rng(21);
   std::vector<float> tile;
-  for (const Case k : {Case{32, 100, 32, 0}, Case{7, 13, 40, 3}, Case{32, 1, 12, 5}}) {
+  // Counts past the kernels' runs of columns (256) as well as within one.
+  for (const Case k : {Case{32, 100, 32, 0}, Case{7, 13, 40, 3}, Case{32, 1, 12, 5},
+                       Case{32, 600, 32, 0}, Case{16, 513, 64, 2}}) {
     for (const int64_t m : {1, 3, 4, 5, 16, 17, 33}) {
       const int64_t key_stride = k.depth + k.stride_pad,
                     value_stride = k.value_depth + k.stride_pad;
@@ -112,6 +114,37 @@ TEST(DecodeKernels, AQuerysResultIsBitwiseTheSameWhateverQueriesShareTheProduct)
                 0)
           << "output of query " << i << " among " << m;
     }
+  }
+}
+
+// Each output adds the columns in order onto what it holds, so weighing columns [0, count) in one
+// call is bitwise the same as in two calls split anywhere — within one of the kernels' runs of
+// columns or across them — which is what lets decode attention weigh a row's history job by job.
+TEST(DecodeKernels, OutputsAreBitwiseTheSameWhereverTheColumnsAreSplitBetweenCalls) {
+  if (!decode_kernels_available()) GTEST_SKIP() << "no AVX-512 on this CPU";
+  std::mt19937 rng(23);
+  const int64_t count = 600, value_depth = 40, m = 9;
+  const auto weights = random_floats(static_cast<size_t>(m * count), rng);
+  const auto values = random_floats(static_cast<size_t>(count * value_depth), rng);
+  const auto start = random_floats(static_cast<size_t>(m * value_depth), rng);
+  const auto weigh = [&](std::vector<float>& out, int64_t from, int64_t to) {
+    std::vector<const float*> w;
+    std::vector<float*> o;
+    for (int64_t i = 0; i < m; ++i) {
+      w.push_back(weights.data() + i * count + from);
+      o.push_back(out.data() + i * value_depth);
+    }
+    decode_weigh(w.data(), m, values.data() + from * value_depth, value_depth, to - from,
+                 value_depth, o.data());
+  };
+  std::vector<float> whole = start;
+  weigh(whole, 0, count);
+  for (const int64_t split : {1, 100, 255, 256, 257, 300, 512, 599}) {
+    std::vector<float> parts = start;
+    weigh(parts, 0, split);
+    weigh(parts, split, count);
+    ASSERT_EQ(std::memcmp(parts.data(), whole.data(), whole.size() * sizeof(float)), 0)
+        << "split at column " << split;
   }
 }
 
