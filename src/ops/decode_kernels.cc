@@ -31,7 +31,7 @@ constexpr int64_t kWeighRun = 256;
 struct Kernels {
   void (*scores)(const float* const*, int64_t, int64_t, const float*, int64_t, int64_t, float,
                  float* const*, float*) = nullptr;
-  void (*weigh)(const float* const*, int64_t, const float*, int64_t, int64_t, int64_t,
+  void (*weigh)(const float* const*, int64_t, const ColumnRun*, size_t, int64_t, int64_t,
                 float* const*) = nullptr;
 };
 
@@ -233,25 +233,37 @@ constexpr std::array<ByKey, sizeof...(M)> by_key(std::index_sequence<M...>) {
   }
 }
 
-// T queries, 32 value columns in two vectors each; other widths and the rest fall to fma.
+// A stretch of one run's columns that a span of the outputs' work covers: `count` value rows
+// from `values` (stride apart), weighed by each query's weights from column `column` on.
+struct Piece {
+  const float* values;
+  int64_t column, count;
+};
+
+// T queries, 32 value columns in two vectors each, over the pieces in order; other widths and the
+// rest fall to fma. The sums stay in registers from the first piece to the last.
 template <int T>
 [[gnu::target("avx512f,fma")]] inline void weigh_avx512_tile(const float* const* w,
-                                                             const float* values, int64_t stride,
-                                                             int64_t count, int64_t v0,
+                                                             const Piece* pieces, size_t n,
+                                                             int64_t stride, int64_t v0,
                                                              float* const* out) {
   __m512 lo[T], hi[T];
   for (int t = 0; t < T; ++t) {
     lo[t] = _mm512_loadu_ps(out[t] + v0);
     hi[t] = _mm512_loadu_ps(out[t] + v0 + 16);
   }
-  for (int64_t c = 0; c < count; ++c) {
-    prefetch(values, (c + kAhead) * stride + v0);
-    const __m512 a = _mm512_loadu_ps(values + c * stride + v0);
-    const __m512 b = _mm512_loadu_ps(values + c * stride + v0 + 16);
-    for (int t = 0; t < T; ++t) {
-      const __m512 x = _mm512_set1_ps(w[t][c]);
-      lo[t] = _mm512_fmadd_ps(x, a, lo[t]);
-      hi[t] = _mm512_fmadd_ps(x, b, hi[t]);
+  for (size_t p = 0; p < n; ++p) {
+    const float* values = pieces[p].values;
+    const int64_t column = pieces[p].column;
+    for (int64_t c = 0; c < pieces[p].count; ++c) {
+      prefetch(values, (c + kAhead) * stride + v0);
+      const __m512 a = _mm512_loadu_ps(values + c * stride + v0);
+      const __m512 b = _mm512_loadu_ps(values + c * stride + v0 + 16);
+      for (int t = 0; t < T; ++t) {
+        const __m512 x = _mm512_set1_ps(w[t][column + c]);
+        lo[t] = _mm512_fmadd_ps(x, a, lo[t]);
+        hi[t] = _mm512_fmadd_ps(x, b, hi[t]);
+      }
     }
   }
   for (int t = 0; t < T; ++t) {
@@ -260,28 +272,46 @@ template <int T>
   }
 }
 
+// The runs' columns in spans of up to kWeighRun (a long run cut, short ones gathered): every
+// query tile goes over a span before the next span, so its values come from memory once.
 [[gnu::target("avx512f,fma")]] void weigh_avx512(const float* const* w, int64_t m,
-                                                 const float* values, int64_t stride, int64_t count,
-                                                 int64_t value_depth, float* const* out) {
+                                                 const ColumnRun* runs, size_t n_runs,
+                                                 int64_t stride, int64_t value_depth,
+                                                 float* const* out) {
   const int64_t wide = value_depth / 32 * 32;
-  for (int64_t c0 = 0; c0 < count; c0 += kWeighRun) {
-    const int64_t n = std::min(kWeighRun, count - c0);
+  std::array<Piece, kWeighRun> span;  // at most kWeighRun columns, so at most as many pieces
+  size_t pieces = 0;
+  int64_t filled = 0, column = 0;
+  const auto flush = [&] {
     for (int64_t v0 = 0; v0 < wide; v0 += 32) {
       int64_t i = 0;
-      for (; i + 4 <= m; i += 4) {
-        const float* ws[4] = {w[i] + c0, w[i + 1] + c0, w[i + 2] + c0, w[i + 3] + c0};
-        weigh_avx512_tile<4>(ws, values + c0 * stride, stride, n, v0, out + i);
-      }
-      for (; i < m; ++i) {
-        const float* ws[1] = {w[i] + c0};
-        weigh_avx512_tile<1>(ws, values + c0 * stride, stride, n, v0, out + i);
-      }
+      for (; i + 4 <= m; i += 4)
+        weigh_avx512_tile<4>(w + i, span.data(), pieces, stride, v0, out + i);
+      for (; i < m; ++i) weigh_avx512_tile<1>(w + i, span.data(), pieces, stride, v0, out + i);
+    }
+    pieces = 0;
+    filled = 0;
+  };
+  for (size_t r = 0; r < n_runs; ++r) {
+    for (int64_t c = 0; c < runs[r].count;) {
+      const int64_t take = std::min(kWeighRun - filled, runs[r].count - c);
+      span[pieces++] = {runs[r].data + c * stride, column, take};
+      c += take;
+      column += take;
+      filled += take;
+      if (filled == kWeighRun) flush();
     }
   }
+  if (pieces > 0) flush();
   for (int64_t i = 0; i < m; ++i) {
     for (int64_t v = wide; v < value_depth; ++v) {
       float acc = out[i][v];
-      for (int64_t c = 0; c < count; ++c) acc = std::fma(w[i][c], values[c * stride + v], acc);
+      int64_t at = 0;
+      for (size_t r = 0; r < n_runs; ++r) {
+        for (int64_t c = 0; c < runs[r].count; ++c, ++at) {
+          acc = std::fma(w[i][at], runs[r].data[c * stride + v], acc);
+        }
+      }
       out[i][v] = acc;
     }
   }
@@ -311,9 +341,15 @@ void decode_scores(const float* const* queries, int64_t m, int64_t depth, const 
   kernels().scores(queries, m, depth, keys, key_stride, count, scale, out, scratch.data());
 }
 
+void decode_weigh(const float* const* weights, int64_t m, const ColumnRun* runs, size_t n_runs,
+                  int64_t value_stride, int64_t value_depth, float* const* out) {
+  kernels().weigh(weights, m, runs, n_runs, value_stride, value_depth, out);
+}
+
 void decode_weigh(const float* const* weights, int64_t m, const float* values, int64_t value_stride,
                   int64_t count, int64_t value_depth, float* const* out) {
-  kernels().weigh(weights, m, values, value_stride, count, value_depth, out);
+  const ColumnRun run{values, count};
+  decode_weigh(weights, m, &run, 1, value_stride, value_depth, out);
 }
 
 }  // namespace kvsnap::detail

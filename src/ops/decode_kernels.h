@@ -10,6 +10,7 @@
 // (decode_kernels_available()); elsewhere decode attention keeps its BLAS products.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -24,8 +25,20 @@ void decode_scores(const float* const* queries, int64_t m, int64_t depth, const 
                    int64_t key_stride, int64_t count, float scale, float* const* scores,
                    std::vector<float>& scratch);
 
-// out[i][v] += sum_c weights[i][c] * values[c * value_stride + v], for v in [0, value_depth),
-// the columns c in [0, count) added in order.
+// `count` value columns from `data`, value_stride floats apart.
+struct ColumnRun {
+  const float* data;
+  int64_t count;
+};
+
+// out[i][v] += sum_c weights[i][c] * value(c)[v], for v in [0, value_depth), where the columns c
+// are the runs' columns one after another (weights[i] holds that many), added in order: the
+// same sums as one call per run, kept in registers across the runs (a history in blocks that do
+// not continue each other in memory is weighed in one call).
+void decode_weigh(const float* const* weights, int64_t m, const ColumnRun* runs, size_t n_runs,
+                  int64_t value_stride, int64_t value_depth, float* const* out);
+
+// The same over one run: columns c in [0, count) of `values`.
 void decode_weigh(const float* const* weights, int64_t m, const float* values, int64_t value_stride,
                   int64_t count, int64_t value_depth, float* const* out);
 

@@ -87,6 +87,13 @@ class Columns {
     }
   }
 
+  // Whether every run for_each gives lies in the history's own memory (and so outlives the
+  // call): f32 history, read in place; other types are converted a block at a time.
+  bool in_place() const {
+    return !history_.paged() || history_.paged_columns().key_chunks.empty() ||
+           history_.paged_columns().key_chunks.front().dtype() == DType::f32;
+  }
+
   // Calls visit(run) for the runs covering columns [lo, hi) of batch row b, key head h, in
   // column order (a run may begin before lo; visit clips).
   template <class Visit>
@@ -198,6 +205,7 @@ class Attend {
     std::vector<float> sums;         // per stacked query row: its softmax's denominator
     std::vector<const float*> from;  // the kernels' operand rows (decode_kernels.h)
     std::vector<float*> to;          // and result rows
+    std::vector<detail::ColumnRun> runs;
   };
 
   int64_t q_rows() const { return qf_.dim(0); }
@@ -269,27 +277,45 @@ class Attend {
     });
   }
 
-  // weighed = P V over columns [lo, hi), run by run; false when no run lies in range.
+  // weighed = P V over columns [lo, hi): with decode_kernels.h every run in one call (the sums
+  // stay in registers across a paged history's blocks), else run by run with BLAS; false when no
+  // run lies in range.
   bool weigh(int64_t b, int64_t g, int64_t lo, int64_t hi, int64_t m, const float* scores,
              float* weighed, Work& work) const {
     const int64_t width = hi - lo;
-    float beta = 0.0f;
-    const bool kernels = detail::decode_kernels_available();
-    if (kernels) {
+    if (detail::decode_kernels_available()) {
+      // Runs are gathered and weighed in one call while they share a stride and outlive the
+      // visit; a call per run otherwise — the same sums either way (decode_kernels.h).
+      work.runs.clear();
+      int64_t stride = 0;
+      bool any = false;
+      const auto flush = [&] {
+        if (work.runs.empty()) return;
+        detail::decode_weigh(work.from.data(), m, work.runs.data(), work.runs.size(), stride,
+                             value_depth_, work.to.data());
+        for (int64_t i = 0; i < m; ++i) {
+          for (const detail::ColumnRun& run : work.runs) work.from[i] += run.count;
+        }
+        work.runs.clear();
+      };
       std::fill_n(weighed, m * value_depth_, 0.0f);
       rows_of(scores, width, weighed, value_depth_, m, work);
+      source_.for_each(b, g, lo, hi, [&](const Run& run) {
+        const int64_t from = std::max(lo, run.first), to = std::min(hi, run.first + run.count);
+        if (from >= to) return;
+        if (run.value_stride != stride) flush();
+        stride = run.value_stride;
+        work.runs.push_back({run.values + (from - run.first) * run.value_stride, to - from});
+        any = true;
+        if (!source_.in_place()) flush();
+      });
+      flush();
+      return any;
     }
+    float beta = 0.0f;
     source_.for_each(b, g, lo, hi, [&](const Run& run) {
       const int64_t from = std::max(lo, run.first), to = std::min(hi, run.first + run.count);
       if (from >= to) return;
-      if (kernels) {
-        for (int64_t i = 0; i < m; ++i) work.from[i] = scores + i * width + (from - lo);
-        detail::decode_weigh(work.from.data(), m,
-                             run.values + (from - run.first) * run.value_stride, run.value_stride,
-                             to - from, value_depth_, work.to.data());
-        beta = 1.0f;
-        return;
-      }
       cblas_sgemm(
           CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(m),
           static_cast<int>(value_depth_), static_cast<int>(to - from), 1.0f, scores + (from - lo),

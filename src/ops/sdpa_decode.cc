@@ -22,13 +22,19 @@ struct Row {
   int64_t lo = 0, hi = 0;
 };
 
-// Columns [first, first + count) that a group of rows all hold in the same memory (a block, or a
-// run of consecutive blocks of one chunk): one product each for scores and values covers them.
+// Columns [first, first + count) that a group of rows all hold in the same memory: one product
+// each for scores and values covers them. They lie in segments (a block, or a run of consecutive
+// blocks of one chunk); a job's segments need not continue each other in memory — a sequence
+// decoding beside others gets its blocks interleaved with theirs — and are read in one call.
+struct Segment {
+  int64_t count = 0;
+  const float* keys = nullptr;    // key head 0 at the segment's first column
+  const float* values = nullptr;  // value head 0 at the segment's first column
+};
 struct Job {
   int64_t first = 0, count = 0;
-  std::vector<int64_t> rows;      // batch rows, ascending
-  const float* keys = nullptr;    // key head 0 at column `first`
-  const float* values = nullptr;  // value head 0 at column `first`
+  std::vector<int64_t> rows;  // batch rows, ascending
+  std::vector<Segment> segments;
 };
 
 bool plain_f32(const std::vector<Array>& chunks) {
@@ -114,27 +120,36 @@ class Planner {
     });
     std::vector<size_t> open;  // jobs that end at this block's end
     for (size_t k = 0; k < holders_.size();) {
-      Job job{first, 0, {}, holders_[k].keys, holders_[k].values};
-      for (; k < holders_.size() && holders_[k].keys == job.keys; ++k) {
+      Job job{first, 0, {}, {}};
+      const float *keys = holders_[k].keys, *values = holders_[k].values;
+      for (; k < holders_.size() && holders_[k].keys == keys; ++k) {
         job.rows.push_back(holders_[k].row);
         // Up to the furthest column any of its rows sees (all within that row's length).
         const int64_t seen = rows_[static_cast<size_t>(holders_[k].row)].hi - first;
         job.count = std::max(job.count, std::min(block_tokens_, seen));
       }
+      job.segments.push_back({job.count, keys, values});
       open.push_back(extend_or_add(std::move(job)));
     }
     open_ = std::move(open);
   }
 
+  // A job of the same rows that ends where this one begins takes its columns: its last segment
+  // grows when the memory continues it, else a segment is added.
   size_t extend_or_add(Job job) {
     for (size_t i : open_) {
       Job& j = jobs_[i];
-      const int64_t gap = job.first - j.first;
-      if (j.count == gap && j.rows == job.rows && j.keys + gap * key_stride_ == job.keys &&
-          j.values + gap * value_stride_ == job.values) {
-        j.count += job.count;
-        return i;
+      if (j.first + j.count != job.first || j.rows != job.rows) continue;
+      Segment& last = j.segments.back();
+      const Segment& next = job.segments.front();
+      if (last.keys + last.count * key_stride_ == next.keys &&
+          last.values + last.count * value_stride_ == next.values) {
+        last.count += next.count;
+      } else {
+        j.segments.push_back(next);
       }
+      j.count += job.count;
+      return i;
     }
     jobs_.push_back(std::move(job));
     return jobs_.size() - 1;
@@ -192,6 +207,7 @@ class DecodeAttention {
     std::vector<float> sums;  // per query: its softmax's denominator
     std::vector<const float*> queries;
     std::vector<float*> outputs;
+    std::vector<ColumnRun> runs;
     // Row b's scores for query head j of the current key/value head, over columns [0, width).
     float* row(int64_t b, int64_t j, int64_t group, int64_t width) {
       return scores.data() + (b * group + j) * width;
@@ -218,7 +234,8 @@ class DecodeAttention {
 
   // Scores of the job's queries (its rows x the query heads of key/value head g) over its
   // columns, straight into each query's score row (columns a row does not see are overwritten
-  // by its softmax with 0): decode_kernels.h where the CPU has them, else BLAS.
+  // by its softmax with 0), a segment at a time: decode_kernels.h where the CPU has them, else
+  // BLAS.
   void score(const Job& job, int64_t g, Scratch& s) const {
     if (!decode_kernels_available()) return score_blas(job, g, s);
     s.queries.clear();
@@ -230,14 +247,17 @@ class DecodeAttention {
         s.outputs.push_back(s.row(b, j, group_, width_) + job.first);
       }
     }
-    decode_scores(s.queries.data(), static_cast<int64_t>(s.queries.size()), depth_,
-                  job.keys + g * key_head_, key_stride_, job.count, scale_, s.outputs.data(),
-                  s.tile);
+    const auto m = static_cast<int64_t>(s.queries.size());
+    for (const Segment& segment : job.segments) {
+      decode_scores(s.queries.data(), m, depth_, segment.keys + g * key_head_, key_stride_,
+                    segment.count, scale_, s.outputs.data(), s.tile);
+      for (float*& to : s.outputs) to += segment.count;
+    }
   }
 
   // out += the job's weights times its columns' values (weights outside a row's view are 0);
-  // with decode_kernels.h column after column onto what each output holds, so a row's result
-  // does not depend on which rows share its blocks.
+  // with decode_kernels.h column after column onto what each output holds, all the job's
+  // segments in one call, so a row's result does not depend on which rows share its blocks.
   void weigh(const Job& job, int64_t g, Scratch& s, float* out) const {
     if (!decode_kernels_available()) return weigh_blas(job, g, s, out);
     s.queries.clear();
@@ -248,16 +268,19 @@ class DecodeAttention {
         s.outputs.push_back(out + (b * query_heads_ + g * group_ + j) * value_depth_);
       }
     }
-    decode_weigh(s.queries.data(), static_cast<int64_t>(s.queries.size()),
-                 job.values + g * value_head_, value_stride_, job.count, value_depth_,
-                 s.outputs.data());
+    s.runs.clear();
+    for (const Segment& segment : job.segments) {
+      s.runs.push_back({segment.values + g * value_head_, segment.count});
+    }
+    decode_weigh(s.queries.data(), static_cast<int64_t>(s.queries.size()), s.runs.data(),
+                 s.runs.size(), value_stride_, value_depth_, s.outputs.data());
   }
 
-  // Scores of the job's queries (its rows x the query heads of key/value head g) over its block.
+  // Scores of the job's queries (its rows x the query heads of key/value head g), a segment at a
+  // time.
   void score_blas(const Job& job, int64_t g, Scratch& s) const {
     const auto m = static_cast<int64_t>(job.rows.size()) * group_;
     s.lhs.resize(static_cast<size_t>(m * depth_));
-    s.product.resize(static_cast<size_t>(m * job.count));
     for (size_t n = 0; n < job.rows.size(); ++n) {
       for (int64_t j = 0; j < group_; ++j) {
         const float* query =
@@ -265,44 +288,56 @@ class DecodeAttention {
         std::copy_n(query, depth_, s.lhs.data() + (static_cast<int64_t>(n) * group_ + j) * depth_);
       }
     }
-    const float* keys = job.keys + g * key_head_;
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m),
-                static_cast<int>(job.count), static_cast<int>(depth_), scale_, s.lhs.data(),
-                static_cast<int>(depth_), keys, static_cast<int>(key_stride_), 0.0f,
-                s.product.data(), static_cast<int>(job.count));
-    for (size_t n = 0; n < job.rows.size(); ++n) {
-      const Row& r = rows_[static_cast<size_t>(job.rows[n])];
-      const int64_t from = std::max(r.lo, job.first), to = std::min(r.hi, job.first + job.count);
-      for (int64_t j = 0; j < group_; ++j) {
-        const int64_t row = static_cast<int64_t>(n) * group_ + j;
-        std::copy_n(s.product.data() + row * job.count + (from - job.first), to - from,
-                    s.row(job.rows[n], j, group_, width_) + from);
+    int64_t first = job.first;
+    for (const Segment& segment : job.segments) {
+      const int64_t count = segment.count;
+      s.product.resize(static_cast<size_t>(m * count));
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m),
+                  static_cast<int>(count), static_cast<int>(depth_), scale_, s.lhs.data(),
+                  static_cast<int>(depth_), segment.keys + g * key_head_,
+                  static_cast<int>(key_stride_), 0.0f, s.product.data(), static_cast<int>(count));
+      for (size_t n = 0; n < job.rows.size(); ++n) {
+        const Row& r = rows_[static_cast<size_t>(job.rows[n])];
+        const int64_t from = std::max(r.lo, first), to = std::min(r.hi, first + count);
+        for (int64_t j = 0; j < group_ && from < to; ++j) {
+          const int64_t row = static_cast<int64_t>(n) * group_ + j;
+          std::copy_n(s.product.data() + row * count + (from - first), to - from,
+                      s.row(job.rows[n], j, group_, width_) + from);
+        }
       }
+      first += count;
     }
   }
 
-  // out += the job's weights times its block's values (weights outside a row's view are 0).
+  // out += the job's weights times its values (weights outside a row's view are 0), a segment
+  // at a time.
   void weigh_blas(const Job& job, int64_t g, Scratch& s, float* out) const {
     const auto m = static_cast<int64_t>(job.rows.size()) * group_;
-    s.lhs.resize(static_cast<size_t>(m * job.count));
     s.product.resize(static_cast<size_t>(m * value_depth_));
-    for (size_t n = 0; n < job.rows.size(); ++n) {
-      for (int64_t j = 0; j < group_; ++j) {
-        std::copy_n(s.row(job.rows[n], j, group_, width_) + job.first, job.count,
-                    s.lhs.data() + (static_cast<int64_t>(n) * group_ + j) * job.count);
+    int64_t first = job.first;
+    for (const Segment& segment : job.segments) {
+      const int64_t count = segment.count;
+      s.lhs.resize(static_cast<size_t>(m * count));
+      for (size_t n = 0; n < job.rows.size(); ++n) {
+        for (int64_t j = 0; j < group_; ++j) {
+          std::copy_n(s.row(job.rows[n], j, group_, width_) + first, count,
+                      s.lhs.data() + (static_cast<int64_t>(n) * group_ + j) * count);
+        }
       }
-    }
-    const float* values = job.values + g * value_head_;
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(m),
-                static_cast<int>(value_depth_), static_cast<int>(job.count), 1.0f, s.lhs.data(),
-                static_cast<int>(job.count), values, static_cast<int>(value_stride_), 0.0f,
-                s.product.data(), static_cast<int>(value_depth_));
-    for (size_t n = 0; n < job.rows.size(); ++n) {
-      for (int64_t j = 0; j < group_; ++j) {
-        const float* add = s.product.data() + (static_cast<int64_t>(n) * group_ + j) * value_depth_;
-        float* to = out + (job.rows[n] * query_heads_ + g * group_ + j) * value_depth_;
-        for (int64_t d = 0; d < value_depth_; ++d) to[d] += add[d];
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(m),
+                  static_cast<int>(value_depth_), static_cast<int>(count), 1.0f, s.lhs.data(),
+                  static_cast<int>(count), segment.values + g * value_head_,
+                  static_cast<int>(value_stride_), 0.0f, s.product.data(),
+                  static_cast<int>(value_depth_));
+      for (size_t n = 0; n < job.rows.size(); ++n) {
+        for (int64_t j = 0; j < group_; ++j) {
+          const float* add =
+              s.product.data() + (static_cast<int64_t>(n) * group_ + j) * value_depth_;
+          float* to = out + (job.rows[n] * query_heads_ + g * group_ + j) * value_depth_;
+          for (int64_t d = 0; d < value_depth_; ++d) to[d] += add[d];
+        }
       }
+      first += count;
     }
   }
 
