@@ -21,7 +21,8 @@ namespace kvsnap::detail {
 namespace {
 
 // In a decode step these kernels read keys and values that the weights' stream has pushed out of
-// the caches: each fetches them a few kilobytes ahead (columns, here) of the product.
+// the caches, in blocks 4 KB apart where the hardware's prefetch stops: they fetch the columns
+// this far ahead of the product, across runs (Lookahead).
 constexpr int64_t kAhead = 32;
 // The outputs go over the columns in runs this long (32 KB of values at depth 32), every query
 // tile over a run before the next, so the values come from memory once, not once per tile.
@@ -29,7 +30,7 @@ constexpr int64_t kWeighRun = 256;
 
 // The kernels this CPU runs; null where it has no AVX-512.
 struct Kernels {
-  void (*scores)(const float* const*, int64_t, int64_t, const float*, int64_t, int64_t, float,
+  void (*scores)(const float* const*, int64_t, int64_t, const ColumnRun*, size_t, int64_t, float,
                  float* const*, float*) = nullptr;
   void (*weigh)(const float* const*, int64_t, const ColumnRun*, size_t, int64_t, int64_t,
                 float* const*) = nullptr;
@@ -45,13 +46,39 @@ struct Kernels {
   return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
 }
 
-// Fetches the 128 bytes `floats` past p (a column of depth 32) into L1: a hint, which never
-// faults, so the address (computed as an integer, not as a pointer) may lie past the data's end.
-[[gnu::target("avx512f,fma")]] inline void prefetch(const float* p, int64_t floats) {
-  const uintptr_t at = reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(floats) * 4;
-  _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(at + 64), _MM_HINT_T0);
-}
+// A cursor kAhead columns ahead of a product over runs of columns (`depth` floats each, `stride`
+// apart): fetch(n) asks the caches for the next n columns' lines, crossing into the next run
+// where one ends. Prefetches are hints: they never fault and never change a result.
+class Lookahead {
+ public:
+  [[gnu::target("avx512f,fma")]] Lookahead(const ColumnRun* runs, size_t n, int64_t stride,
+                                           int64_t depth)
+      : runs_(runs), n_(n), stride_(stride), bytes_(depth * 4) {
+    fetch(kAhead);
+  }
+
+  [[gnu::target("avx512f,fma")]] void fetch(int64_t columns) {
+    while (columns > 0 && r_ < n_) {
+      const ColumnRun& run = runs_[r_];
+      const int64_t take = std::min(columns, run.count - c_);
+      for (int64_t c = c_; c < c_ + take; ++c) {
+        const char* column = reinterpret_cast<const char*>(run.data + c * stride_);
+        for (int64_t b = 0; b < bytes_; b += 64) _mm_prefetch(column + b, _MM_HINT_T0);
+      }
+      c_ += take;
+      columns -= take;
+      if (c_ == run.count) {
+        ++r_;
+        c_ = 0;
+      }
+    }
+  }
+
+ private:
+  const ColumnRun* runs_;
+  size_t n_, r_ = 0;
+  int64_t stride_, bytes_, c_ = 0;
+};
 
 // Scales sums[u] (lane t: query t's score of key column c + u) and writes query t's eight
 // scores to out[t][c, c + 8) for t < valid: an 8 x 16 transpose in registers (unpacks within
@@ -108,18 +135,23 @@ template <int T>
   }
 }
 
+// Scores of the (up to 32) queries in qt over `count` key columns, into out[i][at + c].
 template <int T>
 [[gnu::target("avx512f,fma")]] void score_tiles(const float* qt, int64_t depth, const float* keys,
                                                 int64_t stride, int64_t count, __m512 scale,
-                                                float* const* out, int64_t valid) {
+                                                float* const* out, int64_t at, int64_t valid,
+                                                Lookahead& ahead) {
   alignas(64) float tile[16];
   int64_t c = 0;
   for (; c + 8 <= count; c += 8) {
     __m512 sums[T][8];
-    for (int u = 0; u < 8; ++u) prefetch(keys, (c + kAhead + u) * stride);
+    ahead.fetch(8);
     score_columns<T>(qt, depth, keys + c * stride, stride, sums);
-    for (int t = 0; t < T; ++t) store_columns(sums[t], scale, out + 16 * t, c, valid - 16 * t);
+    for (int t = 0; t < T; ++t) {
+      store_columns(sums[t], scale, out + 16 * t, at + c, valid - 16 * t);
+    }
   }
+  ahead.fetch(count - c);
   for (; c < count; ++c) {
     const float* k = keys + c * stride;
     for (int t = 0; t < T; ++t) {
@@ -129,7 +161,7 @@ template <int T>
       }
       _mm512_store_ps(tile, _mm512_mul_ps(s0, scale));
       for (int64_t i = 0; i < std::min<int64_t>(16, valid - 16 * t); ++i) {
-        out[16 * t + i][c] = tile[i];
+        out[16 * t + i][at + c] = tile[i];
       }
     }
   }
@@ -167,38 +199,45 @@ template <int T>
 // chain per score as scores_avx512's, so a query's scores are bitwise the same either way.
 template <int M>
 [[gnu::target("avx512f,fma")]] void scores_by_key(const float* const* q, int64_t depth,
-                                                  const float* keys, int64_t stride, int64_t count,
+                                                  const ColumnRun* runs, size_t n, int64_t stride,
                                                   float scale, float* const* out) {
   const __m512 scale16 = _mm512_set1_ps(scale);
-  for (int64_t c = 0; c < count; c += 16) {
-    const int64_t rows = std::min<int64_t>(16, count - c);
-    __m512 sum[M];
-    for (int i = 0; i < M; ++i) sum[i] = _mm512_setzero_ps();
-    for (int64_t d0 = 0; d0 < depth; d0 += 16) {
-      const int64_t span = std::min<int64_t>(16, depth - d0);
-      const auto lanes = static_cast<__mmask16>((1u << span) - 1u);
-      __m512 k[16];
-      for (int j = 0; j < 16; ++j) {
-        k[j] = j < rows ? _mm512_maskz_loadu_ps(lanes, keys + (c + j) * stride + d0)
-                        : _mm512_setzero_ps();
-      }
-      transpose16(k);  // k[e] lane j: key c + j at depth d0 + e
-      for (int64_t e = 0; e < span; ++e) {
-        for (int i = 0; i < M; ++i) {
-          sum[i] = _mm512_fmadd_ps(k[e], _mm512_set1_ps(q[i][d0 + e]), sum[i]);
+  Lookahead ahead(runs, n, stride, depth);
+  int64_t at = 0;
+  for (size_t r = 0; r < n; at += runs[r].count, ++r) {
+    const float* keys = runs[r].data;
+    const int64_t count = runs[r].count;
+    for (int64_t c = 0; c < count; c += 16) {
+      const int64_t rows = std::min<int64_t>(16, count - c);
+      ahead.fetch(rows);
+      __m512 sum[M];
+      for (int i = 0; i < M; ++i) sum[i] = _mm512_setzero_ps();
+      for (int64_t d0 = 0; d0 < depth; d0 += 16) {
+        const int64_t span = std::min<int64_t>(16, depth - d0);
+        const auto lanes = static_cast<__mmask16>((1u << span) - 1u);
+        __m512 k[16];
+        for (int j = 0; j < 16; ++j) {
+          k[j] = j < rows ? _mm512_maskz_loadu_ps(lanes, keys + (c + j) * stride + d0)
+                          : _mm512_setzero_ps();
+        }
+        transpose16(k);  // k[e] lane j: key c + j at depth d0 + e
+        for (int64_t e = 0; e < span; ++e) {
+          for (int i = 0; i < M; ++i) {
+            sum[i] = _mm512_fmadd_ps(k[e], _mm512_set1_ps(q[i][d0 + e]), sum[i]);
+          }
         }
       }
-    }
-    const auto valid = static_cast<__mmask16>((1u << rows) - 1u);
-    for (int i = 0; i < M; ++i) {
-      _mm512_mask_storeu_ps(out[i] + c, valid, _mm512_mul_ps(sum[i], scale16));
+      const auto valid = static_cast<__mmask16>((1u << rows) - 1u);
+      for (int i = 0; i < M; ++i) {
+        _mm512_mask_storeu_ps(out[i] + at + c, valid, _mm512_mul_ps(sum[i], scale16));
+      }
     }
   }
 }
 
 // scores_by_key<1> .. scores_by_key<kByKey>, by query count less one.
 constexpr int64_t kByKey = 8;
-using ByKey = void (*)(const float* const*, int64_t, const float*, int64_t, int64_t, float,
+using ByKey = void (*)(const float* const*, int64_t, const ColumnRun*, size_t, int64_t, float,
                        float* const*);
 template <size_t... M>
 constexpr std::array<ByKey, sizeof...(M)> by_key(std::index_sequence<M...>) {
@@ -208,11 +247,11 @@ constexpr std::array<ByKey, sizeof...(M)> by_key(std::index_sequence<M...>) {
 // Queries in pairs of 16-lane tiles (one lane each; a partial tile's spare lanes are zero and
 // never stored), transposed once into qt.
 [[gnu::target("avx512f,fma")]] void scores_avx512(const float* const* q, int64_t m, int64_t depth,
-                                                  const float* keys, int64_t stride, int64_t count,
+                                                  const ColumnRun* runs, size_t n, int64_t stride,
                                                   float scale, float* const* out, float* qt) {
   static constexpr std::array<ByKey, kByKey> kByKeyOf = by_key(std::make_index_sequence<kByKey>{});
   if (m >= 1 && m <= kByKey) {  // a few queries: keys in the lanes instead (scores_by_key)
-    return kByKeyOf[static_cast<size_t>(m - 1)](q, depth, keys, stride, count, scale, out);
+    return kByKeyOf[static_cast<size_t>(m - 1)](q, depth, runs, n, stride, scale, out);
   }
   const __m512 scale16 = _mm512_set1_ps(scale);
   for (int64_t i0 = 0; i0 < m; i0 += 32) {
@@ -225,10 +264,16 @@ constexpr std::array<ByKey, sizeof...(M)> by_key(std::index_sequence<M...>) {
         }
       }
     }
-    if (tiles == 2) {
-      score_tiles<2>(qt, depth, keys, stride, count, scale16, out + i0, valid);
-    } else {
-      score_tiles<1>(qt, depth, keys, stride, count, scale16, out + i0, valid);
+    Lookahead ahead(runs, n, stride, depth);
+    int64_t at = 0;
+    for (size_t r = 0; r < n; at += runs[r].count, ++r) {
+      if (tiles == 2) {
+        score_tiles<2>(qt, depth, runs[r].data, stride, runs[r].count, scale16, out + i0, at, valid,
+                       ahead);
+      } else {
+        score_tiles<1>(qt, depth, runs[r].data, stride, runs[r].count, scale16, out + i0, at, valid,
+                       ahead);
+      }
     }
   }
 }
@@ -242,11 +287,13 @@ struct Piece {
 
 // T queries, 32 value columns in two vectors each, over the pieces in order; other widths and the
 // rest fall to fma. The sums stay in registers from the first piece to the last.
+// The first tile over a span fetches ahead (`ahead`, else null), the others find its columns in
+// the caches.
 template <int T>
 [[gnu::target("avx512f,fma")]] inline void weigh_avx512_tile(const float* const* w,
                                                              const Piece* pieces, size_t n,
                                                              int64_t stride, int64_t v0,
-                                                             float* const* out) {
+                                                             float* const* out, Lookahead* ahead) {
   __m512 lo[T], hi[T];
   for (int t = 0; t < T; ++t) {
     lo[t] = _mm512_loadu_ps(out[t] + v0);
@@ -256,7 +303,7 @@ template <int T>
     const float* values = pieces[p].values;
     const int64_t column = pieces[p].column;
     for (int64_t c = 0; c < pieces[p].count; ++c) {
-      prefetch(values, (c + kAhead) * stride + v0);
+      if (ahead != nullptr && c % 8 == 0) ahead->fetch(std::min<int64_t>(8, pieces[p].count - c));
       const __m512 a = _mm512_loadu_ps(values + c * stride + v0);
       const __m512 b = _mm512_loadu_ps(values + c * stride + v0 + 16);
       for (int t = 0; t < T; ++t) {
@@ -282,12 +329,18 @@ template <int T>
   std::array<Piece, kWeighRun> span;  // at most kWeighRun columns, so at most as many pieces
   size_t pieces = 0;
   int64_t filled = 0, column = 0;
+  Lookahead ahead(runs, n_runs, stride, value_depth);
   const auto flush = [&] {
     for (int64_t v0 = 0; v0 < wide; v0 += 32) {
       int64_t i = 0;
-      for (; i + 4 <= m; i += 4)
-        weigh_avx512_tile<4>(w + i, span.data(), pieces, stride, v0, out + i);
-      for (; i < m; ++i) weigh_avx512_tile<1>(w + i, span.data(), pieces, stride, v0, out + i);
+      for (; i + 4 <= m; i += 4) {
+        weigh_avx512_tile<4>(w + i, span.data(), pieces, stride, v0, out + i,
+                             v0 == 0 && i == 0 ? &ahead : nullptr);
+      }
+      for (; i < m; ++i) {
+        weigh_avx512_tile<1>(w + i, span.data(), pieces, stride, v0, out + i,
+                             v0 == 0 && i == 0 ? &ahead : nullptr);
+      }
     }
     pieces = 0;
     filled = 0;
@@ -334,11 +387,18 @@ const Kernels& kernels() {
 
 bool decode_kernels_available() { return kernels().scores != nullptr; }
 
+void decode_scores(const float* const* queries, int64_t m, int64_t depth, const ColumnRun* runs,
+                   size_t n_runs, int64_t key_stride, float scale, float* const* out,
+                   std::vector<float>& scratch) {
+  scratch.resize(static_cast<size_t>(depth * 32));
+  kernels().scores(queries, m, depth, runs, n_runs, key_stride, scale, out, scratch.data());
+}
+
 void decode_scores(const float* const* queries, int64_t m, int64_t depth, const float* keys,
                    int64_t key_stride, int64_t count, float scale, float* const* out,
                    std::vector<float>& scratch) {
-  scratch.resize(static_cast<size_t>(depth * 32));
-  kernels().scores(queries, m, depth, keys, key_stride, count, scale, out, scratch.data());
+  const ColumnRun run{keys, count};
+  decode_scores(queries, m, depth, &run, 1, key_stride, scale, out, scratch);
 }
 
 void decode_weigh(const float* const* weights, int64_t m, const ColumnRun* runs, size_t n_runs,

@@ -19,17 +19,24 @@ namespace kvsnap::detail {
 // Whether this CPU runs the kernels below (AVX-512F); callers use BLAS otherwise.
 bool decode_kernels_available();
 
-// scores[i][c] = scale * sum_d queries[i][d] * keys[c * key_stride + d], for c in [0, count) and
-// i in [0, m); each queries[i] holds `depth` floats. `scratch` is reused between calls.
-void decode_scores(const float* const* queries, int64_t m, int64_t depth, const float* keys,
-                   int64_t key_stride, int64_t count, float scale, float* const* scores,
-                   std::vector<float>& scratch);
-
-// `count` value columns from `data`, value_stride floats apart.
+// `count` key or value columns from `data`, a stride apart: one run of a history, which may
+// be one of several that do not continue each other in memory (a paged history's blocks).
 struct ColumnRun {
   const float* data;
   int64_t count;
 };
+
+// scores[i][c] = scale * sum_d queries[i][d] * key(c)[d], for i in [0, m) and the columns c of
+// the runs one after another (scores[i] holds that many); each queries[i] holds `depth` floats
+// and each key column `depth` floats. `scratch` is reused between calls.
+void decode_scores(const float* const* queries, int64_t m, int64_t depth, const ColumnRun* runs,
+                   size_t n_runs, int64_t key_stride, float scale, float* const* scores,
+                   std::vector<float>& scratch);
+
+// The same over one run: columns c in [0, count) of `keys`.
+void decode_scores(const float* const* queries, int64_t m, int64_t depth, const float* keys,
+                   int64_t key_stride, int64_t count, float scale, float* const* scores,
+                   std::vector<float>& scratch);
 
 // out[i][v] += sum_c weights[i][c] * value(c)[v], for v in [0, value_depth), where the columns c
 // are the runs' columns one after another (weights[i] holds that many), added in order: the

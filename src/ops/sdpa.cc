@@ -251,24 +251,52 @@ class Attend {
     }
   }
 
-  // scores = scale * Q K^T over columns [lo, hi), run by run: with decode_kernels.h where the
-  // CPU has them (keys read in place; sgemm would pack them for a product of a few queries),
-  // else BLAS.
-  void scores_of(int64_t b, int64_t g, int64_t lo, int64_t hi, int64_t m, const float* lhs,
-                 float* scores, Work& work) const {
-    const int64_t width = hi - lo;
-    const bool kernels = detail::decode_kernels_available();
-    if (kernels) rows_of(lhs, depth_, scores, width, m, work);
+  // The runs of columns [lo, hi) of row b, key/value head g — keys, or values — in batches one
+  // kernel call takes (runs that share a stride and outlive the visit): call(runs, stride, at),
+  // `at` the batch's first column less lo. A history's runs in as few calls as that allows.
+  template <class Call>
+  void batches(int64_t b, int64_t g, int64_t lo, int64_t hi, bool keys, Work& work,
+               Call&& call) const {
+    work.runs.clear();
+    int64_t stride = 0, at = 0, next = 0;
+    const auto flush = [&] {
+      if (!work.runs.empty()) call(work.runs, stride, at);
+      work.runs.clear();
+      at = next;
+    };
     source_.for_each(b, g, lo, hi, [&](const Run& run) {
       const int64_t from = std::max(lo, run.first), to = std::min(hi, run.first + run.count);
       if (from >= to) return;
-      if (kernels) {
-        for (int64_t i = 0; i < m; ++i) work.to[i] = scores + i * width + (from - lo);
-        detail::decode_scores(work.from.data(), m, depth_,
-                              run.keys + (from - run.first) * run.key_stride, run.key_stride,
-                              to - from, scale_, work.to.data(), work.tile);
-        return;
-      }
+      const int64_t run_stride = keys ? run.key_stride : run.value_stride;
+      if (run_stride != stride) flush();
+      stride = run_stride;
+      work.runs.push_back(
+          {(keys ? run.keys : run.values) + (from - run.first) * run_stride, to - from});
+      next = to - lo;
+      if (!source_.in_place()) flush();
+    });
+    flush();
+  }
+
+  // scores = scale * Q K^T over columns [lo, hi): with decode_kernels.h where the CPU has them
+  // (keys read in place; sgemm would pack them for a product of a few queries), else BLAS run by
+  // run.
+  void scores_of(int64_t b, int64_t g, int64_t lo, int64_t hi, int64_t m, const float* lhs,
+                 float* scores, Work& work) const {
+    const int64_t width = hi - lo;
+    if (detail::decode_kernels_available()) {
+      rows_of(lhs, depth_, scores, width, m, work);
+      batches(b, g, lo, hi, /*keys=*/true, work,
+              [&](const std::vector<detail::ColumnRun>& runs, int64_t stride, int64_t at) {
+                for (int64_t i = 0; i < m; ++i) work.to[i] = scores + i * width + at;
+                detail::decode_scores(work.from.data(), m, depth_, runs.data(), runs.size(), stride,
+                                      scale_, work.to.data(), work.tile);
+              });
+      return;
+    }
+    source_.for_each(b, g, lo, hi, [&](const Run& run) {
+      const int64_t from = std::max(lo, run.first), to = std::min(hi, run.first + run.count);
+      if (from >= to) return;
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m),
                   static_cast<int>(to - from), static_cast<int>(depth_), scale_, lhs,
                   static_cast<int>(depth_), run.keys + (from - run.first) * run.key_stride,
@@ -277,39 +305,23 @@ class Attend {
     });
   }
 
-  // weighed = P V over columns [lo, hi): with decode_kernels.h every run in one call (the sums
-  // stay in registers across a paged history's blocks), else run by run with BLAS; false when no
-  // run lies in range.
+  // weighed = P V over columns [lo, hi): with decode_kernels.h in as few calls as batches()
+  // allows (the sums stay in registers across a paged history's blocks; the same sums as a call
+  // per run), else run by run with BLAS; false when no run lies in range.
   bool weigh(int64_t b, int64_t g, int64_t lo, int64_t hi, int64_t m, const float* scores,
              float* weighed, Work& work) const {
     const int64_t width = hi - lo;
     if (detail::decode_kernels_available()) {
-      // Runs are gathered and weighed in one call while they share a stride and outlive the
-      // visit; a call per run otherwise — the same sums either way (decode_kernels.h).
-      work.runs.clear();
-      int64_t stride = 0;
-      bool any = false;
-      const auto flush = [&] {
-        if (work.runs.empty()) return;
-        detail::decode_weigh(work.from.data(), m, work.runs.data(), work.runs.size(), stride,
-                             value_depth_, work.to.data());
-        for (int64_t i = 0; i < m; ++i) {
-          for (const detail::ColumnRun& run : work.runs) work.from[i] += run.count;
-        }
-        work.runs.clear();
-      };
       std::fill_n(weighed, m * value_depth_, 0.0f);
       rows_of(scores, width, weighed, value_depth_, m, work);
-      source_.for_each(b, g, lo, hi, [&](const Run& run) {
-        const int64_t from = std::max(lo, run.first), to = std::min(hi, run.first + run.count);
-        if (from >= to) return;
-        if (run.value_stride != stride) flush();
-        stride = run.value_stride;
-        work.runs.push_back({run.values + (from - run.first) * run.value_stride, to - from});
-        any = true;
-        if (!source_.in_place()) flush();
-      });
-      flush();
+      bool any = false;
+      batches(b, g, lo, hi, /*keys=*/false, work,
+              [&](const std::vector<detail::ColumnRun>& runs, int64_t stride, int64_t at) {
+                for (int64_t i = 0; i < m; ++i) work.from[i] = scores + i * width + at;
+                detail::decode_weigh(work.from.data(), m, runs.data(), runs.size(), stride,
+                                     value_depth_, work.to.data());
+                any = true;
+              });
       return any;
     }
     float beta = 0.0f;

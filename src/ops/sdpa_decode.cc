@@ -234,8 +234,8 @@ class DecodeAttention {
 
   // Scores of the job's queries (its rows x the query heads of key/value head g) over its
   // columns, straight into each query's score row (columns a row does not see are overwritten
-  // by its softmax with 0), a segment at a time: decode_kernels.h where the CPU has them, else
-  // BLAS.
+  // by its softmax with 0), all its segments in one call: decode_kernels.h where the CPU has
+  // them, else BLAS.
   void score(const Job& job, int64_t g, Scratch& s) const {
     if (!decode_kernels_available()) return score_blas(job, g, s);
     s.queries.clear();
@@ -247,12 +247,12 @@ class DecodeAttention {
         s.outputs.push_back(s.row(b, j, group_, width_) + job.first);
       }
     }
-    const auto m = static_cast<int64_t>(s.queries.size());
+    s.runs.clear();
     for (const Segment& segment : job.segments) {
-      decode_scores(s.queries.data(), m, depth_, segment.keys + g * key_head_, key_stride_,
-                    segment.count, scale_, s.outputs.data(), s.tile);
-      for (float*& to : s.outputs) to += segment.count;
+      s.runs.push_back({segment.keys + g * key_head_, segment.count});
     }
+    decode_scores(s.queries.data(), static_cast<int64_t>(s.queries.size()), depth_, s.runs.data(),
+                  s.runs.size(), key_stride_, scale_, s.outputs.data(), s.tile);
   }
 
   // out += the job's weights times its columns' values (weights outside a row's view are 0);
