@@ -53,31 +53,50 @@ class Lookahead {
  public:
   [[gnu::target("avx512f,fma")]] Lookahead(const ColumnRun* runs, size_t n, int64_t stride,
                                            int64_t depth)
-      : runs_(runs), n_(n), stride_(stride), bytes_(depth * 4) {
+      : runs_(runs),
+        n_(n),
+        at_(n > 0 ? runs[0].data : nullptr),
+        left_(n > 0 ? runs[0].count : 0),
+        stride_(stride),
+        bytes_(depth * 4) {
     fetch(kAhead);
   }
 
-  [[gnu::target("avx512f,fma")]] void fetch(int64_t columns) {
-    while (columns > 0 && r_ < n_) {
-      const ColumnRun& run = runs_[r_];
-      const int64_t take = std::min(columns, run.count - c_);
-      for (int64_t c = c_; c < c_ + take; ++c) {
-        const char* column = reinterpret_cast<const char*>(run.data + c * stride_);
-        for (int64_t b = 0; b < bytes_; b += 64) _mm_prefetch(column + b, _MM_HINT_T0);
-      }
-      c_ += take;
-      columns -= take;
-      if (c_ == run.count) {
-        ++r_;
-        c_ = 0;
-      }
-    }
+  // Within the current run inline (the kernels' loops stay in registers); across runs out of
+  // line.
+  [[gnu::target("avx512f,fma"), gnu::always_inline]] void fetch(int64_t columns) {
+    if (columns > left_) return fetch_across(columns);
+    issue(columns);
   }
 
  private:
+  [[gnu::target("avx512f,fma"), gnu::always_inline]] void issue(int64_t columns) {
+    for (int64_t c = 0; c < columns; ++c) {
+      const char* column = reinterpret_cast<const char*>(at_ + c * stride_);
+      for (int64_t b = 0; b < bytes_; b += 64) _mm_prefetch(column + b, _MM_HINT_T0);
+    }
+    at_ += columns * stride_;
+    left_ -= columns;
+  }
+
+  [[gnu::target("avx512f,fma"), gnu::noinline]] void fetch_across(int64_t columns) {
+    while (columns > 0) {
+      if (left_ == 0) {
+        if (++r_ >= n_) return;
+        at_ = runs_[r_].data;
+        left_ = runs_[r_].count;
+        continue;
+      }
+      const int64_t take = std::min(columns, left_);
+      issue(take);
+      columns -= take;
+    }
+  }
+
   const ColumnRun* runs_;
   size_t n_, r_ = 0;
-  int64_t stride_, bytes_, c_ = 0;
+  const float* at_;
+  int64_t left_, stride_, bytes_;
 };
 
 // Scales sums[u] (lane t: query t's score of key column c + u) and writes query t's eight
@@ -287,29 +306,34 @@ struct Piece {
 
 // T queries, 32 value columns in two vectors each, over the pieces in order; other widths and the
 // rest fall to fma. The sums stay in registers from the first piece to the last.
-// The first tile over a span fetches ahead (`ahead`, else null), the others find its columns in
-// the caches.
-template <int T>
+// T queries, 32 value columns in two vectors each, over the pieces in order; other widths and the
+// rest fall to fma. The sums stay in registers from the first piece to the last. The first tile
+// over a span fetches ahead (Fetch), 8 columns at a time; the others find its columns in the
+// caches.
+template <int T, bool Fetch>
 [[gnu::target("avx512f,fma")]] inline void weigh_avx512_tile(const float* const* w,
                                                              const Piece* pieces, size_t n,
                                                              int64_t stride, int64_t v0,
-                                                             float* const* out, Lookahead* ahead) {
+                                                             float* const* out, Lookahead& ahead) {
   __m512 lo[T], hi[T];
   for (int t = 0; t < T; ++t) {
     lo[t] = _mm512_loadu_ps(out[t] + v0);
     hi[t] = _mm512_loadu_ps(out[t] + v0 + 16);
   }
   for (size_t p = 0; p < n; ++p) {
-    const float* values = pieces[p].values;
-    const int64_t column = pieces[p].column;
-    for (int64_t c = 0; c < pieces[p].count; ++c) {
-      if (ahead != nullptr && c % 8 == 0) ahead->fetch(std::min<int64_t>(8, pieces[p].count - c));
-      const __m512 a = _mm512_loadu_ps(values + c * stride + v0);
-      const __m512 b = _mm512_loadu_ps(values + c * stride + v0 + 16);
-      for (int t = 0; t < T; ++t) {
-        const __m512 x = _mm512_set1_ps(w[t][column + c]);
-        lo[t] = _mm512_fmadd_ps(x, a, lo[t]);
-        hi[t] = _mm512_fmadd_ps(x, b, hi[t]);
+    const float* values = pieces[p].values + v0;
+    const int64_t column = pieces[p].column, count = pieces[p].count;
+    for (int64_t c0 = 0; c0 < count; c0 += 8) {
+      const int64_t end = std::min(count, c0 + 8);
+      if constexpr (Fetch) ahead.fetch(end - c0);
+      for (int64_t c = c0; c < end; ++c) {
+        const __m512 a = _mm512_loadu_ps(values + c * stride);
+        const __m512 b = _mm512_loadu_ps(values + c * stride + 16);
+        for (int t = 0; t < T; ++t) {
+          const __m512 x = _mm512_set1_ps(w[t][column + c]);
+          lo[t] = _mm512_fmadd_ps(x, a, lo[t]);
+          hi[t] = _mm512_fmadd_ps(x, b, hi[t]);
+        }
       }
     }
   }
@@ -317,6 +341,14 @@ template <int T>
     _mm512_storeu_ps(out[t] + v0, lo[t]);
     _mm512_storeu_ps(out[t] + v0 + 16, hi[t]);
   }
+}
+
+template <int T>
+[[gnu::target("avx512f,fma")]] void weigh_tile(bool fetch, const float* const* w,
+                                               const Piece* pieces, size_t n, int64_t stride,
+                                               int64_t v0, float* const* out, Lookahead& ahead) {
+  if (fetch) return weigh_avx512_tile<T, true>(w, pieces, n, stride, v0, out, ahead);
+  weigh_avx512_tile<T, false>(w, pieces, n, stride, v0, out, ahead);
 }
 
 // The runs' columns in spans of up to kWeighRun (a long run cut, short ones gathered): every
@@ -334,12 +366,10 @@ template <int T>
     for (int64_t v0 = 0; v0 < wide; v0 += 32) {
       int64_t i = 0;
       for (; i + 4 <= m; i += 4) {
-        weigh_avx512_tile<4>(w + i, span.data(), pieces, stride, v0, out + i,
-                             v0 == 0 && i == 0 ? &ahead : nullptr);
+        weigh_tile<4>(v0 == 0 && i == 0, w + i, span.data(), pieces, stride, v0, out + i, ahead);
       }
       for (; i < m; ++i) {
-        weigh_avx512_tile<1>(w + i, span.data(), pieces, stride, v0, out + i,
-                             v0 == 0 && i == 0 ? &ahead : nullptr);
+        weigh_tile<1>(v0 == 0 && i == 0, w + i, span.data(), pieces, stride, v0, out + i, ahead);
       }
     }
     pieces = 0;
