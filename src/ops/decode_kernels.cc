@@ -55,7 +55,7 @@ class Lookahead {
                                            int64_t depth)
       : runs_(runs),
         n_(n),
-        at_(n > 0 ? runs[0].data : nullptr),
+        at_(n > 0 ? reinterpret_cast<uintptr_t>(runs[0].data) : 0),
         left_(n > 0 ? runs[0].count : 0),
         stride_(stride),
         bytes_(depth * 4) {
@@ -72,10 +72,13 @@ class Lookahead {
  private:
   [[gnu::target("avx512f,fma"), gnu::always_inline]] void issue(int64_t columns) {
     for (int64_t c = 0; c < columns; ++c) {
-      const char* column = reinterpret_cast<const char*>(at_ + c * stride_);
-      for (int64_t b = 0; b < bytes_; b += 64) _mm_prefetch(column + b, _MM_HINT_T0);
+      const uintptr_t column = at_ + static_cast<uintptr_t>(c * stride_) * sizeof(float);
+      for (int64_t b = 0; b < bytes_; b += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(column + static_cast<uintptr_t>(b)),
+                     _MM_HINT_T0);
+      }
     }
-    at_ += columns * stride_;
+    at_ += static_cast<uintptr_t>(columns * stride_) * sizeof(float);
     left_ -= columns;
   }
 
@@ -83,7 +86,7 @@ class Lookahead {
     while (columns > 0) {
       if (left_ == 0) {
         if (++r_ >= n_) return;
-        at_ = runs_[r_].data;
+        at_ = reinterpret_cast<uintptr_t>(runs_[r_].data);
         left_ = runs_[r_].count;
         continue;
       }
@@ -95,7 +98,7 @@ class Lookahead {
 
   const ColumnRun* runs_;
   size_t n_, r_ = 0;
-  const float* at_;
+  uintptr_t at_;  // the next column to fetch: an integer, as it may step past a strided view
   int64_t left_, stride_, bytes_;
 };
 
@@ -304,8 +307,6 @@ struct Piece {
   int64_t column, count;
 };
 
-// T queries, 32 value columns in two vectors each, over the pieces in order; other widths and the
-// rest fall to fma. The sums stay in registers from the first piece to the last.
 // T queries, 32 value columns in two vectors each, over the pieces in order; other widths and the
 // rest fall to fma. The sums stay in registers from the first piece to the last. The first tile
 // over a span fetches ahead (Fetch), 8 columns at a time; the others find its columns in the

@@ -84,15 +84,21 @@ class Columns {
     if (!history.paged()) {
       keys_ = rows_f32(history.keys());
       values_ = rows_f32(history.values());
+      return;
     }
+    const auto f32 = [](const std::vector<Array>& chunks) {
+      return std::all_of(chunks.begin(), chunks.end(), [](const Array& chunk) {
+        return chunk.dtype() == DType::f32 && chunk.strides()[3] == 1;
+      });
+    };
+    in_place_ =
+        f32(history.paged_columns().key_chunks) && f32(history.paged_columns().value_chunks);
   }
 
   // Whether every run for_each gives lies in the history's own memory (and so outlives the
-  // call): f32 history, read in place; other types are converted a block at a time.
-  bool in_place() const {
-    return !history_.paged() || history_.paged_columns().key_chunks.empty() ||
-           history_.paged_columns().key_chunks.front().dtype() == DType::f32;
-  }
+  // call): keys and values f32 with unit-strided rows, read in place. Otherwise (either of them
+  // another type) for_each converts a block at a time, and a run lives only during its visit.
+  bool in_place() const { return in_place_; }
 
   // Calls visit(run) for the runs covering columns [lo, hi) of batch row b, key head h, in
   // column order (a run may begin before lo; visit clips).
@@ -126,7 +132,7 @@ class Columns {
       }
       if (pending) visit(*pending);
       pending.reset();
-      if (p.key_chunks.front().dtype() == DType::f32) {
+      if (in_place_) {
         pending = run;
       } else {
         visit(run);
@@ -145,6 +151,7 @@ class Columns {
 
   const KVHistory& history_;
   Array keys_, values_;
+  bool in_place_ = true;
 };
 
 // Attention of one batch (its history one contiguous or paged history, or ragged rows, each

@@ -212,6 +212,35 @@ TEST_F(Paged, ChunkRowsReadRunsOfBlocksAcrossChunksAndSplices) {
                        testing::random_array({2, 4, 3, 4}, rng), AttentionMask::causal());
 }
 
+// Keys f32 and values f16 (each side its own type): blocks are converted one at a time and each
+// run is read while its copy lives — two sequences' blocks interleaved, decode and chunk rows.
+TEST(PagedMixedTypes, RunsOfConvertedBlocksAreReadWhileTheyLive) {
+  PagedKVCache cache({.block_tokens = kBlock, .blocks_per_chunk = 4});
+  const auto write_mixed = [&](SeqId seq, const std::vector<int64_t>& ids) {
+    Batch batch = Batch::uniform(1, static_cast<int64_t>(ids.size()), cache.offset(seq));
+    batch.seq_ids = {seq};
+    (void)cache.update(batch, kv.keys(ids), kv.values(ids).astype(DType::f16));
+  };
+  for (int64_t i = 0; i < 5; ++i) {  // blocks of the two sequences alternate in memory
+    write_mixed(0, id_range(8 * i, 8));
+    write_mixed(1, id_range(100 + 8 * i, 8));
+  }
+  std::mt19937 rng(13);
+  for (const int64_t queries : {int64_t{1}, int64_t{3}}) {
+    const Batch batch = last_tokens(cache, {0, 1}, queries);
+    const Array q = testing::random_array({2, 4, queries, 4}, rng);
+    const Array got = sdpa(batch, q, cache.view(batch), AttentionMask::causal(), 0.4f);
+    for (int64_t row = 0; row < 2; ++row) {
+      const std::vector<int64_t> ids = held(cache, batch.seq_id(row));
+      const KVHistory full(kv.keys(ids), kv.values(ids).astype(DType::f16));
+      const Array expected =
+          sdpa(batch.row(row), q.slice(0, row, row + 1), full, AttentionMask::causal(), 0.4f);
+      EXPECT_TRUE(testing::all_close(got.slice(0, row, row + 1).contiguous(), expected, 1e-5f))
+          << queries << " queries, row " << row;
+    }
+  }
+}
+
 TEST(PagedErrors, BadOptionsAndForeignSnapshots) {
   EXPECT_TRUE(throws_error([] { PagedKVCache cache({.block_tokens = 0}); },
                            {"PagedKVCache", "block_tokens 0"}));

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "support/test_support.h"
@@ -150,62 +151,87 @@ TEST(DecodeKernels, OutputsAreBitwiseTheSameWhereverTheColumnsAreSplitBetweenCal
 
 // A history in runs that do not continue each other in memory (a paged history's blocks, here
 // scattered through one buffer in reverse order) gives, in one call over the runs, bitwise the
-// scores and outputs of one call per run — for the few-query kernels (keys in the lanes) and the
-// many-query ones, and runs of lengths that are not multiples of their 8 or 16 columns.
-TEST(DecodeKernels, OneCallOverScatteredRunsEqualsACallPerRun) {
+// scores and outputs of one call per run, and of the plain fma chain per element (depth in
+// order from zero, then the scale; columns in order onto the output) — for the few-query kernels
+// (keys in the lanes) and the many-query ones, depths that are not multiples of 16 and value
+// depths that leave a scalar tail, runs of lengths that are not multiples of 8 or 16, and an
+// empty run.
+TEST(DecodeKernels, OneCallOverScatteredRunsEqualsACallPerRunAndThePlainSums) {
   if (!decode_kernels_available()) GTEST_SKIP() << "no AVX-512 on this CPU";
   std::mt19937 rng(24);
   std::vector<float> tile;
-  const int64_t depth = 32, value_depth = 32, stride = 40;  // padded columns
-  const std::vector<int64_t> lengths = {32, 5, 17, 64, 1, 300, 32};
+  const std::vector<int64_t> lengths = {32, 5, 0, 17, 64, 1, 300, 32};
   int64_t count = 0;
   for (int64_t n : lengths) count += n;
-  const auto keys = random_floats(static_cast<size_t>(count * stride), rng);
-  const auto values = random_floats(static_cast<size_t>(count * stride), rng);
-  std::vector<ColumnRun> key_runs, value_runs;
-  int64_t end = count;  // runs laid out back to front
-  for (int64_t n : lengths) {
-    end -= n;
-    key_runs.push_back({keys.data() + end * stride, n});
-    value_runs.push_back({values.data() + end * stride, n});
-  }
-  for (const int64_t m : {1, 4, 8, 9, 32, 33}) {
-    const auto q = random_floats(static_cast<size_t>(m * depth), rng);
-    const auto start = random_floats(static_cast<size_t>(m * value_depth), rng);
-    std::vector<float> scores_once(static_cast<size_t>(m * count)), scores_each = scores_once;
-    std::vector<float> out_once = start, out_each = start;
-    const auto rows = [&](std::vector<float>& data, int64_t width, int64_t at) {
-      std::vector<float*> out;
-      for (int64_t i = 0; i < m; ++i) out.push_back(data.data() + i * width + at);
-      return out;
-    };
-    std::vector<const float*> queries;
-    for (int64_t i = 0; i < m; ++i) queries.push_back(q.data() + i * depth);
-    auto to = rows(scores_once, count, 0);
-    decode_scores(queries.data(), m, depth, key_runs.data(), key_runs.size(), stride, 0.3f,
-                  to.data(), tile);
-    int64_t at = 0;
-    for (const ColumnRun& run : key_runs) {
-      to = rows(scores_each, count, at);
-      decode_scores(queries.data(), m, depth, run.data, stride, run.count, 0.3f, to.data(), tile);
-      at += run.count;
+  for (const auto& [depth, value_depth] : {std::pair<int64_t, int64_t>{32, 32}, {17, 40}}) {
+    const int64_t stride = 44;  // padded columns
+    const auto keys = random_floats(static_cast<size_t>(count * stride), rng);
+    const auto values = random_floats(static_cast<size_t>(count * stride), rng);
+    std::vector<ColumnRun> key_runs, value_runs;
+    std::vector<int64_t> at_column;  // column c of the runs lies at at_column[c] * stride
+    int64_t end = count;             // runs laid out back to front
+    for (int64_t n : lengths) {
+      end -= n;
+      key_runs.push_back({keys.data() + end * stride, n});
+      value_runs.push_back({values.data() + end * stride, n});
+      for (int64_t c = 0; c < n; ++c) at_column.push_back(end + c);
     }
-    ASSERT_EQ(std::memcmp(scores_once.data(), scores_each.data(), scores_once.size() * 4), 0)
-        << m << " queries";
-    auto weights = rows(scores_once, count, 0);
-    std::vector<const float*> w(weights.begin(), weights.end());
-    auto out = rows(out_once, value_depth, 0);
-    decode_weigh(w.data(), m, value_runs.data(), value_runs.size(), stride, value_depth,
-                 out.data());
-    out = rows(out_each, value_depth, 0);
-    at = 0;
-    for (const ColumnRun& run : value_runs) {
-      for (int64_t i = 0; i < m; ++i) w[i] = scores_once.data() + i * count + at;
-      decode_weigh(w.data(), m, run.data, stride, run.count, value_depth, out.data());
-      at += run.count;
+    for (const int64_t m : {1, 4, 8, 9, 32, 33}) {
+      const auto q = random_floats(static_cast<size_t>(m * depth), rng);
+      const auto start = random_floats(static_cast<size_t>(m * value_depth), rng);
+      std::vector<float> scores_once(static_cast<size_t>(m * count)), scores_each = scores_once;
+      std::vector<float> out_once = start, out_each = start;
+      const auto rows = [&](std::vector<float>& data, int64_t width, int64_t at) {
+        std::vector<float*> out;
+        for (int64_t i = 0; i < m; ++i) out.push_back(data.data() + i * width + at);
+        return out;
+      };
+      std::vector<const float*> queries;
+      for (int64_t i = 0; i < m; ++i) queries.push_back(q.data() + i * depth);
+      auto to = rows(scores_once, count, 0);
+      decode_scores(queries.data(), m, depth, key_runs.data(), key_runs.size(), stride, 0.3f,
+                    to.data(), tile);
+      int64_t at = 0;
+      for (const ColumnRun& run : key_runs) {
+        to = rows(scores_each, count, at);
+        decode_scores(queries.data(), m, depth, run.data, stride, run.count, 0.3f, to.data(), tile);
+        at += run.count;
+      }
+      ASSERT_EQ(std::memcmp(scores_once.data(), scores_each.data(), scores_once.size() * 4), 0)
+          << m << " queries, depth " << depth;
+      for (int64_t i = 0; i < m; ++i) {
+        for (int64_t c = 0; c < count; ++c) {
+          float sum = 0.0f;
+          for (int64_t d = 0; d < depth; ++d) {
+            sum = std::fma(keys[at_column[c] * stride + d], q[i * depth + d], sum);
+          }
+          ASSERT_EQ(scores_once[i * count + c], sum * 0.3f) << m << " " << i << " " << c;
+        }
+      }
+      auto weights = rows(scores_once, count, 0);
+      std::vector<const float*> w(weights.begin(), weights.end());
+      auto out = rows(out_once, value_depth, 0);
+      decode_weigh(w.data(), m, value_runs.data(), value_runs.size(), stride, value_depth,
+                   out.data());
+      out = rows(out_each, value_depth, 0);
+      at = 0;
+      for (const ColumnRun& run : value_runs) {
+        for (int64_t i = 0; i < m; ++i) w[i] = scores_once.data() + i * count + at;
+        decode_weigh(w.data(), m, run.data, stride, run.count, value_depth, out.data());
+        at += run.count;
+      }
+      ASSERT_EQ(std::memcmp(out_once.data(), out_each.data(), out_once.size() * 4), 0)
+          << m << " queries, value depth " << value_depth;
+      for (int64_t i = 0; i < m; ++i) {
+        for (int64_t v = 0; v < value_depth; ++v) {
+          float sum = start[i * value_depth + v];
+          for (int64_t c = 0; c < count; ++c) {
+            sum = std::fma(scores_once[i * count + c], values[at_column[c] * stride + v], sum);
+          }
+          ASSERT_EQ(out_once[i * value_depth + v], sum) << m << " " << i << " " << v;
+        }
+      }
     }
-    ASSERT_EQ(std::memcmp(out_once.data(), out_each.data(), out_once.size() * 4), 0)
-        << m << " queries";
   }
 }
 
