@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <utility>
@@ -416,7 +417,16 @@ const Kernels& kernels() {
 
 }  // namespace
 
-bool decode_kernels_available() { return kernels().scores != nullptr; }
+namespace {
+std::atomic<int> kernels_off{0};  // live DecodeKernelsOff guards
+}  // namespace
+
+bool decode_kernels_available() {
+  return kernels_off.load(std::memory_order_relaxed) == 0 && kernels().scores != nullptr;
+}
+
+DecodeKernelsOff::DecodeKernelsOff() { kernels_off.fetch_add(1, std::memory_order_relaxed); }
+DecodeKernelsOff::~DecodeKernelsOff() { kernels_off.fetch_sub(1, std::memory_order_relaxed); }
 
 void decode_scores(const float* const* queries, int64_t m, int64_t depth, const ColumnRun* runs,
                    size_t n_runs, int64_t key_stride, float scale, float* const* out,

@@ -19,6 +19,16 @@ namespace kvsnap::detail {
 // Whether this CPU runs the kernels below (AVX-512F); callers use BLAS otherwise.
 bool decode_kernels_available();
 
+// For tests: while one lives, decode_kernels_available() answers false, so attention takes the
+// BLAS products it takes on a CPU without AVX-512 (on one with it, a path otherwise never run).
+class DecodeKernelsOff {
+ public:
+  DecodeKernelsOff();
+  ~DecodeKernelsOff();
+  DecodeKernelsOff(const DecodeKernelsOff&) = delete;
+  DecodeKernelsOff& operator=(const DecodeKernelsOff&) = delete;
+};
+
 // `count` key or value columns from `data`, a stride apart: one run of a history, which may
 // be one of several that do not continue each other in memory (a paged history's blocks).
 struct ColumnRun {

@@ -3,8 +3,10 @@
 #include <gtest/gtest.h>
 #include <kvsnap/kvsnap.h>
 
+#include <optional>
 #include <random>
 
+#include "ops/decode_kernels.h"
 #include "support/cache_support.h"
 #include "support/test_support.h"
 
@@ -214,6 +216,34 @@ TEST_F(Paged, ChunkRowsReadRunsOfBlocksAcrossChunksAndSplices) {
 
 // Keys f32 and values f16 (each side its own type): blocks are converted one at a time and each
 // run is read while its copy lives — two sequences' blocks interleaved, decode and chunk rows.
+// Sequences decoding side by side get their new blocks interleaved in memory: each row's own
+// tail is many blocks apart, behind a shared prefix that spans a chunk boundary. Decode and
+// chunk rows attend to exactly their own histories — with the AVX-512 kernels (one call over a
+// row's scattered blocks) and with the BLAS products a CPU without them takes.
+TEST_F(Paged, RowsWhoseBlocksInterleaveAttendToTheirOwnHistories) {
+  write(cache, 0, id_range(0, 44));  // blocks 0-3 in one chunk, 4-5 in the next
+  SnapshotPtr prefix = cache.snapshot(0, 0);
+  ASSERT_TRUE(cache.restore(1, prefix.get(), 44));
+  ASSERT_TRUE(cache.restore(2, prefix.get(), 35));
+  for (int64_t step = 0; step < 30; ++step) {  // a token at a time, round robin
+    for (SeqId seq = 0; seq < 3; ++seq) write(cache, seq, {1000 * (seq + 1) + step});
+  }
+  write(cache, 3, id_range(500, 20));  // shares nothing
+  std::mt19937 rng(14);
+  for (const bool kernels : {true, false}) {
+    std::optional<detail::DecodeKernelsOff> off;
+    if (!kernels) off.emplace();
+    for (const int64_t queries : {int64_t{1}, int64_t{3}}) {
+      const Array q = testing::random_array({4, 4, queries, 4}, rng);
+      for (const AttentionMask& mask : {AttentionMask::causal(), AttentionMask::lookback(20)}) {
+        SCOPED_TRACE(::testing::Message()
+                     << (kernels ? "kernels" : "BLAS") << ", " << queries << " queries");
+        expect_rows_as_alone(cache, last_tokens(cache, {0, 1, 2, 3}, queries), q, mask);
+      }
+    }
+  }
+}
+
 TEST(PagedMixedTypes, RunsOfConvertedBlocksAreReadWhileTheyLive) {
   PagedKVCache cache({.block_tokens = kBlock, .blocks_per_chunk = 4});
   const auto write_mixed = [&](SeqId seq, const std::vector<int64_t>& ids) {
