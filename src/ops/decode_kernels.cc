@@ -415,10 +415,8 @@ const Kernels& kernels() {
   return chosen;
 }
 
-}  // namespace
-
-namespace {
 std::atomic<int> kernels_off{0};  // live DecodeKernelsOff guards
+
 }  // namespace
 
 bool decode_kernels_available() {
@@ -435,22 +433,9 @@ void decode_scores(const float* const* queries, int64_t m, int64_t depth, const 
   kernels().scores(queries, m, depth, runs, n_runs, key_stride, scale, out, scratch.data());
 }
 
-void decode_scores(const float* const* queries, int64_t m, int64_t depth, const float* keys,
-                   int64_t key_stride, int64_t count, float scale, float* const* out,
-                   std::vector<float>& scratch) {
-  const ColumnRun run{keys, count};
-  decode_scores(queries, m, depth, &run, 1, key_stride, scale, out, scratch);
-}
-
 void decode_weigh(const float* const* weights, int64_t m, const ColumnRun* runs, size_t n_runs,
                   int64_t value_stride, int64_t value_depth, float* const* out) {
   kernels().weigh(weights, m, runs, n_runs, value_stride, value_depth, out);
-}
-
-void decode_weigh(const float* const* weights, int64_t m, const float* values, int64_t value_stride,
-                  int64_t count, int64_t value_depth, float* const* out) {
-  const ColumnRun run{values, count};
-  decode_weigh(weights, m, &run, 1, value_stride, value_depth, out);
 }
 
 }  // namespace kvsnap::detail

@@ -43,20 +43,11 @@ void decode_scores(const float* const* queries, int64_t m, int64_t depth, const 
                    size_t n_runs, int64_t key_stride, float scale, float* const* scores,
                    std::vector<float>& scratch);
 
-// The same over one run: columns c in [0, count) of `keys`.
-void decode_scores(const float* const* queries, int64_t m, int64_t depth, const float* keys,
-                   int64_t key_stride, int64_t count, float scale, float* const* scores,
-                   std::vector<float>& scratch);
-
 // out[i][v] += sum_c weights[i][c] * value(c)[v], for v in [0, value_depth), where the columns c
 // are the runs' columns one after another (weights[i] holds that many), added in order: the
 // same sums as one call per run, kept in registers across the runs (a history in blocks that do
 // not continue each other in memory is weighed in one call).
 void decode_weigh(const float* const* weights, int64_t m, const ColumnRun* runs, size_t n_runs,
                   int64_t value_stride, int64_t value_depth, float* const* out);
-
-// The same over one run: columns c in [0, count) of `values`.
-void decode_weigh(const float* const* weights, int64_t m, const float* values, int64_t value_stride,
-                  int64_t count, int64_t value_depth, float* const* out);
 
 }  // namespace kvsnap::detail

@@ -118,48 +118,50 @@ class Planner {
     std::sort(holders_.begin(), holders_.end(), [](const Holder& x, const Holder& y) {
       return std::less<const float*>()(x.keys, y.keys) || (x.keys == y.keys && x.row < y.row);
     });
-    std::vector<size_t> open;  // jobs that end at this block's end
+    // Each group of rows holding the same memory here extends the job that ends where this
+    // block begins, or starts one. Scratch vectors are members: nothing is allocated per block
+    // but a new job.
+    next_open_.clear();
     for (size_t k = 0; k < holders_.size();) {
-      Job job{first, 0, {}, {}};
-      const float *keys = holders_[k].keys, *values = holders_[k].values;
-      for (; k < holders_.size() && holders_[k].keys == keys; ++k) {
-        job.rows.push_back(holders_[k].row);
+      Segment segment{0, holders_[k].keys, holders_[k].values};
+      group_rows_.clear();
+      for (; k < holders_.size() && holders_[k].keys == segment.keys; ++k) {
+        group_rows_.push_back(holders_[k].row);
         // Up to the furthest column any of its rows sees (all within that row's length).
         const int64_t seen = rows_[static_cast<size_t>(holders_[k].row)].hi - first;
-        job.count = std::max(job.count, std::min(block_tokens_, seen));
+        segment.count = std::max(segment.count, std::min(block_tokens_, seen));
       }
-      job.segments.push_back({job.count, keys, values});
-      open.push_back(extend_or_add(std::move(job)));
+      next_open_.push_back(extend_or_add(first, segment));
     }
-    open_ = std::move(open);
+    std::swap(open_, next_open_);
   }
 
-  // A job of the same rows that ends where this one begins takes its columns: its last segment
-  // grows when the memory continues it, else a segment is added.
-  size_t extend_or_add(Job job) {
+  // A job of the same rows that ends where this block's columns begin takes them: its last
+  // segment grows when the memory continues it, else a segment is added. Otherwise a new job.
+  size_t extend_or_add(int64_t first, const Segment& next) {
     for (size_t i : open_) {
       Job& j = jobs_[i];
-      if (j.first + j.count != job.first || j.rows != job.rows) continue;
+      if (j.first + j.count != first || j.rows != group_rows_) continue;
       Segment& last = j.segments.back();
-      const Segment& next = job.segments.front();
       if (last.keys + last.count * key_stride_ == next.keys &&
           last.values + last.count * value_stride_ == next.values) {
         last.count += next.count;
       } else {
         j.segments.push_back(next);
       }
-      j.count += job.count;
+      j.count += next.count;
       return i;
     }
-    jobs_.push_back(std::move(job));
+    jobs_.push_back(Job{first, next.count, group_rows_, {next}});
     return jobs_.size() - 1;
   }
 
   const std::vector<Row>& rows_;
   const int64_t block_tokens_, key_stride_, value_stride_;
   std::vector<Job> jobs_;
-  std::vector<size_t> open_;
+  std::vector<size_t> open_, next_open_;  // jobs that end at the current block's end
   std::vector<Holder> holders_;
+  std::vector<int64_t> group_rows_;  // the rows of the group being planned
 };
 
 // The product over each job's block, per key/value head: scores for every query that sees it, a
@@ -232,6 +234,14 @@ class DecodeAttention {
     }
   }
 
+  // The job's segments as runs of one head's keys (or values): `head` floats past head 0.
+  static void runs_of(const Job& job, bool keys, int64_t head, std::vector<ColumnRun>& runs) {
+    runs.clear();
+    for (const Segment& segment : job.segments) {
+      runs.push_back({(keys ? segment.keys : segment.values) + head, segment.count});
+    }
+  }
+
   // Scores of the job's queries (its rows x the query heads of key/value head g) over its
   // columns, straight into each query's score row (columns a row does not see are overwritten
   // by its softmax with 0), all its segments in one call: decode_kernels.h where the CPU has
@@ -247,10 +257,7 @@ class DecodeAttention {
         s.outputs.push_back(s.row(b, j, group_, width_) + job.first);
       }
     }
-    s.runs.clear();
-    for (const Segment& segment : job.segments) {
-      s.runs.push_back({segment.keys + g * key_head_, segment.count});
-    }
+    runs_of(job, /*keys=*/true, g * key_head_, s.runs);
     decode_scores(s.queries.data(), static_cast<int64_t>(s.queries.size()), depth_, s.runs.data(),
                   s.runs.size(), key_stride_, scale_, s.outputs.data(), s.tile);
   }
@@ -268,10 +275,7 @@ class DecodeAttention {
         s.outputs.push_back(out + (b * query_heads_ + g * group_ + j) * value_depth_);
       }
     }
-    s.runs.clear();
-    for (const Segment& segment : job.segments) {
-      s.runs.push_back({segment.values + g * value_head_, segment.count});
-    }
+    runs_of(job, /*keys=*/false, g * value_head_, s.runs);
     decode_weigh(s.queries.data(), static_cast<int64_t>(s.queries.size()), s.runs.data(),
                  s.runs.size(), value_stride_, value_depth_, s.outputs.data());
   }

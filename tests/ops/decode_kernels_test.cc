@@ -18,6 +18,19 @@ namespace {
 
 using kvsnap::testing::random_floats;
 
+// The kernels over one run of columns.
+void score_run(const float* const* queries, int64_t m, int64_t depth, const float* keys,
+               int64_t stride, int64_t count, float scale, float* const* out,
+               std::vector<float>& scratch) {
+  const ColumnRun run{keys, count};
+  decode_scores(queries, m, depth, &run, 1, stride, scale, out, scratch);
+}
+void weigh_run(const float* const* weights, int64_t m, const float* values, int64_t stride,
+               int64_t count, int64_t value_depth, float* const* out) {
+  const ColumnRun run{values, count};
+  decode_weigh(weights, m, &run, 1, stride, value_depth, out);
+}
+
 struct Case {
   int64_t depth, count, value_depth, stride_pad;
 };
@@ -46,8 +59,8 @@ TEST(DecodeKernels, ScoresAndOutputsEqualTheDoublePrecisionProducts) {
         weights.push_back(scores.data() + i * k.count);
         out_rows.push_back(out.data() + i * k.value_depth);
       }
-      decode_scores(queries.data(), m, k.depth, keys.data(), key_stride, k.count, 0.5f,
-                    score_rows.data(), tile);
+      score_run(queries.data(), m, k.depth, keys.data(), key_stride, k.count, 0.5f,
+                score_rows.data(), tile);
       for (int64_t i = 0; i < m; ++i) {
         for (int64_t c = 0; c < k.count; ++c) {
           double want = 0, magnitude = 0;
@@ -58,8 +71,8 @@ TEST(DecodeKernels, ScoresAndOutputsEqualTheDoublePrecisionProducts) {
           ASSERT_NEAR(scores[i * k.count + c], want, 1e-6 * magnitude + 1e-7) << m << " " << i;
         }
       }
-      decode_weigh(weights.data(), m, values.data(), value_stride, k.count, k.value_depth,
-                   out_rows.data());
+      weigh_run(weights.data(), m, values.data(), value_stride, k.count, k.value_depth,
+                out_rows.data());
       for (int64_t i = 0; i < m; ++i) {
         for (int64_t v = 0; v < k.value_depth; ++v) {
           double want = before[i * k.value_depth + v], magnitude = std::abs(want);
@@ -95,10 +108,8 @@ TEST(DecodeKernels, AQuerysResultIsBitwiseTheSameWhateverQueriesShareTheProduct)
       weights.push_back(scores.data() + i * count);
       out_rows.push_back(out.data() + i * value_depth);
     }
-    decode_scores(queries.data(), m, depth, keys.data(), depth, count, 0.25f, score_rows.data(),
-                  tile);
-    decode_weigh(weights.data(), m, values.data(), value_depth, count, value_depth,
-                 out_rows.data());
+    score_run(queries.data(), m, depth, keys.data(), depth, count, 0.25f, score_rows.data(), tile);
+    weigh_run(weights.data(), m, values.data(), value_depth, count, value_depth, out_rows.data());
     scores.insert(scores.end(), out.begin(), out.end());
     return scores;
   };
@@ -135,8 +146,8 @@ TEST(DecodeKernels, OutputsAreBitwiseTheSameWhereverTheColumnsAreSplitBetweenCal
       w.push_back(weights.data() + i * count + from);
       o.push_back(out.data() + i * value_depth);
     }
-    decode_weigh(w.data(), m, values.data() + from * value_depth, value_depth, to - from,
-                 value_depth, o.data());
+    weigh_run(w.data(), m, values.data() + from * value_depth, value_depth, to - from, value_depth,
+              o.data());
   };
   std::vector<float> whole = start;
   weigh(whole, 0, count);
@@ -194,7 +205,7 @@ TEST(DecodeKernels, OneCallOverScatteredRunsEqualsACallPerRunAndThePlainSums) {
       int64_t at = 0;
       for (const ColumnRun& run : key_runs) {
         to = rows(scores_each, count, at);
-        decode_scores(queries.data(), m, depth, run.data, stride, run.count, 0.3f, to.data(), tile);
+        score_run(queries.data(), m, depth, run.data, stride, run.count, 0.3f, to.data(), tile);
         at += run.count;
       }
       ASSERT_EQ(std::memcmp(scores_once.data(), scores_each.data(), scores_once.size() * 4), 0)
@@ -217,7 +228,7 @@ TEST(DecodeKernels, OneCallOverScatteredRunsEqualsACallPerRunAndThePlainSums) {
       at = 0;
       for (const ColumnRun& run : value_runs) {
         for (int64_t i = 0; i < m; ++i) w[i] = scores_once.data() + i * count + at;
-        decode_weigh(w.data(), m, run.data, stride, run.count, value_depth, out.data());
+        weigh_run(w.data(), m, run.data, stride, run.count, value_depth, out.data());
         at += run.count;
       }
       ASSERT_EQ(std::memcmp(out_once.data(), out_each.data(), out_once.size() * 4), 0)
