@@ -14,6 +14,7 @@
 #include <iostream>
 #include <limits>
 #include <new>
+#include <optional>
 
 #include "figures.h"
 #include "model/model.h"
@@ -62,7 +63,7 @@ struct ReplayArguments {
   std::string model_config, weights;
   std::string cache_dir;
   bool shared_cache_dir = false;
-  uint64_t seed = 42;
+  std::optional<uint64_t> seed;  // of the generated weights: else the config's, else 42
   int threads = 1;
   std::string tier, tenant, tier_key_file;
   int64_t tier_timeout_ms = 50;
@@ -160,15 +161,12 @@ void add_tier_options(CLI::App& command, ReplayArguments& args) {
 int run_replay(const ReplayArguments& args) {
   // Everything that can be refused is, before any model work: arguments, the workload, requests
   // over the context length, then the cache directory (last: checking may create it).
-  if (args.model_config.empty() != args.weights.empty()) {
-    throw Error("replay: --model-config and --weights go together");
-  }
   const tools::Workload workload = args.workload.empty() ? tools::embedded_workload(args.embedded)
                                                          : tools::load_workload(args.workload);
   ModelConfig config;
-  config.seed = args.seed;
   if (!args.model_config.empty())
     config = ModelConfig::from_json(detail::read_file(args.model_config));
+  if (args.seed) config.seed = *args.seed;
   tools::check_context_length(workload, config.context_length);
   TierOptions tier = tier_options(args);
   if (!args.cache_dir.empty()) tools::check_cache_dir(args.cache_dir, args.shared_cache_dir);
@@ -176,9 +174,13 @@ int run_replay(const ReplayArguments& args) {
   const Model model =
       args.weights.empty() ? Model(config) : Model::load(args.model_config, args.weights);
   if (!args.quiet) {
-    fmt::print(stderr, "model: {} layers \"{}\", {:.1f}M parameters; workload {}: {} requests\n",
+    const std::string weights = args.weights.empty()
+                                    ? fmt::format("weights generated from seed {}", config.seed)
+                                    : "weights " + args.weights;
+    fmt::print(stderr,
+               "model: {} layers \"{}\", {:.1f}M parameters, {}; workload {}: {} requests\n",
                model.config().pattern.size(), model.config().pattern,
-               static_cast<double>(model.config().parameter_count()) / 1e6, workload.name,
+               static_cast<double>(model.config().parameter_count()) / 1e6, weights, workload.name,
                workload.requests.size());
   }
   // The saved trie is only valid for this exact model: its config (with the seed) and weights.
@@ -240,11 +242,21 @@ int run_bench(const BenchArguments& args) {
 
 // The model: its weights and the threads its kernels use.
 void add_model_options(CLI::App& command, ReplayArguments& args) {
-  command.add_option("--model-config", args.model_config, "model config JSON (with --weights)")
-      ->check(CLI::ExistingFile);
-  command.add_option("--weights", args.weights, "model safetensors (with --model-config)")
-      ->check(CLI::ExistingFile);
-  command.add_option("--seed", args.seed, "seed of the generated weights")->capture_default_str();
+  CLI::Option* config =
+      command
+          .add_option("--model-config", args.model_config,
+                      "model config JSON (README: the built-in model): with --weights, the "
+                      "weights' shapes; without, weights are generated for it")
+          ->check(CLI::ExistingFile);
+  CLI::Option* weights =
+      command.add_option("--weights", args.weights, "model safetensors (needs --model-config)")
+          ->check(CLI::ExistingFile)
+          ->needs(config);
+  command
+      .add_option("--seed", args.seed,
+                  "seed of the generated weights (default: the --model-config's \"seed\", "
+                  "else 42)")
+      ->excludes(weights);
   command
       .add_option("--threads", args.threads,
                   "threads for the model's kernels (matrix products, attention), this one "
