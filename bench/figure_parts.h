@@ -31,5 +31,6 @@ void trie_figures(std::vector<Figure>& out);
 void model_figures(std::vector<Figure>& out);
 void prefix_overhead_figures(std::vector<Figure>& out, const BenchOptions& options);
 void end_to_end_figures(std::vector<Figure>& out, const BenchOptions& options);
+void parallel_figures(std::vector<Figure>& out, const BenchOptions& options);
 
 }  // namespace kvsnap::bench

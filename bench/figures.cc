@@ -64,6 +64,7 @@ std::vector<Figure> run_figures(const BenchOptions& options) {
   if (options.end_to_end) {
     prefix_overhead_figures(out, options);
     end_to_end_figures(out, options);
+    parallel_figures(out, options);
   }
   return out;
 }

@@ -21,7 +21,7 @@ struct Figure {
 };
 
 struct BenchOptions {
-  bool end_to_end = true;  // include the replay (the slowest figure)
+  bool end_to_end = true;  // include the replays, sequential and parallel (the slowest figures)
   std::function<void(const std::string&)> progress = [](const std::string&) {};
 };
 

@@ -368,10 +368,12 @@ int run(int argc, char** argv) {
   CLI::App* bench_command = app.add_subcommand(
       "bench",
       "Measure the headline figures (decode append, chunked prefill, lazy capture, materialize "
-      "and restore, merge/split, recurrent snapshots, trie lookups, end-to-end replay), each as a "
+      "and restore, merge/split, recurrent snapshots, trie lookups, end-to-end replay, many "
+      "sequences at once), each as a "
       "ratio against a limit measured in the same run, with PASS/FAIL against its target.");
   bench_command->add_flag("--json", bench_args.json, "print the figures as JSON");
-  bench_command->add_flag("--quick", bench_args.quick, "skip the end-to-end replay");
+  bench_command->add_flag("--quick", bench_args.quick,
+                          "skip the end-to-end replays (the sequential and the parallel one)");
   bench_command->add_flag("--quiet", bench_args.quiet, "no progress on stderr");
 
   try {
