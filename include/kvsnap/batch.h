@@ -50,7 +50,8 @@ struct KVSNAP_EXPORT Batch {
   int32_t seq_id(int64_t row) const {
     return seq_ids.empty() ? static_cast<int32_t>(row) : seq_ids[static_cast<size_t>(row)];
   }
-  // The batch of row `row` alone (its input ids, offset, length and sequence).
+  // The batch of row `row` alone (its input ids, offset, length and sequence), L columns wide
+  // as this batch is (placeholder ids 0 when input_ids is empty and the row is shorter).
   [[nodiscard]] Batch row(int64_t row) const;
   // Columns L: input_ids' second axis, or the longest query when input_ids is empty.
   int64_t length() const;

@@ -40,7 +40,13 @@ Batch Batch::rows(std::span<const Chunk> chunks) {
 
 Batch Batch::row(int64_t row) const {
   Batch one;
-  if (!input_ids.empty()) one.input_ids = input_ids.slice(0, row, row + 1);
+  if (!input_ids.empty()) {
+    one.input_ids = input_ids.slice(0, row, row + 1);
+  } else if (seq_query_lens[static_cast<size_t>(row)] < length()) {
+    // Without ids the row's length would be its own query length, not the batch's L columns
+    // its keys and values span: placeholder ids (0) keep L.
+    one.input_ids = Array::zeros(DType::i32, {1, length()});
+  }
   one.seq_offsets = {seq_offsets[static_cast<size_t>(row)]};
   one.seq_query_lens = {seq_query_lens[static_cast<size_t>(row)]};
   one.seq_ids = {seq_id(row)};

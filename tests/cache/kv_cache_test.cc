@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 #include <kvsnap/kv_cache.h>
+#include <kvsnap/paged_kv_cache.h>
+#include <kvsnap/rotating_kv_cache.h>
 
 #include "cache/snapshot_record.h"
 #include "support/cache_support.h"
@@ -617,6 +619,31 @@ TEST(KVCache, RowsOfABatchAreSequencesWithTheirOwnOffsets) {
   write(cache, kv, id_range(90, 1));
   ASSERT_TRUE(cache.restore(0, s.get(), 3));
   EXPECT_EQ(column_ids(cache.view(Batch::uniform(1, 1, 0))), (std::vector<int64_t>{90, 81, 82}));
+}
+
+// A ragged batch built without input ids (as Python's Batch leaves them) is as wide as its
+// longest row: each row's update sees all L columns of its keys, in every attention kind.
+TEST(KVCache, RowsOfABatchWithoutIdsKeepTheBatchsColumns) {
+  Batch batch;
+  batch.seq_offsets = {0, 0};
+  batch.seq_query_lens = {2, 1};
+  batch.seq_ids = {0, 1};
+  EXPECT_EQ(batch.row(1).length(), 2);
+  EXPECT_EQ(batch.row(0).length(), 2);
+  Array keys = Array::zeros(DType::f32, {2, 2, 2, 4}), values = keys.clone();
+  keys.slice(0, 0, 1).assign(kv.keys(std::vector<int64_t>{10, 11}));
+  keys.slice(0, 1, 2).assign(kv.keys(std::vector<int64_t>{20, 0}));
+  values.slice(0, 0, 1).assign(kv.values(std::vector<int64_t>{10, 11}));
+  values.slice(0, 1, 2).assign(kv.values(std::vector<int64_t>{20, 0}));
+  KVCache contiguous;
+  PagedKVCache paged(PagedKVCache::Options{.block_tokens = 4});
+  RotatingKVCache rotating(8);
+  for (Attention* cache : std::initializer_list<Attention*>{&contiguous, &paged, &rotating}) {
+    const KVHistory history = cache->update(batch, keys, values);
+    ASSERT_TRUE(history.ragged());
+    EXPECT_EQ(column_ids(history.row(0)), (std::vector<int64_t>{10, 11}));
+    EXPECT_EQ(column_ids(history.row(1)), (std::vector<int64_t>{20}));
+  }
 }
 
 }  // namespace
