@@ -70,9 +70,9 @@ class KVSequence final : public KVKind {
                     });
   }
 
-  // Restores [s.from(), target) of a PagedKVCache snapshot by writing its blocks' tokens.
+  // Restores [s.from(), target) of a PagedKVCache snapshot by writing its blocks' tokens (the
+  // caller holds its pool's lock with ours: SnapshotLocks).
   bool restore_paged(const PagedSnapshot& s, int64_t target) {
-    const Guard pool_guard(s.pool()->lock);
     const char* call = calls().restore.c_str();
     if (store.has_layout) check_same_layout(store.layout, s.pool()->layout, call);
     if (target < 0 || target > s.to() || offset < s.from()) return false;
@@ -182,8 +182,7 @@ void KVCache::cancel_snapshots(SeqId seq) { impl_->cancel(seq); }
 bool KVCache::restore(Snapshot* snapshot, int64_t target) { return restore(0, snapshot, target); }
 
 bool KVCache::restore(SeqId seq, Snapshot* snapshot, int64_t target) {
-  const Guard guard(impl_->lock);
-  const detail::OwnerGuard owner(snapshot, impl_->lock);
+  const detail::SnapshotLocks locks(impl_->lock, {snapshot});
   detail::KVSequence& c = impl_->at(seq);
   c.require_idle();
   if (snapshot == nullptr) {
@@ -208,9 +207,7 @@ bool KVCache::restore(SeqId seq, Snapshot* snapshot, int64_t target) {
 
 SnapshotPtr KVCache::merge(SnapshotPtr parent, SnapshotPtr child) {
   if (parent == nullptr || child == nullptr) return nullptr;
-  const Guard guard(impl_->lock);
-  const detail::OwnerGuard parent_owner(parent.get(), impl_->lock);
-  const detail::OwnerGuard child_owner(child.get(), impl_->lock);
+  const detail::SnapshotLocks locks(impl_->lock, {parent.get(), child.get()});
   KVStateSnapshot& a = detail::as_kv_state(parent.get(), Kind::kv, "KVCache::merge");
   KVStateSnapshot& b = detail::as_kv_state(child.get(), Kind::kv, "KVCache::merge");
   if (a.end != b.begin) {
@@ -226,8 +223,7 @@ SnapshotPtr KVCache::merge(SnapshotPtr parent, SnapshotPtr child) {
 
 std::pair<SnapshotPtr, SnapshotPtr> KVCache::split(SnapshotPtr snapshot, int64_t at) {
   if (snapshot == nullptr) return {nullptr, nullptr};
-  const Guard guard(impl_->lock);
-  const detail::OwnerGuard owner(snapshot.get(), impl_->lock);
+  const detail::SnapshotLocks locks(impl_->lock, {snapshot.get()});
   KVStateSnapshot& s = detail::as_kv_state(snapshot.get(), Kind::kv, "KVCache::split");
   if (at <= s.begin) return {nullptr, std::move(snapshot)};
   if (at >= s.end) return {std::move(snapshot), nullptr};

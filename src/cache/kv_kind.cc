@@ -2,6 +2,10 @@
 
 #include <fmt/format.h>
 
+#include <mutex>
+
+#include "cache/block_pool.h"
+
 namespace kvsnap::detail {
 
 KVKind::KVKind(const char* name)
@@ -51,6 +55,38 @@ void KVKind::prepare(std::span<const int64_t> offsets) {
 std::vector<SnapshotPtr> KVKind::take() { return schedule.take(offset, calls_.take.c_str()); }
 void KVKind::take_into(std::vector<SnapshotPtr>& into) {
   schedule.take_into(into, offset, calls_.take.c_str());
+}
+
+namespace {
+
+// The lock guarding a snapshot's data when that is not the snapshot itself, or null.
+CacheLock* lock_of(const Snapshot* snapshot) {
+  if (const auto* paged = dynamic_cast<const PagedSnapshot*>(snapshot)) {
+    return &paged->pool()->lock;
+  }
+  const auto* state = dynamic_cast<const KVStateSnapshot*>(snapshot);
+  KVStore* store = state != nullptr ? state->owner() : nullptr;
+  return store != nullptr ? store->lock : nullptr;
+}
+
+}  // namespace
+
+SnapshotLocks::SnapshotLocks(CacheLock& ours, std::initializer_list<const Snapshot*> snapshots) {
+  held_[count_++] = &ours;
+  for (const Snapshot* snapshot : snapshots) {
+    CacheLock* lock = lock_of(snapshot);
+    if (lock != nullptr &&
+        std::find(held_.begin(), held_.begin() + count_, lock) == held_.begin() + count_) {
+      held_[count_++] = lock;  // at most two snapshots: room for ours and theirs
+    }
+  }
+  if (count_ == 1) held_[0]->lock();
+  if (count_ == 2) std::lock(*held_[0], *held_[1]);
+  if (count_ == 3) std::lock(*held_[0], *held_[1], *held_[2]);
+}
+
+SnapshotLocks::~SnapshotLocks() {
+  for (size_t i = 0; i < count_; ++i) held_[i]->unlock();
 }
 
 }  // namespace kvsnap::detail

@@ -5,6 +5,8 @@
 
 #include <fmt/format.h>
 
+#include <array>
+#include <initializer_list>
 #include <span>
 #include <string>
 #include <vector>
@@ -191,18 +193,21 @@ class KVCacheCore {
   Sequences<Seq> sequences;
 };
 
-// Holds the lock of the store a snapshot is lazy in, when it is not `ours` (a restore, merge or
-// split of another cache's lazy snapshot reads or relinks its pieces).
-class OwnerGuard {
+// Holds `ours` and the lock of whatever each snapshot's data lives in — the store a KVCache
+// snapshot is lazy in, the pool of a PagedKVCache snapshot — taken together with std::lock's
+// deadlock avoidance: two caches restoring, merging or splitting each other's snapshots at once
+// never wait on each other (taking ours first, then theirs, could). Null snapshots, owned ones
+// and locks met twice add nothing.
+class SnapshotLocks {
  public:
-  OwnerGuard(const Snapshot* snapshot, const CacheLock& ours) {
-    const auto* state = dynamic_cast<const KVStateSnapshot*>(snapshot);
-    KVStore* store = state != nullptr ? state->owner() : nullptr;
-    if (store != nullptr && store->lock != &ours) lock_ = std::unique_lock(*store->lock);
-  }
+  SnapshotLocks(CacheLock& ours, std::initializer_list<const Snapshot*> snapshots);
+  ~SnapshotLocks();
+  SnapshotLocks(const SnapshotLocks&) = delete;
+  SnapshotLocks& operator=(const SnapshotLocks&) = delete;
 
  private:
-  std::unique_lock<CacheLock> lock_;
+  std::array<CacheLock*, 3> held_{};
+  size_t count_ = 0;
 };
 
 }  // namespace kvsnap::detail

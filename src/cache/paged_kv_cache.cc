@@ -151,7 +151,7 @@ class PagedSequence {
   }
 
   // Restores [from, target) of a snapshot held elsewhere (a KVCache's, another pool's) by
-  // writing its tokens.
+  // writing its tokens. The caller holds the snapshot's lock with ours (SnapshotLocks).
   void copy_in(const Snapshot& s, int64_t target) {
     rewind(s.from());
     const auto write_part = [&](const Array& k, const Array& v) {
@@ -159,13 +159,11 @@ class PagedSequence {
       pool_->stats.restored_bytes += k.dim(2) * pool_->layout.token_bytes();
     };
     if (const auto* paged = dynamic_cast<const PagedSnapshot*>(&s)) {
-      const Guard guard(paged->pool()->lock);
       paged->for_each_part(target - s.from(),
                            [&](int64_t, const Array& k, const Array& v) { write_part(k, v); });
       return;
     }
     const auto& state = dynamic_cast<const KVStateSnapshot&>(s);
-    const OwnerGuard owner(&s, pool_->lock);
     state.for_each_part(target - s.from(), [&](int64_t, const Array& k, const Array& v, int64_t) {
       write_part(k, v);
     });
@@ -341,7 +339,7 @@ bool PagedKVCache::restore(Snapshot* snapshot, int64_t target) {
 }
 
 bool PagedKVCache::restore(SeqId seq, Snapshot* snapshot, int64_t target) {
-  const Guard guard(impl_->pool->lock);
+  const detail::SnapshotLocks locks(impl_->pool->lock, {snapshot});
   detail::PagedSequence& c = impl_->at(seq);
   c.schedule.require_idle(detail::kRestore);
   if (snapshot == nullptr) {
@@ -371,7 +369,7 @@ bool PagedKVCache::restore(SeqId seq, Snapshot* snapshot, int64_t target) {
 
 SnapshotPtr PagedKVCache::merge(SnapshotPtr parent, SnapshotPtr child) {
   if (parent == nullptr || child == nullptr) return nullptr;
-  const Guard guard(impl_->pool->lock);
+  const detail::SnapshotLocks locks(impl_->pool->lock, {parent.get(), child.get()});
   detail::require_kv(parent.get(), "PagedKVCache::merge");
   detail::require_kv(child.get(), "PagedKVCache::merge");
   if (parent->to() != child->from()) {
@@ -420,7 +418,7 @@ SnapshotPtr PagedKVCache::merge(SnapshotPtr parent, SnapshotPtr child) {
 
 std::pair<SnapshotPtr, SnapshotPtr> PagedKVCache::split(SnapshotPtr snapshot, int64_t at) {
   if (snapshot == nullptr) return {nullptr, nullptr};
-  const Guard guard(impl_->pool->lock);
+  const detail::SnapshotLocks locks(impl_->pool->lock, {snapshot.get()});
   detail::require_kv(snapshot.get(), "PagedKVCache::split");
   if (at <= snapshot->from()) return {nullptr, std::move(snapshot)};
   if (at >= snapshot->to()) return {std::move(snapshot), nullptr};

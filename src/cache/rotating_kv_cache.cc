@@ -302,8 +302,7 @@ bool RotatingKVCache::restore(Snapshot* snapshot, int64_t target) {
 }
 
 bool RotatingKVCache::restore(SeqId seq, Snapshot* snapshot, int64_t target) {
-  const Guard guard(impl_->lock);
-  const detail::OwnerGuard owner(snapshot, impl_->lock);
+  const detail::SnapshotLocks locks(impl_->lock, {snapshot});
   detail::RotatingSequence& c = impl_->at(seq);
   c.require_idle();
   if (snapshot == nullptr) {
