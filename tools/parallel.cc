@@ -206,6 +206,7 @@ class Scheduler {
     if (chunks.empty()) return false;
     const Array logits = model_.forward(chunks, layers_);
     ++out_.steps;
+    if (!prefill.front() && prefill.back()) ++out_.fused_steps;  // decode rows come first
     const int64_t vocab = model_.config().vocab_size;
     for (size_t k = 0; k < chunks.size(); ++k) {
       Running& r = *slots_[static_cast<size_t>(chunks[k].seq)];
@@ -408,6 +409,7 @@ std::string format_parallel_json(const ParallelRun& parallel, const RunResult& u
          {{"median", percentile(b.ttft, 0.5) * 1e3}, {"p90", percentile(b.ttft, 0.9) * 1e3}}}}},
       {"seconds", {{"cached", a.seconds}, {"uncached", b.seconds}}},
       {"steps", parallel.steps},
+      {"fused_steps", parallel.fused_steps},
       {"peak_kv_bytes", parallel.kv.peak_bytes},
       {"unshared_kv_bytes", parallel.kv.unshared_bytes},
       {"ideal_kv_bytes", parallel.kv.ideal_bytes},

@@ -37,6 +37,7 @@ struct ParallelRun {
   RunResult run;  // with_cache; per request in workload order
   int64_t parallel = 0;
   int64_t steps = 0;         // forwards
+  int64_t fused_steps = 0;   // forwards carrying prompt chunks and decode tokens together
   int64_t reply_tokens = 0;  // generated
   KVMemory kv;
   double throughput() const {  // reply tokens per second

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
 
@@ -112,6 +113,51 @@ TEST(ParallelReplay, SequencesShareTheirPrefixInsteadOfHoldingCopies) {
   EXPECT_LE(run.kv.peak_bytes, run.kv.ideal_bytes + 8 * 2 * block_bytes);
   // Copies would hold the system prompt once per sequence.
   EXPECT_GT(run.kv.unshared_bytes, 3 * run.kv.peak_bytes);
+}
+
+// Each forward carries a token of every decoding sequence and the prompt chunks of those still
+// prefilling: one slot runs a forward per prompt chunk and per reply token after the first;
+// eight run far fewer, many of them prefill and decode together.
+TEST(ParallelReplay, PromptChunksAndDecodeTokensOfAllSequencesShareForwards) {
+  const Model model(tiny_model());
+  const Workload workload = many_users(8);
+  const ParallelRun one = replay_parallel(workload, model, slots(1, 16));
+  int64_t forwards = 0;
+  for (const RequestResult& r : one.run.requests) {
+    forwards += (r.evaluated + 15) / 16 + static_cast<int64_t>(r.reply.size()) - 1;
+  }
+  EXPECT_EQ(one.steps, forwards);
+  EXPECT_EQ(one.fused_steps, 0);
+  const ParallelRun eight = replay_parallel(workload, model, slots(8, 16));
+  EXPECT_LT(eight.steps, one.steps / 2);
+  EXPECT_GT(eight.fused_steps, 0);
+  EXPECT_EQ(eight.reply_tokens, one.reply_tokens);
+}
+
+// The table and the JSON report what the scheduler measured.
+TEST(ParallelReplay, TheReportCarriesThroughputLatencyAndMemory) {
+  const Model model(tiny_model());
+  const Workload workload = many_users(4);
+  const ParallelRun run = replay_parallel(workload, model, slots(4));
+  const RunResult uncached = sequential_uncached(workload, model);
+  const Comparison c = compare(run.run, uncached, 1e-4);
+  const nlohmann::json json =
+      nlohmann::json::parse(format_parallel_json(run, uncached, c, "many users"));
+  EXPECT_EQ(json.at("parallel"), 4);
+  EXPECT_DOUBLE_EQ(json.at("throughput_tokens_per_s").get<double>(), run.throughput());
+  EXPECT_EQ(json.at("peak_kv_bytes"), run.kv.peak_bytes);
+  EXPECT_EQ(json.at("unshared_kv_bytes"), run.kv.unshared_bytes);
+  EXPECT_EQ(json.at("steps"), run.steps);
+  EXPECT_EQ(json.at("fused_steps"), run.fused_steps);
+  EXPECT_TRUE(json.at("agree").get<bool>());
+  EXPECT_GT(json.at("ttft_ms").at("cached").at("p90").get<double>(), 0.0);
+  EXPECT_EQ(json.at("per_request").size(), workload.requests.size());
+  const std::string table = format_parallel_table(run, uncached, c, "many users");
+  for (const char* row :
+       {"reply tokens per second", "time to first token, median ms", "time to first token, p90 ms",
+        "attention memory at its peak", "runs agree"}) {
+    EXPECT_NE(table.find(row), std::string::npos) << row;
+  }
 }
 
 TEST(ParallelReplay, ARequestWaitsForThePrefillOfItsPrefixInsteadOfRecomputingIt) {
