@@ -23,6 +23,10 @@ int32_t BlockPool::allocate() {
   }
   const int32_t id = free_.back();
   free_.pop_back();
+  Block& block = blocks_[static_cast<size_t>(id)];
+  block.serial = ++next_serial_;
+  block.origin = 0;
+  block.filled = block.origin_tokens = 0;
   return id;
 }
 
@@ -42,6 +46,27 @@ void BlockPool::copy(int32_t from, int32_t to, int64_t tokens) {
   if (tokens <= 0) return;
   keys(to).assign_slice(2, 0, keys(from).slice(2, 0, tokens));
   values(to).assign_slice(2, 0, values(from).slice(2, 0, tokens));
+  Block& copy = blocks_[static_cast<size_t>(to)];
+  copy.origin = blocks_[static_cast<size_t>(from)].serial;
+  copy.filled = copy.origin_tokens = tokens;
+}
+
+void BlockPool::written(int32_t id, int64_t slot, int64_t count) {
+  Block& block = blocks_[static_cast<size_t>(id)];
+  if (slot < block.filled) {  // tokens written again: what copied it no longer matches it
+    block.serial = ++next_serial_;
+    block.origin_tokens = std::min(block.origin_tokens, slot);
+  }
+  block.filled = slot + count;
+}
+
+bool BlockPool::same_start(int32_t a, int32_t b, int64_t tokens) const {
+  const Block &x = blocks_[static_cast<size_t>(a)], &y = blocks_[static_cast<size_t>(b)];
+  const auto began_as = [tokens](const Block& copy, uint64_t serial) {
+    return serial != 0 && copy.origin == serial && copy.origin_tokens >= tokens;
+  };
+  return began_as(x, y.serial) || began_as(y, x.serial) ||
+         (began_as(x, x.origin) && began_as(y, x.origin));
 }
 
 void BlockPool::acquire(int32_t id) {

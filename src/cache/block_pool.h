@@ -29,8 +29,14 @@ class BlockPool {
   // Keys [1, H, T, D] / values [1, H, T, Dv] of block `id` (views of its chunk).
   Array keys(int32_t id) const;
   Array values(int32_t id) const;
-  // Copies the first `tokens` tokens of block `from` into block `to`.
+  // Copies the first `tokens` tokens of block `from` into block `to` (freshly allocated), which
+  // remembers that it began as that copy.
   void copy(int32_t from, int32_t to, int64_t tokens);
+  // Records that `count` tokens were written into block `id` from slot `slot` on.
+  void written(int32_t id, int64_t slot, int64_t count);
+  // Whether blocks `a` and `b` hold the same first `tokens` tokens because one began as a copy of
+  // the other, or both as copies of one block, and none of them changed those tokens since.
+  bool same_start(int32_t a, int32_t b, int64_t tokens) const;
   // Whether anyone but one sequence references the block (a write must copy it first).
   bool shared(int32_t id) const {
     const Block& b = blocks_[static_cast<size_t>(id)];
@@ -64,6 +70,11 @@ class BlockPool {
     int32_t live = 0;
     std::vector<PagedSnapshot*> holders;
     PagedSnapshot* payer = nullptr;
+    // What the block holds: `serial` is new whenever the block is allocated or tokens below
+    // `filled` are written again; a copy keeps its source's serial then (`origin`) and how many
+    // of its first tokens still are that copy (`origin_tokens`).
+    uint64_t serial = 0, origin = 0;
+    int64_t filled = 0, origin_tokens = 0;
   };
   // When no sequence uses the block: a holder pays for it, or it is free.
   void settle(int32_t id);
@@ -72,6 +83,7 @@ class BlockPool {
   std::vector<Block> blocks_;
   std::vector<int32_t> free_;
   int64_t live_blocks_ = 0;
+  uint64_t next_serial_ = 0;
 };
 
 // Block references of a KV range [from, to): blocks_[i] holds positions

@@ -98,6 +98,7 @@ class PagedSequence {
       const int32_t id = writable(static_cast<size_t>(position / block_tokens), slot);
       pool_->keys(id).assign_slice(2, slot, keys.slice(2, done, done + run));
       pool_->values(id).assign_slice(2, slot, values.slice(2, done, done + run));
+      pool_->written(id, slot, run);
       done += run;
     }
     offset += n;
@@ -118,14 +119,22 @@ class PagedSequence {
     }
   }
 
-  // Restores [s.from(), target) of this pool's snapshot: block references spliced in, and the
-  // block where the sequence and the snapshot meet mid-block joined in a fresh one.
+  // Restores [s.from(), target) of this pool's snapshot: block references spliced in. Where the
+  // sequence and the snapshot meet mid-block, the snapshot's block is taken too when its first
+  // tokens began as a copy of ours (a slot that continued ours wrote it), else the two are
+  // joined in a fresh block.
   void splice(const PagedSnapshot& s, int64_t target) {
     const int64_t block_tokens = pool_->block_tokens, from = s.from();
     rewind(from);
     size_t next = 0;  // the snapshot's next block to splice
     const int64_t slot = from % block_tokens;
-    if (slot != 0 && blocks.back() != s.blocks()[0]) {
+    if (slot != 0 && blocks.back() != s.blocks()[0] &&
+        pool_->same_start(blocks.back(), s.blocks()[0], slot)) {
+      pool_->acquire(s.blocks()[0]);
+      pool_->release(blocks.back());
+      blocks.back() = s.blocks()[0];
+      next = 1;
+    } else if (slot != 0 && blocks.back() != s.blocks()[0]) {
       const int32_t joined = pool_->allocate();
       pool_->copy(blocks.back(), joined, slot);
       const int64_t count = std::min(block_tokens, target - (from - slot)) - slot;
@@ -133,6 +142,7 @@ class PagedSequence {
                                        pool_->keys(s.blocks()[0]).slice(2, slot, slot + count));
       pool_->values(joined).assign_slice(2, slot,
                                          pool_->values(s.blocks()[0]).slice(2, slot, slot + count));
+      pool_->written(joined, slot, count);
       pool_->acquire(joined);
       pool_->release(blocks.back());
       blocks.back() = joined;
@@ -392,13 +402,17 @@ SnapshotPtr PagedKVCache::merge(SnapshotPtr parent, SnapshotPtr child) {
     values.assign_slice(2, first.second.dim(2), second.second);
     return detail::make_kv_snapshot(std::move(keys), std::move(values), parent->from());
   }
-  // Block lists joined; a block where they meet mid-block is the same block or a fresh join.
+  // Block lists joined; a block where they meet mid-block is the same block, the child's when
+  // its first tokens began as a copy of the parent's (as in a restore), or a fresh join.
   std::vector<int32_t> blocks = a->blocks();
   const int64_t block_tokens = impl_->pool->block_tokens, slot = b->from() % block_tokens;
   size_t skip = 0;
   if (slot != 0) {
     skip = 1;
-    if (blocks.back() != b->blocks()[0]) {
+    if (blocks.back() != b->blocks()[0] &&
+        impl_->pool->same_start(blocks.back(), b->blocks()[0], slot)) {
+      blocks.back() = b->blocks()[0];
+    } else if (blocks.back() != b->blocks()[0]) {
       const int32_t joined = impl_->pool->allocate();
       impl_->pool->copy(blocks.back(), joined, slot);
       const int64_t count = std::min(block_tokens, b->to() - (b->from() - slot)) - slot;
@@ -406,6 +420,7 @@ SnapshotPtr PagedKVCache::merge(SnapshotPtr parent, SnapshotPtr child) {
           2, slot, impl_->pool->keys(b->blocks()[0]).slice(2, slot, slot + count));
       impl_->pool->values(joined).assign_slice(
           2, slot, impl_->pool->values(b->blocks()[0]).slice(2, slot, slot + count));
+      impl_->pool->written(joined, slot, count);
       ++impl_->pool->blocks_copied;
       impl_->pool->stats.snapshot_bytes += block_tokens * impl_->pool->layout.token_bytes();
       blocks.back() = joined;

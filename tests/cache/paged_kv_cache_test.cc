@@ -119,6 +119,38 @@ TEST_F(Paged, RestoringMidBlockJoinsOneBlockAndSplicesTheRest) {
   EXPECT_EQ(cache.copy_stats().restored_bytes, kBlock * kToken);
 }
 
+// Where a restore meets the sequence mid-block, a snapshot block that began as a copy of the
+// sequence's own is taken as it is; once the sequence wrote those tokens again, it is joined.
+TEST_F(Paged, RestoringMidBlockTakesABlockThatBeganAsACopyOfOurs) {
+  write(cache, 0, id_range(0, 12));  // blocks [0, 8) and [8, 12)
+  SnapshotPtr prefix = cache.snapshot(0, 0);
+  ASSERT_TRUE(cache.restore(1, prefix.get(), 12));
+  write(cache, 1, id_range(100, 8));  // block [8, 16) copied from sequence 0's, then [16, 20)
+  EXPECT_EQ(cache.pool_stats().blocks_copied, 1);
+  SnapshotPtr continued = cache.snapshot(1, 12);  // [12, 20)
+  ASSERT_TRUE(cache.restore(0, continued.get(), 20));
+  EXPECT_EQ(cache.pool_stats().blocks_copied, 1);  // taken, not joined
+  EXPECT_EQ(held(cache, 0), concat(id_range(0, 12), id_range(100, 8)));
+  // So does a merge of the two parts.
+  SnapshotPtr whole = cache.merge(std::move(prefix), cache.snapshot(1, 12));
+  EXPECT_EQ(cache.pool_stats().blocks_copied, 1);
+  ASSERT_TRUE(cache.restore(4, whole.get(), 20));
+  EXPECT_EQ(held(cache, 4), concat(id_range(0, 12), id_range(100, 8)));
+  // Sequence 2 holds [8, 12) in a block of its own, written again after sequence 1 copied it.
+  write(cache, 2, id_range(0, 12));
+  SnapshotPtr third = cache.snapshot(2, 0);
+  ASSERT_TRUE(cache.restore(3, third.get(), 12));
+  write(cache, 3, id_range(200, 4));  // copies sequence 2's block [8, 16)
+  SnapshotPtr fourth = cache.snapshot(3, 12);
+  third.reset();
+  ASSERT_TRUE(cache.restore(2, nullptr, 10));
+  write(cache, 2, {700, 701});  // its block alone now: written in place
+  const int64_t copied = cache.pool_stats().blocks_copied;
+  ASSERT_TRUE(cache.restore(2, fourth.get(), 16));
+  EXPECT_EQ(cache.pool_stats().blocks_copied, copied + 1);  // joined: its own 700, 701 kept
+  EXPECT_EQ(held(cache, 2), concat(id_range(0, 10), concat({700, 701}, id_range(200, 4))));
+}
+
 TEST_F(Paged, SnapshotsPayForTheBlocksNoSequenceUses) {
   write(cache, 0, id_range(0, 20));
   SnapshotPtr a = cache.snapshot(0, 0), b = cache.snapshot(0, 8);

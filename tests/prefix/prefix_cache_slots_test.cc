@@ -89,6 +89,24 @@ TEST(PrefixCacheSlots, BeginOverACachedPrefixCopiesAtMostOneBlockWhateverItsLeng
   }
 }
 
+// A path whose parts three slots wrote, each diverging mid-block from the one before: the
+// blocks where they meet began as copies of each other, so begin joins none of them.
+TEST(PrefixCacheSlots, BeginOverAPathOfPartsFromSeveralSlotsCopiesAtMostOneBlock) {
+  HybridStack stack(StackOptions{.paged = true, .block_tokens = 4});
+  PrefixCache cache(stack.layers(), {.slots = 4});
+  const Tokens a = tokens(1000, 6), b = tokens(1100, 4), c = tokens(1200, 3);
+  request(cache, stack, 0, a + tokens(2000, 3), tokens(300, 2), {6});
+  EXPECT_EQ(request(cache, stack, 1, a + b + tokens(2100, 3), tokens(310, 2), {10}), 6);
+  EXPECT_EQ(request(cache, stack, 2, a + b + c + tokens(2200, 3), tokens(320, 2), {13}), 10);
+  const auto& paged = dynamic_cast<const PagedKVCache&>(stack.attention());
+  const int64_t blocks_before = paged.pool_stats().blocks_copied;
+  const Tokens prompt = a + b + c + tokens(2300, 4);
+  PrefixCache::Session session = cache.begin(3, prompt);
+  EXPECT_EQ(session.cached(), 13);
+  EXPECT_LE(paged.pool_stats().blocks_copied - blocks_before, 1);
+  ASSERT_TRUE(stack.forward_and_check(session.remaining(), prompt, 3));
+}
+
 TEST(PrefixCacheSlots, MatchTellsWhatBeginWouldRestoreAndChangesNothing) {
   HybridStack stack;
   PrefixCache cache(stack.layers(), {.slots = 3});
