@@ -155,8 +155,10 @@ TEST(PrefixCacheSlots, LoadingWithASessionOpenOnAnySlotIsAnError) {
       {"slots 0"}));
 }
 
-// Random requests on random slots, advanced one step at a time and interleaved: new
-// conversations, continuations and branches over shared prefixes, under a small budget.
+// Random requests on random slots, interleaved: new conversations, continuations and branches
+// over shared prefixes, under a small budget. Each step advances a random set of slots; those
+// that evaluate tokens (prefill chunks, decode tokens) do so together in one heterogeneous
+// batch, every row checked against recomputing its own sequence.
 class Interleaving {
  public:
   Interleaving(uint32_t seed, SeqId slots, bool paged, int64_t budget)
@@ -168,12 +170,22 @@ class Interleaving {
 
   void run(int steps) {
     for (int step = 0; step < steps && !::testing::Test::HasFailure(); ++step) {
-      Slot& slot = slots_[rng_() % slots_.size()];
-      advance(slot, static_cast<SeqId>(&slot - slots_.data()));
+      rows_.clear();
+      finishing_.clear();
+      const size_t surely = rng_() % slots_.size();
+      for (size_t i = 0; i < slots_.size(); ++i) {
+        if (i != surely && rng_() % 2 == 0) continue;
+        advance(slots_[i], static_cast<SeqId>(i));
+        if (::testing::Test::HasFailure()) return;
+      }
+      if (!rows_.empty()) ASSERT_TRUE(stack_.forward_rows_and_check(rows_));
+      if (rows_.size() > 1) ++batched_steps_;
+      for (Slot* slot : finishing_) finish_prefill(*slot);
       ASSERT_EQ(cache_.check_invariants(), "") << cache_.debug_string();
     }
   }
   PrefixCache::Stats stats() const { return cache_.stats(); }
+  int64_t batched_steps() const { return batched_steps_; }  // steps of two rows or more
 
  private:
   struct Slot {
@@ -195,6 +207,8 @@ class Interleaving {
     return prompt;
   }
 
+  // The slot's next action; tokens it evaluates join this step's rows (a row that ends its
+  // prefill is finished after the step).
   void advance(Slot& slot, SeqId id) {
     if (!slot.session) {  // a new request
       const Tokens prompt = next_prompt();
@@ -204,12 +218,10 @@ class Interleaving {
       const auto remaining = slot.session->remaining();
       // A chunked prefill: the first chunk now, the rest as one more step.
       const size_t first = 1 + rng_() % remaining.size();
-      ASSERT_TRUE(stack_.forward_and_check(
-          remaining.subspan(0, first),
-          Tokens(prompt.begin(),
-                 prompt.end() - static_cast<std::ptrdiff_t>(remaining.size() - first)),
-          id));
-      if (first == remaining.size()) finish_prefill(slot);
+      rows_.push_back({id, Tokens(remaining.begin(), remaining.begin() + first),
+                       Tokens(prompt.begin(), prompt.end() - static_cast<std::ptrdiff_t>(
+                                                                 remaining.size() - first))});
+      if (first == remaining.size()) finishing_.push_back(&slot);
       return;
     }
     if (!slot.prefilled) {
@@ -218,9 +230,9 @@ class Interleaving {
         close(slot);
         return;
       }
-      const Tokens rest(slot.sequence.begin() + offset, slot.sequence.end());
-      ASSERT_TRUE(stack_.forward_and_check(rest, slot.sequence, id));
-      finish_prefill(slot);
+      rows_.push_back(
+          {id, Tokens(slot.sequence.begin() + offset, slot.sequence.end()), slot.sequence});
+      finishing_.push_back(&slot);
       return;
     }
     if (slot.decode_left == 0) {
@@ -232,9 +244,7 @@ class Interleaving {
     check_budget();
     slot.sequence.push_back(token);
     --slot.decode_left;
-    if (slot.decode_left > 0) {
-      ASSERT_TRUE(stack_.forward_and_check(std::span(&token, 1), slot.sequence, id));
-    }
+    if (slot.decode_left > 0) rows_.push_back({id, Tokens{token}, slot.sequence});
   }
 
   void finish_prefill(Slot& slot) {
@@ -258,15 +268,18 @@ class Interleaving {
   PrefixCache cache_;
   int64_t budget_;
   std::vector<Slot> slots_;
+  std::vector<HybridStack::Row> rows_;  // this step's
+  std::vector<Slot*> finishing_;        // slots whose prefill this step's rows end
   std::vector<Tokens> done_;
   int32_t next_ = 1000;
+  int64_t batched_steps_ = 0;
 };
 
 TEST(PrefixCacheSlots, RandomInterleavedSessionsEqualRecomputation) {
   const char* soak = std::getenv("KVSNAP_SOAK_SEEDS");
   const uint32_t seeds = soak != nullptr ? static_cast<uint32_t>(std::atoi(soak)) : 60;
   const int64_t baseline = live_bytes();
-  int64_t reused = 0, evicted = 0;
+  int64_t reused = 0, evicted = 0, batched = 0;
   for (uint32_t seed = 1; seed <= seeds; ++seed) {
     {
       Interleaving run(seed, 1 + static_cast<SeqId>(seed % 4), seed % 2 == 0,
@@ -274,12 +287,14 @@ TEST(PrefixCacheSlots, RandomInterleavedSessionsEqualRecomputation) {
       run.run(150);
       reused += run.stats().reused_tokens;
       evicted += run.stats().evicted_nodes;
+      batched += run.batched_steps();
     }
     ASSERT_FALSE(::testing::Test::HasFailure()) << "seed " << seed;
     ASSERT_EQ(live_bytes(), baseline) << "seed " << seed << " leaked array bytes";
   }
   EXPECT_GT(reused, 500);
   EXPECT_GT(evicted, 20);
+  EXPECT_GT(batched, 2000);  // over a third of the steps of the runs with several slots
 }
 
 }  // namespace

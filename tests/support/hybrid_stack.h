@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <kvsnap/kvsnap.h>
 
+#include <algorithm>
 #include <memory>
 #include <span>
 #include <utility>
@@ -97,6 +98,86 @@ class HybridStack {
       if (auto r = all_close(out.delta, expected.delta.slice(1, start, start + length), 1e-4f);
           !r) {
         return r << " (recurrent, positions from " << start << ")";
+      }
+    }
+    return ::testing::AssertionSuccess();
+  }
+
+  // One row of a step over several sequences: `tokens` at sequence `slot`'s offset, ending
+  // `sequence` (the whole sequence so far).
+  struct Row {
+    SeqId slot = 0;
+    std::vector<int32_t> tokens, sequence;
+  };
+  // As forward_and_check, for several sequences in one step: the attention layers take one
+  // heterogeneous batch (each row at its own offset, padded to the longest), the recurrent
+  // layer row by row; each row is checked against recomputing its own sequence.
+  ::testing::AssertionResult forward_rows_and_check(const std::vector<Row>& rows) {
+    if (rows.size() == 1) return forward_and_check(rows[0].tokens, rows[0].sequence, rows[0].slot);
+    std::vector<Batch::Chunk> chunks;
+    int64_t longest = 0, named = 0;
+    auto* contiguous = dynamic_cast<KVCache*>(attention_.get());
+    const bool check = options_.check_copies && contiguous != nullptr;
+    for (const Row& row : rows) {
+      const int64_t start = offset(row.slot), length = static_cast<int64_t>(row.tokens.size());
+      if (start + length != static_cast<int64_t>(row.sequence.size())) {
+        return ::testing::AssertionFailure()
+               << "slot " << row.slot << ": caches at " << start << " + " << length
+               << " tokens != sequence of " << row.sequence.size();
+      }
+      chunks.push_back({row.slot, start, row.tokens});
+      longest = std::max(longest, length);
+      if (check) named += contiguous->lazy_bytes(row.slot, start, start + length);
+    }
+    const Batch batch = Batch::rows(chunks);
+    const auto count = static_cast<int64_t>(rows.size());
+    Array keys = Array::zeros(DType::f32, {count, kv_.heads, longest, kv_.depth});
+    Array values = keys.clone();
+    Array q = Array::zeros(DType::f32, {count, kQueryHeads, longest, kv_.depth});
+    for (int64_t b = 0; b < count; ++b) {
+      const Row& row = rows[static_cast<size_t>(b)];
+      const std::vector<int64_t> ids = widen(row.tokens);
+      const auto length = static_cast<int64_t>(ids.size());
+      keys.slice(0, b, b + 1).slice(2, 0, length).assign(kv_.keys(ids));
+      values.slice(0, b, b + 1).slice(2, 0, length).assign(kv_.values(ids));
+      q.slice(0, b, b + 1).slice(2, 0, length).assign(queries(ids, batch.seq_offsets[b]));
+    }
+    const int64_t copied_before = attention_->copy_stats().materialized_bytes;
+    const Array a =
+        sdpa(batch, q, attention_->update(batch, keys, values), AttentionMask::causal(), 0.5f);
+    const int64_t copied = attention_->copy_stats().materialized_bytes - copied_before;
+    if (check && copied != named) {
+      return ::testing::AssertionFailure() << "a step of " << count << " rows copied " << copied
+                                           << " bytes; lazy snapshots named " << named;
+    }
+    const Array w =
+        sdpa(batch, q, window.update(batch, keys, values), AttentionMask::causal(), 0.5f);
+    for (int64_t b = 0; b < count; ++b) {
+      const Row& row = rows[static_cast<size_t>(b)];
+      const std::vector<int64_t> ids = widen(row.tokens), all = widen(row.sequence);
+      const auto length = static_cast<int64_t>(ids.size());
+      const int64_t start = batch.seq_offsets[b];
+      Batch one = Batch::uniform(1, length, start);
+      const Array qb = queries(ids, start);
+      const KVHistory full(kv_.keys(all), kv_.values(all));
+      const auto got = [&](const Array& out) {
+        return out.slice(0, b, b + 1).slice(2, 0, length).contiguous();
+      };
+      if (auto r = all_close(got(a), sdpa(one, qb, full, AttentionMask::causal(), 0.5f), 1e-4f);
+          !r) {
+        return r << " (full attention, slot " << row.slot << ", positions from " << start << ")";
+      }
+      const AttentionMask sliding = AttentionMask::sliding_window(options_.window);
+      if (auto r = all_close(got(w), sdpa(one, qb, full, sliding, 0.5f), 1e-4f); !r) {
+        return r << " (sliding window, slot " << row.slot << ", positions from " << start << ")";
+      }
+      if (options_.with_recurrent) {
+        const auto out = recurrent_layer_.forward(recurrent, ids, row.slot);
+        const auto expected = recurrent_layer_.reference(all);
+        if (auto r = all_close(out.delta, expected.delta.slice(1, start, start + length), 1e-4f);
+            !r) {
+          return r << " (recurrent, slot " << row.slot << ", positions from " << start << ")";
+        }
       }
     }
     return ::testing::AssertionSuccess();
