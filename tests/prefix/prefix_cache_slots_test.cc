@@ -178,7 +178,9 @@ class Interleaving {
         advance(slots_[i], static_cast<SeqId>(i));
         if (::testing::Test::HasFailure()) return;
       }
-      if (!rows_.empty()) ASSERT_TRUE(stack_.forward_rows_and_check(rows_));
+      if (!rows_.empty()) {
+        ASSERT_TRUE(stack_.forward_rows_and_check(rows_));
+      }
       if (rows_.size() > 1) ++batched_steps_;
       for (Slot* slot : finishing_) finish_prefill(*slot);
       ASSERT_EQ(cache_.check_invariants(), "") << cache_.debug_string();
