@@ -241,6 +241,11 @@ RunResult replay(const Workload& workload, const Model& model, const ReplayOptio
 
 Comparison compare(const RunResult& cached, const RunResult& uncached, double tolerance) {
   Comparison c;
+  if (cached.requests.size() != uncached.requests.size()) {
+    c.same_tokens = false;
+    c.first_difference =
+        fmt::format("{} requests against {}", cached.requests.size(), uncached.requests.size());
+  }
   for (size_t i = 0; i < cached.requests.size() && i < uncached.requests.size(); ++i) {
     const RequestResult& a = cached.requests[i];
     const RequestResult& b = uncached.requests[i];

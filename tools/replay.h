@@ -98,6 +98,8 @@ struct Comparison {
   std::string first_difference;  // empty when the runs agree
   double max_logit_difference = 0;
 };
+// The runs agree when they hold the same requests with the same replies and every logit is
+// within `tolerance` of the other run's, relative to its size above 1 (|a - b| / max(1, |b|)).
 Comparison compare(const RunResult& cached, const RunResult& uncached, double tolerance);
 
 struct Summary {

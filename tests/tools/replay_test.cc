@@ -306,5 +306,35 @@ TEST(Replay, ARunThatDisagreesIsReported) {
   EXPECT_NE(c.first_difference.find("request 2 (b)"), std::string::npos);
 }
 
+// Two runs agree on the same requests, replies and logits within the tolerance, relative to a
+// logit's size above 1.
+TEST(Compare, RunsAgreeOnRepliesAndLogitsWithinTheTolerance) {
+  RunResult a;
+  RequestResult r;
+  r.id = "a";
+  r.reply = {5, 6};
+  r.logits = {{0.5f, 20.0f}, {-3.0f, 0.0f}};
+  a.requests = {r};
+  RunResult b = a;
+  EXPECT_TRUE(compare(a, b, 1e-4).first_difference.empty());
+  b.requests[0].logits[0][1] = 20.001f;  // 5e-5 of 20
+  EXPECT_TRUE(compare(a, b, 1e-4).first_difference.empty());
+  b.requests[0].logits[0][0] = 0.5002f;  // 2e-4 of a logit below 1
+  Comparison c = compare(a, b, 1e-4);
+  EXPECT_TRUE(c.same_tokens);
+  EXPECT_NE(c.first_difference.find("logits differ"), std::string::npos) << c.first_difference;
+  b = a;
+  b.requests[0].reply = {5, 7};
+  c = compare(a, b, 1e-4);
+  EXPECT_FALSE(c.same_tokens);
+  EXPECT_NE(c.first_difference.find("request 1 (a)"), std::string::npos) << c.first_difference;
+  b = a;
+  b.requests.push_back(r);
+  c = compare(a, b, 1e-4);
+  EXPECT_FALSE(c.same_tokens);
+  EXPECT_NE(c.first_difference.find("1 requests against 2"), std::string::npos)
+      << c.first_difference;
+}
+
 }  // namespace
 }  // namespace kvsnap::tools
