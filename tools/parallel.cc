@@ -138,8 +138,11 @@ class Scheduler {
       const int64_t m = prefix_.match(static_cast<SeqId>(s), prompt);
       if (m > reuse) reuse = m, best = static_cast<SeqId>(s);
     }
+    // At most all but the last token can be restored: more shared than that is no reason to wait.
+    const auto restorable = static_cast<int64_t>(prompt.size()) - 1;
     for (const auto& other : slots_) {
-      if (other && other->prefilling() && common_prefix(prompt, other->prompt) > reuse) {
+      if (other && other->prefilling() &&
+          std::min(common_prefix(prompt, other->prompt), restorable) > reuse) {
         return false;
       }
     }
