@@ -55,6 +55,17 @@ def test_rows_of_different_sequences_attend_to_their_own_histories(rng):
         np.testing.assert_allclose(out[b:b + 1, :, :real], expected, rtol=1e-5, atol=1e-6)
 
 
+def test_a_ragged_batch_without_input_ids_updates_every_attention_kind(rng):
+    # Rows of different lengths, built without ids: the batch is as wide as its longest row.
+    batch = kvsnap.Batch(seq_offsets=[0, 0], seq_query_lens=[2, 1], seq_ids=[0, 1])
+    step = rng.standard_normal((2, 2, 2, 4)).astype(np.float32)
+    for cache in (kvsnap.KVCache(), kvsnap.PagedKVCache(block_tokens=4),
+                  kvsnap.RotatingKVCache(8)):
+        history = cache.update(batch, step, step + 1)
+        assert history.ragged and history.rows == 2
+        assert [cache.offset_of(s) for s in (0, 1)] == [2, 1]
+
+
 def test_per_sequence_calls_refuse_bad_input_and_change_nothing(rng):
     cache = kvsnap.KVCache()
     write(cache, 0, kv(rng, 5))
