@@ -177,8 +177,11 @@ class Scheduler {
     size_t looked = 0;
     for (size_t j = 0; j < workload_.requests.size() && looked < kLookahead; ++j) {
       if (admitted_[j] || j == admitted || !arrival(j)) continue;
+      // Where it leaves this prompt, or its last token when this prompt holds all of it (a
+      // request restores at most all but its last token).
+      const std::vector<int32_t> waiting = builder_.prompt(workload_.requests[j], nullptr);
       const int64_t shared =
-          common_prefix(builder_.prompt(workload_.requests[j], nullptr), r.prompt);
+          std::min(common_prefix(waiting, r.prompt), static_cast<int64_t>(waiting.size()) - 1);
       if (shared > cached && shared < length) points.insert(shared), ++looked;
     }
     return {points.begin(), points.end()};

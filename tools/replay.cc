@@ -257,11 +257,12 @@ Comparison compare(const RunResult& cached, const RunResult& uncached, double to
       for (size_t k = 0; k < a.logits[t].size(); ++k) {
         const double diff = std::fabs(a.logits[t][k] - b.logits[t][k]) /
                             std::max(1.0, std::fabs(static_cast<double>(b.logits[t][k])));
-        c.max_logit_difference = std::max(c.max_logit_difference, diff);
+        // A NaN on either side is kept as the difference (std::max would drop it).
+        if (std::isnan(diff) || diff > c.max_logit_difference) c.max_logit_difference = diff;
       }
     }
   }
-  if (c.first_difference.empty() && c.max_logit_difference > tolerance) {
+  if (c.first_difference.empty() && !(c.max_logit_difference <= tolerance)) {
     c.first_difference = fmt::format("logits differ by {:.2g} (tolerance {:.0e})",
                                      c.max_logit_difference, tolerance);
   }

@@ -115,7 +115,7 @@ class HybridStack {
   ::testing::AssertionResult forward_rows_and_check(const std::vector<Row>& rows) {
     if (rows.size() == 1) return forward_and_check(rows[0].tokens, rows[0].sequence, rows[0].slot);
     std::vector<Batch::Chunk> chunks;
-    int64_t longest = 0, named = 0;
+    int64_t longest = 0, named = 0, written = 0;
     auto* contiguous = dynamic_cast<KVCache*>(attention_.get());
     const bool check = options_.check_copies && contiguous != nullptr;
     for (const Row& row : rows) {
@@ -127,6 +127,7 @@ class HybridStack {
       }
       chunks.push_back({row.slot, start, row.tokens});
       longest = std::max(longest, length);
+      written += length;
       if (check) named += contiguous->lazy_bytes(row.slot, start, start + length);
     }
     const Batch batch = Batch::rows(chunks);
@@ -146,9 +147,10 @@ class HybridStack {
     const Array a =
         sdpa(batch, q, attention_->update(batch, keys, values), AttentionMask::causal(), 0.5f);
     const int64_t copied = attention_->copy_stats().materialized_bytes - copied_before;
-    if (check && copied != named) {
+    if (check && (copied != named || copied > written * token_bytes())) {
       return ::testing::AssertionFailure() << "a step of " << count << " rows copied " << copied
-                                           << " bytes; lazy snapshots named " << named;
+                                           << " bytes; lazy snapshots named " << named << " of the "
+                                           << written * token_bytes() << " it overwrote";
     }
     const Array w =
         sdpa(batch, q, window.update(batch, keys, values), AttentionMask::causal(), 0.5f);

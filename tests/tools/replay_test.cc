@@ -5,6 +5,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <limits>
 
 #include "model/model.h"
 #include "support/private_support.h"
@@ -322,6 +323,10 @@ TEST(Compare, RunsAgreeOnRepliesAndLogitsWithinTheTolerance) {
   b.requests[0].logits[0][0] = 0.5002f;  // 2e-4 of a logit below 1
   Comparison c = compare(a, b, 1e-4);
   EXPECT_TRUE(c.same_tokens);
+  EXPECT_NE(c.first_difference.find("logits differ"), std::string::npos) << c.first_difference;
+  b = a;
+  b.requests[0].logits[1][0] = std::numeric_limits<float>::quiet_NaN();
+  c = compare(a, b, 1e-4);
   EXPECT_NE(c.first_difference.find("logits differ"), std::string::npos) << c.first_difference;
   b = a;
   b.requests[0].reply = {5, 7};
