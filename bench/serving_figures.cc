@@ -147,11 +147,8 @@ void end_to_end_figures(std::vector<Figure>& out, const BenchOptions& options) {
 // run's peak attention memory and prompt tokens evaluated against the ideal.
 void parallel_figures(std::vector<Figure>& out, const BenchOptions& options) {
   const tools::Workload workload = tools::embedded_workload("many-users");
-  ModelConfig wide;  // data/model-16m.json
-  wide.hidden = 512;
-  wide.mlp_hidden = 1536;
-  const std::pair<std::string, ModelConfig> models[] = {{"default model, 4.5M", ModelConfig{}},
-                                                        {"data/model-16m.json", wide}};
+  const std::pair<std::string, ModelConfig> models[] = {
+      {"default model, 4.5M", ModelConfig{}}, {"data/model-16m.json", tools::embedded_model_16m()}};
   tools::ParallelRun eight;  // the default model's, for memory and tokens
   for (const auto& [name, config] : models) {
     const Model model{config};

@@ -25,6 +25,12 @@ int64_t common_prefix(std::span<const int32_t> a, std::span<const int32_t> b) {
   return end_a - a.begin();
 }
 
+// What a request for `prompt` could restore from a sequence holding `other`: their common
+// prefix, but never the prompt's last token (a request evaluates at least that one).
+int64_t restorable(std::span<const int32_t> prompt, std::span<const int32_t> other) {
+  return std::min(common_prefix(prompt, other), static_cast<int64_t>(prompt.size()) - 1);
+}
+
 // Distinct prefixes of `sequences`: the nodes of a trie holding them all (sum of lengths less
 // the common prefixes of neighbours in sorted order).
 int64_t distinct_prefixes(std::vector<std::span<const int32_t>> sequences) {
@@ -138,13 +144,8 @@ class Scheduler {
       const int64_t m = prefix_.match(static_cast<SeqId>(s), prompt);
       if (m > reuse) reuse = m, best = static_cast<SeqId>(s);
     }
-    // At most all but the last token can be restored: more shared than that is no reason to wait.
-    const auto restorable = static_cast<int64_t>(prompt.size()) - 1;
     for (const auto& other : slots_) {
-      if (other && other->prefilling() &&
-          std::min(common_prefix(prompt, other->prompt), restorable) > reuse) {
-        return false;
-      }
+      if (other && other->prefilling() && restorable(prompt, other->prompt) > reuse) return false;
     }
     Running& r = slots_[static_cast<size_t>(best)].emplace();
     r.index = i;
@@ -177,11 +178,7 @@ class Scheduler {
     size_t looked = 0;
     for (size_t j = 0; j < workload_.requests.size() && looked < kLookahead; ++j) {
       if (admitted_[j] || j == admitted || !arrival(j)) continue;
-      // Where it leaves this prompt, or its last token when this prompt holds all of it (a
-      // request restores at most all but its last token).
-      const std::vector<int32_t> waiting = builder_.prompt(workload_.requests[j], nullptr);
-      const int64_t shared =
-          std::min(common_prefix(waiting, r.prompt), static_cast<int64_t>(waiting.size()) - 1);
+      const int64_t shared = restorable(builder_.prompt(workload_.requests[j], nullptr), r.prompt);
       if (shared > cached && shared < length) points.insert(shared), ++looked;
     }
     return {points.begin(), points.end()};

@@ -17,6 +17,10 @@
 #include <string>
 #include <vector>
 
+namespace kvsnap {
+struct ModelConfig;
+}
+
 namespace kvsnap::tools {
 
 // The byte-level chat vocabulary: bytes 0..255, then role and end markers.
@@ -56,6 +60,9 @@ Workload embedded_workload();
 // agent quoting files back, for --speculate). Throws Error naming the known ones.
 Workload embedded_workload(const std::string& name);
 std::vector<std::string> embedded_workload_names();
+// The model config embedded from data/model-16m.json (weights beyond the cache, for the
+// parallel figures).
+ModelConfig embedded_model_16m();
 
 // Tokens of `messages`: per message the role token, the content's bytes, kEnd.
 std::vector<int32_t> render(const std::vector<Message>& messages);

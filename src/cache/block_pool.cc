@@ -60,6 +60,17 @@ void BlockPool::written(int32_t id, int64_t slot, int64_t count) {
   block.filled = slot + count;
 }
 
+int32_t BlockPool::meet(int32_t ours, int32_t theirs, int64_t slot, int64_t end) {
+  if (ours == theirs || same_start(ours, theirs, slot)) return theirs;
+  const int32_t joined = allocate();
+  copy(ours, joined, slot);
+  keys(joined).assign_slice(2, slot, keys(theirs).slice(2, slot, end));
+  values(joined).assign_slice(2, slot, values(theirs).slice(2, slot, end));
+  written(joined, slot, end - slot);
+  ++blocks_copied;
+  return joined;
+}
+
 bool BlockPool::same_start(int32_t a, int32_t b, int64_t tokens) const {
   const Block &x = blocks_[static_cast<size_t>(a)], &y = blocks_[static_cast<size_t>(b)];
   const auto began_as = [tokens](const Block& copy, uint64_t serial) {

@@ -34,9 +34,11 @@ class BlockPool {
   void copy(int32_t from, int32_t to, int64_t tokens);
   // Records that `count` tokens were written into block `id` from slot `slot` on.
   void written(int32_t id, int64_t slot, int64_t count);
-  // Whether blocks `a` and `b` hold the same first `tokens` tokens because one began as a copy of
-  // the other, or both as copies of one block, and none of them changed those tokens since.
-  bool same_start(int32_t a, int32_t b, int64_t tokens) const;
+  // The block where `ours` (its tokens before `slot`) meets `theirs` (its tokens from `slot` to
+  // `end`) mid-block: `theirs` when it is the same block or its first `slot` tokens are ours
+  // (one began as a copy of the other, or both of one block, unchanged since); else a fresh
+  // block joining the two (counted in blocks_copied), not yet referenced.
+  int32_t meet(int32_t ours, int32_t theirs, int64_t slot, int64_t end);
   // Whether anyone but one sequence references the block (a write must copy it first).
   bool shared(int32_t id) const {
     const Block& b = blocks_[static_cast<size_t>(id)];
@@ -78,6 +80,8 @@ class BlockPool {
   };
   // When no sequence uses the block: a holder pays for it, or it is free.
   void settle(int32_t id);
+  // Whether blocks `a` and `b` hold the same first `tokens` tokens by the serials above.
+  bool same_start(int32_t a, int32_t b, int64_t tokens) const;
 
   std::vector<Array> key_chunks_, value_chunks_;
   std::vector<Block> blocks_;

@@ -182,7 +182,7 @@ void KVCache::cancel_snapshots(SeqId seq) { impl_->cancel(seq); }
 bool KVCache::restore(Snapshot* snapshot, int64_t target) { return restore(0, snapshot, target); }
 
 bool KVCache::restore(SeqId seq, Snapshot* snapshot, int64_t target) {
-  const detail::SnapshotLocks locks(impl_->lock, {snapshot});
+  const detail::SnapshotLocks locks(impl_->lock, snapshot);
   detail::KVSequence& c = impl_->at(seq);
   c.require_idle();
   if (snapshot == nullptr) {
@@ -207,7 +207,7 @@ bool KVCache::restore(SeqId seq, Snapshot* snapshot, int64_t target) {
 
 SnapshotPtr KVCache::merge(SnapshotPtr parent, SnapshotPtr child) {
   if (parent == nullptr || child == nullptr) return nullptr;
-  const detail::SnapshotLocks locks(impl_->lock, {parent.get(), child.get()});
+  const detail::SnapshotLocks locks(impl_->lock, parent.get(), child.get());
   KVStateSnapshot& a = detail::as_kv_state(parent.get(), Kind::kv, "KVCache::merge");
   KVStateSnapshot& b = detail::as_kv_state(child.get(), Kind::kv, "KVCache::merge");
   if (a.end != b.begin) {
@@ -223,7 +223,7 @@ SnapshotPtr KVCache::merge(SnapshotPtr parent, SnapshotPtr child) {
 
 std::pair<SnapshotPtr, SnapshotPtr> KVCache::split(SnapshotPtr snapshot, int64_t at) {
   if (snapshot == nullptr) return {nullptr, nullptr};
-  const detail::SnapshotLocks locks(impl_->lock, {snapshot.get()});
+  const detail::SnapshotLocks locks(impl_->lock, snapshot.get());
   KVStateSnapshot& s = detail::as_kv_state(snapshot.get(), Kind::kv, "KVCache::split");
   if (at <= s.begin) return {nullptr, std::move(snapshot)};
   if (at >= s.end) return {std::move(snapshot), nullptr};

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <initializer_list>
 #include <mutex>
 
 #include "cache/block_pool.h"
@@ -71,13 +72,13 @@ CacheLock* lock_of(const Snapshot* snapshot) {
 
 }  // namespace
 
-SnapshotLocks::SnapshotLocks(CacheLock& ours, std::initializer_list<const Snapshot*> snapshots) {
+SnapshotLocks::SnapshotLocks(CacheLock& ours, const Snapshot* first, const Snapshot* second) {
   held_[count_++] = &ours;
-  for (const Snapshot* snapshot : snapshots) {
+  for (const Snapshot* snapshot : {first, second}) {
     CacheLock* lock = lock_of(snapshot);
     if (lock != nullptr &&
         std::find(held_.begin(), held_.begin() + count_, lock) == held_.begin() + count_) {
-      held_[count_++] = lock;  // at most two snapshots: room for ours and theirs
+      held_[count_++] = lock;
     }
   }
   if (count_ == 1) held_[0]->lock();

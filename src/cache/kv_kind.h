@@ -6,7 +6,6 @@
 #include <fmt/format.h>
 
 #include <array>
-#include <initializer_list>
 #include <span>
 #include <string>
 #include <vector>
@@ -200,7 +199,7 @@ class KVCacheCore {
 // and locks met twice add nothing.
 class SnapshotLocks {
  public:
-  SnapshotLocks(CacheLock& ours, std::initializer_list<const Snapshot*> snapshots);
+  SnapshotLocks(CacheLock& ours, const Snapshot* first, const Snapshot* second = nullptr);
   ~SnapshotLocks();
   SnapshotLocks(const SnapshotLocks&) = delete;
   SnapshotLocks& operator=(const SnapshotLocks&) = delete;

@@ -119,38 +119,24 @@ class PagedSequence {
     }
   }
 
-  // Restores [s.from(), target) of this pool's snapshot: block references spliced in. Where the
-  // sequence and the snapshot meet mid-block, the snapshot's block is taken too when its first
-  // tokens began as a copy of ours (a slot that continued ours wrote it), else the two are
-  // joined in a fresh block.
+  // Restores [s.from(), target) of this pool's snapshot: block references spliced in, and the
+  // block where the sequence and the snapshot meet mid-block as BlockPool::meet gives it (the
+  // snapshot's own when its first tokens are ours, else a fresh join).
   void splice(const PagedSnapshot& s, int64_t target) {
     const int64_t block_tokens = pool_->block_tokens, from = s.from();
     rewind(from);
     size_t next = 0;  // the snapshot's next block to splice
     const int64_t slot = from % block_tokens;
-    if (slot != 0 && blocks.back() != s.blocks()[0] &&
-        pool_->same_start(blocks.back(), s.blocks()[0], slot)) {
-      pool_->acquire(s.blocks()[0]);
-      pool_->release(blocks.back());
-      blocks.back() = s.blocks()[0];
+    if (slot != 0) {
+      const int32_t met = pool_->meet(blocks.back(), s.blocks()[0], slot,
+                                      std::min(block_tokens, target - (from - slot)));
+      if (met != s.blocks()[0]) pool_->stats.restored_bytes += pool_->block_bytes();
+      if (met != blocks.back()) {
+        pool_->acquire(met);
+        pool_->release(blocks.back());
+        blocks.back() = met;
+      }
       next = 1;
-    } else if (slot != 0 && blocks.back() != s.blocks()[0]) {
-      const int32_t joined = pool_->allocate();
-      pool_->copy(blocks.back(), joined, slot);
-      const int64_t count = std::min(block_tokens, target - (from - slot)) - slot;
-      pool_->keys(joined).assign_slice(2, slot,
-                                       pool_->keys(s.blocks()[0]).slice(2, slot, slot + count));
-      pool_->values(joined).assign_slice(2, slot,
-                                         pool_->values(s.blocks()[0]).slice(2, slot, slot + count));
-      pool_->written(joined, slot, count);
-      pool_->acquire(joined);
-      pool_->release(blocks.back());
-      blocks.back() = joined;
-      pool_->stats.restored_bytes += block_tokens * pool_->layout.token_bytes();
-      ++pool_->blocks_copied;
-      next = 1;
-    } else if (slot != 0) {
-      next = 1;  // the same block: nothing to do
     }
     const auto needed = static_cast<size_t>(blocks_for(target, block_tokens));
     for (; blocks.size() < needed; ++next) {
@@ -349,7 +335,7 @@ bool PagedKVCache::restore(Snapshot* snapshot, int64_t target) {
 }
 
 bool PagedKVCache::restore(SeqId seq, Snapshot* snapshot, int64_t target) {
-  const detail::SnapshotLocks locks(impl_->pool->lock, {snapshot});
+  const detail::SnapshotLocks locks(impl_->pool->lock, snapshot);
   detail::PagedSequence& c = impl_->at(seq);
   c.schedule.require_idle(detail::kRestore);
   if (snapshot == nullptr) {
@@ -379,7 +365,7 @@ bool PagedKVCache::restore(SeqId seq, Snapshot* snapshot, int64_t target) {
 
 SnapshotPtr PagedKVCache::merge(SnapshotPtr parent, SnapshotPtr child) {
   if (parent == nullptr || child == nullptr) return nullptr;
-  const detail::SnapshotLocks locks(impl_->pool->lock, {parent.get(), child.get()});
+  const detail::SnapshotLocks locks(impl_->pool->lock, parent.get(), child.get());
   detail::require_kv(parent.get(), "PagedKVCache::merge");
   detail::require_kv(child.get(), "PagedKVCache::merge");
   if (parent->to() != child->from()) {
@@ -402,29 +388,17 @@ SnapshotPtr PagedKVCache::merge(SnapshotPtr parent, SnapshotPtr child) {
     values.assign_slice(2, first.second.dim(2), second.second);
     return detail::make_kv_snapshot(std::move(keys), std::move(values), parent->from());
   }
-  // Block lists joined; a block where they meet mid-block is the same block, the child's when
-  // its first tokens began as a copy of the parent's (as in a restore), or a fresh join.
+  // Block lists joined; where they meet mid-block, the block BlockPool::meet gives.
   std::vector<int32_t> blocks = a->blocks();
-  const int64_t block_tokens = impl_->pool->block_tokens, slot = b->from() % block_tokens;
+  detail::BlockPool& pool = *impl_->pool;
+  const int64_t block_tokens = pool.block_tokens, slot = b->from() % block_tokens;
   size_t skip = 0;
   if (slot != 0) {
     skip = 1;
-    if (blocks.back() != b->blocks()[0] &&
-        impl_->pool->same_start(blocks.back(), b->blocks()[0], slot)) {
-      blocks.back() = b->blocks()[0];
-    } else if (blocks.back() != b->blocks()[0]) {
-      const int32_t joined = impl_->pool->allocate();
-      impl_->pool->copy(blocks.back(), joined, slot);
-      const int64_t count = std::min(block_tokens, b->to() - (b->from() - slot)) - slot;
-      impl_->pool->keys(joined).assign_slice(
-          2, slot, impl_->pool->keys(b->blocks()[0]).slice(2, slot, slot + count));
-      impl_->pool->values(joined).assign_slice(
-          2, slot, impl_->pool->values(b->blocks()[0]).slice(2, slot, slot + count));
-      impl_->pool->written(joined, slot, count);
-      ++impl_->pool->blocks_copied;
-      impl_->pool->stats.snapshot_bytes += block_tokens * impl_->pool->layout.token_bytes();
-      blocks.back() = joined;
-    }
+    const int32_t met = pool.meet(blocks.back(), b->blocks()[0], slot,
+                                  std::min(block_tokens, b->to() - (b->from() - slot)));
+    if (met != b->blocks()[0]) pool.stats.snapshot_bytes += pool.block_bytes();
+    blocks.back() = met;
   }
   blocks.insert(blocks.end(), b->blocks().begin() + static_cast<std::ptrdiff_t>(skip),
                 b->blocks().end());
@@ -433,7 +407,7 @@ SnapshotPtr PagedKVCache::merge(SnapshotPtr parent, SnapshotPtr child) {
 
 std::pair<SnapshotPtr, SnapshotPtr> PagedKVCache::split(SnapshotPtr snapshot, int64_t at) {
   if (snapshot == nullptr) return {nullptr, nullptr};
-  const detail::SnapshotLocks locks(impl_->pool->lock, {snapshot.get()});
+  const detail::SnapshotLocks locks(impl_->pool->lock, snapshot.get());
   detail::require_kv(snapshot.get(), "PagedKVCache::split");
   if (at <= snapshot->from()) return {nullptr, std::move(snapshot)};
   if (at >= snapshot->to()) return {std::move(snapshot), nullptr};

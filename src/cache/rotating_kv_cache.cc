@@ -302,7 +302,7 @@ bool RotatingKVCache::restore(Snapshot* snapshot, int64_t target) {
 }
 
 bool RotatingKVCache::restore(SeqId seq, Snapshot* snapshot, int64_t target) {
-  const detail::SnapshotLocks locks(impl_->lock, {snapshot});
+  const detail::SnapshotLocks locks(impl_->lock, snapshot);
   detail::RotatingSequence& c = impl_->at(seq);
   c.require_idle();
   if (snapshot == nullptr) {

@@ -65,10 +65,9 @@ TEST(CacheThreads, CachesRestoringEachOthersSnapshotsAtOnceNeverWaitOnEachOther)
                 [&] { ASSERT_TRUE(a.restore(2, of_paged.get(), 40)); }},
                2000);
   EXPECT_EQ(column_ids(b.view(Batch::uniform(1, 1, 0))), id_range(100, 64));
-  std::vector<int64_t> expected = id_range(0, 48);
   Batch row = Batch::uniform(1, 1, 0);
   row.seq_ids = {1};
-  EXPECT_EQ(column_ids(b.view(row)), expected);
+  EXPECT_EQ(column_ids(b.view(row)), id_range(0, 48));
   EXPECT_EQ(column_ids(paged.view(Batch::uniform(1, 1, 0))), id_range(200, 64));
   row.seq_ids = {2};
   EXPECT_EQ(column_ids(a.view(row)), id_range(200, 40));

@@ -55,52 +55,8 @@ class HybridStack {
   // from scratch.
   ::testing::AssertionResult forward_and_check(std::span<const int32_t> tokens,
                                                std::span<const int32_t> sequence, SeqId slot = 0) {
-    const int64_t start = offset(slot);
-    const auto length = static_cast<int64_t>(tokens.size());
-    if (start + length != static_cast<int64_t>(sequence.size())) {
-      return ::testing::AssertionFailure() << "caches at " << start << " + " << length
-                                           << " tokens != sequence of " << sequence.size();
-    }
-    const std::vector<int64_t> ids = widen(tokens);
-    const std::vector<int64_t> all = widen(sequence);
-    Batch batch = Batch::uniform(1, length, start);
-    batch.seq_ids = {slot};
-    const Array q = queries(ids, start);
-    const KVHistory full(kv_.keys(all), kv_.values(all));
-    // Copy only what would be lost: the write copies out exactly the slots of [start, end)
-    // that lazy snapshots still name, never more than the bytes it overwrites.
-    auto* contiguous = dynamic_cast<KVCache*>(attention_.get());
-    const bool check = options_.check_copies && contiguous != nullptr;
-    const int64_t named = check ? contiguous->lazy_bytes(slot, start, start + length) : 0;
-    const int64_t copied_before = attention_->copy_stats().materialized_bytes;
-    const Array a = sdpa(batch, q, attention_->update(batch, kv_.keys(ids), kv_.values(ids)),
-                         AttentionMask::causal(), 0.5f);
-    const int64_t copied = attention_->copy_stats().materialized_bytes - copied_before;
-    if (check && (copied != named || copied > length * token_bytes())) {
-      return ::testing::AssertionFailure()
-             << "writing positions [" << start << ", " << start + length << ") copied " << copied
-             << " bytes; lazy snapshots named " << named << " of the " << length * token_bytes()
-             << " it overwrote";
-    }
-    if (auto r = all_close(a, sdpa(batch, q, full, AttentionMask::causal(), 0.5f), 1e-4f); !r) {
-      return r << " (full attention, positions from " << start << ")";
-    }
-    const Array w = sdpa(batch, q, window.update(batch, kv_.keys(ids), kv_.values(ids)),
-                         AttentionMask::causal(), 0.5f);
-    if (auto r = all_close(
-            w, sdpa(batch, q, full, AttentionMask::sliding_window(options_.window), 0.5f), 1e-4f);
-        !r) {
-      return r << " (sliding window, positions from " << start << ")";
-    }
-    if (options_.with_recurrent) {
-      const auto out = recurrent_layer_.forward(recurrent, ids, slot);
-      const auto expected = recurrent_layer_.reference(all);
-      if (auto r = all_close(out.delta, expected.delta.slice(1, start, start + length), 1e-4f);
-          !r) {
-        return r << " (recurrent, positions from " << start << ")";
-      }
-    }
-    return ::testing::AssertionSuccess();
+    return forward_rows_and_check(
+        {{slot, {tokens.begin(), tokens.end()}, {sequence.begin(), sequence.end()}}});
   }
 
   // One row of a step over several sequences: `tokens` at sequence `slot`'s offset, ending
@@ -113,9 +69,10 @@ class HybridStack {
   // heterogeneous batch (each row at its own offset, padded to the longest), the recurrent
   // layer row by row; each row is checked against recomputing its own sequence.
   ::testing::AssertionResult forward_rows_and_check(const std::vector<Row>& rows) {
-    if (rows.size() == 1) return forward_and_check(rows[0].tokens, rows[0].sequence, rows[0].slot);
     std::vector<Batch::Chunk> chunks;
     int64_t longest = 0, named = 0, written = 0;
+    // Copy only what would be lost: the writes copy out exactly the slots lazy snapshots still
+    // name, never more than the bytes they overwrite.
     auto* contiguous = dynamic_cast<KVCache*>(attention_.get());
     const bool check = options_.check_copies && contiguous != nullptr;
     for (const Row& row : rows) {
@@ -136,8 +93,7 @@ class HybridStack {
     Array values = keys.clone();
     Array q = Array::zeros(DType::f32, {count, kQueryHeads, longest, kv_.depth});
     for (int64_t b = 0; b < count; ++b) {
-      const Row& row = rows[static_cast<size_t>(b)];
-      const std::vector<int64_t> ids = widen(row.tokens);
+      const std::vector<int64_t> ids = widen(rows[static_cast<size_t>(b)].tokens);
       const auto length = static_cast<int64_t>(ids.size());
       keys.slice(0, b, b + 1).slice(2, 0, length).assign(kv_.keys(ids));
       values.slice(0, b, b + 1).slice(2, 0, length).assign(kv_.values(ids));
@@ -148,9 +104,10 @@ class HybridStack {
         sdpa(batch, q, attention_->update(batch, keys, values), AttentionMask::causal(), 0.5f);
     const int64_t copied = attention_->copy_stats().materialized_bytes - copied_before;
     if (check && (copied != named || copied > written * token_bytes())) {
-      return ::testing::AssertionFailure() << "a step of " << count << " rows copied " << copied
-                                           << " bytes; lazy snapshots named " << named << " of the "
-                                           << written * token_bytes() << " it overwrote";
+      return ::testing::AssertionFailure()
+             << "writing " << written << " tokens in " << count << " rows copied " << copied
+             << " bytes; lazy snapshots named " << named << " of the " << written * token_bytes()
+             << " it overwrote";
     }
     const Array w =
         sdpa(batch, q, window.update(batch, keys, values), AttentionMask::causal(), 0.5f);
@@ -159,7 +116,7 @@ class HybridStack {
       const std::vector<int64_t> ids = widen(row.tokens), all = widen(row.sequence);
       const auto length = static_cast<int64_t>(ids.size());
       const int64_t start = batch.seq_offsets[b];
-      Batch one = Batch::uniform(1, length, start);
+      const Batch one = Batch::uniform(1, length, start);
       const Array qb = queries(ids, start);
       const KVHistory full(kv_.keys(all), kv_.values(all));
       const auto got = [&](const Array& out) {

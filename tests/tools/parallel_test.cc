@@ -251,5 +251,14 @@ TEST(ParallelReplay, TheManyUsersWorkloadHasSixteenUsersOnOneLongSystemPrompt) {
   EXPECT_TRUE(throws_error([] { (void)embedded_workload("nope"); }, {"\"nope\"", "many-users"}));
 }
 
+// data/model-16m.json, embedded for the parallel figures: the default layers, wider.
+TEST(ParallelReplay, TheEmbeddedSixteenMillionParameterConfigIsTheDataFile) {
+  const ModelConfig wide = embedded_model_16m();
+  EXPECT_EQ(wide.hidden, 512);
+  EXPECT_EQ(wide.mlp_hidden, 1536);
+  EXPECT_EQ(wide.pattern, ModelConfig{}.pattern);
+  EXPECT_NEAR(static_cast<double>(wide.parameter_count()) / 1e6, 16.1, 0.05);
+}
+
 }  // namespace
 }  // namespace kvsnap::tools
