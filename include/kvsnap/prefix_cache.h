@@ -71,8 +71,12 @@ class KVSNAP_EXPORT PrefixCache {
   struct Options {
     // Budget for bytes held by snapshots in the trie; least recently used leaves are evicted
     // to stay under it (user nodes last, active paths never: when only they are left, their
-    // owned whole-state snapshots, which are restore points, are dropped instead). Checked by
-    // every call: writes between calls may copy lazy snapshots out beyond it until the next.
+    // whole-state snapshots, which are restore points, are dropped instead). Checked by every
+    // call before the writes that follow it: each call makes room for what the slots' forwards
+    // may copy out of the live caches into the trie's lazy snapshots, and for the captures
+    // their sessions will attach (Cache::exposed_bytes), so the budget holds between calls too.
+    // Within a call it may be exceeded by the one node the call inserts until it evicts; and
+    // only what the active paths must keep can hold it above the budget.
     int64_t max_paged_out_bytes = int64_t(8) << 30;
     // Sequences (slots) the layers serve, each with at most one open session.
     SeqId slots = 1;

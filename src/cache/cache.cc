@@ -58,5 +58,6 @@ bool Cache::restore(SeqId seq, Snapshot* snapshot, int64_t target) {
   return restore(snapshot, target);
 }
 std::vector<SeqId> Cache::sequences() const { return {0}; }
+int64_t Cache::exposed_bytes(SeqId) const { return 0; }
 
 }  // namespace kvsnap

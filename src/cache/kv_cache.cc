@@ -48,6 +48,12 @@ class KVSequence final : public KVKind {
     return store.capture(Kind::kv, from, to - from, from, to, 0);
   }
 
+  // Writes land at the offset and beyond, so only what lazy snapshots name there is exposed;
+  // captures are lazy in columns already written.
+  int64_t exposed_bytes(int64_t) const override {
+    return store.unbacked_bytes(offset) + schedule.bytes([](int64_t) { return 0; });
+  }
+
   KVHistory history() const override {
     if (!store.has_layout) return KVHistory();
     if (store.keys.empty()) {  // a zero-length first update: an empty history of the layout
@@ -152,6 +158,7 @@ void KVCache::reset(SeqId seq) { impl_->reset(seq); }
 int64_t KVCache::offset() const { return impl_->offset(0); }
 int64_t KVCache::offset(SeqId seq) const { return impl_->offset(seq); }
 std::vector<SeqId> KVCache::sequences() const { return impl_->ids(); }
+int64_t KVCache::exposed_bytes(SeqId seq) const { return impl_->exposed_bytes(seq); }
 
 SnapshotPtr KVCache::snapshot(int64_t from_offset) { return snapshot(0, from_offset); }
 

@@ -141,6 +141,12 @@ class KVStore {
   void preserve(int64_t from, int64_t to);
   // Bytes preserve(from, to) would copy: each lazy piece's columns in [from, to).
   int64_t lazy_bytes(int64_t from, int64_t to) const;
+  // The most snapshots' size() can grow by through writes from column `from` on: the lazy
+  // columns there of pieces with no storage yet (a piece's storage is allocated, for its
+  // columns from the first one written to its end, when a write first reaches it).
+  int64_t unbacked_bytes(int64_t from) const {
+    return index.end() <= from ? 0 : index.unbacked_columns(from, INT64_MAX) * token_bytes();
+  }
   void materialize_all();
   void materialize(KVStateSnapshot& snapshot);
 

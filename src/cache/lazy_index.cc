@@ -84,6 +84,17 @@ void LazyIndex::collect(Piece* node, int64_t from, int64_t to, std::vector<Piece
   collect(node->right, from, to, out);
 }
 
+int64_t LazyIndex::columns(const Piece* node, int64_t from, int64_t to, bool unbacked) {
+  if (node == nullptr || node->max_end <= from) return 0;  // as in collect
+  int64_t total = columns(node->left, from, to, unbacked);
+  if (node->lazy_begin() >= to) return total;
+  if (!unbacked || node->keys.empty()) {
+    total +=
+        std::max<int64_t>(0, std::min(to, node->lazy_end()) - std::max(from, node->lazy_begin()));
+  }
+  return total + columns(node->right, from, to, unbacked);
+}
+
 void LazyIndex::overlapping(int64_t from, int64_t to, std::vector<Piece*>& out) const {
   out.clear();
   collect(root_, from, to, out);

@@ -58,6 +58,12 @@ class LazyIndex {
   // Appends to `out` (cleared first) every piece whose lazy columns meet [from, to).
   // O(log n + k); allocates only if `out` must grow.
   void overlapping(int64_t from, int64_t to, std::vector<Piece*>& out) const;
+  // The lazy columns in [from, to), summed over every piece / over the pieces that have no
+  // storage yet. O(log n + k); allocates nothing.
+  int64_t columns(int64_t from, int64_t to) const { return columns(root_, from, to, false); }
+  int64_t unbacked_columns(int64_t from, int64_t to) const {
+    return columns(root_, from, to, true);
+  }
   // Appends every linked piece to `out` (cleared first).
   void all(std::vector<Piece*>& out) const { overlapping(INT64_MIN, INT64_MAX, out); }
 
@@ -69,6 +75,7 @@ class LazyIndex {
   static void split(Piece* node, const Piece* key, Piece*& low, Piece*& high);
   static Piece* erase(Piece* node, Piece* piece);
   static void collect(Piece* node, int64_t from, int64_t to, std::vector<Piece*>& out);
+  static int64_t columns(const Piece* node, int64_t from, int64_t to, bool unbacked);
 
   Piece* root_ = nullptr;
   uint64_t seed_ = 0x9e3779b97f4a7c15ull;

@@ -104,6 +104,16 @@ class PagedSequence {
     offset += n;
   }
 
+  // A write copies the tail block when it is partly written and shared (a snapshot may then pay
+  // for the old one), and so it does after each capture the schedule makes mid-block.
+  int64_t exposed_bytes() const {
+    const int64_t block_tokens = pool_->block_tokens;
+    const int64_t block = pool_->has_layout ? pool_->block_bytes() : 0;
+    const bool tail = offset % block_tokens != 0 && pool_->shared(blocks.back());
+    return (tail ? block : 0) +
+           schedule.bytes([&](int64_t at) { return at % block_tokens != 0 ? block : 0; });
+  }
+
   // References to the blocks of [from, to) (from < to <= offset).
   std::unique_ptr<PagedSnapshot> capture(int64_t from, int64_t to) const {
     const int64_t first = from / pool_->block_tokens;
@@ -275,6 +285,12 @@ int64_t PagedKVCache::offset(SeqId seq) const {
   const Guard guard(impl_->pool->lock);
   const detail::PagedSequence* sequence = impl_->sequences.find(seq);
   return sequence == nullptr ? 0 : sequence->offset;
+}
+
+int64_t PagedKVCache::exposed_bytes(SeqId seq) const {
+  const Guard guard(impl_->pool->lock);
+  const detail::PagedSequence* sequence = impl_->sequences.find(seq);
+  return sequence == nullptr ? 0 : sequence->exposed_bytes();
 }
 
 std::vector<SeqId> PagedKVCache::sequences() const {

@@ -74,6 +74,13 @@ class RotatingSequence final : public KVKind {
     return window;
   }
 
+  // The ring reaches every column within max_size tokens: all that lazy windows name is
+  // exposed, and so is each window the schedule will capture.
+  int64_t exposed_bytes(int64_t token_bytes) const override {
+    return store.unbacked_bytes(INT64_MIN) +
+           schedule.bytes([&](int64_t end) { return window_tokens(end) * token_bytes; });
+  }
+
   // Captures are whole windows.
   void capture_reached() override {
     while (schedule.active() && schedule.next() >= 0 && schedule.next() <= offset) {
@@ -268,6 +275,7 @@ void RotatingKVCache::reset(SeqId seq) { impl_->reset(seq); }
 int64_t RotatingKVCache::offset() const { return impl_->offset(0); }
 int64_t RotatingKVCache::offset(SeqId seq) const { return impl_->offset(seq); }
 std::vector<SeqId> RotatingKVCache::sequences() const { return impl_->ids(); }
+int64_t RotatingKVCache::exposed_bytes(SeqId seq) const { return impl_->exposed_bytes(seq); }
 
 SnapshotPtr RotatingKVCache::snapshot(int64_t from_offset) { return snapshot(0, from_offset); }
 SnapshotPtr RotatingKVCache::snapshot(SeqId seq, int64_t from_offset) {

@@ -19,6 +19,14 @@ bool LiveState::has_state() const {
                      [](const LayerInfo& layer) { return layer.cache != nullptr; });
 }
 
+int64_t LiveState::exposed_bytes() const {
+  int64_t total = 0;
+  for (const LayerInfo& layer : trie_.layers()) {
+    if (layer.cache != nullptr) total += layer.cache->exposed_bytes(slot_);
+  }
+  return total;
+}
+
 std::optional<int64_t> LiveState::offset() const {
   std::optional<int64_t> common;
   for (const LayerInfo& layer : trie_.layers()) {
@@ -115,16 +123,25 @@ void evict_to_budget(Trie& trie, const std::vector<const LiveState*>& live, int6
     return std::any_of(live.begin(), live.end(),
                        [&](const LiveState* slot) { return slot->on_active_path(node); });
   };
-  while (trie.bytes() > budget) {
+  // Bytes the trie holds, counting what writes before the slots' next calls may copy out of
+  // the live caches into its snapshots (and the captures sessions will attach): checked here,
+  // before the writes allocate, the budget then holds until the next call.
+  const auto over = [&] {
+    int64_t total = trie.bytes();
+    for (const LiveState* slot : live) total += slot->exposed_bytes();
+    return total > budget;
+  };
+  while (over()) {
     Node* victim = trie.eviction_candidate(keep);
     if (victim == nullptr) break;  // only active paths are left
     trie.remove_leaf(*victim, keep);
     ++evicted_nodes;
   }
-  if (trie.bytes() <= budget) return;
-  // Last resort: the active paths cannot be evicted (live caches stand on them), but the owned
-  // whole-state snapshots their nodes keep are restore points for later divergence, not needed
-  // for the live states. Drop them, least recently used (non-user) nodes first.
+  if (!over()) return;
+  // Last resort: the active paths cannot be evicted (live caches stand on them), but the
+  // whole-state snapshots their nodes keep — owned, or lazy in a ring that will copy them — are
+  // restore points for later divergence, not needed for the live states. Drop them, least
+  // recently used (non-user) nodes first.
   std::vector<Node*> path;
   for (const LiveState* slot : live) {
     for (Node* node : slot->active_path()) {
@@ -136,9 +153,9 @@ void evict_to_budget(Trie& trie, const std::vector<const LiveState*>& live, int6
   });
   for (Node* node : path) {
     for (size_t i = 0; i < trie.layers().size(); ++i) {
-      if (trie.bytes() <= budget) return;
+      if (!over()) return;
       const SnapshotPtr& s = node->snapshots[i];
-      if (trie.layers()[i].whole_state() && s != nullptr && s->size() > 0) {
+      if (trie.layers()[i].whole_state() && s != nullptr && (s->size() > 0 || s->is_lazy())) {
         trie.replace(*node, i, nullptr);
         ++dropped_snapshots;
       }

@@ -25,6 +25,9 @@ class LiveState {
 
   // Whether any layer holds state (all-stateless stacks track tokens only).
   bool has_state() const;
+  // What the slot's writes may still add to snapshots before its next call: the sum of every
+  // layer's Cache::exposed_bytes for the slot.
+  int64_t exposed_bytes() const;
   // The offset every stateful layer stands at (the token count for a stateless stack), or
   // nullopt when they disagree.
   std::optional<int64_t> offset() const;
@@ -56,8 +59,9 @@ class LiveState {
 };
 
 // Evicts least recently used leaves (user nodes last, any slot's active path never) until the
-// trie holds at most `budget` bytes; as a last resort, drops the active paths' owned whole-state
-// snapshots (restore points, not needed by the live states). Counts into the two counters.
+// trie's bytes plus what the slots' writes may still add (their exposed_bytes) are at most
+// `budget`; as a last resort, drops the active paths' whole-state snapshots that own or may come
+// to own bytes (restore points, not needed by the live states). Counts into the two counters.
 void evict_to_budget(Trie& trie, const std::vector<const LiveState*>& live, int64_t budget,
                      int64_t& evicted_nodes, int64_t& dropped_snapshots);
 

@@ -3,6 +3,7 @@
 #include <kvsnap/kvsnap.h>
 
 #include <memory>
+#include <random>
 
 #include "support/cache_support.h"
 #include "support/recurrent_support.h"
@@ -200,6 +201,59 @@ TYPED_TEST(CacheContract, SnapshotsOutliveTheCache) {
   auto fresh = TypeParam::make();
   EXPECT_TRUE(fresh->restore(s.get(), 4));
   EXPECT_EQ(fresh->offset(), 4);
+}
+
+// exposed_bytes bounds what writes add to the snapshots: over random writes, rewinds, restores,
+// schedules and snapshots taken and dropped, a write never adds more bytes to the snapshots held
+// and scheduled than the exposure before it, and lowers the exposure by at least what it added.
+TYPED_TEST(CacheContract, ExposedBytesBoundWhatWritesAddToSnapshots) {
+  EXPECT_EQ(this->cache->exposed_bytes(0), 0);
+  std::mt19937 rng(7);
+  std::vector<SnapshotPtr> held;
+  const auto held_bytes = [&] {
+    int64_t total = 0;
+    for (const SnapshotPtr& s : held) total += s == nullptr ? 0 : s->size();
+    return total;
+  };
+  int64_t grew = 0, exposed = 0;
+  this->write(3);
+  for (int round = 0; round < 400; ++round) {
+    const int64_t offset = this->cache->offset();
+    const auto n = static_cast<int64_t>(1 + rng() % 4);
+    switch (rng() % 6) {
+      case 0:
+        if (held.size() < 12) held.push_back(this->cache->snapshot(offset - rng() % (offset + 1)));
+        break;
+      case 1:
+        if (!held.empty()) held.erase(held.begin() + rng() % held.size());
+        break;
+      case 2:  // a live rewind where the kind allows one
+        (void)this->cache->restore(nullptr, offset - rng() % 6 % (offset + 1));
+        break;
+      case 3:  // back to a snapshot held
+        if (!held.empty() && held.back() != nullptr) {
+          (void)this->cache->restore(held.back().get(), held.back()->to());
+        }
+        break;
+      case 4:  // captures inside the next write
+        this->cache->prepare_snapshots(std::vector<int64_t>{
+            offset + static_cast<int64_t>(rng() % static_cast<uint32_t>(n + 1))});
+        break;
+      default:
+        break;
+    }
+    const int64_t before = held_bytes(), exposure = this->cache->exposed_bytes(0);
+    this->write(n);
+    for (SnapshotPtr& capture : this->cache->take_snapshots()) held.push_back(std::move(capture));
+    const int64_t added = held_bytes() - before;
+    ASSERT_LE(added, exposure) << "round " << round;
+    ASSERT_LE(added + this->cache->exposed_bytes(0), exposure) << "round " << round;
+    if (added > 0) ++grew;
+    if (exposure > 0) ++exposed;
+    if (held.size() > 8) held.erase(held.begin());
+  }
+  EXPECT_GT(grew, 10);  // writes did copy into snapshots, within what was exposed
+  EXPECT_GT(exposed, 20);
 }
 
 }  // namespace

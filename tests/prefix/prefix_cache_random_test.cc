@@ -2,7 +2,8 @@
 // conversations sharing system prompts, continuations, regenerations, edits of earlier turns
 // and returns to old branches, over tokens from a small vocabulary (so unrelated prompts share
 // prefixes by accident too). Every output must equal recomputation, the budget must hold after
-// every call, the byte counter must equal the sum of snapshot sizes, and nothing may leak.
+// every call and every forward (checked before the writes copied anything out), the byte counter
+// must equal the sum of snapshot sizes, and nothing may leak.
 #include <gtest/gtest.h>
 #include <kvsnap/prefix_cache.h>
 
@@ -80,6 +81,7 @@ class ConversationTree {
       }
       session.schedule_snapshots(valid);
       ASSERT_TRUE(stack_.forward_and_check(session.remaining(), prompt));
+      check();
       session.prefill_done();
       check();
       session.close();

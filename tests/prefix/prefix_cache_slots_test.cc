@@ -180,6 +180,7 @@ class Interleaving {
       }
       if (!rows_.empty()) {
         ASSERT_TRUE(stack_.forward_rows_and_check(rows_));
+        check_budget();
       }
       if (rows_.size() > 1) ++batched_steps_;
       for (Slot* slot : finishing_) finish_prefill(*slot);
@@ -197,8 +198,8 @@ class Interleaving {
     int64_t decode_left = 0;
   };
 
-  // Every PrefixCache call leaves the trie within its budget (writes between calls may copy
-  // lazy snapshots out beyond it until the next call).
+  // The trie stays within its budget after every PrefixCache call and every forward: each call
+  // reserved what the slots' writes could copy out before the next.
   void check_budget() const { ASSERT_LE(cache_.paged_out_bytes(), budget_); }
 
   Tokens next_prompt() {

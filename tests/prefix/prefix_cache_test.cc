@@ -181,6 +181,38 @@ TEST_F(PrefixCacheTest, EvictionKeepsPagedOutBytesUnderTheBudget) {
   EXPECT_EQ(run_turn(budgeted, small, kSystem + tokens(1000 + 100 * 11, 10), kReply1).cached, 21);
 }
 
+// A request that leaves the trie early rewinds the live caches below the old path, whose
+// lazy snapshots name the columns its forward then overwrites. begin reserves what those
+// writes copy out (and what the window ring copies), evicting first: the trie stays within its
+// budget during the forward too, not only once the next call evicts.
+TEST_F(PrefixCacheTest, BeginReservesWhatTheForwardCopiesOut) {
+  HybridStack small(/*with_recurrent=*/false);
+  constexpr int64_t kBudget = 1300;
+  PrefixCache budgeted(small.layers(), {.max_paged_out_bytes = kBudget});
+  const auto within_budget = [&] { ASSERT_LE(budgeted.paged_out_bytes(), kBudget); };
+  const std::vector<int64_t> thirds{20, 40};
+  run_turn(budgeted, small, tokens(100, 60), tokens(900, 3), thirds, within_budget);
+  const int64_t evicted = budgeted.stats().evicted_nodes;
+  // The live caches stand at the old path's end: no write can reach its KV ranges.
+  EXPECT_EQ(small.attention().exposed_bytes(0), 0);
+  // Restored to the user node at 20; the old path's ranges beyond are lazy in the columns the
+  // prefill overwrites.
+  const Tokens branch = tokens(100, 20) + tokens(500, 30);
+  PrefixCache::Session session = budgeted.begin(branch);
+  EXPECT_EQ(session.cached(), 20);
+  // Evicted at begin, before the forward: what remains plus what the forward may copy out fits.
+  EXPECT_GT(budgeted.stats().evicted_nodes, evicted);
+  const int64_t reserved = small.attention().exposed_bytes(0) + small.window.exposed_bytes(0);
+  EXPECT_LE(budgeted.paged_out_bytes() + reserved, kBudget);
+  ASSERT_TRUE(small.forward_and_check(session.remaining(), branch));
+  within_budget();
+  session.prefill_done();
+  within_budget();
+  session.close();
+  within_budget();
+  EXPECT_EQ(budgeted.check_invariants(), "");
+}
+
 TEST_F(PrefixCacheTest, UserNodesAreEvictedLast) {
   HybridStack small;
   PrefixCache budgeted(small.layers(), {.max_paged_out_bytes = 6000});

@@ -32,7 +32,7 @@ struct Turn {
 
 // One request: begin, evaluate remaining(), prefill_done, generate `reply` (the model evaluates
 // every reply token but the last, as a decoder does), close.
-// `after_each` runs after every PrefixCache call.
+// `after_each` runs after every PrefixCache call and every forward.
 inline Turn run_turn(
     PrefixCache& cache, HybridStack& stack, const Tokens& prompt, const Tokens& reply,
     const std::vector<int64_t>& user_offsets = {},
@@ -50,6 +50,7 @@ inline Turn run_turn(
   EXPECT_EQ(turn.cached + turn.evaluated, static_cast<int64_t>(prompt.size()));
   EXPECT_GE(turn.evaluated, 1);
   EXPECT_TRUE(stack.forward_and_check(remaining, prompt));
+  after_each();
   session.prefill_done();
   after_each();
   Tokens sequence = prompt;
@@ -58,6 +59,7 @@ inline Turn run_turn(
     sequence.push_back(reply[i]);
     if (i + 1 < reply.size()) {
       EXPECT_TRUE(stack.forward_and_check(std::span(&reply[i], 1), sequence));
+      after_each();
     }
   }
   session.close();
