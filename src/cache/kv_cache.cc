@@ -112,7 +112,9 @@ using detail::Kind;
 using detail::KVStateSnapshot;
 
 KVCache::KVCache() : impl_(std::make_unique<detail::KVCacheImpl>()) {}
-KVCache::~KVCache() = default;
+// Snapshots that outlive the cache are copied out under its lock, which they keep: another
+// thread reading one meanwhile sees it lazy or owned, never half-copied.
+KVCache::~KVCache() { impl_->reset_all(); }
 
 void KVCache::reserve(int64_t tokens) {
   if (tokens < 0) throw Error(fmt::format("KVCache::reserve: tokens {} must be >= 0", tokens));

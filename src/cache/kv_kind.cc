@@ -65,8 +65,7 @@ namespace {
 CacheLock* lock_of(const Snapshot* snapshot) {
   if (snapshot == nullptr) return nullptr;
   if (const auto* state = dynamic_cast<const KVStateSnapshot*>(snapshot)) {
-    KVStore* store = state->owner();
-    return store != nullptr ? store->lock : nullptr;
+    return state->owner() != nullptr ? state->lock() : nullptr;
   }
   const auto* paged = dynamic_cast<const PagedSnapshot*>(snapshot);
   return paged != nullptr ? &paged->pool()->lock : nullptr;

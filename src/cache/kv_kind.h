@@ -120,7 +120,7 @@ class KVCacheCore {
         update_call_(fmt::format("{}::update", name)),
         sequences([this, make = std::move(make)] {
           std::unique_ptr<Seq> sequence = make();
-          sequence->store.lock = &lock;
+          sequence->store.lock = shared_lock;
           return sequence;
         }) {}
 
@@ -201,7 +201,10 @@ class KVCacheCore {
   std::string update_call_;
 
  public:
-  mutable CacheLock lock;  // before `sequences`: their snapshots lock it as they go
+  // Before `sequences`: their snapshots lock it as they go. Snapshots lazy in them share it,
+  // so one that outlives the cache can still take it (and find itself owned).
+  std::shared_ptr<CacheLock> shared_lock = std::make_shared<CacheLock>();
+  CacheLock& lock = *shared_lock;
   CopyStats unattributed;  // merge and split copies
   Sequences<Seq> sequences;
 };

@@ -75,6 +75,7 @@ KVStateSnapshot::KVStateSnapshot(SnapshotRecord::Kind kind, KVStore& store, int6
       end(to),
       window(window),
       owner_(tokens > 0 ? &store : nullptr),
+      lock_(tokens > 0 ? store.lock : nullptr),
       tokens_(tokens) {
   head_.snapshot = this;
   head_.tokens = tokens;
@@ -99,10 +100,9 @@ KVStateSnapshot::KVStateSnapshot(SnapshotRecord::Kind kind, const KVLayout& layo
 }
 
 KVStateSnapshot::~KVStateSnapshot() {
-  if (KVStore* store = owner()) {
-    const Guard guard(*store->lock);  // the store's index may be in use on another thread
-    for_each_piece([&](Piece& piece) { store->unlink(piece); });
-  }
+  locked([&] {  // the store's index may be in use on another thread
+    if (KVStore* store = owner()) for_each_piece([&](Piece& piece) { store->unlink(piece); });
+  });
   for (Piece* piece = head_.next; piece != nullptr;) {
     Piece* next = piece->next;
     delete piece;
@@ -126,21 +126,14 @@ int64_t KVStateSnapshot::size() const {
     for_each_piece([&](const Piece& piece) { bytes += storage_bytes(piece); });
     return bytes;
   };
-  if (KVStore* store = owner()) {  // pieces may be materializing on another thread
-    const Guard guard(*store->lock);
-    return count();
-  }
-  return count();
+  return locked(count);  // pieces may be materializing on another thread
 }
 
 int64_t KVStateSnapshot::hook_and_size(std::function<void(int64_t)> hook) {
-  if (KVStore* store = owner()) {  // a write on another thread may be materializing it
-    const Guard guard(*store->lock);
+  return locked([&] {  // a write on another thread may be materializing it
     hook_ = std::move(hook);
     return size();
-  }
-  hook_ = std::move(hook);
-  return size();
+  });
 }
 
 void KVStateSnapshot::storage_changed(int64_t delta) {
@@ -198,11 +191,9 @@ Array KVStateSnapshot::values() const {
 }
 
 SnapshotRecord KVStateSnapshot::record() const {
-  if (KVStore* store = owner()) {  // read consistently with the store's writers
-    const Guard guard(*store->lock);
-    return {kind(), keys(), values(), begin, end, window};
-  }
-  return {kind(), keys(), values(), begin, end, window};
+  return locked([&] {  // read consistently with the store's writers
+    return SnapshotRecord{kind(), keys(), values(), begin, end, window};
+  });
 }
 
 void KVStateSnapshot::move_piece(Piece& source, Piece& target, KVStore* store) {
@@ -248,6 +239,7 @@ KVStateSnapshot::KVStateSnapshot(const KVStateSnapshot& like, int64_t from, int6
       end(to),
       window(like.window),
       owner_(like.owner()),
+      lock_(like.lock_),
       tokens_(0) {
   head_.snapshot = this;
 }

@@ -82,7 +82,18 @@ class KVStateSnapshot final : public StateSnapshot, public Pooled<KVStateSnapsho
   // The store it names columns of: non-null exactly while a piece is lazy. Read from any
   // thread; changed only under that store's cache lock.
   KVStore* owner() const { return owner_.load(std::memory_order_acquire); }
-  void set_owner(KVStore* store) { owner_.store(store, std::memory_order_release); }
+  void set_owner(KVStore* store);
+  // The lock of the store it is (or last was) lazy in; alive while the snapshot is.
+  CacheLock* lock() const { return lock_.get(); }
+  // Runs `read()` consistently with the store's writers: under its lock while lazy. The lock
+  // is the snapshot's to keep (a cache destroyed meanwhile copies everything out under it and
+  // leaves it behind), so `read` must look at owner() again: it may have become null.
+  template <class Read>
+  decltype(auto) locked(Read&& read) const {
+    if (owner() == nullptr) return read();
+    const Guard guard(*lock_);
+    return read();
+  }
 
   const KVLayout layout;
   int64_t begin, end;
@@ -102,6 +113,8 @@ class KVStateSnapshot final : public StateSnapshot, public Pooled<KVStateSnapsho
   void insert_after(Piece& piece, std::unique_ptr<Piece> next);
 
   std::atomic<KVStore*> owner_;
+  // The lock of the last store it was lazy in; kept alive with the snapshot (see locked()).
+  std::shared_ptr<CacheLock> lock_;
   int64_t tokens_;
   // The first piece, inline (a capture allocates none); the others follow through Piece::next,
   // owned by the snapshot and drawn from a pool.
@@ -167,8 +180,9 @@ class KVStore {
 
   Array keys, values;  // [B, H, capacity, D] / [B, H, capacity, Dv]
   // The lock of the cache this store belongs to (set by the cache): held by every call that
-  // reads or changes the store, its index or its snapshots' pieces.
-  CacheLock* lock = nullptr;
+  // reads or changes the store, its index or its snapshots' pieces. Shared with the snapshots
+  // lazy in the store, which may outlive it.
+  std::shared_ptr<CacheLock> lock;
   KVLayout layout;
   bool has_layout = false;
   CopyStats stats;
@@ -180,6 +194,11 @@ class KVStore {
   LazyIndex index;
   std::vector<Piece*> overlapping_;  // reused by preserve: no allocation per write
 };
+
+inline void KVStateSnapshot::set_owner(KVStore* store) {
+  if (store != nullptr) lock_ = store->lock;
+  owner_.store(store, std::memory_order_release);
+}
 
 // The snapshot `snapshot` as a KV-state snapshot of `kind`; throws Error naming `call` when it
 // is another kind ("snapshots restore only into a cache of their own kind").

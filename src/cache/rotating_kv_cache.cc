@@ -251,7 +251,8 @@ RotatingKVCache::RotatingKVCache(int64_t max_size) {
   impl_ = std::make_unique<detail::RotatingKVCacheImpl>(max_size);
 }
 
-RotatingKVCache::~RotatingKVCache() = default;
+// As ~KVCache: outliving snapshots are copied out under the lock they keep.
+RotatingKVCache::~RotatingKVCache() { impl_->reset_all(); }
 
 int64_t RotatingKVCache::max_size() const { return impl_->max_size; }
 
