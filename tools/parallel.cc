@@ -248,8 +248,13 @@ class Scheduler {
   }
 
   void measure_memory() {
-    int64_t live = 0;
-    for (const PagedKVCache* paged : paged_) live += paged->pool_stats().live_bytes;
+    int64_t live = 0, in_use = 0;
+    for (const PagedKVCache* paged : paged_) {
+      const PagedKVCache::PoolStats stats = paged->pool_stats();
+      live += stats.live_bytes;
+      in_use += stats.bytes_in_use;
+    }
+    out_.kv.pool_bytes = std::max(out_.kv.pool_bytes, in_use);
     if (live <= out_.kv.peak_bytes || paged_.empty()) return;
     std::vector<std::span<const int32_t>> held;
     int64_t tokens = 0;
@@ -258,7 +263,8 @@ class Scheduler {
       held.push_back(std::span<const int32_t>(held_[s]).first(static_cast<size_t>(offset)));
       tokens += offset;
     }
-    out_.kv = {live, tokens * token_bytes_, distinct_prefixes(std::move(held)) * token_bytes_};
+    out_.kv = {live, tokens * token_bytes_, distinct_prefixes(std::move(held)) * token_bytes_,
+               out_.kv.pool_bytes};
   }
 
   const Workload& workload_;
@@ -367,6 +373,9 @@ std::string format_parallel_table(const ParallelRun& parallel, const RunResult& 
       "{} ({:.3f}x of that)\n",
       mib(kv.peak_bytes), mib(kv.unshared_bytes), ratio(kv.unshared_bytes, kv.peak_bytes),
       mib(kv.ideal_bytes), ratio(kv.peak_bytes, kv.ideal_bytes));
+  out +=
+      fmt::format("    the pools at their peak: {} with the blocks only the prefix cache keeps\n",
+                  mib(kv.pool_bytes));
   out += fmt::format("  evaluated with the cache vs ideal: {:+.2f}% ({} tokens over)\n",
                      100.0 * ratio(a.evaluated - a.ideal, a.ideal), a.evaluated - a.ideal);
   out += fmt::format("  throughput vs the sequential run without cache: {:.1f}x\n",
@@ -416,6 +425,7 @@ std::string format_parallel_json(const ParallelRun& parallel, const RunResult& u
       {"peak_kv_bytes", parallel.kv.peak_bytes},
       {"unshared_kv_bytes", parallel.kv.unshared_bytes},
       {"ideal_kv_bytes", parallel.kv.ideal_bytes},
+      {"pool_kv_bytes", parallel.kv.pool_bytes},
       {"paged_out_bytes", parallel.run.paged_out_bytes},
       {"evicted_nodes", parallel.run.evicted_nodes},
       {"trie_nodes", parallel.run.trie_nodes},

@@ -31,6 +31,9 @@ struct KVMemory {
   int64_t peak_bytes = 0;      // the pools' live blocks at their peak
   int64_t unshared_bytes = 0;  // each sequence's tokens on its own, at that step
   int64_t ideal_bytes = 0;     // the sequences' distinct prefixes, at that step
+  // The pools' blocks in use at their own peak: the live sequences' and those only the prefix
+  // cache's snapshots keep (which it counts as paged-out bytes).
+  int64_t pool_bytes = 0;
 };
 
 struct ParallelRun {

@@ -113,6 +113,8 @@ TEST(ParallelReplay, SequencesShareTheirPrefixInsteadOfHoldingCopies) {
   EXPECT_LE(run.kv.peak_bytes, run.kv.ideal_bytes + 8 * 2 * block_bytes);
   // Copies would hold the system prompt once per sequence.
   EXPECT_GT(run.kv.unshared_bytes, 3 * run.kv.peak_bytes);
+  // The pools also keep the blocks only the trie holds: finished conversations' replies.
+  EXPECT_GT(run.kv.pool_bytes, run.kv.peak_bytes);
 }
 
 // Each forward carries a token of every decoding sequence and the prompt chunks of those still
@@ -147,6 +149,7 @@ TEST(ParallelReplay, TheReportCarriesThroughputLatencyAndMemory) {
   EXPECT_DOUBLE_EQ(json.at("throughput_tokens_per_s").get<double>(), run.throughput());
   EXPECT_EQ(json.at("peak_kv_bytes"), run.kv.peak_bytes);
   EXPECT_EQ(json.at("unshared_kv_bytes"), run.kv.unshared_bytes);
+  EXPECT_EQ(json.at("pool_kv_bytes"), run.kv.pool_bytes);
   EXPECT_EQ(json.at("steps"), run.steps);
   EXPECT_EQ(json.at("fused_steps"), run.fused_steps);
   EXPECT_TRUE(json.at("agree").get<bool>());
