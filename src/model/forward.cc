@@ -168,22 +168,23 @@ void recurrent_block(const ModelWeights& w, const LayerWeights& l, RecurrentCach
   const int64_t value_width = value_heads * depth;
   Floats output(static_cast<size_t>(tokens * value_width));
   for (int64_t b = 0; b < rows; ++b) {
-    const auto at = [&](const Floats& f, int64_t width) {
-      return Floats(f.begin() + b * length * width, f.begin() + (b + 1) * length * width);
+    // Views of this row's part of a buffer (the kernels read them in place; nothing keeps them).
+    const auto view = [](const Floats& f, int64_t first, Shape shape) {
+      return Array::wrap(const_cast<float*>(f.data()) + first, DType::f32, std::move(shape));
+    };
+    const auto at = [&](const Floats& f, int64_t width, Shape shape) {
+      return view(f, b * length * width, std::move(shape));
     };
     const std::vector<int64_t> splits = cache.snapshot_splits(group.batch.seq_id(b), length);
     const RecurrentHistory& row = state.row(b);
     Conv1dResult conv =
-        causal_conv1d(Array::from_floats(at(mixed, channels), {1, length, channels}), l.conv,
-                      row.conv_state(), splits);
+        causal_conv1d(at(mixed, channels, {1, length, channels}), l.conv, row.conv_state(), splits);
     const DeltaInputs in = delta_inputs(c, conv.output.data<float>(), length, channels);
-    GatedDeltaResult delta =
-        gated_delta(Array::from_floats(in.q, {1, length, key_heads, depth}),
-                    Array::from_floats(in.k, {1, length, key_heads, depth}),
-                    Array::from_floats(in.v, {1, length, value_heads, depth}),
-                    Array::from_floats(at(gate, value_heads), {1, length, value_heads}),
-                    Array::from_floats(at(rate, value_heads), {1, length, value_heads}),
-                    row.delta_state(), splits);
+    GatedDeltaResult delta = gated_delta(
+        view(in.q, 0, {1, length, key_heads, depth}), view(in.k, 0, {1, length, key_heads, depth}),
+        view(in.v, 0, {1, length, value_heads, depth}),
+        at(gate, value_heads, {1, length, value_heads}),
+        at(rate, value_heads, {1, length, value_heads}), row.delta_state(), splits);
     std::copy_n(delta.output.data<float>(), length * value_width,
                 output.data() + b * length * value_width);
     states[static_cast<size_t>(b)] = {std::move(conv.tails), std::move(delta.states)};

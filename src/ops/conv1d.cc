@@ -34,10 +34,9 @@ Conv1dResult causal_conv1d(const Array& x, const Array& weight, const Array& tai
   if (!tail.empty() && tail_rows > 0) extended.slice(1, 0, tail_rows).assign(tail);
   if (length > 0) extended.slice(1, tail_rows, total).assign(x);
 
-  const std::vector<float> xx = extended.to_floats();
-  const std::vector<float> w = weight.to_floats();
+  const detail::FloatSource xx(extended), w(weight);
   Conv1dResult result;
-  result.output = Array::zeros(DType::f32, {rows, length, channels});
+  result.output = Array::uninitialized(DType::f32, {rows, length, channels});
   float* out = result.output.mutable_data<float>();
   for (int64_t b = 0; b < rows; ++b) {
     for (int64_t t = 0; t < length; ++t) {

@@ -70,25 +70,23 @@ GatedDeltaResult gated_delta(const Array& q, const Array& k, const Array& v, con
   const int64_t rows = q.dim(0), length = q.dim(1), key_heads = q.dim(2), key_depth = q.dim(3);
   const int64_t value_heads = v.dim(2), value_depth = v.dim(3);
   const Shape state_shape{rows, value_heads, value_depth, key_depth};
-  const std::vector<float> qf = q.to_floats(), kf = k.to_floats(), vf = v.to_floats();
-  const std::vector<float> gf = g.to_floats(), bf = beta.to_floats();
-  std::vector<float> s =
-      state.empty()
-          ? std::vector<float>(static_cast<size_t>(rows * value_heads * value_depth * key_depth))
-          : state.to_floats();
+  const detail::FloatSource qf(q), kf(k), vf(v), gf(g), bf(beta);
+  // The state evolves in the array the last capture returns; earlier captures are copies.
+  Array current = state.empty() ? Array::zeros(DType::f32, state_shape) : state.contiguous();
+  float* s = current.mutable_data<float>();
   GatedDeltaResult result;
-  result.output = Array::zeros(DType::f32, {rows, length, value_heads, value_depth});
+  result.output = Array::uninitialized(DType::f32, {rows, length, value_heads, value_depth});
   float* out = result.output.mutable_data<float>();
   const int64_t group = value_heads / key_heads;
 
-  auto capture = [&] { result.states.push_back(Array::from_floats(s, state_shape)); };
+  auto capture = [&] { result.states.push_back(current.contiguous()); };
   size_t next_boundary = 0;
   for (int64_t t = 0; t < length; ++t) {
     for (int64_t b = 0; b < rows; ++b) {
       for (int64_t h = 0; h < value_heads; ++h) {
         const int64_t kh = h / group;
         const int64_t gate = (b * length + t) * value_heads + h;
-        delta_step(s.data() + ((b * value_heads + h) * value_depth) * key_depth,
+        delta_step(s + ((b * value_heads + h) * value_depth) * key_depth,
                    qf.data() + ((b * length + t) * key_heads + kh) * key_depth,
                    kf.data() + ((b * length + t) * key_heads + kh) * key_depth,
                    vf.data() + gate * value_depth, gf[static_cast<size_t>(gate)],
@@ -100,7 +98,7 @@ GatedDeltaResult gated_delta(const Array& q, const Array& k, const Array& v, con
       ++next_boundary;
     }
   }
-  capture();
+  result.states.push_back(std::move(current));
   return result;
 }
 
