@@ -117,14 +117,14 @@ class KVSNAP_EXPORT Cache {
   [[nodiscard]] virtual bool restore(SeqId seq, Snapshot* snapshot, int64_t target);
   // The sequences that hold state (sequence 0 alone for a single-sequence cache).
   virtual std::vector<SeqId> sequences() const;
-  // How many bytes snapshots of the sequence — taken ones and those its schedule captures — may
-  // come to own through its writes alone (update, put), before any other call moves it: the
-  // lazy data a write may overwrite (a KV range beyond the offset, a window ring, a block
-  // shared at the tail) and what the schedule holds or will capture. An upper bound, lowered
-  // by writes as they copy; raised only by calls that move the sequence (rewinds, restores,
-  // schedules). PrefixCache reserves it under its byte budget before the forward runs. 0 for
-  // a kind whose snapshots own all their bytes when taken and that captures on no schedule
-  // (the default).
+  // How many bytes the snapshots taken so far of the sequence (scheduled captures already made
+  // included) may come to own through its writes alone (update, put): the lazy data a write
+  // may overwrite — a KV range beyond the offset, a window ring, a tail block others share. An
+  // upper bound: a write copies at most this much into them and lowers it by at least what it
+  // copied; captures the write makes add their own. Calls that move the sequence (rewinds,
+  // restores) or the snapshots (merge, split) may raise it. PrefixCache reserves it under its
+  // byte budget before a forward runs. 0 (the default) for a kind whose snapshots own all their
+  // bytes when taken, as RecurrentCache's do.
   virtual int64_t exposed_bytes(SeqId seq) const;
 
   // ---- sequence 0, and the cache as a whole ----

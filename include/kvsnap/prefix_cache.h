@@ -70,13 +70,15 @@ class KVSNAP_EXPORT PrefixCache {
  public:
   struct Options {
     // Budget for bytes held by snapshots in the trie; least recently used leaves are evicted
-    // to stay under it (user nodes last, active paths never: when only they are left, their
-    // whole-state snapshots, which are restore points, are dropped instead). Checked by every
-    // call before the writes that follow it: each call makes room for what the slots' forwards
-    // may copy out of the live caches into the trie's lazy snapshots, and for the captures
-    // their sessions will attach (Cache::exposed_bytes), so the budget holds between calls too.
-    // Within a call it may be exceeded by the one node the call inserts until it evicts; and
-    // only what the active paths must keep can hold it above the budget.
+    // to stay under it (user nodes last, active paths never: when only they are left, their KV
+    // ranges are pointed at the live caches that hold them, then their whole-state snapshots,
+    // which are restore points, are dropped). begin, prefill_done, append_output and close
+    // check it before the writes that follow them: each makes room for what the open sessions'
+    // forwards may copy out of the live caches into the trie's lazy snapshots
+    // (Cache::exposed_bytes), so it holds between calls too. A slot without a session is not
+    // written, and captures (a session's before prefill_done, a Speculation round's) are not
+    // the trie's: neither is reserved. Within a call the node it inserts may exceed the budget
+    // until it evicts; only what the active paths must keep can hold the trie above it.
     int64_t max_paged_out_bytes = int64_t(8) << 30;
     // Sequences (slots) the layers serve, each with at most one open session.
     SeqId slots = 1;

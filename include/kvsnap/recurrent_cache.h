@@ -101,7 +101,6 @@ class KVSNAP_EXPORT RecurrentCache final : public Cache {
   void take_snapshots_into(SeqId seq, std::vector<SnapshotPtr>& into) override;
   [[nodiscard]] bool restore(SeqId seq, Snapshot* snapshot, int64_t target) override;
   std::vector<SeqId> sequences() const override;
-  int64_t exposed_bytes(SeqId seq) const override;
 
   CopyStats copy_stats() const override;
   RestoreRule restore_rule() const override;

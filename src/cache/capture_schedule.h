@@ -32,17 +32,6 @@ class CaptureSchedule {
   // Records the capture for next().
   void record(SnapshotPtr snapshot) { captured_.push_back(std::move(snapshot)); }
 
-  // What the schedule may come to hold: the bytes its captures own so far, plus
-  // `pending_bytes(o)` for each offset o not captured yet (a bound on what its capture will own
-  // by the time it is taken).
-  template <class PendingBytes>
-  int64_t bytes(PendingBytes&& pending_bytes) const {
-    int64_t total = 0;
-    for (const SnapshotPtr& capture : captured_) total += capture == nullptr ? 0 : capture->size();
-    for (size_t i = captured_.size(); i < offsets_.size(); ++i) total += pending_bytes(offsets_[i]);
-    return total;
-  }
-
   // Returns the captures and clears the schedule. Throws Error naming `call` (and keeps the
   // schedule) when an offset was not reached by `current`.
   std::vector<SnapshotPtr> take(int64_t current, const char* call);

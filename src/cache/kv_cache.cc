@@ -48,11 +48,8 @@ class KVSequence final : public KVKind {
     return store.capture(Kind::kv, from, to - from, from, to, 0);
   }
 
-  // Writes land at the offset and beyond, so only what lazy snapshots name there is exposed;
-  // captures are lazy in columns already written.
-  int64_t exposed_bytes(int64_t) const override {
-    return store.unbacked_bytes(offset) + schedule.bytes([](int64_t) { return 0; });
-  }
+  // Writes land at the offset and beyond: only what lazy snapshots name there is exposed.
+  int64_t exposed_bytes() const override { return store.unbacked_bytes(offset); }
 
   KVHistory history() const override {
     if (!store.has_layout) return KVHistory();

@@ -46,9 +46,8 @@ class KVKind {
   void require_idle() const { schedule.require_idle(calls_.restore.c_str()); }
 
   virtual KVHistory history() const = 0;
-  // Cache::exposed_bytes of this sequence; `token_bytes` sizes captures still to come when the
-  // store has no layout yet (another sequence's, or 0).
-  virtual int64_t exposed_bytes(int64_t token_bytes) const = 0;
+  // Cache::exposed_bytes of this sequence.
+  virtual int64_t exposed_bytes() const = 0;
 
   KVStore store;  // before `schedule`: captured snapshots unlink from it
   int64_t offset = 0;
@@ -155,13 +154,7 @@ class KVCacheCore {
   int64_t exposed_bytes(SeqId seq) const {
     const Guard guard(lock);
     const Seq* sequence = find(seq);
-    if (sequence == nullptr) return 0;
-    int64_t token_bytes = 0;  // a sequence not written yet sizes by another one's layout
-    sequences.for_each([&](SeqId, const Seq& other) {
-      if (token_bytes == 0 && other.store.has_layout) token_bytes = other.store.token_bytes();
-    });
-    if (sequence->store.has_layout) token_bytes = sequence->store.token_bytes();
-    return sequence->exposed_bytes(token_bytes);
+    return sequence == nullptr ? 0 : sequence->exposed_bytes();
   }
   std::vector<SeqId> ids() const {
     const Guard guard(lock);

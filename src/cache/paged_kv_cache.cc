@@ -104,14 +104,11 @@ class PagedSequence {
     offset += n;
   }
 
-  // A write copies the tail block when it is partly written and shared (a snapshot may then pay
-  // for the old one), and so it does after each capture the schedule makes mid-block.
+  // A write copies the tail block when it is partly written and shared: a snapshot may then
+  // pay for the old one. Full blocks are never written.
   int64_t exposed_bytes() const {
-    const int64_t block_tokens = pool_->block_tokens;
-    const int64_t block = pool_->has_layout ? pool_->block_bytes() : 0;
-    const bool tail = offset % block_tokens != 0 && pool_->shared(blocks.back());
-    return (tail ? block : 0) +
-           schedule.bytes([&](int64_t at) { return at % block_tokens != 0 ? block : 0; });
+    const bool tail = offset % pool_->block_tokens != 0 && pool_->shared(blocks.back());
+    return tail && pool_->has_layout ? pool_->block_bytes() : 0;
   }
 
   // References to the blocks of [from, to) (from < to <= offset).

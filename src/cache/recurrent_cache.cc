@@ -305,18 +305,6 @@ int64_t RecurrentCache::offset(SeqId seq) const {
   return sequence == nullptr ? 0 : sequence->offset;
 }
 
-int64_t RecurrentCache::exposed_bytes(SeqId seq) const {
-  const Guard guard(impl_->lock);
-  const detail::RecurrentSequence* sequence = impl_->sequences.find(seq);
-  if (sequence == nullptr) return 0;
-  // Each capture still to come copies the state: its size, or (no state yet) its f32 size.
-  const int64_t state =
-      sequence->conv.empty()
-          ? (impl_->conv_tail * impl_->conv_dim + impl_->v_heads * impl_->v_dim * impl_->k_dim) * 4
-          : sequence->conv.nbytes() + sequence->delta.nbytes();
-  return sequence->schedule.bytes([&](int64_t at) { return at > 0 ? state : 0; });
-}
-
 std::vector<SeqId> RecurrentCache::sequences() const {
   const Guard guard(impl_->lock);
   std::vector<SeqId> ids;

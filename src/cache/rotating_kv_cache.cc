@@ -75,11 +75,8 @@ class RotatingSequence final : public KVKind {
   }
 
   // The ring reaches every column within max_size tokens: all that lazy windows name is
-  // exposed, and so is each window the schedule will capture.
-  int64_t exposed_bytes(int64_t token_bytes) const override {
-    return store.unbacked_bytes(INT64_MIN) +
-           schedule.bytes([&](int64_t end) { return window_tokens(end) * token_bytes; });
-  }
+  // exposed.
+  int64_t exposed_bytes() const override { return store.unbacked_bytes(INT64_MIN); }
 
   // Captures are whole windows.
   void capture_reached() override {

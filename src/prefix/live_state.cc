@@ -19,12 +19,29 @@ bool LiveState::has_state() const {
                      [](const LayerInfo& layer) { return layer.cache != nullptr; });
 }
 
-int64_t LiveState::exposed_bytes() const {
-  int64_t total = 0;
+void LiveState::refresh_exposure() {
+  exposure_ = 0;
+  if (!writable_) return;
   for (const LayerInfo& layer : trie_.layers()) {
-    if (layer.cache != nullptr) total += layer.cache->exposed_bytes(slot_);
+    if (layer.cache != nullptr) exposure_ += layer.cache->exposed_bytes(slot_);
   }
-  return total;
+}
+
+void LiveState::repoint_ranges() {
+  if (!consistent()) return;
+  const auto live = static_cast<int64_t>(tokens_.size());
+  for (Node* node : active_path()) {
+    if (node->end > live) continue;  // the tip, partly live
+    for (size_t i = 0; i < trie_.layers().size(); ++i) {
+      const LayerInfo& layer = trie_.layers()[i];
+      if (!layer.ranged() || node->snapshots[i] == nullptr) continue;
+      SnapshotPtr held = layer.cache->snapshot(slot_, node->start());
+      if (node->end < layer.cache->offset(slot_)) {
+        held = layer.cache->split(std::move(held), node->end).first;
+      }
+      if (held != nullptr && held->is_lazy()) trie_.replace(*node, i, std::move(held));
+    }
+  }
 }
 
 std::optional<int64_t> LiveState::offset() const {
@@ -117,26 +134,38 @@ void LiveState::relazify(Node& node, size_t layer, int64_t from) {
   if (lazy != nullptr && lazy->is_lazy()) trie_.replace(node, layer, std::move(lazy));
 }
 
-void evict_to_budget(Trie& trie, const std::vector<const LiveState*>& live, int64_t budget,
+void evict_to_budget(Trie& trie, const std::vector<LiveState*>& live, int64_t budget,
                      int64_t& evicted_nodes, int64_t& dropped_snapshots) {
   const auto keep = [&](const Node& node) {
     return std::any_of(live.begin(), live.end(),
                        [&](const LiveState* slot) { return slot->on_active_path(node); });
   };
-  // Bytes the trie holds, counting what writes before the slots' next calls may copy out of
-  // the live caches into its snapshots (and the captures sessions will attach): checked here,
-  // before the writes allocate, the budget then holds until the next call.
+  // The bytes the trie holds and what writes before the slots' next calls may copy out of the
+  // live caches into its lazy snapshots: checked here, before those writes allocate, the budget
+  // holds until the next call. Exposures first, bytes last: a write running meanwhile moves
+  // bytes from the one to the other, counted twice rather than missed.
   const auto over = [&] {
-    int64_t total = trie.bytes();
-    for (const LiveState* slot : live) total += slot->exposed_bytes();
-    return total > budget;
+    int64_t total = 0;
+    for (const LiveState* slot : live) total += slot->exposure();
+    return total + trie.bytes() > budget;
   };
+  const auto refresh = [&] {
+    for (LiveState* slot : live) slot->refresh_exposure();
+  };
+  if (!over()) return;
+  refresh();  // an eviction may lower any slot's exposure
   while (over()) {
     Node* victim = trie.eviction_candidate(keep);
     if (victim == nullptr) break;  // only active paths are left
     trie.remove_leaf(*victim, keep);
     ++evicted_nodes;
+    refresh();
   }
+  if (!over()) return;
+  // The active paths' KV ranges are in the live caches that stand on them: what they own, or
+  // name in another slot's caches (exposed there), is given back.
+  for (LiveState* slot : live) slot->repoint_ranges();
+  refresh();
   if (!over()) return;
   // Last resort: the active paths cannot be evicted (live caches stand on them), but the
   // whole-state snapshots their nodes keep — owned, or lazy in a ring that will copy them — are
@@ -158,6 +187,7 @@ void evict_to_budget(Trie& trie, const std::vector<const LiveState*>& live, int6
       if (trie.layers()[i].whole_state() && s != nullptr && (s->size() > 0 || s->is_lazy())) {
         trie.replace(*node, i, nullptr);
         ++dropped_snapshots;
+        refresh();
       }
     }
   }

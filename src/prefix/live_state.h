@@ -25,9 +25,17 @@ class LiveState {
 
   // Whether any layer holds state (all-stateless stacks track tokens only).
   bool has_state() const;
-  // What the slot's writes may still add to snapshots before its next call: the sum of every
-  // layer's Cache::exposed_bytes for the slot.
-  int64_t exposed_bytes() const;
+  // Whether the caches may be written before the slot's next call: while a session is open.
+  void set_writable(bool writable) { writable_ = writable; }
+  // What the slot's writes may copy into lazy snapshots before its next call, as of the last
+  // refresh: its layers' Cache::exposed_bytes, 0 while not writable. It stays an upper bound
+  // until then — writes only lower it — but for another slot's begin, which may share what
+  // these caches hold (then every slot refreshes).
+  int64_t exposure() const { return exposure_; }
+  void refresh_exposure();
+  // Points the KV snapshots of the active path's nodes, which the live caches hold whole, at
+  // them, lazily: what they owned, or named in another slot's caches, is given back.
+  void repoint_ranges();
   // The offset every stateful layer stands at (the token count for a stateless stack), or
   // nullopt when they disagree.
   std::optional<int64_t> offset() const;
@@ -56,13 +64,17 @@ class LiveState {
   const SeqId slot_;
   std::vector<int32_t> tokens_;
   Node* tip_;  // the deepest node holding a live token
+  bool writable_ = false;
+  int64_t exposure_ = 0;
 };
 
 // Evicts least recently used leaves (user nodes last, any slot's active path never) until the
-// trie's bytes plus what the slots' writes may still add (their exposed_bytes) are at most
-// `budget`; as a last resort, drops the active paths' whole-state snapshots that own or may come
-// to own bytes (restore points, not needed by the live states). Counts into the two counters.
-void evict_to_budget(Trie& trie, const std::vector<const LiveState*>& live, int64_t budget,
+// trie's bytes plus what the slots' writes may still copy into it (their exposure(), refreshed
+// as it goes) are at most `budget`. When only active paths are left: re-points their KV ranges
+// at the live caches, then drops their whole-state snapshots that own or may come to own bytes
+// (restore points, not needed by the live states). Counts into the two counters. The callers
+// refresh their own slot's exposure first.
+void evict_to_budget(Trie& trie, const std::vector<LiveState*>& live, int64_t budget,
                      int64_t& evicted_nodes, int64_t& dropped_snapshots);
 
 }  // namespace kvsnap::detail

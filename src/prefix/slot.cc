@@ -28,7 +28,7 @@ std::shared_ptr<SessionState> Slot::begin(std::span<const int32_t> prompt, Prefi
     throw Error("PrefixCache::begin: the prompt is empty; at least one token must be evaluated");
   }
   if (!live_.consistent()) live_.reset();  // the caches were moved behind our back
-  evict_();
+  evict_(false);
 
   const Trie::Match match = trie_.match(prompt);
   const auto length = static_cast<int64_t>(prompt.size());
@@ -53,12 +53,14 @@ std::shared_ptr<SessionState> Slot::begin(std::span<const int32_t> prompt, Prefi
   state->matched = match.length;
   state->cached = plan.target;
   session_ = state;
+  live_.set_writable(true);
   prepare(schedule_for(match.path));
 
   ++stats.lookups;
   stats.matched_tokens += match.length;
   stats.reused_tokens += plan.target;
-  evict_();
+  // The switch may have shared what other slots' caches hold: every exposure is refreshed.
+  evict_(true);
   return state;
 }
 
@@ -134,7 +136,7 @@ void Slot::prefill_done() {
   attach_captures(/*complete=*/true);
   live_.set_tokens(std::span(s.tokens).subspan(0, static_cast<size_t>(s.prompt_length)));
   s.phase = SessionState::Phase::decode;
-  evict_();
+  evict_(false);
 }
 
 // Takes the layers' captures of the session's schedule — all of them, or (a prefill cut
@@ -173,7 +175,7 @@ void Slot::append_output(int32_t token) {
     throw Error("Session::append_output: call prefill_done() after the prefill forward first");
   }
   s.tokens.push_back(token);
-  evict_();  // the last decode step may have copied lazy snapshots out
+  evict_(false);  // the decode step copied out part of what was reserved; the next is reserved
 }
 
 void Slot::retract_outputs(int64_t count) {
@@ -208,10 +210,11 @@ void Slot::close() {
   const int64_t offset = live_.has_state() ? layer_offset() : static_cast<int64_t>(s.tokens.size());
   s.phase = SessionState::Phase::closed;
   const std::shared_ptr<SessionState> closing = std::move(session_);
+  live_.set_writable(false);  // nothing writes the caches before the slot's next begin
   if (offset < 0 || offset > static_cast<int64_t>(s.tokens.size()) || offset < s.paged_end) {
     // The caches were driven past what the session knows: nothing consistent to page out.
     live_.reset();
-    evict_();
+    evict_(false);
     return;
   }
   if (offset > s.paged_end) {
@@ -226,7 +229,7 @@ void Slot::close() {
   const auto evaluated = std::span(s.tokens).subspan(0, static_cast<size_t>(offset));
   live_.set_tokens(evaluated);
   if (tier_ != nullptr) store_to_tier(*tier_, trie_, id_, evaluated);
-  evict_();
+  evict_(false);
 }
 
 }  // namespace kvsnap::detail

@@ -40,9 +40,10 @@ struct SessionState {
 
 class Slot {
  public:
-  // `evict` keeps the trie under its budget (run after every change); `tier` (not owned, may be
-  // null) receives the restore points of each closed session.
-  Slot(Trie& trie, SeqId id, std::function<void()> evict, Tier* tier = nullptr)
+  // `evict(everyone)` keeps the trie under its budget (run after every change; `everyone` when
+  // every slot's exposure must be refreshed, not only ours); `tier` (not owned, may be null)
+  // receives the restore points of each closed session.
+  Slot(Trie& trie, SeqId id, std::function<void(bool everyone)> evict, Tier* tier = nullptr)
       : trie_(trie), id_(id), live_(trie, id), evict_(std::move(evict)), tier_(tier) {}
 
   SeqId id() const { return id_; }
@@ -78,7 +79,7 @@ class Slot {
   Trie& trie_;
   const SeqId id_;
   LiveState live_;
-  std::function<void()> evict_;
+  std::function<void(bool everyone)> evict_;
   Tier* tier_;
   std::shared_ptr<SessionState> session_;  // the open session, if any
 };

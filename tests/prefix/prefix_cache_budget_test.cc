@@ -1,0 +1,105 @@
+// The byte budget of a PrefixCache serving several slots holds between calls too: each call
+// reserves what the open sessions' forwards may copy into the trie's lazy snapshots, and
+// nothing else — not idle slots, whose caches nobody writes, nor captures that never enter the
+// trie (a Speculation round's).
+#include <gtest/gtest.h>
+#include <kvsnap/kvsnap.h>
+
+#include "support/conversation.h"
+
+namespace kvsnap {
+namespace {
+
+using testing::HybridStack;
+using testing::Tokens;
+using testing::tokens;
+using testing::operator+;
+
+// Slot 1 stands on nodes whose KV snapshots are lazy in slot 0's caches (it restored them
+// from there). Slot 0 then starts an unrelated request, whose forward overwrites those columns.
+// The nodes cannot be evicted (slot 1's active path), but slot 1's caches hold the same data:
+// they are re-pointed there before the forward, and nothing is copied out.
+TEST(PrefixCacheBudget, NodesLazyInAnotherSlotsCachesMoveToTheSlotStandingOnThem) {
+  HybridStack stack(/*with_recurrent=*/false);
+  constexpr int64_t kBudget = 2000;
+  PrefixCache cache(stack.layers(), {.max_paged_out_bytes = kBudget, .slots = 2});
+  const Tokens p = tokens(100, 60);
+  {
+    PrefixCache::Session first = cache.begin(0, p);
+    ASSERT_TRUE(stack.forward_and_check(first.remaining(), p, 0));
+    first.prefill_done();
+  }
+  const Tokens longer = p + tokens(300, 5);
+  PrefixCache::Session standing = cache.begin(1, longer);
+  EXPECT_EQ(standing.cached(), 60);
+  ASSERT_TRUE(stack.forward_and_check(standing.remaining(), longer, 1));
+  standing.prefill_done();
+  const Tokens other = tokens(500, 60);
+  PrefixCache::Session next = cache.begin(0, other);
+  EXPECT_EQ(stack.attention().exposed_bytes(0), 0);  // nothing lazy left where slot 0 writes
+  const int64_t copied = stack.attention().copy_stats().materialized_bytes;
+  ASSERT_TRUE(stack.forward_and_check(next.remaining(), other, 0));
+  EXPECT_EQ(stack.attention().copy_stats().materialized_bytes, copied);
+  EXPECT_LE(cache.paged_out_bytes(), kBudget);
+  next.prefill_done();
+  EXPECT_LE(cache.paged_out_bytes(), kBudget);
+  // Slot 1 still restores its prefix from the trie.
+  standing.close();
+  next.close();
+  EXPECT_EQ(cache.match(1, p + tokens(900, 1)), 60);
+  EXPECT_EQ(cache.check_invariants(), "");
+}
+
+// What one slot's calls reserve does not depend on a Speculation round open on another slot:
+// its captures are released at accept and never reach the trie.
+TEST(PrefixCacheBudget, AnotherSlotsSpeculationRoundReservesNothing) {
+  const auto second_begin = [](bool round_open, int64_t budget) {
+    HybridStack stack;
+    PrefixCache cache(stack.layers(), {.max_paged_out_bytes = budget, .slots = 2});
+    const Tokens p = tokens(100, 30), r = tokens(2000, 30), q = tokens(700, 20);
+    for (const Tokens* prompt : {&r, &p}) {
+      PrefixCache::Session s = cache.begin(0, *prompt);
+      EXPECT_TRUE(stack.forward_and_check(s.remaining(), *prompt, 0));
+      s.prefill_done();
+    }
+    PrefixCache::Session decoding = cache.begin(1, q);
+    EXPECT_TRUE(stack.forward_and_check(decoding.remaining(), q, 1));
+    decoding.prefill_done();
+    decoding.append_output(5);
+    Speculation round(stack.layers(), 1);
+    if (round_open) round.begin(4);  // slot 1's verification forward would run now
+    PrefixCache::Session again = cache.begin(0, p + tokens(300, 4));
+    const std::vector<int64_t> out{cache.match(r + tokens(1, 1)), cache.stats().evicted_nodes,
+                                   cache.stats().dropped_snapshots, cache.paged_out_bytes()};
+    round.cancel();
+    return out;
+  };
+  int64_t differed = 0;
+  for (int64_t budget = 500; budget < 6000; budget += 250) {
+    EXPECT_EQ(second_begin(true, budget), second_begin(false, budget)) << "budget " << budget;
+    if (second_begin(false, budget)[1] > 0) ++differed;
+  }
+  EXPECT_GT(differed, 3);  // budgets small enough to evict
+}
+
+// A slot without a session is not written until its next begin (which evicts for it then), so
+// the lazy windows its ring holds are not reserved on other slots' calls.
+TEST(PrefixCacheBudget, IdleSlotsReserveNothing) {
+  HybridStack stack(/*with_recurrent=*/false);
+  PrefixCache cache(stack.layers(), {.max_paged_out_bytes = 1400, .slots = 2});
+  const Tokens p = tokens(100, 30), q = tokens(700, 30);
+  for (const auto& [slot, prompt] : {std::pair{SeqId(0), p}, std::pair{SeqId(1), q}}) {
+    PrefixCache::Session s = cache.begin(slot, prompt);
+    ASSERT_TRUE(stack.forward_and_check(s.remaining(), prompt, slot));
+    s.prefill_done();
+  }
+  EXPECT_GT(stack.window.exposed_bytes(1), 0);  // slot 1's ring names its trie windows
+  PrefixCache::Session s = cache.begin(0, p + tokens(300, 3));
+  // Each session's own reservation fits: nothing was evicted or dropped on any call.
+  EXPECT_EQ(cache.stats().evicted_nodes, 0);
+  EXPECT_EQ(cache.stats().dropped_snapshots, 0);
+  EXPECT_EQ(cache.match(1, q + tokens(1, 1)), 30);
+}
+
+}  // namespace
+}  // namespace kvsnap
