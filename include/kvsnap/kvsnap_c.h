@@ -262,6 +262,10 @@ KVSNAP_EXPORT kvsnap_status kvsnap_cache_restore(kvsnap_cache* cache, kvsnap_sna
  * sequence once a batch row or a restore names it). */
 KVSNAP_EXPORT kvsnap_status kvsnap_cache_offset_seq(const kvsnap_cache* cache, int32_t seq,
                                                     int64_t* out);
+/* Bytes sequence `seq`'s writes may still copy into snapshots already taken (the lazy data they
+ * would overwrite): an upper bound (Cache::exposed_bytes). */
+KVSNAP_EXPORT kvsnap_status kvsnap_cache_exposed_bytes_seq(const kvsnap_cache* cache, int32_t seq,
+                                                           int64_t* out);
 /* The sequences holding state, ascending; sets *count, fails if it exceeds `capacity`. */
 KVSNAP_EXPORT kvsnap_status kvsnap_cache_sequences(const kvsnap_cache* cache, int32_t* seqs,
                                                    size_t capacity, size_t* count);

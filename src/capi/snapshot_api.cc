@@ -78,6 +78,11 @@ kvsnap_status kvsnap_cache_offset_seq(const kvsnap_cache* cache, int32_t seq, in
   return guard([&] { require(out, call, "out") = layer(cache, call).offset(seq); });
 }
 
+kvsnap_status kvsnap_cache_exposed_bytes_seq(const kvsnap_cache* cache, int32_t seq, int64_t* out) {
+  constexpr const char* call = "kvsnap_cache_exposed_bytes_seq";
+  return guard([&] { require(out, call, "out") = layer(cache, call).exposed_bytes(seq); });
+}
+
 kvsnap_status kvsnap_cache_sequences(const kvsnap_cache* cache, int32_t* seqs, size_t capacity,
                                      size_t* count) {
   constexpr const char* call = "kvsnap_cache_sequences";

@@ -75,6 +75,12 @@ static void test_sequences_share_blocks(void) {
   int64_t offset = -1;
   CHECK_OK(kvsnap_cache_offset_seq(cache, 2, &offset));
   CHECK(offset == 10); /* refused before writing */
+  /* Sequence 2 stands mid-block in a block others share: its next write copies that block. */
+  int64_t exposed = -1;
+  CHECK_OK(kvsnap_cache_exposed_bytes_seq(cache, 2, &exposed));
+  CHECK(exposed == 4 * 2 * 4 * 2 * 4); /* a block: 4 tokens, 2 heads of 4 keys and 4 values */
+  CHECK_OK(kvsnap_cache_exposed_bytes_seq(cache, 0, &exposed));
+  CHECK(exposed == 0); /* at a block boundary: full blocks are never written */
   kvsnap_kv_history rows[2];
   CHECK_OK(kvsnap_cache_update_rows(cache, &batch, keys, values, rows));
   kvsnap_array_info info;

@@ -26,6 +26,8 @@ def test_sequences_share_a_prefix_by_block_references(rng):
     assert stats.live_blocks == 3 and stats.blocks_copied == 0  # three blocks, shared by all
     assert sorted(cache.sequences()) == [0, 1, 2]
     assert [cache.offset_of(s) for s in (0, 1, 2)] == [12, 12, 10]
+    assert cache.exposed_bytes(2) == stats.bytes_in_use // 3  # its next write copies a block
+    assert cache.exposed_bytes(0) == 0  # sequence 0 stands at a block boundary
     write(cache, 2, kv(rng, 1))  # writes into the shared third block: that one is copied
     assert cache.pool_stats().blocks_copied == 1
     history = cache.view(kvsnap.Batch(seq_offsets=[0], seq_query_lens=[1], seq_ids=[1]))
