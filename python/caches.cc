@@ -108,11 +108,8 @@ and changes nothing.)")
       .def(
           "sequences", [](const Cache& c) { return c.sequences(); },
           "The sequences that hold state (sequence 0 alone for a fresh cache).")
-      .def(
-          "exposed_bytes", [](const Cache& c, SeqId seq) { return c.exposed_bytes(seq); },
-          py::arg("seq") = 0,
-          "Bytes the sequence's writes may still copy into snapshots already taken (lazy data "
-          "they would overwrite): an upper bound.")
+      .def("exposed_bytes", &Cache::exposed_bytes, py::arg("seq") = 0,
+           "Bytes the sequence's writes may still copy into snapshots taken: an upper bound.")
       .def(
           "state",
           [](const Cache& c, std::optional<SeqId> seq) {

@@ -74,8 +74,9 @@ class RotatingSequence final : public KVKind {
     return window;
   }
 
-  // The ring reaches every column within max_size tokens: all that lazy windows name is
-  // exposed.
+  // Writes may reach any column of the buffer (a ring wraps; a chunk relinearizes): all that
+  // lazy windows name is exposed. An upper bound: single-token writes to a full ring never
+  // reach columns beyond it that a long chunk left windows in.
   int64_t exposed_bytes() const override { return store.unbacked_bytes(INT64_MIN); }
 
   // Captures are whole windows.

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <tuple>
 
 namespace kvsnap::detail {
 
@@ -28,8 +29,9 @@ void LiveState::refresh_exposure() {
 }
 
 void LiveState::repoint_ranges() {
-  if (!consistent()) return;
+  // The caches hold the recorded tokens, and in decode the outputs after them.
   const auto live = static_cast<int64_t>(tokens_.size());
+  if (offset().value_or(-1) < live) return;
   for (Node* node : active_path()) {
     if (node->end > live) continue;  // the tip, partly live
     for (size_t i = 0; i < trie_.layers().size(); ++i) {
@@ -173,13 +175,13 @@ void evict_to_budget(Trie& trie, const std::vector<LiveState*>& live, int64_t bu
   // recently used (non-user) nodes first.
   std::vector<Node*> path;
   for (const LiveState* slot : live) {
-    for (Node* node : slot->active_path()) {
-      if (std::find(path.begin(), path.end(), node) == path.end()) path.push_back(node);
-    }
+    const std::vector<Node*> own = slot->active_path();
+    path.insert(path.end(), own.begin(), own.end());
   }
   std::sort(path.begin(), path.end(), [](const Node* a, const Node* b) {
-    return std::pair(a->user, a->last_used) < std::pair(b->user, b->last_used);
+    return std::tuple(a->user, a->last_used, a) < std::tuple(b->user, b->last_used, b);
   });
+  path.erase(std::unique(path.begin(), path.end()), path.end());  // paths several slots share
   for (Node* node : path) {
     for (size_t i = 0; i < trie.layers().size(); ++i) {
       if (!over()) return;

@@ -27,14 +27,17 @@ class LiveState {
   bool has_state() const;
   // Whether the caches may be written before the slot's next call: while a session is open.
   void set_writable(bool writable) { writable_ = writable; }
-  // What the slot's writes may copy into lazy snapshots before its next call, as of the last
-  // refresh: its layers' Cache::exposed_bytes, 0 while not writable. It stays an upper bound
-  // until then — writes only lower it — but for another slot's begin, which may share what
-  // these caches hold (then every slot refreshes).
+  // What the slot's writes may copy into the trie's lazy snapshots before its next call, as of
+  // the last refresh: its layers' Cache::exposed_bytes, 0 while not writable. Writes only lower
+  // what of it is the trie's; other slots' calls that change the trie or what the caches share
+  // (begin, prefill_done, close: trie splits can give a half-copied piece's columns back to
+  // its store) may raise it, so those refresh every slot.
   int64_t exposure() const { return exposure_; }
   void refresh_exposure();
-  // Points the KV snapshots of the active path's nodes, which the live caches hold whole, at
-  // them, lazily: what they owned, or named in another slot's caches, is given back.
+  // Points the KV snapshots of the active path's nodes that the live caches hold whole (all but
+  // a partly live tip; in decode too) at them, lazily: what they owned, or named in another
+  // slot's caches, is given back. Does nothing while the caches stand below the recorded
+  // tokens.
   void repoint_ranges();
   // The offset every stateful layer stands at (the token count for a stateless stack), or
   // nullopt when they disagree.

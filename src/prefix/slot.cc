@@ -136,7 +136,7 @@ void Slot::prefill_done() {
   attach_captures(/*complete=*/true);
   live_.set_tokens(std::span(s.tokens).subspan(0, static_cast<size_t>(s.prompt_length)));
   s.phase = SessionState::Phase::decode;
-  evict_(false);
+  evict_(true);  // the inserted nodes may have split others, lazy in other slots' caches
 }
 
 // Takes the layers' captures of the session's schedule — all of them, or (a prefill cut
@@ -229,7 +229,7 @@ void Slot::close() {
   const auto evaluated = std::span(s.tokens).subspan(0, static_cast<size_t>(offset));
   live_.set_tokens(evaluated);
   if (tier_ != nullptr) store_to_tier(*tier_, trie_, id_, evaluated);
-  evict_(false);
+  evict_(true);  // as in prefill_done
 }
 
 }  // namespace kvsnap::detail

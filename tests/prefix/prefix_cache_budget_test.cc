@@ -11,6 +11,7 @@ namespace kvsnap {
 namespace {
 
 using testing::HybridStack;
+using testing::StackOptions;
 using testing::Tokens;
 using testing::tokens;
 using testing::operator+;
@@ -48,6 +49,68 @@ TEST(PrefixCacheBudget, NodesLazyInAnotherSlotsCachesMoveToTheSlotStandingOnThem
   next.close();
   EXPECT_EQ(cache.match(1, p + tokens(900, 1)), 60);
   EXPECT_EQ(cache.check_invariants(), "");
+}
+
+// The same while slot 1 decodes: its caches stand past the tokens it recorded (the prompt), and
+// the nodes it stands on are still re-pointed at them.
+TEST(PrefixCacheBudget, NodesMoveToASlotThatIsDecoding) {
+  HybridStack stack(/*with_recurrent=*/false);
+  constexpr int64_t kBudget = 2000;
+  PrefixCache cache(stack.layers(), {.max_paged_out_bytes = kBudget, .slots = 2});
+  const Tokens p = tokens(100, 60);
+  {
+    PrefixCache::Session first = cache.begin(0, p);
+    ASSERT_TRUE(stack.forward_and_check(first.remaining(), p, 0));
+    first.prefill_done();
+  }
+  Tokens longer = p + tokens(300, 5);
+  PrefixCache::Session standing = cache.begin(1, longer);
+  ASSERT_TRUE(stack.forward_and_check(standing.remaining(), longer, 1));
+  standing.prefill_done();
+  standing.append_output(7);
+  longer.push_back(7);
+  ASSERT_TRUE(stack.forward_and_check(Tokens{7}, longer, 1));
+  const Tokens other = tokens(500, 60);
+  PrefixCache::Session next = cache.begin(0, other);
+  const int64_t copied = stack.attention().copy_stats().materialized_bytes;
+  ASSERT_TRUE(stack.forward_and_check(next.remaining(), other, 0));
+  EXPECT_EQ(stack.attention().copy_stats().materialized_bytes, copied);
+  EXPECT_LE(cache.paged_out_bytes(), kBudget);
+  EXPECT_EQ(cache.stats().dropped_snapshots, 0);  // re-pointing was enough
+}
+
+// Slot 0's prefill_done splits a node whose KV data is lazy in slot 1's caches and was partly
+// copied out: the half it gives back is exposed in slot 1's caches again, which slot 1's next
+// forward overwrites. prefill_done reserves it for every slot, so at any budget the trie stays
+// within it through that forward.
+TEST(PrefixCacheBudget, ANodeSplitByAnotherSlotIsReservedAgain) {
+  const auto run = [](int64_t budget) {
+    HybridStack stack(StackOptions{.check_copies = false});
+    PrefixCache cache(stack.layers(), {.max_paged_out_bytes = budget, .slots = 2});
+    const Tokens p = tokens(100, 20);
+    {
+      PrefixCache::Session s = cache.begin(1, p);
+      s.schedule_snapshots(std::vector<int64_t>{5});
+      EXPECT_TRUE(stack.forward_and_check(s.remaining(), p, 1));
+      s.prefill_done();
+    }
+    const Tokens q = Tokens(p.begin(), p.begin() + 5) + tokens(700, 10);
+    PrefixCache::Session b = cache.begin(1, q);
+    const int64_t cached = b.cached();  // 5, unless the budget evicted the node ending there
+    EXPECT_TRUE(stack.forward_and_check(Tokens(q.begin() + cached, q.begin() + 8),
+                                        Tokens(q.begin(), q.begin() + 8), 1));  // a first chunk
+    const Tokens r = Tokens(p.begin(), p.begin() + 12) + tokens(900, 3);
+    PrefixCache::Session a = cache.begin(0, r);
+    EXPECT_TRUE(stack.forward_and_check(a.remaining(), r, 0));
+    a.prefill_done();
+    a.append_output(42);
+    EXPECT_TRUE(stack.forward_rows_and_check(
+        {{1, Tokens(q.begin() + 8, q.end()), q}, {0, Tokens{42}, r + Tokens{42}}}));
+    return cache.paged_out_bytes();
+  };
+  for (int64_t budget = 2400; budget <= 4000; budget += 8) {
+    ASSERT_LE(run(budget), budget) << "budget " << budget;
+  }
 }
 
 // What one slot's calls reserve does not depend on a Speculation round open on another slot:
