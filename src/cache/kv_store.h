@@ -158,7 +158,7 @@ class KVStore {
   // columns there of pieces with no storage yet (a piece's storage is allocated, for its
   // columns from the first one written to its end, when a write first reaches it).
   int64_t unbacked_bytes(int64_t from) const {
-    return index.end() <= from ? 0 : index.unbacked_columns(from, INT64_MAX) * token_bytes();
+    return index.end() <= from ? 0 : index.unbacked_from(from) * token_bytes();
   }
   void materialize_all();
   void materialize(KVStateSnapshot& snapshot);

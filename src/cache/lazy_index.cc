@@ -10,10 +10,21 @@ bool LazyIndex::before(const Piece* a, const Piece* b) {
   return std::less<const Piece*>()(a, b);  // equal starts: any fixed order
 }
 
+namespace {
+// The piece's own lazy columns when it has no storage yet (a write would allocate for them).
+int64_t own_unbacked(const Piece& piece) {
+  return piece.keys.empty() ? piece.lazy_end() - piece.lazy_begin() : 0;
+}
+}  // namespace
+
 void LazyIndex::update(Piece* node) {
   node->max_end = node->lazy_end();
-  if (node->left != nullptr) node->max_end = std::max(node->max_end, node->left->max_end);
-  if (node->right != nullptr) node->max_end = std::max(node->max_end, node->right->max_end);
+  node->unbacked = own_unbacked(*node);
+  for (const Piece* child : {node->left, node->right}) {
+    if (child == nullptr) continue;
+    node->max_end = std::max(node->max_end, child->max_end);
+    node->unbacked += child->unbacked;
+  }
 }
 
 Piece* LazyIndex::merge(Piece* a, Piece* b) {
@@ -84,15 +95,23 @@ void LazyIndex::collect(Piece* node, int64_t from, int64_t to, std::vector<Piece
   collect(node->right, from, to, out);
 }
 
-int64_t LazyIndex::columns(const Piece* node, int64_t from, int64_t to, bool unbacked) {
+int64_t LazyIndex::columns(const Piece* node, int64_t from, int64_t to) {
   if (node == nullptr || node->max_end <= from) return 0;  // as in collect
-  int64_t total = columns(node->left, from, to, unbacked);
+  int64_t total = columns(node->left, from, to);
   if (node->lazy_begin() >= to) return total;
-  if (!unbacked || node->keys.empty()) {
-    total +=
-        std::max<int64_t>(0, std::min(to, node->lazy_end()) - std::max(from, node->lazy_begin()));
+  total +=
+      std::max<int64_t>(0, std::min(to, node->lazy_end()) - std::max(from, node->lazy_begin()));
+  return total + columns(node->right, from, to);
+}
+
+int64_t LazyIndex::unbacked_from(const Piece* node, int64_t from) {
+  if (node == nullptr || node->max_end <= from) return 0;
+  if (node->lazy_begin() >= from) {  // it and its right subtree lie wholly from `from` on
+    return own_unbacked(*node) + (node->right != nullptr ? node->right->unbacked : 0) +
+           unbacked_from(node->left, from);
   }
-  return total + columns(node->right, from, to, unbacked);
+  const int64_t own = node->keys.empty() ? std::max<int64_t>(0, node->lazy_end() - from) : 0;
+  return own + unbacked_from(node->left, from) + unbacked_from(node->right, from);
 }
 
 void LazyIndex::overlapping(int64_t from, int64_t to, std::vector<Piece*>& out) const {

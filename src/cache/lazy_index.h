@@ -37,7 +37,8 @@ struct Piece : Pooled<Piece> {
   Piece* left = nullptr;
   Piece* right = nullptr;
   uint64_t priority = 0;
-  int64_t max_end = 0;  // the largest lazy_end() in this subtree
+  int64_t max_end = 0;   // the largest lazy_end() in this subtree
+  int64_t unbacked = 0;  // the lazy columns of the pieces without storage in this subtree
   bool indexed = false;
 };
 
@@ -58,12 +59,11 @@ class LazyIndex {
   // Appends to `out` (cleared first) every piece whose lazy columns meet [from, to).
   // O(log n + k); allocates only if `out` must grow.
   void overlapping(int64_t from, int64_t to, std::vector<Piece*>& out) const;
-  // The lazy columns in [from, to), summed over every piece / over the pieces that have no
-  // storage yet. O(log n + k); allocates nothing.
-  int64_t columns(int64_t from, int64_t to) const { return columns(root_, from, to, false); }
-  int64_t unbacked_columns(int64_t from, int64_t to) const {
-    return columns(root_, from, to, true);
-  }
+  // The lazy columns in [from, to), summed over every piece. O(log n + k); allocates nothing.
+  int64_t columns(int64_t from, int64_t to) const { return columns(root_, from, to); }
+  // The lazy columns from `from` on of the pieces that have no storage yet: O(log n + the pieces
+  // that straddle `from`), through the subtree sums.
+  int64_t unbacked_from(int64_t from) const { return unbacked_from(root_, from); }
   // Appends every linked piece to `out` (cleared first).
   void all(std::vector<Piece*>& out) const { overlapping(INT64_MIN, INT64_MAX, out); }
 
@@ -75,7 +75,8 @@ class LazyIndex {
   static void split(Piece* node, const Piece* key, Piece*& low, Piece*& high);
   static Piece* erase(Piece* node, Piece* piece);
   static void collect(Piece* node, int64_t from, int64_t to, std::vector<Piece*>& out);
-  static int64_t columns(const Piece* node, int64_t from, int64_t to, bool unbacked);
+  static int64_t columns(const Piece* node, int64_t from, int64_t to);
+  static int64_t unbacked_from(const Piece* node, int64_t from);
 
   Piece* root_ = nullptr;
   uint64_t seed_ = 0x9e3779b97f4a7c15ull;
