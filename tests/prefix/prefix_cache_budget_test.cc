@@ -17,43 +17,11 @@ using testing::tokens;
 using testing::operator+;
 
 // Slot 1 stands on nodes whose KV snapshots are lazy in slot 0's caches (it restored them
-// from there). Slot 0 then starts an unrelated request, whose forward overwrites those columns.
+// from there), right after its prefill or while decoding (its caches then stand past the tokens
+// it recorded). Slot 0 then starts an unrelated request, whose forward overwrites those columns.
 // The nodes cannot be evicted (slot 1's active path), but slot 1's caches hold the same data:
 // they are re-pointed there before the forward, and nothing is copied out.
-TEST(PrefixCacheBudget, NodesLazyInAnotherSlotsCachesMoveToTheSlotStandingOnThem) {
-  HybridStack stack(/*with_recurrent=*/false);
-  constexpr int64_t kBudget = 2000;
-  PrefixCache cache(stack.layers(), {.max_paged_out_bytes = kBudget, .slots = 2});
-  const Tokens p = tokens(100, 60);
-  {
-    PrefixCache::Session first = cache.begin(0, p);
-    ASSERT_TRUE(stack.forward_and_check(first.remaining(), p, 0));
-    first.prefill_done();
-  }
-  const Tokens longer = p + tokens(300, 5);
-  PrefixCache::Session standing = cache.begin(1, longer);
-  EXPECT_EQ(standing.cached(), 60);
-  ASSERT_TRUE(stack.forward_and_check(standing.remaining(), longer, 1));
-  standing.prefill_done();
-  const Tokens other = tokens(500, 60);
-  PrefixCache::Session next = cache.begin(0, other);
-  EXPECT_EQ(stack.attention().exposed_bytes(0), 0);  // nothing lazy left where slot 0 writes
-  const int64_t copied = stack.attention().copy_stats().materialized_bytes;
-  ASSERT_TRUE(stack.forward_and_check(next.remaining(), other, 0));
-  EXPECT_EQ(stack.attention().copy_stats().materialized_bytes, copied);
-  EXPECT_LE(cache.paged_out_bytes(), kBudget);
-  next.prefill_done();
-  EXPECT_LE(cache.paged_out_bytes(), kBudget);
-  // Slot 1 still restores its prefix from the trie.
-  standing.close();
-  next.close();
-  EXPECT_EQ(cache.match(1, p + tokens(900, 1)), 60);
-  EXPECT_EQ(cache.check_invariants(), "");
-}
-
-// The same while slot 1 decodes: its caches stand past the tokens it recorded (the prompt), and
-// the nodes it stands on are still re-pointed at them.
-TEST(PrefixCacheBudget, NodesMoveToASlotThatIsDecoding) {
+void another_slot_stands_on_our_nodes(bool decoding) {
   HybridStack stack(/*with_recurrent=*/false);
   constexpr int64_t kBudget = 2000;
   PrefixCache cache(stack.layers(), {.max_paged_out_bytes = kBudget, .slots = 2});
@@ -65,18 +33,36 @@ TEST(PrefixCacheBudget, NodesMoveToASlotThatIsDecoding) {
   }
   Tokens longer = p + tokens(300, 5);
   PrefixCache::Session standing = cache.begin(1, longer);
+  EXPECT_EQ(standing.cached(), 60);
   ASSERT_TRUE(stack.forward_and_check(standing.remaining(), longer, 1));
   standing.prefill_done();
-  standing.append_output(7);
-  longer.push_back(7);
-  ASSERT_TRUE(stack.forward_and_check(Tokens{7}, longer, 1));
+  if (decoding) {
+    standing.append_output(7);
+    longer.push_back(7);
+    ASSERT_TRUE(stack.forward_and_check(Tokens{7}, longer, 1));
+  }
   const Tokens other = tokens(500, 60);
   PrefixCache::Session next = cache.begin(0, other);
+  EXPECT_EQ(stack.attention().exposed_bytes(0), 0);  // nothing lazy left where slot 0 writes
   const int64_t copied = stack.attention().copy_stats().materialized_bytes;
   ASSERT_TRUE(stack.forward_and_check(next.remaining(), other, 0));
   EXPECT_EQ(stack.attention().copy_stats().materialized_bytes, copied);
   EXPECT_LE(cache.paged_out_bytes(), kBudget);
+  next.prefill_done();
+  EXPECT_LE(cache.paged_out_bytes(), kBudget);
   EXPECT_EQ(cache.stats().dropped_snapshots, 0);  // re-pointing was enough
+  // Slot 1 still restores its prefix from the trie.
+  standing.close();
+  next.close();
+  EXPECT_EQ(cache.match(1, p + tokens(900, 1)), 60);
+  EXPECT_EQ(cache.check_invariants(), "");
+}
+
+TEST(PrefixCacheBudget, NodesLazyInAnotherSlotsCachesMoveToTheSlotStandingOnThem) {
+  another_slot_stands_on_our_nodes(/*decoding=*/false);
+}
+TEST(PrefixCacheBudget, NodesMoveToASlotThatIsDecoding) {
+  another_slot_stands_on_our_nodes(/*decoding=*/true);
 }
 
 // Slot 0's prefill_done splits a node whose KV data is lazy in slot 1's caches and was partly
