@@ -137,7 +137,8 @@ void LiveState::relazify(Node& node, size_t layer, int64_t from) {
 }
 
 void evict_to_budget(Trie& trie, const std::vector<LiveState*>& live, int64_t budget,
-                     int64_t& evicted_nodes, int64_t& dropped_snapshots) {
+                     int64_t& evicted_nodes, int64_t& dropped_snapshots, bool may_skip,
+                     uint64_t& futile) {
   const auto keep = [&](const Node& node) {
     return std::any_of(live.begin(), live.end(),
                        [&](const LiveState* slot) { return slot->on_active_path(node); });
@@ -163,7 +164,7 @@ void evict_to_budget(Trie& trie, const std::vector<LiveState*>& live, int64_t bu
     ++evicted_nodes;
     refresh();
   }
-  if (!over()) return;
+  if (!over() || (may_skip && trie.version() == futile)) return;
   // The active paths' KV ranges are in the live caches that stand on them: what they own, or
   // name in another slot's caches (exposed there), is given back.
   for (LiveState* slot : live) slot->repoint_ranges();
@@ -193,6 +194,7 @@ void evict_to_budget(Trie& trie, const std::vector<LiveState*>& live, int64_t bu
       }
     }
   }
+  futile = trie.version();  // still over: only what the active paths need is left
 }
 
 }  // namespace kvsnap::detail

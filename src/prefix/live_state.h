@@ -77,7 +77,12 @@ class LiveState {
 // at the live caches, then drops their whole-state snapshots that own or may come to own bytes
 // (restore points, not needed by the live states). Counts into the two counters. The callers
 // refresh their own slot's exposure first.
+//
+// `futile` remembers the trie's version when the last resort last left it over the budget;
+// with `may_skip` (a decode step, which moves no live path) it is not tried again until the
+// trie changed: it could do nothing more.
 void evict_to_budget(Trie& trie, const std::vector<LiveState*>& live, int64_t budget,
-                     int64_t& evicted_nodes, int64_t& dropped_snapshots);
+                     int64_t& evicted_nodes, int64_t& dropped_snapshots, bool may_skip,
+                     uint64_t& futile);
 
 }  // namespace kvsnap::detail

@@ -51,7 +51,7 @@ class PrefixCacheImpl {
     }
     for (SeqId id = 0; id < options.slots; ++id) {
       slots.push_back(std::make_unique<Slot>(
-          trie, id, [this, id](bool everyone) { evict(id, everyone); }, this->options.tier.get()));
+          trie, id, [this, id](Change change) { evict(id, change); }, this->options.tier.get()));
       live.push_back(&slots.back()->live());
     }
   }
@@ -73,14 +73,13 @@ class PrefixCacheImpl {
   bool any_open() const {
     return std::any_of(slots.begin(), slots.end(), [](const auto& s) { return s->open(); });
   }
-  // Keeps the trie within its budget after a call of slot `caller`, refreshing its exposure
-  // (every slot's when `everyone`).
-  void evict(SeqId caller, bool everyone) {
+  // Keeps the trie within its budget after a call of slot `caller` that made `change`.
+  void evict(SeqId caller, Change change) {
     for (const auto& slot : slots) {
-      if (everyone || slot->id() == caller) slot->live().refresh_exposure();
+      if (change == Change::shared || slot->id() == caller) slot->live().refresh_exposure();
     }
     evict_to_budget(trie, live, options.max_paged_out_bytes, stats.evicted_nodes,
-                    stats.dropped_snapshots);
+                    stats.dropped_snapshots, change == Change::decode, futile);
   }
   // Before begin on slot `id`: when the trie cannot restore all of `prompt` but its last token,
   // asks the tier — without the lock, so other calls go on meanwhile — and inserts what it found.
@@ -97,7 +96,7 @@ class PrefixCacheImpl {
     TierMatch found = options.tier->lookup(prompt, limit, held);
     if (found.offset == 0) return;
     const std::lock_guard<std::mutex> lock(mutex);
-    if (insert_from_tier(trie, prompt, std::move(found))) evict(id, false);
+    if (insert_from_tier(trie, prompt, std::move(found))) evict(id, Change::shared);
   }
 
   mutable std::mutex mutex;
@@ -105,7 +104,8 @@ class PrefixCacheImpl {
   PrefixCache::Options options;
   PrefixCache::Stats stats;
   std::vector<std::unique_ptr<Slot>> slots;
-  std::vector<LiveState*> live;  // every slot's, for eviction
+  std::vector<LiveState*> live;    // every slot's, for eviction
+  uint64_t futile = ~uint64_t{0};  // see evict_to_budget
 };
 
 }  // namespace detail
@@ -151,7 +151,7 @@ void PrefixCache::load(const std::string& dir, const std::string& model_id,
                           path, impl_->trie.layers(), model_id);
   for (const auto& slot : impl_->slots) slot->live().reset();
   detail::install(impl_->trie, std::move(loaded));
-  impl_->evict(0, true);
+  impl_->evict(0, detail::Change::shared);
 }
 
 bool PrefixCache::saved_in(const std::string& dir) { return saved_in(dir, LoadOptions{}); }

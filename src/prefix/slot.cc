@@ -28,7 +28,7 @@ std::shared_ptr<SessionState> Slot::begin(std::span<const int32_t> prompt, Prefi
     throw Error("PrefixCache::begin: the prompt is empty; at least one token must be evaluated");
   }
   if (!live_.consistent()) live_.reset();  // the caches were moved behind our back
-  evict_(false);
+  evict_(Change::own);
 
   const Trie::Match match = trie_.match(prompt);
   const auto length = static_cast<int64_t>(prompt.size());
@@ -60,7 +60,7 @@ std::shared_ptr<SessionState> Slot::begin(std::span<const int32_t> prompt, Prefi
   stats.matched_tokens += match.length;
   stats.reused_tokens += plan.target;
   // The switch may have shared what other slots' caches hold: every exposure is refreshed.
-  evict_(true);
+  evict_(Change::shared);
   return state;
 }
 
@@ -136,7 +136,7 @@ void Slot::prefill_done() {
   attach_captures(/*complete=*/true);
   live_.set_tokens(std::span(s.tokens).subspan(0, static_cast<size_t>(s.prompt_length)));
   s.phase = SessionState::Phase::decode;
-  evict_(true);  // the inserted nodes may have split others, lazy in other slots' caches
+  evict_(Change::shared);  // the inserted nodes may have split others, lazy in other slots' caches
 }
 
 // Takes the layers' captures of the session's schedule — all of them, or (a prefill cut
@@ -175,7 +175,7 @@ void Slot::append_output(int32_t token) {
     throw Error("Session::append_output: call prefill_done() after the prefill forward first");
   }
   s.tokens.push_back(token);
-  evict_(false);  // the decode step copied out part of what was reserved; the next is reserved
+  evict_(Change::decode);  // the step copied out part of what was reserved; reserve the next
 }
 
 void Slot::retract_outputs(int64_t count) {
@@ -214,7 +214,7 @@ void Slot::close() {
   if (offset < 0 || offset > static_cast<int64_t>(s.tokens.size()) || offset < s.paged_end) {
     // The caches were driven past what the session knows: nothing consistent to page out.
     live_.reset();
-    evict_(false);
+    evict_(Change::own);
     return;
   }
   if (offset > s.paged_end) {
@@ -229,7 +229,7 @@ void Slot::close() {
   const auto evaluated = std::span(s.tokens).subspan(0, static_cast<size_t>(offset));
   live_.set_tokens(evaluated);
   if (tier_ != nullptr) store_to_tier(*tier_, trie_, id_, evaluated);
-  evict_(true);  // as in prefill_done
+  evict_(Change::shared);  // as in prefill_done
 }
 
 }  // namespace kvsnap::detail

@@ -38,12 +38,19 @@ struct SessionState {
   std::vector<int64_t> scheduled;  // the captures the layers were asked for, ascending
 };
 
+// What a call changed, for the eviction after it.
+enum class Change {
+  own,     // the slot's own caches or session: its exposure is refreshed
+  shared,  // the trie or what the caches share: every slot's exposure is refreshed
+  decode,  // a decode step: as `own`, and a last resort that left the trie over the budget is
+           // not retried while the trie is unchanged (it could do nothing more)
+};
+
 class Slot {
  public:
-  // `evict(everyone)` keeps the trie under its budget (run after every change; `everyone` when
-  // every slot's exposure must be refreshed, not only ours); `tier` (not owned, may be null)
-  // receives the restore points of each closed session.
-  Slot(Trie& trie, SeqId id, std::function<void(bool everyone)> evict, Tier* tier = nullptr)
+  // `evict(change)` keeps the trie under its budget (run after every change); `tier` (not owned,
+  // may be null) receives the restore points of each closed session.
+  Slot(Trie& trie, SeqId id, std::function<void(Change)> evict, Tier* tier = nullptr)
       : trie_(trie), id_(id), live_(trie, id), evict_(std::move(evict)), tier_(tier) {}
 
   SeqId id() const { return id_; }
@@ -79,7 +86,7 @@ class Slot {
   Trie& trie_;
   const SeqId id_;
   LiveState live_;
-  std::function<void(bool everyone)> evict_;
+  std::function<void(Change)> evict_;
   Tier* tier_;
   std::shared_ptr<SessionState> session_;  // the open session, if any
 };

@@ -33,10 +33,12 @@ Trie::~Trie() {
 }
 
 void Trie::unindex(Node& node) {
+  ++version_;
   if (&node != &root_ && node.children.empty()) leaves_.erase({node.user, node.last_used, &node});
 }
 
 void Trie::index(Node& node) {
+  ++version_;
   if (&node != &root_ && node.children.empty()) leaves_.insert({node.user, node.last_used, &node});
 }
 
@@ -55,6 +57,7 @@ Node* Trie::eviction_candidate(const std::function<bool(const Node&)>& keep) con
 
 void Trie::attach(Node& node, size_t layer, SnapshotPtr snapshot) {
   if (snapshot == nullptr) return;
+  ++version_;
   // The hook and the size at one instant: a forward on another thread may be copying the
   // snapshot out right now.
   bytes_ += hook_and_size(*snapshot, [this](int64_t delta) { bytes_ += delta; });
@@ -63,6 +66,7 @@ void Trie::attach(Node& node, size_t layer, SnapshotPtr snapshot) {
 
 SnapshotPtr Trie::detach(Node& node, size_t layer) {
   SnapshotPtr snapshot = std::move(node.snapshots[layer]);
+  ++version_;
   if (snapshot != nullptr) bytes_ -= hook_and_size(*snapshot, nullptr);
   return snapshot;
 }

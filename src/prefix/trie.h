@@ -57,6 +57,8 @@ class Trie {
   int64_t bytes() const { return bytes_.load(std::memory_order_relaxed); }
   int64_t recount_bytes() const;
   int64_t node_count() const { return node_count_; }
+  // Changes whenever a node or a snapshot is added, removed, replaced or used.
+  uint64_t version() const { return version_; }
   // A fresh last-use time, later than every earlier one.
   int64_t tick() { return ++clock_; }
   // Marks `node` used now.
@@ -123,6 +125,7 @@ class Trie {
   std::atomic<int64_t> bytes_{0};
   int64_t node_count_ = 0;
   int64_t clock_ = 0;
+  uint64_t version_ = 0;
   std::set<std::tuple<bool, int64_t, Node*>> leaves_;  // (user, last_used, node)
 };
 

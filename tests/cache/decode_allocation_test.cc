@@ -184,5 +184,31 @@ TEST(DecodeAllocation, SpeculationRoundAllocatesNothing) {
   EXPECT_GT(round.stats().rewinds, 0);
 }
 
+// append_output, the PrefixCache call per decoded token, allocates nothing: under the budget,
+// and over it when nothing more can be evicted — here a window snapshot the caller holds keeps
+// the ring's exposure above a zero budget, and the last resort is not retried while the trie
+// is unchanged.
+TEST(DecodeAllocation, AppendOutputAllocatesNothingUnderOrOverTheBudget) {
+  for (const int64_t budget : {int64_t{1} << 30, int64_t{0}}) {
+    KVCache attention;
+    RotatingKVCache window(8);
+    PrefixCache cache({&attention, &window}, {.max_paged_out_bytes = budget});
+    std::vector<int32_t> prompt(20);
+    for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(i);
+    PrefixCache::Session session = cache.begin(prompt);
+    testing::write(attention, kv, testing::id_range(0, 20));
+    testing::write(window, kv, testing::id_range(0, 20));
+    session.prefill_done();
+    const SnapshotPtr held = window.snapshot(0);  // lazy in the ring: exposed, not the trie's
+    EXPECT_EQ(allocations_of([&] {
+                session.append_output(7);
+                session.retract_outputs(1);  // the session's token list keeps its size
+              }),
+              0)
+        << "budget " << budget;
+    EXPECT_EQ(cache.check_invariants(), "");
+  }
+}
+
 }  // namespace
 }  // namespace kvsnap
