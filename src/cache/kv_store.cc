@@ -367,7 +367,14 @@ void KVStore::preserve(int64_t from, int64_t to) {
 }
 
 int64_t KVStore::lazy_bytes(int64_t from, int64_t to) const {
-  return index.end() <= from ? 0 : index.columns(from, to) * token_bytes();
+  if (index.end() <= from) return 0;
+  std::vector<Piece*> pieces;
+  index.overlapping(from, to, pieces);
+  int64_t columns = 0;
+  for (const Piece* piece : pieces) {
+    columns += std::min(to, piece->lazy_end()) - std::max(from, piece->lazy_begin());
+  }
+  return columns * token_bytes();
 }
 
 void KVStore::copy_out(Piece& piece, int64_t to) {

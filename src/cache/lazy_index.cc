@@ -95,15 +95,6 @@ void LazyIndex::collect(Piece* node, int64_t from, int64_t to, std::vector<Piece
   collect(node->right, from, to, out);
 }
 
-int64_t LazyIndex::columns(const Piece* node, int64_t from, int64_t to) {
-  if (node == nullptr || node->max_end <= from) return 0;  // as in collect
-  int64_t total = columns(node->left, from, to);
-  if (node->lazy_begin() >= to) return total;
-  total +=
-      std::max<int64_t>(0, std::min(to, node->lazy_end()) - std::max(from, node->lazy_begin()));
-  return total + columns(node->right, from, to);
-}
-
 int64_t LazyIndex::unbacked_from(const Piece* node, int64_t from) {
   if (node == nullptr || node->max_end <= from) return 0;
   if (node->lazy_begin() >= from) {  // it and its right subtree lie wholly from `from` on

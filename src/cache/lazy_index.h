@@ -59,8 +59,6 @@ class LazyIndex {
   // Appends to `out` (cleared first) every piece whose lazy columns meet [from, to).
   // O(log n + k); allocates only if `out` must grow.
   void overlapping(int64_t from, int64_t to, std::vector<Piece*>& out) const;
-  // The lazy columns in [from, to), summed over every piece. O(log n + k); allocates nothing.
-  int64_t columns(int64_t from, int64_t to) const { return columns(root_, from, to); }
   // The lazy columns from `from` on of the pieces that have no storage yet: O(log n + the pieces
   // that straddle `from`), through the subtree sums.
   int64_t unbacked_from(int64_t from) const { return unbacked_from(root_, from); }
@@ -75,7 +73,6 @@ class LazyIndex {
   static void split(Piece* node, const Piece* key, Piece*& low, Piece*& high);
   static Piece* erase(Piece* node, Piece* piece);
   static void collect(Piece* node, int64_t from, int64_t to, std::vector<Piece*>& out);
-  static int64_t columns(const Piece* node, int64_t from, int64_t to);
   static int64_t unbacked_from(const Piece* node, int64_t from);
 
   Piece* root_ = nullptr;
