@@ -17,6 +17,7 @@ namespace {
 using testing::HybridStack;
 using testing::StackOptions;
 using testing::Tokens;
+using testing::tokens;
 using testing::operator+;
 
 class SpeculativeConversations {
@@ -156,6 +157,47 @@ TEST_P(SpeculationSessions, RandomInterleavingsUnderASmallBudget) {
     SpeculativeConversations conversations(seed, GetParam(), 3000);
     conversations.run(14);
   }
+}
+
+// A rollback of the layers into the prompt is not one of drafts: the trie's nodes on the
+// session's path name those columns (here lazily, in the live caches), and re-evaluating them
+// would copy them into the trie unreserved. retract_outputs refuses it, changing nothing.
+TEST(SpeculationSessions, RetractOutputsRefusesLayersRolledBackIntoThePrompt) {
+  HybridStack stack(/*with_recurrent=*/false, /*window_size=*/64);  // both layers rewind
+  PrefixCache cache(stack.layers());
+  const Tokens prompt = tokens(100, 6);
+  {
+    PrefixCache::Session first = cache.begin(prompt);
+    ASSERT_TRUE(stack.forward_and_check(first.remaining(), prompt));
+    first.prefill_done();
+  }
+  const Tokens longer = prompt + tokens(300, 4);
+  PrefixCache::Session session = cache.begin(longer);
+  ASSERT_EQ(session.cached(), 6);
+  ASSERT_TRUE(stack.forward_and_check(session.remaining(), longer));
+  session.prefill_done();
+  session.append_output(7);
+  session.append_output(8);
+  ASSERT_TRUE(stack.forward_and_check(Tokens{7}, longer + Tokens{7}));
+  for (Cache* layer : stack.layers()) {
+    if (layer != nullptr) {
+      ASSERT_TRUE(layer->restore(0, nullptr, 9));  // one token short of the prompt's end
+    }
+  }
+  try {
+    session.retract_outputs(1);
+    ADD_FAILURE() << "retract_outputs accepted layers inside the prompt";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("offset 9, inside the 10-token prompt"), std::string::npos)
+        << e.what();
+  }
+  // Unchanged: back at the prompt's end the same call succeeds, and the session pages out what
+  // the layers then hold.
+  ASSERT_TRUE(stack.forward_and_check(Tokens{longer.back()}, longer));
+  session.retract_outputs(1);
+  session.close();
+  EXPECT_EQ(cache.match(longer + Tokens{7}), 10);
+  EXPECT_EQ(cache.check_invariants(), "");
 }
 
 TEST(SpeculationSessions, RetractOutputsChecksItsCount) {
