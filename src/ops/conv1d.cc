@@ -1,5 +1,6 @@
 #include "kvsnap/ops.h"
 #include "ops/checks.h"
+#include "ops/float_source.h"
 
 namespace kvsnap {
 
