@@ -67,17 +67,36 @@ std::vector<double> naive_outputs(const DeltaInputs& in) {
   return out;
 }
 
+// Key depths below, at and past the kernel's 16 lanes, with a tail after them.
 TEST(GatedDelta, MatchesTheMatrixFormOfTheRecurrence) {
-  const auto in = make_inputs(2, 9, 2, 4, 6, 5, 1);
-  const auto result = gated_delta(in.q, in.k, in.v, in.g, in.beta, Array());
-  const auto got = result.output.to_floats();
-  const auto expected = naive_outputs(in);
-  ASSERT_EQ(got.size(), expected.size());
-  for (size_t i = 0; i < got.size(); ++i) {
-    EXPECT_NEAR(got[i], expected[i], 1e-5 * std::max(1.0, std::fabs(expected[i]))) << i;
+  for (const int64_t key_depth : {6, 16, 37}) {
+    const auto in = make_inputs(2, 9, 2, 4, key_depth, 5, 1);
+    const auto result = gated_delta(in.q, in.k, in.v, in.g, in.beta, Array());
+    const auto got = result.output.to_floats();
+    const auto expected = naive_outputs(in);
+    ASSERT_EQ(got.size(), expected.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_NEAR(got[i], expected[i], 1e-5 * std::max(1.0, std::fabs(expected[i])))
+          << "key depth " << key_depth << ", element " << i;
+    }
+    EXPECT_EQ(result.states.back().shape(), (Shape{2, 4, 5, key_depth}));
+    EXPECT_EQ(result.states.back().dtype(), DType::f32);
   }
-  EXPECT_EQ(result.states.back().shape(), (Shape{2, 4, 5, 6}));
-  EXPECT_EQ(result.states.back().dtype(), DType::f32);
+}
+
+// A row's results do not depend on the rows beside it: every sum has one order, so a sequence
+// decoding in a batch continues bitwise as it would alone.
+TEST(GatedDelta, EachRowOfABatchIsBitwiseItsRunAlone) {
+  const auto in = make_inputs(3, 5, 2, 4, 37, 8, 4);
+  const auto batch = gated_delta(in.q, in.k, in.v, in.g, in.beta, Array());
+  for (int64_t b = 0; b < 3; ++b) {
+    const auto alone =
+        gated_delta(in.q.slice(0, b, b + 1), in.k.slice(0, b, b + 1), in.v.slice(0, b, b + 1),
+                    in.g.slice(0, b, b + 1), in.beta.slice(0, b, b + 1), Array());
+    EXPECT_EQ(alone.output.to_floats(), batch.output.slice(0, b, b + 1).to_floats()) << b;
+    EXPECT_EQ(alone.states.back().to_floats(), batch.states.back().slice(0, b, b + 1).to_floats())
+        << b;
+  }
 }
 
 TEST(GatedDelta, SegmentedRunEqualsOneRun) {
