@@ -35,6 +35,7 @@ std::unique_ptr<PySnapshot> wrap_snapshot(SnapshotPtr snapshot);
 void bind_batch_and_history(py::module_& module);
 void bind_caches(py::module_& module);
 void bind_prefix(py::module_& module);
+void bind_speculation(py::module_& module);
 void bind_ops(py::module_& module);
 
 }  // namespace kvsnap::python

@@ -21,5 +21,6 @@ not thread-safe: use a cache, its snapshots and its prefix cache from one thread
   bind_batch_and_history(m);
   bind_caches(m);
   bind_prefix(m);
+  bind_speculation(m);
   bind_ops(m);
 }

@@ -66,6 +66,12 @@ tokens out into the trie.)")
           "append_output", [](PySession& s, int32_t token) { s.session.append_output(token); },
           py::arg("token"), "A generated token.")
       .def(
+          "retract_outputs", [](PySession& s, int64_t count) { s.session.retract_outputs(count); },
+          py::arg("count"),
+          "Takes back the last `count` generated tokens (drafts the verification rejected; "
+          "never paged out). Raises Error, changing nothing, unless decoding, 0 <= count <= "
+          "the tokens generated so far, and the layers stand at or past the prompt's end.")
+      .def(
           "close", [](PySession& s) { s.session.close(); },
           "Pages the evaluated tokens out and ends the session (idempotent).")
       .def("__enter__", [](py::object self) { return self; })

@@ -399,10 +399,56 @@ KVSNAP_EXPORT kvsnap_status kvsnap_session_schedule_snapshots(kvsnap_session* se
 KVSNAP_EXPORT kvsnap_status kvsnap_session_prefill_done(kvsnap_session* session);
 /* A generated token. */
 KVSNAP_EXPORT kvsnap_status kvsnap_session_append_output(kvsnap_session* session, int32_t token);
+/* Takes back the last `count` generated tokens (drafts the verification rejected; never paged
+ * out). Fails, changing nothing, unless decoding, 0 <= count <= the tokens generated so far, and
+ * the layers stand at or past the prompt's end: a rollback never enters the prompt. */
+KVSNAP_EXPORT kvsnap_status kvsnap_session_retract_outputs(kvsnap_session* session, int64_t count);
 /* Pages the evaluated tokens out into the trie and ends the session (idempotent). */
 KVSNAP_EXPORT kvsnap_status kvsnap_session_close(kvsnap_session* session);
 /* Closes the session if still open (a failure to page out is dropped), then frees it. */
 KVSNAP_EXPORT void kvsnap_session_destroy(kvsnap_session* session);
+
+/* ---- Speculation ---------------------------------------------------------------------------
+ * Exact rollback of a verified chunk, for every cache kind (speculation.h): begin(k) before the
+ * verify forward of the last accepted token and k drafts, accept(a) after it; every layer then
+ * stands at start + a + 1, attention layers rewound, whole-state layers restored from captures
+ * the forward took. With a prefix cache session, append only the accepted tokens (or append the
+ * drafts and kvsnap_session_retract_outputs the rejected ones). */
+
+typedef struct kvsnap_speculation kvsnap_speculation;
+
+typedef struct kvsnap_speculation_stats {
+  int64_t rounds;   /* accepted rounds */
+  int64_t drafted;  /* draft tokens verified */
+  int64_t accepted; /* of them, confirmed */
+  int64_t restores; /* layer restores from a capture */
+  int64_t rewinds;  /* layer offset rewinds */
+} kvsnap_speculation_stats;
+
+/* Rounds over sequence `seq` of `count` layers, borrowed: they must outlive it (a NULL entry is
+ * a stateless layer). */
+KVSNAP_EXPORT kvsnap_status kvsnap_speculation_create(kvsnap_cache* const* layers, size_t count,
+                                                      int32_t seq, kvsnap_speculation** out);
+/* Cancels an open round (its captures dropped, the layers left where they are), then frees. */
+KVSNAP_EXPORT void kvsnap_speculation_destroy(kvsnap_speculation* speculation);
+/* Opens a round of `drafts` drafts at the layers' common offset. Fails, changing nothing, for
+ * drafts < 0, an open round, layers that disagree on their offset, or captures already
+ * scheduled. */
+KVSNAP_EXPORT kvsnap_status kvsnap_speculation_begin(kvsnap_speculation* speculation,
+                                                     int64_t drafts);
+/* Closes the round: the first `accepted` drafts were confirmed. Fails, the round left open and
+ * nothing changed, unless 0 <= accepted <= drafts and every layer stands at the verify
+ * forward's end. */
+KVSNAP_EXPORT kvsnap_status kvsnap_speculation_accept(kvsnap_speculation* speculation,
+                                                      int64_t accepted);
+/* Drops an open round's captures without moving any layer (nothing to do without a round). */
+KVSNAP_EXPORT kvsnap_status kvsnap_speculation_cancel(kvsnap_speculation* speculation);
+/* Whether a round is open, and its start offset and draft count (any output may be NULL). */
+KVSNAP_EXPORT kvsnap_status kvsnap_speculation_get_round(const kvsnap_speculation* speculation,
+                                                         bool* open, int64_t* start,
+                                                         int64_t* drafts);
+KVSNAP_EXPORT kvsnap_status kvsnap_speculation_get_stats(const kvsnap_speculation* speculation,
+                                                         kvsnap_speculation_stats* out);
 
 #ifdef __cplusplus
 } /* extern "C" */

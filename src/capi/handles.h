@@ -32,6 +32,9 @@ struct kvsnap_prefix_cache {
 struct kvsnap_session {
   kvsnap::PrefixCache::Session session;
 };
+struct kvsnap_speculation {
+  std::unique_ptr<kvsnap::Speculation> speculation;
+};
 
 namespace kvsnap::capi {
 

@@ -164,6 +164,11 @@ kvsnap_status kvsnap_session_append_output(kvsnap_session* session, int32_t toke
   return guard([&] { session_of(session, "kvsnap_session_append_output").append_output(token); });
 }
 
+kvsnap_status kvsnap_session_retract_outputs(kvsnap_session* session, int64_t count) {
+  return guard(
+      [&] { session_of(session, "kvsnap_session_retract_outputs").retract_outputs(count); });
+}
+
 kvsnap_status kvsnap_session_close(kvsnap_session* session) {
   return guard([&] { session_of(session, "kvsnap_session_close").close(); });
 }

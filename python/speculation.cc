@@ -1,0 +1,75 @@
+// kvsnap.Speculation: exact rollback of a verified chunk of drafts, for every cache kind.
+#include <pybind11/stl.h>
+
+#include "bindings.h"
+
+namespace kvsnap::python {
+namespace {
+
+// A Speculation and the Python caches it rolls back, kept alive as long as it is.
+struct PySpeculation {
+  py::tuple layers;                          // destroyed after `speculation` (declared first)
+  std::unique_ptr<Speculation> speculation;  // its destructor cancels an open round
+};
+
+PySpeculation make_speculation(const py::sequence& layers, SeqId seq) {
+  std::vector<Cache*> caches;
+  for (py::handle layer : layers) {
+    caches.push_back(layer.is_none() ? nullptr : layer.cast<Cache*>());
+  }
+  return PySpeculation{py::tuple(layers), std::make_unique<Speculation>(caches, seq)};
+}
+
+}  // namespace
+
+void bind_speculation(py::module_& m) {
+  py::class_<PySpeculation>(m, "Speculation", R"(Exact rollback of a verified chunk of drafts.
+
+begin(k) before the verify forward of the last accepted token and k drafts at the layers'
+common offset; accept(a) after it, when the model confirmed the first a drafts: every layer
+then stands at start + a + 1 without recomputing anything — attention layers rewind,
+whole-state layers (a window past its size, a recurrent state) restore what the forward
+captured. With a prefix cache session, append only the accepted tokens, or append the drafts
+and retract_outputs() the rejected ones.)")
+      .def(py::init(&make_speculation), py::arg("layers"), py::kw_only(), py::arg("seq") = 0,
+           "Rounds over sequence `seq` of `layers` (the model's caches in order, None for a "
+           "stateless layer).")
+      .def(
+          "begin", [](PySpeculation& s, int64_t drafts) { s.speculation->begin(drafts); },
+          py::arg("drafts"),
+          "Opens a round before the verify forward of 1 + `drafts` tokens. Raises Error, "
+          "changing nothing, for drafts < 0, an open round, layers that disagree on their "
+          "offset, or captures already scheduled.")
+      .def(
+          "accept", [](PySpeculation& s, int64_t accepted) { s.speculation->accept(accepted); },
+          py::arg("accepted"),
+          "Closes the round: the first `accepted` drafts were confirmed. Raises Error, the "
+          "round left open, unless 0 <= accepted <= drafts and every layer stands at the "
+          "verify forward's end.")
+      .def(
+          "cancel", [](PySpeculation& s) { s.speculation->cancel(); },
+          "Drops an open round's captures without moving any layer.")
+      .def_property_readonly(
+          "open", [](const PySpeculation& s) { return s.speculation->open(); },
+          "Whether a round is open.")
+      .def_property_readonly(
+          "start", [](const PySpeculation& s) { return s.speculation->start(); },
+          "The open round's start offset.")
+      .def_property_readonly(
+          "drafts", [](const PySpeculation& s) { return s.speculation->drafts(); },
+          "The open round's draft count.")
+      .def_property_readonly(
+          "capturing_layers",
+          [](const PySpeculation& s) { return s.speculation->capturing_layers(); },
+          "Layers that capture in the open round (whole-state layers that cannot rewind).")
+      .def("stats", [](const PySpeculation& s) { return s.speculation->stats(); });
+
+  py::class_<Speculation::Stats>(m, "SpeculationStats", "The rounds so far.")
+      .def_readonly("rounds", &Speculation::Stats::rounds, "Accepted rounds.")
+      .def_readonly("drafted", &Speculation::Stats::drafted, "Draft tokens verified.")
+      .def_readonly("accepted", &Speculation::Stats::accepted, "Of them, confirmed.")
+      .def_readonly("restores", &Speculation::Stats::restores, "Layer restores from a capture.")
+      .def_readonly("rewinds", &Speculation::Stats::rewinds, "Layer offset rewinds.");
+}
+
+}  // namespace kvsnap::python
