@@ -175,13 +175,14 @@ class KVSNAP_EXPORT PrefixCache::Session {
   // Takes back the last `count` generated tokens: speculative drafts appended before their
   // verification that the model rejected (see speculation.h). They are never paged out; the
   // layers must be rolled back to at most the remaining tokens before close(). Throws Error,
-  // changing nothing, unless decoding, 0 <= count <= the tokens generated so far, and the
-  // layers stand at or past the prompt's end.
+  // changing nothing, unless decoding, 0 <= count <= the tokens generated so far, and every
+  // layer stands at or past the prompt's end.
   //
-  // While a session is open its layers move forward, or back over generated tokens only (a
-  // rollback never enters the prompt: the trie's nodes on the session's path name those
-  // columns, and re-evaluating them would copy them into the trie past its budget). To go
-  // back further, close the session and begin a new one.
+  // While a session is open its layers move forward, or back over generated tokens only: a
+  // rollback never enters the prompt. The trie's nodes on the session's path name those
+  // columns; re-evaluating them copies them into the trie past its budget until the session's
+  // next call (outputs stay right). retract_outputs reports such a rollback when it sees one;
+  // nothing else can. To go back further, close the session and begin a new one.
   void retract_outputs(int64_t count);
   // Pages the evaluated tokens out into the trie and ends the session (idempotent). Before
   // prefill_done(), the captures the evaluated tokens reached are kept and the rest dropped.

@@ -189,12 +189,13 @@ void Slot::retract_outputs(int64_t count) {
   }
   // A rollback into the prompt is not one of drafts: re-evaluating from there would overwrite
   // columns the trie's nodes on our path still name (copied into the trie, unreserved).
-  const int64_t offset = layer_offset();
-  if (live_.has_state() && offset < s.prompt_length) {
+  for (size_t i = 0; i < trie_.layers().size(); ++i) {
+    const Cache* cache = trie_.layers()[i].cache;
+    if (cache == nullptr || cache->offset(id_) >= s.prompt_length) continue;
     throw Error(fmt::format(
-        "Session::retract_outputs: the layers stand at offset {}{}, inside the {}-token prompt; "
+        "Session::retract_outputs: layer {} stands at offset {}, inside the {}-token prompt; "
         "roll back only generated tokens (close the session and begin again to go further)",
-        offset, offset < 0 ? " (they disagree)" : "", s.prompt_length));
+        i, cache->offset(id_), s.prompt_length));
   }
   s.tokens.resize(s.tokens.size() - static_cast<size_t>(count));
 }

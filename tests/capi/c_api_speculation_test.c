@@ -111,7 +111,7 @@ static void test_round_with_a_session(void) {
   CHECK_OK(kvsnap_cache_restore(attention, NULL, 5, &restored));
   CHECK(restored);
   CHECK_FAILS(kvsnap_session_retract_outputs(session, 2), KVSNAP_ERROR,
-              "Session::retract_outputs: the layers stand at offset -1 (they disagree)");
+              "Session::retract_outputs: layer 0 stands at offset 5, inside the 6-token prompt");
   for (int64_t p = 5; p < 8; ++p) write_position(attention, p);
   CHECK_OK(kvsnap_session_retract_outputs(session, 2));
   CHECK_OK(kvsnap_session_close(session));

@@ -179,24 +179,28 @@ TEST(SpeculationSessions, RetractOutputsRefusesLayersRolledBackIntoThePrompt) {
   session.append_output(7);
   session.append_output(8);
   ASSERT_TRUE(stack.forward_and_check(Tokens{7}, longer + Tokens{7}));
-  for (Cache* layer : stack.layers()) {
-    if (layer != nullptr) {
-      ASSERT_TRUE(layer->restore(0, nullptr, 9));  // one token short of the prompt's end
-    }
-  }
+  // Layers that disagree, all past the prompt (a forward half done): not a rollback into it.
+  ASSERT_TRUE(stack.window.restore(0, nullptr, 10));
+  session.retract_outputs(0);
+  ASSERT_TRUE(stack.attention().restore(0, nullptr, 9));  // one token short of the prompt's end
   try {
     session.retract_outputs(1);
-    ADD_FAILURE() << "retract_outputs accepted layers inside the prompt";
+    ADD_FAILURE() << "retract_outputs accepted a layer inside the prompt";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("offset 9, inside the 10-token prompt"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("layer 0 stands at offset 9, inside the 10-token prompt"),
+              std::string::npos)
         << e.what();
   }
-  // Unchanged: back at the prompt's end the same call succeeds, and the session pages out what
-  // the layers then hold.
+  // Unchanged: the session still holds 7 and 8. Back past the prompt, with 7 evaluated again,
+  // taking 8 back leaves the 11 tokens the layers hold, which close() pages out (had the refused
+  // call taken a token, the session would know fewer tokens than the layers hold, and page out
+  // none of them).
+  ASSERT_TRUE(stack.window.restore(0, nullptr, 9));
   ASSERT_TRUE(stack.forward_and_check(Tokens{longer.back()}, longer));
+  ASSERT_TRUE(stack.forward_and_check(Tokens{7}, longer + Tokens{7}));
   session.retract_outputs(1);
   session.close();
-  EXPECT_EQ(cache.match(longer + Tokens{7}), 10);
+  EXPECT_EQ(cache.match(longer + Tokens{7, 99}), 11);
   EXPECT_EQ(cache.check_invariants(), "");
 }
 

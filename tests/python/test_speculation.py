@@ -69,7 +69,7 @@ def test_a_round_rolls_back_to_the_accepted_drafts_with_a_session():
     with pytest.raises(kvsnap.Error, match=r"^Session::retract_outputs: count 5 must be in \[0, 4\]"):
         session.retract_outputs(5)
     assert attention.restore(None, 5)  # the KV layer alone back into the prompt: refused
-    with pytest.raises(kvsnap.Error, match=r"offset -1 \(they disagree\), inside the 6-token"):
+    with pytest.raises(kvsnap.Error, match=r"^Session::retract_outputs: layer 0 stands at offset 5, inside the 6-token prompt"):
         session.retract_outputs(2)
     write(attention, 5, 8)
     session.retract_outputs(2)
