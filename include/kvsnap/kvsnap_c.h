@@ -413,7 +413,8 @@ KVSNAP_EXPORT void kvsnap_session_destroy(kvsnap_session* session);
  * verify forward of the last accepted token and k drafts, accept(a) after it; every layer then
  * stands at start + a + 1, attention layers rewound, whole-state layers restored from captures
  * the forward took. With a prefix cache session, append only the accepted tokens (or append the
- * drafts and kvsnap_session_retract_outputs the rejected ones). */
+ * drafts and kvsnap_session_retract_outputs the rejected ones). One thread drives a
+ * speculation at a time (the caches it calls lock themselves). */
 
 typedef struct kvsnap_speculation kvsnap_speculation;
 
