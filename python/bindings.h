@@ -32,6 +32,9 @@ class PySnapshot {
 // A Python value for a snapshot a call returned: a kvsnap.Snapshot, or None for a null one.
 std::unique_ptr<PySnapshot> wrap_snapshot(SnapshotPtr snapshot);
 
+// The caches of a Python sequence of layers (None for a stateless layer: null).
+std::vector<Cache*> to_layers(const py::sequence& layers);
+
 void bind_batch_and_history(py::module_& module);
 void bind_caches(py::module_& module);
 void bind_prefix(py::module_& module);

@@ -28,6 +28,14 @@ std::unique_ptr<PySnapshot> wrap_snapshot(SnapshotPtr snapshot) {
   return std::make_unique<PySnapshot>(std::move(snapshot));
 }
 
+std::vector<Cache*> to_layers(const py::sequence& layers) {
+  std::vector<Cache*> caches;
+  for (py::handle layer : layers) {
+    caches.push_back(layer.is_none() ? nullptr : layer.cast<Cache*>());
+  }
+  return caches;
+}
+
 namespace {
 
 py::list wrap_snapshots(std::vector<SnapshotPtr> snapshots) {

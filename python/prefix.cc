@@ -24,14 +24,11 @@ struct PySession {
 
 PyPrefixCache make_prefix_cache(const py::sequence& layers, std::optional<int64_t> budget,
                                 SeqId slots) {
-  std::vector<Cache*> caches;
-  for (py::handle layer : layers) {
-    caches.push_back(layer.is_none() ? nullptr : layer.cast<Cache*>());
-  }
   PrefixCache::Options options;
   if (budget) options.max_paged_out_bytes = *budget;
   options.slots = slots;
-  return PyPrefixCache{py::tuple(layers), std::make_unique<PrefixCache>(caches, options)};
+  return PyPrefixCache{py::tuple(layers),
+                       std::make_unique<PrefixCache>(to_layers(layers), options)};
 }
 
 void bind_session(py::module_& m) {

@@ -13,11 +13,7 @@ struct PySpeculation {
 };
 
 PySpeculation make_speculation(const py::sequence& layers, SeqId seq) {
-  std::vector<Cache*> caches;
-  for (py::handle layer : layers) {
-    caches.push_back(layer.is_none() ? nullptr : layer.cast<Cache*>());
-  }
-  return PySpeculation{py::tuple(layers), std::make_unique<Speculation>(caches, seq)};
+  return PySpeculation{py::tuple(layers), std::make_unique<Speculation>(to_layers(layers), seq)};
 }
 
 }  // namespace

@@ -85,6 +85,15 @@ kvsnap_snapshot* new_snapshot(SnapshotPtr snapshot) {
   return new kvsnap_snapshot{std::move(snapshot)};
 }
 
+std::vector<Cache*> to_layers(kvsnap_cache* const* layers, size_t count, const char* call) {
+  if (count > 0) require_data(layers, call, "layers");
+  std::vector<Cache*> caches;
+  for (size_t i = 0; i < count; ++i) {
+    caches.push_back(layers[i] != nullptr ? layers[i]->cache.get() : nullptr);
+  }
+  return caches;
+}
+
 }  // namespace kvsnap::capi
 
 extern "C" {

@@ -91,5 +91,8 @@ kvsnap_array* new_array(Array array);
 SnapshotPtr adopt(kvsnap_snapshot* handle) noexcept;
 // A new handle for `snapshot`, or NULL when it is null.
 kvsnap_snapshot* new_snapshot(SnapshotPtr snapshot);
+// The caches of `count` layer handles (`layers` NULL only when count is 0; a NULL entry is a
+// stateless layer, null in the result).
+std::vector<Cache*> to_layers(kvsnap_cache* const* layers, size_t count, const char* call);
 
 }  // namespace kvsnap::capi

@@ -25,11 +25,7 @@ kvsnap_status kvsnap_prefix_cache_create(kvsnap_cache* const* layers, size_t cou
   constexpr const char* call = "kvsnap_prefix_cache_create";
   return guard([&] {
     require(out, call, "out");
-    if (count > 0) require_data(layers, call, "layers");
-    std::vector<Cache*> caches;
-    for (size_t i = 0; i < count; ++i) {
-      caches.push_back(layers[i] != nullptr ? layers[i]->cache.get() : nullptr);
-    }
+    std::vector<Cache*> caches = to_layers(layers, count, call);
     PrefixCache::Options settings;
     if (options != nullptr && options->max_paged_out_bytes > 0) {
       settings.max_paged_out_bytes = options->max_paged_out_bytes;

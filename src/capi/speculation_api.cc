@@ -19,11 +19,7 @@ kvsnap_status kvsnap_speculation_create(kvsnap_cache* const* layers, size_t coun
   constexpr const char* call = "kvsnap_speculation_create";
   return guard([&] {
     require(out, call, "out");
-    if (count > 0) require_data(layers, call, "layers");
-    std::vector<Cache*> caches;
-    for (size_t i = 0; i < count; ++i) {
-      caches.push_back(layers[i] != nullptr ? layers[i]->cache.get() : nullptr);
-    }
+    std::vector<Cache*> caches = to_layers(layers, count, call);
     auto handle = std::make_unique<kvsnap_speculation>();
     handle->speculation = std::make_unique<Speculation>(std::move(caches), seq);
     *out = handle.release();
