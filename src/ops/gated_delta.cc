@@ -66,40 +66,39 @@ Vec load(const float* p) {
 }
 void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
 
+// Rewrites each element of a state row as update(row[j], k[j]) — `update` takes four-float
+// vectors and single floats alike — and returns the sum of the new row times x.
+template <class Update>
+float update_and_dot(float* __restrict row, const float* __restrict k, const float* __restrict x,
+                     int64_t depth, Update update) {
+  const int64_t whole = depth - depth % kLanes;
+  Lanes sum;
+  for (int64_t j = 0; j < whole; j += kLanes) {
+    for (int64_t l = 0; l < 4; ++l) {
+      const int64_t at = j + l * kVec;
+      const Vec s = update(load(row + at), load(k + at));
+      store(row + at, s);
+      sum.v[l] += s * load(x + at);
+    }
+  }
+  for (int64_t j = whole; j < depth; ++j) {
+    row[j] = update(row[j], k[j]);
+    sum.tail += row[j] * x[j];
+  }
+  return sum.total();
+}
+
 // One time step of one value head: decay S ([Dv, Dk]), the delta-rule write of v for k, and the
 // output S q into `out` ([Dv]).
-void delta_step(float* __restrict S, const float* __restrict q, const float* __restrict k,
-                const float* __restrict v, float decay, float rate, int64_t value_depth,
-                int64_t key_depth, float* __restrict out) {
-  const int64_t whole = key_depth - key_depth % kLanes;
+void delta_step(float* S, const float* q, const float* k, const float* v, float decay, float rate,
+                int64_t value_depth, int64_t key_depth, float* out) {
   for (int64_t i = 0; i < value_depth; ++i) {
-    float* __restrict Si = S + i * key_depth;
-    Lanes u;
-    for (int64_t j = 0; j < whole; j += kLanes) {
-      for (int64_t l = 0; l < 4; ++l) {
-        const Vec s = load(Si + j + l * kVec) * decay;
-        store(Si + j + l * kVec, s);
-        u.v[l] += s * load(k + j + l * kVec);
-      }
-    }
-    for (int64_t j = whole; j < key_depth; ++j) {
-      Si[j] *= decay;
-      u.tail += Si[j] * k[j];
-    }
-    const float write = rate * (v[i] - u.total());
-    Lanes o;
-    for (int64_t j = 0; j < whole; j += kLanes) {
-      for (int64_t l = 0; l < 4; ++l) {
-        const Vec s = load(Si + j + l * kVec) + write * load(k + j + l * kVec);
-        store(Si + j + l * kVec, s);
-        o.v[l] += s * load(q + j + l * kVec);
-      }
-    }
-    for (int64_t j = whole; j < key_depth; ++j) {
-      Si[j] += write * k[j];
-      o.tail += Si[j] * q[j];
-    }
-    out[i] = o.total();
+    float* Si = S + i * key_depth;
+    const float u =
+        update_and_dot(Si, k, k, key_depth, [decay](auto s, auto) { return s * decay; });
+    const float write = rate * (v[i] - u);
+    out[i] =
+        update_and_dot(Si, k, q, key_depth, [write](auto s, auto kj) { return s + write * kj; });
   }
 }
 
