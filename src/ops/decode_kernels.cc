@@ -1,4 +1,5 @@
-// Decode attention's products (decode_kernels.h) for CPUs with AVX-512: scores with 16 queries
+// Decode attention's products (decode_kernels.h): the AVX-512 variant, and which variant runs
+// (the AVX2 one is in decode_kernels_avx2.cc). Scores with 16 queries
 // per vector (one lane each), two vectors and 8 key columns at a time, outputs with 32 value
 // columns in two vectors for 4 queries at a time, over runs of columns. Each lane is one fma chain
 // in a fixed order (the depth for a score, the columns for an output), so tiles and sharing never
@@ -16,26 +17,16 @@
 #include <immintrin.h>
 #endif
 
+#include "ops/decode_kernels_common.h"
 #include "ops/vector_isa.h"
 
 namespace kvsnap::detail {
 namespace {
 
-// In a decode step these kernels read keys and values that the weights' stream has pushed out of
-// the caches, in blocks 4 KB apart where the hardware's prefetch stops: they fetch the columns
-// this far ahead of the product, across runs (Lookahead).
-constexpr int64_t kAhead = 32;
-// The outputs go over the columns in runs this long (32 KB of values at depth 32), every query
-// tile over a run before the next, so the values come from memory once, not once per tile.
-constexpr int64_t kWeighRun = 256;
-
-// The kernels this CPU runs; null where it has no AVX-512.
-struct Kernels {
-  void (*scores)(const float* const*, int64_t, int64_t, const ColumnRun*, size_t, int64_t, float,
-                 float* const*, float*) = nullptr;
-  void (*weigh)(const float* const*, int64_t, const ColumnRun*, size_t, int64_t, int64_t,
-                float* const*) = nullptr;
-};
+using decode::for_each_span;
+using decode::Lookahead;
+using decode::Piece;
+using decode::weigh_tail;
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 // GCC 12's AVX-512 unpack and shuffle intrinsics pass an undefined vector as their unused
@@ -46,62 +37,6 @@ struct Kernels {
 [[gnu::target("avx512f,fma")]] inline __m256 upper(__m512 x) {
   return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
 }
-
-// A cursor kAhead columns ahead of a product over runs of columns (`depth` floats each, `stride`
-// apart): fetch(n) asks the caches for the next n columns' lines, crossing into the next run
-// where one ends. Prefetches are hints: they never fault and never change a result.
-class Lookahead {
- public:
-  [[gnu::target("avx512f,fma")]] Lookahead(const ColumnRun* runs, size_t n, int64_t stride,
-                                           int64_t depth)
-      : runs_(runs),
-        n_(n),
-        at_(n > 0 ? reinterpret_cast<uintptr_t>(runs[0].data) : 0),
-        left_(n > 0 ? runs[0].count : 0),
-        stride_(stride),
-        bytes_(depth * 4) {
-    fetch(kAhead);
-  }
-
-  // Within the current run inline (the kernels' loops stay in registers); across runs out of
-  // line.
-  [[gnu::target("avx512f,fma"), gnu::always_inline]] void fetch(int64_t columns) {
-    if (columns > left_) return fetch_across(columns);
-    issue(columns);
-  }
-
- private:
-  [[gnu::target("avx512f,fma"), gnu::always_inline]] void issue(int64_t columns) {
-    for (int64_t c = 0; c < columns; ++c) {
-      const uintptr_t column = at_ + static_cast<uintptr_t>(c * stride_) * sizeof(float);
-      for (int64_t b = 0; b < bytes_; b += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(column + static_cast<uintptr_t>(b)),
-                     _MM_HINT_T0);
-      }
-    }
-    at_ += static_cast<uintptr_t>(columns * stride_) * sizeof(float);
-    left_ -= columns;
-  }
-
-  [[gnu::target("avx512f,fma"), gnu::noinline]] void fetch_across(int64_t columns) {
-    while (columns > 0) {
-      if (left_ == 0) {
-        if (++r_ >= n_) return;
-        at_ = reinterpret_cast<uintptr_t>(runs_[r_].data);
-        left_ = runs_[r_].count;
-        continue;
-      }
-      const int64_t take = std::min(columns, left_);
-      issue(take);
-      columns -= take;
-    }
-  }
-
-  const ColumnRun* runs_;
-  size_t n_, r_ = 0;
-  uintptr_t at_;  // the next column to fetch: an integer, as it may step past a strided view
-  int64_t left_, stride_, bytes_;
-};
 
 // Scales sums[u] (lane t: query t's score of key column c + u) and writes query t's eight
 // scores to out[t][c, c + 8) for t < valid: an 8 x 16 transpose in registers (unpacks within
@@ -301,13 +236,6 @@ constexpr std::array<ByKey, sizeof...(M)> by_key(std::index_sequence<M...>) {
   }
 }
 
-// A stretch of one run's columns that a span of the outputs' work covers: `count` value rows
-// from `values` (stride apart), weighed by each query's weights from column `column` on.
-struct Piece {
-  const float* values;
-  int64_t column, count;
-};
-
 // T queries, 32 value columns in two vectors each, over the pieces in order; other widths and the
 // rest fall to fma. The sums stay in registers from the first piece to the last. The first tile
 // over a span fetches ahead (Fetch), 8 columns at a time; the others find its columns in the
@@ -353,74 +281,51 @@ template <int T>
   weigh_avx512_tile<T, false>(w, pieces, n, stride, v0, out, ahead);
 }
 
-// The runs' columns in spans of up to kWeighRun (a long run cut, short ones gathered): every
-// query tile goes over a span before the next span, so its values come from memory once.
+// The runs' columns in spans (for_each_span): every query tile goes over a span before the next
+// span, so its values come from memory once.
 [[gnu::target("avx512f,fma")]] void weigh_avx512(const float* const* w, int64_t m,
                                                  const ColumnRun* runs, size_t n_runs,
                                                  int64_t stride, int64_t value_depth,
                                                  float* const* out) {
   const int64_t wide = value_depth / 32 * 32;
-  std::array<Piece, kWeighRun> span;  // at most kWeighRun columns, so at most as many pieces
-  size_t pieces = 0;
-  int64_t filled = 0, column = 0;
   Lookahead ahead(runs, n_runs, stride, value_depth);
-  const auto flush = [&] {
+  for_each_span(runs, n_runs, stride, [&](const Piece* span, size_t pieces) {
     for (int64_t v0 = 0; v0 < wide; v0 += 32) {
       int64_t i = 0;
       for (; i + 4 <= m; i += 4) {
-        weigh_tile<4>(v0 == 0 && i == 0, w + i, span.data(), pieces, stride, v0, out + i, ahead);
+        weigh_tile<4>(v0 == 0 && i == 0, w + i, span, pieces, stride, v0, out + i, ahead);
       }
       for (; i < m; ++i) {
-        weigh_tile<1>(v0 == 0 && i == 0, w + i, span.data(), pieces, stride, v0, out + i, ahead);
+        weigh_tile<1>(v0 == 0 && i == 0, w + i, span, pieces, stride, v0, out + i, ahead);
       }
     }
-    pieces = 0;
-    filled = 0;
-  };
-  for (size_t r = 0; r < n_runs; ++r) {
-    for (int64_t c = 0; c < runs[r].count;) {
-      const int64_t take = std::min(kWeighRun - filled, runs[r].count - c);
-      span[pieces++] = {runs[r].data + c * stride, column, take};
-      c += take;
-      column += take;
-      filled += take;
-      if (filled == kWeighRun) flush();
-    }
-  }
-  if (pieces > 0) flush();
-  for (int64_t i = 0; i < m; ++i) {
-    for (int64_t v = wide; v < value_depth; ++v) {
-      float acc = out[i][v];
-      int64_t at = 0;
-      for (size_t r = 0; r < n_runs; ++r) {
-        for (int64_t c = 0; c < runs[r].count; ++c, ++at) {
-          acc = std::fma(w[i][at], runs[r].data[c * stride + v], acc);
-        }
-      }
-      out[i][v] = acc;
-    }
-  }
+  });
+  weigh_tail(w, m, runs, n_runs, stride, wide, value_depth, out);
 }
-
-Kernels pick() {
-  if (vector_isa() == VectorIsa::avx512) return {scores_avx512, weigh_avx512};
-  return {};
-}
-#else
-Kernels pick() { return {}; }
 #endif
-
-const Kernels& kernels() {
-  static const Kernels chosen = pick();
-  return chosen;
-}
 
 std::atomic<int> kernels_off{0};  // live DecodeKernelsOff guards
 
+const DecodeKernelVariant* chosen() {
+  static const std::vector<DecodeKernelVariant> all = decode_kernel_variants();
+  return all.empty() ? nullptr : &all.back();
+}
+
 }  // namespace
 
+std::vector<DecodeKernelVariant> decode_kernel_variants() {
+  std::vector<DecodeKernelVariant> out;
+  if (decode::scores_avx2() != nullptr) {
+    out.push_back({"avx2", decode::scores_avx2(), decode::weigh_avx2()});
+  }
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  if (vector_isa() == VectorIsa::avx512) out.push_back({"avx512", scores_avx512, weigh_avx512});
+#endif
+  return out;
+}
+
 bool decode_kernels_available() {
-  return kernels_off.load(std::memory_order_relaxed) == 0 && kernels().scores != nullptr;
+  return kernels_off.load(std::memory_order_relaxed) == 0 && chosen() != nullptr;
 }
 
 DecodeKernelsOff::DecodeKernelsOff() { kernels_off.fetch_add(1, std::memory_order_relaxed); }
@@ -429,13 +334,13 @@ DecodeKernelsOff::~DecodeKernelsOff() { kernels_off.fetch_sub(1, std::memory_ord
 void decode_scores(const float* const* queries, int64_t m, int64_t depth, const ColumnRun* runs,
                    size_t n_runs, int64_t key_stride, float scale, float* const* out,
                    std::vector<float>& scratch) {
-  scratch.resize(static_cast<size_t>(depth * 32));
-  kernels().scores(queries, m, depth, runs, n_runs, key_stride, scale, out, scratch.data());
+  scratch.resize(static_cast<size_t>(depth * decode::kScoreQueries));
+  chosen()->scores(queries, m, depth, runs, n_runs, key_stride, scale, out, scratch.data());
 }
 
 void decode_weigh(const float* const* weights, int64_t m, const ColumnRun* runs, size_t n_runs,
                   int64_t value_stride, int64_t value_depth, float* const* out) {
-  kernels().weigh(weights, m, runs, n_runs, value_stride, value_depth, out);
+  chosen()->weigh(weights, m, runs, n_runs, value_stride, value_depth, out);
 }
 
 }  // namespace kvsnap::detail

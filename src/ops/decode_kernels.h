@@ -6,8 +6,9 @@
 // columns onto what the output holds — so a query's result does not depend on which other
 // queries share the product: a row's decode attention is the same whether its prefix blocks are
 // shared with seven other rows or not. Keys and values are read in place (no packing): a run is
-// read once for all the queries, in register tiles of up to 16 of them. Built for AVX-512 only
-// (decode_kernels_available()); elsewhere decode attention keeps its BLAS products.
+// read once for all the queries, in register tiles of them. Built for AVX-512 and for AVX2 with
+// FMA (decode_kernels_available()), bitwise the same sums on both; elsewhere decode attention
+// keeps its BLAS products.
 #pragma once
 
 #include <cstddef>
@@ -16,11 +17,12 @@
 
 namespace kvsnap::detail {
 
-// Whether this CPU runs the kernels below (AVX-512F); callers use BLAS otherwise.
+// Whether this CPU runs the kernels below (AVX-512F, or AVX2 with FMA); callers use BLAS
+// otherwise.
 bool decode_kernels_available();
 
 // For tests: while one lives, decode_kernels_available() answers false, so attention takes the
-// BLAS products it takes on a CPU without AVX-512 (on one with it, a path otherwise never run).
+// BLAS products it takes on a CPU without AVX2 (on one with it, a path otherwise never run).
 class DecodeKernelsOff {
  public:
   DecodeKernelsOff();
@@ -49,5 +51,18 @@ void decode_scores(const float* const* queries, int64_t m, int64_t depth, const 
 // not continue each other in memory is weighed in one call).
 void decode_weigh(const float* const* weights, int64_t m, const ColumnRun* runs, size_t n_runs,
                   int64_t value_stride, int64_t value_depth, float* const* out);
+
+// For tests: each variant of the kernels this CPU runs, the one decode_scores and decode_weigh
+// use last; every variant gives bitwise the same results. `scores` takes a scratch of depth x 32
+// floats.
+struct DecodeKernelVariant {
+  const char* name;
+  void (*scores)(const float* const* queries, int64_t m, int64_t depth, const ColumnRun* runs,
+                 size_t n_runs, int64_t key_stride, float scale, float* const* scores,
+                 float* scratch);
+  void (*weigh)(const float* const* weights, int64_t m, const ColumnRun* runs, size_t n_runs,
+                int64_t value_stride, int64_t value_depth, float* const* out);
+};
+std::vector<DecodeKernelVariant> decode_kernel_variants();
 
 }  // namespace kvsnap::detail

@@ -1,6 +1,7 @@
-// Decode attention's AVX-512 products: right against double precision, and a query's scores and
-// output bitwise the same whatever queries share the product and wherever it sits among them
-// (skipped on CPUs without AVX-512, where decode attention uses BLAS).
+// Decode attention's products, every variant this CPU runs (AVX2, AVX-512): right against double
+// precision, bitwise the plain fma chains (so bitwise the same as each other), and a query's
+// scores and output bitwise the same whatever queries share the product and wherever it sits among
+// them (skipped on CPUs without AVX2, where decode attention uses BLAS).
 #include "ops/decode_kernels.h"
 
 #include <gtest/gtest.h>
@@ -18,25 +19,54 @@ namespace {
 
 using kvsnap::testing::random_floats;
 
+// One variant through the library's signatures (the scratch kept as decode_scores keeps it).
+struct Kernels {
+  const DecodeKernelVariant& variant;
+  void scores(const float* const* queries, int64_t m, int64_t depth, const ColumnRun* runs,
+              size_t n_runs, int64_t stride, float scale, float* const* out,
+              std::vector<float>& scratch) const {
+    scratch.resize(static_cast<size_t>(depth * 32));
+    variant.scores(queries, m, depth, runs, n_runs, stride, scale, out, scratch.data());
+  }
+  void weigh(const float* const* weights, int64_t m, const ColumnRun* runs, size_t n_runs,
+             int64_t stride, int64_t value_depth, float* const* out) const {
+    variant.weigh(weights, m, runs, n_runs, stride, value_depth, out);
+  }
+};
+
 // The kernels over one run of columns.
-void score_run(const float* const* queries, int64_t m, int64_t depth, const float* keys,
-               int64_t stride, int64_t count, float scale, float* const* out,
+void score_run(const Kernels& kernels, const float* const* queries, int64_t m, int64_t depth,
+               const float* keys, int64_t stride, int64_t count, float scale, float* const* out,
                std::vector<float>& scratch) {
   const ColumnRun run{keys, count};
-  decode_scores(queries, m, depth, &run, 1, stride, scale, out, scratch);
+  kernels.scores(queries, m, depth, &run, 1, stride, scale, out, scratch);
 }
-void weigh_run(const float* const* weights, int64_t m, const float* values, int64_t stride,
-               int64_t count, int64_t value_depth, float* const* out) {
+void weigh_run(const Kernels& kernels, const float* const* weights, int64_t m, const float* values,
+               int64_t stride, int64_t count, int64_t value_depth, float* const* out) {
   const ColumnRun run{values, count};
-  decode_weigh(weights, m, &run, 1, stride, value_depth, out);
+  kernels.weigh(weights, m, &run, 1, stride, value_depth, out);
 }
+
+// A test of the kernels, run for every variant this CPU has (skipped where it has none): the body
+// gets `kernels`, the variant under test.
+#define DECODE_KERNELS_TEST(Name)                                          \
+  void Name(const Kernels& kernels);                                       \
+  TEST(DecodeKernels, Name) {                                              \
+    const std::vector<DecodeKernelVariant> all = decode_kernel_variants(); \
+    if (all.empty()) GTEST_SKIP() << "no AVX2 on this CPU";                \
+    for (const DecodeKernelVariant& variant : all) {                       \
+      SCOPED_TRACE(variant.name);                                          \
+      Name(Kernels{variant});                                              \
+      if (HasFatalFailure()) return;                                       \
+    }                                                                      \
+  }                                                                        \
+  void Name(const Kernels& kernels)
 
 struct Case {
   int64_t depth, count, value_depth, stride_pad;
 };
 
-TEST(DecodeKernels, ScoresAndOutputsEqualTheDoublePrecisionProducts) {
-  if (!decode_kernels_available()) GTEST_SKIP() << "no AVX-512 on this CPU";
+DECODE_KERNELS_TEST(ScoresAndOutputsEqualTheDoublePrecisionProducts) {
   std::mt19937 rng(21);
   std::vector<float> tile;
   // Counts past the kernels' runs of columns (256) as well as within one.
@@ -59,7 +89,7 @@ TEST(DecodeKernels, ScoresAndOutputsEqualTheDoublePrecisionProducts) {
         weights.push_back(scores.data() + i * k.count);
         out_rows.push_back(out.data() + i * k.value_depth);
       }
-      score_run(queries.data(), m, k.depth, keys.data(), key_stride, k.count, 0.5f,
+      score_run(kernels, queries.data(), m, k.depth, keys.data(), key_stride, k.count, 0.5f,
                 score_rows.data(), tile);
       for (int64_t i = 0; i < m; ++i) {
         for (int64_t c = 0; c < k.count; ++c) {
@@ -71,7 +101,7 @@ TEST(DecodeKernels, ScoresAndOutputsEqualTheDoublePrecisionProducts) {
           ASSERT_NEAR(scores[i * k.count + c], want, 1e-6 * magnitude + 1e-7) << m << " " << i;
         }
       }
-      weigh_run(weights.data(), m, values.data(), value_stride, k.count, k.value_depth,
+      weigh_run(kernels, weights.data(), m, values.data(), value_stride, k.count, k.value_depth,
                 out_rows.data());
       for (int64_t i = 0; i < m; ++i) {
         for (int64_t v = 0; v < k.value_depth; ++v) {
@@ -88,8 +118,7 @@ TEST(DecodeKernels, ScoresAndOutputsEqualTheDoublePrecisionProducts) {
   }
 }
 
-TEST(DecodeKernels, AQuerysResultIsBitwiseTheSameWhateverQueriesShareTheProduct) {
-  if (!decode_kernels_available()) GTEST_SKIP() << "no AVX-512 on this CPU";
+DECODE_KERNELS_TEST(AQuerysResultIsBitwiseTheSameWhateverQueriesShareTheProduct) {
   std::mt19937 rng(22);
   std::vector<float> tile;
   const int64_t depth = 32, count = 37, value_depth = 32, most = 35;
@@ -108,8 +137,10 @@ TEST(DecodeKernels, AQuerysResultIsBitwiseTheSameWhateverQueriesShareTheProduct)
       weights.push_back(scores.data() + i * count);
       out_rows.push_back(out.data() + i * value_depth);
     }
-    score_run(queries.data(), m, depth, keys.data(), depth, count, 0.25f, score_rows.data(), tile);
-    weigh_run(weights.data(), m, values.data(), value_depth, count, value_depth, out_rows.data());
+    score_run(kernels, queries.data(), m, depth, keys.data(), depth, count, 0.25f,
+              score_rows.data(), tile);
+    weigh_run(kernels, weights.data(), m, values.data(), value_depth, count, value_depth,
+              out_rows.data());
     scores.insert(scores.end(), out.begin(), out.end());
     return scores;
   };
@@ -132,8 +163,7 @@ TEST(DecodeKernels, AQuerysResultIsBitwiseTheSameWhateverQueriesShareTheProduct)
 // Each output adds the columns in order onto what it holds, so weighing columns [0, count) in one
 // call is bitwise the same as in two calls split anywhere — within one of the kernels' runs of
 // columns or across them — which is what lets decode attention weigh a row's history job by job.
-TEST(DecodeKernels, OutputsAreBitwiseTheSameWhereverTheColumnsAreSplitBetweenCalls) {
-  if (!decode_kernels_available()) GTEST_SKIP() << "no AVX-512 on this CPU";
+DECODE_KERNELS_TEST(OutputsAreBitwiseTheSameWhereverTheColumnsAreSplitBetweenCalls) {
   std::mt19937 rng(23);
   const int64_t count = 600, value_depth = 40, m = 9;
   const auto weights = random_floats(static_cast<size_t>(m * count), rng);
@@ -146,8 +176,8 @@ TEST(DecodeKernels, OutputsAreBitwiseTheSameWhereverTheColumnsAreSplitBetweenCal
       w.push_back(weights.data() + i * count + from);
       o.push_back(out.data() + i * value_depth);
     }
-    weigh_run(w.data(), m, values.data() + from * value_depth, value_depth, to - from, value_depth,
-              o.data());
+    weigh_run(kernels, w.data(), m, values.data() + from * value_depth, value_depth, to - from,
+              value_depth, o.data());
   };
   std::vector<float> whole = start;
   weigh(whole, 0, count);
@@ -167,8 +197,7 @@ TEST(DecodeKernels, OutputsAreBitwiseTheSameWhereverTheColumnsAreSplitBetweenCal
 // (keys in the lanes) and the many-query ones, depths that are not multiples of 16 and value
 // depths that leave a scalar tail, runs of lengths that are not multiples of 8 or 16, and an
 // empty run.
-TEST(DecodeKernels, OneCallOverScatteredRunsEqualsACallPerRunAndThePlainSums) {
-  if (!decode_kernels_available()) GTEST_SKIP() << "no AVX-512 on this CPU";
+DECODE_KERNELS_TEST(OneCallOverScatteredRunsEqualsACallPerRunAndThePlainSums) {
   std::mt19937 rng(24);
   std::vector<float> tile;
   const std::vector<int64_t> lengths = {32, 5, 0, 17, 64, 1, 300, 32};
@@ -200,12 +229,13 @@ TEST(DecodeKernels, OneCallOverScatteredRunsEqualsACallPerRunAndThePlainSums) {
       std::vector<const float*> queries;
       for (int64_t i = 0; i < m; ++i) queries.push_back(q.data() + i * depth);
       auto to = rows(scores_once, count, 0);
-      decode_scores(queries.data(), m, depth, key_runs.data(), key_runs.size(), stride, 0.3f,
-                    to.data(), tile);
+      kernels.scores(queries.data(), m, depth, key_runs.data(), key_runs.size(), stride, 0.3f,
+                     to.data(), tile);
       int64_t at = 0;
       for (const ColumnRun& run : key_runs) {
         to = rows(scores_each, count, at);
-        score_run(queries.data(), m, depth, run.data, stride, run.count, 0.3f, to.data(), tile);
+        score_run(kernels, queries.data(), m, depth, run.data, stride, run.count, 0.3f, to.data(),
+                  tile);
         at += run.count;
       }
       ASSERT_EQ(std::memcmp(scores_once.data(), scores_each.data(), scores_once.size() * 4), 0)
@@ -222,13 +252,13 @@ TEST(DecodeKernels, OneCallOverScatteredRunsEqualsACallPerRunAndThePlainSums) {
       auto weights = rows(scores_once, count, 0);
       std::vector<const float*> w(weights.begin(), weights.end());
       auto out = rows(out_once, value_depth, 0);
-      decode_weigh(w.data(), m, value_runs.data(), value_runs.size(), stride, value_depth,
-                   out.data());
+      kernels.weigh(w.data(), m, value_runs.data(), value_runs.size(), stride, value_depth,
+                    out.data());
       out = rows(out_each, value_depth, 0);
       at = 0;
       for (const ColumnRun& run : value_runs) {
         for (int64_t i = 0; i < m; ++i) w[i] = scores_once.data() + i * count + at;
-        weigh_run(w.data(), m, run.data, stride, run.count, value_depth, out.data());
+        weigh_run(kernels, w.data(), m, run.data, stride, run.count, value_depth, out.data());
         at += run.count;
       }
       ASSERT_EQ(std::memcmp(out_once.data(), out_each.data(), out_once.size() * 4), 0)
