@@ -11,9 +11,10 @@
 // the weights are set.
 //
 // Every multiply-add is written out (fused where the chosen variant has FMA: std::fma, or
-// _mm512_fmadd_ps lane by lane; a * b + c in the default one, and the file is built with
-// -ffp-contract=off), so no compiler heuristic can fuse one instantiation's sums and not
-// another's; the AVX-512 variant's intrinsics compute exactly the AVX2 variant's sums.
+// _mm512_fmadd_ps / _mm256_fmadd_ps lane by lane; a * b + c in the default one, and the file is
+// built with -ffp-contract=off), so no compiler heuristic can fuse one instantiation's sums and
+// not another's; the AVX-512 and AVX2 variants compute exactly the same sums (each output the
+// plain fma chain over k: a test holds every fused variant to it).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -53,8 +54,9 @@ struct Out {
 template <bool Fused>
 struct Portable {
   // Rows [0, R) by P full panels starting at column j: R x P * kPanel sums held while k runs
-  // over W's rows in order, from zero; each weight is loaded once for all R rows.
-  template <int R, int P>
+  // over W's rows in order, from zero; each weight is loaded once for all R rows. (No fetching
+  // ahead: Fetch is for the intrinsics variants.)
+  template <int R, int P, bool Fetch = false>
   [[gnu::always_inline]] static void panels(const float* x, int64_t in, const float* panel, Out y,
                                             int64_t j) {
     float sum[R][P * kPanel];
@@ -111,7 +113,7 @@ struct Avx512 {
     _mm_prefetch(reinterpret_cast<const char*>(at + 64), _MM_HINT_T0);
   }
 
-  template <int R, int P>
+  template <int R, int P, bool Fetch = R >= 4>
   [[gnu::target("avx512f,fma"), gnu::noinline]] static void panels(const float* x, int64_t in,
                                                                    const float* panel, Out y,
                                                                    int64_t j) {
@@ -125,7 +127,7 @@ struct Avx512 {
         const float* wk = panel + p * in * kPanel + k * kPanel;
         w[2 * p] = _mm512_loadu_ps(wk);
         w[2 * p + 1] = _mm512_loadu_ps(wk + 16);
-        if (R >= 4) fetch_ahead(wk);
+        if (Fetch) fetch_ahead(wk);
       }
       for (int r = 0; r < R; ++r) {
         const __m512 xr = _mm512_set1_ps(x[r * in + k]);
@@ -141,21 +143,122 @@ struct Avx512 {
     }
   }
 };
+
+// The same blocks in AVX2 intrinsics, for 16 registers: lane c of sum[r][p][v] is the Portable
+// sum of row r, column j + p * kPanel + 8 (v0 + v) + c. A block of R rows and P panels keeps
+// R x P x V <= 12 sums (fmas take five cycles and two issue a cycle, so ten chains at least keep
+// them busy) and goes over each panel's four vectors in passes of V, the panels staying in the
+// caches between passes. Each k either loads the P x V weight vectors once and broadcasts each
+// row's x (when there are more rows than weight vectors), or broadcasts the R rows' x once and
+// loads each weight vector once: at most 16 registers either way.
+struct Avx2 {
+  template <int R, int P>
+  static constexpr int kVectors = 12 / (R * P) >= 4   ? 4
+                                  : 12 / (R * P) >= 2 ? 2
+                                                      : 1;
+
+  [[gnu::target("avx2,fma"), gnu::always_inline]] static void fetch_ahead(const float* wk) {
+    constexpr uintptr_t kAhead = 32 * kPanel * sizeof(float);
+    const uintptr_t at = reinterpret_cast<uintptr_t>(wk) + kAhead;
+    _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(at + 64), _MM_HINT_T0);
+  }
+
+  // One pass: vectors [v0, v0 + V) of each of the P panels; the first fetches ahead (a branch
+  // in the loop would make GCC keep the sums in memory).
+  template <int R, int P, int V, bool Fetch>
+  [[gnu::target("avx2,fma"), gnu::always_inline]] static void pass(const float* x, int64_t in,
+                                                                   const float* panel, Out y,
+                                                                   int64_t j, int v0) {
+    // The loops over rows, panels and vectors unrolled before GCC places the sums: unrolled later,
+    // it kept them in registers but stored every one on every k.
+    __m256 sum[R][P][V];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 16
+      for (int p = 0; p < P; ++p) {
+#pragma GCC unroll 16
+        for (int v = 0; v < V; ++v) sum[r][p][v] = _mm256_setzero_ps();
+      }
+    }
+    for (int64_t k = 0; k < in; ++k) {
+      const float* wk[P];
+#pragma GCC unroll 16
+      for (int p = 0; p < P; ++p) wk[p] = panel + p * in * kPanel + k * kPanel + 8 * v0;
+      if constexpr (Fetch) {
+#pragma GCC unroll 16
+        for (int p = 0; p < P; ++p) fetch_ahead(wk[p]);
+      }
+      if constexpr (P * V <= R) {
+        __m256 w[P][V];
+#pragma GCC unroll 16
+        for (int p = 0; p < P; ++p) {
+#pragma GCC unroll 16
+          for (int v = 0; v < V; ++v) w[p][v] = _mm256_loadu_ps(wk[p] + 8 * v);
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          const __m256 xr = _mm256_broadcast_ss(x + r * in + k);
+#pragma GCC unroll 16
+          for (int p = 0; p < P; ++p) {
+#pragma GCC unroll 16
+            for (int v = 0; v < V; ++v) sum[r][p][v] = _mm256_fmadd_ps(xr, w[p][v], sum[r][p][v]);
+          }
+        }
+      } else {
+        __m256 xr[R];
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) xr[r] = _mm256_broadcast_ss(x + r * in + k);
+#pragma GCC unroll 16
+        for (int p = 0; p < P; ++p) {
+#pragma GCC unroll 16
+          for (int v = 0; v < V; ++v) {
+            const __m256 w = _mm256_loadu_ps(wk[p] + 8 * v);
+#pragma GCC unroll 16
+            for (int r = 0; r < R; ++r) sum[r][p][v] = _mm256_fmadd_ps(xr[r], w, sum[r][p][v]);
+          }
+        }
+      }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 16
+      for (int p = 0; p < P; ++p) {
+#pragma GCC unroll 16
+        for (int v = 0; v < V; ++v) {
+          float* to = y.y + r * y.out + j + p * kPanel + 8 * (v0 + v);
+          _mm256_storeu_ps(
+              to, y.accumulate ? _mm256_add_ps(_mm256_loadu_ps(to), sum[r][p][v]) : sum[r][p][v]);
+        }
+      }
+    }
+  }
+
+  // Fetch: the first block of rows over a panel fetches it ahead, for the others to find.
+  template <int R, int P, bool Fetch = false>
+  [[gnu::target("avx2,fma"), gnu::noinline]] static void panels(const float* x, int64_t in,
+                                                                const float* panel, Out y,
+                                                                int64_t j) {
+    constexpr int V = kVectors<R, P>;
+    pass<R, P, V, Fetch>(x, in, panel, y, j, 0);
+    for (int v0 = V; v0 < kPanel / 8; v0 += V) pass<R, P, V, false>(x, in, panel, y, j, v0);
+  }
+};
 #endif
 
 // Rows [0, R) of y, columns [first, last) (first a multiple of kPanel; last one too, or the
 // matrix's end): P panels at a time (several keep enough sums in flight when R is small), then
 // one, then the narrow last panel — each column the same sum in the same order, so how columns
 // are split (into blocks, or between threads) never changes a result.
-template <class Blocks, bool Fused, int R, int P>
+template <class Blocks, bool Fused, int R, int P, bool Fetch = R >= 4>
 [[gnu::always_inline]] inline void rows(const float* x, const PackedMatrix& w, Out y, int64_t first,
                                         int64_t last) {
   const int64_t in = w.in(), full = first + (last - first) / kPanel * kPanel;
   int64_t j = first;
   for (; j + P * kPanel <= full; j += P * kPanel) {
-    Blocks::template panels<R, P>(x, in, w.panel(j), y, j);
+    Blocks::template panels<R, P, Fetch>(x, in, w.panel(j), y, j);
   }
-  for (; j < full; j += kPanel) Blocks::template panels<R, 1>(x, in, w.panel(j), y, j);
+  for (; j < full; j += kPanel) Blocks::template panels<R, 1, Fetch>(x, in, w.panel(j), y, j);
   if (j < last) narrow_panel<Fused, R>(x, in, w.panel(j), last - j, y, j);
 }
 
@@ -185,9 +288,45 @@ void product_default(const float* x, int64_t count, const PackedMatrix& w, Out y
                                                    int64_t last) {
   product<Avx512, true>(x, count, w, y, first, last);
 }
+// Blocks of up to 24 rows, each going over W's panels once: a panel comes from memory once for
+// all the block's rows, which take it from the caches in threes (12 sums each) and a last one or
+// two; one or two rows alone keep 12 sums over three panels at a time.
 [[gnu::target("avx2,fma")]] void product_avx2(const float* x, int64_t count, const PackedMatrix& w,
                                               Out y, int64_t first, int64_t last) {
-  product<Portable<true>, true>(x, count, w, y, first, last);
+  constexpr int64_t kBlockRows = 24;
+  const int64_t in = w.in(), out = y.out, full = first + (last - first) / kPanel * kPanel;
+  const auto at = [&](int64_t r) { return Out{y.y + r * out, out, y.accumulate}; };
+  if (count < 3) {
+    if (count == 2) rows<Avx2, true, 2, 3, false>(x, w, y, first, last);
+    if (count == 1) rows<Portable<true>, true, 1, 4>(x, w, y, first, last);
+    return;
+  }
+  for (int64_t r0 = 0; r0 < count; r0 += kBlockRows) {
+    const int64_t end = std::min(count, r0 + kBlockRows);
+    for (int64_t j = first; j < last; j += kPanel) {
+      for (int64_t r = r0; r < end;) {
+        const float* xr = x + r * in;
+        const int64_t left = end - r;
+        if (j == full) {  // the narrow last panel
+          narrow_panel<true, 1>(xr, in, w.panel(j), last - j, at(r), j);
+          r += 1;
+        } else if (left >= 3) {
+          if (r == r0) {
+            Avx2::panels<3, 1, true>(xr, in, w.panel(j), at(r), j);
+          } else {
+            Avx2::panels<3, 1>(xr, in, w.panel(j), at(r), j);
+          }
+          r += 3;
+        } else if (left == 2) {
+          Avx2::panels<2, 1>(xr, in, w.panel(j), at(r), j);
+          r += 2;
+        } else {
+          Avx2::panels<1, 1>(xr, in, w.panel(j), at(r), j);
+          r += 1;
+        }
+      }
+    }
+  }
 }
 #endif
 

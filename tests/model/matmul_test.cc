@@ -82,6 +82,40 @@ TEST(Matmul, ARowsResultIsBitwiseTheSameWhateverRowsComeWithIt) {
   }
 }
 
+// Each fused variant's output is the plain fma chain over k in order from zero (then added to y
+// when accumulating), bitwise, for row counts its blocking distinguishes (the AVX2 variant: blocks
+// of up to 24 rows in threes with a rest of one or two; one or two rows alone) — so the fused
+// variants equal each other on every CPU, also where only one of them runs.
+TEST(Matmul, FusedVariantsArePlainFmaChains) {
+  std::mt19937 rng(19);
+  for (const Shape2 s : {Shape2{256, 768}, Shape2{17, 161}, Shape2{40, 4}}) {
+    const Floats w = random_floats(static_cast<size_t>(s.in * s.out), rng);
+    const PackedMatrix packed(w, s.in, s.out);
+    for (const int64_t rows : {1, 2, 3, 4, 5, 8, 9, 13, 26, 27, 50}) {
+      const Floats x = random_floats(static_cast<size_t>(rows * s.in), rng);
+      const Floats base = random_floats(static_cast<size_t>(rows * s.out), rng);
+      for (const auto& [name, run] : matmul_variants()) {
+        if (std::string(name) == "portable") continue;
+        for (const bool accumulate : {false, true}) {
+          Floats y = base;
+          run(x.data(), rows, packed, y.data(), accumulate);
+          for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t j = 0; j < s.out; ++j) {
+              float sum = 0.0f;
+              for (int64_t k = 0; k < s.in; ++k) {
+                sum = std::fma(x[r * s.in + k], w[k * s.out + j], sum);
+              }
+              const float want = accumulate ? base[r * s.out + j] + sum : sum;
+              ASSERT_EQ(y[r * s.out + j], want) << name << " " << s.in << "x" << s.out << ", "
+                                                << rows << " rows: row " << r << " column " << j;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 // The fused variants compute the same sums in the same order: bitwise equal to each other, so a
 // model's logits do not depend on which of them the CPU runs.
 TEST(Matmul, FusedVariantsAreBitwiseEqual) {
