@@ -32,6 +32,25 @@ void silu_gated_default(float* gate, const float* up, int64_t n) {
   }
 }
 
+[[gnu::target("avx2,fma")]] inline __m256 silu_gated8(__m256 g, __m256 u) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+  return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), u);
+}
+
+// silu_gated_avx512 in 8 lanes; a tail of fewer than 8 through a buffer.
+[[gnu::target("avx2,fma")]] void silu_gated_avx2(float* gate, const float* up, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(gate + i, silu_gated8(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
+  }
+  if (i < n) {
+    alignas(32) float g[8] = {}, u[8] = {};
+    for (int64_t t = 0; i + t < n; ++t) g[t] = gate[i + t], u[t] = up[i + t];
+    _mm256_store_ps(g, silu_gated8(_mm256_load_ps(g), _mm256_load_ps(u)));
+    for (int64_t t = 0; i + t < n; ++t) gate[i + t] = g[t];
+  }
+}
 #endif
 
 }  // namespace
@@ -39,7 +58,11 @@ void silu_gated_default(float* gate, const float* up, int64_t n) {
 std::vector<SiluVariant> silu_gated_variants() {
   std::vector<SiluVariant> out{{"portable", silu_gated_default}};
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-  if (vector_isa() == VectorIsa::avx512) out.push_back({"avx512", silu_gated_avx512});
+  const VectorIsa isa = vector_isa();
+  if (isa == VectorIsa::avx2 || isa == VectorIsa::avx512) {
+    out.push_back({"avx2", silu_gated_avx2});
+  }
+  if (isa == VectorIsa::avx512) out.push_back({"avx512", silu_gated_avx512});
 #endif
   return out;
 }

@@ -1,6 +1,7 @@
-// Internal: e^x for 16 floats at once in AVX-512, inline, for the kernels that exponentiate long
-// rows (softmax numerators, SiLU): a call into the vector math library per vector spilled the
-// calling loop's registers and cost as much as the exponential itself.
+// Internal: e^x for 16 floats at once in AVX-512 and for 8 in AVX2, inline, for the kernels that
+// exponentiate long rows (softmax numerators, SiLU): a call into the vector math library per
+// vector spilled the calling loop's registers and cost as much as the exponential itself. The two
+// give bitwise the same result for each lane.
 #pragma once
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -39,6 +40,30 @@ namespace kvsnap::detail {
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
+
+// exp16's steps in AVX2, which has no scalef: 2^k applied as two exact powers of two, 2^(k >> 1)
+// then 2^(k - (k >> 1)), each a normal float for every k the clamp allows ([-159, 128]); the
+// first product is exact, so the second rounds once, as scalef does (denormals, 0 and +inf alike).
+[[gnu::target("avx2,fma")]] inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_set1_ps(89.0f), _mm256_max_ps(_mm256_set1_ps(-110.0f), x));
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i ki = _mm256_cvtps_epi32(k);  // exact: k is an integer
+  const __m256i half = _mm256_srai_epi32(ki, 1), rest = _mm256_sub_epi32(ki, half);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 first = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+  const __m256 second = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(rest, bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(p, first), second);
+}
 
 }  // namespace kvsnap::detail
 

@@ -52,14 +52,34 @@ float max_default(const float* row, int64_t n, float floor) { return max_loop(ro
   return _mm512_reduce_add_ps(total);
 }
 #pragma GCC diagnostic pop
-// The loops below compiled for wider vectors (the AVX2 exp: libmvec's 8-wide expf). Chosen once
-// by what the CPU supports (not with target_clones: its resolver would be exported from the
-// library).
+// exp_avx512 in 8 lanes: a tail of fewer than 8 goes through a buffer whose spare lanes hold
+// -1e30 (finite: this file is built with -ffast-math), whose exponential is exactly 0.
+[[gnu::target("avx2,fma")]] float exp_avx2(float* row, int64_t n, float shift) {
+  const __m256 s = _mm256_set1_ps(shift);
+  __m256 total = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + i), s));
+    _mm256_storeu_ps(row + i, e);
+    total = _mm256_add_ps(total, e);
+  }
+  if (i < n) {
+    alignas(32) float tail[8];
+    for (int64_t t = 0; t < 8; ++t) tail[t] = i + t < n ? row[i + t] : -1e30f;
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(tail), s));
+    _mm256_store_ps(tail, e);
+    for (int64_t t = 0; i + t < n; ++t) row[i + t] = tail[t];
+    total = _mm256_add_ps(total, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, total);
+  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+         ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+}
+// The max loops compiled for wider vectors. Chosen once by what the CPU supports (not with
+// target_clones: its resolver would be exported from the library).
 [[gnu::target("avx512f,fma")]] float max_avx512(const float* row, int64_t n, float floor) {
   return max_loop(row, n, floor);
-}
-[[gnu::target("avx2,fma")]] float exp_avx2(float* row, int64_t n, float shift) {
-  return exp_loop(row, n, shift);
 }
 [[gnu::target("avx2,fma")]] float max_avx2(const float* row, int64_t n, float floor) {
   return max_loop(row, n, floor);

@@ -47,6 +47,29 @@ TEST(Softmax, ExponentialsAreWithinAFewUlpOfDoubleAndTheSumIsTheirs) {
   }
 }
 
+// Exponentials whose results are denormal (below e^-87.3) are right to within a denormal's last
+// bit or two, and from e^-110 down exactly 0 — the AVX2 variant applies 2^k in two halves, which
+// must round once, as AVX-512's scalef does.
+TEST(Softmax, DenormalExponentialsRoundOnce) {
+  for (const SoftmaxVariant& variant : softmax_variants()) {
+    SCOPED_TRACE(variant.name);
+    std::vector<float> row;
+    for (float x = -104.0f; x <= -86.0f; x += 0.0625f) row.push_back(x);
+    for (const float x : {-110.0f, -120.0f, -1e30f}) row.push_back(x);
+    const std::vector<float> in = row;
+    variant.exp_shifted(row.data(), static_cast<int64_t>(row.size()), 0.0f);
+    for (size_t i = 0; i < row.size(); ++i) {
+      const double expected = std::exp(static_cast<double>(in[i]));
+      const double denormal_bit = std::ldexp(1.0, -149);
+      if (in[i] <= -110.0f) {
+        EXPECT_EQ(row[i], 0.0f) << in[i];
+      } else {
+        EXPECT_NEAR(row[i], expected, 4e-7 * expected + 2 * denormal_bit) << in[i];
+      }
+    }
+  }
+}
+
 TEST(Softmax, TheLargestEntryWeighsOneAndMaskedEntriesZero) {
   for (const SoftmaxVariant& variant : softmax_variants()) {
     SCOPED_TRACE(variant.name);
