@@ -41,9 +41,12 @@ namespace kvsnap::detail {
 #pragma GCC diagnostic pop
 #endif
 
-// exp16's steps in AVX2, which has no scalef: 2^k applied as two exact powers of two, 2^(k >> 1)
-// then 2^(k - (k >> 1)), each a normal float for every k the clamp allows ([-159, 128]); the
-// first product is exact, so the second rounds once, as scalef does (denormals, 0 and +inf alike).
+// exp16's steps in AVX2, which has no scalef: 2^k applied in two halves, k >> 1 added to p's
+// exponent as an integer (exact: p lies in [0.7, 1.5] and the half in [-80, 64], so the result
+// is a normal float), then a multiply by 2^(k - (k >> 1)), a normal float for every k the clamp
+// allows ([-159, 128]), which rounds once, as scalef does (denormals, 0 and +inf alike). Integer
+// arithmetic for the first half, not a multiply: under -ffast-math (softmax.cc) GCC regrouped
+// p * 2^a * 2^b as p * (2^a * 2^b), which overflows for k = 128 and underflows for k = -150.
 [[gnu::target("avx2,fma")]] inline __m256 exp8(__m256 x) {
   x = _mm256_min_ps(_mm256_set1_ps(89.0f), _mm256_max_ps(_mm256_set1_ps(-110.0f), x));
   const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
@@ -59,10 +62,11 @@ namespace kvsnap::detail {
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   const __m256i ki = _mm256_cvtps_epi32(k);  // exact: k is an integer
   const __m256i half = _mm256_srai_epi32(ki, 1), rest = _mm256_sub_epi32(ki, half);
+  const __m256 scaled =
+      _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(half, 23)));
   const __m256i bias = _mm256_set1_epi32(127);
-  const __m256 first = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
   const __m256 second = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(rest, bias), 23));
-  return _mm256_mul_ps(_mm256_mul_ps(p, first), second);
+  return _mm256_mul_ps(scaled, second);
 }
 
 }  // namespace kvsnap::detail

@@ -16,7 +16,7 @@ float exp_shifted(float* row, int64_t n, float shift);
 float max_of(const float* row, int64_t n, float floor);
 
 // Every variant of the two kernels above this CPU runs — "portable", then where supported "avx2"
-// (libmvec's 8-wide expf) and "avx512" (ops/exp16.h); the functions above use the last — so that
+// and "avx512" (ops/exp16.h's exp8 and exp16); the functions above use the last — so that
 // tests cover them all.
 struct SoftmaxVariant {
   const char* name;

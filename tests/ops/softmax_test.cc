@@ -48,23 +48,31 @@ TEST(Softmax, ExponentialsAreWithinAFewUlpOfDoubleAndTheSumIsTheirs) {
 }
 
 // Exponentials whose results are denormal (below e^-87.3) are right to within a denormal's last
-// bit or two, and from e^-110 down exactly 0 — the AVX2 variant applies 2^k in two halves, which
-// must round once, as AVX-512's scalef does.
-TEST(Softmax, DenormalExponentialsRoundOnce) {
+// bit, never 0 where the exact value rounds to a denormal, and from e^-110 down exactly 0; those
+// just below float's largest are finite and right, and from e^89 up +inf. The AVX2 variant
+// applies 2^k in two halves, which must round once, as AVX-512's scalef does (a regrouping of
+// the halves, which -ffast-math allowed, overflowed at k = 128 and underflowed at k = -150).
+TEST(Softmax, ExponentialsAtTheEdgesOfTheFloatRangeRoundOnce) {
+  const double denormal_bit = std::ldexp(1.0, -149);
   for (const SoftmaxVariant& variant : softmax_variants()) {
     SCOPED_TRACE(variant.name);
     std::vector<float> row;
-    for (float x = -104.0f; x <= -86.0f; x += 0.0625f) row.push_back(x);
-    for (const float x : {-110.0f, -120.0f, -1e30f}) row.push_back(x);
+    for (float x = -104.5f; x <= -86.0f; x += 0.015625f) row.push_back(x);
+    for (float x = 88.0f; x <= 88.72f; x += 0.0078125f) row.push_back(x);
+    for (const float x : {-110.0f, -120.0f, -1e30f, 89.0f, 100.0f}) row.push_back(x);
     const std::vector<float> in = row;
     variant.exp_shifted(row.data(), static_cast<int64_t>(row.size()), 0.0f);
     for (size_t i = 0; i < row.size(); ++i) {
       const double expected = std::exp(static_cast<double>(in[i]));
-      const double denormal_bit = std::ldexp(1.0, -149);
       if (in[i] <= -110.0f) {
         EXPECT_EQ(row[i], 0.0f) << in[i];
+      } else if (in[i] >= 89.0f) {
+        EXPECT_EQ(row[i], std::numeric_limits<float>::infinity()) << in[i];
       } else {
-        EXPECT_NEAR(row[i], expected, 4e-7 * expected + 2 * denormal_bit) << in[i];
+        EXPECT_NEAR(row[i], expected, 4e-7 * expected + denormal_bit) << in[i];
+        if (expected > 0.51 * denormal_bit) {  // rounds up to the smallest denormal
+          EXPECT_GT(row[i], 0.0f) << in[i];
+        }
       }
     }
   }
