@@ -213,15 +213,8 @@ constexpr std::array<ByKey, sizeof...(M)> by_key(std::index_sequence<M...>) {
   }
   const __m512 scale16 = _mm512_set1_ps(scale);
   for (int64_t i0 = 0; i0 < m; i0 += 32) {
-    const int64_t valid = std::min<int64_t>(32, m - i0), tiles = (valid + 15) / 16;
-    for (int64_t t = 0; t < tiles; ++t) {
-      for (int64_t d = 0; d < depth; ++d) {
-        for (int64_t i = 0; i < 16; ++i) {
-          const int64_t query = 16 * t + i;
-          qt[(t * depth + d) * 16 + i] = query < valid ? q[i0 + query][d] : 0.0f;
-        }
-      }
-    }
+    const int64_t valid = std::min<int64_t>(32, m - i0),
+                  tiles = decode::transpose_queries(q + i0, valid, depth, 16, qt);
     Lookahead ahead(runs, n, stride, depth);
     int64_t at = 0;
     for (size_t r = 0; r < n; at += runs[r].count, ++r) {

@@ -106,15 +106,8 @@ constexpr std::array<std::array<TilesFn, 2>, 3> kScoreTiles = {{
                                         const ColumnRun* runs, size_t n, int64_t stride,
                                         float scale, float* const* out, float* qt) {
   for (int64_t i0 = 0; i0 < m; i0 += kScoreQueries) {
-    const int64_t valid = std::min(kScoreQueries, m - i0), tiles = (valid + 7) / 8;
-    for (int64_t t = 0; t < tiles; ++t) {
-      for (int64_t d = 0; d < depth; ++d) {
-        for (int64_t i = 0; i < 8; ++i) {
-          const int64_t query = 8 * t + i;
-          qt[(t * depth + d) * 8 + i] = query < valid ? q[i0 + query][d] : 0.0f;
-        }
-      }
-    }
+    const int64_t valid = std::min(kScoreQueries, m - i0),
+                  tiles = transpose_queries(q + i0, valid, depth, 8, qt);
     Lookahead ahead(runs, n, stride, depth);
     for_each_span(runs, n, stride, [&](const Piece* span, size_t pieces) {
       for (int64_t t = 0; t < tiles;) {

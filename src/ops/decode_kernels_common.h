@@ -29,6 +29,23 @@ using ScoresFn = void (*)(const float* const* q, int64_t m, int64_t depth, const
 using WeighFn = void (*)(const float* const* w, int64_t m, const ColumnRun* runs, size_t n,
                          int64_t stride, int64_t value_depth, float* const* out);
 
+// Queries q[0, valid) (valid <= kScoreQueries) into qt as tiles of `lanes` queries, one lane each:
+// qt[(t * depth + d) * lanes + i] = query lanes * t + i's element d; a partial tile's spare
+// lanes 0. Returns the tile count.
+inline int64_t transpose_queries(const float* const* q, int64_t valid, int64_t depth, int64_t lanes,
+                                 float* qt) {
+  const int64_t tiles = (valid + lanes - 1) / lanes;
+  for (int64_t t = 0; t < tiles; ++t) {
+    for (int64_t d = 0; d < depth; ++d) {
+      for (int64_t i = 0; i < lanes; ++i) {
+        const int64_t query = lanes * t + i;
+        qt[(t * depth + d) * lanes + i] = query < valid ? q[query][d] : 0.0f;
+      }
+    }
+  }
+  return tiles;
+}
+
 // A cursor kAhead columns ahead of a product over runs of columns (`depth` floats each, `stride`
 // apart): fetch(n) asks the caches for the next n columns' lines, crossing into the next run
 // where one ends. Prefetches are hints: they never fault and never change a result.
