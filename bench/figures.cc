@@ -4,8 +4,13 @@
 #include <sys/mman.h>
 
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "figure_parts.h"
+#include "model/weights.h"
+#include "ops/activations.h"
+#include "ops/decode_kernels.h"
+#include "ops/softmax.h"
 
 namespace kvsnap::bench {
 namespace {
@@ -18,6 +23,19 @@ void memcpy_figures(std::vector<Figure>& out) {
     out.push_back({"memcpy bandwidth", fmt::format("{} MiB", mib), gbps, "GB/s", 1.0, "the limit",
                    "", true, ""});
   }
+}
+
+// What this run's figures were measured on: the cores, and which variant of each hand-written
+// kernel the CPU runs (the figures of an AVX-512 and of an AVX2 machine are not comparable).
+void machine_figures(std::vector<Figure>& out) {
+  const std::vector<detail::DecodeKernelVariant> attention = detail::decode_kernel_variants();
+  out.push_back({"machine", "cores; kernels this CPU runs",
+                 static_cast<double>(std::thread::hardware_concurrency()), "cores", 0, "", "", true,
+                 fmt::format("products {}, attention {}, softmax {}, SiLU {}",
+                             detail::matmul_variants().back().name,
+                             attention.empty() ? "OpenBLAS" : attention.back().name,
+                             detail::softmax_variants().back().name,
+                             detail::silu_gated_variants().back().name)});
 }
 
 }  // namespace
@@ -42,6 +60,7 @@ double memcpy_fresh_ns(int64_t bytes) {
 std::vector<Figure> run_figures(const BenchOptions& options) {
   std::vector<Figure> out;
   const Shape shape;
+  machine_figures(out);
   options.progress("memcpy bandwidth");
   memcpy_figures(out);
   options.progress("decode append");
