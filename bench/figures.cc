@@ -8,9 +8,7 @@
 
 #include "figure_parts.h"
 #include "model/weights.h"
-#include "ops/activations.h"
-#include "ops/decode_kernels.h"
-#include "ops/softmax.h"
+#include "ops/kernel_report.h"
 
 namespace kvsnap::bench {
 namespace {
@@ -28,14 +26,12 @@ void memcpy_figures(std::vector<Figure>& out) {
 // What this run's figures were measured on: the cores, and which variant of each hand-written
 // kernel the CPU runs (the figures of an AVX-512 and of an AVX2 machine are not comparable).
 void machine_figures(std::vector<Figure>& out) {
-  const std::vector<detail::DecodeKernelVariant> attention = detail::decode_kernel_variants();
-  out.push_back({"machine", "cores; kernels this CPU runs",
-                 static_cast<double>(std::thread::hardware_concurrency()), "cores", 0, "", "", true,
-                 fmt::format("products {}, attention {}, softmax {}, SiLU {}",
-                             detail::matmul_variants().back().name,
-                             attention.empty() ? "OpenBLAS" : attention.back().name,
-                             detail::softmax_variants().back().name,
-                             detail::silu_gated_variants().back().name)});
+  const detail::OpsKernels ops = detail::ops_kernels();
+  out.push_back(
+      {"machine", "cores; kernels this CPU runs",
+       static_cast<double>(std::thread::hardware_concurrency()), "cores", 0, "", "", true,
+       fmt::format("products {}, attention {}, softmax {}, SiLU {}",
+                   detail::matmul_variants().back().name, ops.attention, ops.softmax, ops.silu)});
 }
 
 }  // namespace

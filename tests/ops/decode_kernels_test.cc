@@ -12,6 +12,9 @@
 #include <utility>
 #include <vector>
 
+#include "ops/activations.h"
+#include "ops/kernel_report.h"
+#include "ops/softmax.h"
 #include "support/test_support.h"
 
 namespace kvsnap::detail {
@@ -274,6 +277,17 @@ DECODE_KERNELS_TEST(OneCallOverScatteredRunsEqualsACallPerRunAndThePlainSums) {
       }
     }
   }
+}
+
+// What kvsnap bench reports as this CPU's kernels is what the ops use: the last variant of each,
+// and OpenBLAS for attention where no decode kernel variant runs.
+TEST(KernelReport, NamesTheVariantsTheOpsRun) {
+  const OpsKernels ops = ops_kernels();
+  const std::vector<DecodeKernelVariant> attention = decode_kernel_variants();
+  EXPECT_EQ(ops.attention, attention.empty() ? "OpenBLAS" : attention.back().name);
+  EXPECT_EQ(attention.empty(), !decode_kernels_available());
+  EXPECT_EQ(ops.softmax, softmax_variants().back().name);
+  EXPECT_EQ(ops.silu, silu_gated_variants().back().name);
 }
 
 }  // namespace
