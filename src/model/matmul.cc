@@ -95,6 +95,16 @@ template <bool Fused, int R>
 }
 
 #ifdef KVSNAP_MATMUL_X86
+// Asks the caches for the panel 32 of its rows (4 KB) ahead of wk: computed as an integer, a hint
+// never faults, and the address may lie past W's end. No target attribute: it inlines into every
+// variant's blocks.
+[[gnu::always_inline]] inline void fetch_ahead(const float* wk) {
+  constexpr uintptr_t kAhead = 32 * kPanel * sizeof(float);
+  const uintptr_t at = reinterpret_cast<uintptr_t>(wk) + kAhead;
+  __builtin_prefetch(reinterpret_cast<const char*>(at), 0, 3);
+  __builtin_prefetch(reinterpret_cast<const char*>(at + 64), 0, 3);
+}
+
 // The same blocks in AVX-512 intrinsics (a compiler's auto-vectorization of Portable keeps the
 // sums in registers at some optimization levels and not at others): lane c of sum[r][v] is
 // the Portable sum of row r, column j + 16 v + c. Not inlined into the portable loops that call
@@ -106,13 +116,6 @@ struct Avx512 {
   // memcpy of W without, 1.2x with; bench/matmul_benchmarks.cc). So those blocks fetch the panel
   // 32 of its rows (4 KB) ahead — computed as an integer: a hint never faults, and the address may
   // lie past W's end. One row alone is bound by memory either way and is left to the hardware.
-  [[gnu::target("avx512f,fma"), gnu::always_inline]] static void fetch_ahead(const float* wk) {
-    constexpr uintptr_t kAhead = 32 * kPanel * sizeof(float);
-    const uintptr_t at = reinterpret_cast<uintptr_t>(wk) + kAhead;
-    _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(at + 64), _MM_HINT_T0);
-  }
-
   template <int R, int P, bool Fetch = R >= 4>
   [[gnu::target("avx512f,fma"), gnu::noinline]] static void panels(const float* x, int64_t in,
                                                                    const float* panel, Out y,
@@ -156,13 +159,6 @@ struct Avx2 {
   static constexpr int kVectors = 12 / (R * P) >= 4   ? 4
                                   : 12 / (R * P) >= 2 ? 2
                                                       : 1;
-
-  [[gnu::target("avx2,fma"), gnu::always_inline]] static void fetch_ahead(const float* wk) {
-    constexpr uintptr_t kAhead = 32 * kPanel * sizeof(float);
-    const uintptr_t at = reinterpret_cast<uintptr_t>(wk) + kAhead;
-    _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(at + 64), _MM_HINT_T0);
-  }
 
   // One pass: vectors [v0, v0 + V) of each of the P panels; the first fetches ahead (a branch
   // in the loop would make GCC keep the sums in memory).

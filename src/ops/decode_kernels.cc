@@ -212,8 +212,8 @@ constexpr std::array<ByKey, sizeof...(M)> by_key(std::index_sequence<M...>) {
     return kByKeyOf[static_cast<size_t>(m - 1)](q, depth, runs, n, stride, scale, out);
   }
   const __m512 scale16 = _mm512_set1_ps(scale);
-  for (int64_t i0 = 0; i0 < m; i0 += 32) {
-    const int64_t valid = std::min<int64_t>(32, m - i0),
+  for (int64_t i0 = 0; i0 < m; i0 += decode::kScoreQueries) {
+    const int64_t valid = std::min(decode::kScoreQueries, m - i0),
                   tiles = decode::transpose_queries(q + i0, valid, depth, 16, qt);
     Lookahead ahead(runs, n, stride, depth);
     int64_t at = 0;
