@@ -1,0 +1,349 @@
+package kvsnap
+
+/*
+#include <stdlib.h>
+#include <kvsnap/kvsnap_c.h>
+*/
+import "C"
+
+import (
+	"fmt"
+	"runtime"
+	"sync"
+	"unsafe"
+)
+
+// DType is an element type (kvsnap_dtype).
+type DType int
+
+const (
+	F32  DType = C.KVSNAP_F32
+	F16  DType = C.KVSNAP_F16
+	BF16 DType = C.KVSNAP_BF16
+	I32  DType = C.KVSNAP_I32
+)
+
+// Size is the bytes of one element.
+func (d DType) Size() int {
+	switch d {
+	case F16, BF16:
+		return 2
+	}
+	return 4
+}
+
+func (d DType) String() string {
+	switch d {
+	case F32:
+		return "f32"
+	case F16:
+		return "f16"
+	case BF16:
+		return "bf16"
+	case I32:
+		return "i32"
+	}
+	return fmt.Sprintf("dtype(%d)", int(d))
+}
+
+// MaxDims is the most dimensions an array has (KVSNAP_MAX_DIMS).
+const MaxDims = C.KVSNAP_MAX_DIMS
+
+// Array is a kvsnap array in C memory: one the library allocated (Zeros, FromFloat32), or a
+// view of a cache's buffers (a History's keys and values, a cache's state), which is read-only.
+// Its memory lives until Close of the last array, view, snapshot or cache naming it.
+type Array struct {
+	mu  sync.RWMutex
+	ptr *C.kvsnap_array
+}
+
+func newArray(ptr *C.kvsnap_array) *Array {
+	if ptr == nil {
+		return nil
+	}
+	a := &Array{ptr: ptr}
+	runtime.SetFinalizer(a, (*Array).Close)
+	return a
+}
+
+func cShape(call string, shape []int64) (*C.int64_t, C.int, error) {
+	if len(shape) > MaxDims {
+		return nil, 0, invalid(call, "%d dimensions, at most %d", len(shape), MaxDims)
+	}
+	if len(shape) == 0 {
+		return nil, 0, nil
+	}
+	return (*C.int64_t)(unsafe.Pointer(&shape[0])), C.int(len(shape)), nil
+}
+
+func elements(shape []int64) int64 {
+	n := int64(1)
+	for _, extent := range shape {
+		n *= extent
+	}
+	return n
+}
+
+// Zeros is a compact (row-major) array of zeros, which Float32s (and Bytes) let the caller
+// fill in place.
+func Zeros(dtype DType, shape ...int64) (*Array, error) {
+	dims, ndim, err := cShape("Zeros", shape)
+	if err != nil {
+		return nil, err
+	}
+	var out *C.kvsnap_array
+	err = check(func() C.kvsnap_status { return C.kvsnap_array_zeros(C.kvsnap_dtype(dtype), ndim, dims, &out) })
+	return newArray(out), err
+}
+
+func fromData(call string, dtype DType, shape []int64, data unsafe.Pointer, count int) (*Array, error) {
+	dims, ndim, err := cShape(call, shape)
+	if err != nil {
+		return nil, err
+	}
+	for _, extent := range shape {
+		if extent < 0 {
+			return nil, invalid(call, "shape %v has a negative extent", shape)
+		}
+	}
+	if want := elements(shape); int64(count) != want {
+		return nil, invalid(call, "%d elements for shape %v, which holds %d", count, shape, want)
+	}
+	var out *C.kvsnap_array
+	err = check(func() C.kvsnap_status {
+		return C.kvsnap_array_from_data(C.kvsnap_dtype(dtype), ndim, dims, data, &out)
+	})
+	return newArray(out), err
+}
+
+// FromFloat32 is an f32 array of `shape` holding a copy of data (row-major).
+func FromFloat32(shape []int64, data []float32) (*Array, error) {
+	var p unsafe.Pointer
+	if len(data) > 0 {
+		p = unsafe.Pointer(&data[0])
+	}
+	return fromData("FromFloat32", F32, shape, p, len(data))
+}
+
+// FromInt32 is an i32 array of `shape` holding a copy of data (row-major).
+func FromInt32(shape []int64, data []int32) (*Array, error) {
+	var p unsafe.Pointer
+	if len(data) > 0 {
+		p = unsafe.Pointer(&data[0])
+	}
+	return fromData("FromInt32", I32, shape, p, len(data))
+}
+
+// ArrayInfo describes an array: its element type, shape, and strides in elements.
+type ArrayInfo struct {
+	DType   DType
+	Shape   []int64
+	Strides []int64
+	data    unsafe.Pointer
+}
+
+// Compact says whether the elements lie in row-major order without gaps.
+func (i ArrayInfo) Compact() bool {
+	step := int64(1)
+	for axis := len(i.Shape) - 1; axis >= 0; axis-- {
+		if i.Shape[axis] != 1 && i.Strides[axis] != step {
+			return false
+		}
+		step *= i.Shape[axis]
+	}
+	return true
+}
+
+// extent is the elements from [0, ..., 0] to the last one, inclusive (0 when empty).
+func (i ArrayInfo) extent() int64 {
+	last := int64(0)
+	for axis, n := range i.Shape {
+		if n == 0 {
+			return 0
+		}
+		last += (n - 1) * i.Strides[axis]
+	}
+	return last + 1
+}
+
+// Info is the array's element type, shape and strides.
+func (a *Array) Info() (ArrayInfo, error) {
+	a.mu.RLock()
+	defer a.mu.RUnlock()
+	return a.info("Array.Info")
+}
+
+func (a *Array) info(call string) (ArrayInfo, error) {
+	if a == nil || a.ptr == nil {
+		return ArrayInfo{}, closedError(call, "array")
+	}
+	var info C.kvsnap_array_info
+	if err := check(func() C.kvsnap_status { return C.kvsnap_array_get_info(a.ptr, &info) }); err != nil {
+		return ArrayInfo{}, err
+	}
+	out := ArrayInfo{DType: DType(info.dtype), Shape: make([]int64, info.ndim),
+		Strides: make([]int64, info.ndim), data: info.data}
+	for axis := 0; axis < int(info.ndim); axis++ {
+		out.Shape[axis] = int64(info.shape[axis])
+		out.Strides[axis] = int64(info.strides[axis])
+	}
+	return out, nil
+}
+
+// Shape is the array's extents (nil once closed).
+func (a *Array) Shape() []int64 {
+	info, err := a.Info()
+	if err != nil {
+		return nil
+	}
+	return info.Shape
+}
+
+// Float32s is an f32 array's memory in place, without a copy: element (i0, ..., in) is
+// data[i0*strides[0] + ... + in*strides[n]]. The slice is valid until this array is closed;
+// write only into arrays the caller made (Zeros), never into a cache's views.
+func (a *Array) Float32s() (data []float32, strides []int64, err error) {
+	a.mu.RLock()
+	defer a.mu.RUnlock()
+	info, err := a.info("Array.Float32s")
+	if err != nil {
+		return nil, nil, err
+	}
+	if info.DType != F32 {
+		return nil, nil, invalid("Array.Float32s", "the array holds %v, not f32", info.DType)
+	}
+	n := info.extent()
+	if n == 0 {
+		return []float32{}, info.Strides, nil
+	}
+	return unsafe.Slice((*float32)(info.data), n), info.Strides, nil
+}
+
+// Bytes is a compact array's memory in place (row-major, DType.Size() bytes an element), valid
+// until this array is closed; for any dtype (f16, bf16 as their bits).
+func (a *Array) Bytes() ([]byte, error) {
+	a.mu.RLock()
+	defer a.mu.RUnlock()
+	info, err := a.info("Array.Bytes")
+	if err != nil {
+		return nil, err
+	}
+	if !info.Compact() {
+		return nil, invalid("Array.Bytes", "the array (shape %v, strides %v) is not compact: use CopyBytes", info.Shape, info.Strides)
+	}
+	n := elements(info.Shape) * int64(info.DType.Size())
+	if n == 0 {
+		return []byte{}, nil
+	}
+	return unsafe.Slice((*byte)(info.data), n), nil
+}
+
+// CopyBytes copies the elements in logical row-major order into a new slice.
+func (a *Array) CopyBytes() ([]byte, error) {
+	a.mu.RLock()
+	defer a.mu.RUnlock()
+	info, err := a.info("Array.CopyBytes")
+	if err != nil {
+		return nil, err
+	}
+	out := make([]byte, elements(info.Shape)*int64(info.DType.Size()))
+	if len(out) == 0 {
+		return out, nil
+	}
+	err = check(func() C.kvsnap_status {
+		return C.kvsnap_array_copy_to(a.ptr, unsafe.Pointer(&out[0]), C.size_t(len(out)))
+	})
+	return out, err
+}
+
+// CopyFloat32s copies an f32 array's elements in logical row-major order into a new slice.
+func (a *Array) CopyFloat32s() ([]float32, error) {
+	a.mu.RLock()
+	defer a.mu.RUnlock()
+	info, err := a.info("Array.CopyFloat32s")
+	if err != nil {
+		return nil, err
+	}
+	if info.DType != F32 {
+		return nil, invalid("Array.CopyFloat32s", "the array holds %v, not f32", info.DType)
+	}
+	out := make([]float32, elements(info.Shape))
+	if len(out) == 0 {
+		return out, nil
+	}
+	err = check(func() C.kvsnap_status {
+		return C.kvsnap_array_copy_to(a.ptr, unsafe.Pointer(&out[0]), C.size_t(4*len(out)))
+	})
+	return out, err
+}
+
+// Slice is a view of [start, stop) along axis, sharing storage.
+func (a *Array) Slice(axis int, start, stop int64) (*Array, error) {
+	a.mu.RLock()
+	defer a.mu.RUnlock()
+	if a.ptr == nil {
+		return nil, closedError("Array.Slice", "array")
+	}
+	var out *C.kvsnap_array
+	err := check(func() C.kvsnap_status {
+		return C.kvsnap_array_slice(a.ptr, C.int(axis), C.int64_t(start), C.int64_t(stop), &out)
+	})
+	return newArray(out), err
+}
+
+// SharesStorage says whether both arrays name the same buffer (false if either is closed).
+func (a *Array) SharesStorage(b *Array) bool {
+	if a == nil || b == nil {
+		return false
+	}
+	a.mu.RLock()
+	defer a.mu.RUnlock()
+	if a != b {
+		b.mu.RLock()
+		defer b.mu.RUnlock()
+	}
+	return bool(C.kvsnap_array_shares_storage(a.ptr, b.ptr))
+}
+
+// Close releases the array (its memory once nothing else names it). Safe to call twice.
+func (a *Array) Close() {
+	if a == nil {
+		return
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	C.kvsnap_array_destroy(a.ptr)
+	a.ptr = nil
+}
+
+// cArrays read-locks the arrays for a call and returns their handles (nil entries stay nil; an
+// array named twice is locked once).
+func cArrays(call string, arrays ...*Array) ([]*C.kvsnap_array, func(), error) {
+	ptrs := make([]*C.kvsnap_array, len(arrays))
+	var held []*Array
+	unlock := func() {
+		for _, a := range held {
+			a.mu.RUnlock()
+		}
+	}
+next:
+	for i, a := range arrays {
+		if a == nil {
+			continue
+		}
+		for _, h := range held {
+			if h == a {
+				ptrs[i] = a.ptr
+				continue next
+			}
+		}
+		a.mu.RLock()
+		held = append(held, a)
+		if a.ptr == nil {
+			unlock()
+			return nil, nil, closedError(call, "array")
+		}
+		ptrs[i] = a.ptr
+	}
+	return ptrs, unlock, nil
+}

@@ -1,0 +1,3 @@
+module kvsnap.dev/kvsnap
+
+go 1.19

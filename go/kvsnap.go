@@ -1,0 +1,109 @@
+// Package kvsnap is the Go binding of kvsnap, a library that owns a language model's per-layer
+// inference state — attention KV caches (contiguous, sliding-window and paged), recurrent
+// SSM / gated-delta state — and makes it cheap to snapshot, rewind, branch and reuse across
+// requests through a prefix cache.
+//
+// It calls the C API (kvsnap_c.h) through cgo: build with the library's headers and shared
+// library where the C compiler and linker find them (an installed kvsnap needs nothing more;
+// an in-tree build sets CGO_CFLAGS to its include folders and CGO_LDFLAGS to -L of libkvsnap.so).
+//
+// Every call that can fail returns an error of type *Error, whose message is the library's
+// (what call, what values, what rule); on failure the objects involved are unchanged, as in C.
+// Objects hold C memory: Close them when done (a finalizer frees what is forgotten, later).
+//
+// Goroutines: caches and prefix caches may be used from several goroutines at once (the library
+// locks them); a Session, a Snapshot and a Speculation from one goroutine at a time. Close waits
+// for calls in flight on the same object and makes later calls fail with ErrClosed.
+package kvsnap
+
+/*
+#cgo LDFLAGS: -lkvsnap
+#include <kvsnap/kvsnap_c.h>
+*/
+import "C"
+
+import (
+	"fmt"
+	"runtime"
+)
+
+// Status says what kind of failure an Error is (kvsnap_status).
+type Status int
+
+const (
+	// StatusContract: the library's rules refused the call (kvsnap::Error: a contract
+	// violation or bad data).
+	StatusContract Status = C.KVSNAP_ERROR
+	// StatusInvalidArgument: a missing object, an unknown enum value, the wrong cache kind, a
+	// Go value of the wrong length.
+	StatusInvalidArgument Status = C.KVSNAP_INVALID_ARGUMENT
+	// StatusOutOfMemory: an allocation failed.
+	StatusOutOfMemory Status = C.KVSNAP_OUT_OF_MEMORY
+	// StatusInternal: any other failure, a bug in kvsnap.
+	StatusInternal Status = C.KVSNAP_INTERNAL_ERROR
+	// StatusClosed: the object was closed (a Go-side status; the C API has no such handle).
+	StatusClosed Status = -1
+)
+
+func (s Status) String() string {
+	switch s {
+	case StatusContract:
+		return "contract"
+	case StatusInvalidArgument:
+		return "invalid argument"
+	case StatusOutOfMemory:
+		return "out of memory"
+	case StatusInternal:
+		return "internal"
+	case StatusClosed:
+		return "closed"
+	}
+	return fmt.Sprintf("status %d", int(s))
+}
+
+// Error is a failed call: its Status and the library's message, which names the call, the
+// values and the rule.
+type Error struct {
+	Status  Status
+	Message string
+}
+
+func (e *Error) Error() string { return e.Message }
+
+// Is matches the sentinels below by Status: errors.Is(err, kvsnap.ErrContract).
+func (e *Error) Is(target error) bool {
+	t, ok := target.(*Error)
+	return ok && t.Message == "" && t.Status == e.Status
+}
+
+// Sentinels for errors.Is, one per Status.
+var (
+	ErrContract        = &Error{Status: StatusContract}
+	ErrInvalidArgument = &Error{Status: StatusInvalidArgument}
+	ErrOutOfMemory     = &Error{Status: StatusOutOfMemory}
+	ErrInternal        = &Error{Status: StatusInternal}
+	ErrClosed          = &Error{Status: StatusClosed}
+)
+
+// check runs one C call and turns a failed status into an *Error. The C API keeps the last
+// error per thread, so the call and the read of its message stay on one OS thread.
+func check(call func() C.kvsnap_status) error {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	if status := call(); status != C.KVSNAP_OK {
+		return &Error{Status: Status(status), Message: C.GoString(C.kvsnap_last_error())}
+	}
+	return nil
+}
+
+func closedError(call, what string) error {
+	return &Error{Status: StatusClosed, Message: fmt.Sprintf("kvsnap.%s: the %s is closed", call, what)}
+}
+
+func invalid(call, format string, args ...any) error {
+	return &Error{Status: StatusInvalidArgument,
+		Message: fmt.Sprintf("kvsnap.%s: %s", call, fmt.Sprintf(format, args...))}
+}
+
+// LiveBytes is the bytes held by all live kvsnap-allocated arrays (kvsnap_live_bytes).
+func LiveBytes() int64 { return int64(C.kvsnap_live_bytes()) }

@@ -1,0 +1,349 @@
+package kvsnap
+
+/*
+#include <stdlib.h>
+#include <kvsnap/kvsnap_c.h>
+*/
+import "C"
+
+import (
+	"runtime"
+	"sync"
+	"unsafe"
+)
+
+// PrefixOptions configure a PrefixCache.
+type PrefixOptions struct {
+	// Budget for the bytes the trie's snapshots own; <= 0: the library's default.
+	MaxPagedOutBytes int64
+	// Sequences of the layers served at once, one session each; <= 0: 1.
+	Slots int32
+}
+
+// PrefixStats count what a PrefixCache did.
+type PrefixStats struct {
+	Lookups          int64 // Begin calls
+	MatchedTokens    int64 // prompt tokens found in the trie
+	ReusedTokens     int64 // tokens restored instead of evaluated
+	EvictedNodes     int64 // trie nodes evicted under the budget
+	DroppedSnapshots int64 // whole-state snapshots dropped from the active path
+	PagedOutBytes    int64 // bytes owned by snapshots in the trie
+	NodeCount        int64 // trie nodes, the root excluded
+}
+
+// PrefixCache is a compressed token trie whose nodes hold snapshots of a model's layers: a
+// request that shares a prefix with an earlier one restores state instead of recomputing it,
+// for every layer kind. It drives the layers' offsets from its creation on. Begin, BeginSlot,
+// Match and Stats may be called from several goroutines at once; each slot runs one session
+// at a time.
+type PrefixCache struct {
+	mu     sync.RWMutex
+	ptr    *C.kvsnap_prefix_cache
+	layers []*Cache // held: they must outlive the C object (and Close refuses while held)
+}
+
+// NewPrefixCache is a prefix cache over the model's layers, in order (a nil entry is a
+// stateless layer). The layers cannot be closed until the prefix cache is. options may be nil.
+func NewPrefixCache(layers []*Cache, options *PrefixOptions) (*PrefixCache, error) {
+	call := "NewPrefixCache"
+	ptrs, release, err := borrow(call, layers)
+	if err != nil {
+		return nil, err
+	}
+	var opts *C.kvsnap_prefix_options
+	if options != nil {
+		opts = &C.kvsnap_prefix_options{max_paged_out_bytes: C.int64_t(options.MaxPagedOutBytes),
+			slots: C.int32_t(options.Slots)}
+	}
+	var out *C.kvsnap_prefix_cache
+	err = check(func() C.kvsnap_status {
+		return C.kvsnap_prefix_cache_create(&ptrs[0], C.size_t(len(layers)), opts, &out)
+	})
+	if err != nil {
+		release(true)
+		return nil, err
+	}
+	release(false)
+	p := &PrefixCache{ptr: out, layers: append([]*Cache{}, layers...)}
+	runtime.SetFinalizer(p, (*PrefixCache).Close)
+	return p, nil
+}
+
+// borrow marks the layers as held (Cache.Close refuses) and returns their handles (one extra
+// nil entry, so the slice is never empty); release(true) undoes the marks.
+func borrow(call string, layers []*Cache) ([]*C.kvsnap_cache, func(undo bool), error) {
+	ptrs := make([]*C.kvsnap_cache, len(layers)+1)
+	var locked []*Cache
+	unlock := func() {
+		for _, c := range locked {
+			c.mu.RUnlock()
+		}
+	}
+next:
+	for i, c := range layers {
+		if c == nil {
+			continue
+		}
+		for _, l := range locked {
+			if l == c {
+				ptrs[i] = c.ptr
+				continue next
+			}
+		}
+		c.mu.RLock()
+		locked = append(locked, c)
+		if c.ptr == nil {
+			unlock()
+			return nil, nil, closedError(call, "cache")
+		}
+		ptrs[i] = c.ptr
+	}
+	for _, c := range locked {
+		c.borrowers.Add(1)
+	}
+	unlock()
+	return ptrs, func(undo bool) {
+		if undo {
+			for _, c := range locked {
+				c.borrowers.Add(-1)
+			}
+		}
+	}, nil
+}
+
+func unborrow(layers []*Cache) {
+	seen := map[*Cache]bool{}
+	for _, c := range layers {
+		if c != nil && !seen[c] {
+			seen[c] = true
+			c.borrowers.Add(-1)
+		}
+	}
+}
+
+// Close frees the prefix cache; its open sessions are detached (their calls then fail). Safe
+// to call twice.
+func (p *PrefixCache) Close() {
+	if p == nil {
+		return
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.ptr == nil {
+		return
+	}
+	C.kvsnap_prefix_cache_destroy(p.ptr)
+	p.ptr = nil
+	unborrow(p.layers)
+	p.layers = nil
+}
+
+func (p *PrefixCache) use(call string, f func(*C.kvsnap_prefix_cache) error) error {
+	if p == nil {
+		return closedError(call, "prefix cache")
+	}
+	p.mu.RLock()
+	defer p.mu.RUnlock()
+	if p.ptr == nil {
+		return closedError(call, "prefix cache")
+	}
+	return f(p.ptr)
+}
+
+func tokens(prompt []int32) *C.int32_t { return int32s(prompt) }
+
+// Begin starts a request for prompt (at least one token) on slot 0: the layers are restored to
+// the longest cached prefix, and the Session says which tokens the model must still evaluate.
+func (p *PrefixCache) Begin(prompt []int32) (*Session, error) { return p.BeginSlot(0, prompt) }
+
+// BeginSlot starts a request on slot (the layers' sequence slot), restoring from the trie or
+// from another slot's live state, whichever holds more of the prompt.
+func (p *PrefixCache) BeginSlot(slot int32, prompt []int32) (*Session, error) {
+	var out *C.kvsnap_session
+	err := p.use("PrefixCache.BeginSlot", func(ptr *C.kvsnap_prefix_cache) error {
+		return check(func() C.kvsnap_status {
+			return C.kvsnap_prefix_cache_begin_slot(ptr, C.int32_t(slot), tokens(prompt), C.size_t(len(prompt)), &out)
+		})
+	})
+	if err != nil {
+		return nil, err
+	}
+	s := &Session{ptr: out, prefix: p}
+	runtime.SetFinalizer(s, (*Session).free)
+	return s, nil
+}
+
+// Match is how many prompt tokens BeginSlot would restore on slot as things stand (slot < 0:
+// from the trie alone). It changes nothing: for schedulers choosing where to run a request.
+func (p *PrefixCache) Match(slot int32, prompt []int32) (int64, error) {
+	var out C.int64_t
+	err := p.use("PrefixCache.Match", func(ptr *C.kvsnap_prefix_cache) error {
+		return check(func() C.kvsnap_status {
+			return C.kvsnap_prefix_cache_match(ptr, C.int32_t(slot), tokens(prompt), C.size_t(len(prompt)), &out)
+		})
+	})
+	return int64(out), err
+}
+
+// Stats counts what the prefix cache did.
+func (p *PrefixCache) Stats() (PrefixStats, error) {
+	var s C.kvsnap_prefix_stats
+	err := p.use("PrefixCache.Stats", func(ptr *C.kvsnap_prefix_cache) error {
+		return check(func() C.kvsnap_status { return C.kvsnap_prefix_cache_get_stats(ptr, &s) })
+	})
+	return PrefixStats{int64(s.lookups), int64(s.matched_tokens), int64(s.reused_tokens),
+		int64(s.evicted_nodes), int64(s.dropped_snapshots), int64(s.paged_out_bytes), int64(s.node_count)}, err
+}
+
+// Check returns nil when the trie's invariants hold, else an error naming the first violation.
+func (p *PrefixCache) Check() error {
+	return p.use("PrefixCache.Check", func(ptr *C.kvsnap_prefix_cache) error {
+		return check(func() C.kvsnap_status { return C.kvsnap_prefix_cache_check(ptr) })
+	})
+}
+
+// Save writes the trie and its snapshots to folder dir with modelID, atomically.
+func (p *PrefixCache) Save(dir, modelID string) error {
+	cdir, cmodel := C.CString(dir), C.CString(modelID)
+	defer C.free(unsafe.Pointer(cdir))
+	defer C.free(unsafe.Pointer(cmodel))
+	return p.use("PrefixCache.Save", func(ptr *C.kvsnap_prefix_cache) error {
+		return check(func() C.kvsnap_status { return C.kvsnap_prefix_cache_save(ptr, cdir, cmodel) })
+	})
+}
+
+// Load replaces the trie by the one saved in dir for the same layers and modelID. It refuses a
+// dir or file that is not private to this user.
+func (p *PrefixCache) Load(dir, modelID string) error {
+	cdir, cmodel := C.CString(dir), C.CString(modelID)
+	defer C.free(unsafe.Pointer(cdir))
+	defer C.free(unsafe.Pointer(cmodel))
+	return p.use("PrefixCache.Load", func(ptr *C.kvsnap_prefix_cache) error {
+		return check(func() C.kvsnap_status { return C.kvsnap_prefix_cache_load(ptr, cdir, cmodel) })
+	})
+}
+
+// SavedIn says whether dir holds a saved trie that Load would read (false too for one it would
+// refuse as not private; Load then says why).
+func SavedIn(dir string) bool {
+	cdir := C.CString(dir)
+	defer C.free(unsafe.Pointer(cdir))
+	return bool(C.kvsnap_prefix_cache_saved_in(cdir))
+}
+
+// Session is one request on a slot: Remaining tokens to prefill, then PrefillDone, an
+// AppendOutput per generated token, and Close, which pages the evaluated tokens out into the
+// trie. Use it from one goroutine at a time.
+type Session struct {
+	mu     sync.Mutex
+	ptr    *C.kvsnap_session
+	prefix *PrefixCache // kept reachable while the session is
+}
+
+func (s *Session) use(call string, f func(*C.kvsnap_session) error) error {
+	if s == nil {
+		return closedError(call, "session")
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.ptr == nil {
+		return closedError(call, "session")
+	}
+	return f(s.ptr)
+}
+
+// Remaining is the prompt tokens the model must still evaluate (a copy).
+func (s *Session) Remaining() ([]int32, error) {
+	var out []int32
+	err := s.use("Session.Remaining", func(p *C.kvsnap_session) error {
+		var toks *C.int32_t
+		var count C.size_t
+		if err := check(func() C.kvsnap_status { return C.kvsnap_session_remaining(p, &toks, &count) }); err != nil {
+			return err
+		}
+		out = make([]int32, count)
+		if count > 0 {
+			copy(out, unsafe.Slice((*int32)(unsafe.Pointer(toks)), count))
+		}
+		return nil
+	})
+	return out, err
+}
+
+// Cached is the tokens restored from the cache: the live layers stand at this offset.
+func (s *Session) Cached() (int64, error) {
+	var out C.int64_t
+	err := s.use("Session.Cached", func(p *C.kvsnap_session) error {
+		return check(func() C.kvsnap_status { return C.kvsnap_session_cached(p, &out) })
+	})
+	return int64(out), err
+}
+
+// Slot is the slot (the layers' sequence) the session runs on.
+func (s *Session) Slot() (int32, error) {
+	var out C.int32_t
+	err := s.use("Session.Slot", func(p *C.kvsnap_session) error {
+		return check(func() C.kvsnap_status { return C.kvsnap_session_slot(p, &out) })
+	})
+	return int32(out), err
+}
+
+// ScheduleSnapshots adds restore points (absolute offsets in [Cached, prompt size]) before the
+// prefill.
+func (s *Session) ScheduleSnapshots(offsets ...int64) error {
+	var at *C.int64_t
+	if len(offsets) > 0 {
+		at = (*C.int64_t)(unsafe.Pointer(&offsets[0]))
+	}
+	return s.use("Session.ScheduleSnapshots", func(p *C.kvsnap_session) error {
+		return check(func() C.kvsnap_status { return C.kvsnap_session_schedule_snapshots(p, at, C.size_t(len(offsets))) })
+	})
+}
+
+// PrefillDone is called after the prefill forward over the remaining tokens.
+func (s *Session) PrefillDone() error {
+	return s.use("Session.PrefillDone", func(p *C.kvsnap_session) error {
+		return check(func() C.kvsnap_status { return C.kvsnap_session_prefill_done(p) })
+	})
+}
+
+// AppendOutput records a generated token (before the forward that feeds it back).
+func (s *Session) AppendOutput(token int32) error {
+	return s.use("Session.AppendOutput", func(p *C.kvsnap_session) error {
+		return check(func() C.kvsnap_status { return C.kvsnap_session_append_output(p, C.int32_t(token)) })
+	})
+}
+
+// RetractOutputs takes back the last count generated tokens (drafts the verification
+// rejected). Fails, changing nothing, unless decoding, 0 <= count <= the tokens generated so
+// far, and the layers stand at or past the prompt's end.
+func (s *Session) RetractOutputs(count int64) error {
+	return s.use("Session.RetractOutputs", func(p *C.kvsnap_session) error {
+		return check(func() C.kvsnap_status { return C.kvsnap_session_retract_outputs(p, C.int64_t(count)) })
+	})
+}
+
+// Close pages the evaluated tokens out into the trie, ends the session and frees it. A second
+// Close does nothing.
+func (s *Session) Close() error {
+	if s == nil {
+		return nil
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.ptr == nil {
+		return nil
+	}
+	err := check(func() C.kvsnap_status { return C.kvsnap_session_close(s.ptr) })
+	C.kvsnap_session_destroy(s.ptr)
+	s.ptr = nil
+	return err
+}
+
+// free: a session forgotten open is closed (a failure to page out is dropped), then freed.
+func (s *Session) free() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	C.kvsnap_session_destroy(s.ptr)
+	s.ptr = nil
+}
