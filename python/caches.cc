@@ -270,10 +270,14 @@ head_v_dim, head_k_dim] float32. Snapshots are whole states at exact offsets.)")
           py::arg("batch"), py::arg("conv_states"), py::arg("delta_states"),
           "Ends a forward: one state per scheduled split point, then the end state. The cache "
           "adopts the arrays without a copy (numpy arrays are kept alive): do not write to them.")
-      .def("snapshot_splits",
-           py::overload_cast<int64_t>(&RecurrentCache::snapshot_splits, py::const_),
-           py::arg("forward_len"),
-           "Scheduled offsets strictly inside the next forward, relative to the offset.")
+      .def(
+          "snapshot_splits",
+          [](const RecurrentCache& c, int64_t forward_len, std::optional<SeqId> seq) {
+            return seq ? c.snapshot_splits(*seq, forward_len) : c.snapshot_splits(forward_len);
+          },
+          py::arg("forward_len"), py::kw_only(), py::arg("seq") = py::none(),
+          "Scheduled offsets strictly inside the next forward of sequence `seq` (default 0), "
+          "relative to its offset.")
       .def_property_readonly("conv_tail", &RecurrentCache::conv_tail)
       .def_property_readonly("conv_dim", &RecurrentCache::conv_dim)
       .def_property_readonly("num_v_heads", &RecurrentCache::num_v_heads)

@@ -237,6 +237,12 @@ KVSNAP_EXPORT kvsnap_status kvsnap_recurrent_put(kvsnap_cache* cache, const kvsn
 KVSNAP_EXPORT kvsnap_status kvsnap_recurrent_snapshot_splits(const kvsnap_cache* cache,
                                                              int64_t forward_len, int64_t* splits,
                                                              size_t capacity, size_t* count);
+/* The same for sequence `seq`: a forward whose row is sequence `seq` puts one state per split
+ * point of that sequence's schedule (which a prefix cache session on slot `seq` sets). */
+KVSNAP_EXPORT kvsnap_status kvsnap_recurrent_snapshot_splits_seq(const kvsnap_cache* cache,
+                                                                 int32_t seq, int64_t forward_len,
+                                                                 int64_t* splits, size_t capacity,
+                                                                 size_t* count);
 
 /* A snapshot of [from_offset, offset) (KV) or of the whole state at the offset (others). *out
  * is NULL when there is nothing to hold (an empty range, or offset 0). */
@@ -269,6 +275,10 @@ KVSNAP_EXPORT kvsnap_status kvsnap_cache_exposed_bytes_seq(const kvsnap_cache* c
 /* The sequences holding state, ascending; sets *count, fails if it exceeds `capacity`. */
 KVSNAP_EXPORT kvsnap_status kvsnap_cache_sequences(const kvsnap_cache* cache, int32_t* seqs,
                                                    size_t capacity, size_t* count);
+/* Sequence `seq`'s live state arrays, as kvsnap_cache_state. */
+KVSNAP_EXPORT kvsnap_status kvsnap_cache_state_seq(const kvsnap_cache* cache, int32_t seq,
+                                                   kvsnap_array** arrays, size_t capacity,
+                                                   size_t* count);
 /* Drops sequence `seq`'s state and schedule (lazy snapshots of it are copied out first). */
 KVSNAP_EXPORT kvsnap_status kvsnap_cache_reset_seq(kvsnap_cache* cache, int32_t seq);
 KVSNAP_EXPORT kvsnap_status kvsnap_cache_snapshot_seq(kvsnap_cache* cache, int32_t seq,

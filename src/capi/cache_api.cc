@@ -159,21 +159,50 @@ kvsnap_status kvsnap_cache_reset(kvsnap_cache* cache) {
   return guard([&] { require(cache, "kvsnap_cache_reset", "cache").cache->reset(); });
 }
 
+namespace {
+
+// The state arrays into `arrays` (kvsnap_cache_state and its per-sequence form).
+void hand_out_state(const std::vector<Array>& state, kvsnap_array** arrays, size_t capacity,
+                    size_t* count, const char* call) {
+  require(count, call, "count") = state.size();
+  if (state.size() > capacity) {
+    throw InvalidArgument(fmt::format("{}: capacity {} is less than the {} state arrays", call,
+                                      capacity, state.size()));
+  }
+  if (!state.empty()) require(arrays, call, "arrays");
+  std::vector<std::unique_ptr<kvsnap_array>> handles;
+  for (const Array& array : state)
+    handles.push_back(std::unique_ptr<kvsnap_array>(new kvsnap_array{array}));
+  for (size_t i = 0; i < handles.size(); ++i) arrays[i] = handles[i].release();
+}
+
+// The split points into `splits` (kvsnap_recurrent_snapshot_splits and its per-sequence form).
+void hand_out_splits(const std::vector<int64_t>& points, int64_t* splits, size_t capacity,
+                     size_t* count, const char* call) {
+  require(count, call, "count") = points.size();
+  if (points.size() > capacity) {
+    throw InvalidArgument(fmt::format("{}: capacity {} is less than the {} split points", call,
+                                      capacity, points.size()));
+  }
+  if (!points.empty()) require(splits, call, "splits");
+  std::copy(points.begin(), points.end(), splits);
+}
+
+}  // namespace
+
 kvsnap_status kvsnap_cache_state(const kvsnap_cache* cache, kvsnap_array** arrays, size_t capacity,
                                  size_t* count) {
   constexpr const char* call = "kvsnap_cache_state";
   return guard([&] {
-    const std::vector<Array> state = require(cache, call, "cache").cache->state();
-    require(count, call, "count") = state.size();
-    if (state.size() > capacity) {
-      throw InvalidArgument(fmt::format("{}: capacity {} is less than the {} state arrays", call,
-                                        capacity, state.size()));
-    }
-    if (!state.empty()) require(arrays, call, "arrays");
-    std::vector<std::unique_ptr<kvsnap_array>> handles;
-    for (const Array& array : state)
-      handles.push_back(std::unique_ptr<kvsnap_array>(new kvsnap_array{array}));
-    for (size_t i = 0; i < handles.size(); ++i) arrays[i] = handles[i].release();
+    hand_out_state(require(cache, call, "cache").cache->state(), arrays, capacity, count, call);
+  });
+}
+
+kvsnap_status kvsnap_cache_state_seq(const kvsnap_cache* cache, int32_t seq, kvsnap_array** arrays,
+                                     size_t capacity, size_t* count) {
+  constexpr const char* call = "kvsnap_cache_state_seq";
+  return guard([&] {
+    hand_out_state(require(cache, call, "cache").cache->state(seq), arrays, capacity, count, call);
   });
 }
 
@@ -257,14 +286,18 @@ kvsnap_status kvsnap_recurrent_snapshot_splits(const kvsnap_cache* cache, int64_
                                                int64_t* splits, size_t capacity, size_t* count) {
   constexpr const char* call = "kvsnap_recurrent_snapshot_splits";
   return guard([&] {
-    const std::vector<int64_t> points = recurrent(cache, call).snapshot_splits(forward_len);
-    require(count, call, "count") = points.size();
-    if (points.size() > capacity) {
-      throw InvalidArgument(fmt::format("{}: capacity {} is less than the {} split points", call,
-                                        capacity, points.size()));
-    }
-    if (!points.empty()) require(splits, call, "splits");
-    std::copy(points.begin(), points.end(), splits);
+    hand_out_splits(recurrent(cache, call).snapshot_splits(forward_len), splits, capacity, count,
+                    call);
+  });
+}
+
+kvsnap_status kvsnap_recurrent_snapshot_splits_seq(const kvsnap_cache* cache, int32_t seq,
+                                                   int64_t forward_len, int64_t* splits,
+                                                   size_t capacity, size_t* count) {
+  constexpr const char* call = "kvsnap_recurrent_snapshot_splits_seq";
+  return guard([&] {
+    hand_out_splits(recurrent(cache, call).snapshot_splits(seq, forward_len), splits, capacity,
+                    count, call);
   });
 }
 

@@ -128,6 +128,68 @@ static void test_scheduled_captures_per_sequence(void) {
   kvsnap_cache_destroy(cache);
 }
 
+/* A recurrent layer serving two sequences: each has its own schedule of split points, which the
+ * forward of that sequence's row asks for, and its own state. */
+static void test_recurrent_split_points_per_sequence(void) {
+  const kvsnap_recurrent_options options = {
+      .conv_tail = 1, .conv_dim = 2, .num_v_heads = 1, .head_v_dim = 1, .head_k_dim = 1};
+  kvsnap_cache* cache = NULL;
+  CHECK_OK(kvsnap_recurrent_cache_create(&options, &cache));
+  const int64_t at[2] = {2, 3};
+  CHECK_OK(kvsnap_cache_prepare_snapshots_seq(cache, 1, at, 2));
+  int64_t splits[4] = {0};
+  size_t count = 99;
+  CHECK_OK(kvsnap_recurrent_snapshot_splits_seq(cache, 1, 4, splits, 4, &count));
+  CHECK(count == 2 && splits[0] == 2 && splits[1] == 3);
+  CHECK_OK(kvsnap_recurrent_snapshot_splits(cache, 4, splits, 4, &count));
+  CHECK(count == 0); /* sequence 0 has no schedule */
+  CHECK_FAILS(kvsnap_recurrent_snapshot_splits_seq(cache, 1, 4, splits, 1, &count),
+              KVSNAP_INVALID_ARGUMENT,
+              "kvsnap_recurrent_snapshot_splits_seq: capacity 1 is less than the 2 split points");
+  CHECK(count == 2); /* the count says how much room a retry needs */
+
+  /* Sequence 1's forward of 4 tokens: its two split points, then the end. */
+  const int32_t offsets[1] = {0}, ids[1] = {1};
+  const kvsnap_batch batch = {.batch_size = 1, .length = 4, .seq_offsets = offsets, .seq_ids = ids};
+  kvsnap_array *conv = NULL, *delta = NULL;
+  CHECK_OK(kvsnap_recurrent_get(cache, &batch, KVSNAP_F32, &conv, &delta));
+  kvsnap_array_destroy(conv);
+  kvsnap_array_destroy(delta);
+  kvsnap_array* convs[3];
+  kvsnap_array* deltas[3];
+  const int64_t conv_shape[3] = {1, 1, 2}, delta_shape[4] = {1, 1, 1, 1};
+  for (int i = 0; i < 3; ++i) {
+    const float c[2] = {(float)i, (float)i}, d[1] = {10.0f + (float)i};
+    CHECK_OK(kvsnap_array_from_data(KVSNAP_F32, 3, conv_shape, c, &convs[i]));
+    CHECK_OK(kvsnap_array_from_data(KVSNAP_F32, 4, delta_shape, d, &deltas[i]));
+  }
+  CHECK_FAILS(kvsnap_recurrent_put(cache, &batch, (const kvsnap_array* const*)convs,
+                                   (const kvsnap_array* const*)deltas, 1),
+              KVSNAP_ERROR, "RecurrentCache::put: got 1 conv and 1 delta states");
+  CHECK_OK(kvsnap_recurrent_put(cache, &batch, (const kvsnap_array* const*)convs,
+                                (const kvsnap_array* const*)deltas, 3));
+  kvsnap_snapshot_list* list = NULL;
+  CHECK_OK(kvsnap_cache_take_snapshots_seq(cache, 1, &list));
+  CHECK(kvsnap_snapshot_list_size(list) == 2);
+  kvsnap_snapshot_list_destroy(list);
+
+  kvsnap_array* state[2] = {NULL, NULL};
+  CHECK_OK(kvsnap_cache_state_seq(cache, 1, state, 2, &count));
+  CHECK(count == 2);
+  kvsnap_array_info info;
+  CHECK_OK(kvsnap_array_get_info(state[1], &info));
+  CHECK(((const float*)info.data)[0] == 12.0f); /* the end state */
+  kvsnap_array_destroy(state[0]);
+  kvsnap_array_destroy(state[1]);
+  CHECK_OK(kvsnap_cache_state(cache, state, 2, &count));
+  CHECK(count == 0); /* sequence 0 never ran */
+  for (int i = 0; i < 3; ++i) {
+    kvsnap_array_destroy(convs[i]);
+    kvsnap_array_destroy(deltas[i]);
+  }
+  kvsnap_cache_destroy(cache);
+}
+
 static void serve(kvsnap_prefix_cache* prefix, kvsnap_cache* layer, int32_t slot,
                   const int32_t* prompt, size_t length, int64_t* cached) {
   kvsnap_session* session = NULL;
@@ -175,6 +237,7 @@ static void test_prefix_cache_slots(void) {
 int main(void) {
   test_sequences_share_blocks();
   test_scheduled_captures_per_sequence();
+  test_recurrent_split_points_per_sequence();
   test_prefix_cache_slots();
   if (failures > 0) {
     fprintf(stderr, "%d check(s) failed\n", failures);

@@ -108,3 +108,18 @@ def test_a_prefix_cache_over_two_slots_reuses_across_them(rng):
     with pytest.raises(kvsnap.Error, match=r"slot"):
         prefix.begin(prompt, slot=2)
     assert prefix.check_invariants() == ""
+
+
+def test_a_recurrent_layer_asks_each_sequence_for_its_own_split_points():
+    cache = kvsnap.RecurrentCache(conv_tail=1, conv_dim=2, num_v_heads=1, head_v_dim=1,
+                                  head_k_dim=1)
+    cache.prepare_snapshots([2, 3], seq=1)
+    assert cache.snapshot_splits(4, seq=1) == [2, 3]
+    assert cache.snapshot_splits(4) == []  # sequence 0 has no schedule
+    batch = kvsnap.Batch(seq_offsets=[0], seq_query_lens=[4], seq_ids=[1])
+    cache.get(batch, "f32")
+    conv = [np.full((1, 1, 2), i, np.float32) for i in range(3)]
+    delta = [np.full((1, 1, 1, 1), 10 + i, np.float32) for i in range(3)]
+    cache.put(batch, conv, delta)
+    assert len(cache.take_snapshots(seq=1)) == 2
+    assert cache.state(seq=1)[1][0, 0, 0, 0] == 12
