@@ -270,25 +270,8 @@ func (c *Cache) Reset() error {
 	})
 }
 
-// State is sequence 0's live state: views of keys and values, or of conv and delta state (none
-// before the first write). Read-only.
-func (c *Cache) State() ([]*Array, error) {
-	var out []*Array
-	err := c.use("Cache.State", func(p *C.kvsnap_cache) error {
-		var arrays [8]*C.kvsnap_array
-		var count C.size_t
-		if err := check(func() C.kvsnap_status {
-			return C.kvsnap_cache_state(p, &arrays[0], C.size_t(len(arrays)), &count)
-		}); err != nil {
-			return err
-		}
-		for _, a := range arrays[:count] {
-			out = append(out, newArray(a))
-		}
-		return nil
-	})
-	return out, err
-}
+// State is sequence 0's live state: see Sequence.State.
+func (c *Cache) State() ([]*Array, error) { return c.Seq(0).State() }
 
 // PoolStats is a paged cache's block accounting.
 func (c *Cache) PoolStats() (PoolStats, error) {
@@ -451,29 +434,9 @@ func (c *Cache) RecurrentPut(b *Batch, conv, delta []*Array) error {
 	})
 }
 
-// SnapshotSplits are a recurrent cache's scheduled offsets strictly inside the next forward of
-// forwardLen tokens, relative to its offset.
+// SnapshotSplits of sequence 0: see Sequence.SnapshotSplits.
 func (c *Cache) SnapshotSplits(forwardLen int64) ([]int64, error) {
-	var out []int64
-	err := c.use("Cache.SnapshotSplits", func(p *C.kvsnap_cache) error {
-		splits := make([]int64, 16)
-		for {
-			var count C.size_t
-			err := check(func() C.kvsnap_status {
-				return C.kvsnap_recurrent_snapshot_splits(p, C.int64_t(forwardLen),
-					(*C.int64_t)(unsafe.Pointer(&splits[0])), C.size_t(len(splits)), &count)
-			})
-			if err != nil && int(count) > len(splits) { // more points than room: C says how many
-				splits = make([]int64, count)
-				continue
-			}
-			if err == nil {
-				out = splits[:count]
-			}
-			return err
-		}
-	})
-	return out, err
+	return c.Seq(0).SnapshotSplits(forwardLen)
 }
 
 // Snapshot of sequence 0: see Sequence.Snapshot.
@@ -644,4 +607,50 @@ func (s Sequence) Restore(snapshot *Snapshot, target int64) (bool, error) {
 		})
 	})
 	return bool(restored), err
+}
+
+// State is the sequence's live state: views of keys and values, or of conv and delta state
+// (none before its first write). Read-only.
+func (s Sequence) State() ([]*Array, error) {
+	var out []*Array
+	err := s.cache.use("Sequence.State", func(p *C.kvsnap_cache) error {
+		var arrays [8]*C.kvsnap_array
+		var count C.size_t
+		if err := check(func() C.kvsnap_status {
+			return C.kvsnap_cache_state_seq(p, C.int32_t(s.id), &arrays[0], C.size_t(len(arrays)), &count)
+		}); err != nil {
+			return err
+		}
+		for _, a := range arrays[:count] {
+			out = append(out, newArray(a))
+		}
+		return nil
+	})
+	return out, err
+}
+
+// SnapshotSplits are a recurrent cache's split points scheduled for this sequence strictly
+// inside its next forward of forwardLen tokens, relative to its offset: the forward puts one
+// state per point, then the end state (RecurrentPut).
+func (s Sequence) SnapshotSplits(forwardLen int64) ([]int64, error) {
+	var out []int64
+	err := s.cache.use("Sequence.SnapshotSplits", func(p *C.kvsnap_cache) error {
+		splits := make([]int64, 16)
+		for {
+			var count C.size_t
+			err := check(func() C.kvsnap_status {
+				return C.kvsnap_recurrent_snapshot_splits_seq(p, C.int32_t(s.id), C.int64_t(forwardLen),
+					(*C.int64_t)(unsafe.Pointer(&splits[0])), C.size_t(len(splits)), &count)
+			})
+			if err != nil && int(count) > len(splits) { // more points than room: C says how many
+				splits = make([]int64, count)
+				continue
+			}
+			if err == nil {
+				out = splits[:count]
+			}
+			return err
+		}
+	})
+	return out, err
 }

@@ -10,6 +10,7 @@ packages=(
   clang libclang-rt-14-dev python3
   libdlpack-dev python3-dev python3-numpy python3-pytest pybind11-dev
   libhiredis-dev libsodium-dev redis-server
+  golang-go
 )
 
 missing=()
