@@ -24,6 +24,10 @@ def test_the_readme_c_example_is_the_tested_file():
     assert readme_block("C", "c") == (ROOT / "examples/c_api_example.c").read_text()
 
 
+def test_the_readme_go_example_is_the_tested_file():
+    assert readme_block("Go", "go") == (ROOT / "go/example_test.go").read_text()
+
+
 def test_the_readme_python_example_runs():
     result = subprocess.run([sys.executable, str(ROOT / "examples/python/readme_example.py")],
                             capture_output=True, text=True, env=dict(os.environ), check=True)
