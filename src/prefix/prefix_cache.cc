@@ -55,8 +55,11 @@ class PrefixCacheImpl {
       live.push_back(&slots.back()->live());
     }
   }
-  // Open sessions outlive us detached: their calls throw, their destructors do nothing.
+  // Open sessions outlive us detached: their calls throw, their destructors do nothing. (A call
+  // on a session in flight on another thread finishes first; one that starts as this runs is
+  // the caller's to order, as with any object destroyed while in use.)
   ~PrefixCacheImpl() {
+    const std::lock_guard<std::mutex> lock(mutex);
     for (const auto& slot : slots) {
       if (slot->open()) slot->session()->owner = nullptr;
     }
@@ -234,11 +237,11 @@ namespace {
 detail::Slot& slot_of(const std::shared_ptr<detail::SessionState>& state, const char* call,
                       std::unique_lock<std::mutex>& lock) {
   if (state != nullptr && state->owner != nullptr) lock = std::unique_lock(state->owner->mutex);
-  if (state != nullptr && state->owner == nullptr) {
-    throw Error(fmt::format("{}: the PrefixCache this session belongs to was destroyed", call));
-  }
   if (state == nullptr || state->phase == detail::SessionState::Phase::closed) {
-    throw Error(fmt::format("{}: the session is closed", call));
+    throw Error(fmt::format("{}: the session is closed", call));  // closing detached it
+  }
+  if (state->owner == nullptr) {
+    throw Error(fmt::format("{}: the PrefixCache this session belongs to was destroyed", call));
   }
   return state->owner->slot(state->slot, call);
 }

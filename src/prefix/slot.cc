@@ -220,6 +220,7 @@ void Slot::close() {
   const int64_t offset = live_.has_state() ? layer_offset() : static_cast<int64_t>(s.tokens.size());
   s.phase = SessionState::Phase::closed;
   const std::shared_ptr<SessionState> closing = std::move(session_);
+  s.owner = nullptr;          // a closed handle may outlive the PrefixCache: it must not name it
   live_.set_writable(false);  // nothing writes the caches before the slot's next begin
   if (offset < 0 || offset > static_cast<int64_t>(s.tokens.size()) || offset < s.paged_end) {
     // The caches were driven past what the session knows: nothing consistent to page out.

@@ -18,7 +18,8 @@
 namespace kvsnap::detail {
 
 // One request's state, shared by its Session handle and the PrefixCache while it is open. The
-// PrefixCache detaches it (owner = null) when destroyed first, so the handle never dangles.
+// PrefixCache detaches it (owner = null) when destroyed first, and closing detaches it too, so
+// the handle never dangles.
 struct SessionState {
   enum class Phase {
     prefill,  // begun: the model evaluates remaining(), then prefill_done()

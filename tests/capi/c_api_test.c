@@ -388,13 +388,18 @@ static void test_prefix_cache(void) {
   CHECK(strstr(kvsnap_last_error(),
                "it was saved for model \"model\", this cache serves \"another model\"") != NULL);
 
-  kvsnap_session *open = NULL, *second = NULL;
+  kvsnap_session *open = NULL, *second = NULL, *closed = NULL;
+  CHECK_OK(kvsnap_prefix_cache_begin(prefix, prompt, 8, &closed));
+  CHECK_OK(kvsnap_session_close(closed)); /* closed, kept: it must not outlive the cache dangling */
   CHECK_OK(kvsnap_prefix_cache_begin(prefix, prompt, 8, &open));
   CHECK_FAILS(kvsnap_prefix_cache_begin(prefix, prompt, 8, &second), KVSNAP_ERROR,
               "PrefixCache::begin");
   kvsnap_prefix_cache_destroy(prefix); /* detaches the open session */
   CHECK_FAILS(kvsnap_session_prefill_done(open), KVSNAP_ERROR,
               "Session::prefill_done: the PrefixCache this session belongs to was destroyed");
+  CHECK_FAILS(kvsnap_session_cached(closed, &cached), KVSNAP_ERROR,
+              "Session::cached: the session is closed");
+  kvsnap_session_destroy(closed);
   CHECK_FAILS(kvsnap_session_close(NULL), KVSNAP_INVALID_ARGUMENT,
               "kvsnap_session_close: session is NULL");
   kvsnap_session_destroy(open);

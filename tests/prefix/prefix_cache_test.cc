@@ -322,6 +322,21 @@ TEST(PrefixCacheLifetime, ASessionMayOutliveItsPrefixCache) {
   EXPECT_TRUE(throws_error([&] { (void)moved.cached(); }, {"destroyed"}));
 }
 
+// A session closed, then its PrefixCache destroyed, then used or destroyed: closed, not a
+// dangling pointer to the destroyed cache's lock (which a closed session kept before).
+TEST(PrefixCacheLifetime, AClosedSessionMayOutliveItsPrefixCache) {
+  HybridStack stack;
+  auto cache = std::make_unique<PrefixCache>(stack.layers());
+  PrefixCache::Session session = cache->begin(kSystem);
+  ASSERT_TRUE(stack.forward_and_check(session.remaining(), kSystem));
+  session.prefill_done();
+  session.close();
+  cache.reset();
+  EXPECT_TRUE(throws_error([&] { (void)session.cached(); }, {"Session::cached", "closed"}));
+  EXPECT_TRUE(throws_error([&] { session.append_output(1); }, {"closed"}));
+  session.close();  // a no-op, as is the destructor
+}
+
 // Evaluates prompt[from, to) in one forward, checked against recomputation.
 void evaluate(HybridStack& stack, const Tokens& prompt, size_t from, size_t to) {
   const Tokens prefix(prompt.begin(), prompt.begin() + static_cast<std::ptrdiff_t>(to));
