@@ -50,8 +50,10 @@ func (d DType) String() string {
 const MaxDims = C.KVSNAP_MAX_DIMS
 
 // Array is a kvsnap array in C memory: one the library allocated (Zeros, FromFloat32), or a
-// view of a cache's buffers (a History's keys and values, a cache's state), which is read-only.
-// Its memory lives until Close of the last array, view, snapshot or cache naming it.
+// view of a cache's buffers (a History's keys and values, a cache's state), which is read-only
+// and live: a later write to the cache may change what it shows (a window's ring wraps), so
+// read a history before the next write to its cache. Its memory lives until Close of the last
+// array, view, snapshot or cache naming it.
 type Array struct {
 	mu  sync.RWMutex
 	ptr *C.kvsnap_array
@@ -168,13 +170,16 @@ func (i ArrayInfo) extent() int64 {
 
 // Info is the array's element type, shape and strides.
 func (a *Array) Info() (ArrayInfo, error) {
+	if a == nil {
+		return ArrayInfo{}, closedError("Array.Info", "array")
+	}
 	a.mu.RLock()
 	defer a.mu.RUnlock()
 	return a.info("Array.Info")
 }
 
 func (a *Array) info(call string) (ArrayInfo, error) {
-	if a == nil || a.ptr == nil {
+	if a.ptr == nil {
 		return ArrayInfo{}, closedError(call, "array")
 	}
 	var info C.kvsnap_array_info
@@ -200,9 +205,14 @@ func (a *Array) Shape() []int64 {
 }
 
 // Float32s is an f32 array's memory in place, without a copy: element (i0, ..., in) is
-// data[i0*strides[0] + ... + in*strides[n]]. The slice is valid until this array is closed;
-// write only into arrays the caller made (Zeros), never into a cache's views.
+// data[i0*strides[0] + ... + in*strides[n]]. The slice is C memory that this Array keeps: it is
+// valid while the Array is open and reachable — keep a reference (or runtime.KeepAlive(a) after
+// the last use), as its finalizer would otherwise close it under the slice. Write only into
+// arrays the caller made (Zeros), never into a cache's views.
 func (a *Array) Float32s() (data []float32, strides []int64, err error) {
+	if a == nil {
+		return nil, nil, closedError("Array.Float32s", "array")
+	}
 	a.mu.RLock()
 	defer a.mu.RUnlock()
 	info, err := a.info("Array.Float32s")
@@ -219,9 +229,13 @@ func (a *Array) Float32s() (data []float32, strides []int64, err error) {
 	return unsafe.Slice((*float32)(info.data), n), info.Strides, nil
 }
 
-// Bytes is a compact array's memory in place (row-major, DType.Size() bytes an element), valid
-// until this array is closed; for any dtype (f16, bf16 as their bits).
+// Bytes is a compact array's memory in place (row-major, DType.Size() bytes an element), for
+// any dtype (f16, bf16 as their bits); valid while the Array is open and reachable, as for
+// Float32s.
 func (a *Array) Bytes() ([]byte, error) {
+	if a == nil {
+		return nil, closedError("Array.Bytes", "array")
+	}
 	a.mu.RLock()
 	defer a.mu.RUnlock()
 	info, err := a.info("Array.Bytes")
@@ -240,6 +254,9 @@ func (a *Array) Bytes() ([]byte, error) {
 
 // CopyBytes copies the elements in logical row-major order into a new slice.
 func (a *Array) CopyBytes() ([]byte, error) {
+	if a == nil {
+		return nil, closedError("Array.CopyBytes", "array")
+	}
 	a.mu.RLock()
 	defer a.mu.RUnlock()
 	info, err := a.info("Array.CopyBytes")
@@ -258,6 +275,9 @@ func (a *Array) CopyBytes() ([]byte, error) {
 
 // CopyFloat32s copies an f32 array's elements in logical row-major order into a new slice.
 func (a *Array) CopyFloat32s() ([]float32, error) {
+	if a == nil {
+		return nil, closedError("Array.CopyFloat32s", "array")
+	}
 	a.mu.RLock()
 	defer a.mu.RUnlock()
 	info, err := a.info("Array.CopyFloat32s")
@@ -279,6 +299,9 @@ func (a *Array) CopyFloat32s() ([]float32, error) {
 
 // Slice is a view of [start, stop) along axis, sharing storage.
 func (a *Array) Slice(axis int, start, stop int64) (*Array, error) {
+	if a == nil {
+		return nil, closedError("Array.Slice", "array")
+	}
 	a.mu.RLock()
 	defer a.mu.RUnlock()
 	if a.ptr == nil {

@@ -239,11 +239,14 @@ func (c *Cache) Close() error {
 	if c == nil {
 		return nil
 	}
+	c.mu.Lock() // borrowing takes the read lock: the count cannot rise while this holds
+	defer c.mu.Unlock()
 	if n := c.borrowers.Load(); n > 0 {
 		return &Error{Status: StatusContract,
 			Message: fmt.Sprintf("kvsnap.Cache.Close: %d prefix cache(s) or speculation(s) still hold this cache; close them first", n)}
 	}
-	c.destroy()
+	C.kvsnap_cache_destroy(c.ptr)
+	c.ptr = nil
 	return nil
 }
 
@@ -459,32 +462,42 @@ func (c *Cache) CancelSnapshots() error { return c.Seq(0).CancelSnapshots() }
 // Restore sequence 0: see Sequence.Restore.
 func (c *Cache) Restore(s *Snapshot, target int64) (bool, error) { return c.Seq(0).Restore(s, target) }
 
-// Merge joins adjacent snapshots parent then child (either may be nil). It consumes both, also
-// on failure: they are closed afterwards.
+// Merge joins adjacent snapshots parent then child. It consumes both, also on failure: they are
+// closed afterwards. A nil input gives a nil result (the other input is dropped, as in C); a
+// closed or already consumed one fails with ErrClosed.
 func (c *Cache) Merge(parent, child *Snapshot) (*Snapshot, error) {
 	call := "Cache.Merge"
-	pp, cp := parent.consume(), child.consume()
+	pp, pok := parent.consume()
+	cp, cok := child.consume()
+	if !pok || !cok {
+		C.kvsnap_snapshot_destroy(pp)
+		C.kvsnap_snapshot_destroy(cp)
+		return nil, closedError(call, "snapshot")
+	}
 	var out *C.kvsnap_snapshot
 	err := c.use(call, func(p *C.kvsnap_cache) error {
 		return check(func() C.kvsnap_status { return C.kvsnap_cache_merge(p, pp, cp, &out) })
 	})
-	if err != nil && isClosed(err) {
+	if isClosed(err) { // C never saw them
 		C.kvsnap_snapshot_destroy(pp)
 		C.kvsnap_snapshot_destroy(cp)
 	}
 	return newSnapshot(out), err
 }
 
-// Split cuts a snapshot at offset at into before and after (either may be nil). It consumes s,
-// also on failure.
+// Split cuts a snapshot at offset at into before and after (either may be nil: nothing to
+// hold). It consumes s, also on failure; a closed or already consumed s fails with ErrClosed.
 func (c *Cache) Split(s *Snapshot, at int64) (before, after *Snapshot, err error) {
 	call := "Cache.Split"
-	sp := s.consume()
+	sp, ok := s.consume()
+	if !ok {
+		return nil, nil, closedError(call, "snapshot")
+	}
 	var b, a *C.kvsnap_snapshot
 	err = c.use(call, func(p *C.kvsnap_cache) error {
 		return check(func() C.kvsnap_status { return C.kvsnap_cache_split(p, sp, C.int64_t(at), &b, &a) })
 	})
-	if err != nil && isClosed(err) {
+	if isClosed(err) { // C never saw it
 		C.kvsnap_snapshot_destroy(sp)
 	}
 	return newSnapshot(b), newSnapshot(a), err

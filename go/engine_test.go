@@ -145,6 +145,12 @@ func (e *engine) serve(t testing.TB, slot int32, prompt []int32, replies int, rn
 	if int64(len(remaining))+cached != int64(len(prompt)) {
 		t.Fatalf("cached %d + remaining %d != prompt %d", cached, len(remaining), len(prompt))
 	}
+	if int64(len(prompt)) > cached+1 && rng.Intn(2) == 0 { // a restore point of the caller's own
+		at := cached + 1 + rng.Int63n(int64(len(prompt))-cached-1)
+		if err := session.ScheduleSnapshots(at); err != nil {
+			t.Fatal(err)
+		}
+	}
 	toks := append([]int32{}, prompt...)
 	e.forward(t, slot, toks, cached)
 	if err := session.PrefillDone(); err != nil {
@@ -185,8 +191,15 @@ func (c *conversation) next(system []int32, rng *rand.Rand) []int32 {
 func TestSessionsEqualRecomputationOverRandomConversations(t *testing.T) {
 	for _, budget := range []int64{0, 2048} { // the default budget, and one that evicts
 		t.Run(fmt.Sprintf("budget %d", budget), func(t *testing.T) {
+			runtime.GC()
+			base := LiveBytes()
 			e := newEngine(t, 3, budget)
-			defer e.close(t)
+			defer func() {
+				e.close(t)
+				if !gcUntil(func() bool { return LiveBytes() == base }) {
+					t.Errorf("LiveBytes %d after closing the engine, was %d", LiveBytes(), base)
+				}
+			}()
 			rng := rand.New(rand.NewSource(7))
 			system := []int32{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11}
 			users := make([]conversation, 5)

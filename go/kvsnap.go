@@ -11,9 +11,12 @@
 // (what call, what values, what rule); on failure the objects involved are unchanged, as in C.
 // Objects hold C memory: Close them when done (a finalizer frees what is forgotten, later).
 //
-// Goroutines: caches and prefix caches may be used from several goroutines at once (the library
-// locks them); a Session, a Snapshot and a Speculation from one goroutine at a time. Close waits
-// for calls in flight on the same object and makes later calls fail with ErrClosed.
+// Goroutines: caches and prefix caches may be used from several goroutines at once (the C++
+// library locks them, though the C API promises only one thread per handle); a Session, a
+// Snapshot and a Speculation from one goroutine at a time. Close waits for calls in flight on
+// the same object (a PrefixCache's also for its sessions') and makes later calls fail with
+// ErrClosed. Arrays a cache hands out are live views of its buffers: read them before the next
+// write to that cache, which the race detector cannot check, as it is C memory.
 package kvsnap
 
 /*

@@ -121,8 +121,8 @@ func unborrow(layers []*Cache) {
 	}
 }
 
-// Close frees the prefix cache; its open sessions are detached (their calls then fail). Safe
-// to call twice.
+// Close frees the prefix cache, after the calls in flight on it and its sessions; its open
+// sessions are detached (their calls then fail with ErrContract). Safe to call twice.
 func (p *PrefixCache) Close() {
 	if p == nil {
 		return
@@ -249,6 +249,8 @@ func (s *Session) use(call string, f func(*C.kvsnap_session) error) error {
 	if s.ptr == nil {
 		return closedError(call, "session")
 	}
+	s.prefix.mu.RLock() // PrefixCache.Close waits for the call
+	defer s.prefix.mu.RUnlock()
 	return f(s.ptr)
 }
 
@@ -334,6 +336,8 @@ func (s *Session) Close() error {
 	if s.ptr == nil {
 		return nil
 	}
+	s.prefix.mu.RLock() // PrefixCache.Close waits for the page-out
+	defer s.prefix.mu.RUnlock()
 	err := check(func() C.kvsnap_status { return C.kvsnap_session_close(s.ptr) })
 	C.kvsnap_session_destroy(s.ptr)
 	s.ptr = nil
@@ -344,6 +348,8 @@ func (s *Session) Close() error {
 func (s *Session) free() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	s.prefix.mu.RLock()
+	defer s.prefix.mu.RUnlock()
 	C.kvsnap_session_destroy(s.ptr)
 	s.ptr = nil
 }

@@ -43,16 +43,16 @@ func (s *Snapshot) use(call string, f func(*C.kvsnap_snapshot) error) error {
 	return f(s.ptr)
 }
 
-// consume takes the handle out of the snapshot, which is closed from then on.
-func (s *Snapshot) consume() *C.kvsnap_snapshot {
+// consume takes the handle out of the snapshot, which is closed from then on; ok is false for a
+// snapshot closed before (a nil one gives a NULL handle, ok).
+func (s *Snapshot) consume() (p *C.kvsnap_snapshot, ok bool) {
 	if s == nil {
-		return nil
+		return nil, true
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	p := s.ptr
-	s.ptr = nil
-	return p
+	p, s.ptr = s.ptr, nil
+	return p, p != nil
 }
 
 // SnapshotInfo describes a snapshot.
@@ -76,7 +76,8 @@ func (s *Snapshot) Info() (SnapshotInfo, error) {
 
 // Close frees the snapshot (a lazy one detaches from its cache). Safe to call twice.
 func (s *Snapshot) Close() {
-	C.kvsnap_snapshot_destroy(s.consume())
+	p, _ := s.consume()
+	C.kvsnap_snapshot_destroy(p)
 }
 
 // takeList moves a C snapshot list's entries into Go snapshots and frees the list.

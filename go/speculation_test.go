@@ -33,6 +33,15 @@ func TestSpeculationRollsEveryLayerBackExactly(t *testing.T) {
 	if err := round.Accept(0); !errors.Is(err, ErrContract) {
 		t.Fatalf("Accept without a round: %v", err)
 	}
+	if err := round.Begin(2); err != nil { // a round given up before its forward
+		t.Fatal(err)
+	}
+	if err := round.Cancel(); err != nil {
+		t.Fatal(err)
+	}
+	if open, _, _, _ := round.Round(); open {
+		t.Fatal("a cancelled round is still open")
+	}
 	accepted := int64(0)
 	for r := 0; r < 12; r++ {
 		if err := session.AppendOutput(last); err != nil {

@@ -297,8 +297,9 @@ KVSNAP_EXPORT kvsnap_status kvsnap_cache_restore_seq(kvsnap_cache* cache, int32_
                                                      kvsnap_snapshot* snapshot, int64_t target,
                                                      bool* restored);
 
-/* Joins adjacent snapshots `parent` then `child` (either may be NULL). Consumes both, also on
- * failure: do not use or destroy them afterwards. */
+/* Joins adjacent snapshots `parent` then `child`. Either may be NULL: NULL in gives NULL out
+ * (the other is destroyed). Consumes both, also on failure: do not use or destroy them
+ * afterwards. */
 KVSNAP_EXPORT kvsnap_status kvsnap_cache_merge(kvsnap_cache* cache, kvsnap_snapshot* parent,
                                                kvsnap_snapshot* child, kvsnap_snapshot** out);
 /* Splits at `at` into before and after (either may come back NULL). Consumes `snapshot`, also
