@@ -22,8 +22,12 @@
  *   kvsnap_snapshot_destroy(s);
  *   kvsnap_cache_destroy(cache);
  *
- * Ranges are half-open [from, to). Offsets count tokens. Handles are not thread-safe (use one
- * from one thread at a time); the last-error message is per thread.
+ * Ranges are half-open [from, to). Offsets count tokens. Threads: caches and prefix caches may
+ * be called from several threads at once (the library locks them; calls on one cache run one
+ * at a time, sessions on different slots side by side); arrays, snapshots, snapshot lists,
+ * sessions and speculations from one thread at a time. Destroying a handle while another thread
+ * is in a call on it, or on one of its sessions, is the caller's to prevent. The last-error
+ * message is per thread.
  */
 #ifndef KVSNAP_KVSNAP_C_H
 #define KVSNAP_KVSNAP_C_H
