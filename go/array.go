@@ -339,29 +339,22 @@ func (a *Array) Close() {
 	a.ptr = nil
 }
 
-// cArrays read-locks the arrays for a call and returns their handles (nil entries stay nil; an
-// array named twice is locked once).
+// cArrays read-locks the arrays for a call and returns their handles (nil entries stay nil).
 func cArrays(call string, arrays ...*Array) ([]*C.kvsnap_array, func(), error) {
-	ptrs := make([]*C.kvsnap_array, len(arrays))
-	var held []*Array
+	held := distinct(arrays)
+	for _, a := range held {
+		a.mu.RLock()
+	}
 	unlock := func() {
 		for _, a := range held {
 			a.mu.RUnlock()
 		}
 	}
-next:
+	ptrs := make([]*C.kvsnap_array, len(arrays))
 	for i, a := range arrays {
 		if a == nil {
 			continue
 		}
-		for _, h := range held {
-			if h == a {
-				ptrs[i] = a.ptr
-				continue next
-			}
-		}
-		a.mu.RLock()
-		held = append(held, a)
 		if a.ptr == nil {
 			unlock()
 			return nil, nil, closedError(call, "array")

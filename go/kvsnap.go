@@ -110,3 +110,23 @@ func invalid(call, format string, args ...any) error {
 
 // LiveBytes is the bytes held by all live kvsnap-allocated arrays (kvsnap_live_bytes).
 func LiveBytes() int64 { return int64(C.kvsnap_live_bytes()) }
+
+// distinct is items without nils or repeats, in order: the objects a call locks, each once (a
+// read lock taken twice can deadlock against a Close waiting between the two).
+func distinct[T comparable](items []T) []T {
+	var none T
+	out := make([]T, 0, len(items))
+	for _, item := range items {
+		if item == none {
+			continue
+		}
+		seen := false
+		for _, o := range out {
+			seen = seen || o == item
+		}
+		if !seen {
+			out = append(out, item)
+		}
+	}
+	return out
+}

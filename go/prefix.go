@@ -72,52 +72,38 @@ func NewPrefixCache(layers []*Cache, options *PrefixOptions) (*PrefixCache, erro
 // borrow marks the layers as held (Cache.Close refuses) and returns their handles (one extra
 // nil entry, so the slice is never empty); release(true) undoes the marks.
 func borrow(call string, layers []*Cache) ([]*C.kvsnap_cache, func(undo bool), error) {
-	ptrs := make([]*C.kvsnap_cache, len(layers)+1)
-	var locked []*Cache
-	unlock := func() {
-		for _, c := range locked {
+	held := distinct(layers)
+	for _, c := range held {
+		c.mu.RLock() // Close takes the write lock: no cache closes while it is being marked
+	}
+	defer func() {
+		for _, c := range held {
 			c.mu.RUnlock()
 		}
-	}
-next:
+	}()
+	ptrs := make([]*C.kvsnap_cache, len(layers)+1)
 	for i, c := range layers {
 		if c == nil {
 			continue
 		}
-		for _, l := range locked {
-			if l == c {
-				ptrs[i] = c.ptr
-				continue next
-			}
-		}
-		c.mu.RLock()
-		locked = append(locked, c)
 		if c.ptr == nil {
-			unlock()
 			return nil, nil, closedError(call, "cache")
 		}
 		ptrs[i] = c.ptr
 	}
-	for _, c := range locked {
+	for _, c := range held {
 		c.borrowers.Add(1)
 	}
-	unlock()
 	return ptrs, func(undo bool) {
 		if undo {
-			for _, c := range locked {
-				c.borrowers.Add(-1)
-			}
+			unborrow(held)
 		}
 	}, nil
 }
 
 func unborrow(layers []*Cache) {
-	seen := map[*Cache]bool{}
-	for _, c := range layers {
-		if c != nil && !seen[c] {
-			seen[c] = true
-			c.borrowers.Add(-1)
-		}
+	for _, c := range distinct(layers) {
+		c.borrowers.Add(-1)
 	}
 }
 

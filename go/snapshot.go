@@ -103,26 +103,20 @@ func takeList(list *C.kvsnap_snapshot_list) ([]*Snapshot, error) {
 // their cache, not materialized.
 func SaveSnapshots(path string, offset int64, snapshots []*Snapshot) error {
 	call := "SaveSnapshots"
-	held := make([]*Snapshot, 0, len(snapshots))
+	held := distinct(snapshots)
+	for _, s := range held {
+		s.mu.Lock()
+	}
 	defer func() {
 		for _, s := range held {
 			s.mu.Unlock()
 		}
 	}()
 	ptrs := make([]*C.kvsnap_snapshot, len(snapshots)+1) // +1: never a zero-length slice to index
-next:
 	for i, s := range snapshots {
 		if s == nil {
 			continue
 		}
-		for _, h := range held {
-			if h == s { // named twice: locked once
-				ptrs[i] = s.ptr
-				continue next
-			}
-		}
-		s.mu.Lock()
-		held = append(held, s)
 		if s.ptr == nil {
 			return closedError(call, "snapshot")
 		}
