@@ -89,6 +89,46 @@ type Batch struct {
 	SeqIDs       []int32
 }
 
+// SingleBatch is one row of tokens from offset (sequence 0; SeqIDs set it otherwise).
+func SingleBatch(tokens []int32, offset int64) *Batch {
+	return &Batch{Rows: 1, Length: int64(len(tokens)), InputIDs: append([]int32{}, tokens...),
+		Offsets: []int32{int32(offset)}}
+}
+
+// UniformBatch is rows rows of length placeholder tokens, all from offset (sequence b in row b).
+func UniformBatch(rows, length, offset int64) *Batch {
+	b := &Batch{Rows: rows, Length: length, Offsets: make([]int32, rows)}
+	for i := range b.Offsets {
+		b.Offsets[i] = int32(offset)
+	}
+	return b
+}
+
+// Row is one sequence's tokens in a batch of several: Tokens from Offset of sequence Seq.
+type Row struct {
+	Seq    int32
+	Offset int64
+	Tokens []int32
+}
+
+// RowsBatch is one row per Row, each at its own offset with its own length; shorter rows are
+// padded with token 0 to the longest (their QueryLens say how many are real).
+func RowsBatch(rows ...Row) *Batch {
+	longest := 0
+	for _, r := range rows {
+		if len(r.Tokens) > longest {
+			longest = len(r.Tokens)
+		}
+	}
+	b := &Batch{Rows: int64(len(rows)), Length: int64(longest), InputIDs: make([]int32, len(rows)*longest),
+		Offsets: make([]int32, len(rows)), QueryLens: make([]int32, len(rows)), SeqIDs: make([]int32, len(rows))}
+	for i, r := range rows {
+		copy(b.InputIDs[i*longest:], r.Tokens)
+		b.Offsets[i], b.QueryLens[i], b.SeqIDs[i] = int32(r.Offset), int32(len(r.Tokens)), r.Seq
+	}
+	return b
+}
+
 // cBatch: the batch's fields as the C shims take them, after checking the slices' lengths
 // (C reads Rows entries of each: a shorter slice would be read past its end).
 type cBatch struct {

@@ -201,7 +201,10 @@ func TestPagedSequencesShareBlocks(t *testing.T) {
 	}
 
 	// Sequence 1 (at 10) decodes a token while sequence 2 (at 12) prefills two: one batch.
-	rows := &Batch{Rows: 2, Length: 2, Offsets: []int32{10, 12}, QueryLens: []int32{1, 2}, SeqIDs: []int32{1, 2}}
+	rows := RowsBatch(Row{Seq: 1, Offset: 10, Tokens: []int32{77}}, Row{Seq: 2, Offset: 12, Tokens: []int32{88, 89}})
+	if rows.Length != 2 || rows.InputIDs[1] != 0 || rows.QueryLens[0] != 1 || rows.SeqIDs[1] != 2 {
+		t.Fatalf("RowsBatch: %+v", rows)
+	}
 	keysData := make([]float32, 2*heads*2*depth)
 	for h := 0; h < heads; h++ {
 		for d := 0; d < depth; d++ {
@@ -284,7 +287,7 @@ func TestSnapshotFilesRoundTripAndRefuseOthersWrites(t *testing.T) {
 	if ok, err := fresh.Restore(loaded[0], 6); !ok || err != nil {
 		t.Fatalf("restore from the file: %v %v", ok, err)
 	}
-	h, err := fresh.View(&Batch{Rows: 1, Length: 1, Offsets: []int32{6}})
+	h, err := fresh.View(UniformBatch(1, 1, 6))
 	if err != nil {
 		t.Fatal(err)
 	}

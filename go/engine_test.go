@@ -74,7 +74,8 @@ func (e *engine) forward(t testing.TB, slot int32, toks []int32, offset int64) {
 	t.Helper()
 	chunk := toks[offset:]
 	length := int64(len(chunk))
-	batch := &Batch{Rows: 1, Length: length, Offsets: []int32{int32(offset)}, SeqIDs: []int32{slot}, InputIDs: chunk}
+	batch := SingleBatch(chunk, offset)
+	batch.SeqIDs = []int32{slot}
 	for _, c := range []*Cache{e.attention, e.windowed} {
 		keys, values := kv(t, chunk, offset, 1), kv(t, chunk, offset, -1)
 		h, err := c.Update(batch, keys, values)
