@@ -319,11 +319,9 @@ func (a *Array) SharesStorage(b *Array) bool {
 	if a == nil || b == nil {
 		return false
 	}
-	a.mu.RLock()
-	defer a.mu.RUnlock()
-	if a != b {
-		b.mu.RLock()
-		defer b.mu.RUnlock()
+	for _, x := range distinct([]*Array{a, b}) {
+		x.mu.RLock()
+		defer x.mu.RUnlock()
 	}
 	return bool(C.kvsnap_array_shares_storage(a.ptr, b.ptr))
 }

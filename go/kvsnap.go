@@ -11,9 +11,10 @@
 // (what call, what values, what rule); on failure the objects involved are unchanged, as in C.
 // Objects hold C memory: Close them when done (a finalizer frees what is forgotten, later).
 //
-// Goroutines: caches and prefix caches may be used from several goroutines at once (the C++
-// library locks them, though the C API promises only one thread per handle); a Session, a
-// Snapshot and a Speculation from one goroutine at a time. Close waits for calls in flight on
+// Goroutines: caches and prefix caches may be used from several goroutines at once (the library
+// locks them), as may an Array (its calls only read it); a Session, a Snapshot and a
+// Speculation from one goroutine at a time. A call that locks several objects locks them in
+// one global order. Close waits for calls in flight on
 // the same object (a PrefixCache's also for its sessions') and makes later calls fail with
 // ErrClosed. Arrays a cache hands out are live views of its buffers: read them before the next
 // write to that cache, which the race detector cannot check, as it is C memory.
@@ -28,6 +29,8 @@ import "C"
 import (
 	"fmt"
 	"runtime"
+	"sort"
+	"unsafe"
 )
 
 // Status says what kind of failure an Error is (kvsnap_status).
@@ -111,22 +114,22 @@ func invalid(call, format string, args ...any) error {
 // LiveBytes is the bytes held by all live kvsnap-allocated arrays (kvsnap_live_bytes).
 func LiveBytes() int64 { return int64(C.kvsnap_live_bytes()) }
 
-// distinct is items without nils or repeats, in order: the objects a call locks, each once (a
-// read lock taken twice can deadlock against a Close waiting between the two).
-func distinct[T comparable](items []T) []T {
-	var none T
-	out := make([]T, 0, len(items))
+// distinct is the objects a call locks: items without nils or repeats (a read lock taken twice
+// can deadlock against a Close waiting between the two), in the order of their addresses, so
+// every call takes several locks in one global order (Go's heap objects never move).
+func distinct[T any](items []*T) []*T {
+	out := make([]*T, 0, len(items))
 	for _, item := range items {
-		if item == none {
-			continue
-		}
-		seen := false
-		for _, o := range out {
-			seen = seen || o == item
-		}
-		if !seen {
+		if item != nil {
 			out = append(out, item)
 		}
 	}
-	return out
+	sort.Slice(out, func(i, j int) bool { return uintptr(unsafe.Pointer(out[i])) < uintptr(unsafe.Pointer(out[j])) })
+	unique := out[:0]
+	for i, item := range out {
+		if i == 0 || item != out[i-1] {
+			unique = append(unique, item)
+		}
+	}
+	return unique
 }

@@ -154,9 +154,46 @@ func TestClosingAPrefixCacheUnderBusySessions(t *testing.T) {
 	}
 }
 
+// Sessions that only begin and close (paging out) while the prefix cache closes: its Close
+// waits for each page-out in flight.
+func TestClosingAPrefixCacheUnderClosingSessions(t *testing.T) {
+	prompt := make([]int32, 48)
+	for i := range prompt {
+		prompt[i] = int32(i % 7)
+	}
+	for iteration := 0; iteration < 60; iteration++ {
+		layer, _ := NewPagedKVCache(4)
+		p, _ := NewPrefixCache([]*Cache{layer}, &PrefixOptions{Slots: 4})
+		var wg sync.WaitGroup
+		var closes atomic.Int32
+		for slot := int32(0); slot < 4; slot++ {
+			wg.Add(1)
+			go func(slot int32) {
+				defer wg.Done()
+				for {
+					s, err := p.BeginSlot(slot, prompt[:8+slot])
+					if err != nil {
+						return // closed
+					}
+					s.Close()
+					closes.Add(1)
+				}
+			}(slot)
+		}
+		for closes.Load() < int32(iteration%16+1) {
+			runtime.Gosched()
+		}
+		p.Close()
+		wg.Wait()
+		if err := layer.Close(); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
 // A cache closed while a prefix cache is being made over it: exactly one of the two wins.
 func TestClosingACacheRacesWithBorrowingIt(t *testing.T) {
-	for iteration := 0; iteration < 3000; iteration++ {
+	for iteration := 0; iteration < 20000; iteration++ {
 		c, _ := NewKVCache()
 		var p *PrefixCache
 		var perr, cerr error
@@ -209,6 +246,15 @@ func TestNilAndEmptyArrays(t *testing.T) {
 	}
 	if a.Shape() != nil {
 		t.Error("Shape of nil")
+	}
+	if _, err := a.Bytes(); !errors.Is(err, ErrClosed) {
+		t.Errorf("Bytes of nil: %v", err)
+	}
+	if _, err := a.CopyBytes(); !errors.Is(err, ErrClosed) {
+		t.Errorf("CopyBytes of nil: %v", err)
+	}
+	if _, err := a.CopyFloat32s(); !errors.Is(err, ErrClosed) {
+		t.Errorf("CopyFloat32s of nil: %v", err)
 	}
 	a.Close()
 
