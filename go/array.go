@@ -169,22 +169,25 @@ func (i ArrayInfo) extent() int64 {
 }
 
 // Info is the array's element type, shape and strides.
-func (a *Array) Info() (ArrayInfo, error) {
+func (a *Array) Info() (info ArrayInfo, err error) {
+	err = a.read("Array.Info", func(i ArrayInfo) error { info = i; return nil })
+	return info, err
+}
+
+// read runs f with the array's description, the array read-locked (Close waits); it fails for a
+// nil or closed array.
+func (a *Array) read(call string, f func(ArrayInfo) error) error {
 	if a == nil {
-		return ArrayInfo{}, closedError("Array.Info", "array")
+		return closedError(call, "array")
 	}
 	a.mu.RLock()
 	defer a.mu.RUnlock()
-	return a.info("Array.Info")
-}
-
-func (a *Array) info(call string) (ArrayInfo, error) {
 	if a.ptr == nil {
-		return ArrayInfo{}, closedError(call, "array")
+		return closedError(call, "array")
 	}
 	var info C.kvsnap_array_info
 	if err := check(func() C.kvsnap_status { return C.kvsnap_array_get_info(a.ptr, &info) }); err != nil {
-		return ArrayInfo{}, err
+		return err
 	}
 	out := ArrayInfo{DType: DType(info.dtype), Shape: make([]int64, info.ndim),
 		Strides: make([]int64, info.ndim), data: info.data}
@@ -192,7 +195,7 @@ func (a *Array) info(call string) (ArrayInfo, error) {
 		out.Shape[axis] = int64(info.shape[axis])
 		out.Strides[axis] = int64(info.strides[axis])
 	}
-	return out, nil
+	return f(out)
 }
 
 // Shape is the array's extents (nil once closed).
@@ -210,89 +213,68 @@ func (a *Array) Shape() []int64 {
 // the last use), as its finalizer would otherwise close it under the slice. Write only into
 // arrays the caller made (Zeros), never into a cache's views.
 func (a *Array) Float32s() (data []float32, strides []int64, err error) {
-	if a == nil {
-		return nil, nil, closedError("Array.Float32s", "array")
-	}
-	a.mu.RLock()
-	defer a.mu.RUnlock()
-	info, err := a.info("Array.Float32s")
-	if err != nil {
-		return nil, nil, err
-	}
-	if info.DType != F32 {
-		return nil, nil, invalid("Array.Float32s", "the array holds %v, not f32", info.DType)
-	}
-	n := info.extent()
-	if n == 0 {
-		return []float32{}, info.Strides, nil
-	}
-	return unsafe.Slice((*float32)(info.data), n), info.Strides, nil
+	call := "Array.Float32s"
+	err = a.read(call, func(info ArrayInfo) error {
+		if info.DType != F32 {
+			return invalid(call, "the array holds %v, not f32", info.DType)
+		}
+		data, strides = []float32{}, info.Strides
+		if n := info.extent(); n > 0 {
+			data = unsafe.Slice((*float32)(info.data), n)
+		}
+		return nil
+	})
+	return data, strides, err
 }
 
 // Bytes is a compact array's memory in place (row-major, DType.Size() bytes an element), for
 // any dtype (f16, bf16 as their bits); valid while the Array is open and reachable, as for
 // Float32s.
-func (a *Array) Bytes() ([]byte, error) {
-	if a == nil {
-		return nil, closedError("Array.Bytes", "array")
-	}
-	a.mu.RLock()
-	defer a.mu.RUnlock()
-	info, err := a.info("Array.Bytes")
-	if err != nil {
-		return nil, err
-	}
-	if !info.Compact() {
-		return nil, invalid("Array.Bytes", "the array (shape %v, strides %v) is not compact: use CopyBytes", info.Shape, info.Strides)
-	}
-	n := elements(info.Shape) * int64(info.DType.Size())
-	if n == 0 {
-		return []byte{}, nil
-	}
-	return unsafe.Slice((*byte)(info.data), n), nil
+func (a *Array) Bytes() (data []byte, err error) {
+	call := "Array.Bytes"
+	err = a.read(call, func(info ArrayInfo) error {
+		if !info.Compact() {
+			return invalid(call, "the array (shape %v, strides %v) is not compact: use CopyBytes", info.Shape, info.Strides)
+		}
+		data = []byte{}
+		if n := elements(info.Shape) * int64(info.DType.Size()); n > 0 {
+			data = unsafe.Slice((*byte)(info.data), n)
+		}
+		return nil
+	})
+	return data, err
+}
+
+// copyTo copies the elements in logical row-major order into to (bytes > 0, at least the
+// array's).
+func (a *Array) copyTo(to unsafe.Pointer, bytes int) error {
+	return check(func() C.kvsnap_status { return C.kvsnap_array_copy_to(a.ptr, to, C.size_t(bytes)) })
 }
 
 // CopyBytes copies the elements in logical row-major order into a new slice.
-func (a *Array) CopyBytes() ([]byte, error) {
-	if a == nil {
-		return nil, closedError("Array.CopyBytes", "array")
-	}
-	a.mu.RLock()
-	defer a.mu.RUnlock()
-	info, err := a.info("Array.CopyBytes")
-	if err != nil {
-		return nil, err
-	}
-	out := make([]byte, elements(info.Shape)*int64(info.DType.Size()))
-	if len(out) == 0 {
-		return out, nil
-	}
-	err = check(func() C.kvsnap_status {
-		return C.kvsnap_array_copy_to(a.ptr, unsafe.Pointer(&out[0]), C.size_t(len(out)))
+func (a *Array) CopyBytes() (out []byte, err error) {
+	err = a.read("Array.CopyBytes", func(info ArrayInfo) error {
+		out = make([]byte, elements(info.Shape)*int64(info.DType.Size()))
+		if len(out) == 0 {
+			return nil
+		}
+		return a.copyTo(unsafe.Pointer(&out[0]), len(out))
 	})
 	return out, err
 }
 
 // CopyFloat32s copies an f32 array's elements in logical row-major order into a new slice.
-func (a *Array) CopyFloat32s() ([]float32, error) {
-	if a == nil {
-		return nil, closedError("Array.CopyFloat32s", "array")
-	}
-	a.mu.RLock()
-	defer a.mu.RUnlock()
-	info, err := a.info("Array.CopyFloat32s")
-	if err != nil {
-		return nil, err
-	}
-	if info.DType != F32 {
-		return nil, invalid("Array.CopyFloat32s", "the array holds %v, not f32", info.DType)
-	}
-	out := make([]float32, elements(info.Shape))
-	if len(out) == 0 {
-		return out, nil
-	}
-	err = check(func() C.kvsnap_status {
-		return C.kvsnap_array_copy_to(a.ptr, unsafe.Pointer(&out[0]), C.size_t(4*len(out)))
+func (a *Array) CopyFloat32s() (out []float32, err error) {
+	call := "Array.CopyFloat32s"
+	err = a.read(call, func(info ArrayInfo) error {
+		if info.DType != F32 {
+			return invalid(call, "the array holds %v, not f32", info.DType)
+		}
+		out = make([]float32, elements(info.Shape))
+		if len(out) == 0 {
+			return nil
+		}
+		return a.copyTo(unsafe.Pointer(&out[0]), 4*len(out))
 	})
 	return out, err
 }

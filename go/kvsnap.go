@@ -29,7 +29,6 @@ import "C"
 import (
 	"fmt"
 	"runtime"
-	"sort"
 	"unsafe"
 )
 
@@ -120,16 +119,19 @@ func LiveBytes() int64 { return int64(C.kvsnap_live_bytes()) }
 func distinct[T any](items []*T) []*T {
 	out := make([]*T, 0, len(items))
 	for _, item := range items {
-		if item != nil {
-			out = append(out, item)
+		if item == nil {
+			continue
 		}
-	}
-	sort.Slice(out, func(i, j int) bool { return uintptr(unsafe.Pointer(out[i])) < uintptr(unsafe.Pointer(out[j])) })
-	unique := out[:0]
-	for i, item := range out {
-		if i == 0 || item != out[i-1] {
-			unique = append(unique, item)
+		at := len(out) // insertion by address: a call names a handful of objects
+		for at > 0 && uintptr(unsafe.Pointer(out[at-1])) > uintptr(unsafe.Pointer(item)) {
+			at--
 		}
+		if at > 0 && out[at-1] == item {
+			continue
+		}
+		out = append(out, nil)
+		copy(out[at+1:], out[at:])
+		out[at] = item
 	}
-	return unique
+	return out
 }
