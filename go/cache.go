@@ -1,34 +1,23 @@
 package kvsnap
 
 /*
-#include <kvsnap/kvsnap_c.h>
+#include "batch.h"
 
-// The batch's arrays are Go memory, passed as arguments (never stored in C memory): each call
-// builds its kvsnap_batch on the C stack.
-#define KVSNAP_GO_BATCH                                                                  \
-  const kvsnap_batch batch = {.batch_size = rows, .length = length, .input_ids = ids,    \
-                              .seq_offsets = offsets, .seq_query_lens = lens,           \
-                              .seq_ids = seqs}
-#define KVSNAP_GO_BATCH_ARGS                                                             \
-  int64_t rows, int64_t length, const int32_t *ids, const int32_t *offsets,             \
-      const int32_t *lens, const int32_t *seqs
-
-static kvsnap_status go_cache_update(kvsnap_cache* cache, KVSNAP_GO_BATCH_ARGS,
-                                     const kvsnap_array* keys, const kvsnap_array* values,
-                                     kvsnap_kv_history* out) {
+static kvsnap_status go_cache_append(kvsnap_cache* cache, KVSNAP_GO_BATCH_ARGS,
+                                     const kvsnap_array* keys, const kvsnap_array* values) {
   KVSNAP_GO_BATCH;
-  return kvsnap_cache_update(cache, &batch, keys, values, out);
+  return kvsnap_cache_update(cache, &batch, keys, values, NULL);
 }
-static kvsnap_status go_cache_update_rows(kvsnap_cache* cache, KVSNAP_GO_BATCH_ARGS,
-                                          const kvsnap_array* keys, const kvsnap_array* values,
-                                          kvsnap_kv_history* rows_out) {
+static kvsnap_status go_cache_update_history(kvsnap_cache* cache, KVSNAP_GO_BATCH_ARGS,
+                                             const kvsnap_array* keys,
+                                             const kvsnap_array* values, kvsnap_history** out) {
   KVSNAP_GO_BATCH;
-  return kvsnap_cache_update_rows(cache, &batch, keys, values, rows_out);
+  return kvsnap_cache_update_history(cache, &batch, keys, values, out);
 }
-static kvsnap_status go_cache_view(const kvsnap_cache* cache, KVSNAP_GO_BATCH_ARGS,
-                                   kvsnap_kv_history* out) {
+static kvsnap_status go_cache_view_history(const kvsnap_cache* cache, KVSNAP_GO_BATCH_ARGS,
+                                           kvsnap_history** out) {
   KVSNAP_GO_BATCH;
-  return kvsnap_cache_view(cache, &batch, out);
+  return kvsnap_cache_view_history(cache, &batch, out);
 }
 static kvsnap_status go_recurrent_get(kvsnap_cache* cache, KVSNAP_GO_BATCH_ARGS,
                                       kvsnap_dtype dtype, kvsnap_array** conv,
@@ -164,30 +153,6 @@ func (b *Batch) c(call string) (cBatch, error) {
 	}
 	return cBatch{C.int64_t(b.Rows), C.int64_t(b.Length), int32s(b.InputIDs), int32s(b.Offsets),
 		int32s(b.QueryLens), int32s(b.SeqIDs)}, nil
-}
-
-// History is what an attention cache hands back: Keys [B, H, K, D] and Values [B, H, K, Dv]
-// (read-only views of the cache's buffers, or contiguous copies for a paged cache), and which
-// position each key column holds: column c holds FirstPosition + (c - OldestColumn) mod K.
-// Window > 0 hides keys Window or more positions before a query.
-type History struct {
-	Keys, Values  *Array
-	FirstPosition int64
-	OldestColumn  int64
-	Window        int64
-}
-
-func newHistory(h *C.kvsnap_kv_history) *History {
-	return &History{Keys: newArray(h.keys), Values: newArray(h.values),
-		FirstPosition: int64(h.first_position), OldestColumn: int64(h.oldest_column), Window: int64(h.window)}
-}
-
-// Close releases the history's arrays.
-func (h *History) Close() {
-	if h != nil {
-		h.Keys.Close()
-		h.Values.Close()
-	}
 }
 
 // RecurrentOptions shape a recurrent cache's state: a conv tail [B, ConvTail, ConvDim] in the
@@ -352,20 +317,29 @@ func (c *Cache) Sequences() ([]int32, error) {
 // Append writes the batch's keys [B, H, L, D] and values [B, H, L, Dv] (copied into the cache),
 // each row to its sequence, without handing back a history.
 func (c *Cache) Append(b *Batch, keys, values *Array) error {
-	return c.update("Cache.Append", b, keys, values, nil)
+	return c.write("Cache.Append", b, keys, values, func(p *C.kvsnap_cache, cb cBatch, k, v *C.kvsnap_array) C.kvsnap_status {
+		return C.go_cache_append(p, cb.rows, cb.length, cb.ids, cb.offsets, cb.lens, cb.seqs, k, v)
+	})
 }
 
-// Update writes as Append does and returns the history every query of the batch attends to;
-// the batch's rows must be one sequence (UpdateRows otherwise).
+// Update writes as Append does and returns the history every query of the batch attends to,
+// as the cache holds it (nothing copied): a one-row batch's is its sequence's (contiguous, or
+// paged for a paged cache), a batch of several rows has one per row (Ragged).
 func (c *Cache) Update(b *Batch, keys, values *Array) (*History, error) {
-	var h C.kvsnap_kv_history
-	if err := c.update("Cache.Update", b, keys, values, &h); err != nil {
+	call := "Cache.Update"
+	var h *C.kvsnap_history
+	err := c.write(call, b, keys, values, func(p *C.kvsnap_cache, cb cBatch, k, v *C.kvsnap_array) C.kvsnap_status {
+		return C.go_cache_update_history(p, cb.rows, cb.length, cb.ids, cb.offsets, cb.lens, cb.seqs, k, v, &h)
+	})
+	if err != nil {
 		return nil, err
 	}
-	return newHistory(&h), nil
+	return newHistory(call, h)
 }
 
-func (c *Cache) update(call string, b *Batch, keys, values *Array, out *C.kvsnap_kv_history) error {
+// write runs a write of keys and values: the batch checked, the arrays and the cache locked.
+func (c *Cache) write(call string, b *Batch, keys, values *Array,
+	f func(*C.kvsnap_cache, cBatch, *C.kvsnap_array, *C.kvsnap_array) C.kvsnap_status) error {
 	cb, err := b.c(call)
 	if err != nil {
 		return err
@@ -376,41 +350,18 @@ func (c *Cache) update(call string, b *Batch, keys, values *Array, out *C.kvsnap
 	}
 	defer unlock()
 	return c.use(call, func(p *C.kvsnap_cache) error {
-		return check(func() C.kvsnap_status {
-			return C.go_cache_update(p, cb.rows, cb.length, cb.ids, cb.offsets, cb.lens, cb.seqs,
-				arrays[0], arrays[1], out)
-		})
+		return check(func() C.kvsnap_status { return f(p, cb, arrays[0], arrays[1]) })
 	})
 }
 
-// UpdateRows writes as Append does, the batch's rows possibly different sequences, and returns
-// row b's history in [b].
+// UpdateRows writes as Update does and returns row b's history in [b] (a batch of one row: its
+// history; more: the rows of the ragged history, which is closed).
 func (c *Cache) UpdateRows(b *Batch, keys, values *Array) ([]*History, error) {
-	call := "Cache.UpdateRows"
-	cb, err := b.c(call)
+	h, err := c.Update(b, keys, values)
 	if err != nil {
 		return nil, err
 	}
-	arrays, unlock, err := cArrays(call, keys, values)
-	if err != nil {
-		return nil, err
-	}
-	defer unlock()
-	rows := make([]C.kvsnap_kv_history, b.Rows+1) // +1: never a zero-length slice to index
-	err = c.use(call, func(p *C.kvsnap_cache) error {
-		return check(func() C.kvsnap_status {
-			return C.go_cache_update_rows(p, cb.rows, cb.length, cb.ids, cb.offsets, cb.lens, cb.seqs,
-				arrays[0], arrays[1], &rows[0])
-		})
-	})
-	if err != nil {
-		return nil, err
-	}
-	out := make([]*History, b.Rows)
-	for i := range out {
-		out[i] = newHistory(&rows[i])
-	}
-	return out, nil
+	return h.split("Cache.UpdateRows")
 }
 
 // View is the history the batch's queries would attend to, without writing.
@@ -420,16 +371,16 @@ func (c *Cache) View(b *Batch) (*History, error) {
 	if err != nil {
 		return nil, err
 	}
-	var h C.kvsnap_kv_history
+	var h *C.kvsnap_history
 	err = c.use(call, func(p *C.kvsnap_cache) error {
 		return check(func() C.kvsnap_status {
-			return C.go_cache_view(p, cb.rows, cb.length, cb.ids, cb.offsets, cb.lens, cb.seqs, &h)
+			return C.go_cache_view_history(p, cb.rows, cb.length, cb.ids, cb.offsets, cb.lens, cb.seqs, &h)
 		})
 	})
 	if err != nil {
 		return nil, err
 	}
-	return newHistory(&h), nil
+	return newHistory(call, h)
 }
 
 // RecurrentGet is a recurrent cache's live conv and delta state for the batch, zero on first

@@ -224,6 +224,114 @@ KVSNAP_EXPORT kvsnap_status kvsnap_cache_view(const kvsnap_cache* cache, const k
 /* Destroys the history's arrays and zeroes it (NULL and zeroed histories are fine). */
 KVSNAP_EXPORT void kvsnap_kv_history_clear(kvsnap_kv_history* history);
 
+/* ---- Histories in place, and attention over them ----------------------------------------
+ * kvsnap_cache_update and kvsnap_cache_view hand a paged cache's history back as a contiguous
+ * copy: the whole context, per layer, per step. The calls below hand a history back as the
+ * cache holds it, nothing copied: views of a KV or rotating cache's buffers, a paged sequence's
+ * block table over its pool's chunks, or one history per row of a batch whose rows are
+ * different sequences. kvsnap_sdpa attends over any of them; an engine with its own paged
+ * attention reads the block table (kvsnap_history_get_paged). A history shows the cache as it
+ * was at the call: read it before the next write to that cache (a write may reuse a block or
+ * wrap a window's ring). It keeps the buffers it names alive, also past the cache's destroy.
+ *
+ *   kvsnap_history* h = NULL;
+ *   kvsnap_cache_update_history(cache, &batch, keys, values, &h);
+ *   kvsnap_attention_mask causal = {.causal = true};
+ *   kvsnap_array* out = NULL;   (f32 [B, Hq, L, Dv])
+ *   kvsnap_sdpa(&batch, q, h, &causal, 0.125f, &out);
+ *   kvsnap_history_destroy(h);
+ */
+typedef struct kvsnap_history kvsnap_history;
+
+typedef enum kvsnap_history_form {
+  KVSNAP_HISTORY_CONTIGUOUS = 0, /* keys [B, H, K, D] and values [B, H, K, Dv] */
+  KVSNAP_HISTORY_PAGED = 1,      /* one sequence's columns in the blocks of a paged cache */
+  KVSNAP_HISTORY_RAGGED = 2      /* one history per batch row (kvsnap_history_row) */
+} kvsnap_history_form;
+
+typedef struct kvsnap_history_info {
+  kvsnap_history_form form;
+  int64_t length; /* key columns K (ragged: its longest row; 0 before any write) */
+  int64_t rows;   /* ragged: the batch's rows; otherwise 1 */
+  /* As in kvsnap_kv_history (contiguous and paged forms; ragged: see each row). */
+  int64_t first_position;
+  int64_t oldest_column;
+  int64_t window;
+} kvsnap_history_info;
+
+/* Attention kinds: writes as kvsnap_cache_update does (any batch, rows of different sequences
+ * included) and sets *out to the history every query attends to, as the cache holds it. */
+KVSNAP_EXPORT kvsnap_status kvsnap_cache_update_history(kvsnap_cache* cache,
+                                                        const kvsnap_batch* batch,
+                                                        const kvsnap_array* keys,
+                                                        const kvsnap_array* values,
+                                                        kvsnap_history** out);
+/* Attention kinds: the history `batch`'s queries would attend to, without writing. */
+KVSNAP_EXPORT kvsnap_status kvsnap_cache_view_history(const kvsnap_cache* cache,
+                                                      const kvsnap_batch* batch,
+                                                      kvsnap_history** out);
+KVSNAP_EXPORT kvsnap_status kvsnap_history_get_info(const kvsnap_history* history,
+                                                    kvsnap_history_info* out);
+/* A ragged history's row `row` (0 <= row < rows), as a history of its own; another form's row
+ * 0 is itself (a new handle). */
+KVSNAP_EXPORT kvsnap_status kvsnap_history_row(const kvsnap_history* history, int64_t row,
+                                               kvsnap_history** out);
+/* The history in contiguous form: a new handle for a contiguous one, a copy of a paged one (its K
+ * columns gathered: O(K)); a ragged one is refused (take its rows). */
+KVSNAP_EXPORT kvsnap_status kvsnap_history_contiguous(const kvsnap_history* history,
+                                                      kvsnap_history** out);
+/* A contiguous history's keys and values (views, read-only; the caller destroys them, e.g.
+ * with kvsnap_kv_history_clear) and positions; other forms are refused. */
+KVSNAP_EXPORT kvsnap_status kvsnap_history_arrays(const kvsnap_history* history,
+                                                  kvsnap_kv_history* out);
+
+/* A paged history's blocks. Column k of the sequence is in slot k % block_tokens of block
+ * table[k / block_tokens]; block i holds columns [r * T, (r + 1) * T) of chunk
+ * i / blocks_per_chunk, where r = i % blocks_per_chunk and T = block_tokens (chunks are
+ * [1, H, blocks_per_chunk * T, D], so a head's columns of consecutive blocks are adjacent). */
+typedef struct kvsnap_paged_info {
+  int64_t block_tokens;
+  int64_t blocks_per_chunk;
+  int64_t length;       /* columns K; the last block may be partly used */
+  const int32_t* table; /* block ids in position order; valid while the history lives */
+  size_t table_size;
+  size_t chunks; /* chunks of the pool the table may name: [0, chunks) */
+} kvsnap_paged_info;
+/* A paged history's block table; other forms are refused. */
+KVSNAP_EXPORT kvsnap_status kvsnap_history_get_paged(const kvsnap_history* history,
+                                                     kvsnap_paged_info* out);
+/* Chunk `chunk` of a paged history's pool: keys [1, H, blocks_per_chunk * T, D] and values
+ * [1, H, blocks_per_chunk * T, Dv] (views, read-only). */
+KVSNAP_EXPORT kvsnap_status kvsnap_history_paged_chunk(const kvsnap_history* history, size_t chunk,
+                                                       kvsnap_array** keys, kvsnap_array** values);
+KVSNAP_EXPORT void kvsnap_history_destroy(kvsnap_history* history);
+
+/* Which keys each query may see (kvsnap::AttentionMask): every rule set applies (intersected);
+ * none set (or a NULL mask) shows every key. Positions are absolute. */
+typedef struct kvsnap_attention_mask {
+  bool causal;               /* no key after the query */
+  int64_t lookback;          /* > 0: no key `lookback` or more positions before the query */
+  const kvsnap_array* array; /* or NULL: [B|1, Hq|1, L, P] indexed by batch row, query head,
+                               query index and key position; i32 is boolean (nonzero:
+                               visible), a float array an additive bias (-inf: hidden) */
+} kvsnap_attention_mask;
+
+/* Reference scaled-dot-product attention (kvsnap::sdpa) in f32: q [B, Hq, L, D] (f32, f16 or
+ * bf16) over `history` in any form, a paged one read in place; grouped-query attention when Hq
+ * is a multiple of the history's H. *out is f32 [B, Hq, L, Dv]:
+ *   out[b,h,l] = softmax_k(scale * q[b,h,l]·key[b,h',k] + mask[b,h,l,k]) · value[b,h',k]
+ * where the mask is `mask` with the history's own window; a query that sees no key gets
+ * zeros. Bitwise the same for every thread count (kvsnap_set_threads) and however the batch's
+ * rows share blocks. */
+KVSNAP_EXPORT kvsnap_status kvsnap_sdpa(const kvsnap_batch* batch, const kvsnap_array* q,
+                                        const kvsnap_history* history,
+                                        const kvsnap_attention_mask* mask, float scale,
+                                        kvsnap_array** out);
+/* Threads kvsnap_sdpa runs on, the calling one included (kvsnap::set_threads; 1 to 256; the
+ * default is 1). Process-wide. */
+KVSNAP_EXPORT kvsnap_status kvsnap_set_threads(int threads);
+KVSNAP_EXPORT int kvsnap_threads(void);
+
 /* Recurrent kind: the live conv and delta state for `batch`, zero-initialized on first use. */
 KVSNAP_EXPORT kvsnap_status kvsnap_recurrent_get(kvsnap_cache* cache, const kvsnap_batch* batch,
                                                  kvsnap_dtype activation_dtype,

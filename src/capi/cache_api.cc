@@ -6,30 +6,6 @@ using namespace kvsnap::capi;
 
 namespace {
 
-const char* kind_name(kvsnap_cache_kind kind) {
-  switch (kind) {
-    case KVSNAP_KV_CACHE:
-      return "a KV cache";
-    case KVSNAP_ROTATING_KV_CACHE:
-      return "a rotating KV cache";
-    case KVSNAP_RECURRENT_CACHE:
-      return "a recurrent cache";
-    case KVSNAP_PAGED_KV_CACHE:
-      return "a paged KV cache";
-  }
-  return "an unknown cache";
-}
-
-Attention& attention(const kvsnap_cache* handle, const char* call) {
-  const kvsnap_cache& cache = require(handle, call, "cache");
-  if (cache.kind == KVSNAP_RECURRENT_CACHE) {
-    throw InvalidArgument(fmt::format(
-        "{}: the cache is {}; this call needs an attention cache (KV, rotating or paged)", call,
-        kind_name(cache.kind)));
-  }
-  return static_cast<Attention&>(*cache.cache);
-}
-
 RecurrentCache& recurrent(const kvsnap_cache* handle, const char* call) {
   const kvsnap_cache& cache = require(handle, call, "cache");
   if (cache.kind != KVSNAP_RECURRENT_CACHE) {

@@ -32,6 +32,9 @@ struct kvsnap_prefix_cache {
 struct kvsnap_session {
   kvsnap::PrefixCache::Session session;
 };
+struct kvsnap_history {
+  kvsnap::KVHistory history;
+};
 struct kvsnap_speculation {
   std::unique_ptr<kvsnap::Speculation> speculation;
 };
@@ -91,6 +94,10 @@ kvsnap_array* new_array(Array array);
 SnapshotPtr adopt(kvsnap_snapshot* handle) noexcept;
 // A new handle for `snapshot`, or NULL when it is null.
 kvsnap_snapshot* new_snapshot(SnapshotPtr snapshot);
+// The kind's name in messages ("a paged KV cache").
+const char* kind_name(kvsnap_cache_kind kind);
+// The attention layer of a cache handle; InvalidArgument for NULL or a recurrent cache.
+Attention& attention(const kvsnap_cache* handle, const char* call);
 // The caches of `count` layer handles (`layers` NULL only when count is 0; a NULL entry is a
 // stateless layer, null in the result).
 std::vector<Cache*> to_layers(kvsnap_cache* const* layers, size_t count, const char* call);
