@@ -14,14 +14,6 @@ namespace {
 
 constexpr const char* kFormat = "kvsnap-tier";
 
-// The kind of snapshot a layer takes; nullopt for a stateless layer.
-std::optional<SnapshotRecord::Kind> layer_kind(const Cache* layer) {
-  if (layer == nullptr) return std::nullopt;
-  if (dynamic_cast<const RotatingKVCache*>(layer) != nullptr) return SnapshotRecord::Kind::rotating;
-  if (dynamic_cast<const RecurrentCache*>(layer) != nullptr) return SnapshotRecord::Kind::recurrent;
-  return SnapshotRecord::Kind::kv;
-}
-
 const char* kind_name(ObjectSpec::Kind kind) {
   return kind == ObjectSpec::Kind::chunk ? "chunk" : "point";
 }
@@ -29,6 +21,25 @@ const char* kind_name(ObjectSpec::Kind kind) {
 std::string tensor_name(size_t layer, char part) { return fmt::format("layer.{}.{}", layer, part); }
 
 }  // namespace
+
+std::optional<SnapshotRecord::Kind> layer_kind(const Cache* layer) {
+  if (layer == nullptr) return std::nullopt;
+  if (dynamic_cast<const RotatingKVCache*>(layer) != nullptr) return SnapshotRecord::Kind::rotating;
+  if (dynamic_cast<const RecurrentCache*>(layer) != nullptr) return SnapshotRecord::Kind::recurrent;
+  return SnapshotRecord::Kind::kv;
+}
+
+const char* record_kind_name(SnapshotRecord::Kind kind) {
+  switch (kind) {
+    case SnapshotRecord::Kind::kv:
+      return "KV";
+    case SnapshotRecord::Kind::rotating:
+      return "sliding-window";
+    case SnapshotRecord::Kind::recurrent:
+      return "recurrent";
+  }
+  return "unknown";
+}
 
 bool object_holds(const ObjectSpec& spec, const Cache* layer) {
   const std::optional<SnapshotRecord::Kind> kind = layer_kind(layer);

@@ -22,6 +22,11 @@ struct ObjectSpec {
   int64_t from = 0, to = 0;
 };
 
+// The kind of snapshot a layer takes; nullopt for a stateless layer.
+std::optional<SnapshotRecord::Kind> layer_kind(const Cache* layer);
+// "KV", "sliding-window" or "recurrent".
+const char* record_kind_name(SnapshotRecord::Kind kind);
+
 // Whether an object of `spec` holds data for `layer` (KV layers: a non-empty range; whole-state
 // layers: points only; stateless layers: never).
 bool object_holds(const ObjectSpec& spec, const Cache* layer);

@@ -198,14 +198,20 @@ std::vector<RedisStore::Reply> RedisStore::round_trip(const std::vector<Command>
 void RedisStore::probe(std::span<const std::string> sets, std::span<const std::string> keys,
                        Deadline deadline, std::vector<std::vector<std::string>>& members,
                        std::vector<bool>& exists) {
+  // EXPIRE after each SMEMBERS: an index set in use lives as long as the points it names,
+  // whose lifetimes GETEX refreshes.
+  const std::string ttl = std::to_string(options_.ttl.count());
   std::vector<Command> commands;
-  for (const std::string& set : sets) commands.push_back({"SMEMBERS", set});
+  for (const std::string& set : sets) {
+    commands.push_back({"SMEMBERS", set});
+    commands.push_back({"EXPIRE", set, ttl});
+  }
   for (const std::string& key : keys) commands.push_back({"EXISTS", key});
   const std::vector<Reply> replies = round_trip(commands, deadline);
   members.assign(sets.size(), {});
   exists.assign(keys.size(), false);
   for (size_t i = 0; i < sets.size(); ++i) {
-    const Reply& reply = replies[i];
+    const Reply& reply = replies[2 * i];
     if (reply->type != REDIS_REPLY_ARRAY) continue;  // an error (e.g. another type): no members
     for (size_t m = 0; m < reply->elements; ++m) {
       const redisReply* member = reply->element[m];
@@ -213,7 +219,7 @@ void RedisStore::probe(std::span<const std::string> sets, std::span<const std::s
     }
   }
   for (size_t i = 0; i < keys.size(); ++i) {
-    const Reply& reply = replies[sets.size() + i];
+    const Reply& reply = replies[2 * sets.size() + i];
     exists[i] = reply->type == REDIS_REPLY_INTEGER && reply->integer > 0;
   }
 }
@@ -238,6 +244,8 @@ std::vector<std::optional<std::string>> RedisStore::fetch(std::span<const std::s
 int64_t RedisStore::write(const WriteBatch& batch, Deadline deadline) {
   const std::string ttl = std::to_string(options_.ttl.count());
   std::vector<Command> commands;
+  for (const std::string& key : batch.doomed) commands.push_back({"DEL", key});
+  const size_t first = commands.size();
   for (const auto& [key, value] : batch.objects) commands.push_back({"SET", key, value, "EX", ttl});
   for (const auto& [set, member] : batch.index) {
     commands.push_back({"SADD", set, member});
@@ -245,7 +253,7 @@ int64_t RedisStore::write(const WriteBatch& batch, Deadline deadline) {
   }
   int64_t refused = 0;
   const std::vector<Reply> replies = round_trip(commands, deadline);
-  for (size_t i = 0; i < batch.objects.size(); ++i) refused += replies[i].error() ? 1 : 0;
+  for (size_t i = 0; i < batch.objects.size(); ++i) refused += replies[first + i].error() ? 1 : 0;
   return refused;
 }
 

@@ -35,6 +35,16 @@ struct StoreFailure : std::runtime_error {
 struct WriteBatch {
   std::vector<std::pair<std::string, std::string>> objects;  // key, value
   std::vector<std::pair<std::string, std::string>> index;    // set, member
+  // Objects and index entries not written because this process knows the store holds them:
+  // the writer checks that it still does (a flushed, restarted or evicting store loses them).
+  std::vector<std::string> known;
+  std::vector<std::pair<std::string, std::string>> known_index;  // set, member
+  // Objects to delete (ones a lookup rejected as damaged or forged), before anything else.
+  std::vector<std::string> doomed;
+  bool empty() const {
+    return objects.empty() && index.empty() && known.empty() && known_index.empty() &&
+           doomed.empty();
+  }
   int64_t bytes() const {
     int64_t total = 0;
     for (const auto& object : objects) total += static_cast<int64_t>(object.second.size());
@@ -52,8 +62,8 @@ class Store {
   // One round trip: each key's value (nullopt when missing), its lifetime refreshed.
   virtual std::vector<std::optional<std::string>> fetch(std::span<const std::string> keys,
                                                         Deadline deadline) = 0;
-  // Writes the objects, then adds the index members (each with the lifetime). Returns how many
-  // objects the store refused (e.g. out of memory with eviction off).
+  // Deletes the doomed keys, writes the objects, then adds the index members (each with the
+  // lifetime). Returns how many objects the store refused (e.g. out of memory with eviction off).
   virtual int64_t write(const WriteBatch& batch, Deadline deadline) = 0;
 };
 

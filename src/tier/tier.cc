@@ -55,6 +55,11 @@ void KnownKeys::add(const std::vector<std::string>& keys) {
   keys_.insert(keys.begin(), keys.end());
 }
 
+void KnownKeys::erase(const std::string& key) {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  keys_.erase(key);
+}
+
 void KnownKeys::clear() {
   const std::lock_guard<std::mutex> lock(mutex_);
   keys_.clear();
@@ -79,6 +84,13 @@ TierImpl::TierImpl(const std::string& address, std::vector<Cache*> layers, TierO
   writer.lookup_timeout = options_.lookup_timeout;
   writer.mac_key = mac_key_;
   writer.written = [this](const std::vector<std::string>& keys) { known_.add(keys); };
+  writer.lost = [this] {
+    known_.clear();
+    options_.log(fmt::format(
+        "{}: the store lost objects this process wrote or read (flushed, restarted, evicted or "
+        "expired): the next sessions write them again",
+        address_));
+  };
   writer_ = std::make_unique<WriteBehind>(open_store(address, store_options), writer, counters_);
   if (mac_key_.empty()) {
     options_.log(fmt::format(
@@ -97,6 +109,10 @@ void TierImpl::reject(const std::string& key, size_t bytes, const std::string& w
                       bool unauthenticated) {
   ++counters_.rejected;
   if (unauthenticated) ++counters_.unauthenticated;
+  known_.erase(key);
+  WriteBatch doomed;
+  doomed.doomed.push_back(key);
+  (void)writer_->push(std::move(doomed));
   constexpr int64_t kMaximumLines = 100;
   const int64_t line = ++logged_rejections_;
   if (line <= kMaximumLines) {

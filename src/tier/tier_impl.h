@@ -21,6 +21,7 @@ class KnownKeys {
  public:
   bool contains(const std::string& key) const;
   void add(const std::vector<std::string>& keys);
+  void erase(const std::string& key);
   void clear();
 
  private:
@@ -49,6 +50,8 @@ class TierImpl {
   WriteBatch encode(std::span<const int32_t> tokens,
                     const std::vector<std::optional<SnapshotRecord>>& kv,
                     std::span<const TierPoint> points, int64_t end);
+  // Counts and logs a rejected object, forgets it as known and has the writer delete it, so the
+  // next process that stores it writes it whole again.
   void reject(const std::string& key, size_t bytes, const std::string& why, bool unauthenticated);
   // The shapes layer i's snapshots have in this process ("" until it stores one).
   std::vector<std::string> known_signatures() const;

@@ -51,6 +51,27 @@ void TierImpl::store(std::span<const int32_t> tokens, std::span<const Snapshot* 
                              kv[i] ? fmt::format(", not [{}, {})", kv[i]->from, kv[i]->to) : ""));
     }
   }
+  // Every snapshot must be of its layer's kind, in the shapes its others have (those this
+  // process stored or read): a wrong one would be written for every process to reject, and its
+  // shapes learned here would make this process reject the right ones.
+  const std::vector<std::string> learned = known_signatures();
+  const auto check_fits = [&](size_t i, const SnapshotRecord& record, int64_t offset) {
+    const SnapshotRecord::Kind kind = *layer_kind(layers_[i]);
+    const std::string shapes = snapshot_signature(record, layers_[i]);
+    if (record.kind != kind) {
+      throw fail(fmt::format("layer {} at offset {}: a {} snapshot, where the layer takes {} ones",
+                             i, offset, record_kind_name(record.kind), record_kind_name(kind)));
+    }
+    if (shapes.empty() || (!learned[i].empty() && shapes != learned[i])) {
+      throw fail(fmt::format(
+          "layer {} at offset {}: a snapshot of {}, where the layer's have {}", i, offset,
+          shapes.empty() ? record.first.describe() + " / " + record.second.describe() : shapes,
+          learned[i].empty() ? "the layer's own shapes" : learned[i]));
+    }
+  };
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (kv[i]) check_fits(i, *kv[i], end);
+  }
   for (const TierPoint& point : points) {
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Snapshot* state = point.states[i];
@@ -58,13 +79,14 @@ void TierImpl::store(std::span<const int32_t> tokens, std::span<const Snapshot* 
       if (state == nullptr || state->to() != point.offset || !snapshot_record(*state)) {
         throw fail(fmt::format("layer {} has no state at offset {}", i, point.offset));
       }
+      check_fits(i, *snapshot_record(*state), point.offset);
     }
   }
   WriteBatch batch = encode(tokens, kv, points, end);
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (kv[i]) learn_signature(i, *kv[i]);
   }
-  if (!batch.objects.empty()) (void)writer_->push(std::move(batch));
+  if (!batch.empty()) (void)writer_->push(std::move(batch));
 }
 
 WriteBatch TierImpl::encode(std::span<const int32_t> tokens,
@@ -81,7 +103,10 @@ WriteBatch TierImpl::encode(std::span<const int32_t> tokens,
       std::any_of(kv.begin(), kv.end(), [](const auto& r) { return r.has_value(); });
   for (int64_t j = 0; any_kv && j < end / chunk; ++j) {
     const std::string key = TierKeys::chunk_key(chain[static_cast<size_t>(j + 1)]);
-    if (known_.contains(key)) continue;
+    if (known_.contains(key)) {
+      batch.known.push_back(key);
+      continue;
+    }
     for (size_t i = 0; i < layers_.size(); ++i) {
       records[i] = kv[i] ? std::optional(slice(*kv[i], j * chunk, (j + 1) * chunk)) : std::nullopt;
     }
@@ -94,7 +119,11 @@ WriteBatch TierImpl::encode(std::span<const int32_t> tokens,
         TierKeys::point_key(digest, point.offset,
                             tokens.subspan(static_cast<size_t>(base * chunk),
                                            static_cast<size_t>(point.offset - base * chunk)));
-    if (known_.contains(key)) continue;
+    if (known_.contains(key)) {
+      batch.known.push_back(key);
+      batch.known_index.emplace_back(TierKeys::index_key(digest), std::to_string(point.offset));
+      continue;
+    }
     const ObjectSpec spec{ObjectSpec::Kind::point, base * chunk, point.offset};
     for (size_t i = 0; i < layers_.size(); ++i) {
       records[i].reset();

@@ -89,9 +89,16 @@ void WriteBehind::send(WriteBatch& batch) {
   if (!options_.mac_key.empty()) {
     for (auto& [key, value] : batch.objects) append_tag(value, key, options_.mac_key);
   }
-  if (batch.objects.empty() && batch.index.empty()) return;
+  if (batch.empty()) return;
   // The write timeout bounds the store's time: waiting for lookups extends the deadline.
   Deadline deadline = std::chrono::steady_clock::now() + options_.write_timeout;
+  if (!batch.known.empty() || !batch.known_index.empty()) {
+    const auto waited_from = std::chrono::steady_clock::now();
+    lookups_.wait_for_lookups(waited_from + options_.lookup_timeout);
+    deadline += std::chrono::steady_clock::now() - waited_from;
+    if (!still_holds(batch, deadline) && options_.lost) options_.lost();
+  }
+  if (batch.objects.empty() && batch.index.empty() && batch.doomed.empty()) return;
   std::vector<std::string> accepted;
   bool refused = false;
   WriteBatch slice;
@@ -102,6 +109,7 @@ void WriteBehind::send(WriteBatch& batch) {
       bytes += static_cast<int64_t>(batch.objects[i].second.size());
       slice.objects.push_back(std::move(batch.objects[i]));
     }
+    if (i == 0) slice.doomed = std::move(batch.doomed);
     if (last) slice.index = std::move(batch.index);  // entries after every object they name
     if (!last && bytes < kSliceBytes) continue;
     const auto waited_from = std::chrono::steady_clock::now();
@@ -117,6 +125,28 @@ void WriteBehind::send(WriteBatch& batch) {
   // Known only once the whole batch is in, index included: a point whose index entry was lost
   // with a later slice must be written (and indexed) again, not skipped as known.
   if (!refused && options_.written) options_.written(accepted);
+}
+
+bool WriteBehind::still_holds(const WriteBatch& batch, Deadline deadline) {
+  std::vector<std::string> sets;
+  for (const auto& [set, member] : batch.known_index) {
+    if (std::find(sets.begin(), sets.end(), set) == sets.end()) sets.push_back(set);
+  }
+  std::vector<std::vector<std::string>> members;
+  std::vector<bool> exists;
+  try {
+    store_->probe(sets, batch.known, deadline, members, exists);
+  } catch (const StoreFailure& failure) {
+    if (failure.reason != StoreFailure::Reason::waiting) ++counters_.store_errors;
+    return true;  // unknown: the next batch asks again
+  }
+  if (std::find(exists.begin(), exists.end(), false) != exists.end()) return false;
+  for (const auto& [set, member] : batch.known_index) {
+    const auto& in =
+        members[static_cast<size_t>(std::find(sets.begin(), sets.end(), set) - sets.begin())];
+    if (std::find(in.begin(), in.end(), member) == in.end()) return false;
+  }
+  return true;
 }
 
 std::optional<int64_t> WriteBehind::send_slice(const WriteBatch& slice, Deadline deadline) {

@@ -59,6 +59,9 @@ class WriteBehind {
     std::string mac_key;  // empty: objects go untagged
     // Runs on the writer thread with the keys of every object the store accepted.
     std::function<void(const std::vector<std::string>&)> written;
+    // Runs on the writer thread when the store lacks an object or index entry a batch skipped
+    // as known (WriteBatch::known).
+    std::function<void()> lost;
   };
   WriteBehind(std::unique_ptr<Store> store, Options options, TierCounters& counters);
   // Waits up to write_timeout for the queue to drain, drops what is left (counted), and stops
@@ -77,6 +80,9 @@ class WriteBehind {
  private:
   void run();
   void send(WriteBatch& batch);
+  // Whether the store still holds what `batch` skipped as known (one round trip; true when
+  // it could not be asked).
+  bool still_holds(const WriteBatch& batch, Deadline deadline);
   // Writes `slice`: how many objects the store refused, or nullopt when it failed (the rest of
   // the batch is dropped).
   std::optional<int64_t> send_slice(const WriteBatch& slice, Deadline deadline);
