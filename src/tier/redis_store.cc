@@ -2,9 +2,11 @@
 
 #include <fmt/format.h>
 #include <hiredis/hiredis.h>
+#include <poll.h>
 
 #include <cerrno>
 #include <charconv>
+#include <cstring>
 
 #include "kvsnap/error.h"
 
@@ -124,6 +126,29 @@ void RedisStore::fail(const std::string& why, bool timed_out) {
                      timed_out ? StoreFailure::Reason::timed_out : StoreFailure::Reason::failed);
 }
 
+void RedisStore::await(short events, Deadline deadline) {
+  pollfd socket{context_->fd, events, 0};
+  while (true) {
+    const int64_t left =
+        std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    if (left <= 0) fail("no answer before the deadline", true);
+    const int ready = ::poll(&socket, 1, static_cast<int>(std::min<int64_t>(left, 1 << 30)));
+    if (ready > 0) return;  // ready, or an error or hang-up the next read or write reports
+    if (ready < 0 && errno != EINTR) {
+      fail(fmt::format("cannot wait for the connection ({})", std::strerror(errno)), false);
+    }
+  }
+}
+
+void RedisStore::fail_io(Deadline deadline) {
+  const bool timed_out =
+      (context_->err == REDIS_ERR_IO && (errno == EAGAIN || errno == EWOULDBLOCK)) ||
+      Clock::now() >= deadline;
+  fail(timed_out ? std::string("no answer before the deadline")
+                 : fmt::format("the connection failed ({})", context_->errstr),
+       timed_out);
+}
+
 void RedisStore::connect(Deadline deadline) {
   if (Clock::now() < retry_after_) {
     throw StoreFailure("the store failed moments ago; not retrying yet",
@@ -177,17 +202,22 @@ std::vector<RedisStore::Reply> RedisStore::round_trip(const std::vector<Command>
       fail(fmt::format("cannot queue {} ({})", command[0], context_->errstr), false);
     }
   }
+  // Every read and write waits for the socket with the deadline checked in between: the
+  // socket's timeout bounds one read, so a store answering a byte at a time would otherwise hold
+  // the call as long as it keeps dripping.
+  for (int sent = 0; sent == 0;) {
+    await(POLLOUT, deadline);
+    if (redisBufferWrite(context_, &sent) != REDIS_OK) fail_io(deadline);
+  }
   std::vector<Reply> replies;
   replies.reserve(commands.size());
   for (size_t i = 0; i < commands.size(); ++i) {
     void* reply = nullptr;
-    if (redisGetReply(context_, &reply) != REDIS_OK || reply == nullptr) {
-      const bool timed_out =
-          (context_->err == REDIS_ERR_IO && (errno == EAGAIN || errno == EWOULDBLOCK)) ||
-          Clock::now() >= deadline;
-      fail(timed_out ? std::string("no answer before the deadline")
-                     : fmt::format("the connection failed ({})", context_->errstr),
-           timed_out);
+    if (redisGetReplyFromReader(context_, &reply) != REDIS_OK) fail_io(deadline);
+    while (reply == nullptr) {
+      await(POLLIN, deadline);
+      if (redisBufferRead(context_) != REDIS_OK) fail_io(deadline);
+      if (redisGetReplyFromReader(context_, &reply) != REDIS_OK) fail_io(deadline);
     }
     replies.emplace_back(static_cast<redisReply*>(reply));
   }

@@ -45,6 +45,11 @@ class RedisStore final : public Store {
   // (dropping the connection) when the connection or a reply fails or the deadline passes.
   std::vector<Reply> round_trip(const std::vector<Command>& commands, Deadline deadline);
   void connect(Deadline deadline);
+  // Waits until the socket is ready for `events` (poll), failing at the deadline.
+  void await(short events, Deadline deadline);
+  // Fails for a hiredis call that returned REDIS_ERR: timed out when the socket's timeout or
+  // the deadline ran out.
+  [[noreturn]] void fail_io(Deadline deadline);
   [[noreturn]] void fail(const std::string& why, bool timed_out);
 
   RedisAddress address_;

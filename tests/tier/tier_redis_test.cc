@@ -3,10 +3,13 @@
 // maxmemory; AUTH, databases and TTLs. Every output equals recomputation (run_turn) and no
 // request fails because of the tier.
 #include <gtest/gtest.h>
+#include <signal.h>
 
 #include <chrono>
 
+#include "support/slow_link.h"
 #include "support/tier_support.h"
+#include "tier/store.h"
 
 namespace kvsnap {
 namespace {
@@ -87,6 +90,53 @@ TEST(TierRedis, APausedServerDelaysARequestByNoMoreThanTheTimeout) {
   TierProcess again(server.address(), options);
   // 31 from the writer, or more if the paused server took the reader's writes once resumed.
   EXPECT_GE(again.turn(talk.second, tokens(500, 3)).cached, 31);
+}
+
+// A store that answers, but a byte at a time: the lookup timeout bounds all of a lookup's round
+// trips together, not each read (the socket's timeout restarts with every byte).
+TEST(TierRedis, AStoreAnsweringAByteAtATimeDelaysARequestByNoMoreThanTheTimeout) {
+  RedisServer server;
+  {
+    TierProcess writer(server.address());
+    (void)writer.turn(talk.first, talk.reply, talk.ends);
+  }
+  testing::SlowLink link(server.port(), std::chrono::milliseconds(20));
+  TierOptions options = tier_options();
+  options.lookup_timeout = std::chrono::milliseconds(50);
+  options.write_timeout = std::chrono::milliseconds(50);
+  TierProcess reader(link.address(), options);
+  const auto start = Clock::now();
+  PrefixCache::Session session = reader.cache.begin(talk.second);
+  // The point alone is kilobytes: dripped, its reply would take minutes.
+  EXPECT_LT(Clock::now() - start, std::chrono::milliseconds(50 + 950));
+  EXPECT_EQ(session.cached(), 0);
+  EXPECT_EQ(reader.tier->stats().timeouts, 1);
+  EXPECT_TRUE(reader.stack.forward_and_check(session.remaining(), talk.second));
+  session.prefill_done();
+  session.close();
+}
+
+// A server that closes the connection while a write is still going out (here: a value over its
+// proto-max-bulk-len, refused after its header): the write fails, no signal is left pending
+// (SIGPIPE's default action would kill the process), and the next write reconnects.
+TEST(TierRedis, AConnectionClosedMidWriteFailsThatWriteAndTheNextReconnects) {
+  RedisServer server({.config = {"--proto-max-bulk-len", "1mb"}});
+  auto health = std::make_shared<detail::StoreHealth>(
+      server.address(), [](const std::string&) {}, [] {});
+  const std::unique_ptr<detail::Store> store =
+      detail::open_store(server.address(), {.ttl = std::chrono::seconds(60),
+                                            .retry_interval = std::chrono::milliseconds(0),
+                                            .health = health});
+  detail::WriteBatch batch;
+  batch.objects.emplace_back("kvsnap:test:big", std::string(size_t(32) << 20, 'x'));
+  const auto deadline = Clock::now() + std::chrono::seconds(10);
+  EXPECT_THROW((void)store->write(batch, deadline), detail::StoreFailure);
+  sigset_t pending;
+  sigpending(&pending);
+  EXPECT_EQ(sigismember(&pending, SIGPIPE), 0) << "a SIGPIPE left pending on this thread";
+  batch.objects = {{"kvsnap:test:small", "fits"}};
+  EXPECT_EQ(store->write(batch, deadline), 0);  // a new connection
+  EXPECT_EQ(server.command({"GET", "kvsnap:test:small"}), "fits");
 }
 
 TEST(TierRedis, AFullWriteQueueDropsBatchesInsteadOfWaiting) {
