@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -11,7 +12,6 @@
 
 #include "kvsnap/error.h"
 #include "persist/files.h"
-#include "persist/safetensors.h"
 
 namespace kvsnap::detail {
 namespace {
@@ -22,6 +22,51 @@ using Clock = std::chrono::steady_clock;
 void check_time(Deadline deadline) {
   if (Clock::now() >= deadline)
     throw StoreFailure("no answer before the deadline", StoreFailure::Reason::timed_out);
+}
+
+StoreFailure cannot_read(const std::string& file) {
+  return StoreFailure(fmt::format("cannot read {} ({})", file, std::strerror(errno)),
+                      StoreFailure::Reason::failed);
+}
+
+// The object in `file`, or nullopt when there is none: when the name is missing or holds
+// anything but a regular file of at most DirStore::kMaximumObjectBytes — a link (never
+// followed), a FIFO (never waited on), a device, a socket, a folder — or a file that grows past
+// that size while it is read. Checks the deadline before every read. Throws StoreFailure when a
+// file that is there cannot be read, or at the deadline.
+std::optional<std::string> read_object(const std::string& file, Deadline deadline) {
+  constexpr int64_t kMaximum = DirStore::kMaximumObjectBytes;
+  struct stat status {};
+  // What is not a regular file is not even opened (opening a device can do things).
+  if (::lstat(file.c_str(), &status) != 0) {
+    if (errno == ENOENT || errno == ENOTDIR) return std::nullopt;
+    throw cannot_read(file);
+  }
+  if (!S_ISREG(status.st_mode) || status.st_size > kMaximum) return std::nullopt;
+  // Swapped for a link, a FIFO or a device since: O_NOFOLLOW fails, O_NONBLOCK does not wait,
+  // and fstat below sees what was opened.
+  const FileDescriptor object(
+      ::open(file.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC));
+  if (object.get() < 0) {
+    if (errno == ENOENT || errno == ELOOP || errno == ENXIO) return std::nullopt;
+    throw cannot_read(file);
+  }
+  if (::fstat(object.get(), &status) != 0) throw cannot_read(file);
+  if (!S_ISREG(status.st_mode) || status.st_size > kMaximum) return std::nullopt;
+  std::string bytes;
+  bytes.reserve(static_cast<size_t>(status.st_size));
+  std::string buffer(size_t(1) << 20, '\0');
+  for (;;) {
+    check_time(deadline);
+    const ssize_t n = ::read(object.get(), buffer.data(), buffer.size());
+    if (n == 0) return bytes;
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw cannot_read(file);
+    }
+    if (static_cast<int64_t>(bytes.size()) + n > kMaximum) return std::nullopt;  // it grew
+    bytes.append(buffer.data(), static_cast<size_t>(n));
+  }
 }
 
 }  // namespace
@@ -63,7 +108,8 @@ void DirStore::probe(std::span<const std::string> sets, std::span<const std::str
   }
   for (size_t i = 0; i < keys.size(); ++i) {
     check_time(deadline);
-    exists[i] = fs::is_regular_file(path(keys[i]), error);
+    // What fetch would read: a regular file, not a link to one.
+    exists[i] = fs::is_regular_file(fs::symlink_status(path(keys[i]), error));
   }
 }
 
@@ -72,14 +118,7 @@ std::vector<std::optional<std::string>> DirStore::fetch(std::span<const std::str
   std::vector<std::optional<std::string>> values;
   for (const std::string& key : keys) {
     check_time(deadline);
-    const std::string file = path(key);
-    try {
-      values.emplace_back(read_file(file));
-    } catch (const Error&) {
-      if (fs::exists(file))
-        throw StoreFailure(fmt::format("cannot read {}", file), StoreFailure::Reason::failed);
-      values.emplace_back(std::nullopt);
-    }
+    values.push_back(read_object(path(key), deadline));
   }
   return values;
 }

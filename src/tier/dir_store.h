@@ -1,6 +1,7 @@
 // Internal: the folder backend of the tier — the same objects as files in one folder (written
-// atomically), index sets as subfolders of empty files named by their members. Local files
-// cannot time out mid-read: the deadline is checked between files. Objects do not expire.
+// atomically), index sets as subfolders of empty files named by their members. The deadline is
+// checked between files and between reads of a file (local files seldom block; they are never
+// FIFOs or devices, see fetch). Objects do not expire.
 #pragma once
 
 #include <string>
@@ -14,9 +15,17 @@ class DirStore final : public Store {
   // Creates `folder` when missing. Throws Error when it is not a folder or cannot be created.
   explicit DirStore(std::string folder);
 
+  // The largest object fetch reads: Redis's largest value (its proto-max-bulk-len, 512 MB by
+  // default), so both backends hand back the same objects.
+  static constexpr int64_t kMaximumObjectBytes = int64_t(512) << 20;
+
   void probe(std::span<const std::string> sets, std::span<const std::string> keys,
              Deadline deadline, std::vector<std::vector<std::string>>& members,
              std::vector<bool>& exists) override;
+  // An object's name holding anything but a regular file of at most kMaximumObjectBytes — a
+  // link (not followed), a FIFO (not waited on), a device, a socket, a folder — reads as missing
+  // (nullopt), as a missing name does: a planted file costs restores, never a request's time
+  // past the deadline nor its memory. A file that is there but cannot be read: StoreFailure.
   std::vector<std::optional<std::string>> fetch(std::span<const std::string> keys,
                                                 Deadline deadline) override;
   int64_t write(const WriteBatch& batch, Deadline deadline) override;

@@ -1,0 +1,173 @@
+// The dir: backend against what others can put in its folder: a FIFO, a link or a huge file at
+// an object's name reads as missing, within the deadline and without reading it.
+#include "tier/dir_store.h"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <future>
+#include <thread>
+
+#include "support/tier_support.h"
+
+namespace kvsnap {
+namespace {
+
+namespace fs = std::filesystem;
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+using detail::DirStore;
+using testing::Conversation;
+using testing::ObjectNames;
+using testing::tier_options;
+using testing::TierProcess;
+
+// A fresh folder for a test's store, removed after it.
+class DirStoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    folder = fs::temp_directory_path() /
+             ("kvsnap_dir_store_" + std::to_string(::getpid()) + "_" +
+              ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(folder);
+  }
+  void TearDown() override { fs::remove_all(folder); }
+  // The file of `key` in the folder, as DirStore names it.
+  fs::path file(std::string key) const {
+    std::replace(key.begin(), key.end(), ':', '-');
+    return folder / key;
+  }
+  // fetch of one key with a 50 ms deadline, on another thread: nullopt in `value` unless it
+  // returned within 2 s (then `unblock` runs, so that the thread can end).
+  bool fetch_within_bound(
+      DirStore& store, const std::string& key, std::optional<std::string>& value,
+      const std::function<void()>& unblock = [] {}) {
+    const std::vector<std::string> keys{key};
+    auto done = std::async(std::launch::async,
+                           [&] { return store.fetch(keys, Clock::now() + 50ms).at(0); });
+    const bool finished = done.wait_for(2s) == std::future_status::ready;
+    if (!finished) unblock();
+    value = done.get();
+    return finished;
+  }
+  // Whether probe says `key` exists.
+  static bool exists(DirStore& store, const std::string& key) {
+    const std::vector<std::string> keys{key};
+    std::vector<std::vector<std::string>> members;
+    std::vector<bool> found;
+    store.probe({}, keys, Clock::now() + 2s, members, found);
+    return found.at(0);
+  }
+  fs::path folder;
+};
+
+// A FIFO's writer end, opened and closed without blocking: a reader blocked in open() goes on.
+void release_fifo(const fs::path& fifo) {
+  const int fd = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+  std::this_thread::sleep_for(100ms);
+  if (fd >= 0) ::close(fd);
+}
+
+TEST_F(DirStoreTest, AFifoAtAnObjectsNameIsMissingNotWaitedOn) {
+  DirStore store(folder.string());
+  const std::string key = "kvsnap:p:fifo";
+  ASSERT_EQ(::mkfifo(file(key).c_str(), 0600), 0);
+  std::optional<std::string> value;
+  EXPECT_TRUE(fetch_within_bound(store, key, value, [&] { release_fifo(file(key)); }))
+      << "a fetch with a 50 ms deadline was still blocked on the FIFO after 2 s";
+  EXPECT_FALSE(value.has_value());
+  EXPECT_FALSE(exists(store, key));
+}
+
+TEST_F(DirStoreTest, ALinkAtAnObjectsNameIsNotFollowed) {
+  DirStore store(folder.string());
+  const std::string key = "kvsnap:c:link";
+  const fs::path elsewhere = folder.string() + "_elsewhere";
+  { std::ofstream(elsewhere) << "not an object of this folder"; }
+  fs::create_symlink(elsewhere, file(key));
+  std::optional<std::string> value;
+  EXPECT_TRUE(fetch_within_bound(store, key, value));
+  EXPECT_FALSE(value.has_value()) << "read through the link: " << *value;
+  EXPECT_FALSE(exists(store, key));
+  fs::remove(elsewhere);
+}
+
+TEST_F(DirStoreTest, ALinkToDevZeroIsNotRead) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "the child's address space is capped, which the sanitizers' shadow memory breaks";
+#else
+  DirStore store(folder.string());
+  const std::string key = "kvsnap:p:zero";
+  fs::create_symlink("/dev/zero", file(key));
+  // In a child whose address space is capped at 1 GiB and that is killed after 10 s: reading
+  // /dev/zero without bound ends there, not in this machine's memory.
+  const auto child = [&] {
+    const rlim_t cap = rlim_t(1) << 30;
+    const rlimit limit{cap, cap};
+    ::setrlimit(RLIMIT_AS, &limit);
+    ::alarm(10);
+    const std::vector<std::string> keys{key};
+    const bool read = store.fetch(keys, Clock::now() + 50ms).at(0).has_value();
+    fs::remove_all(folder);  // the child's own (TearDown does not run there)
+    std::_Exit(read ? 1 : 0);
+  };
+  GTEST_FLAG_SET(death_test_style, "threadsafe");  // the child re-runs this test alone
+  EXPECT_EXIT(child(), ::testing::ExitedWithCode(0), "");
+#endif
+}
+
+TEST_F(DirStoreTest, AFileOverTheMaximumObjectSizeIsNotRead) {
+  DirStore store(folder.string());
+  const std::string key = "kvsnap:c:huge";
+  { std::ofstream(file(key)) << "x"; }
+  fs::resize_file(file(key), DirStore::kMaximumObjectBytes + 1);  // sparse: no disk used
+  std::optional<std::string> value;
+  EXPECT_TRUE(fetch_within_bound(store, key, value));
+  EXPECT_FALSE(value.has_value()) << "read " << value->size() << " bytes";
+  // At the maximum it is an object (rejected later if damaged, as any other).
+  fs::resize_file(file(key), 16);
+  EXPECT_TRUE(fetch_within_bound(store, key, value));
+  ASSERT_TRUE(value.has_value());
+  EXPECT_EQ(value->size(), 16u);
+}
+
+// The whole tier: a FIFO planted over the deepest restore point costs that point (the lookup
+// falls back to the next), never the request's time past the lookup timeout.
+TEST_F(DirStoreTest, AFifoOverARestorePointCostsOnlyThatPoint) {
+  const std::string address = "dir:" + folder.string();
+  const Conversation talk;
+  {
+    TierProcess writer(address);
+    (void)writer.turn(talk.first, talk.reply, talk.ends);  // points 20, 26, 31
+  }
+  const fs::path point = file(ObjectNames().point(talk.second, 31));
+  fs::remove(point);
+  ASSERT_EQ(::mkfifo(point.c_str(), 0600), 0);
+  for (const auto timeout : {50ms, 2000ms}) {
+    TierOptions options = tier_options();
+    options.lookup_timeout = timeout;
+    TierProcess reader(address, options);
+    auto done = std::async(std::launch::async, [&] {
+      return reader.tier->lookup(talk.second, static_cast<int64_t>(talk.second.size()) - 1).offset;
+    });
+    const bool finished = done.wait_for(timeout + 2s) == std::future_status::ready;
+    if (!finished) release_fifo(point);
+    const int64_t offset = done.get();
+    EXPECT_TRUE(finished) << "a lookup with a " << timeout.count() << " ms timeout still ran";
+    if (timeout == 2000ms) {
+      EXPECT_EQ(offset, 26);  // the next point (with 50 ms the lookup may time out)
+    }
+    EXPECT_EQ(reader.tier->stats().rejected, 0);  // missing, not damaged
+  }
+}
+
+}  // namespace
+}  // namespace kvsnap
