@@ -69,6 +69,29 @@ std::optional<std::string> read_object(const std::string& file, Deadline deadlin
   }
 }
 
+// Adds `member` to the index folder `folder` (made 0700 when missing), never through a link: a
+// link (or anything but a folder) at the folder's name is left alone and the member is not
+// added — that index only loses the entry, which costs restores; the member's file is created
+// relative to the opened folder and only when missing (O_EXCL: a link at its name, even a
+// dangling one, is not followed, and whatever is there already names the member).
+void add_member(const std::string& folder, const std::string& member) {
+  const auto failed = [&](const std::string& what) {
+    return StoreFailure(fmt::format("cannot create {} ({})", what, std::strerror(errno)),
+                        StoreFailure::Reason::failed);
+  };
+  if (::mkdir(folder.c_str(), 0700) != 0 && errno != EEXIST) throw failed(folder);
+  const FileDescriptor index(
+      ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+  if (index.get() < 0) {
+    if (errno == ELOOP || errno == ENOTDIR) return;  // not a folder, or a link to one
+    throw failed(folder);
+  }
+  const int fd = ::openat(index.get(), member.c_str(),
+                          O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (fd < 0 && errno != EEXIST) throw failed((fs::path(folder) / member).string());
+  if (fd >= 0) ::close(fd);
+}
+
 }  // namespace
 
 DirStore::DirStore(std::string folder) : folder_(std::move(folder)) {
@@ -100,9 +123,12 @@ void DirStore::probe(std::span<const std::string> sets, std::span<const std::str
   std::error_code error;
   for (size_t i = 0; i < sets.size(); ++i) {
     check_time(deadline);
-    for (fs::directory_iterator it(path(sets[i]), error), end; !error && it != end;
-         it.increment(error)) {
-      members[i].push_back(it->path().filename().string());
+    // An index is a folder, never a link to one (write adds nothing through a link either).
+    if (fs::is_directory(fs::symlink_status(path(sets[i]), error))) {
+      for (fs::directory_iterator it(path(sets[i]), error), end; !error && it != end;
+           it.increment(error)) {
+        members[i].push_back(it->path().filename().string());
+      }
     }
     error.clear();
   }
@@ -134,15 +160,7 @@ int64_t DirStore::write(const WriteBatch& batch, Deadline deadline) {
   }
   for (const auto& [set, member] : batch.index) {
     check_time(deadline);
-    std::error_code error;
-    fs::create_directories(path(set), error);
-    const std::string file = (fs::path(path(set)) / member).string();
-    const int fd = ::open(file.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
-    if (fd < 0) {
-      throw StoreFailure(fmt::format("cannot create {} ({})", file, std::strerror(errno)),
-                         StoreFailure::Reason::failed);
-    }
-    ::close(fd);
+    add_member(path(set), member);
   }
   return 0;
 }

@@ -1,5 +1,6 @@
 // The dir: backend against what others can put in its folder: a FIFO, a link or a huge file at
-// an object's name reads as missing, within the deadline and without reading it.
+// an object's name reads as missing, within the deadline and without reading it; a link in or
+// at an index folder is never written through.
 #include "tier/dir_store.h"
 
 #include <fcntl.h>
@@ -137,6 +138,51 @@ TEST_F(DirStoreTest, AFileOverTheMaximumObjectSizeIsNotRead) {
   EXPECT_TRUE(fetch_within_bound(store, key, value));
   ASSERT_TRUE(value.has_value());
   EXPECT_EQ(value->size(), 16u);
+}
+
+// The members probe lists for index `set`.
+std::vector<std::string> members_of(DirStore& store, const std::string& set) {
+  const std::vector<std::string> sets{set};
+  std::vector<std::vector<std::string>> members;
+  std::vector<bool> found;
+  store.probe(sets, {}, Clock::now() + 2s, members, found);
+  return members.at(0);
+}
+
+TEST_F(DirStoreTest, AnIndexEntryIsNeverCreatedThroughALink) {
+  DirStore store(folder.string());
+  const fs::path target = folder.string() + "_target";  // where a planted link points
+  fs::remove(target);
+  const std::string set = "kvsnap:i:planted";
+  fs::create_directories(file(set));
+  fs::create_symlink(target, file(set) / "20");  // dangling
+  detail::WriteBatch batch;
+  batch.index = {{set, "20"}, {set, "26"}};
+  EXPECT_NO_THROW((void)store.write(batch, Clock::now() + 2s));
+  EXPECT_FALSE(fs::exists(target)) << "the store created " << target << " through the link";
+  EXPECT_TRUE(fs::is_regular_file(fs::symlink_status(file(set) / "26")));
+  EXPECT_NO_THROW((void)store.write(batch, Clock::now() + 2s));  // what is there stays
+  std::vector<std::string> members = members_of(store, set);
+  std::sort(members.begin(), members.end());
+  EXPECT_EQ(members, (std::vector<std::string>{"20", "26"}));
+  fs::remove(target);
+}
+
+TEST_F(DirStoreTest, AnIndexFolderThatIsALinkIsNeitherWrittenNorRead) {
+  DirStore store(folder.string());
+  const fs::path elsewhere = folder.string() + "_elsewhere";  // a folder a planted link names
+  fs::remove_all(elsewhere);
+  fs::create_directories(elsewhere);
+  { std::ofstream(elsewhere / "31") << ""; }
+  const std::string set = "kvsnap:i:linked";
+  fs::create_directory_symlink(elsewhere, file(set));
+  detail::WriteBatch batch;
+  batch.index = {{set, "20"}};
+  EXPECT_NO_THROW((void)store.write(batch, Clock::now() + 2s));
+  EXPECT_FALSE(fs::exists(elsewhere / "20")) << "the store wrote through the linked folder";
+  EXPECT_TRUE(members_of(store, set).empty());  // not elsewhere's "31"
+  EXPECT_TRUE(fs::is_symlink(file(set)));       // left alone
+  fs::remove_all(elsewhere);
 }
 
 // The whole tier: a FIFO planted over the deepest restore point costs that point (the lookup
