@@ -11,9 +11,10 @@
 // offsets and (rotating) window, and `checksum`: the xxHash64, as 16 hex digits, of every byte
 // of the file with those 16 digits written as '0'. Any damaged byte — data, header, padding,
 // length — fails the check, and the file is rejected whole with a kvsnap::Error. Writes are
-// atomic (temporary file `<path>.tmp-<pid>`, fsync, rename): a crash mid-save leaves the
-// previous file loadable, and the next save or load of `path` removes temporaries of writers
-// that no longer run.
+// atomic (temporary file `<path>.tmp-<pid>-<n>`, one per save, fsync, rename): a crash
+// mid-save leaves the previous file loadable, saves of one path from several threads each
+// succeed (the file is the last one renamed, whole), and the next save or load of `path` removes
+// temporaries of writers that no longer run.
 //
 // Files are private: created mode 0600 whatever the umask. Loading refuses (Error naming the
 // path, its owner and mode, and LoadOptions::allow_shared) a file, or the folder holding it,

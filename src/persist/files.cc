@@ -9,6 +9,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <cerrno>
 #include <cstdlib>
@@ -30,8 +31,17 @@ void remove_stale_temporaries(const std::string& path) {
   for (const fs::directory_entry& entry : entries) {
     const std::string name = entry.path().filename().string();
     if (name.size() <= prefix.size() || name.compare(0, prefix.size(), prefix) != 0) continue;
-    const std::string digits = name.substr(prefix.size());
-    if (digits.size() > 9 || !std::all_of(digits.begin(), digits.end(), ::isdigit)) continue;
+    // "<pid>-<n>" (or "<pid>", as kvsnap named them before): the pid is what matters.
+    const std::string rest = name.substr(prefix.size());
+    const size_t dash = rest.find('-');
+    const std::string digits = rest.substr(0, dash);
+    const std::string number = dash == std::string::npos ? "" : rest.substr(dash + 1);
+    const auto all_digits = [](const std::string& text) {
+      return std::all_of(text.begin(), text.end(), [](unsigned char c) { return std::isdigit(c); });
+    };
+    if (digits.empty() || digits.size() > 9 || !all_digits(digits)) continue;
+    if (dash != std::string::npos && (number.empty() || number.size() > 20 || !all_digits(number)))
+      continue;
     const pid_t pid = static_cast<pid_t>(std::stol(digits));
     // kill(pid, 0) probes without signalling: ESRCH means no such process (EPERM: one runs).
     if (pid > 0 && pid != ::getpid() && ::kill(pid, 0) != 0 && errno == ESRCH) {
@@ -40,9 +50,25 @@ void remove_stale_temporaries(const std::string& path) {
   }
 }
 
+namespace {
+
+// How many temporaries this process has named: each save's own, so saves of one path from
+// several threads never write, rename or remove each other's.
+std::atomic<uint64_t> temporaries_named{0};
+
+std::string temporary_path(const std::string& path, uint64_t number) {
+  return fmt::format("{}.tmp-{}-{}", path, ::getpid(), number);
+}
+
+}  // namespace
+
+std::string next_temporary_path(const std::string& path) {
+  return temporary_path(path, temporaries_named.load());
+}
+
 void write_file_atomically(const std::string& path, const std::string& bytes) {
   remove_stale_temporaries(path);
-  const std::string temporary = fmt::format("{}.tmp-{}", path, ::getpid());
+  const std::string temporary = temporary_path(path, temporaries_named.fetch_add(1));
   const auto fail = [&](const char* step) {
     const std::string reason = std::strerror(errno);
     ::unlink(temporary.c_str());

@@ -11,11 +11,16 @@
 
 namespace kvsnap::detail {
 
-// Writes `bytes` to `path` atomically: a temporary file in the same folder (created mode 0600
-// whatever the umask, see create_private_file), fsync, rename over `path`, fsync of the folder.
-// On failure `path` is untouched and Error is thrown. Removes stale temporaries of `path` first
-// (see below).
+// Writes `bytes` to `path` atomically: a temporary file in the same folder,
+// `path`.tmp-<pid>-<n> with n a count of this process's temporaries (so each call has its own:
+// saves of one path from several threads do not touch each other's, and the last rename wins,
+// one whole save), created mode 0600 whatever the umask (see create_private_file), fsync,
+// rename over `path`, fsync of the folder. On failure `path` is untouched and Error is thrown.
+// Removes stale temporaries of `path` first (see below).
 void write_file_atomically(const std::string& path, const std::string& bytes);
+// The temporary the next write_file_atomically of this process will use, unless another thread
+// saves first (for tests).
+std::string next_temporary_path(const std::string& path);
 
 // --- Private files: what kvsnap creates is 0600 / 0700; what it loads must be private. ---
 
@@ -87,8 +92,10 @@ FileDescriptor create_private_file(const std::string& path, const std::string& c
 // tightened). Returns the first error (ENOTDIR when a component is not a folder), else none.
 std::error_code make_private_folders(const std::string& path);
 
-// Removes `path`.tmp-<pid> files left by writers that died mid-save (a kill -9): only those of
-// `path`, and only when no process <pid> runs. Errors are ignored (best effort).
+// Removes `path`.tmp-<pid>-<n> (and `path`.tmp-<pid>, the older name) files left by writers that
+// died mid-save (a kill -9): only those of `path`, and only when no process <pid> runs (this
+// process's own are never removed: another thread may be writing one). Errors are ignored (best
+// effort).
 void remove_stale_temporaries(const std::string& path);
 
 // kvsnap files are sealed: metadata "checksum" holds the xxHash64, as 16 hex digits, of every

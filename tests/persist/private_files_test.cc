@@ -283,7 +283,8 @@ TEST(PrivateFiles, APlantedTemporaryIsNeverWrittenThrough) {
   const std::string path = (dir / "s.safetensors").string();
   save_one(path);
   const std::string saved = contents(path);
-  const std::string temporary = path + ".tmp-" + std::to_string(::getpid());
+  // Each save has a temporary of its own: the name the next one uses.
+  std::string temporary = detail::next_temporary_path(path);
   { std::ofstream(dir / "victim") << "victim"; }
   fs::create_symlink(dir / "victim", temporary);
   EXPECT_TRUE(throws_error([&] { save_one(path); },
@@ -291,6 +292,7 @@ TEST(PrivateFiles, APlantedTemporaryIsNeverWrittenThrough) {
   EXPECT_EQ(contents(dir / "victim"), "victim");
   EXPECT_EQ(contents(path), saved);
   fs::remove(temporary);
+  temporary = detail::next_temporary_path(path);
   fs::create_hard_link(dir / "victim", temporary);
   EXPECT_TRUE(throws_error([&] { save_one(path); },
                            {"refusing to write into", "it has other names (hard links)"}));
@@ -299,6 +301,7 @@ TEST(PrivateFiles, APlantedTemporaryIsNeverWrittenThrough) {
   fs::remove(temporary);
   std::string why;
   if (const std::optional<uid_t> nobody = nobody_uid(why)) {
+    temporary = detail::next_temporary_path(path);
     { std::ofstream(temporary) << "planted"; }
     set_mode(temporary, 0666);
     give_to(temporary, *nobody);

@@ -4,10 +4,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <thread>
 
 #include "cache/snapshot_record.h"
 #include "persist/safetensors.h"
@@ -242,19 +245,77 @@ TEST(SnapshotFile, SavingRemovesTemporariesOfDeadWritersOnly) {
   const pid_t dead = ::fork();
   if (dead == 0) ::_exit(0);
   ::waitpid(dead, nullptr, 0);  // reaped: no process has this pid now
-  const std::string stale = path + ".tmp-" + std::to_string(dead);
-  const std::string live = path + ".tmp-" + std::to_string(::getppid());
+  // Temporaries are named <path>.tmp-<pid>-<n>; <path>.tmp-<pid> is how they were named before.
+  const std::string stale = path + ".tmp-" + std::to_string(dead) + "-7";
+  const std::string stale_old = path + ".tmp-" + std::to_string(dead);
+  const std::string live = path + ".tmp-" + std::to_string(::getppid()) + "-3";
+  const std::string live_old = path + ".tmp-" + std::to_string(::getppid());
+  const std::string mine = path + ".tmp-" + std::to_string(::getpid()) + "-999999";
   const std::string other = scratch("other.safetensors").string() + ".tmp-" + std::to_string(dead);
-  for (const std::string& name : {stale, live, other}) std::ofstream(name) << "partial";
+  const std::string not_ours = path + ".tmp-" + std::to_string(dead) + "-x";
+  for (const std::string& name : {stale, stale_old, live, live_old, mine, other, not_ours}) {
+    std::ofstream(name) << "partial";
+  }
   Fixture f;
   save_snapshots(path, 9, f.snapshots);
   EXPECT_FALSE(std::filesystem::exists(stale));
-  EXPECT_TRUE(std::filesystem::exists(live));   // its writer may still be running
-  EXPECT_TRUE(std::filesystem::exists(other));  // not a temporary of this file
+  EXPECT_FALSE(std::filesystem::exists(stale_old));
+  for (const std::string& name : {live, live_old, mine}) {
+    EXPECT_TRUE(std::filesystem::exists(name)) << name;  // its writer may still be running
+  }
+  EXPECT_TRUE(std::filesystem::exists(other));     // not a temporary of this file
+  EXPECT_TRUE(std::filesystem::exists(not_ours));  // not a name kvsnap gives
   std::ofstream(stale) << "partial";
   (void)load_snapshots(path);
   EXPECT_FALSE(std::filesystem::exists(stale));
-  for (const std::string& name : {live, other}) std::filesystem::remove(name);
+  for (const std::string& name : {live, live_old, mine, other, not_ours}) {
+    std::filesystem::remove(name);
+  }
+}
+
+// Saves of one path from several threads each use a temporary of their own: every one
+// succeeds, and the file is always one whole save (the last renamed), with nothing left behind.
+TEST(SnapshotFile, SavesFromSeveralThreadsToOnePathAllSucceed) {
+  const std::string path = scratch("concurrent.safetensors").string();
+  constexpr int kThreads = 4;
+  constexpr int kSaves = 50;
+  std::vector<std::unique_ptr<KVCache>> caches;
+  std::vector<SnapshotPtr> snapshots;  // thread t saves 5 + t tokens
+  for (int t = 0; t < kThreads; ++t) {
+    caches.push_back(std::make_unique<KVCache>());
+    testing::write(*caches.back(), kv, id_range(0, 5 + t));
+    snapshots.push_back(caches.back()->snapshot(0));
+  }
+  std::atomic<int> failed{0};
+  std::mutex mutex;
+  std::string first_error;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < kSaves; ++i) {
+        try {
+          save_snapshots(path, 5 + t, {snapshots[static_cast<size_t>(t)].get()});
+        } catch (const Error& error) {
+          const std::lock_guard<std::mutex> lock(mutex);
+          if (failed++ == 0) first_error = error.what();
+        }
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  EXPECT_EQ(failed.load(), 0) << "of " << kThreads * kSaves << " saves; the first: " << first_error;
+  const LoadedSnapshots loaded = load_snapshots(path);
+  ASSERT_GE(loaded.offset, 5);
+  ASSERT_LT(loaded.offset, 5 + kThreads);
+  ASSERT_EQ(loaded.snapshots.size(), 1u);
+  EXPECT_EQ(fingerprint(*loaded.snapshots[0]),
+            fingerprint(*snapshots[static_cast<size_t>(loaded.offset - 5)]));
+  const std::string temporaries = std::filesystem::path(path).filename().string() + ".tmp-";
+  for (const auto& entry : std::filesystem::directory_iterator(scratch(""))) {
+    EXPECT_NE(entry.path().filename().string().rfind(temporaries, 0), 0u)
+        << "left behind: " << entry.path();
+  }
+  std::filesystem::remove(path);
 }
 
 TEST_F(BadFiles, UnknownVersion) {
