@@ -150,6 +150,10 @@ std::vector<std::optional<std::string>> DirStore::fetch(std::span<const std::str
 }
 
 int64_t DirStore::write(const WriteBatch& batch, Deadline deadline) {
+  for (const std::string& key : batch.doomed) {
+    check_time(deadline);
+    (void)::unlink(path(key).c_str());  // a name gone already, or never there: nothing to do
+  }
   for (const auto& [key, value] : batch.objects) {
     check_time(deadline);
     try {

@@ -1,8 +1,8 @@
 // The shared tier repairs what the store lost or holds damaged, against a real redis-server: a
 // flushed server is refilled by processes that already wrote its entries, index sets live as long
-// as the points they name are used, a damaged object is deleted by the process that rejects it
-// and written whole again by the next that stores it, and a store call with a state of the wrong
-// kind is refused before anything is written or learned.
+// as the points they name are used, and a store call with a state of the wrong kind is refused
+// before anything is written or learned. (A damaged object deleted and written again:
+// tier_store_test.cc, both backends.)
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -67,33 +67,6 @@ TEST(TierRepair, IndexSetsInUseLiveAsLongAsTheirPoints) {
   TierProcess late(server.address(), options);
   EXPECT_EQ(late.turn(talk.system + tokens(760, 12), tokens(775, 2)).cached, 20)
       << "index sets: " << server.keys("kvsnap:i:*").size();
-}
-
-TEST(TierRepair, ADamagedObjectIsDeletedByItsReaderAndWrittenAgainByItsWriter) {
-  RedisServer server;
-  Conversation talk;
-  const TierOptions options = tier_options("", "0123456789abcdef0123456789abcdef");
-  TierProcess writer(server.address(), options);
-  (void)writer.turn(talk.first, talk.reply, talk.ends);
-  const std::string point = ObjectNames(options).point(talk.first, 20);
-  std::string value = server.command({"GET", point});
-  value[value.size() / 2] ^= 1;  // one flipped bit
-  (void)server.command({"SET", point, value});
-  {
-    TierProcess reader(server.address(), options);
-    EXPECT_EQ(reader.turn(talk.system + tokens(720, 12), tokens(735, 2)).cached, 0);
-    EXPECT_EQ(reader.tier->stats().rejected, 1);
-    EXPECT_TRUE(reader.tier->flush());
-  }
-  EXPECT_EQ(server.command({"EXISTS", point}), "0") << "the reader deletes what it rejected";
-  // The writer, which knew the point, finds it gone at its next session and writes it at the one
-  // after.
-  for (int r = 0; r < 2; ++r) {
-    (void)writer.turn(talk.system + tokens(1000 + 40 * r, 12), tokens(1015 + 40 * r, 2), {20});
-  }
-  TierProcess late(server.address(), options);
-  EXPECT_EQ(late.turn(talk.system + tokens(2000, 12), tokens(2015, 2)).cached, 20);
-  EXPECT_EQ(late.tier->stats().rejected, 0);
 }
 
 TEST(TierRepair, AStoreWithAStateOfTheWrongKindIsRefusedAndTeachesNothing) {

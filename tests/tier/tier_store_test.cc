@@ -87,6 +87,32 @@ TEST_P(TierStore, DamagedObjectsAreRejectedCountedAndLoggedNeverRestored) {
   EXPECT_GE(truncated.log.count("rejected " + chunk), 1) << truncated.log.all();
 }
 
+// The process that rejects an object deletes it; the process that wrote it finds it gone at its
+// next session and writes it whole at the one after.
+TEST_P(TierStore, ADamagedObjectIsDeletedByItsReaderAndWrittenAgainByItsWriter) {
+  TierProcess writer(store->address());
+  (void)writer.turn(talk.first, talk.reply, talk.ends);
+  const std::string point = names.point(talk.first, 20);
+  std::string bytes = store->get(point);
+  bytes[bytes.size() / 2] ^= 0x01;
+  store->set(point, bytes);
+  {
+    TierProcess reader(store->address());
+    EXPECT_EQ(reader.turn(talk.system + tokens(720, 12), tokens(735, 2)).cached, 0);
+    EXPECT_EQ(reader.tier->stats().rejected, 1);
+  }
+  const std::vector<std::string> points = store->keys("kvsnap:p:");
+  EXPECT_EQ(std::count(points.begin(), points.end(), point), 0) << "the reader deletes it";
+  for (int32_t r = 0; r < 2; ++r) {
+    (void)writer.turn(talk.system + tokens(1000 + 40 * r, 12), tokens(1015 + 40 * r, 2), {20});
+  }
+  EXPECT_EQ(writer.log.count("the store lost objects this process wrote or read"), 1)
+      << writer.log.all();
+  TierProcess late(store->address());
+  EXPECT_EQ(late.turn(talk.system + tokens(2000, 12), tokens(2015, 2)).cached, 20);
+  EXPECT_EQ(late.tier->stats().rejected, 0);
+}
+
 TEST_P(TierStore, ObjectsOfAnotherVersionAreRejected) {
   store_first_turn();
   const std::string point = names.point(talk.second, 31);
