@@ -107,6 +107,34 @@ void bind_mask(py::module_& m) {
 }
 
 void bind_histories(py::module_& m) {
+  py::class_<PagedColumns>(m, "PagedColumns", R"(A paged history's blocks, for an engine's own
+paged attention kernel.
+
+Column k of the sequence is in slot k % block_tokens of block table[k // block_tokens]; block i
+holds columns [r * T, (r + 1) * T) of chunk i // blocks_per_chunk, where r = i % blocks_per_chunk
+and T = block_tokens. key_chunks and value_chunks are read-only numpy views
+[1, H, blocks_per_chunk * T, D] of the pool (no copy).)")
+      .def_readonly("block_tokens", &PagedColumns::block_tokens)
+      .def_readonly("blocks_per_chunk", &PagedColumns::blocks_per_chunk)
+      .def_readonly("length", &PagedColumns::length, "Columns K; the last block may be partial.")
+      .def_property_readonly(
+          "table",
+          [](const PagedColumns& p) {
+            return py::array_t<int32_t>(static_cast<py::ssize_t>(p.table.size()), p.table.data());
+          },
+          "Block ids in position order (int32, a copy).")
+      .def_property_readonly("key_chunks",
+                             [](const PagedColumns& p) {
+                               py::list out;
+                               for (const Array& a : p.key_chunks) out.append(to_numpy(a, false));
+                               return out;
+                             })
+      .def_property_readonly("value_chunks", [](const PagedColumns& p) {
+        py::list out;
+        for (const Array& a : p.value_chunks) out.append(to_numpy(a, false));
+        return out;
+      });
+
   py::class_<KVHistory>(m, "KVHistory", R"(Keys and values a cache hands back for attention.
 
 keys [B, H, K, D] and values [B, H, K, Dv] are read-only numpy views of the cache's buffers (no
@@ -135,6 +163,13 @@ position(c).)")
            "The physical mask over this history's columns for `batch`'s queries.")
       .def_property_readonly("paged", &KVHistory::paged,
                              "A sequence's blocks in a paged cache (keys/values are None).")
+      .def_property_readonly(
+          "paged_columns",
+          [](const KVHistory& h) -> py::object {
+            if (!h.paged()) return py::none();
+            return py::cast(h.paged_columns());
+          },
+          "A paged history's blocks (PagedColumns), else None.")
       .def_property_readonly("ragged", &KVHistory::ragged,
                              "One history per batch row (rows of different sequences).")
       .def_property_readonly("rows", &KVHistory::rows, "Rows of a ragged history, else 1.")

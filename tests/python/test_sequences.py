@@ -35,6 +35,34 @@ def test_sequences_share_a_prefix_by_block_references(rng):
     np.testing.assert_array_equal(history.contiguous().keys, prefix)  # sequence 1 untouched
 
 
+def gather(columns):
+    """A paged history's keys [1, H, K, D], read through its block table as a kernel would."""
+    t, per_chunk = columns.block_tokens, columns.blocks_per_chunk
+    chunks = columns.key_chunks
+    parts = []
+    for k in range(columns.length):
+        block = int(columns.table[k // t])
+        slot = (block % per_chunk) * t + k % t
+        parts.append(chunks[block // per_chunk][:, :, slot:slot + 1])
+    return np.concatenate(parts, axis=2)
+
+
+def test_a_paged_history_is_its_block_table_over_the_pool(rng):
+    cache = kvsnap.PagedKVCache(block_tokens=4, blocks_per_chunk=2)
+    prefix = kv(rng, 10)
+    history = write(cache, 0, prefix)
+    columns = history.paged_columns
+    assert columns.block_tokens == 4 and columns.blocks_per_chunk == 2 and columns.length == 10
+    assert columns.table.dtype == np.int32 and len(columns.table) == 3
+    assert not columns.key_chunks[0].flags.writeable
+    np.testing.assert_array_equal(gather(columns), prefix)
+    assert cache.restore(cache.snapshot(0, seq=0), 6, seq=1)
+    row = write(cache, 1, kv(rng, 3))  # sequence 1: 6 shared tokens, then its own
+    np.testing.assert_array_equal(gather(row.paged_columns), row.contiguous().keys)
+    assert kvsnap.KVCache().update(kvsnap.Batch.uniform(1, 2, 0), kv(rng, 2), kv(rng, 2)) \
+        .paged_columns is None
+
+
 def test_rows_of_different_sequences_attend_to_their_own_histories(rng):
     cache = kvsnap.PagedKVCache(block_tokens=4)
     tokens = {0: kv(rng, 9), 1: kv(rng, 3)}
