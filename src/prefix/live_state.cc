@@ -9,6 +9,10 @@ namespace kvsnap::detail {
 
 void LiveState::set_tokens(std::span<const int32_t> tokens) {
   tokens_.assign(tokens.begin(), tokens.end());
+  find_tip();
+}
+
+void LiveState::find_tip() {
   tip_ = &trie_.root();
   for (Node* node : trie_.match(tokens_).path) {
     if (node->start() < static_cast<int64_t>(tokens_.size())) tip_ = node;
@@ -32,8 +36,16 @@ void LiveState::repoint_ranges() {
   // The caches hold the recorded tokens, and in decode the outputs after them.
   const auto live = static_cast<int64_t>(tokens_.size());
   if (offset().value_or(-1) < live) return;
+  // Other slots' inserts may have split the nodes we stand on since we recorded the tip.
+  find_tip();
+  if (tip_ != &trie_.root() && tip_->end > live) {
+    // A partly live tip (a prompt that ends inside a node, or a restore to the middle of one):
+    // its range cannot be pointed at our caches, which hold only its head, nor evicted (we
+    // stand on it), so another slot's write would copy all of it into the trie. Split it at
+    // what we hold: the head becomes the tip, the tail a leaf off the active path, evictable.
+    tip_ = &trie_.split(*tip_, live);
+  }
   for (Node* node : active_path()) {
-    if (node->end > live) continue;  // the tip, partly live
     for (size_t i = 0; i < trie_.layers().size(); ++i) {
       const LayerInfo& layer = trie_.layers()[i];
       if (!layer.ranged() || node->snapshots[i] == nullptr) continue;
@@ -155,20 +167,25 @@ void evict_to_budget(Trie& trie, const std::vector<LiveState*>& live, int64_t bu
   const auto refresh = [&] {
     for (LiveState* slot : live) slot->refresh_exposure();
   };
+  const auto evict_leaves = [&] {
+    while (over()) {
+      Node* victim = trie.eviction_candidate(keep);
+      if (victim == nullptr) break;  // only active paths are left
+      trie.remove_leaf(*victim, keep);
+      ++evicted_nodes;
+      refresh();
+    }
+  };
   if (!over()) return;
   refresh();  // an eviction may lower any slot's exposure
-  while (over()) {
-    Node* victim = trie.eviction_candidate(keep);
-    if (victim == nullptr) break;  // only active paths are left
-    trie.remove_leaf(*victim, keep);
-    ++evicted_nodes;
-    refresh();
-  }
+  evict_leaves();
   if (!over() || (may_skip && trie.version() == futile)) return;
   // The active paths' KV ranges are in the live caches that stand on them: what they own, or
-  // name in another slot's caches (exposed there), is given back.
+  // name in another slot's caches (exposed there), is given back. A tip only partly live is
+  // split first: its tail, off the active paths now, is evicted like any leaf.
   for (LiveState* slot : live) slot->repoint_ranges();
   refresh();
+  evict_leaves();
   if (!over()) return;
   // Last resort: the active paths cannot be evicted (live caches stand on them), but the
   // whole-state snapshots their nodes keep — owned, or lazy in a ring that will copy them — are

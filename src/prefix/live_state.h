@@ -34,10 +34,11 @@ class LiveState {
   // its store) may raise it, so those refresh every slot.
   int64_t exposure() const { return exposure_; }
   void refresh_exposure();
-  // Points the KV snapshots of the active path's nodes that the live caches hold whole (all but
-  // a partly live tip; in decode too) at them, lazily: what they owned, or named in another
-  // slot's caches, is given back. Does nothing while the caches stand below the recorded
-  // tokens.
+  // Points the KV snapshots of the active path's nodes at the live caches that hold them (in
+  // decode too), lazily: what they owned, or named in another slot's caches, is given back. A
+  // tip only partly live is split first at the recorded tokens' end, so the live caches hold
+  // every node of the path whole and the tail is a leaf off it (evictable). Does nothing while
+  // the caches stand below the recorded tokens.
   void repoint_ranges();
   // The offset every stateful layer stands at (the token count for a stateless stack), or
   // nullopt when they disagree.
@@ -59,6 +60,8 @@ class LiveState {
  private:
   // KV layer: rewind to what the live state shares, then write the path's ranges up to target.
   bool page_in_ranges(size_t layer, const std::vector<Node*>& path, int64_t target, int64_t shared);
+  // Finds the active path's tip for the recorded tokens (the trie may have changed since).
+  void find_tip();
   // After a restore put a node's data back into the live cache, the node can hold a lazy view
   // of it instead and give its bytes back.
   void relazify(Node& node, size_t layer, int64_t from);
@@ -74,9 +77,9 @@ class LiveState {
 // Evicts least recently used leaves (user nodes last, any slot's active path never) until the
 // trie's bytes plus what the slots' writes may still copy into it (their exposure(), refreshed
 // as it goes) are at most `budget`. When only active paths are left: re-points their KV ranges
-// at the live caches, then drops their whole-state snapshots that own or may come to own bytes
-// (restore points, not needed by the live states). Counts into the two counters. The callers
-// refresh their own slot's exposure first.
+// at the live caches (splitting off the tails of partly live tips, evicted in turn), then drops
+// their whole-state snapshots that own or may come to own bytes (restore points, not needed by the
+// live states). Counts into the two counters. The callers refresh their own slot's exposure first.
 //
 // `futile` remembers the trie's version when the last resort last left it over the budget;
 // with `may_skip` (a decode step, which moves no live path) it is not tried again until the

@@ -80,6 +80,10 @@ class Trie {
   // Swaps layer `layer`'s snapshot of `node` for `replacement` (accounting for both).
   void replace(Node& node, size_t layer, SnapshotPtr replacement);
 
+  // Splits `node` at `at` (start < at < end); returns the new upper node, [start, at). `node`
+  // keeps [at, end), its children, user flag and whole-state snapshots.
+  Node& split(Node& node, int64_t at);
+
   // Removes leaf `node` and its snapshots; merges its parent into a lone remaining child when
   // that loses nothing (see merge_into_child). `keep(n)` protects nodes from merging.
   void remove_leaf(Node& node, const std::function<bool(const Node&)>& keep);
@@ -106,8 +110,6 @@ class Trie {
   void check_node(const Node& node, std::string& problem) const;
   void attach(Node& node, size_t layer, SnapshotPtr snapshot);
   SnapshotPtr detach(Node& node, size_t layer);
-  // Splits `node` at `at` (start < at < end); returns the new upper node.
-  Node& split(Node& node, int64_t at);
   // Joins a non-user node with its only child when no whole-state snapshot (a restore point)
   // would be lost and every KV range is present.
   void merge_into_child(Node& node, const std::function<bool(const Node&)>& keep);
