@@ -99,6 +99,81 @@ TEST(PrefixCacheBudget, ANodeSplitByAnotherSlotIsReservedAgain) {
   }
 }
 
+// Slot 1's prompt ends inside a node whose KV range is lazy in slot 0's caches: its path's tip
+// is only partly live, so the range can be neither pointed at slot 1's caches (they hold only
+// its head) nor evicted (slot 1 stands on it). Slot 0 then starts an unrelated request, whose
+// forward overwrites those columns. The tip is split where slot 1's tokens end: the head moves
+// to slot 1's caches, the tail is evicted, and slot 0's forward copies nothing into the trie.
+// (Without the split the whole tail, most of a 40-token range, was copied out past the budget.)
+void a_prompt_ends_inside_a_node(int64_t budget, bool decoding) {
+  SCOPED_TRACE(::testing::Message() << "budget " << budget << (decoding ? ", decoding" : ""));
+  HybridStack stack;
+  PrefixCache cache(stack.layers(), {.max_paged_out_bytes = budget, .slots = 2});
+  // What one call may leave above the budget: one snapshot, here at most a few tokens' worth
+  // (the window's restore point holds 7), far less than the tail of the 40-token range.
+  const int64_t slack = 8 * stack.token_bytes();
+  const auto within = [&](const char* after) {
+    EXPECT_LE(cache.paged_out_bytes(), budget + slack) << "after " << after;
+    EXPECT_EQ(cache.check_invariants(), "") << "after " << after;
+  };
+  const Tokens p = tokens(100, 40);
+  {
+    PrefixCache::Session first = cache.begin(0, p);
+    ASSERT_TRUE(stack.forward_and_check(first.remaining(), p, 0));
+    first.prefill_done();
+    within("slot 0's first prefill_done");
+  }
+  within("slot 0's first close");
+  Tokens q(p.begin(), p.begin() + 6);
+  PrefixCache::Session standing = cache.begin(1, q);
+  within("slot 1's begin");
+  ASSERT_TRUE(stack.forward_and_check(standing.remaining(), q, 1));
+  within("slot 1's prefill");
+  standing.prefill_done();
+  within("slot 1's prefill_done");
+  if (decoding) {
+    standing.append_output(7);
+    q.push_back(7);
+    within("slot 1's append_output");
+    ASSERT_TRUE(stack.forward_and_check(Tokens{7}, q, 1));
+    within("slot 1's decode step");
+  }
+  const Tokens other = tokens(500, 40);
+  PrefixCache::Session next = cache.begin(0, other);
+  within("slot 0's second begin");
+  EXPECT_EQ(stack.attention().exposed_bytes(0), 0);  // nothing lazy left where slot 0 writes
+  ASSERT_TRUE(stack.forward_and_check(next.remaining(), other, 0));
+  within("slot 0's second prefill");
+  next.prefill_done();
+  within("slot 0's second prefill_done");
+  next.append_output(9);
+  within("slot 0's append_output");
+  ASSERT_TRUE(stack.forward_and_check(Tokens{9}, other + Tokens{9}, 0));
+  within("slot 0's decode step");
+  if (decoding) {
+    standing.append_output(8);
+    within("slot 1's second append_output");
+    ASSERT_TRUE(stack.forward_and_check(Tokens{8}, q + Tokens{8}, 1));
+    within("slot 1's second decode step");
+  }
+  standing.close();
+  within("slot 1's close");
+  next.close();
+  within("slot 0's second close");
+  // Slot 1's prompt still restores (as far as the budget kept its restore points): from the
+  // live caches at least, as recomputation would give.
+  PrefixCache::Session again = cache.begin(1, q + Tokens{11});
+  EXPECT_TRUE(stack.forward_and_check(again.remaining(), q + Tokens{11}, 1));
+  within("slot 1's last begin");
+}
+
+TEST(PrefixCacheBudget, APartlyLiveTipIsSplitAndItsTailEvicted) {
+  for (const int64_t budget : {0, 300, 1000, 2000}) {
+    a_prompt_ends_inside_a_node(budget, /*decoding=*/false);
+    a_prompt_ends_inside_a_node(budget, /*decoding=*/true);
+  }
+}
+
 // What one slot's calls reserve does not depend on a Speculation round open on another slot:
 // its captures are released at accept and never reach the trie.
 TEST(PrefixCacheBudget, AnotherSlotsSpeculationRoundReservesNothing) {
