@@ -85,11 +85,22 @@ struct RestoreRule {
 using SeqId = int32_t;
 
 // One layer's inference state, for a set of sequences. Every mutating call gives the strong
-// exception guarantee: on kvsnap::Error nothing changed.
+// exception guarantee: on kvsnap::Error nothing changed — except merge and split, which consume
+// their snapshots whatever happens (see there).
 //
-// Sequences: a cache holds one state per sequence id (created on first use). update / get / put
-// with a batch route each row to its sequence; the calls below without a sequence address
-// sequence 0 (a single-sequence cache is sequence 0), those with one address that sequence.
+// std::bad_alloc promises less. A failed allocation leaves the cache consistent and usable, and
+// a multi-row update of KVCache or PagedKVCache allocates every row's storage (buffer growth,
+// pool blocks, copies of lazy data the rows overwrite) before writing any row, so running out
+// there leaves every row's tokens and offset as they were (buffers may have grown, and lazy
+// snapshots may own what they named). A bad_alloc after that — from small bookkeeping
+// allocations (captures, the returned history) — or in a multi-row RotatingKVCache update or
+// RecurrentCache get may leave the rows before the failing one written.
+//
+// Sequences: a cache holds one state per sequence id, created by the first call that gives it
+// state (a write, a restore that gives it tokens, a schedule); a call that fails, returns false
+// or changes nothing creates none. update / get / put with a batch route each row to its
+// sequence; the calls below without a sequence address sequence 0 (a single-sequence cache is
+// sequence 0), those with one address that sequence.
 //
 // Threads: kvsnap's caches lock themselves: any call (and a snapshot's destruction) may come
 // from any thread; calls on one cache run one at a time.
@@ -159,8 +170,14 @@ class KVSNAP_EXPORT Cache {
   // and on a pending schedule.
   [[nodiscard]] virtual bool restore(Snapshot* snapshot, int64_t target) = 0;
   // Joins adjacent snapshots of this kind: `parent` then `child`. Null in gives null out.
+  // CONSUMES BOTH INPUTS EVEN WHEN IT THROWS: on Error (not adjacent — parent->to() !=
+  // child->from() for KV kinds —, another kind, another layout) both snapshots are destroyed
+  // (the cache itself is unchanged). Check from()/to() first to keep them on a refusal.
   [[nodiscard]] virtual SnapshotPtr merge(SnapshotPtr parent, SnapshotPtr child) = 0;
-  // Splits at offset `at` into (before, after). Null halves mean "nothing to hold".
+  // Splits at offset `at` into (before, after). Null halves mean "nothing to hold". KV ranges
+  // [from, to) split at from <= at <= to (at == from or to gives the whole as one half) and
+  // throw Error for any other `at`; whole-state kinds ignore `at` and give (null, whole).
+  // CONSUMES ITS INPUT EVEN WHEN IT THROWS, as merge does.
   [[nodiscard]] virtual std::pair<SnapshotPtr, SnapshotPtr> split(SnapshotPtr, int64_t at) = 0;
 
   // Bytes copied so far, by reason, over all sequences.

@@ -35,8 +35,10 @@ class KVSNAP_EXPORT KVCache final : public Attention {
   // Materializes every outstanding lazy snapshot: they outlive the cache.
   ~KVCache() override;
 
-  // Makes room for `tokens` tokens in every sequence without further growth (applied to a
-  // sequence at its first update). Never shrinks.
+  // Makes room for `tokens` tokens in every sequence without further growth: at once for the
+  // sequences written so far, and at its first write for every other. Never shrinks. When
+  // growing a sequence throws (std::bad_alloc), the reservation is not raised: sequences grown
+  // before keep their room, later ones are not held to the failed size.
   void reserve(int64_t tokens);
   // Tokens sequence 0's buffers hold room for.
   int64_t capacity() const;
@@ -65,6 +67,7 @@ class KVSNAP_EXPORT KVCache final : public Attention {
   // stay lazy), except a part lazy in another cache, which is copied out first.
   [[nodiscard]] SnapshotPtr merge(SnapshotPtr parent, SnapshotPtr child) override;
   // [from, at) and [at, to); lazy splits are arithmetic, owned halves are compact copies.
+  // Throws Error (consuming the snapshot, see cache.h) for `at` outside [from, to].
   [[nodiscard]] std::pair<SnapshotPtr, SnapshotPtr> split(SnapshotPtr, int64_t at) override;
   // Sequence `seq` (the calls above address sequence 0; see cache.h).
   std::vector<Array> state(SeqId seq) const override;

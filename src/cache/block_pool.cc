@@ -6,21 +6,40 @@
 
 namespace kvsnap::detail {
 
-int32_t BlockPool::allocate() {
-  if (free_.empty()) {
-    const auto first = static_cast<int32_t>(blocks_.size());
-    // Head-major: a head's columns of consecutive blocks are consecutive (attention multiplies a
-    // run of consecutive blocks at once).
-    Shape keys{1, layout.heads, blocks_per_chunk * block_tokens, layout.key_depth};
-    Shape values{1, layout.heads, blocks_per_chunk * block_tokens, layout.value_depth};
-    key_chunks_.push_back(Array::uninitialized(layout.key_dtype, keys));
-    value_chunks_.push_back(Array::uninitialized(layout.value_dtype, values));
-    blocks_.resize(blocks_.size() + static_cast<size_t>(blocks_per_chunk));
-    // Lowest ids first: free_ is popped from the back.
-    for (int32_t id = static_cast<int32_t>(blocks_.size()) - 1; id >= first; --id) {
-      free_.push_back(id);
+void BlockPool::grow() {
+  const auto first = static_cast<int32_t>(blocks_.size());
+  const auto count = static_cast<size_t>(blocks_per_chunk);
+  // Head-major: a head's columns of consecutive blocks are consecutive (attention multiplies a
+  // run of consecutive blocks at once).
+  Shape key_shape{1, layout.heads, blocks_per_chunk * block_tokens, layout.key_depth};
+  Shape value_shape{1, layout.heads, blocks_per_chunk * block_tokens, layout.value_depth};
+  Array keys = Array::uninitialized(layout.key_dtype, key_shape);
+  Array values = Array::uninitialized(layout.value_dtype, value_shape);
+  // Everything that may throw first (geometric growth): a failed growth leaves the pool as it
+  // was.
+  const auto room = [](auto& vector, size_t more) {
+    if (vector.capacity() < vector.size() + more) {
+      vector.reserve(std::max(vector.size() + more, 2 * vector.capacity()));
     }
+  };
+  room(key_chunks_, 1);
+  room(value_chunks_, 1);
+  room(free_, count);
+  blocks_.resize(blocks_.size() + count);
+  key_chunks_.push_back(std::move(keys));
+  value_chunks_.push_back(std::move(values));
+  // Lowest ids first: free_ is popped from the back.
+  for (int32_t id = static_cast<int32_t>(blocks_.size()) - 1; id >= first; --id) {
+    free_.push_back(id);
   }
+}
+
+void BlockPool::reserve(int64_t count) {
+  while (static_cast<int64_t>(free_.size()) < count) grow();
+}
+
+int32_t BlockPool::allocate() {
+  if (free_.empty()) grow();
   const int32_t id = free_.back();
   free_.pop_back();
   Block& block = blocks_[static_cast<size_t>(id)];
@@ -33,13 +52,13 @@ int32_t BlockPool::allocate() {
 Array BlockPool::keys(int32_t id) const {
   const int64_t first = id % blocks_per_chunk * block_tokens;
   return key_chunks_[static_cast<size_t>(id / blocks_per_chunk)].slice(2, first,
-                                                                      first + block_tokens);
+                                                                       first + block_tokens);
 }
 
 Array BlockPool::values(int32_t id) const {
   const int64_t first = id % blocks_per_chunk * block_tokens;
   return value_chunks_[static_cast<size_t>(id / blocks_per_chunk)].slice(2, first,
-                                                                        first + block_tokens);
+                                                                         first + block_tokens);
 }
 
 void BlockPool::copy(int32_t from, int32_t to, int64_t tokens) {

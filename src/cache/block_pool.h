@@ -26,6 +26,9 @@ class BlockPool {
   int64_t block_bytes() const { return layout.token_bytes() * block_tokens; }
   // A free block (the pool grows by a chunk when none is left), not yet referenced.
   int32_t allocate();
+  // Grows the pool until at least `count` blocks are free, so the next `count` allocate() calls
+  // allocate no storage. A growth that throws (std::bad_alloc) leaves the pool as it was.
+  void reserve(int64_t count);
   // Keys [1, H, T, D] / values [1, H, T, Dv] of block `id` (views of its chunk).
   Array keys(int32_t id) const;
   Array values(int32_t id) const;
@@ -78,6 +81,8 @@ class BlockPool {
     uint64_t serial = 0, origin = 0;
     int64_t filled = 0, origin_tokens = 0;
   };
+  // Adds a chunk of blocks_per_chunk free blocks.
+  void grow();
   // When no sequence uses the block: a holder pays for it, or it is free.
   void settle(int32_t id);
   // Whether blocks `a` and `b` hold the same first `tokens` tokens by the serials above.

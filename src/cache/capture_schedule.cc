@@ -6,6 +6,16 @@
 namespace kvsnap::detail {
 
 void CaptureSchedule::prepare(std::span<const int64_t> offsets, int64_t current, const char* call) {
+  check(offsets, current, call);
+  offsets_.assign(offsets.begin(), offsets.end());
+  captured_.clear();
+  captured_.reserve(offsets_.size());
+  start_ = current;
+  active_ = true;
+}
+
+void CaptureSchedule::check(std::span<const int64_t> offsets, int64_t current,
+                            const char* call) const {
   if (active_) {
     throw Error(
         fmt::format("{}: the previous schedule [{}] was not taken (call take_snapshots "
@@ -24,11 +34,6 @@ void CaptureSchedule::prepare(std::span<const int64_t> offsets, int64_t current,
     }
     previous = offset;
   }
-  offsets_.assign(offsets.begin(), offsets.end());
-  captured_.clear();
-  captured_.reserve(offsets_.size());
-  start_ = current;
-  active_ = true;
 }
 
 void CaptureSchedule::require_idle(const char* call) const {

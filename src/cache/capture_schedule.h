@@ -14,6 +14,8 @@ class CaptureSchedule {
   // Installs `offsets` for a cache now at `current`. Throws Error naming `call` unless offsets
   // are ascending, unique, >= current, and the previous schedule was taken.
   void prepare(std::span<const int64_t> offsets, int64_t current, const char* call);
+  // Throws the Error prepare(offsets, current, call) would; changes nothing.
+  void check(std::span<const int64_t> offsets, int64_t current, const char* call) const;
 
   // True between prepare and take.
   bool active() const { return active_; }

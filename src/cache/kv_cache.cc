@@ -29,6 +29,14 @@ class KVSequence final : public KVKind {
     store.resize(round_up(wanted, KVCache::kStep), std::max(offset, store.lazy_end()));
   }
 
+  // Room for `tokens` more tokens, and the lazy columns they overwrite copied out: the write
+  // then allocates no storage. Nothing before the first write (no layout yet).
+  void make_room(int64_t tokens) override {
+    if (!store.has_layout || tokens <= 0) return;
+    ensure_capacity(offset + tokens);
+    store.preserve(offset, offset + tokens);
+  }
+
   // The append policy: the tokens go to the columns of their positions.
   void write(const Array& keys, const Array& values) override {
     ensure_capacity(offset + keys.dim(2));
@@ -116,10 +124,12 @@ KVCache::~KVCache() { impl_->reset_all(); }
 void KVCache::reserve(int64_t tokens) {
   if (tokens < 0) throw Error(fmt::format("KVCache::reserve: tokens {} must be >= 0", tokens));
   const Guard guard(impl_->lock);
-  impl_->reserved = std::max(impl_->reserved, tokens);
+  // Every sequence grows before the reservation is raised: when growing one throws
+  // (std::bad_alloc), later sequences' first updates do not retry the failed size.
   impl_->sequences.for_each([&](SeqId, detail::KVSequence& sequence) {
     if (sequence.store.has_layout) sequence.ensure_capacity(tokens);
   });
+  impl_->reserved = std::max(impl_->reserved, tokens);
 }
 
 int64_t KVCache::capacity() const {
@@ -163,9 +173,10 @@ SnapshotPtr KVCache::snapshot(int64_t from_offset) { return snapshot(0, from_off
 
 SnapshotPtr KVCache::snapshot(SeqId seq, int64_t from_offset) {
   const Guard guard(impl_->lock);
+  const detail::KVSequence& current = impl_->peek(seq);
+  current.check_snapshot_from(from_offset);
+  if (from_offset == current.offset) return nullptr;  // all an absent sequence can give
   detail::KVSequence& sequence = impl_->at(seq);
-  sequence.check_snapshot_from(from_offset);
-  if (from_offset == sequence.offset) return nullptr;
   return sequence.lazy_snapshot(from_offset, sequence.offset);
 }
 
@@ -189,25 +200,36 @@ bool KVCache::restore(Snapshot* snapshot, int64_t target) { return restore(0, sn
 
 bool KVCache::restore(SeqId seq, Snapshot* snapshot, int64_t target) {
   const detail::SnapshotLocks locks(impl_->lock, snapshot);
-  detail::KVSequence& c = impl_->at(seq);
-  c.require_idle();
+  // Checked on what the sequence is now (an empty one when absent); a sequence is created
+  // only when the restore writes tokens into it.
+  const detail::KVSequence& current = impl_->peek(seq);
+  current.require_idle();
   if (snapshot == nullptr) {
-    if (target < 0 || target > c.offset) return false;
-    c.offset = target;
+    if (target < 0 || target > current.offset) return false;
+    if (target != current.offset) impl_->at(seq).offset = target;
     return true;
   }
-  const char* call = c.calls().restore.c_str();
+  const char* call = current.calls().restore.c_str();
   if (auto* paged = dynamic_cast<detail::PagedSnapshot*>(snapshot)) {
-    return c.restore_paged(*paged, target);  // a PagedKVCache's blocks: copied in
+    if (current.store.has_layout)
+      detail::check_same_layout(current.store.layout, paged->pool()->layout, call);
+    if (target < 0 || target > paged->to() || current.offset < paged->from()) return false;
+    if (target == current.offset && target <= paged->from()) return true;
+    return impl_->sequences.change(seq, call, [&](detail::KVSequence& c) {
+      return c.restore_paged(*paged, target);  // a PagedKVCache's blocks: copied in
+    });
   }
   KVStateSnapshot& s = detail::as_kv_state(snapshot, Kind::kv, call);
-  if (c.store.has_layout) detail::check_same_layout(c.store.layout, s.layout, call);
-  if (target < 0 || target > s.end || c.offset < s.begin) return false;
-  if (target > s.begin) {
-    if (!c.store.has_layout) c.store.adopt_layout(s.layout);
-    c.write_back(s, target);  // nothing for this sequence's own lazy snapshot: an offset move
-  }
-  c.offset = target;
+  if (current.store.has_layout) detail::check_same_layout(current.store.layout, s.layout, call);
+  if (target < 0 || target > s.end || current.offset < s.begin) return false;
+  if (target == current.offset && target <= s.begin) return true;  // nothing to write or move
+  impl_->sequences.change(seq, call, [&](detail::KVSequence& c) {
+    if (target > s.begin) {
+      if (!c.store.has_layout) c.store.adopt_layout(s.layout);
+      c.write_back(s, target);  // nothing for this sequence's own lazy snapshot: an offset move
+    }
+    c.offset = target;
+  });
   return true;
 }
 
@@ -231,6 +253,7 @@ std::pair<SnapshotPtr, SnapshotPtr> KVCache::split(SnapshotPtr snapshot, int64_t
   if (snapshot == nullptr) return {nullptr, nullptr};
   const detail::SnapshotLocks locks(impl_->lock, snapshot.get());
   KVStateSnapshot& s = detail::as_kv_state(snapshot.get(), Kind::kv, "KVCache::split");
+  detail::check_split_at(s, at, "KVCache::split");
   if (at <= s.begin) return {nullptr, std::move(snapshot)};
   if (at >= s.end) return {std::move(snapshot), nullptr};
   SnapshotPtr after = s.split_off(at, impl_->unattributed);

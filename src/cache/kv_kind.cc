@@ -18,15 +18,17 @@ KVKind::KVKind(const char* name)
              fmt::format("{}::merge", name),
              fmt::format("{}::split", name)} {}
 
-void KVKind::check(const Batch& batch, const Array& keys, const Array& values) const {
+void KVKind::check(const Batch& batch, const Array& keys, const Array& values, int64_t row,
+                   SeqId seq) const {
   (void)check_update(batch, keys, values, offset, store.has_layout ? &store.layout : nullptr,
-                     calls_.update.c_str());
+                     calls_.update.c_str(), row, seq);
 }
 
-KVHistory KVKind::update(const Batch& batch, const Array& keys, const Array& values) {
+KVHistory KVKind::update(const Batch& batch, const Array& keys, const Array& values, int64_t row,
+                         SeqId seq) {
   const int64_t length =
       check_update(batch, keys, values, offset, store.has_layout ? &store.layout : nullptr,
-                   calls_.update.c_str());
+                   calls_.update.c_str(), row, seq);
   if (!store.has_layout) store.adopt_layout(KVLayout::of(keys, values));
   if (length > 0) {
     if (length == keys.dim(2)) {  // no padding columns: write the arrays as given

@@ -25,10 +25,17 @@ class KVKind {
   KVKind& operator=(const KVKind&) = delete;
 
   // Checks the one-row batch and arrays, writes the real tokens through the kind's policy,
-  // advances the offset, captures what the schedule reached and returns the history.
-  KVHistory update(const Batch& batch, const Array& keys, const Array& values);
-  // Throws Error unless update(batch, keys, values) would be accepted; changes nothing.
-  void check(const Batch& batch, const Array& keys, const Array& values) const;
+  // advances the offset, captures what the schedule reached and returns the history. `row` and
+  // `seq`: what errors call the row (its index in the caller's batch) and its sequence.
+  KVHistory update(const Batch& batch, const Array& keys, const Array& values, int64_t row = 0,
+                   SeqId seq = 0);
+  // Throws Error unless update(batch, keys, values, row, seq) would be accepted; changes nothing.
+  void check(const Batch& batch, const Array& keys, const Array& values, int64_t row = 0,
+             SeqId seq = 0) const;
+  // Before a multi-row update writes any row: allocates what writing `tokens` tokens at the
+  // offset will need (room in the buffers, lazy snapshots' copies of the columns it overwrites),
+  // so running out of memory there leaves every row unwritten. Changes no tokens or offsets.
+  virtual void make_room(int64_t tokens) { (void)tokens; }
   // Throws Error unless 0 <= from_offset <= offset.
   void check_snapshot_from(int64_t from_offset) const;
   void prepare(std::span<const int64_t> offsets);
@@ -70,15 +77,23 @@ class KVKind {
   Calls calls_;
 };
 
-// update() of a batch over a cache's sequences: a one-row batch is its sequence's update; more
-// rows are checked first (all of them, so a refusal changes nothing), then written one by one
-// into their sequences, and the history is ragged. `sequence(id)` gives a sequence's KVKind.
-template <class SequenceOf>
+// update() of a batch over a cache's sequences (Seq has check, update and make_room as KVKind
+// does): a one-row batch is its sequence's update; more rows are checked first (all of them, so
+// a refusal changes nothing), then `make_room(id, tokens)` runs for each row (allocations that
+// may fail before any row is written), then the rows are written one by one into their
+// sequences, and the history is ragged. A sequence is created only when its row is written.
+template <class Seq, class MakeRoom>
 KVHistory update_rows(const Batch& batch, const Array& keys, const Array& values, const char* call,
-                      SequenceOf&& sequence) {
+                      Sequences<Seq>& sequences, MakeRoom&& make_room) {
   batch.validate(call);
   const int64_t rows = batch.batch_size();
-  if (rows == 1) return sequence(batch.seq_id(0)).update(batch, keys, values);
+  if (rows == 1) {
+    const SeqId id = batch.seq_id(0);
+    if (Seq* sequence = sequences.find(id)) return sequence->update(batch, keys, values, 0, id);
+    sequences.peek(id, call).check(batch, keys, values, 0, id);
+    return sequences.change(
+        id, call, [&](Seq& created) { return created.update(batch, keys, values, 0, id); });
+  }
   if (keys.ndim() != 4 || values.ndim() != 4 || keys.dim(0) != rows || values.dim(0) != rows) {
     throw Error(fmt::format("{}: keys {} and values {} must be [B, H, L, D] with B = {} rows", call,
                             keys.describe(), values.describe(), rows));
@@ -86,14 +101,21 @@ KVHistory update_rows(const Batch& batch, const Array& keys, const Array& values
   std::vector<Batch> one(static_cast<size_t>(rows));
   for (int64_t b = 0; b < rows; ++b) {
     one[static_cast<size_t>(b)] = batch.row(b);
-    sequence(batch.seq_id(b))
-        .check(one[static_cast<size_t>(b)], keys.slice(0, b, b + 1), values.slice(0, b, b + 1));
+    sequences.peek(batch.seq_id(b), call)
+        .check(one[static_cast<size_t>(b)], keys.slice(0, b, b + 1), values.slice(0, b, b + 1), b,
+               batch.seq_id(b));
+  }
+  for (int64_t b = 0; b < rows; ++b) {
+    make_room(batch.seq_id(b), static_cast<int64_t>(batch.seq_query_lens[static_cast<size_t>(b)]));
   }
   std::vector<KVHistory> histories;
+  histories.reserve(static_cast<size_t>(rows));
   for (int64_t b = 0; b < rows; ++b) {
-    histories.push_back(sequence(batch.seq_id(b))
-                            .update(one[static_cast<size_t>(b)], keys.slice(0, b, b + 1),
-                                    values.slice(0, b, b + 1)));
+    const SeqId id = batch.seq_id(b);
+    histories.push_back(sequences.change(id, call, [&](Seq& sequence) {
+      return sequence.update(one[static_cast<size_t>(b)], keys.slice(0, b, b + 1),
+                             values.slice(0, b, b + 1), b, id);
+    }));
   }
   return KVHistory::of_rows(std::move(histories));
 }
@@ -124,12 +146,16 @@ class KVCacheCore {
         }) {}
 
   Seq& at(SeqId id) { return sequences.at(id, name_); }
+  // Sequence `id` for checks: an empty one when absent (none is created).
+  const Seq& peek(SeqId id) const { return sequences.peek(id, name_); }
   const Seq* find(SeqId id) const { return sequences.find(id); }
 
   KVHistory update(const Batch& batch, const Array& keys, const Array& values) {
     const Guard guard(lock);
-    return update_rows(batch, keys, values, update_call_.c_str(),
-                       [&](SeqId id) -> KVKind& { return at(id); });
+    return update_rows(batch, keys, values, update_call_.c_str(), sequences,
+                       [&](SeqId id, int64_t tokens) {
+                         if (Seq* sequence = sequences.find(id)) sequence->make_room(tokens);
+                       });
   }
   KVHistory view(const Batch& batch) const {
     const Guard guard(lock);
@@ -164,19 +190,38 @@ class KVCacheCore {
   }
   void prepare(SeqId seq, std::span<const int64_t> offsets) {
     const Guard guard(lock);
-    at(seq).prepare(offsets);
+    const Seq& current = peek(seq);
+    current.schedule.check(offsets, current.offset, current.calls().prepare.c_str());
+    sequences.change(seq, name_, [&](Seq& sequence) { sequence.prepare(offsets); });
   }
+  // The take calls of an absent sequence give what an empty one does (nothing), creating none.
   std::vector<SnapshotPtr> take(SeqId seq) {
     const Guard guard(lock);
-    return at(seq).take();
+    Seq* sequence = sequences.find(seq);
+    if (sequence == nullptr) {
+      (void)peek(seq);
+      return {};
+    }
+    return sequence->take();
   }
   void take_into(SeqId seq, std::vector<SnapshotPtr>& into) {
     const Guard guard(lock);
-    at(seq).take_into(into);
+    Seq* sequence = sequences.find(seq);
+    if (sequence == nullptr) {
+      (void)peek(seq);
+      into.clear();
+      return;
+    }
+    sequence->take_into(into);
   }
   std::vector<SnapshotPtr> take_reached(SeqId seq) {
     const Guard guard(lock);
-    return at(seq).take_reached();
+    Seq* sequence = sequences.find(seq);
+    if (sequence == nullptr) {
+      (void)peek(seq);
+      return {};
+    }
+    return sequence->take_reached();
   }
   void cancel(SeqId seq) {
     const Guard guard(lock);
@@ -201,6 +246,16 @@ class KVCacheCore {
   CopyStats unattributed;  // merge and split copies
   Sequences<Seq> sequences;
 };
+
+// Throws Error naming `call` unless a KV range [from, to) splits at `at`: from <= at <= to.
+inline void check_split_at(const Snapshot& s, int64_t at, const char* call) {
+  if (at < s.from() || at > s.to()) {
+    throw Error(
+        fmt::format("{}: at {} is outside the snapshot's range [{}, {}) (a range splits "
+                    "at an offset from its start to its end)",
+                    call, at, s.from(), s.to()));
+  }
+}
 
 // Holds `ours` and the lock of whatever each snapshot's data lives in — the store a KVCache
 // snapshot is lazy in, the pool of a PagedKVCache snapshot — taken together with std::lock's

@@ -35,7 +35,7 @@ void check_same_layout(const KVLayout& existing, const KVLayout& incoming, const
 }
 
 int64_t check_update(const Batch& batch, const Array& keys, const Array& values, int64_t offset,
-                     const KVLayout* existing, const char* call) {
+                     const KVLayout* existing, const char* call, int64_t first_row, SeqId seq) {
   batch.validate(call);
   if (keys.empty() || values.empty() || keys.ndim() != 4 || values.ndim() != 4) {
     throw Error(fmt::format("{}: keys {} and values {} must be 4-d [B, H, L, D]", call,
@@ -56,10 +56,10 @@ int64_t check_update(const Batch& batch, const Array& keys, const Array& values,
   const int32_t query = batch.seq_query_lens[0];
   for (int64_t row = 0; row < rows; ++row) {
     if (batch.seq_offsets[row] != offset || batch.seq_query_lens[row] != query) {
-      throw Error(
-          fmt::format("{}: row {} starts at {} with {} tokens; every row must start at the "
-                      "cache offset {} with {} tokens",
-                      call, row, batch.seq_offsets[row], batch.seq_query_lens[row], offset, query));
+      throw Error(fmt::format(
+          "{}: row {} starts at {} with {} tokens; its sequence {} is at offset {} (every row "
+          "must start at its sequence's offset)",
+          call, first_row + row, batch.seq_offsets[row], batch.seq_query_lens[row], seq, offset));
     }
   }
   if (existing != nullptr) {

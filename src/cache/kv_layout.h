@@ -5,6 +5,7 @@
 
 #include "kvsnap/array.h"
 #include "kvsnap/batch.h"
+#include "kvsnap/cache.h"
 
 namespace kvsnap::detail {
 
@@ -31,11 +32,14 @@ struct KVLayout {
 // `value` rounded up to a multiple of `step`.
 constexpr int64_t round_up(int64_t value, int64_t step) { return (value + step - 1) / step * step; }
 
-// Validates an update: batch rows at `offset` with one shared query length, keys/values 4-d
-// float [B, H, L, D] / [B, H, L, Dv] matching `existing` when it is set. Returns the real query
-// length. Throws Error naming `call`.
+// Validates an update of one sequence: batch rows at `offset` with one shared query length,
+// keys/values 4-d float [B, H, L, D] / [B, H, L, Dv] matching `existing` when it is set. Returns
+// the real query length. Throws Error naming `call`; a misplaced row is named as row
+// `first_row` + its index (the batch may be one row of a caller's larger batch) of sequence
+// `seq`.
 int64_t check_update(const Batch& batch, const Array& keys, const Array& values, int64_t offset,
-                     const KVLayout* existing, const char* call);
+                     const KVLayout* existing, const char* call, int64_t first_row = 0,
+                     SeqId seq = 0);
 
 // Throws Error naming `call` when `incoming` differs from `existing`.
 void check_same_layout(const KVLayout& existing, const KVLayout& incoming, const char* call);

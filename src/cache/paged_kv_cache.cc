@@ -30,14 +30,17 @@ class PagedSequence {
   explicit PagedSequence(std::shared_ptr<BlockPool> pool) : pool_(std::move(pool)) {}
   ~PagedSequence() { rewind(0); }
 
-  void check(const Batch& batch, const Array& keys, const Array& values) const {
+  void check(const Batch& batch, const Array& keys, const Array& values, int64_t row,
+             SeqId seq) const {
     (void)check_update(batch, keys, values, offset, pool_->has_layout ? &pool_->layout : nullptr,
-                       kUpdate);
+                       kUpdate, row, seq);
   }
 
-  KVHistory update(const Batch& batch, const Array& keys, const Array& values) {
-    const int64_t length = check_update(batch, keys, values, offset,
-                                        pool_->has_layout ? &pool_->layout : nullptr, kUpdate);
+  KVHistory update(const Batch& batch, const Array& keys, const Array& values, int64_t row,
+                   SeqId seq) {
+    const int64_t length =
+        check_update(batch, keys, values, offset, pool_->has_layout ? &pool_->layout : nullptr,
+                     kUpdate, row, seq);
     if (!pool_->has_layout) adopt(KVLayout::of(keys, values));
     if (length > 0) {
       write(keys.slice(2, 0, length), values.slice(2, 0, length));
@@ -65,6 +68,20 @@ class PagedSequence {
       blocks.pop_back();
     }
     offset = target;
+  }
+
+  // Blocks writing `tokens` tokens at the offset takes from the pool: new ones, and a copy of
+  // the tail block when it is partly written and shared.
+  int64_t blocks_to_write(int64_t tokens) const {
+    if (tokens <= 0) return 0;
+    const int64_t fresh =
+        blocks_for(offset + tokens, pool_->block_tokens) - static_cast<int64_t>(blocks.size());
+    const bool copy = offset % pool_->block_tokens != 0 && pool_->shared(blocks.back());
+    return fresh + (copy ? 1 : 0);
+  }
+  // Room in `blocks` for writing `tokens` tokens (the pool's blocks: BlockPool::reserve).
+  void make_room(int64_t tokens) {
+    blocks.reserve(static_cast<size_t>(blocks_for(offset + tokens, pool_->block_tokens)));
   }
 
   // Block `index` of the sequence, ready to be written from slot `slot` on: appended when new,
@@ -186,7 +203,12 @@ class PagedKVCacheImpl {
       : pool(std::make_shared<BlockPool>(options.block_tokens, options.blocks_per_chunk)),
         sequences([this] { return std::make_unique<PagedSequence>(pool); }) {}
 
-  PagedSequence& at(SeqId id) { return sequences.at(id, "PagedKVCache"); }
+  // Sequence `id`, or null when it has none (a take of an absent sequence gives nothing);
+  // throws Error naming `call` for an id out of range.
+  PagedSequence* find(SeqId id, const char* call) {
+    Sequences<PagedSequence>::check_id(id, call);
+    return sequences.find(id);
+  }
 
   std::shared_ptr<BlockPool> pool;  // before `sequences`: they release their blocks into it
   Sequences<PagedSequence> sequences;
@@ -241,8 +263,19 @@ PagedKVCache::PoolStats PagedKVCache::pool_stats() const {
 
 KVHistory PagedKVCache::update(const Batch& batch, const Array& keys, const Array& values) {
   const Guard guard(impl_->pool->lock);
-  return detail::update_rows(batch, keys, values, detail::kUpdate,
-                             [&](SeqId id) -> detail::PagedSequence& { return impl_->at(id); });
+  // Before any row is written, the pool holds every block the rows will take (a fresh sequence
+  // takes blocks_for(tokens)): running out of memory leaves every row unwritten.
+  int64_t blocks = 0;
+  detail::BlockPool& pool = *impl_->pool;
+  return detail::update_rows(
+      batch, keys, values, detail::kUpdate, impl_->sequences, [&](SeqId id, int64_t tokens) {
+        if (!pool.has_layout) return;  // the first write: its layout is not known yet
+        detail::PagedSequence* sequence = impl_->sequences.find(id);
+        if (sequence != nullptr) sequence->make_room(tokens);
+        blocks += sequence != nullptr ? sequence->blocks_to_write(tokens)
+                                      : detail::blocks_for(tokens, pool.block_tokens);
+        pool.reserve(blocks);
+      });
 }
 
 KVHistory PagedKVCache::view(const Batch& batch) const {
@@ -300,13 +333,13 @@ std::vector<SeqId> PagedKVCache::sequences() const {
 SnapshotPtr PagedKVCache::snapshot(int64_t from_offset) { return snapshot(0, from_offset); }
 SnapshotPtr PagedKVCache::snapshot(SeqId seq, int64_t from_offset) {
   const Guard guard(impl_->pool->lock);
-  detail::PagedSequence& sequence = impl_->at(seq);
+  const detail::PagedSequence& sequence = impl_->sequences.peek(seq, "PagedKVCache::snapshot");
   if (from_offset < 0 || from_offset > sequence.offset) {
     throw Error(fmt::format(
         "PagedKVCache::snapshot: from_offset {} out of range [0, {}] (the cache offset)",
         from_offset, sequence.offset));
   }
-  if (from_offset == sequence.offset) return nullptr;
+  if (from_offset == sequence.offset) return nullptr;  // all an absent sequence can give
   return sequence.capture(from_offset, sequence.offset);
 }
 
@@ -314,28 +347,39 @@ void PagedKVCache::prepare_snapshots(std::span<const int64_t> offsets) {
   prepare_snapshots(0, offsets);
 }
 void PagedKVCache::prepare_snapshots(SeqId seq, std::span<const int64_t> offsets) {
+  constexpr const char* call = "PagedKVCache::prepare_snapshots";
   const Guard guard(impl_->pool->lock);
-  detail::PagedSequence& sequence = impl_->at(seq);
-  sequence.schedule.prepare(offsets, sequence.offset, "PagedKVCache::prepare_snapshots");
-  sequence.capture_reached();
+  const detail::PagedSequence& current = impl_->sequences.peek(seq, call);
+  current.schedule.check(offsets, current.offset, call);
+  impl_->sequences.change(seq, call, [&](detail::PagedSequence& sequence) {
+    sequence.schedule.prepare(offsets, sequence.offset, call);
+    sequence.capture_reached();
+  });
 }
 std::vector<SnapshotPtr> PagedKVCache::take_snapshots() { return take_snapshots(0); }
 std::vector<SnapshotPtr> PagedKVCache::take_snapshots(SeqId seq) {
   const Guard guard(impl_->pool->lock);
-  detail::PagedSequence& sequence = impl_->at(seq);
-  return sequence.schedule.take(sequence.offset, "PagedKVCache::take_snapshots");
+  detail::PagedSequence* sequence = impl_->find(seq, "PagedKVCache::take_snapshots");
+  if (sequence == nullptr) return {};
+  return sequence->schedule.take(sequence->offset, "PagedKVCache::take_snapshots");
 }
 void PagedKVCache::take_snapshots_into(SeqId seq, std::vector<SnapshotPtr>& into) {
   const Guard guard(impl_->pool->lock);
-  detail::PagedSequence& sequence = impl_->at(seq);
-  sequence.schedule.take_into(into, sequence.offset, "PagedKVCache::take_snapshots");
+  detail::PagedSequence* sequence = impl_->find(seq, "PagedKVCache::take_snapshots");
+  if (sequence == nullptr) {
+    into.clear();
+    return;
+  }
+  sequence->schedule.take_into(into, sequence->offset, "PagedKVCache::take_snapshots");
 }
 std::vector<SnapshotPtr> PagedKVCache::take_reached_snapshots() {
   return take_reached_snapshots(0);
 }
 std::vector<SnapshotPtr> PagedKVCache::take_reached_snapshots(SeqId seq) {
   const Guard guard(impl_->pool->lock);
-  return impl_->at(seq).schedule.take_reached();
+  detail::PagedSequence* sequence = impl_->find(seq, "PagedKVCache::take_reached_snapshots");
+  if (sequence == nullptr) return {};
+  return sequence->schedule.take_reached();
 }
 void PagedKVCache::cancel_snapshots() { cancel_snapshots(0); }
 void PagedKVCache::cancel_snapshots(SeqId seq) {
@@ -349,11 +393,13 @@ bool PagedKVCache::restore(Snapshot* snapshot, int64_t target) {
 
 bool PagedKVCache::restore(SeqId seq, Snapshot* snapshot, int64_t target) {
   const detail::SnapshotLocks locks(impl_->pool->lock, snapshot);
-  detail::PagedSequence& c = impl_->at(seq);
-  c.schedule.require_idle(detail::kRestore);
+  // Checked on what the sequence is now (an empty one when absent); a sequence is created
+  // only when the restore gives it tokens.
+  const detail::PagedSequence& current = impl_->sequences.peek(seq, detail::kRestore);
+  current.schedule.require_idle(detail::kRestore);
   if (snapshot == nullptr) {
-    if (target < 0 || target > c.offset) return false;
-    c.rewind(target);
+    if (target < 0 || target > current.offset) return false;
+    if (target != current.offset) impl_->sequences.at(seq, detail::kRestore).rewind(target);
     return true;
   }
   detail::require_kv(snapshot, detail::kRestore);
@@ -361,18 +407,20 @@ bool PagedKVCache::restore(SeqId seq, Snapshot* snapshot, int64_t target) {
   if (impl_->pool->has_layout) {
     detail::check_same_layout(impl_->pool->layout, layout, detail::kRestore);
   }
-  if (target < 0 || target > snapshot->to() || c.offset < snapshot->from()) return false;
+  if (target < 0 || target > snapshot->to() || current.offset < snapshot->from()) return false;
   if (target <= snapshot->from()) {
-    c.rewind(target);
+    if (target != current.offset) impl_->sequences.at(seq, detail::kRestore).rewind(target);
     return true;
   }
-  if (!impl_->pool->has_layout) c.adopt(layout);
-  const auto* paged = dynamic_cast<const PagedSnapshot*>(snapshot);
-  if (paged != nullptr && paged->pool() == impl_->pool) {
-    c.splice(*paged, target);
-  } else {
-    c.copy_in(*snapshot, target);
-  }
+  impl_->sequences.change(seq, detail::kRestore, [&](detail::PagedSequence& c) {
+    if (!impl_->pool->has_layout) c.adopt(layout);
+    const auto* paged = dynamic_cast<const PagedSnapshot*>(snapshot);
+    if (paged != nullptr && paged->pool() == impl_->pool) {
+      c.splice(*paged, target);
+    } else {
+      c.copy_in(*snapshot, target);
+    }
+  });
   return true;
 }
 
@@ -422,6 +470,7 @@ std::pair<SnapshotPtr, SnapshotPtr> PagedKVCache::split(SnapshotPtr snapshot, in
   if (snapshot == nullptr) return {nullptr, nullptr};
   const detail::SnapshotLocks locks(impl_->pool->lock, snapshot.get());
   detail::require_kv(snapshot.get(), "PagedKVCache::split");
+  detail::check_split_at(*snapshot, at, "PagedKVCache::split");
   if (at <= snapshot->from()) return {nullptr, std::move(snapshot)};
   if (at >= snapshot->to()) return {std::move(snapshot), nullptr};
   const auto* s = dynamic_cast<const PagedSnapshot*>(snapshot.get());

@@ -70,11 +70,14 @@ class RecurrentCacheImpl {
   Shape conv_shape() const { return {1, conv_tail, conv_dim}; }
   Shape delta_shape() const { return {1, v_heads, v_dim, k_dim}; }
   RecurrentSequence& at(SeqId id) { return sequences.at(id, "RecurrentCache"); }
+  // Sequence `id` for checks: an empty one when absent (none is created).
+  const RecurrentSequence& peek(SeqId id, const char* call) const {
+    return sequences.peek(id, call);
+  }
 
   // Row `row` of `batch` at its sequence's offset; returns its length.
   int64_t check_row(const Batch& batch, int64_t row, const char* call) {
-    const RecurrentSequence* sequence = sequences.find(batch.seq_id(row));
-    const int64_t offset = sequence == nullptr ? 0 : sequence->offset;
+    const int64_t offset = peek(batch.seq_id(row), call).offset;
     if (batch.seq_offsets[static_cast<size_t>(row)] != offset) {
       throw Error(fmt::format("{}: row {} starts at {}; its sequence {} is at offset {}", call, row,
                               batch.seq_offsets[static_cast<size_t>(row)], batch.seq_id(row),
@@ -83,14 +86,20 @@ class RecurrentCacheImpl {
     return batch.seq_query_lens[static_cast<size_t>(row)];
   }
 
-  RecurrentHistory get_row(SeqId id, DType activation, const char* call) {
-    RecurrentSequence& sequence = at(id);
+  // Throws Error naming `call` unless sequence `id`'s state (if any) has `activation`'s dtype.
+  void check_activation(SeqId id, DType activation, const char* call) const {
+    const RecurrentSequence& sequence = peek(id, call);
     if (!sequence.conv.empty() && sequence.conv.dtype() != activation) {
       throw Error(
           fmt::format("{}: activation dtype {} differs from sequence {}'s state {} (fixed "
                       "until reset)",
                       call, dtype_name(activation), id, dtype_name(sequence.conv.dtype())));
     }
+  }
+
+  // Sequence `id`'s state (checked by check_activation), zeros at its first use.
+  RecurrentHistory get_row(SeqId id, DType activation, const char* call) {
+    RecurrentSequence& sequence = sequences.at(id, call);
     if (sequence.conv.empty()) {
       sequence.conv = Array::zeros(activation, conv_shape());
       sequence.delta = Array::zeros(DType::f32, delta_shape());
@@ -162,6 +171,13 @@ class RecurrentCacheImpl {
     return sequence->schedule.interior(sequence->offset, sequence->offset + forward_len);
   }
 
+  // Sequence `id`, or null when it has none (a take of an absent sequence gives nothing);
+  // throws Error naming `call` for an id out of range.
+  RecurrentSequence* find(SeqId id, const char* call) {
+    Sequences<RecurrentSequence>::check_id(id, call);
+    return sequences.find(id);
+  }
+
   // Throws Error naming `call` unless `s` has this cache's shapes, and the live state's
   // activation dtype when there is a live state.
   void check_fits(const RecurrentSequence& sequence, const RecurrentSnapshot& s,
@@ -231,7 +247,10 @@ RecurrentHistory RecurrentCache::get(const Batch& batch, DType activation_dtype)
   if (activation_dtype == DType::i32) {
     throw Error("RecurrentCache::get: activation dtype i32 is not a float dtype");
   }
-  for (int64_t b = 0; b < batch.batch_size(); ++b) (void)impl_->check_row(batch, b, kCall);
+  for (int64_t b = 0; b < batch.batch_size(); ++b) {
+    (void)impl_->check_row(batch, b, kCall);
+    impl_->check_activation(batch.seq_id(b), activation_dtype, kCall);
+  }
   if (batch.batch_size() == 1) return impl_->get_row(batch.seq_id(0), activation_dtype, kCall);
   std::vector<RecurrentHistory> rows;
   for (int64_t b = 0; b < batch.batch_size(); ++b) {
@@ -315,7 +334,7 @@ std::vector<SeqId> RecurrentCache::sequences() const {
 SnapshotPtr RecurrentCache::snapshot(int64_t from_offset) { return snapshot(0, from_offset); }
 SnapshotPtr RecurrentCache::snapshot(SeqId seq, int64_t from_offset) {
   const Guard guard(impl_->lock);
-  const detail::RecurrentSequence& sequence = impl_->at(seq);
+  const detail::RecurrentSequence& sequence = impl_->peek(seq, "RecurrentCache::snapshot");
   if (from_offset < 0 || from_offset > sequence.offset) {
     throw Error(
         fmt::format("RecurrentCache::snapshot: from_offset {} out of range [0, {}] (the "
@@ -329,23 +348,32 @@ void RecurrentCache::prepare_snapshots(std::span<const int64_t> offsets) {
   prepare_snapshots(0, offsets);
 }
 void RecurrentCache::prepare_snapshots(SeqId seq, std::span<const int64_t> offsets) {
+  constexpr const char* call = "RecurrentCache::prepare_snapshots";
   const Guard guard(impl_->lock);
-  detail::RecurrentSequence& sequence = impl_->at(seq);
-  sequence.schedule.prepare(offsets, sequence.offset, "RecurrentCache::prepare_snapshots");
-  sequence.capture_reached();
+  const detail::RecurrentSequence& current = impl_->peek(seq, call);
+  current.schedule.check(offsets, current.offset, call);
+  impl_->sequences.change(seq, call, [&](detail::RecurrentSequence& sequence) {
+    sequence.schedule.prepare(offsets, sequence.offset, call);
+    sequence.capture_reached();
+  });
 }
 
 std::vector<SnapshotPtr> RecurrentCache::take_snapshots() { return take_snapshots(0); }
 std::vector<SnapshotPtr> RecurrentCache::take_snapshots(SeqId seq) {
   const Guard guard(impl_->lock);
-  detail::RecurrentSequence& sequence = impl_->at(seq);
-  return sequence.schedule.take(sequence.offset, "RecurrentCache::take_snapshots");
+  detail::RecurrentSequence* sequence = impl_->find(seq, "RecurrentCache::take_snapshots");
+  if (sequence == nullptr) return {};
+  return sequence->schedule.take(sequence->offset, "RecurrentCache::take_snapshots");
 }
 
 void RecurrentCache::take_snapshots_into(SeqId seq, std::vector<SnapshotPtr>& into) {
   const Guard guard(impl_->lock);
-  detail::RecurrentSequence& sequence = impl_->at(seq);
-  sequence.schedule.take_into(into, sequence.offset, "RecurrentCache::take_snapshots");
+  detail::RecurrentSequence* sequence = impl_->find(seq, "RecurrentCache::take_snapshots");
+  if (sequence == nullptr) {
+    into.clear();
+    return;
+  }
+  sequence->schedule.take_into(into, sequence->offset, "RecurrentCache::take_snapshots");
 }
 
 std::vector<SnapshotPtr> RecurrentCache::take_reached_snapshots() {
@@ -353,7 +381,9 @@ std::vector<SnapshotPtr> RecurrentCache::take_reached_snapshots() {
 }
 std::vector<SnapshotPtr> RecurrentCache::take_reached_snapshots(SeqId seq) {
   const Guard guard(impl_->lock);
-  return impl_->at(seq).schedule.take_reached();
+  detail::RecurrentSequence* sequence = impl_->find(seq, "RecurrentCache::take_reached_snapshots");
+  if (sequence == nullptr) return {};
+  return sequence->schedule.take_reached();
 }
 
 void RecurrentCache::cancel_snapshots() { cancel_snapshots(0); }
@@ -366,16 +396,21 @@ bool RecurrentCache::restore(Snapshot* snapshot, int64_t target) {
   return restore(0, snapshot, target);
 }
 bool RecurrentCache::restore(SeqId seq, Snapshot* snapshot, int64_t target) {
+  constexpr const char* call = "RecurrentCache::restore";
   const Guard guard(impl_->lock);
-  detail::RecurrentSequence& sequence = impl_->at(seq);
-  sequence.schedule.require_idle("RecurrentCache::restore");
-  if (snapshot == nullptr) return target == sequence.offset;
-  RecurrentSnapshot& s = *detail::as_recurrent_snapshot(snapshot, "RecurrentCache::restore");
-  impl_->check_fits(sequence, s, "RecurrentCache::restore");
+  // Checked on what the sequence is now (an empty one when absent); a sequence is created
+  // only when the restore gives it a state.
+  const detail::RecurrentSequence& current = impl_->peek(seq, call);
+  current.schedule.require_idle(call);
+  if (snapshot == nullptr) return target == current.offset;
+  RecurrentSnapshot& s = *detail::as_recurrent_snapshot(snapshot, call);
+  impl_->check_fits(current, s, call);
   if (target != s.at) return false;
-  sequence.conv = s.conv;  // immutable values: sharing is a restore without a copy
-  sequence.delta = s.delta;
-  sequence.offset = target;
+  impl_->sequences.change(seq, call, [&](detail::RecurrentSequence& sequence) {
+    sequence.conv = s.conv;  // immutable values: sharing is a restore without a copy
+    sequence.delta = s.delta;
+    sequence.offset = target;
+  });
   return true;
 }
 

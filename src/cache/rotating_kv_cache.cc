@@ -279,8 +279,10 @@ int64_t RotatingKVCache::exposed_bytes(SeqId seq) const { return impl_->exposed_
 SnapshotPtr RotatingKVCache::snapshot(int64_t from_offset) { return snapshot(0, from_offset); }
 SnapshotPtr RotatingKVCache::snapshot(SeqId seq, int64_t from_offset) {
   const Guard guard(impl_->lock);
+  const detail::RotatingSequence& current = impl_->peek(seq);
+  current.check_snapshot_from(from_offset);
+  if (current.offset == 0) return nullptr;  // the empty state (all an absent sequence holds)
   detail::RotatingSequence& sequence = impl_->at(seq);
-  sequence.check_snapshot_from(from_offset);
   return sequence.capture_window(sequence.offset);
 }
 
@@ -309,22 +311,30 @@ bool RotatingKVCache::restore(Snapshot* snapshot, int64_t target) {
 }
 
 bool RotatingKVCache::restore(SeqId seq, Snapshot* snapshot, int64_t target) {
+  constexpr const char* call = "RotatingKVCache::restore";
   const detail::SnapshotLocks locks(impl_->lock, snapshot);
-  detail::RotatingSequence& c = impl_->at(seq);
-  c.require_idle();
+  // Checked on what the sequence is now (an empty one when absent); a sequence is created
+  // only when the restore gives it tokens.
+  const detail::RotatingSequence& current = impl_->peek(seq);
+  current.require_idle();
   if (snapshot == nullptr) {
     // Exact only while nothing was evicted: then the window holds every position [0, offset).
-    if (c.offset > c.max_size || target < 0 || target > c.offset) return false;
+    if (current.offset > current.max_size || target < 0 || target > current.offset) return false;
+    if (target == current.offset && current.length == target) return true;
+    detail::RotatingSequence& c = impl_->at(seq);
     c.length = target;
     c.offset = target;
     return true;
   }
-  KVStateSnapshot& s = *detail::as_window(snapshot, "RotatingKVCache::restore");
-  detail::check_fits(c, s, "RotatingKVCache::restore");
-  if (target < 0 || target > s.end || (target < s.end && s.end > c.max_size)) return false;
-  // Clamping below the end keeps positions [0, target): the window then starts at position 0.
-  if (!c.store.has_layout) c.store.adopt_layout(s.layout);
-  c.restore_window(s, target < s.end ? target : s.tokens(), target);
+  KVStateSnapshot& s = *detail::as_window(snapshot, call);
+  detail::check_fits(current, s, call);
+  if (target < 0 || target > s.end || (target < s.end && s.end > current.max_size)) return false;
+  if (target == 0 && current.offset == 0) return true;  // empty, and stays so
+  impl_->sequences.change(seq, call, [&](detail::RotatingSequence& c) {
+    // Clamping below the end keeps positions [0, target): the window then starts at position 0.
+    if (!c.store.has_layout) c.store.adopt_layout(s.layout);
+    c.restore_window(s, target < s.end ? target : s.tokens(), target);
+  });
   return true;
 }
 

@@ -20,18 +20,44 @@ template <class Seq>
 class Sequences {
  public:
   using Make = std::function<std::unique_ptr<Seq>()>;
-  explicit Sequences(Make make) : make_(std::move(make)) {}
+  explicit Sequences(Make make) : make_(std::move(make)), empty_(make_()) {}
 
-  // The state of sequence `id`, created (empty) on first use. Throws Error naming `call` for an
-  // id outside [0, kMaxSequences).
-  Seq& at(SeqId id, const char* call) {
+  // Throws Error naming `call` for an id outside [0, kMaxSequences).
+  static void check_id(SeqId id, const char* call) {
     if (id < 0 || id >= kMaxSequences) {
       throw Error(fmt::format("{}: sequence id {} outside [0, {})", call, id, kMaxSequences));
     }
+  }
+  // The state of sequence `id`, created (empty) when it has none: only for a call that has
+  // checked everything and now changes the sequence (see change()). Throws Error naming `call`
+  // for an id outside [0, kMaxSequences).
+  Seq& at(SeqId id, const char* call) {
+    check_id(id, call);
     if (static_cast<size_t>(id) >= by_id_.size()) by_id_.resize(static_cast<size_t>(id) + 1);
     std::unique_ptr<Seq>& slot = by_id_[static_cast<size_t>(id)];
     if (slot == nullptr) slot = make_();
     return *slot;
+  }
+  // The state of sequence `id` for checks: an absent sequence reads as an empty one, and none
+  // is created (a call that fails or changes nothing leaves no new sequence). Throws Error
+  // naming `call` for an id outside [0, kMaxSequences).
+  const Seq& peek(SeqId id, const char* call) const {
+    check_id(id, call);
+    const Seq* sequence = find(id);
+    return sequence != nullptr ? *sequence : *empty_;
+  }
+  // Runs `change(at(id, call))` and returns its result; when that throws, a sequence it created
+  // is dropped again.
+  template <class Change>
+  decltype(auto) change(SeqId id, const char* call, Change&& change) {
+    if (find(id) != nullptr) return change(*find(id));
+    Seq& created = at(id, call);
+    try {
+      return change(created);
+    } catch (...) {
+      by_id_[static_cast<size_t>(id)].reset();
+      throw;
+    }
   }
   // The state of sequence `id`, or null when it has none.
   Seq* find(SeqId id) const {
@@ -47,6 +73,7 @@ class Sequences {
 
  private:
   Make make_;
+  std::unique_ptr<const Seq> empty_;  // what peek() gives for an absent sequence
   std::vector<std::unique_ptr<Seq>> by_id_;
 };
 

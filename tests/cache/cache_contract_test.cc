@@ -266,5 +266,70 @@ TYPED_TEST(CacheContract, ExposedBytesBoundWhatWritesAddToSnapshots) {
   }
 }
 
+// Calls that fail, return false or change nothing leave no sequence behind: sequences() lists
+// the sequences that hold state, and "changes nothing" includes the sequence table.
+TYPED_TEST(CacheContract, CallsThatFailOrChangeNothingCreateNoSequence) {
+  this->write(2);
+  Cache& cache = *this->cache;
+  const std::vector<SeqId> only_zero{0};
+  EXPECT_FALSE(cache.restore(7, nullptr, 5));  // unreachable
+  EXPECT_TRUE(cache.restore(8, nullptr, 0));   // already there: nothing to do
+  EXPECT_TRUE(throws_error([&] { (void)cache.snapshot(9, 3); }, {"snapshot", "from_offset 3"}));
+  EXPECT_EQ(cache.snapshot(9, 0), nullptr);
+  const std::vector<int64_t> descending{3, 2};
+  EXPECT_TRUE(throws_error([&] { cache.prepare_snapshots(11, descending); },
+                           {"prepare_snapshots", "ascending"}));
+  EXPECT_TRUE(cache.take_snapshots(12).empty());
+  EXPECT_TRUE(cache.take_reached_snapshots(12).empty());
+  std::vector<SnapshotPtr> into;
+  cache.take_snapshots_into(12, into);
+  EXPECT_TRUE(into.empty());
+  cache.cancel_snapshots(13);
+  cache.reset(13);
+  // The largest id: no sequence (and no table of a million entries grown for it).
+  EXPECT_FALSE(cache.restore((SeqId(1) << 20) - 1, nullptr, 1));
+  EXPECT_EQ(cache.sequences(), only_zero);
+  EXPECT_EQ(cache.offset(7), 0);
+  // Ids out of range are still refused.
+  EXPECT_TRUE(throws_error([&] { (void)cache.restore(SeqId(1) << 20, nullptr, 0); },
+                           {"sequence id 1048576", "outside"}));
+  EXPECT_TRUE(throws_error([&] { (void)cache.take_snapshots(-1); }, {"sequence id -1"}));
+  // A restore that gives a fresh sequence a state does create it.
+  SnapshotPtr s = cache.snapshot(0);
+  ASSERT_TRUE(cache.restore(3, s.get(), 2));
+  EXPECT_EQ(cache.sequences(), (std::vector<SeqId>{0, 3}));
+  EXPECT_EQ(cache.offset(3), 2);
+  // So does a schedule prepared for one (it holds the schedule).
+  const std::vector<int64_t> ahead{4};
+  cache.prepare_snapshots(4, ahead);
+  EXPECT_EQ(cache.sequences(), (std::vector<SeqId>{0, 3, 4}));
+  cache.cancel_snapshots(4);
+}
+
+// A batch whose second row is misplaced: the refusal names that row and its sequence, and the
+// first row's new sequence is not created.
+TYPED_TEST(CacheContract, RefusedBatchNamesTheRowAndCreatesNoSequence) {
+  this->write(2);
+  const std::vector<SeqId> only_zero{0};
+  const Batch batch = Batch::rows({{5, 0, {1, 1}}, {0, 7, {1, 1}}});
+  if constexpr (std::is_base_of_v<Attention, typename TypeParam::Type>) {
+    Attention& cache = *this->cache;
+    const std::vector<int64_t> ids = id_range(20, 2);
+    EXPECT_TRUE(throws_error([&] { (void)cache.update(batch, kv.keys(ids, 2), kv.values(ids, 2)); },
+                             {"::update", "row 1 starts at 7", "its sequence 0 is at offset 2"}));
+  } else {
+    RecurrentCache& cache = *this->cache;
+    EXPECT_TRUE(throws_error([&] { (void)cache.get(batch, DType::f32); },
+                             {"RecurrentCache::get", "row 1 starts at 7", "sequence 0"}));
+    // Both rows placed, but row 1's sequence holds f32 state: refused before row 0's sequence
+    // gets one.
+    const Batch placed = Batch::rows({{5, 0, {1, 1}}, {0, 2, {1, 1}}});
+    EXPECT_TRUE(throws_error([&] { (void)cache.get(placed, DType::f16); },
+                             {"RecurrentCache::get", "activation dtype f16", "sequence 0"}));
+  }
+  EXPECT_EQ(this->cache->sequences(), only_zero);
+  EXPECT_EQ(this->cache->offset(), 2);
+}
+
 }  // namespace
 }  // namespace kvsnap

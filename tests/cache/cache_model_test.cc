@@ -401,6 +401,10 @@ class Driver {
     if (pool_.empty()) return;
     Expected whole = take(random(pool_.size()));
     const int64_t at = whole.from - 1 + random(whole.to - whole.from + 3);
+    if (model_.kv_ranges() && (at < whole.from || at > whole.to)) {  // refused (and consumed)
+      EXPECT_THROW((void)model_.cache().split(std::move(whole.snapshot), at), Error);
+      return;
+    }
     auto [before, after] = model_.cache().split(std::move(whole.snapshot), at);
     if (!model_.kv_ranges()) {
       ASSERT_EQ(before, nullptr);

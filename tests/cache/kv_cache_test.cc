@@ -2,6 +2,13 @@
 #include <kvsnap/kv_cache.h>
 #include <kvsnap/paged_kv_cache.h>
 #include <kvsnap/rotating_kv_cache.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <functional>
+#include <new>
 
 #include "cache/snapshot_record.h"
 #include "support/cache_support.h"
@@ -391,16 +398,35 @@ TEST(KVCache, SplitOfALazySnapshotIsArithmetic) {
   EXPECT_EQ(after->to(), 10);
 }
 
-TEST(KVCache, SplitAtOrOutsideTheEdgesKeepsTheWhole) {
+TEST(KVCache, SplitAtTheEdgesKeepsTheWhole) {
   KVCache cache;
   write(cache, kv, id_range(0, 10));
   auto [none_before, whole] = cache.split(cache.snapshot(2), 2);
   EXPECT_EQ(none_before, nullptr);
   EXPECT_EQ(whole->from(), 2);
-  auto [whole_again, none_after] = cache.split(std::move(whole), 12);
+  auto [whole_again, none_after] = cache.split(std::move(whole), 10);
   EXPECT_EQ(none_after, nullptr);
   EXPECT_EQ(whole_again->to(), 10);
   EXPECT_EQ(cache.split(nullptr, 3).first, nullptr);
+}
+
+// A range splits only at an offset in [from, to]: any other is refused, not clamped to the
+// nearer end (the caller asked for a cut the range cannot have).
+TEST(KVCache, SplitOutsideTheRangeIsRefused) {
+  KVCache cache;
+  write(cache, kv, id_range(0, 10));
+  EXPECT_TRUE(throws_error([&] { (void)cache.split(cache.snapshot(2), 12); },
+                           {"KVCache::split", "at 12", "[2, 10)"}));
+  EXPECT_TRUE(throws_error([&] { (void)cache.split(cache.snapshot(2), 1); },
+                           {"KVCache::split", "at 1", "[2, 10)"}));
+  PagedKVCache paged({.block_tokens = 4});
+  write(paged, kv, id_range(0, 10));
+  EXPECT_TRUE(throws_error([&] { (void)paged.split(paged.snapshot(2), 11); },
+                           {"PagedKVCache::split", "at 11", "[2, 10)"}));
+  EXPECT_TRUE(throws_error([&] { (void)paged.split(cache.snapshot(2), 0); },
+                           {"PagedKVCache::split", "at 0", "[2, 10)"}));
+  EXPECT_EQ(cache.offset(), 10);
+  EXPECT_EQ(paged.offset(), 10);
 }
 
 TEST(KVCache, SplitThenMergeRoundTripsTheData) {
@@ -503,13 +529,14 @@ TEST(KVCacheErrors, BadUpdatesThrowAndChangeNothing) {
   // Batch offset disagrees with the cache.
   EXPECT_TRUE(
       throws_error([&] { cache.update(Batch::uniform(1, 2, 3), kv.keys(ids), kv.values(ids)); },
-                   {"KVCache::update", "starts at 3", "cache offset 5"}));
+                   {"KVCache::update", "row 0 starts at 3", "its sequence 0 is at offset 5"}));
   // A second row whose sequence (1, empty) is not at the row's offset: nothing is written, not
   // even the first row's tokens (every row is checked before any is written).
   EXPECT_TRUE(throws_error(
       [&] { cache.update(Batch::uniform(2, 2, 5), kv.keys(ids, 2), kv.values(ids, 2)); },
-      {"KVCache::update", "starts at 5", "cache offset 0"}));
+      {"KVCache::update", "row 1 starts at 5", "its sequence 1 is at offset 0"}));
   EXPECT_EQ(cache.offset(1), 0);
+  EXPECT_EQ(cache.sequences(), std::vector<SeqId>{0});
   // Dtype change mid-sequence.
   const TokenKV half{.dtype = DType::f16};
   EXPECT_TRUE(
@@ -644,6 +671,126 @@ TEST(KVCache, RowsOfABatchWithoutIdsKeepTheBatchsColumns) {
     EXPECT_EQ(column_ids(history.row(0)), (std::vector<int64_t>{10, 11}));
     EXPECT_EQ(column_ids(history.row(1)), (std::vector<int64_t>{20}));
   }
+}
+
+// ---- running out of memory ----------------------------------------------------------------
+
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kAddressSanitizer = true;  // it aborts on impossible sizes and ignores RLIMIT_AS
+#else
+constexpr bool kAddressSanitizer = false;
+#endif
+
+// Runs `body` in a forked child whose address space may grow by at most `headroom` bytes more
+// than it has at the fork; returns the child's exit status (body's result), or -1 if it died.
+int run_with_headroom(int64_t headroom, const std::function<int()>& body) {
+  const pid_t child = ::fork();
+  if (child == 0) {
+    trim_pool();  // no pooled buffer to reuse: whatever the body allocates is mapped anew
+    int64_t pages = 0;
+    std::ifstream("/proc/self/statm") >> pages;
+    const auto limit = static_cast<rlim_t>(pages * ::sysconf(_SC_PAGESIZE) + headroom);
+    const rlimit rl{limit, limit};
+    ::setrlimit(RLIMIT_AS, &rl);
+    int result = 3;
+    try {
+      result = body();
+    } catch (...) {  // never back into the test runner from the child
+    }
+    ::_exit(result);
+  }
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+// A reservation that fails to grow a sequence (std::bad_alloc: 2^55 tokens of 2^5 key bytes is
+// a size no machine maps) raises nothing: later sequences' first updates are not held to it.
+TEST(KVCacheMemory, FailedReserveRaisesNothing) {
+  if (kAddressSanitizer) GTEST_SKIP() << "AddressSanitizer aborts on the impossible size";
+  KVCache cache;
+  write(cache, kv, id_range(0, 3));
+  EXPECT_THROW(cache.reserve(int64_t(1) << 55), std::bad_alloc);
+  EXPECT_EQ(cache.capacity(), KVCache::kStep);
+  EXPECT_EQ(held(cache), id_range(0, 3));
+  const auto ids = id_range(10, 2);
+  EXPECT_NO_THROW((void)cache.update(Batch::rows({{1, 0, {1, 1}}}), kv.keys(ids), kv.values(ids)));
+  EXPECT_EQ(cache.offset(1), 2);
+  cache.reserve(600);  // a reservation that fits still holds, at once and for new sequences
+  EXPECT_EQ(cache.capacity(), 768);
+  (void)cache.update(Batch::rows({{2, 0, {1, 1}}}), kv.keys(ids), kv.values(ids));
+  (void)cache.restore(2, nullptr, 0);
+  EXPECT_EQ(cache.sequences(), (std::vector<SeqId>{0, 1, 2}));
+}
+
+// Wide tokens (16 heads x 256 f32 keys and values: 32 KiB a token), so growing a sequence or a
+// pool maps megabytes while the rest of a test's allocations fit in far less.
+const TokenKV wide{.heads = 16, .depth = 256};
+
+// A two-row update whose second row cannot get its memory writes neither row: every row's
+// room (buffer growth, lazy data the write overwrites) is allocated before any row is written.
+TEST(KVCacheMemory, MultiRowUpdateThatRunsOutOfMemoryWritesNoRow) {
+  if (kAddressSanitizer) GTEST_SKIP() << "AddressSanitizer ignores RLIMIT_AS";
+  KVCache cache;
+  write(cache, wide, id_range(0, 3));  // sequence 0
+  (void)cache.update(Batch::rows({{1, 0, {1, 1, 1}}}), wide.keys(id_range(100, 3)),
+                     wide.values(id_range(100, 3)));  // sequence 1
+  SnapshotPtr s = cache.snapshot(0);
+  ASSERT_TRUE(cache.restore(nullptr, 1));  // row 0's write copies part of `s` out first
+  // Row 0: 2 tokens of sequence 0 (no growth). Row 1: 254 tokens of sequence 1, past its 256
+  // columns: growth to 512 columns, 16 MiB, more than the child may map.
+  const int64_t length = 254;
+  std::vector<int64_t> ids = id_range(50, length);
+  Array keys = Array::zeros(DType::f32, {2, wide.heads, length, wide.depth});
+  Array values = Array::zeros(DType::f32, {2, wide.heads, length, wide.depth});
+  keys.assign_slice(0, 0, wide.keys(ids));
+  values.assign_slice(0, 0, wide.values(ids));
+  keys.assign_slice(0, 1, wide.keys(ids));
+  values.assign_slice(0, 1, wide.values(ids));
+  std::vector<int32_t> two(2, 1), many(static_cast<size_t>(length), 1);
+  const Batch batch = Batch::rows({{0, 1, two}, {1, 3, many}});
+  const int status = run_with_headroom(int64_t(4) << 20, [&] {
+    try {
+      (void)cache.update(batch, keys, values);
+      return 2;  // the limit did not bite
+    } catch (const std::bad_alloc&) {
+    }
+    const bool unchanged =
+        cache.offset(0) == 1 && cache.offset(1) == 3 && held(cache) == id_range(0, 1) &&
+        cache.sequences() == std::vector<SeqId>{0, 1} && s->from() == 0 && s->to() == 3;
+    return unchanged ? 0 : 1;
+  });
+  EXPECT_EQ(status, 0) << "1: a row was written; 2: no std::bad_alloc; 3: another exception";
+}
+
+// The same for a paged cache: the pool holds every block the rows take before any is written.
+TEST(KVCacheMemory, PagedMultiRowUpdateThatRunsOutOfMemoryWritesNoRow) {
+  if (kAddressSanitizer) GTEST_SKIP() << "AddressSanitizer ignores RLIMIT_AS";
+  // Chunks of 64 blocks of 4 tokens: 8 MiB a chunk.
+  PagedKVCache cache({.block_tokens = 4, .blocks_per_chunk = 64});
+  write(cache, wide, id_range(0, 3));  // sequence 0: one block, partly written
+  const int64_t length = 63 * 4;       // sequence 1: the chunk's 63 other blocks
+  std::vector<int32_t> many(static_cast<size_t>(length), 1);
+  (void)cache.update(Batch::rows({{1, 0, many}}), wide.keys(id_range(100, length)),
+                     wide.values(id_range(100, length)));
+  ASSERT_EQ(cache.pool_stats().blocks, 64);
+  ASSERT_EQ(cache.pool_stats().blocks_in_use, 64);
+  // Row 0 fits in sequence 0's block; row 1 needs a new block: a new chunk.
+  const auto ids = id_range(50, 1);
+  const Batch batch = Batch::rows({{0, 3, {1}}, {1, length, {1}}});
+  const Array keys = wide.keys(ids, 2), values = wide.values(ids, 2);
+  const int status = run_with_headroom(int64_t(2) << 20, [&] {
+    try {
+      (void)cache.update(batch, keys, values);
+      return 2;
+    } catch (const std::bad_alloc&) {
+    }
+    const bool unchanged =
+        cache.offset(0) == 3 && cache.offset(1) == length && cache.pool_stats().blocks == 64 &&
+        column_ids(cache.view(Batch::rows({{0, 3, {}}})).contiguous()) == id_range(0, 3);
+    return unchanged ? 0 : 1;
+  });
+  EXPECT_EQ(status, 0) << "1: a row was written; 2: no std::bad_alloc; 3: another exception";
 }
 
 }  // namespace

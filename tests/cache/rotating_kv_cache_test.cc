@@ -358,9 +358,9 @@ TEST(RotatingKVCacheErrors, MisuseThrowsAndChangesNothing) {
   EXPECT_TRUE(throws_error([&] { (void)cache.merge(std::move(foreign), nullptr); },
                            {"RotatingKVCache::merge"}));
   const auto ids = id_range(5, 2);
-  EXPECT_TRUE(
-      throws_error([&] { cache.update(Batch::uniform(1, 2, 4), kv.keys(ids), kv.values(ids)); },
-                   {"RotatingKVCache::update", "cache offset 5"}));
+  EXPECT_TRUE(throws_error(
+      [&] { cache.update(Batch::uniform(1, 2, 4), kv.keys(ids), kv.values(ids)); },
+      {"RotatingKVCache::update", "row 0 starts at 4", "its sequence 0 is at offset 5"}));
   const std::vector<int64_t> passed{3};
   EXPECT_TRUE(throws_error([&] { cache.prepare_snapshots(passed); },
                            {"RotatingKVCache::prepare_snapshots", "already passed"}));
