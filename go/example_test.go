@@ -57,6 +57,6 @@ func ExampleError() {
 	offset, _ := cache.Offset()
 	fmt.Println("offset:", offset)
 	// Output:
-	// KVCache::update: row 0 starts at 5 with 1 tokens; every row must start at the cache offset 0 with 1 tokens
+	// KVCache::update: row 0 starts at 5 with 1 tokens; its sequence 0 is at offset 0 (every row must start at its sequence's offset)
 	// offset: 0
 }

@@ -82,21 +82,29 @@ func newHistory(call string, ptr *C.kvsnap_history) (*History, error) {
 		}
 		h.Keys, h.Values = newArray(plain.keys), newArray(plain.values)
 	}
-	runtime.SetFinalizer(h, (*History).Close)
+	runtime.SetFinalizer(h, (*History).free)
 	return h, nil
 }
 
-// Close releases the history (and its Keys and Values). Safe to call twice.
+// Close releases the history and its Keys and Values. Safe to call twice.
 func (h *History) Close() {
 	if h == nil {
 		return
 	}
+	h.free()
+	// Outside the history's lock: a call holding an array's lock that waits for the history's
+	// (SDPA with q = h.Keys) would otherwise deadlock against this.
+	h.Keys.Close()
+	h.Values.Close()
+}
+
+// free releases the C history only (the finalizer's part): Keys and Values the caller took out
+// live on, closed by their own Close or finalizers.
+func (h *History) free() {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	C.kvsnap_history_destroy(h.ptr)
 	h.ptr = nil
-	h.Keys.Close()
-	h.Values.Close()
 }
 
 func (h *History) use(call string, f func(*C.kvsnap_history) error) error {

@@ -3,7 +3,9 @@ package kvsnap
 import (
 	"errors"
 	"math"
+	"runtime"
 	"testing"
+	"time"
 )
 
 // attend is attention computed here: q [Hq, depth] of a query at position query over a
@@ -192,5 +194,65 @@ func TestHistoriesInPlaceAndSDPA(t *testing.T) {
 	}
 	if _, err := SDPA(nil, q, ragged, Mask{}, scale); !errors.Is(err, ErrInvalidArgument) {
 		t.Fatalf("a nil batch: %v", err)
+	}
+}
+
+// Keys taken out of a history outlive it: the history's finalizer frees only the C history.
+func TestKeysOutliveTheirHistory(t *testing.T) {
+	c, err := NewKVCache()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	keys := func() *Array {
+		h := write(t, c, 0, []int32{1, 2, 3})
+		return h.Keys // h unreachable from here on
+	}()
+	for i := 0; i < 10; i++ { // finalizers run on their own goroutine, after a collection
+		runtime.GC()
+		time.Sleep(10 * time.Millisecond)
+	}
+	data, _, err := keys.Float32s()
+	if err != nil || data[0] != key(1, 0, 0, 0) {
+		t.Fatalf("keys after their history was collected: %v %v", err, data)
+	}
+	keys.Close()
+}
+
+// SDPA with the history's own keys as queries, racing the history's Close: one order of locks.
+func TestSDPARacingCloseDoesNotDeadlock(t *testing.T) {
+	c, err := NewKVCache()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	write(t, c, 0, []int32{1, 2, 3}).Close()
+	batch := UniformBatch(1, 3, 0)
+	for i := 0; i < 20000; i++ {
+		h, err := c.View(batch)
+		if err != nil {
+			t.Fatal(err)
+		}
+		start, done := make(chan struct{}), make(chan struct{}, 2)
+		go func() {
+			<-start
+			if out, err := SDPA(batch, h.Keys, h, Mask{Causal: true}, 0.5); err == nil {
+				out.Close()
+			}
+			done <- struct{}{}
+		}()
+		go func() {
+			<-start
+			h.Close()
+			done <- struct{}{}
+		}()
+		close(start)
+		for k := 0; k < 2; k++ {
+			select {
+			case <-done:
+			case <-time.After(10 * time.Second):
+				t.Fatalf("round %d: SDPA and Close deadlocked", i)
+			}
+		}
 	}
 }

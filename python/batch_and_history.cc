@@ -106,7 +106,7 @@ void bind_mask(py::module_& m) {
            "Whether the positional rules let position `query` see `key`.");
 }
 
-void bind_histories(py::module_& m) {
+void bind_paged_columns(py::module_& m) {
   py::class_<PagedColumns>(m, "PagedColumns", R"(A paged history's blocks, for an engine's own
 paged attention kernel.
 
@@ -134,7 +134,10 @@ and T = block_tokens. key_chunks and value_chunks are read-only numpy views
         for (const Array& a : p.value_chunks) out.append(to_numpy(a, false));
         return out;
       });
+}
 
+void bind_histories(py::module_& m) {
+  bind_paged_columns(m);
   py::class_<KVHistory>(m, "KVHistory", R"(Keys and values a cache hands back for attention.
 
 keys [B, H, K, D] and values [B, H, K, Dv] are read-only numpy views of the cache's buffers (no

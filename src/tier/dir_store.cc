@@ -134,8 +134,11 @@ void DirStore::probe(std::span<const std::string> sets, std::span<const std::str
   }
   for (size_t i = 0; i < keys.size(); ++i) {
     check_time(deadline);
-    // What fetch would read: a regular file, not a link to one.
-    exists[i] = fs::is_regular_file(fs::symlink_status(path(keys[i]), error));
+    // What fetch would read: a regular file, not a link to one, of at most the largest object.
+    const std::string file = path(keys[i]);
+    exists[i] = fs::is_regular_file(fs::symlink_status(file, error)) &&
+                fs::file_size(file, error) <= static_cast<uintmax_t>(kMaximumObjectBytes) &&
+                !error;
   }
 }
 
@@ -154,8 +157,13 @@ int64_t DirStore::write(const WriteBatch& batch, Deadline deadline) {
     check_time(deadline);
     (void)::unlink(path(key).c_str());  // a name gone already, or never there: nothing to do
   }
+  int64_t refused = 0;
   for (const auto& [key, value] : batch.objects) {
     check_time(deadline);
+    if (static_cast<int64_t>(value.size()) > kMaximumObjectBytes) {
+      ++refused;  // never read back (as Redis refuses values over its limit)
+      continue;
+    }
     try {
       write_file_atomically(path(key), value);
     } catch (const Error& e) {
@@ -166,7 +174,7 @@ int64_t DirStore::write(const WriteBatch& batch, Deadline deadline) {
     check_time(deadline);
     add_member(path(set), member);
   }
-  return 0;
+  return refused;
 }
 
 }  // namespace kvsnap::detail

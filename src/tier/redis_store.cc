@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 #include <hiredis/hiredis.h>
 #include <poll.h>
+#include <pthread.h>
+#include <signal.h>
 
 #include <cerrno>
 #include <charconv>
@@ -53,6 +55,42 @@ std::string percent_decode(const std::string& address, std::string_view text) {
   }
   return out;
 }
+
+// SIGPIPE blocked on this thread while it lives. A write to a connection the server has closed
+// (its idle timeout, a restart) fails with EPIPE and raises SIGPIPE, whose default action kills
+// the process: hiredis writes with plain write(). A SIGPIPE raised meanwhile is taken from this
+// thread's pending signals before the old mask returns (one pending before is left alone), and
+// errno is kept for the caller. The process's signal dispositions are the application's.
+class NoSigpipe {
+ public:
+  NoSigpipe() {
+    sigemptyset(&pipe_);
+    sigaddset(&pipe_, SIGPIPE);
+    sigset_t pending;
+    sigpending(&pending);
+    was_pending_ = sigismember(&pending, SIGPIPE) == 1;
+    blocked_ = pthread_sigmask(SIG_BLOCK, &pipe_, &old_) == 0;
+  }
+  ~NoSigpipe() {
+    if (!blocked_) return;
+    const int saved = errno;
+    sigset_t pending;
+    sigpending(&pending);
+    if (!was_pending_ && sigismember(&pending, SIGPIPE) == 1) {
+      const timespec now{0, 0};
+      while (sigtimedwait(&pipe_, nullptr, &now) < 0 && errno == EINTR) {
+      }
+    }
+    pthread_sigmask(SIG_SETMASK, &old_, nullptr);
+    errno = saved;
+  }
+  NoSigpipe(const NoSigpipe&) = delete;
+  NoSigpipe& operator=(const NoSigpipe&) = delete;
+
+ private:
+  sigset_t pipe_{}, old_{};
+  bool was_pending_ = false, blocked_ = false;
+};
 
 timeval remaining(Deadline deadline) {
   const auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - Clock::now());
@@ -207,7 +245,12 @@ std::vector<RedisStore::Reply> RedisStore::round_trip(const std::vector<Command>
   // the call as long as it keeps dripping.
   for (int sent = 0; sent == 0;) {
     await(POLLOUT, deadline);
-    if (redisBufferWrite(context_, &sent) != REDIS_OK) fail_io(deadline);
+    bool written = false;
+    {
+      const NoSigpipe quiet;
+      written = redisBufferWrite(context_, &sent) == REDIS_OK;
+    }
+    if (!written) fail_io(deadline);
   }
   std::vector<Reply> replies;
   replies.reserve(commands.size());

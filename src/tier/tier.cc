@@ -86,11 +86,13 @@ TierImpl::TierImpl(const std::string& address, std::vector<Cache*> layers, TierO
   writer.written = [this](const std::vector<std::string>& keys) { known_.add(keys); };
   writer.lost = [this] {
     known_.clear();
+    if (logged_loss_.exchange(true)) return;  // the first time only: an evicting store loses often
     options_.log(fmt::format(
         "{}: the store lost objects this process wrote or read (flushed, restarted, evicted or "
-        "expired): the next sessions write them again",
+        "expired): the next sessions write them again (logged the first time only)",
         address_));
   };
+  writer.known = [this](const std::string& key) { return known_.contains(key); };
   writer_ = std::make_unique<WriteBehind>(open_store(address, store_options), writer, counters_);
   if (mac_key_.empty()) {
     options_.log(fmt::format(
@@ -106,13 +108,15 @@ bool TierImpl::ranged(size_t layer) const {
 }
 
 void TierImpl::reject(const std::string& key, size_t bytes, const std::string& why,
-                      bool unauthenticated) {
+                      bool unauthenticated, bool doom) {
   ++counters_.rejected;
   if (unauthenticated) ++counters_.unauthenticated;
   known_.erase(key);
-  WriteBatch doomed;
-  doomed.doomed.push_back(key);
-  (void)writer_->push(std::move(doomed));
+  if (doom) {
+    WriteBatch doomed;
+    doomed.doomed.push_back(key);
+    (void)writer_->push(std::move(doomed));
+  }
   constexpr int64_t kMaximumLines = 100;
   const int64_t line = ++logged_rejections_;
   if (line <= kMaximumLines) {

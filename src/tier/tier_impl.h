@@ -50,9 +50,12 @@ class TierImpl {
   WriteBatch encode(std::span<const int32_t> tokens,
                     const std::vector<std::optional<SnapshotRecord>>& kv,
                     std::span<const TierPoint> points, int64_t end);
-  // Counts and logs a rejected object, forgets it as known and has the writer delete it, so the
-  // next process that stores it writes it whole again.
-  void reject(const std::string& key, size_t bytes, const std::string& why, bool unauthenticated);
+  // Counts and logs a rejected object and forgets it as known. `doom` (a damaged or forged
+  // object, of no use to any process): the writer deletes it, unless this process has written
+  // the key since, so the next process that stores it writes it whole again. An object that is
+  // whole but not in this process's shapes is left to the processes it fits.
+  void reject(const std::string& key, size_t bytes, const std::string& why, bool unauthenticated,
+              bool doom);
   // The shapes layer i's snapshots have in this process ("" until it stores one).
   std::vector<std::string> known_signatures() const;
   void learn_signature(size_t layer, const SnapshotRecord& record);
@@ -65,6 +68,7 @@ class TierImpl {
   TierCounters counters_;
   KnownKeys known_;
   std::atomic<int64_t> logged_rejections_{0};
+  std::atomic<bool> logged_loss_{false};
   mutable std::mutex signatures_mutex_;
   std::vector<std::string> signatures_;
   std::timed_mutex lookup_mutex_;  // one lookup at a time on the connection

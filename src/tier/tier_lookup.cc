@@ -120,16 +120,22 @@ class TierImpl::Finder {
       return {};
     }
     const size_t bytes = value->size();
+    std::vector<SnapshotPtr> snapshots;
     try {
-      std::vector<SnapshotPtr> snapshots = decode_object(
-          std::move(*value), key, tier_.keys_.root_hex(), spec, tier_.layers_, tier_.mac_key_);
-      fits(snapshots);
-      used_.push_back(key);
-      return snapshots;
-    } catch (const ObjectRejected& rejected) {
-      tier_.reject(key, bytes, rejected.what(), rejected.unauthenticated);
+      snapshots = decode_object(std::move(*value), key, tier_.keys_.root_hex(), spec, tier_.layers_,
+                                tier_.mac_key_);
+    } catch (const ObjectRejected& rejected) {  // damaged or forged: of no use to anyone
+      tier_.reject(key, bytes, rejected.what(), rejected.unauthenticated, /*doom=*/true);
       return {};
     }
+    try {
+      fits(snapshots);
+    } catch (const ObjectRejected& rejected) {  // whole, but not in this process's shapes
+      tier_.reject(key, bytes, rejected.what(), rejected.unauthenticated, /*doom=*/false);
+      return {};
+    }
+    used_.push_back(key);
+    return snapshots;
   }
 
   // Throws ObjectRejected unless each snapshot has the shapes of its layer's other snapshots

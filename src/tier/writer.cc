@@ -89,6 +89,7 @@ void WriteBehind::send(WriteBatch& batch) {
   if (!options_.mac_key.empty()) {
     for (auto& [key, value] : batch.objects) append_tag(value, key, options_.mac_key);
   }
+  if (options_.known) std::erase_if(batch.doomed, options_.known);
   if (batch.empty()) return;
   // The write timeout bounds the store's time: waiting for lookups extends the deadline.
   Deadline deadline = std::chrono::steady_clock::now() + options_.write_timeout;

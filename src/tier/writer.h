@@ -62,6 +62,9 @@ class WriteBehind {
     // Runs on the writer thread when the store lacks an object or index entry a batch skipped
     // as known (WriteBatch::known).
     std::function<void()> lost;
+    // Whether this process knows it wrote `key` (then a doomed key is not deleted: the write
+    // came after the rejection that doomed it).
+    std::function<bool(const std::string&)> known;
   };
   WriteBehind(std::unique_ptr<Store> store, Options options, TierCounters& counters);
   // Waits up to write_timeout for the queue to drain, drops what is left (counted), and stops

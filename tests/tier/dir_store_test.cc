@@ -133,11 +133,25 @@ TEST_F(DirStoreTest, AFileOverTheMaximumObjectSizeIsNotRead) {
   std::optional<std::string> value;
   EXPECT_TRUE(fetch_within_bound(store, key, value));
   EXPECT_FALSE(value.has_value()) << "read " << value->size() << " bytes";
+  EXPECT_FALSE(exists(store, key)) << "probe agrees with fetch, so a writer rewrites it";
   // At the maximum it is an object (rejected later if damaged, as any other).
   fs::resize_file(file(key), 16);
+  EXPECT_TRUE(exists(store, key));
   EXPECT_TRUE(fetch_within_bound(store, key, value));
   ASSERT_TRUE(value.has_value());
   EXPECT_EQ(value->size(), 16u);
+}
+
+// An object over the maximum is refused when written, as Redis refuses one over its limit: a
+// file the store would never read back is not left there.
+TEST_F(DirStoreTest, AnObjectOverTheMaximumSizeIsRefusedWhenWritten) {
+  DirStore store(folder.string());
+  detail::WriteBatch batch;
+  batch.objects = {{"kvsnap:c:small", "fits"},
+                   {"kvsnap:c:huge", std::string(DirStore::kMaximumObjectBytes + 1, 'x')}};
+  EXPECT_EQ(store.write(batch, Clock::now() + 60s), 1);
+  EXPECT_TRUE(exists(store, "kvsnap:c:small"));
+  EXPECT_FALSE(fs::exists(file("kvsnap:c:huge")));
 }
 
 // The members probe lists for index `set`.
