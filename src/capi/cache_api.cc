@@ -187,11 +187,8 @@ kvsnap_status kvsnap_cache_update(kvsnap_cache* cache, const kvsnap_batch* batch
                                   kvsnap_kv_history* out) {
   constexpr const char* call = "kvsnap_cache_update";
   return guard([&] {
-    Attention& layer = attention(cache, call);
-    const Batch b = to_batch(batch, call);
-    const Array& k = require(keys, call, "keys").array;
-    const Array& v = require(values, call, "values").array;
-    write_histories(out, 1, &b, call, [&] { return layer.update(b, k, v); });
+    const KVWrite write = to_kv_write(cache, batch, keys, values, call);
+    write_histories(out, 1, &write.batch, call, std::cref(write));
   });
 }
 
@@ -200,12 +197,9 @@ kvsnap_status kvsnap_cache_update_rows(kvsnap_cache* cache, const kvsnap_batch* 
                                        kvsnap_kv_history* rows) {
   constexpr const char* call = "kvsnap_cache_update_rows";
   return guard([&] {
-    Attention& layer = attention(cache, call);
-    const Batch b = to_batch(batch, call);
-    const Array& k = require(keys, call, "keys").array;
-    const Array& v = require(values, call, "values").array;
-    write_histories(rows, static_cast<size_t>(b.batch_size()), nullptr, call,
-                    [&] { return layer.update(b, k, v); });
+    const KVWrite write = to_kv_write(cache, batch, keys, values, call);
+    write_histories(rows, static_cast<size_t>(write.batch.batch_size()), nullptr, call,
+                    std::cref(write));
   });
 }
 

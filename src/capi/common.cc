@@ -118,6 +118,14 @@ Attention& attention(const kvsnap_cache* handle, const char* call) {
   return static_cast<Attention&>(*cache.cache);
 }
 
+KVWrite to_kv_write(kvsnap_cache* cache, const kvsnap_batch* batch, const kvsnap_array* keys,
+                    const kvsnap_array* values, const char* call) {
+  Attention& layer = attention(cache, call);
+  Batch b = to_batch(batch, call);
+  return {layer, std::move(b), require(keys, call, "keys").array,
+          require(values, call, "values").array};
+}
+
 }  // namespace kvsnap::capi
 
 extern "C" {

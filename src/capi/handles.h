@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include <functional>
 #include <memory>
 #include <new>
 #include <stdexcept>
@@ -98,6 +99,16 @@ kvsnap_snapshot* new_snapshot(SnapshotPtr snapshot);
 const char* kind_name(kvsnap_cache_kind kind);
 // The attention layer of a cache handle; InvalidArgument for NULL or a recurrent cache.
 Attention& attention(const kvsnap_cache* handle, const char* call);
+// A write of keys and values to an attention cache, its arguments checked: call it to write.
+struct KVWrite {
+  Attention& layer;
+  Batch batch;
+  const Array& keys;
+  const Array& values;
+  KVHistory operator()() const { return layer.update(batch, keys, values); }
+};
+KVWrite to_kv_write(kvsnap_cache* cache, const kvsnap_batch* batch, const kvsnap_array* keys,
+                    const kvsnap_array* values, const char* call);
 // The caches of `count` layer handles (`layers` NULL only when count is 0; a NULL entry is a
 // stateless layer, null in the result).
 std::vector<Cache*> to_layers(kvsnap_cache* const* layers, size_t count, const char* call);

@@ -53,13 +53,7 @@ kvsnap_status kvsnap_cache_update_history(kvsnap_cache* cache, const kvsnap_batc
                                           const kvsnap_array* keys, const kvsnap_array* values,
                                           kvsnap_history** out) {
   constexpr const char* call = "kvsnap_cache_update_history";
-  return guard([&] {
-    Attention& layer = attention(cache, call);
-    const Batch b = to_batch(batch, call);
-    const Array& k = require(keys, call, "keys").array;
-    const Array& v = require(values, call, "values").array;
-    hand_out(out, call, [&] { return layer.update(b, k, v); });
-  });
+  return guard([&] { hand_out(out, call, to_kv_write(cache, batch, keys, values, call)); });
 }
 
 kvsnap_status kvsnap_cache_view_history(const kvsnap_cache* cache, const kvsnap_batch* batch,
