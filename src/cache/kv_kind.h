@@ -197,31 +197,18 @@ class KVCacheCore {
   // The take calls of an absent sequence give what an empty one does (nothing), creating none.
   std::vector<SnapshotPtr> take(SeqId seq) {
     const Guard guard(lock);
-    Seq* sequence = sequences.find(seq);
-    if (sequence == nullptr) {
-      (void)peek(seq);
-      return {};
-    }
-    return sequence->take();
+    Seq* sequence = sequences.find(seq, name_);
+    return sequence != nullptr ? sequence->take() : std::vector<SnapshotPtr>{};
   }
   void take_into(SeqId seq, std::vector<SnapshotPtr>& into) {
     const Guard guard(lock);
-    Seq* sequence = sequences.find(seq);
-    if (sequence == nullptr) {
-      (void)peek(seq);
-      into.clear();
-      return;
-    }
-    sequence->take_into(into);
+    if (Seq* sequence = sequences.find(seq, name_)) return sequence->take_into(into);
+    into.clear();
   }
   std::vector<SnapshotPtr> take_reached(SeqId seq) {
     const Guard guard(lock);
-    Seq* sequence = sequences.find(seq);
-    if (sequence == nullptr) {
-      (void)peek(seq);
-      return {};
-    }
-    return sequence->take_reached();
+    Seq* sequence = sequences.find(seq, name_);
+    return sequence != nullptr ? sequence->take_reached() : std::vector<SnapshotPtr>{};
   }
   void cancel(SeqId seq) {
     const Guard guard(lock);

@@ -203,13 +203,6 @@ class PagedKVCacheImpl {
       : pool(std::make_shared<BlockPool>(options.block_tokens, options.blocks_per_chunk)),
         sequences([this] { return std::make_unique<PagedSequence>(pool); }) {}
 
-  // Sequence `id`, or null when it has none (a take of an absent sequence gives nothing);
-  // throws Error naming `call` for an id out of range.
-  PagedSequence* find(SeqId id, const char* call) {
-    Sequences<PagedSequence>::check_id(id, call);
-    return sequences.find(id);
-  }
-
   std::shared_ptr<BlockPool> pool;  // before `sequences`: they release their blocks into it
   Sequences<PagedSequence> sequences;
 };
@@ -359,13 +352,13 @@ void PagedKVCache::prepare_snapshots(SeqId seq, std::span<const int64_t> offsets
 std::vector<SnapshotPtr> PagedKVCache::take_snapshots() { return take_snapshots(0); }
 std::vector<SnapshotPtr> PagedKVCache::take_snapshots(SeqId seq) {
   const Guard guard(impl_->pool->lock);
-  detail::PagedSequence* sequence = impl_->find(seq, "PagedKVCache::take_snapshots");
+  detail::PagedSequence* sequence = impl_->sequences.find(seq, "PagedKVCache::take_snapshots");
   if (sequence == nullptr) return {};
   return sequence->schedule.take(sequence->offset, "PagedKVCache::take_snapshots");
 }
 void PagedKVCache::take_snapshots_into(SeqId seq, std::vector<SnapshotPtr>& into) {
   const Guard guard(impl_->pool->lock);
-  detail::PagedSequence* sequence = impl_->find(seq, "PagedKVCache::take_snapshots");
+  detail::PagedSequence* sequence = impl_->sequences.find(seq, "PagedKVCache::take_snapshots");
   if (sequence == nullptr) {
     into.clear();
     return;
@@ -377,7 +370,8 @@ std::vector<SnapshotPtr> PagedKVCache::take_reached_snapshots() {
 }
 std::vector<SnapshotPtr> PagedKVCache::take_reached_snapshots(SeqId seq) {
   const Guard guard(impl_->pool->lock);
-  detail::PagedSequence* sequence = impl_->find(seq, "PagedKVCache::take_reached_snapshots");
+  detail::PagedSequence* sequence =
+      impl_->sequences.find(seq, "PagedKVCache::take_reached_snapshots");
   if (sequence == nullptr) return {};
   return sequence->schedule.take_reached();
 }

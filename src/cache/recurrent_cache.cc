@@ -171,13 +171,6 @@ class RecurrentCacheImpl {
     return sequence->schedule.interior(sequence->offset, sequence->offset + forward_len);
   }
 
-  // Sequence `id`, or null when it has none (a take of an absent sequence gives nothing);
-  // throws Error naming `call` for an id out of range.
-  RecurrentSequence* find(SeqId id, const char* call) {
-    Sequences<RecurrentSequence>::check_id(id, call);
-    return sequences.find(id);
-  }
-
   // Throws Error naming `call` unless `s` has this cache's shapes, and the live state's
   // activation dtype when there is a live state.
   void check_fits(const RecurrentSequence& sequence, const RecurrentSnapshot& s,
@@ -361,14 +354,16 @@ void RecurrentCache::prepare_snapshots(SeqId seq, std::span<const int64_t> offse
 std::vector<SnapshotPtr> RecurrentCache::take_snapshots() { return take_snapshots(0); }
 std::vector<SnapshotPtr> RecurrentCache::take_snapshots(SeqId seq) {
   const Guard guard(impl_->lock);
-  detail::RecurrentSequence* sequence = impl_->find(seq, "RecurrentCache::take_snapshots");
+  detail::RecurrentSequence* sequence =
+      impl_->sequences.find(seq, "RecurrentCache::take_snapshots");
   if (sequence == nullptr) return {};
   return sequence->schedule.take(sequence->offset, "RecurrentCache::take_snapshots");
 }
 
 void RecurrentCache::take_snapshots_into(SeqId seq, std::vector<SnapshotPtr>& into) {
   const Guard guard(impl_->lock);
-  detail::RecurrentSequence* sequence = impl_->find(seq, "RecurrentCache::take_snapshots");
+  detail::RecurrentSequence* sequence =
+      impl_->sequences.find(seq, "RecurrentCache::take_snapshots");
   if (sequence == nullptr) {
     into.clear();
     return;
@@ -381,7 +376,8 @@ std::vector<SnapshotPtr> RecurrentCache::take_reached_snapshots() {
 }
 std::vector<SnapshotPtr> RecurrentCache::take_reached_snapshots(SeqId seq) {
   const Guard guard(impl_->lock);
-  detail::RecurrentSequence* sequence = impl_->find(seq, "RecurrentCache::take_reached_snapshots");
+  detail::RecurrentSequence* sequence =
+      impl_->sequences.find(seq, "RecurrentCache::take_reached_snapshots");
   if (sequence == nullptr) return {};
   return sequence->schedule.take_reached();
 }

@@ -59,6 +59,12 @@ class Sequences {
       throw;
     }
   }
+  // The state of sequence `id`, or null when it has none; throws Error naming `call` for an id
+  // outside [0, kMaxSequences) (a call on an absent sequence that gives what an empty one does).
+  Seq* find(SeqId id, const char* call) const {
+    check_id(id, call);
+    return find(id);
+  }
   // The state of sequence `id`, or null when it has none.
   Seq* find(SeqId id) const {
     if (id < 0 || static_cast<size_t>(id) >= by_id_.size()) return nullptr;
