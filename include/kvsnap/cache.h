@@ -84,6 +84,18 @@ struct RestoreRule {
 // A sequence of a multi-sequence cache: batch rows name theirs in Batch::seq_ids.
 using SeqId = int32_t;
 
+// A sequence's capture schedule: what prepare_snapshots installed, until take_snapshots (any
+// of them), cancel_snapshots or a reset clears it. Offsets are ascending and unique, so first,
+// last and count name a run of consecutive offsets exactly.
+struct ScheduleState {
+  bool known = true;     // false: the cache kind does not report its schedule (Cache's default)
+  bool pending = false;  // a schedule awaits take_snapshots (possibly of no offsets)
+  int64_t count = 0;     // its offsets: how many,
+  int64_t first = 0;     // the first
+  int64_t last = 0;      // and the last (0 and 0 when it has none),
+  int64_t reached = 0;   // and how many the writes have captured so far (a prefix)
+};
+
 // One layer's inference state, for a set of sequences. Every mutating call gives the strong
 // exception guarantee: on kvsnap::Error nothing changed — except merge and split, which consume
 // their snapshots whatever happens (see there).
@@ -137,6 +149,10 @@ class KVSNAP_EXPORT Cache {
   // byte budget before a forward runs. 0 (the default) for a kind whose snapshots own all their
   // bytes when taken, as RecurrentCache's do.
   virtual int64_t exposed_bytes(SeqId seq) const;
+  // The sequence's pending schedule, changing nothing (an absent sequence has none), so a caller
+  // can tell whose captures a layer holds before taking or cancelling them (Speculation does).
+  // The default reports known = false; the built-in kinds report theirs.
+  virtual ScheduleState schedule_state(SeqId seq) const;
 
   // ---- sequence 0, and the cache as a whole ----
   // The live state arrays (views; treat as read-only).

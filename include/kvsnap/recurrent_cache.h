@@ -101,6 +101,7 @@ class KVSNAP_EXPORT RecurrentCache final : public Cache {
   void take_snapshots_into(SeqId seq, std::vector<SnapshotPtr>& into) override;
   [[nodiscard]] bool restore(SeqId seq, Snapshot* snapshot, int64_t target) override;
   std::vector<SeqId> sequences() const override;
+  ScheduleState schedule_state(SeqId seq) const override;
 
   CopyStats copy_stats() const override;
   RestoreRule restore_rule() const override;

@@ -59,5 +59,6 @@ bool Cache::restore(SeqId seq, Snapshot* snapshot, int64_t target) {
 }
 std::vector<SeqId> Cache::sequences() const { return {0}; }
 int64_t Cache::exposed_bytes(SeqId) const { return 0; }
+ScheduleState Cache::schedule_state(SeqId) const { return ScheduleState{.known = false}; }
 
 }  // namespace kvsnap

@@ -36,6 +36,18 @@ void CaptureSchedule::check(std::span<const int64_t> offsets, int64_t current,
   }
 }
 
+ScheduleState CaptureSchedule::state() const {
+  ScheduleState out;
+  out.pending = active_;
+  out.count = static_cast<int64_t>(offsets_.size());
+  if (!offsets_.empty()) {
+    out.first = offsets_.front();
+    out.last = offsets_.back();
+  }
+  out.reached = static_cast<int64_t>(captured_.size());
+  return out;
+}
+
 void CaptureSchedule::require_idle(const char* call) const {
   if (active_) {
     throw Error(

@@ -19,6 +19,8 @@ class CaptureSchedule {
 
   // True between prepare and take.
   bool active() const { return active_; }
+  // Cache::schedule_state of the sequence this schedule belongs to.
+  ScheduleState state() const;
   // Throws Error naming `call` while a schedule is pending (the cache may not move backwards).
   void require_idle(const char* call) const;
 

@@ -168,6 +168,7 @@ int64_t KVCache::offset() const { return impl_->offset(0); }
 int64_t KVCache::offset(SeqId seq) const { return impl_->offset(seq); }
 std::vector<SeqId> KVCache::sequences() const { return impl_->ids(); }
 int64_t KVCache::exposed_bytes(SeqId seq) const { return impl_->exposed_bytes(seq); }
+ScheduleState KVCache::schedule_state(SeqId seq) const { return impl_->schedule_state(seq); }
 
 SnapshotPtr KVCache::snapshot(int64_t from_offset) { return snapshot(0, from_offset); }
 

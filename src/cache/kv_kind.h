@@ -182,6 +182,11 @@ class KVCacheCore {
     const Seq* sequence = find(seq);
     return sequence == nullptr ? 0 : sequence->exposed_bytes();
   }
+  ScheduleState schedule_state(SeqId seq) const {
+    const Guard guard(lock);
+    const Seq* sequence = find(seq);
+    return sequence == nullptr ? ScheduleState{} : sequence->schedule.state();
+  }
   std::vector<SeqId> ids() const {
     const Guard guard(lock);
     std::vector<SeqId> out;

@@ -316,6 +316,12 @@ int64_t PagedKVCache::exposed_bytes(SeqId seq) const {
   return sequence == nullptr ? 0 : sequence->exposed_bytes();
 }
 
+ScheduleState PagedKVCache::schedule_state(SeqId seq) const {
+  const Guard guard(impl_->pool->lock);
+  const detail::PagedSequence* sequence = impl_->sequences.find(seq);
+  return sequence == nullptr ? ScheduleState{} : sequence->schedule.state();
+}
+
 std::vector<SeqId> PagedKVCache::sequences() const {
   const Guard guard(impl_->pool->lock);
   std::vector<SeqId> ids;

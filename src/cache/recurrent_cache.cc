@@ -324,6 +324,12 @@ std::vector<SeqId> RecurrentCache::sequences() const {
   return ids;
 }
 
+ScheduleState RecurrentCache::schedule_state(SeqId seq) const {
+  const Guard guard(impl_->lock);
+  const detail::RecurrentSequence* sequence = impl_->sequences.find(seq);
+  return sequence == nullptr ? ScheduleState{} : sequence->schedule.state();
+}
+
 SnapshotPtr RecurrentCache::snapshot(int64_t from_offset) { return snapshot(0, from_offset); }
 SnapshotPtr RecurrentCache::snapshot(SeqId seq, int64_t from_offset) {
   const Guard guard(impl_->lock);

@@ -275,6 +275,9 @@ int64_t RotatingKVCache::offset() const { return impl_->offset(0); }
 int64_t RotatingKVCache::offset(SeqId seq) const { return impl_->offset(seq); }
 std::vector<SeqId> RotatingKVCache::sequences() const { return impl_->ids(); }
 int64_t RotatingKVCache::exposed_bytes(SeqId seq) const { return impl_->exposed_bytes(seq); }
+ScheduleState RotatingKVCache::schedule_state(SeqId seq) const {
+  return impl_->schedule_state(seq);
+}
 
 SnapshotPtr RotatingKVCache::snapshot(int64_t from_offset) { return snapshot(0, from_offset); }
 SnapshotPtr RotatingKVCache::snapshot(SeqId seq, int64_t from_offset) {
