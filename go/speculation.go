@@ -30,7 +30,8 @@ type Speculation struct {
 }
 
 // NewSpeculation drives rounds over sequence seq of the layers (a nil entry is a stateless
-// layer), which cannot be closed until the speculation is.
+// layer; a cache listed twice is one state, rolled back once), which cannot be closed until the
+// speculation is.
 func NewSpeculation(layers []*Cache, seq int32) (*Speculation, error) {
 	ptrs, release, err := borrow("NewSpeculation", layers)
 	if err != nil {
@@ -80,24 +81,28 @@ func (s *Speculation) use(call string, f func(*C.kvsnap_speculation) error) erro
 }
 
 // Begin opens a round of drafts drafts at the layers' common offset. Fails, changing nothing,
-// for drafts < 0, an open round, layers that disagree on their offset, or captures already
-// scheduled.
+// for drafts < 0, an open round, layers that disagree on their offset, or a layer of any kind
+// with captures already scheduled for the sequence.
 func (s *Speculation) Begin(drafts int64) error {
 	return s.use("Speculation.Begin", func(p *C.kvsnap_speculation) error {
 		return check(func() C.kvsnap_status { return C.kvsnap_speculation_begin(p, C.int64_t(drafts)) })
 	})
 }
 
-// Accept closes the round: the first accepted drafts were confirmed. Fails, the round left open
-// and nothing changed, unless 0 <= accepted <= drafts and every layer stands at the verify
-// forward's end.
+// Accept closes the round: the first accepted drafts were confirmed. Every layer is checked
+// before any moves: fails, the round left open and nothing changed, unless 0 <= accepted <=
+// drafts, every layer stands at the verify forward's end, and every layer that must move can —
+// one that rewinds has no schedule (someone else's: take or cancel it, then accept again), a
+// capturing one still holds the round's captures (taken or replaced by another call on the
+// sequence, they are gone: only Cancel ends the round then).
 func (s *Speculation) Accept(accepted int64) error {
 	return s.use("Speculation.Accept", func(p *C.kvsnap_speculation) error {
 		return check(func() C.kvsnap_status { return C.kvsnap_speculation_accept(p, C.int64_t(accepted)) })
 	})
 }
 
-// Cancel drops an open round's captures without moving any layer.
+// Cancel drops an open round's captures without moving any layer (a schedule that replaced the
+// round's is someone else's and stays).
 func (s *Speculation) Cancel() error {
 	return s.use("Speculation.Cancel", func(p *C.kvsnap_speculation) error {
 		return check(func() C.kvsnap_status { return C.kvsnap_speculation_cancel(p) })

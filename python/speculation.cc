@@ -29,22 +29,26 @@ captured. With a prefix cache session, append only the accepted tokens, or appen
 and retract_outputs() the rejected ones.)")
       .def(py::init(&make_speculation), py::arg("layers"), py::kw_only(), py::arg("seq") = 0,
            "Rounds over sequence `seq` of `layers` (the model's caches in order, None for a "
-           "stateless layer).")
+           "stateless layer; a cache listed twice is one state, rolled back once).")
       .def(
           "begin", [](PySpeculation& s, int64_t drafts) { s.speculation->begin(drafts); },
           py::arg("drafts"),
           "Opens a round before the verify forward of 1 + `drafts` tokens. Raises Error, "
           "changing nothing, for drafts < 0, an open round, layers that disagree on their "
-          "offset, or captures already scheduled.")
+          "offset, or a layer of any kind with captures already scheduled for the sequence.")
       .def(
           "accept", [](PySpeculation& s, int64_t accepted) { s.speculation->accept(accepted); },
           py::arg("accepted"),
-          "Closes the round: the first `accepted` drafts were confirmed. Raises Error, the "
-          "round left open, unless 0 <= accepted <= drafts and every layer stands at the "
-          "verify forward's end.")
+          "Closes the round: the first `accepted` drafts were confirmed. Every layer is checked "
+          "before any moves: raises Error, the round left open and nothing changed, unless 0 <= "
+          "accepted <= drafts, every layer stands at the verify forward's end, and every layer "
+          "that must move can (one that rewinds has no schedule: someone else's must be taken "
+          "or cancelled first; a capturing one still holds the round's captures: if another "
+          "call took or replaced them, only cancel() ends the round).")
       .def(
           "cancel", [](PySpeculation& s) { s.speculation->cancel(); },
-          "Drops an open round's captures without moving any layer.")
+          "Drops an open round's captures without moving any layer (a schedule that replaced "
+          "the round's is someone else's and stays).")
       .def_property_readonly(
           "open", [](const PySpeculation& s) { return s.speculation->open(); },
           "Whether a round is open.")

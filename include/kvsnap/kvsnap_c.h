@@ -551,22 +551,26 @@ typedef struct kvsnap_speculation_stats {
 } kvsnap_speculation_stats;
 
 /* Rounds over sequence `seq` of `count` layers, borrowed: they must outlive it (a NULL entry is
- * a stateless layer). */
+ * a stateless layer; a cache listed twice is one state, rolled back once). */
 KVSNAP_EXPORT kvsnap_status kvsnap_speculation_create(kvsnap_cache* const* layers, size_t count,
                                                       int32_t seq, kvsnap_speculation** out);
 /* Cancels an open round (its captures dropped, the layers left where they are), then frees. */
 KVSNAP_EXPORT void kvsnap_speculation_destroy(kvsnap_speculation* speculation);
 /* Opens a round of `drafts` drafts at the layers' common offset. Fails, changing nothing, for
- * drafts < 0, an open round, layers that disagree on their offset, or captures already
- * scheduled. */
+ * drafts < 0, an open round, layers that disagree on their offset, or a layer of any kind with
+ * captures already scheduled for the sequence. */
 KVSNAP_EXPORT kvsnap_status kvsnap_speculation_begin(kvsnap_speculation* speculation,
                                                      int64_t drafts);
-/* Closes the round: the first `accepted` drafts were confirmed. Fails, the round left open and
- * nothing changed, unless 0 <= accepted <= drafts and every layer stands at the verify
- * forward's end. */
+/* Closes the round: the first `accepted` drafts were confirmed. Every layer is checked before
+ * any moves: fails, the round left open and nothing changed, unless 0 <= accepted <= drafts,
+ * every layer stands at the verify forward's end, and every layer that must move can — one that
+ * rewinds has no schedule (someone else's: take or cancel it, then accept again), a capturing
+ * one still holds the round's captures (taken or replaced by another call on the sequence,
+ * they are gone: only cancel ends the round then). */
 KVSNAP_EXPORT kvsnap_status kvsnap_speculation_accept(kvsnap_speculation* speculation,
                                                       int64_t accepted);
-/* Drops an open round's captures without moving any layer (nothing to do without a round). */
+/* Drops an open round's captures without moving any layer (nothing to do without a round); a
+ * schedule that replaced the round's on a layer is someone else's and stays. */
 KVSNAP_EXPORT kvsnap_status kvsnap_speculation_cancel(kvsnap_speculation* speculation);
 /* Whether a round is open, and its start offset and draft count (any output may be NULL). */
 KVSNAP_EXPORT kvsnap_status kvsnap_speculation_get_round(const kvsnap_speculation* speculation,

@@ -33,7 +33,9 @@ namespace kvsnap {
 
 class KVSNAP_EXPORT Speculation {
  public:
-  // Rounds over sequence `seq` of `layers` (not owned; a null entry is a stateless layer).
+  // Rounds over sequence `seq` of `layers` (not owned; a null entry is a stateless layer). A
+  // cache listed more than once (shared by several model layers) is one state: it is rolled
+  // back once, and errors name the first position it has in `layers`.
   explicit Speculation(std::vector<Cache*> layers, SeqId seq = 0);
   // Cancels an open round (its captures are dropped, the layers stay where they are).
   ~Speculation();
@@ -43,14 +45,20 @@ class KVSNAP_EXPORT Speculation {
   // Opens a round before the verify forward of 1 + `drafts` tokens at the layers' common offset
   // start: schedules a capture at start+1 .. start+drafts in every layer that cannot rewind
   // there. Throws Error (nothing changed) for drafts < 0, an open round, layers that disagree on
-  // their offset, or a layer with captures already scheduled.
+  // their offset, or a layer, of any kind, with captures already scheduled for the sequence
+  // (Cache::schedule_state).
   void begin(int64_t drafts);
   // Closes the round after the verify forward: the first `accepted` drafts (0..drafts) were
   // confirmed, so every layer returns to start + accepted + 1 (rewind or captured state) and the
-  // captures are released. Throws Error, the round left open and nothing changed, unless
-  // 0 <= accepted <= drafts and every layer stands at start + drafts + 1.
+  // captures are released. Every layer is checked before any moves: throws Error, the round
+  // left open and nothing changed, unless 0 <= accepted <= drafts, every layer stands at
+  // start + drafts + 1, and every layer that must move can — a layer that rewinds has no
+  // schedule (someone else's: take or cancel it, then accept again), a capturing layer still
+  // holds the round's captures (taken or replaced by another call on the sequence, they are
+  // gone: only cancel() ends the round then).
   void accept(int64_t accepted);
-  // Drops an open round's captures without moving any layer (no-op without a round).
+  // Drops an open round's captures without moving any layer (no-op without a round). A schedule
+  // that replaced the round's on a layer belongs to someone else and is left alone.
   void cancel();
 
   bool open() const { return open_; }
@@ -71,10 +79,17 @@ class KVSNAP_EXPORT Speculation {
 
  private:
   struct Layer {
-    Cache* cache = nullptr;
+    Cache* cache = nullptr;              // never null (stateless layers are left out)
+    size_t index = 0;                    // its first position in the constructor's list
     bool capture = false;                // this round
+    bool taken = false;                  // this round's captures are in `snapshots`
     std::vector<SnapshotPtr> snapshots;  // its captures (capacity kept across rounds)
   };
+  int64_t common_offset() const;
+  bool holds_round_schedule(const Layer& layer) const;
+  void check_layer(const Layer& layer, bool moves) const;
+  void check_captures(const Layer& layer) const;
+
   std::vector<Layer> layers_;
   SeqId seq_;
   bool open_ = false;

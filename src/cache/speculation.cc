@@ -3,12 +3,41 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <string>
 
 namespace kvsnap {
+namespace {
+
+// Whether `s` is the schedule a round of `drafts` drafts from `start` installs on a capturing
+// layer: offsets start+1 .. start+drafts (ascending and unique, so the ends and the count say
+// it all).
+bool is_round_schedule(const ScheduleState& s, int64_t start, int64_t drafts) {
+  return s.pending && s.count == drafts && s.first == start + 1 && s.last == start + drafts;
+}
+
+std::string describe(const ScheduleState& s) {
+  if (!s.pending) return "none";
+  if (s.count == 0) return "a schedule of no offsets";
+  if (s.count == 1) {
+    return fmt::format("offset {}, {}", s.first, s.reached > 0 ? "captured" : "not reached");
+  }
+  return fmt::format("{} offsets from {} to {}, {} captured", s.count, s.first, s.last, s.reached);
+}
+
+}  // namespace
 
 Speculation::Speculation(std::vector<Cache*> layers, SeqId seq) : seq_(seq) {
   layers_.reserve(layers.size());
-  for (Cache* cache : layers) layers_.push_back(Layer{cache, false, {}});
+  for (size_t i = 0; i < layers.size(); ++i) {
+    Cache* cache = layers[i];
+    // A stateless layer has nothing to roll back; a layer listed again (a cache several model
+    // layers share) is the same state, rolled back once.
+    if (cache == nullptr || std::any_of(layers_.begin(), layers_.end(),
+                                        [&](const Layer& layer) { return layer.cache == cache; })) {
+      continue;
+    }
+    layers_.push_back(Layer{cache, i, false, false, {}});
+  }
 }
 
 Speculation::~Speculation() {
@@ -23,6 +52,21 @@ int64_t Speculation::capturing_layers() const {
                        [&](const Layer& layer) { return open_ && layer.capture; });
 }
 
+int64_t Speculation::common_offset() const {
+  int64_t start = -1;
+  for (const Layer& layer : layers_) {
+    const int64_t offset = layer.cache->offset(seq_);
+    if (start >= 0 && offset != start) {
+      throw Error(fmt::format(
+          "Speculation::begin: the layers of sequence {} stand at offsets {} and {}; a round "
+          "starts where every layer is",
+          seq_, start, offset));
+    }
+    start = offset;
+  }
+  return std::max<int64_t>(start, 0);
+}
+
 void Speculation::begin(int64_t drafts) {
   if (drafts < 0) {
     throw Error(fmt::format("Speculation::begin: drafts {} must be >= 0", drafts));
@@ -33,19 +77,16 @@ void Speculation::begin(int64_t drafts) {
         "first)",
         drafts_, start_));
   }
-  int64_t start = -1;
+  const int64_t start = common_offset();
+  // A schedule someone else left would block a rewind at accept, or be taken for the round's.
   for (const Layer& layer : layers_) {
-    if (layer.cache == nullptr) continue;
-    const int64_t offset = layer.cache->offset(seq_);
-    if (start >= 0 && offset != start) {
-      throw Error(fmt::format(
-          "Speculation::begin: the layers of sequence {} stand at offsets {} and {}; a round "
-          "starts where every layer is",
-          seq_, start, offset));
-    }
-    start = offset;
+    const ScheduleState s = layer.cache->schedule_state(seq_);
+    if (!s.pending) continue;
+    throw Error(fmt::format(
+        "Speculation::begin: layer {} has captures scheduled for sequence {} ({}); a round "
+        "needs every layer free of schedules (take or cancel them first)",
+        layer.index, seq_, describe(s)));
   }
-  start = std::max<int64_t>(start, 0);
   const int64_t end = start + drafts + 1;  // where the verify forward leaves every layer
   offsets_.clear();
   for (int64_t o = start + 1; o < end; ++o) offsets_.push_back(o);
@@ -55,15 +96,14 @@ void Speculation::begin(int64_t drafts) {
   try {
     for (; prepared < layers_.size(); ++prepared) {
       Layer& layer = layers_[prepared];
-      if (layer.cache == nullptr) continue;
       const RestoreRule rule = layer.cache->restore_rule();
       layer.capture =
           drafts > 0 && rule.kind == RestoreRule::Kind::whole_state && end > rule.rewind_limit;
       if (layer.capture) layer.cache->prepare_snapshots(seq_, offsets_);
     }
   } catch (...) {
-    for (size_t i = 0; i < prepared; ++i) {
-      if (layers_[i].capture) layers_[i].cache->cancel_snapshots(seq_);
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      if (i < prepared && layers_[i].capture) layers_[i].cache->cancel_snapshots(seq_);
       layers_[i].capture = false;
     }
     throw;
@@ -71,6 +111,52 @@ void Speculation::begin(int64_t drafts) {
   start_ = start;
   drafts_ = drafts;
   open_ = true;
+}
+
+// Throws unless `layer` holds the round's captures: one per draft offset, in order.
+void Speculation::check_captures(const Layer& layer) const {
+  const auto& captures = layer.snapshots;
+  bool ours = static_cast<int64_t>(captures.size()) == drafts_;
+  for (size_t j = 0; ours && j < captures.size(); ++j) {
+    ours = captures[j] != nullptr && captures[j]->to() == start_ + 1 + static_cast<int64_t>(j);
+  }
+  if (ours) return;
+  throw Error(fmt::format(
+      "Speculation::accept: layer {} gave {} captures for sequence {}, not the round's {} at "
+      "offsets {} to {} (its schedule was taken or replaced): the round cannot return there; "
+      "cancel it",
+      layer.index, captures.size(), seq_, drafts_, start_ + 1, start_ + drafts_));
+}
+
+// Whether `layer` holds the round's schedule (or does not say: a kind that does not report its
+// schedule is checked on what take_snapshots gives).
+bool Speculation::holds_round_schedule(const Layer& layer) const {
+  const ScheduleState s = layer.cache->schedule_state(seq_);
+  return !s.known || is_round_schedule(s, start_, drafts_);
+}
+
+// Throws unless `layer` can return to the round's target without touching anyone else's
+// schedule: a capturing layer that must move (`moves`) holds the round's captures, all made; a
+// layer that rewinds holds no schedule. Changes nothing.
+void Speculation::check_layer(const Layer& layer, bool moves) const {
+  if (!moves) return;  // stays where it is: a capturing layer only releases the round's captures
+  if (layer.taken) return check_captures(layer);
+  const ScheduleState s = layer.cache->schedule_state(seq_);
+  if (!s.known) return;
+  if (layer.capture) {
+    if (is_round_schedule(s, start_, drafts_) && s.reached == s.count) return;
+    throw Error(fmt::format(
+        "Speculation::accept: the round's captures of sequence {} at offsets {} to {} on layer "
+        "{} were taken or replaced (its schedule now: {}): the round cannot return there; "
+        "cancel it",
+        seq_, start_ + 1, start_ + drafts_, layer.index, describe(s)));
+  }
+  if (s.pending) {
+    throw Error(fmt::format(
+        "Speculation::accept: layer {} has captures scheduled for sequence {} ({}), not the "
+        "round's, and must rewind to offset {}: take or cancel them, then accept again",
+        layer.index, seq_, describe(s), start_ + 1));
+  }
 }
 
 void Speculation::accept(int64_t accepted) {
@@ -82,17 +168,25 @@ void Speculation::accept(int64_t accepted) {
   }
   const int64_t end = start_ + drafts_ + 1, target = start_ + accepted + 1;
   for (const Layer& layer : layers_) {
-    if (layer.cache == nullptr || layer.cache->offset(seq_) == end) continue;
+    if (layer.cache->offset(seq_) == end) continue;
     throw Error(fmt::format(
         "Speculation::accept: a layer of sequence {} stands at offset {}; the verify forward of "
         "{} tokens from {} leaves every layer at {}",
         seq_, layer.cache->offset(seq_), drafts_ + 1, start_, end));
   }
+  // Everything is checked before any layer moves, so a refusal leaves every layer as it was.
+  for (const Layer& layer : layers_) check_layer(layer, target < end);
   for (Layer& layer : layers_) {
-    if (layer.cache == nullptr) continue;
+    // A schedule that replaced the round's is left to its owner (only possible when no layer
+    // moves: check_layer refused it otherwise).
+    if (!layer.capture || layer.taken || !holds_round_schedule(layer)) continue;
+    layer.cache->take_snapshots_into(seq_, layer.snapshots);
+    layer.taken = true;
+    if (target < end) check_captures(layer);  // a kind that does not report its schedule
+  }
+  for (Layer& layer : layers_) {
     bool ok = true;
     if (layer.capture) {
-      layer.cache->take_snapshots_into(seq_, layer.snapshots);
       if (target < end) {
         // The capture at draft offset start + 1 + j is snapshots[j]; the cache's own capture,
         // so the restore moves the offset or adopts the shared state: nothing is copied.
@@ -109,7 +203,7 @@ void Speculation::accept(int64_t accepted) {
       throw Error(fmt::format(
           "Speculation::accept: internal error: a layer could not return to offset {}", target));
     }
-    layer.capture = false;
+    layer.capture = layer.taken = false;
   }
   open_ = false;
   ++stats_.rounds;
@@ -120,8 +214,12 @@ void Speculation::accept(int64_t accepted) {
 void Speculation::cancel() {
   if (!open_) return;
   for (Layer& layer : layers_) {
-    if (layer.capture) layer.cache->cancel_snapshots(seq_);
-    layer.capture = false;
+    // Only the round's own schedule: one that replaced it belongs to someone else.
+    if (layer.capture && !layer.taken && holds_round_schedule(layer)) {
+      layer.cache->cancel_snapshots(seq_);
+    }
+    layer.snapshots.clear();
+    layer.capture = layer.taken = false;
   }
   open_ = false;
 }

@@ -86,3 +86,24 @@ def test_a_round_keeps_its_layers_alive():
     assert not round_.open
     with pytest.raises(kvsnap.Error, match=r"^Speculation::begin: drafts -1"):
         round_.begin(-1)
+
+
+def test_a_round_refuses_a_layer_someone_else_scheduled():
+    attention, window = kvsnap.KVCache(), kvsnap.RotatingKVCache(WINDOW)
+    write(attention, 0, 10)
+    write(window, 0, 10)
+    attention.prepare_snapshots([30])  # an attention layer would only rewind: still refused
+    round_ = kvsnap.Speculation([window, attention, attention])  # listed twice: one layer
+    with pytest.raises(kvsnap.Error, match=r"^Speculation::begin: layer 1 has captures scheduled"):
+        round_.begin(3)
+    assert not round_.open
+    attention.cancel_snapshots()
+    round_.begin(3)
+    write(attention, 10, 14)
+    write(window, 10, 14)
+    window.cancel_snapshots()  # the round's captures, dropped by another call
+    with pytest.raises(kvsnap.Error, match=r"^Speculation::accept: the round's captures .* were taken or replaced"):
+        round_.accept(0)
+    assert round_.open and attention.offset == 14 and window.offset == 14  # nothing moved
+    round_.cancel()
+    assert not round_.open and attention.offset == 14
