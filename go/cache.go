@@ -202,7 +202,7 @@ func NewKVCache() (*Cache, error) {
 	return newCache("NewKVCache", func(out **C.kvsnap_cache) C.kvsnap_status { return C.kvsnap_kv_cache_create(out) })
 }
 
-// NewRotatingKVCache is a sliding-window attention cache of maxSize tokens (>= 1).
+// NewRotatingKVCache is a sliding-window attention cache of maxSize tokens (1 to 2^60).
 func NewRotatingKVCache(maxSize int64) (*Cache, error) {
 	return newCache("NewRotatingKVCache", func(out **C.kvsnap_cache) C.kvsnap_status {
 		return C.kvsnap_rotating_kv_cache_create(C.int64_t(maxSize), out)
@@ -220,7 +220,8 @@ func NewRecurrentCache(o RecurrentOptions) (*Cache, error) {
 
 // NewPagedKVCache is an attention cache of blockTokens-token blocks: full blocks are shared by
 // reference count between sequences and snapshots, a write into a shared block copies that
-// block, a restore splices references.
+// block, a restore splices references. The pool grows by chunks of 64 blocks, each one array
+// of at most 2^60 tokens: blockTokens is 1 to 2^54.
 func NewPagedKVCache(blockTokens int64) (*Cache, error) {
 	return newCache("NewPagedKVCache", func(out **C.kvsnap_cache) C.kvsnap_status {
 		return C.kvsnap_paged_kv_cache_create(C.int64_t(blockTokens), out)

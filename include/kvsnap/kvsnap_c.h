@@ -157,13 +157,14 @@ typedef struct kvsnap_recurrent_options {
 } kvsnap_recurrent_options;
 
 KVSNAP_EXPORT kvsnap_status kvsnap_kv_cache_create(kvsnap_cache** out);
-/* Fails unless max_size >= 1. */
+/* Fails unless 1 <= max_size <= 2^60 (no array holds more tokens). */
 KVSNAP_EXPORT kvsnap_status kvsnap_rotating_kv_cache_create(int64_t max_size, kvsnap_cache** out);
 KVSNAP_EXPORT kvsnap_status kvsnap_recurrent_cache_create(const kvsnap_recurrent_options* options,
                                                           kvsnap_cache** out);
 /* A paged attention cache: each sequence is a list of `block_tokens`-token blocks; full blocks
  * are shared by reference count between sequences and snapshots, a write into a shared block
- * copies that block, a restore splices references. */
+ * copies that block, a restore splices references. The pool grows by chunks of 64 blocks, each
+ * one array: fails unless 1 <= block_tokens <= 2^54 (a chunk holds at most 2^60 tokens). */
 KVSNAP_EXPORT kvsnap_status kvsnap_paged_kv_cache_create(int64_t block_tokens, kvsnap_cache** out);
 
 typedef struct kvsnap_pool_stats {

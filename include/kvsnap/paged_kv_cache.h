@@ -36,7 +36,8 @@ class KVSNAP_EXPORT PagedKVCache final : public Attention {
     int64_t block_tokens = 16;      // tokens per block (>= 1)
     int64_t blocks_per_chunk = 64;  // the pool grows by this many blocks at a time (>= 1)
   };
-  // Throws Error unless both options are >= 1.
+  // Throws Error unless both options are >= 1, block_tokens * blocks_per_chunk <= 2^60 (a chunk
+  // of the pool is one array, and no array holds more tokens) and blocks_per_chunk < 2^31.
   explicit PagedKVCache(Options options);
   PagedKVCache();
   // Sequences let go of their blocks; snapshots keep the ones they reference.

@@ -37,7 +37,7 @@ class KVSNAP_EXPORT RotatingKVCache final : public Attention {
   // Growth step for the buffer, in tokens.
   static constexpr int64_t kStep = 256;
 
-  // Throws Error unless max_size >= 1.
+  // Throws Error unless 1 <= max_size <= 2^60 (no array holds more tokens).
   explicit RotatingKVCache(int64_t max_size);
   // Materializes every outstanding lazy snapshot: they outlive the cache.
   ~RotatingKVCache() override;

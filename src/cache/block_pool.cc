@@ -7,12 +7,30 @@
 namespace kvsnap::detail {
 
 void BlockPool::grow() {
+  if (blocks() > kMaxBlocks - blocks_per_chunk) {
+    throw Error(fmt::format(
+        "PagedKVCache: the pool holds {} blocks; another {} would pass 2^31 - 1, the most block "
+        "ids name",
+        blocks(), blocks_per_chunk));
+  }
   const auto first = static_cast<int32_t>(blocks_.size());
   const auto count = static_cast<size_t>(blocks_per_chunk);
   // Head-major: a head's columns of consecutive blocks are consecutive (attention multiplies a
   // run of consecutive blocks at once).
-  Shape key_shape{1, layout.heads, blocks_per_chunk * block_tokens, layout.key_depth};
-  Shape value_shape{1, layout.heads, blocks_per_chunk * block_tokens, layout.value_depth};
+  const int64_t columns = blocks_per_chunk * block_tokens;  // <= kMaxTokens
+  for (const int64_t depth : {layout.key_depth, layout.value_depth}) {
+    int64_t elements = 0;
+    if (__builtin_mul_overflow(layout.heads, depth, &elements) ||
+        __builtin_mul_overflow(elements, columns, &elements) || elements > kMaxTokens) {
+      throw Error(fmt::format(
+          "PagedKVCache: a chunk of the pool, {} blocks of {} tokens of {}, would hold more "
+          "than 2^60 elements, the most an array holds (choose a smaller block_tokens or "
+          "blocks_per_chunk)",
+          blocks_per_chunk, block_tokens, layout.describe()));
+    }
+  }
+  Shape key_shape{1, layout.heads, columns, layout.key_depth};
+  Shape value_shape{1, layout.heads, columns, layout.value_depth};
   Array keys = Array::uninitialized(layout.key_dtype, key_shape);
   Array values = Array::uninitialized(layout.value_dtype, value_shape);
   // Everything that may throw first (geometric growth): a failed growth leaves the pool as it

@@ -6,6 +6,7 @@
 // exactly once, and a holder's materialize hook runs whenever what it pays for changes.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <vector>
 
@@ -20,6 +21,11 @@ class PagedSnapshot;
 
 class BlockPool {
  public:
+  // Block ids are int32: a pool never holds more blocks.
+  static constexpr int64_t kMaxBlocks = INT32_MAX;
+
+  // block_tokens * blocks_per_chunk <= kMaxTokens and blocks_per_chunk <= kMaxBlocks (checked
+  // by PagedKVCache).
   BlockPool(int64_t block_tokens, int64_t blocks_per_chunk)
       : block_tokens(block_tokens), blocks_per_chunk(blocks_per_chunk) {}
 
@@ -81,7 +87,8 @@ class BlockPool {
     uint64_t serial = 0, origin = 0;
     int64_t filled = 0, origin_tokens = 0;
   };
-  // Adds a chunk of blocks_per_chunk free blocks.
+  // Adds a chunk of blocks_per_chunk free blocks. Throws Error (the pool unchanged) when the
+  // chunk's arrays would hold more than 2^60 elements or its blocks pass kMaxBlocks.
   void grow();
   // When no sequence uses the block: a holder pays for it, or it is free.
   void settle(int32_t id);

@@ -29,6 +29,11 @@ struct KVLayout {
   std::pair<Array, Array> allocate_uninitialized(int64_t tokens) const;
 };
 
+// The most tokens a cache's sizes (a window, a pool chunk) may span: an array holds at most 2^60
+// elements (check_shape in array.cc), so no buffer of more tokens can exist, and sizes this
+// small leave room for the arithmetic on them (round_up, sums of two) not to overflow.
+inline constexpr int64_t kMaxTokens = int64_t{1} << 60;
+
 // `value` rounded up to a multiple of `step`.
 constexpr int64_t round_up(int64_t value, int64_t step) { return (value + step - 1) / step * step; }
 

@@ -41,11 +41,11 @@ class PagedSequence {
     const int64_t length =
         check_update(batch, keys, values, offset, pool_->has_layout ? &pool_->layout : nullptr,
                      kUpdate, row, seq);
-    if (!pool_->has_layout) adopt(KVLayout::of(keys, values));
-    if (length > 0) {
+    with_layout(KVLayout::of(keys, values), [&] {
+      if (length == 0) return;
       write(keys.slice(2, 0, length), values.slice(2, 0, length));
       pool_->stats.appended_bytes += length * pool_->layout.token_bytes();
-    }
+    });
     capture_reached();
     return history();
   }
@@ -53,6 +53,21 @@ class PagedSequence {
   KVHistory history() const {
     if (!pool_->has_layout) return KVHistory();
     return KVHistory(pool_->columns(blocks, offset));
+  }
+
+  // Runs `fill`, which may take the pool's first blocks, with the pool's layout `layout` (its
+  // own, once it has one). When it throws before the pool took any block (a chunk too large to
+  // allocate), the layout is not fixed by it.
+  template <class Fill>
+  void with_layout(const KVLayout& layout, Fill&& fill) {
+    const bool adopting = !pool_->has_layout;
+    if (adopting) adopt(layout);
+    try {
+      fill();
+    } catch (...) {
+      if (adopting && pool_->blocks() == 0) pool_->has_layout = false;
+      throw;
+    }
   }
 
   void adopt(const KVLayout& layout) {
@@ -236,6 +251,18 @@ PagedKVCache::PagedKVCache(Options options) {
     throw Error(fmt::format("PagedKVCache: block_tokens {} and blocks_per_chunk {} must be >= 1",
                             options.block_tokens, options.blocks_per_chunk));
   }
+  // A chunk of the pool is one array of blocks_per_chunk * block_tokens tokens; blocks are
+  // numbered by int32.
+  int64_t chunk_tokens = 0;
+  if (options.blocks_per_chunk > detail::BlockPool::kMaxBlocks ||
+      __builtin_mul_overflow(options.block_tokens, options.blocks_per_chunk, &chunk_tokens) ||
+      chunk_tokens > detail::kMaxTokens) {
+    throw Error(fmt::format(
+        "PagedKVCache: block_tokens {} times blocks_per_chunk {} must be at most 2^60 tokens (a "
+        "chunk of the pool is one array, and no array holds more), with blocks_per_chunk at "
+        "most 2^31 - 1 (block ids are int32)",
+        options.block_tokens, options.blocks_per_chunk));
+  }
   impl_ = std::make_unique<detail::PagedKVCacheImpl>(options);
 }
 
@@ -413,13 +440,14 @@ bool PagedKVCache::restore(SeqId seq, Snapshot* snapshot, int64_t target) {
     return true;
   }
   impl_->sequences.change(seq, detail::kRestore, [&](detail::PagedSequence& c) {
-    if (!impl_->pool->has_layout) c.adopt(layout);
-    const auto* paged = dynamic_cast<const PagedSnapshot*>(snapshot);
-    if (paged != nullptr && paged->pool() == impl_->pool) {
-      c.splice(*paged, target);
-    } else {
-      c.copy_in(*snapshot, target);
-    }
+    c.with_layout(layout, [&] {
+      const auto* paged = dynamic_cast<const PagedSnapshot*>(snapshot);
+      if (paged != nullptr && paged->pool() == impl_->pool) {
+        c.splice(*paged, target);
+      } else {
+        c.copy_in(*snapshot, target);
+      }
+    });
   });
   return true;
 }

@@ -243,8 +243,10 @@ using detail::Guard;
 using detail::KVStateSnapshot;
 
 RotatingKVCache::RotatingKVCache(int64_t max_size) {
-  if (max_size < 1) {
-    throw Error(fmt::format("RotatingKVCache: max_size {} must be >= 1", max_size));
+  if (max_size < 1 || max_size > detail::kMaxTokens) {
+    throw Error(fmt::format(
+        "RotatingKVCache: max_size {} must be in [1, 2^60] (no array holds more tokens)",
+        max_size));
   }
   impl_ = std::make_unique<detail::RotatingKVCacheImpl>(max_size);
 }

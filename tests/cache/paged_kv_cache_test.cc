@@ -320,5 +320,54 @@ TEST(PagedErrors, BadOptionsAndForeignSnapshots) {
   EXPECT_EQ(held(cache, 0), id_range(0, 4));
 }
 
+// Sizes whose pool chunk (one array of block_tokens * blocks_per_chunk tokens) could not exist
+// are refused at construction, not by an overflowed shape at the first write.
+TEST(PagedErrors, SizesWhoseChunkCannotExistAreRefused) {
+  constexpr int64_t kMax = INT64_MAX;
+  EXPECT_TRUE(throws_error([] { PagedKVCache cache({.block_tokens = int64_t{1} << 58}); },
+                           {"PagedKVCache: block_tokens 288230376151711744 times "
+                            "blocks_per_chunk 64 must be at most 2^60 tokens"}));
+  EXPECT_TRUE(
+      throws_error([] { PagedKVCache cache({.block_tokens = kMax, .blocks_per_chunk = 1}); },
+                   {"PagedKVCache", "block_tokens 9223372036854775807", "2^60"}));
+  EXPECT_TRUE(
+      throws_error([] { PagedKVCache cache({.block_tokens = 1, .blocks_per_chunk = kMax}); },
+                   {"PagedKVCache", "blocks_per_chunk 9223372036854775807"}));
+  EXPECT_TRUE(
+      throws_error([] { PagedKVCache cache({.block_tokens = 1, .blocks_per_chunk = 1LL << 31}); },
+                   {"PagedKVCache", "blocks_per_chunk 2147483648", "block ids are int32"}));
+  PagedKVCache largest({.block_tokens = int64_t{1} << 54});  // a chunk of exactly 2^60 tokens
+  EXPECT_EQ(largest.block_tokens(), int64_t{1} << 54);
+}
+
+// A chunk of at most 2^60 tokens whose arrays would still hold more than 2^60 elements (2 heads
+// of depth 4): the first write or restore fails before the pool takes a block, changing
+// nothing — not the pool's stats, not the layout the next write may bring.
+TEST(PagedErrors, AWriteWhoseChunkCannotExistChangesNothing) {
+  PagedKVCache cache({.block_tokens = int64_t{1} << 54});
+  KVCache contiguous;  // a restore of its snapshot would take the pool's first blocks too
+  testing::write(contiguous, kv, id_range(0, 4));
+  const SnapshotPtr snapshot = contiguous.snapshot(0);
+  EXPECT_TRUE(throws_error([&] { (void)cache.restore(1, snapshot.get(), 4); },
+                           {"PagedKVCache: a chunk of the pool", "H=2"}));
+  EXPECT_TRUE(throws_error([&] { write(cache, 0, id_range(0, 4)); },
+                           {"PagedKVCache: a chunk of the pool, 64 blocks of 18014398509481984 "
+                            "tokens of B=1 H=2 D=4",
+                            "more than 2^60 elements"}));
+  const PagedKVCache::PoolStats stats = cache.pool_stats();
+  EXPECT_EQ(stats.blocks, 0);
+  EXPECT_EQ(stats.blocks_in_use, 0);
+  EXPECT_EQ(stats.live_blocks, 0);
+  EXPECT_EQ(cache.offset(0), 0);
+  EXPECT_TRUE(cache.sequences().empty());
+  EXPECT_EQ(cache.copy_stats().appended_bytes, 0);
+  // Another layout is judged on its own chunk, not refused as differing from the failed one.
+  const TokenKV wide{.heads = 3};
+  const auto ids = id_range(0, 4);
+  EXPECT_TRUE(throws_error(
+      [&] { (void)cache.update(Batch::uniform(1, 4, 0), wide.keys(ids), wide.values(ids)); },
+      {"PagedKVCache: a chunk of the pool", "H=3"}));
+}
+
 }  // namespace
 }  // namespace kvsnap

@@ -348,6 +348,12 @@ TEST(RotatingKVCacheErrors, ASnapshotOfAnotherLayoutIsRefusedWhateverTheTarget) 
 
 TEST(RotatingKVCacheErrors, MisuseThrowsAndChangesNothing) {
   EXPECT_TRUE(throws_error([] { RotatingKVCache cache(0); }, {"RotatingKVCache", "max_size 0"}));
+  // A window no array could hold (its rounded size would overflow): refused at construction.
+  EXPECT_TRUE(throws_error([] { RotatingKVCache cache(INT64_MAX); },
+                           {"RotatingKVCache: max_size 9223372036854775807 must be in [1, 2^60]"}));
+  EXPECT_TRUE(throws_error([] { RotatingKVCache cache((int64_t{1} << 60) + 1); },
+                           {"RotatingKVCache", "max_size 1152921504606846977"}));
+  EXPECT_EQ(RotatingKVCache(int64_t{1} << 60).max_size(), int64_t{1} << 60);
   RotatingKVCache cache(4);
   write_positions(cache, 5);
   KVCache plain;

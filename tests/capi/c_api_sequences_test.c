@@ -107,6 +107,11 @@ static void test_sequences_share_blocks(void) {
   CHECK_FAILS(kvsnap_paged_kv_cache_create(0, &refused), KVSNAP_ERROR,
               "PagedKVCache: block_tokens 0");
   CHECK(refused == NULL);
+  /* A pool chunk (64 blocks) of more than 2^60 tokens could never be allocated. */
+  CHECK_FAILS(kvsnap_paged_kv_cache_create((int64_t)1 << 58, &refused), KVSNAP_ERROR,
+              "PagedKVCache: block_tokens 288230376151711744 times blocks_per_chunk 64 must be at "
+              "most 2^60 tokens");
+  CHECK(refused == NULL);
   kvsnap_snapshot_destroy(prefix);
   kvsnap_cache_destroy(cache);
 }

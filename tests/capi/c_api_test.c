@@ -226,6 +226,9 @@ static void test_scheduled_capture(void) {
 static void test_rotating_cache(void) {
   kvsnap_cache* cache = NULL;
   CHECK_FAILS(kvsnap_rotating_kv_cache_create(0, &cache), KVSNAP_ERROR, "RotatingKVCache");
+  CHECK_FAILS(kvsnap_rotating_kv_cache_create(INT64_MAX, &cache), KVSNAP_ERROR,
+              "RotatingKVCache: max_size 9223372036854775807 must be in [1, 2^60]");
+  CHECK(cache == NULL);
   CHECK_OK(kvsnap_rotating_kv_cache_create(4, &cache));
   kvsnap_cache_kind kind;
   CHECK_OK(kvsnap_cache_get_kind(cache, &kind));
