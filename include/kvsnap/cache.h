@@ -6,7 +6,8 @@
 // offset. Snapshots may be lazy: they name slots of the live buffer and own no bytes. Before a
 // write overwrites slots a lazy snapshot names, the cache copies exactly those slots out
 // ("materializes" that part); the rest stays lazy. Freeing the buffer (reset, destruction)
-// copies out whatever is still named.
+// copies out whatever is still named — or, when that copy cannot be allocated, leaves the buffer
+// alive for the snapshots that name it, so neither ever fails for lack of memory.
 //
 //   kvsnap::KVCache cache;
 //   cache.update(batch, keys, values);             // 10 tokens
@@ -158,7 +159,7 @@ class KVSNAP_EXPORT Cache {
   // The live state arrays (views; treat as read-only).
   virtual std::vector<Array> state() const = 0;
   // Drops all state of every sequence (materializing lazy snapshots first) and any schedule;
-  // offsets become 0.
+  // offsets become 0. Never fails for lack of memory (see above).
   virtual void reset() = 0;
   // Tokens written so far.
   virtual int64_t offset() const = 0;

@@ -32,7 +32,8 @@ class KVSNAP_EXPORT KVCache final : public Attention {
   static constexpr int64_t kStep = 256;
 
   KVCache();
-  // Materializes every outstanding lazy snapshot: they outlive the cache.
+  // Materializes every outstanding lazy snapshot: they outlive the cache (out of memory, they
+  // keep the cache's buffers alive instead).
   ~KVCache() override;
 
   // Makes room for `tokens` tokens in every sequence without further growth: at once for the

@@ -39,7 +39,8 @@ class KVSNAP_EXPORT RotatingKVCache final : public Attention {
 
   // Throws Error unless 1 <= max_size <= 2^60 (no array holds more tokens).
   explicit RotatingKVCache(int64_t max_size);
-  // Materializes every outstanding lazy snapshot: they outlive the cache.
+  // Materializes every outstanding lazy snapshot: they outlive the cache (out of memory, they
+  // keep the cache's buffers alive instead).
   ~RotatingKVCache() override;
 
   int64_t max_size() const;

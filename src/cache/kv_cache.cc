@@ -118,7 +118,8 @@ using detail::KVStateSnapshot;
 
 KVCache::KVCache() : impl_(std::make_unique<detail::KVCacheImpl>()) {}
 // Snapshots that outlive the cache are copied out under its lock, which they keep: another
-// thread reading one meanwhile sees it lazy or owned, never half-copied.
+// thread reading one meanwhile sees it lazy or owned, never half-copied. Out of memory, they
+// keep the buffers instead (KVStore::let_go): a destructor must not throw.
 KVCache::~KVCache() { impl_->reset_all(); }
 
 void KVCache::reserve(int64_t tokens) {

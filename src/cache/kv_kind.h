@@ -43,7 +43,8 @@ class KVKind {
   void take_into(std::vector<SnapshotPtr>& into);
   std::vector<SnapshotPtr> take_reached() { return schedule.take_reached(); }
   void cancel() { schedule.clear(); }
-  // Drops the state (copying out what lazy snapshots name) and the schedule.
+  // Drops the state (handing lazy snapshots what they name: KVStore::let_go) and the schedule.
+  // Never throws.
   virtual void reset() {
     schedule.clear();
     store.clear();
@@ -164,7 +165,8 @@ class KVCacheCore {
       return sequence == nullptr ? KVHistory() : sequence->history();
     });
   }
-  void reset_all() {
+  // Never throws (KVStore::clear): the caches' destructors call it.
+  void reset_all() noexcept {
     const Guard guard(lock);
     sequences.for_each([](SeqId, Seq& sequence) { sequence.reset(); });
   }

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <new>
 
 namespace kvsnap::detail {
 namespace {
@@ -319,8 +320,8 @@ KVStateSnapshot& as_kv_state(Snapshot* snapshot, SnapshotRecord::Kind kind, cons
 
 // ---- KVStore --------------------------------------------------------------------------------
 
-void KVStore::clear() {
-  materialize_all();
+void KVStore::clear() noexcept {
+  let_go();
   keys = Array();
   values = Array();
   has_layout = false;
@@ -404,6 +405,27 @@ void KVStore::materialize(KVStateSnapshot& snapshot) {
 void KVStore::materialize_all() {
   index.all(overlapping_);
   for (Piece* piece : overlapping_) copy_out(*piece, piece->lazy_end());
+}
+
+void KVStore::let_go() noexcept {
+  while (Piece* piece = index.any()) {
+    if (piece->keys.empty()) {  // no storage yet: the one allocation this needs
+      try {
+        allocate_storage(*piece, layout, piece->tokens);
+        piece->snapshot->storage_changed(storage_bytes(*piece));
+      } catch (const std::bad_alloc&) {
+        // Out of memory: the piece keeps the buffers alive and reads its columns there.
+        piece->keys = keys.slice(2, piece->column, piece->lazy_end());
+        piece->values = values.slice(2, piece->column, piece->lazy_end());
+        piece->snapshot->storage_changed(storage_bytes(*piece));
+        index.erase(piece);
+        piece->owned = piece->tokens;
+        if (!piece->snapshot->has_lazy_piece()) piece->snapshot->became_owned();
+        continue;
+      }
+    }
+    copy_out(*piece, piece->lazy_end());  // into storage it has: allocates nothing
+  }
 }
 
 std::unique_ptr<KVStateSnapshot> KVStore::capture(SnapshotRecord::Kind kind, int64_t column,

@@ -127,8 +127,8 @@ class KVStore {
   KVStore() = default;
   KVStore(const KVStore&) = delete;
   KVStore& operator=(const KVStore&) = delete;
-  // Outstanding lazy snapshots outlive the store: they are materialized first.
-  ~KVStore() { materialize_all(); }
+  // Outstanding lazy snapshots outlive the store: they are handed their columns first.
+  ~KVStore() { let_go(); }
 
   int64_t capacity() const { return keys.empty() ? 0 : keys.dim(2); }
   int64_t token_bytes() const { return layout.token_bytes(); }
@@ -139,8 +139,9 @@ class KVStore {
     layout = incoming;
     has_layout = true;
   }
-  // Materializes every lazy snapshot, drops the buffers and the layout.
-  void clear();
+  // Hands every lazy snapshot its columns (let_go), drops the buffers and the layout. Never
+  // throws: a reset, like a destruction, cannot fail for lack of memory.
+  void clear() noexcept;
   // Fresh buffers of `columns` columns; columns [0, keep) are copied over at the same columns
   // (counted as growth), so lazy pieces naming them stay valid; pieces beyond `keep` are
   // materialized first.
@@ -162,6 +163,11 @@ class KVStore {
   }
   void materialize_all();
   void materialize(KVStateSnapshot& snapshot);
+  // Before the buffers go (clear, destruction): every lazy piece gets its columns, copied into
+  // storage of its own; a piece whose storage cannot be allocated (std::bad_alloc) takes views
+  // of the buffers' columns instead, keeping the buffers alive (no write reaches them once the
+  // store has let them go; they are freed with the last such piece). Never throws.
+  void let_go() noexcept;
 
   // A lazy snapshot of `tokens` columns from `column`.
   std::unique_ptr<KVStateSnapshot> capture(SnapshotRecord::Kind kind, int64_t column,

@@ -53,6 +53,8 @@ class LazyIndex {
   // Unlinks a linked piece. O(log n).
   void erase(Piece* piece);
   bool empty() const { return root_ == nullptr; }
+  // Some linked piece, or null when empty: drains the index without allocating. O(1).
+  Piece* any() const { return root_; }
   // One past the last column any lazy piece names; 0 when empty. O(1).
   int64_t end() const { return root_ == nullptr ? 0 : root_->max_end; }
 

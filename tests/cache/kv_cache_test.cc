@@ -2,16 +2,12 @@
 #include <kvsnap/kv_cache.h>
 #include <kvsnap/paged_kv_cache.h>
 #include <kvsnap/rotating_kv_cache.h>
-#include <sys/resource.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
-#include <fstream>
-#include <functional>
 #include <new>
 
 #include "cache/snapshot_record.h"
 #include "support/cache_support.h"
+#include "support/memory_limit.h"
 #include "support/test_support.h"
 
 namespace kvsnap {
@@ -19,6 +15,8 @@ namespace {
 
 using testing::column_ids;
 using testing::id_range;
+using testing::kAddressSanitizer;
+using testing::run_with_headroom;
 using testing::throws_error;
 using testing::TokenKV;
 using testing::write;
@@ -674,35 +672,6 @@ TEST(KVCache, RowsOfABatchWithoutIdsKeepTheBatchsColumns) {
 }
 
 // ---- running out of memory ----------------------------------------------------------------
-
-#if defined(__SANITIZE_ADDRESS__)
-constexpr bool kAddressSanitizer = true;  // it aborts on impossible sizes and ignores RLIMIT_AS
-#else
-constexpr bool kAddressSanitizer = false;
-#endif
-
-// Runs `body` in a forked child whose address space may grow by at most `headroom` bytes more
-// than it has at the fork; returns the child's exit status (body's result), or -1 if it died.
-int run_with_headroom(int64_t headroom, const std::function<int()>& body) {
-  const pid_t child = ::fork();
-  if (child == 0) {
-    trim_pool();  // no pooled buffer to reuse: whatever the body allocates is mapped anew
-    int64_t pages = 0;
-    std::ifstream("/proc/self/statm") >> pages;
-    const auto limit = static_cast<rlim_t>(pages * ::sysconf(_SC_PAGESIZE) + headroom);
-    const rlimit rl{limit, limit};
-    ::setrlimit(RLIMIT_AS, &rl);
-    int result = 3;
-    try {
-      result = body();
-    } catch (...) {  // never back into the test runner from the child
-    }
-    ::_exit(result);
-  }
-  int status = 0;
-  ::waitpid(child, &status, 0);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-}
 
 // A reservation that fails to grow a sequence (std::bad_alloc: 2^55 tokens of 2^5 key bytes is
 // a size no machine maps) raises nothing: later sequences' first updates are not held to it.
