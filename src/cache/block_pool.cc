@@ -42,7 +42,8 @@ void BlockPool::grow() {
   };
   room(key_chunks_, 1);
   room(value_chunks_, 1);
-  room(free_, count);
+  // Room for every block at once: releasing blocks (destructors do) never allocates.
+  room(free_, blocks_.size() + count - free_.size());
   blocks_.resize(blocks_.size() + count);
   key_chunks_.push_back(std::move(keys));
   value_chunks_.push_back(std::move(values));

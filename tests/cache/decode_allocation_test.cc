@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <memory>
 #include <new>
 
 #include "support/cache_support.h"
@@ -142,6 +143,20 @@ TEST(DecodeAllocation, RecurrentGetPutAndCaptureAllocateNothing) {
               ASSERT_TRUE(cache.restore(nullptr, cache.offset()));
             }),
             0);
+}
+
+// Releasing blocks allocates nothing (destructors release them): a PagedKVCache whose pool grew
+// a block at a time while none was free is destroyed while a snapshot holds half its blocks,
+// then the snapshot goes too.
+TEST(DecodeAllocation, PagedKVCacheReleasesBlocksWithoutAllocating) {
+  auto cache = std::make_unique<PagedKVCache>(
+      PagedKVCache::Options{.block_tokens = 1, .blocks_per_chunk = 1});
+  testing::write(*cache, kv, testing::id_range(0, 64));  // 64 growths, none with a block free
+  SnapshotPtr half = cache->snapshot(32);
+  const int64_t before = allocations.load();
+  cache.reset();  // frees blocks [0, 32); the snapshot keeps the others
+  half.reset();   // frees them
+  EXPECT_EQ(allocations.load() - before, 0);
 }
 
 // A speculation round over the three kinds — begin (captures scheduled), the verify write of
