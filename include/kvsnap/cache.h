@@ -113,7 +113,8 @@ struct ScheduleState {
 // state (a write, a restore that gives it tokens, a schedule); a call that fails, returns false
 // or changes nothing creates none. update / get / put with a batch route each row to its
 // sequence; the calls below without a sequence address sequence 0 (a single-sequence cache is
-// sequence 0), those with one address that sequence.
+// sequence 0), those with one address that sequence. The built-in kinds throw Error from every
+// call naming a sequence outside [0, 2^20) ("<call>: sequence id -1 outside [0, 1048576)").
 //
 // Threads: kvsnap's caches lock themselves: any call (and a snapshot's destruction) may come
 // from any thread; calls on one cache run one at a time.
@@ -169,7 +170,8 @@ class KVSNAP_EXPORT Cache {
   // a real, empty snapshot: a restore point. Throws unless 0 <= from_offset <= offset().
   [[nodiscard]] virtual SnapshotPtr snapshot(int64_t from_offset) = 0;
   // Schedules captures as later writes reach each offset (ascending, unique, >= offset(); the
-  // previous schedule taken). An offset equal to offset() is captured at once.
+  // previous schedule taken). An offset equal to offset() is captured at once. No offsets
+  // schedule nothing: the cache stays free to move, and no sequence is made.
   virtual void prepare_snapshots(std::span<const int64_t> offsets) = 0;
   // Drops the schedule and whatever it captured so far (no-op without one).
   virtual void cancel_snapshots() = 0;

@@ -362,7 +362,8 @@ KVSNAP_EXPORT kvsnap_status kvsnap_recurrent_snapshot_splits_seq(const kvsnap_ca
  * is NULL when there is nothing to hold (an empty range, or offset 0). */
 KVSNAP_EXPORT kvsnap_status kvsnap_cache_snapshot(kvsnap_cache* cache, int64_t from_offset,
                                                   kvsnap_snapshot** out);
-/* Schedules captures as writes reach each offset (ascending, unique, >= offset). */
+/* Schedules captures as writes reach each offset (ascending, unique, >= offset). No offsets
+ * schedule nothing (and the cache stays free to move). */
 KVSNAP_EXPORT kvsnap_status kvsnap_cache_prepare_snapshots(kvsnap_cache* cache,
                                                            const int64_t* offsets, size_t count);
 /* One entry per scheduled offset, in order (NULL entries for zero-width edges); clears the
@@ -379,7 +380,8 @@ KVSNAP_EXPORT kvsnap_status kvsnap_cache_cancel_snapshots(kvsnap_cache* cache);
 KVSNAP_EXPORT kvsnap_status kvsnap_cache_restore(kvsnap_cache* cache, kvsnap_snapshot* snapshot,
                                                  int64_t target, bool* restored);
 /* Sequence `seq` of a cache serving many (the calls above address sequence 0; a cache serves a
- * sequence once a batch row or a restore names it). */
+ * sequence once a batch row or a restore names it). Every call naming a sequence refuses an id
+ * outside [0, 2^20) (KVSNAP_ERROR). */
 KVSNAP_EXPORT kvsnap_status kvsnap_cache_offset_seq(const kvsnap_cache* cache, int32_t seq,
                                                     int64_t* out);
 /* Bytes sequence `seq`'s writes may still copy into snapshots already taken (the lazy data they

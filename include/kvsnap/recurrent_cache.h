@@ -102,6 +102,8 @@ class KVSNAP_EXPORT RecurrentCache final : public Cache {
   [[nodiscard]] bool restore(SeqId seq, Snapshot* snapshot, int64_t target) override;
   std::vector<SeqId> sequences() const override;
   ScheduleState schedule_state(SeqId seq) const override;
+  // 0: its snapshots own their bytes when taken.
+  int64_t exposed_bytes(SeqId seq) const override;
 
   CopyStats copy_stats() const override;
   RestoreRule restore_rule() const override;

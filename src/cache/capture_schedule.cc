@@ -7,6 +7,7 @@ namespace kvsnap::detail {
 
 void CaptureSchedule::prepare(std::span<const int64_t> offsets, int64_t current, const char* call) {
   check(offsets, current, call);
+  if (offsets.empty()) return;
   offsets_.assign(offsets.begin(), offsets.end());
   captured_.clear();
   captured_.reserve(offsets_.size());

@@ -12,7 +12,8 @@ namespace kvsnap::detail {
 class CaptureSchedule {
  public:
   // Installs `offsets` for a cache now at `current`. Throws Error naming `call` unless offsets
-  // are ascending, unique, >= current, and the previous schedule was taken.
+  // are ascending, unique, >= current, and the previous schedule was taken. No offsets install
+  // nothing: the schedule stays inactive (nothing to take, nothing to wait for).
   void prepare(std::span<const int64_t> offsets, int64_t current, const char* call);
   // Throws the Error prepare(offsets, current, call) would; changes nothing.
   void check(std::span<const int64_t> offsets, int64_t current, const char* call) const;

@@ -149,7 +149,8 @@ class KVCacheCore {
   Seq& at(SeqId id) { return sequences.at(id, name_); }
   // Sequence `id` for checks: an empty one when absent (none is created).
   const Seq& peek(SeqId id) const { return sequences.peek(id, name_); }
-  const Seq* find(SeqId id) const { return sequences.find(id); }
+  // Sequence `id`, or null when absent; throws Error for an id outside [0, kMaxSequences).
+  const Seq* find(SeqId id) const { return sequences.find(id, name_); }
 
   KVHistory update(const Batch& batch, const Array& keys, const Array& values) {
     const Guard guard(lock);
@@ -172,7 +173,7 @@ class KVCacheCore {
   }
   void reset(SeqId seq) {
     const Guard guard(lock);
-    if (Seq* sequence = sequences.find(seq)) sequence->reset();
+    if (Seq* sequence = sequences.find(seq, name_)) sequence->reset();
   }
   int64_t offset(SeqId seq) const {
     const Guard guard(lock);
@@ -199,6 +200,7 @@ class KVCacheCore {
     const Guard guard(lock);
     const Seq& current = peek(seq);
     current.schedule.check(offsets, current.offset, current.calls().prepare.c_str());
+    if (offsets.empty()) return;  // schedules nothing: no sequence is made for it
     sequences.change(seq, name_, [&](Seq& sequence) { sequence.prepare(offsets); });
   }
   // The take calls of an absent sequence give what an empty one does (nothing), creating none.
@@ -219,7 +221,7 @@ class KVCacheCore {
   }
   void cancel(SeqId seq) {
     const Guard guard(lock);
-    if (Seq* sequence = sequences.find(seq)) sequence->cancel();
+    if (Seq* sequence = sequences.find(seq, name_)) sequence->cancel();
   }
   CopyStats stats() const {
     const Guard guard(lock);

@@ -301,7 +301,7 @@ KVHistory PagedKVCache::update(const Batch& batch, const Array& keys, const Arra
 KVHistory PagedKVCache::view(const Batch& batch) const {
   const Guard guard(impl_->pool->lock);
   return detail::view_rows(batch, [&](SeqId id) {
-    const detail::PagedSequence* sequence = impl_->sequences.find(id);
+    const detail::PagedSequence* sequence = impl_->sequences.find(id, "PagedKVCache::view");
     return sequence == nullptr ? KVHistory() : sequence->history();
   });
 }
@@ -309,7 +309,7 @@ KVHistory PagedKVCache::view(const Batch& batch) const {
 std::vector<Array> PagedKVCache::state() const { return state(0); }
 std::vector<Array> PagedKVCache::state(SeqId seq) const {
   const Guard guard(impl_->pool->lock);
-  const detail::PagedSequence* sequence = impl_->sequences.find(seq);
+  const detail::PagedSequence* sequence = impl_->sequences.find(seq, "PagedKVCache::state");
   if (sequence == nullptr || sequence->blocks.empty()) return {};
   const KVHistory contiguous = sequence->history().contiguous();
   return {contiguous.keys(), contiguous.values()};
@@ -324,7 +324,7 @@ void PagedKVCache::reset() {
 }
 void PagedKVCache::reset(SeqId seq) {
   const Guard guard(impl_->pool->lock);
-  if (detail::PagedSequence* s = impl_->sequences.find(seq)) {
+  if (detail::PagedSequence* s = impl_->sequences.find(seq, "PagedKVCache::reset")) {
     s->schedule.clear();
     s->rewind(0);
   }
@@ -333,13 +333,13 @@ void PagedKVCache::reset(SeqId seq) {
 int64_t PagedKVCache::offset() const { return offset(0); }
 int64_t PagedKVCache::offset(SeqId seq) const {
   const Guard guard(impl_->pool->lock);
-  const detail::PagedSequence* sequence = impl_->sequences.find(seq);
+  const detail::PagedSequence* sequence = impl_->sequences.find(seq, "PagedKVCache::offset");
   return sequence == nullptr ? 0 : sequence->offset;
 }
 
 int64_t PagedKVCache::exposed_bytes(SeqId seq) const {
   const Guard guard(impl_->pool->lock);
-  const detail::PagedSequence* sequence = impl_->sequences.find(seq);
+  const detail::PagedSequence* sequence = impl_->sequences.find(seq, "PagedKVCache::exposed_bytes");
   return sequence == nullptr ? 0 : sequence->exposed_bytes();
 }
 
@@ -377,6 +377,7 @@ void PagedKVCache::prepare_snapshots(SeqId seq, std::span<const int64_t> offsets
   const Guard guard(impl_->pool->lock);
   const detail::PagedSequence& current = impl_->sequences.peek(seq, call);
   current.schedule.check(offsets, current.offset, call);
+  if (offsets.empty()) return;  // schedules nothing: no sequence is made for it
   impl_->sequences.change(seq, call, [&](detail::PagedSequence& sequence) {
     sequence.schedule.prepare(offsets, sequence.offset, call);
     sequence.capture_reached();
@@ -411,7 +412,9 @@ std::vector<SnapshotPtr> PagedKVCache::take_reached_snapshots(SeqId seq) {
 void PagedKVCache::cancel_snapshots() { cancel_snapshots(0); }
 void PagedKVCache::cancel_snapshots(SeqId seq) {
   const Guard guard(impl_->pool->lock);
-  if (detail::PagedSequence* sequence = impl_->sequences.find(seq)) sequence->schedule.clear();
+  if (auto* sequence = impl_->sequences.find(seq, "PagedKVCache::cancel_snapshots")) {
+    sequence->schedule.clear();
+  }
 }
 
 bool PagedKVCache::restore(Snapshot* snapshot, int64_t target) {

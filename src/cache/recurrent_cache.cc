@@ -290,13 +290,14 @@ std::vector<int64_t> RecurrentCache::snapshot_splits(int64_t forward_len) const 
 }
 std::vector<int64_t> RecurrentCache::snapshot_splits(SeqId seq, int64_t forward_len) const {
   const Guard guard(impl_->lock);
+  (void)impl_->sequences.find(seq, "RecurrentCache::snapshot_splits");  // the id checked
   return impl_->splits(seq, forward_len);
 }
 
 std::vector<Array> RecurrentCache::state() const { return state(0); }
 std::vector<Array> RecurrentCache::state(SeqId seq) const {
   const Guard guard(impl_->lock);
-  const detail::RecurrentSequence* sequence = impl_->sequences.find(seq);
+  const detail::RecurrentSequence* sequence = impl_->sequences.find(seq, "RecurrentCache::state");
   if (sequence == nullptr || sequence->conv.empty()) return {};
   return {sequence->conv, sequence->delta};
 }
@@ -307,14 +308,19 @@ void RecurrentCache::reset() {
 }
 void RecurrentCache::reset(SeqId seq) {
   const Guard guard(impl_->lock);
-  if (detail::RecurrentSequence* sequence = impl_->sequences.find(seq)) sequence->reset();
+  if (auto* sequence = impl_->sequences.find(seq, "RecurrentCache::reset")) sequence->reset();
 }
 
 int64_t RecurrentCache::offset() const { return offset(0); }
 int64_t RecurrentCache::offset(SeqId seq) const {
   const Guard guard(impl_->lock);
-  const detail::RecurrentSequence* sequence = impl_->sequences.find(seq);
+  const detail::RecurrentSequence* sequence = impl_->sequences.find(seq, "RecurrentCache::offset");
   return sequence == nullptr ? 0 : sequence->offset;
+}
+
+int64_t RecurrentCache::exposed_bytes(SeqId seq) const {
+  detail::Sequences<detail::RecurrentSequence>::check_id(seq, "RecurrentCache::exposed_bytes");
+  return 0;
 }
 
 std::vector<SeqId> RecurrentCache::sequences() const {
@@ -351,6 +357,7 @@ void RecurrentCache::prepare_snapshots(SeqId seq, std::span<const int64_t> offse
   const Guard guard(impl_->lock);
   const detail::RecurrentSequence& current = impl_->peek(seq, call);
   current.schedule.check(offsets, current.offset, call);
+  if (offsets.empty()) return;  // schedules nothing: no sequence is made for it
   impl_->sequences.change(seq, call, [&](detail::RecurrentSequence& sequence) {
     sequence.schedule.prepare(offsets, sequence.offset, call);
     sequence.capture_reached();
@@ -391,7 +398,9 @@ std::vector<SnapshotPtr> RecurrentCache::take_reached_snapshots(SeqId seq) {
 void RecurrentCache::cancel_snapshots() { cancel_snapshots(0); }
 void RecurrentCache::cancel_snapshots(SeqId seq) {
   const Guard guard(impl_->lock);
-  if (detail::RecurrentSequence* sequence = impl_->sequences.find(seq)) sequence->schedule.clear();
+  if (auto* sequence = impl_->sequences.find(seq, "RecurrentCache::cancel_snapshots")) {
+    sequence->schedule.clear();
+  }
 }
 
 bool RecurrentCache::restore(Snapshot* snapshot, int64_t target) {

@@ -4,6 +4,7 @@
 
 #include <memory>
 #include <random>
+#include <string>
 #include <type_traits>
 
 #include "support/cache_support.h"
@@ -304,6 +305,55 @@ TYPED_TEST(CacheContract, CallsThatFailOrChangeNothingCreateNoSequence) {
   cache.prepare_snapshots(4, ahead);
   EXPECT_EQ(cache.sequences(), (std::vector<SeqId>{0, 3, 4}));
   cache.cancel_snapshots(4);
+}
+
+// An empty schedule schedules nothing: it makes no sequence, leaves nothing to take and does
+// not hold the cache still (while a schedule is pending it is refused like any other).
+TYPED_TEST(CacheContract, AnEmptyScheduleSchedulesNothing) {
+  this->write(2);
+  Cache& cache = *this->cache;
+  const std::vector<int64_t> none, ahead{3};
+  cache.prepare_snapshots(none);
+  cache.prepare_snapshots(5, none);
+  EXPECT_EQ(cache.sequences(), std::vector<SeqId>{0});
+  EXPECT_TRUE(cache.restore(nullptr, 2));  // not refused as "captures are scheduled"
+  EXPECT_TRUE(cache.take_snapshots().empty());
+  cache.prepare_snapshots(ahead);  // no earlier schedule waits to be taken
+  EXPECT_TRUE(throws_error([&] { cache.prepare_snapshots(none); }, {"not taken"}));
+  this->write(1);
+  EXPECT_EQ(cache.take_snapshots().size(), 1u);
+}
+
+// Every call naming a sequence refuses an id outside [0, 2^20) with the same message, the calls
+// that only read or would change nothing included.
+TYPED_TEST(CacheContract, EveryCallNamingASequenceRefusesAnIdOutOfRange) {
+  this->write(2);
+  Cache& cache = *this->cache;
+  const std::vector<int64_t> none;
+  std::vector<SnapshotPtr> into;
+  for (const SeqId id : {SeqId(-1), SeqId(1) << 20}) {
+    const std::string rule = "sequence id " + std::to_string(id) + " outside [0, 1048576)";
+    const auto refused = [&](auto&& call) { return throws_error(call, {rule.c_str()}); };
+    EXPECT_TRUE(refused([&] { (void)cache.offset(id); }));
+    EXPECT_TRUE(refused([&] { (void)cache.state(id); }));
+    EXPECT_TRUE(refused([&] { (void)cache.exposed_bytes(id); }));
+    EXPECT_TRUE(refused([&] { cache.reset(id); }));
+    EXPECT_TRUE(refused([&] { (void)cache.snapshot(id, 0); }));
+    EXPECT_TRUE(refused([&] { cache.prepare_snapshots(id, none); }));
+    EXPECT_TRUE(refused([&] { cache.cancel_snapshots(id); }));
+    EXPECT_TRUE(refused([&] { (void)cache.take_snapshots(id); }));
+    EXPECT_TRUE(refused([&] { (void)cache.take_reached_snapshots(id); }));
+    EXPECT_TRUE(refused([&] { cache.take_snapshots_into(id, into); }));
+    EXPECT_TRUE(refused([&] { (void)cache.restore(id, nullptr, 0); }));
+    if constexpr (std::is_same_v<typename TypeParam::Type, KVCache>) {
+      EXPECT_TRUE(refused([&] { (void)this->cache->lazy_bytes(id, 0, 2); }));
+    }
+    if constexpr (std::is_same_v<typename TypeParam::Type, RecurrentCache>) {
+      EXPECT_TRUE(refused([&] { (void)this->cache->snapshot_splits(id, 2); }));
+    }
+  }
+  EXPECT_EQ(cache.sequences(), std::vector<SeqId>{0});
+  EXPECT_EQ(cache.offset(), 2);
 }
 
 // A batch whose second row is misplaced: the refusal names that row and its sequence, and the
