@@ -106,7 +106,7 @@ KVSNAP_EXPORT kvsnap_status kvsnap_array_get_info(const kvsnap_array* array,
 KVSNAP_EXPORT kvsnap_status kvsnap_array_slice(const kvsnap_array* array, int axis, int64_t start,
                                                int64_t stop, kvsnap_array** out);
 /* Copies the elements in logical row-major order into `destination` (`capacity` bytes, at
- * least the array's size in bytes). */
+ * least the array's size in bytes; any alignment). */
 KVSNAP_EXPORT kvsnap_status kvsnap_array_copy_to(const kvsnap_array* array, void* destination,
                                                  size_t capacity);
 /* True when both name the same buffer (false if either is NULL). */
@@ -415,11 +415,11 @@ KVSNAP_EXPORT kvsnap_status kvsnap_cache_restore_seq(kvsnap_cache* cache, int32_
 
 /* Joins adjacent snapshots `parent` then `child`. Either may be NULL: NULL in gives NULL out
  * (the other is destroyed). Consumes both, also on failure: do not use or destroy them
- * afterwards. */
+ * afterwards. The same snapshot as both is refused (KVSNAP_INVALID_ARGUMENT) and consumed once. */
 KVSNAP_EXPORT kvsnap_status kvsnap_cache_merge(kvsnap_cache* cache, kvsnap_snapshot* parent,
                                                kvsnap_snapshot* child, kvsnap_snapshot** out);
-/* Splits at `at` into before and after (either may come back NULL). Consumes `snapshot`, also
- * on failure. */
+/* Splits at `at` into before and after (either may come back NULL; `before` and `after` must
+ * be different pointers). Consumes `snapshot`, also on failure. */
 KVSNAP_EXPORT kvsnap_status kvsnap_cache_split(kvsnap_cache* cache, kvsnap_snapshot* snapshot,
                                                int64_t at, kvsnap_snapshot** before,
                                                kvsnap_snapshot** after);

@@ -85,7 +85,9 @@ kvsnap_status kvsnap_array_copy_to(const kvsnap_array* array, void* destination,
       throw InvalidArgument(fmt::format("{}: capacity {} bytes is less than the {} bytes of {}",
                                         call, capacity, bytes, a.describe()));
     }
-    Array::wrap(destination, a.dtype(), a.shape()).assign(a);
+    // Byte by byte: the destination need not be aligned to the element size.
+    const Array compact = a.is_contiguous() ? a : a.contiguous();
+    std::memcpy(destination, compact.bytes(), bytes);
   });
 }
 

@@ -153,9 +153,16 @@ kvsnap_status kvsnap_cache_restore_seq(kvsnap_cache* cache, int32_t seq, kvsnap_
 kvsnap_status kvsnap_cache_merge(kvsnap_cache* cache, kvsnap_snapshot* parent,
                                  kvsnap_snapshot* child, kvsnap_snapshot** out) {
   constexpr const char* call = "kvsnap_cache_merge";
-  SnapshotPtr before = adopt(parent);  // consumed whatever happens next
-  SnapshotPtr after = adopt(child);
+  const bool same = parent != nullptr && parent == child;
+  SnapshotPtr before = adopt(parent);  // consumed whatever happens next (once when the same)
+  SnapshotPtr after = same ? nullptr : adopt(child);
   return guard([&] {
+    if (same) {
+      throw InvalidArgument(
+          fmt::format("{}: parent and child are the same snapshot (a merge joins two adjacent "
+                      "ones); it is consumed",
+                      call));
+    }
     Cache& c = layer(cache, call);
     require(out, call, "out");
     auto handle = std::make_unique<kvsnap_snapshot>();
@@ -172,6 +179,10 @@ kvsnap_status kvsnap_cache_split(kvsnap_cache* cache, kvsnap_snapshot* snapshot,
     Cache& c = layer(cache, call);
     require(before, call, "before");
     require(after, call, "after");
+    if (before == after) {
+      throw InvalidArgument(
+          fmt::format("{}: before and after are the same pointer (each part needs its own)", call));
+    }
     auto first = std::make_unique<kvsnap_snapshot>();
     auto second = std::make_unique<kvsnap_snapshot>();
     std::tie(first->snapshot, second->snapshot) = c.split(std::move(whole), at);
