@@ -207,15 +207,15 @@ typedef struct kvsnap_kv_history {
 
 /* Attention kinds: appends the batch's keys [B, H, L, D] and values [B, H, L, Dv] (copied into
  * the cache) and returns the history every query attends to (`out` may be NULL). A paged
- * cache's history comes back as a contiguous copy. A batch whose rows are different sequences
- * has one history per row: use kvsnap_cache_update_rows (with `out` set, this call refuses such
- * a batch before writing). */
+ * cache's history comes back as a contiguous copy, allocated before the write (out of memory,
+ * nothing is written). A batch whose rows are different sequences has one history per row: use
+ * kvsnap_cache_update_rows (with `out` set, this call refuses such a batch before writing). */
 KVSNAP_EXPORT kvsnap_status kvsnap_cache_update(kvsnap_cache* cache, const kvsnap_batch* batch,
                                                 const kvsnap_array* keys,
                                                 const kvsnap_array* values, kvsnap_kv_history* out);
 /* Attention kinds, a batch whose rows may be different sequences: as kvsnap_cache_update, with
  * row b's history in rows[b] (`rows` holds batch_size entries, or is NULL). Histories of a
- * paged cache are contiguous copies, others views. */
+ * paged cache are contiguous copies (all allocated before any row is written), others views. */
 KVSNAP_EXPORT kvsnap_status kvsnap_cache_update_rows(kvsnap_cache* cache, const kvsnap_batch* batch,
                                                      const kvsnap_array* keys,
                                                      const kvsnap_array* values,

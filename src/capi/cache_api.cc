@@ -33,13 +33,61 @@ kvsnap_status create(kvsnap_cache** out, kvsnap_cache_kind kind, const char* cal
 }
 
 // One history as the C struct: views of a contiguous history, a contiguous copy of a paged one.
-// The handles are made first (a failure to allocate them changes nothing).
+// What it allocates is allocated before the write (a failure to allocate then changes nothing):
+// the handles, and for a paged cache the arrays the copy goes into (reserve_copy).
 struct HistoryHandles {
   std::unique_ptr<kvsnap_array> keys = std::make_unique<kvsnap_array>();
   std::unique_ptr<kvsnap_array> values = std::make_unique<kvsnap_array>();
+  KVHistory history;
 
-  void hand_out(const KVHistory& row, kvsnap_kv_history* out) {
-    const KVHistory history = row.paged() ? row.contiguous() : row;
+  // Before `write` to a paged cache: the arrays of row `b`'s copy, [1, H, K, D] and [1, H, K, Dv]
+  // with K the row's offset plus its real tokens (its sequence's offset after the write).
+  // Nothing for a row the write refuses, which then changes nothing.
+  void reserve_copy(const KVWrite& write, int64_t b) {
+    const Array &k = write.keys, &v = write.values;
+    const Batch& batch = write.batch;
+    if (k.ndim() != 4 || v.ndim() != 4 || b >= batch.batch_size()) return;
+    const auto row = static_cast<size_t>(b);
+    const int64_t query = batch.seq_query_lens[row];
+    if (query < 0 || query > k.dim(2)) return;
+    try {
+      if (write.layer.offset(batch.seq_id(b)) != batch.seq_offsets[row]) return;
+    } catch (const Error&) {  // a sequence id the write refuses
+      return;
+    }
+    const int64_t length = batch.seq_offsets[row] + query;
+    keys->array = Array::uninitialized(k.dtype(), {1, k.dim(1), length, k.dim(3)});
+    values->array = Array::uninitialized(v.dtype(), {1, v.dim(1), length, v.dim(3)});
+  }
+
+  // After the write: row's history, a paged one copied into the reserved arrays when they fit
+  // (else into new ones).
+  void take(const KVHistory& row) {
+    if (!row.paged()) {
+      history = row;
+      return;
+    }
+    const PagedColumns& p = row.paged_columns();
+    const Array &k = keys->array, &v = values->array;
+    const auto fits = [&](const Array& reserved, const Array& chunk) {
+      return !reserved.empty() && reserved.dtype() == chunk.dtype() &&
+             reserved.shape() == Shape{1, chunk.dim(1), p.length, chunk.dim(3)};
+    };
+    if (p.key_chunks.empty() || !fits(k, p.key_chunks.front()) ||
+        !fits(v, p.value_chunks.front())) {
+      history = row.contiguous();
+      return;
+    }
+    for (size_t i = 0; static_cast<int64_t>(i) * p.block_tokens < p.length; ++i) {
+      const int64_t first = static_cast<int64_t>(i) * p.block_tokens;
+      const int64_t count = std::min(p.block_tokens, p.length - first);
+      k.assign_slice(2, first, p.key_block(i).slice(2, 0, count));
+      v.assign_slice(2, first, p.value_block(i).slice(2, 0, count));
+    }
+    history = KVHistory(k, v, row.first_position(), 0, row.window());
+  }
+
+  void hand_out(kvsnap_kv_history* out) noexcept {
     keys->array = history.keys();
     values->array = history.values();
     *out = {keys.release(), values.release(), history.first_position(), history.oldest_column(),
@@ -49,8 +97,9 @@ struct HistoryHandles {
 
 // Hands the history `write` returns out through `rows` (one per batch row, or NULL). Given a
 // `batch`, `rows` is one history: the batch must be one sequence's (checked before writing).
+// `paged` is the write when it goes to a paged cache (its copies are reserved first).
 void write_histories(kvsnap_kv_history* rows, size_t count, const Batch* batch, const char* call,
-                     const std::function<KVHistory()>& write) {
+                     const std::function<KVHistory()>& write, const KVWrite* paged = nullptr) {
   if (rows != nullptr && batch != nullptr) {
     for (int64_t b = 1; b < batch->batch_size(); ++b) {
       if (batch->seq_id(b) != batch->seq_id(0)) {
@@ -62,13 +111,21 @@ void write_histories(kvsnap_kv_history* rows, size_t count, const Batch* batch, 
     }
   }
   std::vector<HistoryHandles> handles(rows != nullptr ? count : 0);
+  for (size_t b = 0; paged != nullptr && b < handles.size(); ++b) {
+    handles[b].reserve_copy(*paged, static_cast<int64_t>(b));
+  }
   const KVHistory history = write();
   if (handles.empty()) return;
+  // Every row's history first, then all handed out: a failure hands out none.
+  const size_t given = history.ragged() ? count : 1;
+  for (size_t b = 0; b < given; ++b) handles[b].take(history.row(static_cast<int64_t>(b)));
   std::fill(rows, rows + count, kvsnap_kv_history{});
-  if (!history.ragged()) return handles.front().hand_out(history, rows);
-  for (size_t b = 0; b < count; ++b) {
-    handles[b].hand_out(history.row(static_cast<int64_t>(b)), &rows[b]);
-  }
+  for (size_t b = 0; b < given; ++b) handles[b].hand_out(&rows[b]);
+}
+
+// `write` when it goes to a paged cache (`cache`, checked by to_kv_write), else null.
+const KVWrite* paged_write(const kvsnap_cache* cache, const KVWrite& write) {
+  return cache->kind == KVSNAP_PAGED_KV_CACHE ? &write : nullptr;
 }
 
 std::vector<Array> arrays(const kvsnap_array* const* handles, size_t count, const char* call,
@@ -188,7 +245,7 @@ kvsnap_status kvsnap_cache_update(kvsnap_cache* cache, const kvsnap_batch* batch
   constexpr const char* call = "kvsnap_cache_update";
   return guard([&] {
     const KVWrite write = to_kv_write(cache, batch, keys, values, call);
-    write_histories(out, 1, &write.batch, call, std::cref(write));
+    write_histories(out, 1, &write.batch, call, std::cref(write), paged_write(cache, write));
   });
 }
 
@@ -199,7 +256,7 @@ kvsnap_status kvsnap_cache_update_rows(kvsnap_cache* cache, const kvsnap_batch* 
   return guard([&] {
     const KVWrite write = to_kv_write(cache, batch, keys, values, call);
     write_histories(rows, static_cast<size_t>(write.batch.batch_size()), nullptr, call,
-                    std::cref(write));
+                    std::cref(write), paged_write(cache, write));
   });
 }
 
