@@ -385,7 +385,8 @@ func (c *Cache) View(b *Batch) (*History, error) {
 }
 
 // RecurrentGet is a recurrent cache's live conv and delta state for the batch, zero on first
-// use (the conv state in activation's dtype).
+// use (the conv state in activation's dtype). They are views of state that snapshots share:
+// read-only (a kernel that updates state in place works on a copy and puts that).
 func (c *Cache) RecurrentGet(b *Batch, activation DType) (conv, delta *Array, err error) {
 	call := "Cache.RecurrentGet"
 	cb, err := b.c(call)

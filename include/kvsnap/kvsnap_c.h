@@ -13,7 +13,7 @@
  *   int32_t offsets[1] = {0}, lens[1] = {3};
  *   kvsnap_batch batch = {.batch_size = 1, .length = 3, .seq_offsets = offsets,
  *                         .seq_query_lens = lens};
- *   kvsnap_kv_history history;  (keys, values: kvsnap_array_wrap of the engine's [B, H, L, D])
+ *   kvsnap_kv_history history = {0};  (keys, values: the engine's [B, H, L, D], wrapped)
  *   if (kvsnap_cache_update(cache, &batch, keys, values, &history) != KVSNAP_OK)
  *     fprintf(stderr, "%s\n", kvsnap_last_error());
  *   kvsnap_snapshot* s = NULL;
@@ -119,7 +119,9 @@ KVSNAP_EXPORT void kvsnap_array_destroy(kvsnap_array* array);
 struct DLManagedTensor;
 KVSNAP_EXPORT kvsnap_status kvsnap_array_from_dlpack(struct DLManagedTensor* tensor,
                                                      kvsnap_array** out);
-/* A DLManagedTensor viewing `array` (no copy), which it keeps alive until its deleter runs. */
+/* A DLManagedTensor viewing `array` (no copy), which it keeps alive until its deleter runs.
+ * DLPack 0.6 has no read-only flag: the tensor of a read-only view (a cache's state or history,
+ * a recurrent state) is read-only too, though nothing marks it so. */
 KVSNAP_EXPORT kvsnap_status kvsnap_array_to_dlpack(const kvsnap_array* array,
                                                    struct DLManagedTensor** out);
 
@@ -334,7 +336,10 @@ KVSNAP_EXPORT kvsnap_status kvsnap_sdpa(const kvsnap_batch* batch, const kvsnap_
 KVSNAP_EXPORT kvsnap_status kvsnap_set_threads(int threads);
 KVSNAP_EXPORT int kvsnap_threads(void);
 
-/* Recurrent kind: the live conv and delta state for `batch`, zero-initialized on first use. */
+/* Recurrent kind: the live conv and delta state for `batch`, zero-initialized on first use.
+ * Views of state that snapshots share (capture copies nothing): read-only, as writing them would
+ * change those snapshots. A kernel that updates state in place works on a copy (e.g.
+ * kvsnap_array_copy_to into the engine's buffer) and puts that (kvsnap_recurrent_put). */
 KVSNAP_EXPORT kvsnap_status kvsnap_recurrent_get(kvsnap_cache* cache, const kvsnap_batch* batch,
                                                  kvsnap_dtype activation_dtype,
                                                  kvsnap_array** conv_state,
