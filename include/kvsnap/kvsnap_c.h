@@ -181,14 +181,16 @@ typedef struct kvsnap_pool_stats {
 KVSNAP_EXPORT kvsnap_status kvsnap_paged_kv_cache_get_stats(const kvsnap_cache* cache,
                                                             kvsnap_pool_stats* out);
 
-/* Lazy snapshots of the cache outlive it (their slots are copied out first). */
+/* Lazy snapshots of the cache outlive it: their slots are copied out first, or, where memory
+ * runs out, they keep the cache's buffers instead. */
 KVSNAP_EXPORT void kvsnap_cache_destroy(kvsnap_cache* cache);
 
 KVSNAP_EXPORT kvsnap_status kvsnap_cache_get_kind(const kvsnap_cache* cache,
                                                   kvsnap_cache_kind* out);
 /* Tokens written so far. */
 KVSNAP_EXPORT kvsnap_status kvsnap_cache_offset(const kvsnap_cache* cache, int64_t* out);
-/* Drops all state and any schedule; offset becomes 0. */
+/* Drops all state and any schedule; offset becomes 0. Never fails for lack of memory (lazy
+ * snapshots keep buffers they cannot copy, as at kvsnap_cache_destroy). */
 KVSNAP_EXPORT kvsnap_status kvsnap_cache_reset(kvsnap_cache* cache);
 /* The live state arrays (views, read-only): keys and values, or conv and delta state; none
  * before the first write. Sets *count to their number; fails if it exceeds `capacity`. */
