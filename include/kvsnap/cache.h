@@ -90,7 +90,7 @@ using SeqId = int32_t;
 // last and count name a run of consecutive offsets exactly.
 struct ScheduleState {
   bool known = true;     // false: the cache kind does not report its schedule (Cache's default)
-  bool pending = false;  // a schedule awaits take_snapshots (possibly of no offsets)
+  bool pending = false;  // a schedule awaits take_snapshots (never one of no offsets)
   int64_t count = 0;     // its offsets: how many,
   int64_t first = 0;     // the first
   int64_t last = 0;      // and the last (0 and 0 when it has none),
