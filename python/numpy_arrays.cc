@@ -3,10 +3,13 @@
 #include <dlpack/dlpack.h>
 #include <fmt/format.h>
 #include <kvsnap/dlpack.h>
+#include <pybind11/stl.h>
 
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 namespace kvsnap::python {
@@ -67,7 +70,8 @@ std::function<void()> keep_alive(py::object owner) {
   return [reference] {};
 }
 
-Array wrap_numpy(py::array array, const char* what) {
+PyArray wrap_numpy(py::array array, const char* what) {
+  const bool read_only = !array.writeable();
   DType dtype;
   if (!match_dtype(array.dtype(), &dtype)) {
     // The same type in the other byte order: a native copy.
@@ -79,8 +83,10 @@ Array wrap_numpy(py::array array, const char* what) {
     }
     array = py::array(array.attr("astype")(native));
   }
-  if (!wrappable(array))
-    array = py::array(py::module_::import("numpy").attr("ascontiguousarray")(array));
+  if (!wrappable(array)) {  // a fresh C-order copy (ascontiguousarray keeps misaligned data)
+    array = py::array(py::module_::import("numpy").attr("array")(array, py::arg("copy") = true,
+                                                                 py::arg("order") = "C"));
+  }
   Shape shape, strides;
   for (py::ssize_t axis = 0; axis < array.ndim(); ++axis) {
     shape.push_back(array.shape(axis));
@@ -90,19 +96,9 @@ Array wrap_numpy(py::array array, const char* what) {
     throw Error(fmt::format("{}: numpy array of {} axes; kvsnap arrays have at most {}", what,
                             array.ndim(), Array::kMaxDims));
   }
+  // kvsnap names the memory without writing it; read_only keeps writable views from being made.
   void* data = const_cast<void*>(array.data());
-  return Array::wrap(data, dtype, shape, strides, keep_alive(array));
-}
-
-PyArray array_from_dlpack(py::object producer) {
-  py::capsule capsule = producer.attr("__dlpack__")();
-  if (std::string(capsule.name()) != "dltensor") {
-    throw Error("Array.from_dlpack: __dlpack__ returned a capsule that is not a \"dltensor\"");
-  }
-  auto* tensor = static_cast<DLManagedTensor*>(capsule.get_pointer());
-  PyArray result{from_dlpack(tensor)};                // takes ownership once it succeeds ...
-  PyCapsule_SetName(capsule.ptr(), "used_dltensor");  // ... so the capsule must not delete it
-  return result;
+  return PyArray{Array::wrap(data, dtype, shape, strides, keep_alive(array)), read_only};
 }
 
 void delete_unused_dltensor(PyObject* capsule) {
@@ -110,6 +106,71 @@ void delete_unused_dltensor(PyObject* capsule) {
     auto* tensor = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"));
     tensor->deleter(tensor);
   }
+}
+
+bool has_negative_stride(const DLTensor& tensor) {
+  for (int axis = 0; tensor.strides != nullptr && axis < tensor.ndim; ++axis) {
+    if (tensor.strides[axis] < 0) return true;
+  }
+  return false;
+}
+
+// A compact copy of `tensor`, whose strides may be negative (kvsnap names only non-negative
+// ones). Its checks are from_dlpack's, made on a row-major stand-in whose memory is not read.
+Array copy_dlpack(const DLTensor& tensor) {
+  DLManagedTensor stand_in{};
+  stand_in.dl_tensor = tensor;
+  stand_in.dl_tensor.strides = nullptr;
+  stand_in.deleter = [](DLManagedTensor*) {};
+  const Array checked = from_dlpack(&stand_in);  // device, dtype, axes
+  Array copy = Array::uninitialized(checked.dtype(), checked.shape());
+  if (copy.size() == 0) return copy;
+  const int64_t item = dtype_size(copy.dtype());
+  const char* source = static_cast<const char*>(tensor.data) + tensor.byte_offset;
+  char* out = static_cast<char*>(copy.mutable_bytes());
+  int64_t index[Array::kMaxDims] = {};
+  for (int64_t n = 0; n < copy.size(); ++n) {
+    int64_t element = 0;
+    for (int axis = 0; axis < tensor.ndim; ++axis) element += index[axis] * tensor.strides[axis];
+    std::memcpy(out + n * item, source + element * item, static_cast<size_t>(item));
+    for (int axis = tensor.ndim - 1; axis >= 0 && ++index[axis] == tensor.shape[axis]; --axis) {
+      index[axis] = 0;  // row-major: the last axis moves fastest
+    }
+  }
+  return copy;
+}
+
+// The producer's tensor as a kvsnap Array. The capsule stays unconsumed and is what kvsnap keeps
+// alive (keep_alive): the tensor's deleter runs when the capsule goes, under the GIL and never
+// under a kvsnap lock. Negative strides: a copy (the capsule then goes at once).
+PyArray array_from_dlpack(py::object producer) {
+  py::capsule capsule = producer.attr("__dlpack__")();
+  if (std::string(capsule.name()) != "dltensor") {
+    throw Error("Array.from_dlpack: __dlpack__ returned a capsule that is not a \"dltensor\"");
+  }
+  const DLTensor& tensor = static_cast<DLManagedTensor*>(capsule.get_pointer())->dl_tensor;
+  if (has_negative_stride(tensor)) return PyArray{copy_dlpack(tensor)};
+  DLManagedTensor stand_in{};
+  stand_in.dl_tensor = tensor;
+  stand_in.deleter = [](DLManagedTensor*) {};
+  const Array view = from_dlpack(&stand_in);  // checks device, dtype, axes and strides
+  return PyArray{Array::wrap(view.mutable_bytes(), view.dtype(), view.shape(), view.strides(),
+                             keep_alive(capsule))};
+}
+
+// A DLPack capsule of `self`: a view, or a compact copy when asked (copy=True) or when the array
+// is read-only — DLPack 0.x cannot mark a tensor read-only and consumers (numpy, torch) hand out
+// writable arrays over what they import. copy=False on a read-only array: Error.
+py::capsule export_dlpack(const PyArray& self, std::optional<bool> copy) {
+  if (self.read_only && copy == false) {
+    throw Error(
+        "Array.__dlpack__: copy=False, but this array is read-only (a view of a cache's buffers "
+        "or of read-only memory) and DLPack cannot export a read-only view; copy=None (the "
+        "default) or True exports a copy");
+  }
+  const Array exported =
+      self.read_only || copy.value_or(false) ? self.array.contiguous() : self.array;
+  return py::capsule(to_dlpack(exported), "dltensor", &delete_unused_dltensor);
 }
 
 py::tuple to_tuple(const Shape& extents) {
@@ -120,13 +181,17 @@ py::tuple to_tuple(const Shape& extents) {
 
 }  // namespace
 
-Array to_array(py::handle object, const char* what, bool allow_none) {
+PyArray to_py_array(py::handle object, const char* what, bool allow_none) {
   if (object.is_none()) {
-    if (allow_none) return Array();
+    if (allow_none) return PyArray{};
     throw Error(fmt::format("{}: an array is required, not None", what));
   }
-  if (py::isinstance<PyArray>(object)) return object.cast<const PyArray&>().array;
+  if (py::isinstance<PyArray>(object)) return object.cast<const PyArray&>();
   return wrap_numpy(py::array(py::module_::import("numpy").attr("asarray")(object)), what);
+}
+
+Array to_array(py::handle object, const char* what, bool allow_none) {
+  return to_py_array(object, what, allow_none).array;
 }
 
 py::object to_numpy(const Array& array, bool writeable) {
@@ -145,20 +210,26 @@ void bind_arrays(py::module_& m) {
                       R"(A kvsnap array: a handle on kvsnap's storage or on memory it wraps.
 
 Array(obj) wraps a numpy array (or anything numpy.asarray accepts) without copying it; the numpy
-array stays alive while kvsnap uses it. numpy.asarray(a) and a.numpy() are views again; DLPack
-(__dlpack__, Array.from_dlpack) exchanges arrays with torch, jax and numpy without a copy.)")
-      .def(py::init([](py::object object) { return PyArray{to_array(object, "kvsnap.Array")}; }),
-           py::arg("obj"), "Wraps obj (a numpy array) without copying where its layout allows.")
+array stays alive while kvsnap uses it. numpy.asarray(a) and a.numpy() are views again,
+read-only when a is (a view of a cache's buffers, or of memory numpy marks read-only); DLPack
+(__dlpack__, Array.from_dlpack) exchanges arrays with torch, jax and numpy without a copy, but
+exports a copy of a read-only array (DLPack cannot mark a tensor read-only).)")
+      .def(py::init([](py::object object) { return to_py_array(object, "kvsnap.Array"); }),
+           py::arg("obj"),
+           "Wraps obj (a numpy array) without copying where its layout allows; read-only when "
+           "obj is (a read-only numpy array, a view of a cache's buffers).")
       .def_static("from_dlpack", &array_from_dlpack, py::arg("obj"),
-                  "Wraps any DLPack producer's CPU tensor (f32, f16, bf16, i32) without a copy.")
+                  "Wraps any DLPack producer's CPU tensor (f32, f16, bf16, i32) without a copy "
+                  "(a compact copy when it has negative strides).")
       .def(
           "__dlpack__",
-          [](const PyArray& self, py::object /*stream*/) {
-            return py::capsule(to_dlpack(self.array), "dltensor", &delete_unused_dltensor);
+          [](const PyArray& self, py::object /*stream*/, std::optional<bool> copy) {
+            return export_dlpack(self, copy);
           },
-          py::arg("stream") = py::none(),
-          "A DLPack capsule viewing this array (no copy). DLPack has no read-only flag: treat "
-          "views of a cache's buffers as read-only.")
+          py::arg("stream") = py::none(), py::kw_only(), py::arg("copy") = py::none(),
+          "A DLPack capsule viewing this array (no copy), or a copy of it when copy=True or when "
+          "the array is read-only (DLPack cannot mark a tensor read-only); copy=False on a "
+          "read-only array raises kvsnap.Error.")
       .def("__dlpack_device__", [](const PyArray&) { return py::make_tuple(int(kDLCPU), 0); })
       .def(
           "numpy", [](const PyArray& self) { return to_numpy(self.array, !self.read_only); },

@@ -12,7 +12,8 @@ namespace kvsnap::python {
 namespace py = pybind11;
 
 // The Python face of kvsnap::Array (class kvsnap.Array): a handle on kvsnap storage or on
-// wrapped memory. `read_only` for views of a cache's buffers.
+// wrapped memory. `read_only` for views of a cache's buffers and for memory numpy marks
+// read-only (immutable bytes, broadcasts): no writable view of it is ever handed out.
 struct PyArray {
   Array array;
   bool read_only = false;
@@ -21,8 +22,11 @@ struct PyArray {
 // `object` as a kvsnap Array: a kvsnap.Array as is; a numpy array (or any array-like) of dtype
 // float32, float16, int32 or uint16 (bf16 bits) wrapped without a copy, the numpy array kept
 // alive until kvsnap lets go of it; copied first only when the layout cannot be wrapped
-// (negative or unaligned strides, non-native byte order). None gives an empty Array when
-// `allow_none`. Throws kvsnap::Error naming `what` for other dtypes.
+// (negative or unaligned strides, misaligned data, non-native byte order). None gives an empty
+// Array when `allow_none`. Throws kvsnap::Error naming `what` for other dtypes. read_only: the
+// source's (a kvsnap.Array's flag, numpy's writeable flag negated).
+PyArray to_py_array(py::handle object, const char* what, bool allow_none = false);
+// The same, for inputs kvsnap only reads or adopts (never writes).
 Array to_array(py::handle object, const char* what, bool allow_none = false);
 
 // A numpy view of `array` (no copy) whose base is a kvsnap.Array holding it; None when empty.

@@ -72,3 +72,85 @@ def test_dlpack_exchanges_arrays_both_ways_without_a_copy():
     exported = np.from_dlpack(imported)
     assert np.shares_memory(exported, source)
     np.testing.assert_array_equal(exported, source)
+
+
+def test_read_only_memory_stays_read_only_through_kvsnap_arrays():
+    cache = kvsnap.KVCache()
+    keys = np.ones((1, 2, 2, 8), np.float32)
+    history = cache.update(kvsnap.Batch.uniform(1, 2, 0), keys, keys)
+    snapshot = cache.snapshot(0)  # lazy: names the live slots a write through a view would change
+    for view in (history.keys, history.keys.base, cache.state()[0]):
+        rewrapped = kvsnap.Array(view)
+        assert rewrapped.read_only
+        for numpy_view in (rewrapped.numpy(), np.asarray(rewrapped)):
+            assert not numpy_view.flags.writeable
+            with pytest.raises(ValueError, match="read-only"):
+                numpy_view[...] = 9
+    assert cache.restore(None, 0) and cache.restore(snapshot, 2)
+    np.testing.assert_array_equal(cache.state()[0], keys)
+
+    immutable = bytes(16)
+    wrapped = kvsnap.Array(np.frombuffer(immutable, np.float32))
+    assert wrapped.read_only and not wrapped.numpy().flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        wrapped.numpy()[0] = 1
+    assert immutable == bytes(16)
+    writable = kvsnap.Array(np.zeros(4, np.float32))
+    assert not writable.read_only and writable.numpy().flags.writeable
+
+
+def test_dlpack_exports_a_copy_of_a_read_only_array():
+    cache = kvsnap.KVCache()
+    keys = np.arange(16, dtype=np.float32).reshape(1, 2, 2, 4)
+    view = cache.update(kvsnap.Batch.uniform(1, 2, 0), keys, keys).keys.base
+    exported = np.from_dlpack(view)
+    assert not np.shares_memory(exported, np.asarray(view))
+    np.testing.assert_array_equal(exported, keys)
+    copied = kvsnap.Array.from_dlpack(view)
+    assert not copied.read_only and not copied.shares_storage(view)
+    with pytest.raises(kvsnap.Error, match=r"^Array.__dlpack__: copy=False, but this array is"):
+        view.__dlpack__(copy=False)
+    source = np.ones(3, np.float32)
+    writable = kvsnap.Array(source)
+    assert np.shares_memory(np.from_dlpack(writable), source)  # writable: a view
+
+    class AskingForACopy:
+        def __dlpack__(self, stream=None):
+            return writable.__dlpack__(stream, copy=True)
+
+        def __dlpack_device__(self):
+            return writable.__dlpack_device__()
+
+    assert not np.shares_memory(np.from_dlpack(AskingForACopy()), source)
+
+
+def test_misaligned_numpy_input_is_copied_not_refused():
+    blob = b"\0\0" + np.arange(64, dtype=np.float32).tobytes()  # a tensor at byte offset 2
+    keys = np.frombuffer(blob, np.float32, offset=2).reshape(1, 2, 4, 8)
+    assert not keys.flags.aligned and keys.flags.c_contiguous
+    references = sys.getrefcount(keys)
+    wrapped = kvsnap.Array(keys)
+    assert not np.shares_memory(np.asarray(wrapped), keys) and wrapped.read_only
+    history = kvsnap.KVCache().update(kvsnap.Batch.uniform(1, 4, 0), keys, keys)
+    np.testing.assert_array_equal(history.keys, keys)
+    del wrapped, history
+    assert sys.getrefcount(keys) == references
+
+
+def test_dlpack_tensors_with_negative_strides_are_copied():
+    source = np.arange(24, dtype=np.float32).reshape(4, 6)
+    for view in (source[:, ::-1], source[::-2, 1::2], source[::-1].T):
+        imported = kvsnap.Array.from_dlpack(view)
+        assert not np.shares_memory(np.asarray(imported), source)
+        np.testing.assert_array_equal(np.asarray(imported), view)
+    with pytest.raises(kvsnap.Error, match="dtype .* is not supported"):
+        kvsnap.Array.from_dlpack(np.zeros(3)[::-1])
+
+
+def test_from_dlpack_keeps_the_producer_alive_and_lets_go_of_it():
+    source = np.ones((2, 3), np.float32)
+    references = sys.getrefcount(source)
+    imported = kvsnap.Array.from_dlpack(source)
+    assert sys.getrefcount(source) > references
+    del imported
+    assert sys.getrefcount(source) == references
