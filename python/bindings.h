@@ -32,8 +32,11 @@ class PySnapshot {
 // A Python value for a snapshot a call returned: a kvsnap.Snapshot, or None for a null one.
 std::unique_ptr<PySnapshot> wrap_snapshot(SnapshotPtr snapshot);
 
-// The caches of a Python sequence of layers (None for a stateless layer: null).
-std::vector<Cache*> to_layers(const py::sequence& layers);
+// The caches of `layers`, a tuple made once of the caller's sequence (so that no Python code
+// runs, and no layer is dropped, between taking the pointers and using them; the tuple keeps
+// them alive): None for a stateless layer gives null. Error naming `call` for an item that is
+// neither a kvsnap cache nor None.
+std::vector<Cache*> to_layers(const py::tuple& layers, const char* call);
 
 void bind_batch_and_history(py::module_& module);
 void bind_caches(py::module_& module);

@@ -28,9 +28,16 @@ std::unique_ptr<PySnapshot> wrap_snapshot(SnapshotPtr snapshot) {
   return std::make_unique<PySnapshot>(std::move(snapshot));
 }
 
-std::vector<Cache*> to_layers(const py::sequence& layers) {
+std::vector<Cache*> to_layers(const py::tuple& layers, const char* call) {
   std::vector<Cache*> caches;
-  for (py::handle layer : layers) {
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const py::handle layer = layers[i];
+    if (!layer.is_none() && !py::isinstance<Cache>(layer)) {
+      throw Error(fmt::format(
+          "{}: layers[{}] has type {}; each layer is a kvsnap cache (KVCache, RotatingKVCache, "
+          "PagedKVCache, RecurrentCache) or None (a stateless layer)",
+          call, i, Py_TYPE(layer.ptr())->tp_name));
+    }
     caches.push_back(layer.is_none() ? nullptr : layer.cast<Cache*>());
   }
   return caches;

@@ -27,8 +27,9 @@ PyPrefixCache make_prefix_cache(const py::sequence& layers, std::optional<int64_
   PrefixCache::Options options;
   if (budget) options.max_paged_out_bytes = *budget;
   options.slots = slots;
-  return PyPrefixCache{py::tuple(layers),
-                       std::make_unique<PrefixCache>(to_layers(layers), options)};
+  py::tuple held(layers);  // one pass over the caller's sequence
+  std::vector<Cache*> caches = to_layers(held, "PrefixCache");
+  return PyPrefixCache{held, std::make_unique<PrefixCache>(caches, options)};
 }
 
 void bind_session(py::module_& m) {
@@ -142,14 +143,27 @@ in order (None for a stateless layer); the prefix cache drives their offsets fro
       .def_readonly("dropped_snapshots", &PrefixCache::Stats::dropped_snapshots);
 }
 
+// Item `i` of save_snapshots' list: a snapshot, or null for None.
+const Snapshot* snapshot_item(py::handle item, size_t i) {
+  if (item.is_none()) return nullptr;
+  if (!py::isinstance<PySnapshot>(item)) {
+    throw Error(
+        fmt::format("save_snapshots: snapshots[{}] has type {}; need a kvsnap.Snapshot or None", i,
+                    Py_TYPE(item.ptr())->tp_name));
+  }
+  return &item.cast<const PySnapshot&>().get("save_snapshots");
+}
+
 void bind_files(py::module_& m) {
   m.def(
       "save_snapshots",
       [](const std::string& path, int64_t offset, const py::sequence& snapshots) {
+        // One pass over the caller's sequence: no Python code runs (none can drop or consume a
+        // snapshot) between taking the pointers and the save, and the tuple keeps them alive.
+        const py::tuple items(snapshots);
         std::vector<const Snapshot*> pointers;
-        for (py::handle item : snapshots) {
-          pointers.push_back(
-              item.is_none() ? nullptr : &item.cast<const PySnapshot&>().get("save_snapshots"));
+        for (size_t i = 0; i < items.size(); ++i) {
+          pointers.push_back(snapshot_item(items[i], i));
         }
         save_snapshots(path, offset, std::span<const Snapshot* const>(pointers));
       },

@@ -1,6 +1,8 @@
 // kvsnap.Speculation: exact rollback of a verified chunk of drafts, for every cache kind.
 #include <pybind11/stl.h>
 
+#include <vector>
+
 #include "bindings.h"
 
 namespace kvsnap::python {
@@ -13,7 +15,9 @@ struct PySpeculation {
 };
 
 PySpeculation make_speculation(const py::sequence& layers, SeqId seq) {
-  return PySpeculation{py::tuple(layers), std::make_unique<Speculation>(to_layers(layers), seq)};
+  py::tuple held(layers);  // one pass over the caller's sequence
+  std::vector<Cache*> caches = to_layers(held, "Speculation");
+  return PySpeculation{held, std::make_unique<Speculation>(caches, seq)};
 }
 
 }  // namespace

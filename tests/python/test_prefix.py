@@ -120,3 +120,66 @@ def test_snapshot_files_round_trip(tmp_path, rng):
     np.testing.assert_array_equal(fresh.state()[0][:, :, :6], keys)
     with pytest.raises(kvsnap.Error, match=r"^cannot open .*missing\.safetensors for reading"):
         kvsnap.load_snapshots(str(tmp_path / "missing.safetensors"))
+
+
+class FreshLayers:
+    """A sequence that makes a new cache for every item it is asked for (a lazy wrapper)."""
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        if i >= 2:
+            raise IndexError(i)
+        return kvsnap.KVCache()
+
+
+def test_layers_are_taken_from_one_pass_over_the_sequence(rng):
+    prefix = kvsnap.PrefixCache(FreshLayers())  # the caches it drives are the ones it holds
+    junk = [kvsnap.RecurrentCache(1, 1, 1, 1, 1) for _ in range(100)]  # reuse freed memory
+    with prefix.begin([1, 2, 3]) as session:
+        assert session.cached == 0 and list(session.remaining()) == [1, 2, 3]
+    assert prefix.check_invariants() == "" and junk
+
+
+def test_layers_that_are_not_caches_raise_kvsnap_error():
+    with pytest.raises(kvsnap.Error,
+                       match=r"^PrefixCache: layers\[1\] has type int; each layer is a kvsnap "):
+        kvsnap.PrefixCache([kvsnap.KVCache(), 3])
+    with pytest.raises(kvsnap.Error, match=r"^save_snapshots: snapshots\[0\] has type str"):
+        kvsnap.save_snapshots("unused", 0, ["x"])
+
+
+def test_save_snapshots_reads_the_sequence_once_before_saving(tmp_path, rng):
+    cache = kvsnap.KVCache()
+    keys = kv(rng, 8)
+    cache.update(kvsnap.Batch.uniform(1, 8, 0), keys, keys)
+    first = cache.snapshot(0)
+
+    class ConsumingLayers:
+        """Item 1 consumes and drops item 0 (merge) while the sequence is read."""
+
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, i):
+            if i == 0:
+                return first
+            if i == 1:
+                del_it = cache.merge(first, None)
+                del del_it
+                junk.append(kvsnap.KVCache().snapshot(0))
+                return None
+            raise IndexError(i)
+
+    junk = []
+    path = str(tmp_path / "x.safetensors")
+    with pytest.raises(kvsnap.Error, match=r"^save_snapshots: this snapshot was consumed by "):
+        kvsnap.save_snapshots(path, 8, ConsumingLayers())
+    assert not os.path.exists(path)
+    second = cache.snapshot(0)
+    kvsnap.save_snapshots(path, 8, [second, None])
+    offset, snapshots = kvsnap.load_snapshots(path)
+    fresh = kvsnap.KVCache()
+    assert offset == 8 and fresh.restore(snapshots[0], 8)
+    np.testing.assert_array_equal(fresh.state()[0][:, :, :8], keys)

@@ -107,3 +107,24 @@ def test_a_round_refuses_a_layer_someone_else_scheduled():
     assert round_.open and attention.offset == 14 and window.offset == 14  # nothing moved
     round_.cancel()
     assert not round_.open and attention.offset == 14
+
+
+def test_layers_are_taken_from_one_pass_over_the_sequence():
+    class FreshLayers:
+        """A sequence that makes a new cache for every item it is asked for."""
+
+        def __len__(self):
+            return 1
+
+        def __getitem__(self, i):
+            if i >= 1:
+                raise IndexError(i)
+            return kvsnap.KVCache()
+
+    round_ = kvsnap.Speculation(FreshLayers())
+    junk = [kvsnap.RecurrentCache(1, 1, 1, 1, 1) for _ in range(100)]  # reuse freed memory
+    round_.begin(2)
+    assert round_.open and round_.start == 0 and round_.drafts == 2 and junk
+    round_.cancel()
+    with pytest.raises(kvsnap.Error, match=r"^Speculation: layers\[0\] has type float"):
+        kvsnap.Speculation([1.5])
