@@ -162,7 +162,7 @@ position(c).)")
             return h.position(column);
           },
           py::arg("column"), "Absolute position held by key column `column`.")
-      .def("apply_mask", &KVHistory::apply_mask, py::arg("batch"), py::arg("logical"),
+      .def("apply_mask", &KVHistory::apply_mask, py::arg("batch"), py::arg("logical"), Released(),
            "The physical mask over this history's columns for `batch`'s queries.")
       .def_property_readonly("paged", &KVHistory::paged,
                              "A sequence's blocks in a paged cache (keys/values are None).")
@@ -185,7 +185,7 @@ position(c).)")
             return h.row(b);
           },
           py::arg("b"), "Row b's history (this one unless ragged).")
-      .def("contiguous", &KVHistory::contiguous,
+      .def("contiguous", &KVHistory::contiguous, Released(),
            "A contiguous copy of a paged history (keys and values as plain arrays).");
 
   py::class_<RecurrentHistory>(m, "RecurrentHistory",

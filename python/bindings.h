@@ -8,25 +8,55 @@
 #include <memory>
 #include <string>
 
+#include "gil.h"
 #include "numpy_arrays.h"
 
 namespace kvsnap::python {
 
 // kvsnap.Snapshot: owns a SnapshotPtr until a consuming call (merge, split) takes it; after
-// that every use raises kvsnap.Error naming the call that consumed it.
+// that every use raises kvsnap.Error naming the call that consumed it. Calls that use it with
+// the GIL released hold a Use, and a consuming call refuses while one does (another thread's
+// call may be reading it).
 class PySnapshot {
  public:
   explicit PySnapshot(SnapshotPtr snapshot) : snapshot_(std::move(snapshot)) {}
+  // Releases the snapshot, then gives back what it let go of (release_deferred).
+  ~PySnapshot();
+  PySnapshot(const PySnapshot&) = delete;
+  PySnapshot& operator=(const PySnapshot&) = delete;
 
   // The snapshot, or Error naming `call` when it was consumed.
   Snapshot& get(const char* call) const;
-  // Takes the snapshot out for `consumer` (e.g. "KVCache.merge"); Error when already taken.
+  // Error naming `consumer` unless take(consumer) would succeed.
+  void check_take(const char* consumer) const;
+  // Takes the snapshot out for `consumer` (e.g. "Cache.merge"); Error when already taken or in
+  // use by a call running on another thread.
   SnapshotPtr take(const char* consumer);
   bool consumed() const { return snapshot_ == nullptr; }
+
+  // The snapshot held for a call that runs without the GIL: made and destroyed with the GIL
+  // held; take() refuses while one exists. Of a null PySnapshot: null (None, a live rewind).
+  class Use {
+   public:
+    Use(const PySnapshot* snapshot, const char* call);  // Error when consumed
+    Use(Use&& other) noexcept : owner_(other.owner_), snapshot_(other.snapshot_) {
+      other.owner_ = nullptr;
+    }
+    Use(const Use&) = delete;
+    Use& operator=(const Use&) = delete;
+    Use& operator=(Use&&) = delete;
+    ~Use();
+    Snapshot* get() const { return snapshot_; }
+
+   private:
+    const PySnapshot* owner_;
+    Snapshot* snapshot_;
+  };
 
  private:
   SnapshotPtr snapshot_;
   std::string consumer_;
+  mutable int users_ = 0;  // Uses alive (changed with the GIL held)
 };
 
 // A Python value for a snapshot a call returned: a kvsnap.Snapshot, or None for a null one.

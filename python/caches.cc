@@ -17,10 +17,34 @@ Snapshot& PySnapshot::get(const char* call) const {
   return *snapshot_;
 }
 
-SnapshotPtr PySnapshot::take(const char* consumer) {
+PySnapshot::~PySnapshot() {
+  snapshot_.reset();  // may take its cache's lock (GIL held: the GIL is always taken first)
+  release_deferred();
+}
+
+void PySnapshot::check_take(const char* consumer) const {
   (void)get(consumer);
+  if (users_ > 0) {
+    throw Error(fmt::format(
+        "{}: this snapshot is in use by a call running on another thread; a snapshot is "
+        "consumed only when no call uses it",
+        consumer));
+  }
+}
+
+SnapshotPtr PySnapshot::take(const char* consumer) {
+  check_take(consumer);
   consumer_ = consumer;
   return std::move(snapshot_);
+}
+
+PySnapshot::Use::Use(const PySnapshot* snapshot, const char* call)
+    : owner_(snapshot), snapshot_(snapshot != nullptr ? &snapshot->get(call) : nullptr) {
+  if (owner_ != nullptr) ++owner_->users_;
+}
+
+PySnapshot::Use::~Use() {
+  if (owner_ != nullptr) --owner_->users_;
 }
 
 std::unique_ptr<PySnapshot> wrap_snapshot(SnapshotPtr snapshot) {
@@ -70,18 +94,29 @@ kvsnap.Error on any use.)")
       .def_property_readonly("to_offset",
                              [](const PySnapshot& s) { return s.get("Snapshot.to_offset").to(); })
       .def_property_readonly(
-          "size", [](const PySnapshot& s) { return s.get("Snapshot.size").size(); },
+          "size",
+          [](const PySnapshot& s) {
+            const PySnapshot::Use use(&s, "Snapshot.size");  // may wait for its cache's lock
+            return without_gil([&] { return use.get()->size(); });
+          },
           "Bytes this snapshot owns: 0 while wholly lazy.")
       .def_property_readonly(
-          "is_lazy", [](const PySnapshot& s) { return s.get("Snapshot.is_lazy").is_lazy(); },
+          "is_lazy",
+          [](const PySnapshot& s) {
+            const PySnapshot::Use use(&s, "Snapshot.is_lazy");
+            return without_gil([&] { return use.get()->is_lazy(); });
+          },
           "True while it names live cache slots for some of its data.")
       .def_property_readonly("consumed", &PySnapshot::consumed,
                              "True once merge() or split() took it.")
       .def("__repr__", [](const PySnapshot& s) {
         if (s.consumed()) return std::string("kvsnap.Snapshot(consumed)");
-        const Snapshot& snapshot = s.get("Snapshot.__repr__");
-        return fmt::format("kvsnap.Snapshot([{}, {}), size={}, lazy={})", snapshot.from(),
-                           snapshot.to(), snapshot.size(), snapshot.is_lazy() ? "True" : "False");
+        const PySnapshot::Use use(&s, "Snapshot.__repr__");
+        return without_gil([&] {
+          const Snapshot& snapshot = *use.get();
+          return fmt::format("kvsnap.Snapshot([{}, {}), size={}, lazy={})", snapshot.from(),
+                             snapshot.to(), snapshot.size(), snapshot.is_lazy() ? "True" : "False");
+        });
       });
 
   py::class_<CopyStats>(m, "CopyStats", "Bytes a cache has copied, by reason.")
@@ -92,55 +127,72 @@ kvsnap.Error on any use.)")
       .def_readonly("snapshot_bytes", &CopyStats::snapshot_bytes);
 }
 
-Snapshot* pointer(PySnapshot* snapshot, const char* call) {
-  return snapshot != nullptr ? &snapshot->get(call) : nullptr;
-}
-
 std::unique_ptr<PySnapshot> merge(Cache& cache, PySnapshot* parent, PySnapshot* child) {
-  (void)pointer(parent, "Cache.merge");  // both usable before either is taken
-  (void)pointer(child, "Cache.merge");
+  if (parent != nullptr) parent->check_take("Cache.merge");  // both usable before either is taken
+  if (child != nullptr) child->check_take("Cache.merge");
   SnapshotPtr first = parent != nullptr ? parent->take("Cache.merge") : nullptr;
   SnapshotPtr second = child != nullptr ? child->take("Cache.merge") : nullptr;
-  return wrap_snapshot(cache.merge(std::move(first), std::move(second)));
+  return wrap_snapshot(
+      without_gil([&] { return cache.merge(std::move(first), std::move(second)); }));
 }
 
 py::tuple split(Cache& cache, PySnapshot* snapshot, int64_t at) {
   SnapshotPtr whole = snapshot != nullptr ? snapshot->take("Cache.split") : nullptr;
-  auto [before, after] = cache.split(std::move(whole), at);
+  auto [before, after] = without_gil([&] { return cache.split(std::move(whole), at); });
   return py::make_tuple(wrap_snapshot(std::move(before)), wrap_snapshot(std::move(after)));
 }
 
-void bind_cache(py::module_& m) {
-  py::class_<Cache>(m, "Cache", R"(One layer's inference state: the contract every kind keeps.
-
-Offsets count tokens written so far. Every mutating call either succeeds or raises kvsnap.Error
-and changes nothing.)")
+// The calls on a cache's state and offsets. Every call waits for the cache's lock with the GIL
+// released (Released, or without_gil around the kvsnap part).
+void bind_cache_state(py::class_<Cache>& cache) {
+  cache
       .def_property_readonly(
-          "offset", [](const Cache& c) { return c.offset(); }, "Tokens written so far.")
+          "offset", [](const Cache& c) { return without_gil([&] { return c.offset(); }); },
+          "Tokens written so far.")
       .def(
           "offset_of", [](const Cache& c, SeqId seq) { return c.offset(seq); }, py::arg("seq"),
-          "Tokens written so far to sequence `seq`.")
+          Released(), "Tokens written so far to sequence `seq`.")
       .def(
-          "sequences", [](const Cache& c) { return c.sequences(); },
+          "sequences", [](const Cache& c) { return c.sequences(); }, Released(),
           "The sequences that hold state (sequence 0 alone for a fresh cache).")
-      .def("exposed_bytes", &Cache::exposed_bytes, py::arg("seq") = 0,
+      .def("exposed_bytes", &Cache::exposed_bytes, py::arg("seq") = 0, Released(),
            "Bytes the sequence's writes may still copy into snapshots taken: an upper bound.")
       .def(
           "state",
           [](const Cache& c, std::optional<SeqId> seq) {
-            return to_numpy_list(seq ? c.state(*seq) : c.state(), /*writeable=*/false);
+            const std::vector<Array> state =
+                without_gil([&] { return seq ? c.state(*seq) : c.state(); });
+            return to_numpy_list(state, /*writeable=*/false);
           },
           py::kw_only(), py::arg("seq") = py::none(),
           "The live state arrays (of sequence `seq`, default 0) as read-only numpy views (none "
           "before the first write).")
       .def(
           "reset", [](Cache& c, std::optional<SeqId> seq) { seq ? c.reset(*seq) : c.reset(); },
-          py::kw_only(), py::arg("seq") = py::none(),
+          py::kw_only(), py::arg("seq") = py::none(), Released(),
           "Drops all state and any schedule (of sequence `seq` only, when given).")
+      .def(
+          "restore",
+          [](Cache& c, PySnapshot* snapshot, int64_t target, std::optional<SeqId> seq) {
+            const PySnapshot::Use use(snapshot, "Cache.restore");
+            return without_gil([&] {
+              return seq ? c.restore(*seq, use.get(), target) : c.restore(use.get(), target);
+            });
+          },
+          py::arg("snapshot"), py::arg("target"), py::kw_only(), py::arg("seq") = py::none(),
+          "Returns to `target` using `snapshot` (None: live rewind); False, changing nothing, "
+          "when unreachable.")
+      .def("copy_stats", &Cache::copy_stats, Released(), "Bytes copied so far, by reason.");
+}
+
+// The calls that make, schedule and combine snapshots.
+void bind_cache_snapshots(py::class_<Cache>& cache) {
+  cache
       .def(
           "snapshot",
           [](Cache& c, int64_t from, std::optional<SeqId> seq) {
-            return wrap_snapshot(seq ? c.snapshot(*seq, from) : c.snapshot(from));
+            return wrap_snapshot(
+                without_gil([&] { return seq ? c.snapshot(*seq, from) : c.snapshot(from); }));
           },
           py::arg("from_offset") = 0, py::kw_only(), py::arg("seq") = py::none(),
           "Snapshot of [from_offset, offset) (KV) or of the whole state (others); None when "
@@ -150,20 +202,21 @@ and changes nothing.)")
           [](Cache& c, const std::vector<int64_t>& offsets, std::optional<SeqId> seq) {
             seq ? c.prepare_snapshots(*seq, offsets) : c.prepare_snapshots(offsets);
           },
-          py::arg("offsets"), py::kw_only(), py::arg("seq") = py::none(),
+          py::arg("offsets"), py::kw_only(), py::arg("seq") = py::none(), Released(),
           "Schedules captures as later writes reach each offset.")
       .def(
           "take_snapshots",
           [](Cache& c, std::optional<SeqId> seq) {
-            return wrap_snapshots(seq ? c.take_snapshots(*seq) : c.take_snapshots());
+            return wrap_snapshots(
+                without_gil([&] { return seq ? c.take_snapshots(*seq) : c.take_snapshots(); }));
           },
           py::kw_only(), py::arg("seq") = py::none(),
           "One entry per scheduled offset, in order (None for zero-width edges).")
       .def(
           "take_reached_snapshots",
           [](Cache& c, std::optional<SeqId> seq) {
-            return wrap_snapshots(seq ? c.take_reached_snapshots(*seq)
-                                      : c.take_reached_snapshots());
+            return wrap_snapshots(without_gil(
+                [&] { return seq ? c.take_reached_snapshots(*seq) : c.take_reached_snapshots(); }));
           },
           py::kw_only(), py::arg("seq") = py::none(),
           "For a forward cut short: the entries for the offsets already reached.")
@@ -172,21 +225,22 @@ and changes nothing.)")
           [](Cache& c, std::optional<SeqId> seq) {
             seq ? c.cancel_snapshots(*seq) : c.cancel_snapshots();
           },
-          py::kw_only(), py::arg("seq") = py::none(), "Drops the schedule and its captures.")
-      .def(
-          "restore",
-          [](Cache& c, PySnapshot* snapshot, int64_t target, std::optional<SeqId> seq) {
-            Snapshot* s = pointer(snapshot, "Cache.restore");
-            return seq ? c.restore(*seq, s, target) : c.restore(s, target);
-          },
-          py::arg("snapshot"), py::arg("target"), py::kw_only(), py::arg("seq") = py::none(),
-          "Returns to `target` using `snapshot` (None: live rewind); False, changing nothing, "
-          "when unreachable.")
+          py::kw_only(), py::arg("seq") = py::none(), Released(),
+          "Drops the schedule and its captures.")
       .def("merge", &merge, py::arg("parent"), py::arg("child"),
            "Joins adjacent snapshots (consumes both).")
       .def("split", &split, py::arg("snapshot"), py::arg("at"),
-           "Splits at `at` into (before, after) (consumes the snapshot).")
-      .def("copy_stats", &Cache::copy_stats, "Bytes copied so far, by reason.");
+           "Splits at `at` into (before, after) (consumes the snapshot).");
+}
+
+void bind_cache(py::module_& m) {
+  py::class_<Cache> cache(m, "Cache", R"(One layer's inference state: the contract every kind keeps.
+
+Offsets count tokens written so far. Every mutating call either succeeds or raises kvsnap.Error
+and changes nothing. A cache locks itself: its calls may come from several threads (they run
+one at a time, the GIL released while they wait and work).)");
+  bind_cache_state(cache);
+  bind_cache_snapshots(cache);
 }
 
 void bind_attention_caches(py::module_& m) {
@@ -194,21 +248,25 @@ void bind_attention_caches(py::module_& m) {
       .def(
           "update",
           [](Attention& c, const Batch& batch, py::object keys, py::object values) {
-            return c.update(batch, to_array(keys, "Attention.update keys"),
-                            to_array(values, "Attention.update values"));
+            const Array k = to_array(keys, "Attention.update keys");
+            const Array v = to_array(values, "Attention.update values");
+            return without_gil([&] { return c.update(batch, k, v); });
           },
           py::arg("batch"), py::arg("keys"), py::arg("values"),
           "Appends keys [B, H, L, D] and values [B, H, L, Dv] (copied into the cache) and "
           "returns the history every query of the batch attends to.")
-      .def("view", &Attention::view, py::arg("batch"), "The current history, without writing.");
+      .def("view", &Attention::view, py::arg("batch"), Released(),
+           "The current history, without writing.");
 
   py::class_<KVCache, Attention>(m, "KVCache",
                                  "An append-only attention cache with lazy snapshots.")
       .def(py::init<>())
-      .def("reserve", &KVCache::reserve, py::arg("tokens"), "Makes room for `tokens` tokens.")
-      .def_property_readonly("capacity", &KVCache::capacity)
+      .def("reserve", &KVCache::reserve, py::arg("tokens"), Released(),
+           "Makes room for `tokens` tokens.")
+      .def_property_readonly(
+          "capacity", [](const KVCache& c) { return without_gil([&] { return c.capacity(); }); })
       .def("lazy_bytes", py::overload_cast<int64_t, int64_t>(&KVCache::lazy_bytes, py::const_),
-           py::arg("from_offset"), py::arg("to_offset"),
+           py::arg("from_offset"), py::arg("to_offset"), Released(),
            "Bytes lazy snapshots name in slots [from_offset, to_offset).");
 
   py::class_<RotatingKVCache, Attention>(m, "RotatingKVCache",
@@ -240,7 +298,8 @@ a restore splices block references. Rows of a batch address sequences by seq_ids
            }),
            py::arg("block_tokens") = 16, py::arg("blocks_per_chunk") = 64)
       .def_property_readonly("block_tokens", &PagedKVCache::block_tokens)
-      .def("pool_stats", &PagedKVCache::pool_stats, "Blocks allocated, in use, copied, live.");
+      .def("pool_stats", &PagedKVCache::pool_stats, Released(),
+           "Blocks allocated, in use, copied, live.");
 }
 
 void bind_recurrent_cache(py::module_& m) {
@@ -254,7 +313,7 @@ head_v_dim, head_k_dim] float32. Snapshots are whole states at exact offsets.)")
           "get",
           [](RecurrentCache& c, const Batch& batch, const std::string& dtype) {
             for (DType d : {DType::f32, DType::f16, DType::bf16}) {
-              if (dtype_name(d) == dtype) return c.get(batch, d);
+              if (dtype_name(d) == dtype) return without_gil([&] { return c.get(batch, d); });
             }
             throw Error(fmt::format(
                 "RecurrentCache.get: activation dtype \"{}\" is not one of f32, f16, bf16", dtype));
@@ -272,7 +331,7 @@ head_v_dim, head_k_dim] float32. Snapshots are whole states at exact offsets.)")
             for (py::handle state : delta) {
               delta_states.push_back(to_array(state, "RecurrentCache.put delta_states"));
             }
-            c.put(batch, conv_states, delta_states);
+            without_gil([&] { c.put(batch, conv_states, delta_states); });
           },
           py::arg("batch"), py::arg("conv_states"), py::arg("delta_states"),
           "Ends a forward: one state per scheduled split point, then the end state. The cache "
@@ -282,7 +341,7 @@ head_v_dim, head_k_dim] float32. Snapshots are whole states at exact offsets.)")
           [](const RecurrentCache& c, int64_t forward_len, std::optional<SeqId> seq) {
             return seq ? c.snapshot_splits(*seq, forward_len) : c.snapshot_splits(forward_len);
           },
-          py::arg("forward_len"), py::kw_only(), py::arg("seq") = py::none(),
+          py::arg("forward_len"), py::kw_only(), py::arg("seq") = py::none(), Released(),
           "Scheduled offsets strictly inside the next forward of sequence `seq` (default 0), "
           "relative to its offset.")
       .def_property_readonly("conv_tail", &RecurrentCache::conv_tail)

@@ -2,7 +2,8 @@
 
 Type hints for the compiled module (python/*.cc). Arrays go in as numpy arrays (float32,
 float16, int32, or uint16 holding bf16 bits) without copies where the layout allows, and come
-out as numpy views of kvsnap's buffers.
+out as numpy views of kvsnap's buffers. Calls that work or wait for a cache's lock release the
+GIL; caches and prefix caches may be called from several threads (see the module docstring).
 """
 from __future__ import annotations
 
@@ -19,11 +20,15 @@ class Error(Exception):
     """A contract violation or bad data; the message is kvsnap's (call, values, rule)."""
 
 class Array:
-    """A kvsnap array: a handle on kvsnap's storage or on memory it wraps without a copy."""
+    """A kvsnap array: a handle on kvsnap's storage or on memory it wraps without a copy.
+
+    Read-only when its source is (a view of a cache's buffers, a read-only numpy array): its
+    numpy views are read-only too, and DLPack exports a copy of it."""
     def __init__(self, obj: ArrayLike) -> None: ...
     @staticmethod
     def from_dlpack(obj: Any) -> Array: ...
-    def __dlpack__(self, stream: Any = None) -> Any: ...
+    def __dlpack__(self, stream: Any = None, *, copy: Optional[bool] = None) -> Any:
+        """A view; a copy when copy=True or the array is read-only (copy=False then raises)."""
     def __dlpack_device__(self) -> Tuple[int, int]: ...
     def numpy(self) -> np.ndarray: ...
     def __array__(self, dtype: Any = None) -> np.ndarray: ...

@@ -11,12 +11,19 @@ PYBIND11_MODULE(kvsnap, m) {
 
 Caches take numpy arrays (keys and values [B, H, L, D], recurrent states) without copying where
 the layout allows, and hand their buffers back as read-only numpy views. Every contract
-violation raises kvsnap.Error with kvsnap's message; the object is then unchanged. Objects are
-not thread-safe: use a cache, its snapshots and its prefix cache from one thread at a time.)";
+violation raises kvsnap.Error with kvsnap's message; the object is then unchanged.
+
+Threads: calls that work or wait for a cache's lock (cache, prefix cache, session, speculation
+calls, the kernels, snapshot files) release the GIL, so Python threads overlap them. Caches and
+prefix caches lock themselves: their calls may come from several threads (a prefix cache's
+slots each on its own thread); a session's and a speculation's calls from several threads run
+one at a time. A snapshot may be read and restored from on any thread; merge and split, which
+consume it, raise kvsnap.Error while a call on another thread is using it.)";
   m.attr("__version__") = "0.1.0";
   py::register_exception<kvsnap::Error>(m, "Error").attr("__doc__") =
       "A contract violation or bad data. The message is kvsnap's (the call, the values, the "
       "rule); the object is unchanged.";
+  note_main_thread();
   bind_arrays(m);
   bind_batch_and_history(m);
   bind_caches(m);

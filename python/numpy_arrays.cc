@@ -12,6 +12,8 @@
 #include <optional>
 #include <string>
 
+#include "gil.h"
+
 namespace kvsnap::python {
 namespace {
 
@@ -55,18 +57,11 @@ bool wrappable(const py::array& array) {
 }
 
 // Keeps `owner` alive while kvsnap names its memory: the returned callback holds the reference,
-// given back (under the GIL) when the callback is destroyed — after kvsnap's release, or at once
-// when Array::wrap refuses the memory. Not given back once the interpreter is shutting down.
+// queued for release (defer_decref: kvsnap may drop it under a cache's lock, on any thread,
+// without the GIL) when the callback is destroyed — after kvsnap's release, or at once when
+// Array::wrap refuses the memory.
 std::function<void()> keep_alive(py::object owner) {
-  std::shared_ptr<PyObject> reference(owner.release().ptr(), [](PyObject* object) {
-#if PY_VERSION_HEX >= 0x030D0000
-    if (!Py_IsInitialized() || Py_IsFinalizing()) return;
-#else
-    if (!Py_IsInitialized() || _Py_IsFinalizing()) return;
-#endif
-    py::gil_scoped_acquire gil;
-    Py_DECREF(object);
-  });
+  std::shared_ptr<PyObject> reference(owner.release().ptr(), &defer_decref);
   return [reference] {};
 }
 
@@ -180,6 +175,11 @@ py::tuple to_tuple(const Shape& extents) {
 }
 
 }  // namespace
+
+PyArray::~PyArray() {
+  array = Array();
+  release_deferred();  // what the array let go of (never under a kvsnap lock here)
+}
 
 PyArray to_py_array(py::handle object, const char* what, bool allow_none) {
   if (object.is_none()) {

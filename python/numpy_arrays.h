@@ -17,6 +17,8 @@ namespace py = pybind11;
 struct PyArray {
   Array array;
   bool read_only = false;
+  // Drops the array, then gives back what it let go of (release_deferred, python/gil.h).
+  ~PyArray();
 };
 
 // `object` as a kvsnap Array: a kvsnap.Array as is; a numpy array (or any array-like) of dtype

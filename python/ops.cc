@@ -17,16 +17,20 @@ void bind_kernels(py::module_& m) {
       "sdpa",
       [](const Batch& batch, py::object q, const KVHistory& history, const AttentionMask& mask,
          float scale) {
-        return to_numpy(sdpa(batch, to_array(q, "sdpa q"), history, mask, scale), true);
+        const Array queries = to_array(q, "sdpa q");
+        return to_numpy(without_gil([&] { return sdpa(batch, queries, history, mask, scale); }),
+                        true);
       },
       py::arg("batch"), py::arg("q"), py::arg("history"), py::arg("mask"), py::arg("scale"),
       "Reference attention: q [B, Hq, L, D] over the history; float32 [B, Hq, L, Dv].");
   m.def(
       "causal_conv1d",
       [](py::object x, py::object weight, py::object tail, const std::vector<int64_t>& boundaries) {
+        const Array input = to_array(x, "causal_conv1d x");
+        const Array weights = to_array(weight, "causal_conv1d weight");
+        const Array start = to_array(tail, "causal_conv1d tail", /*allow_none=*/true);
         Conv1dResult result =
-            causal_conv1d(to_array(x, "causal_conv1d x"), to_array(weight, "causal_conv1d weight"),
-                          to_array(tail, "causal_conv1d tail", /*allow_none=*/true), boundaries);
+            without_gil([&] { return causal_conv1d(input, weights, start, boundaries); });
         return py::make_tuple(to_numpy(result.output, true), to_numpy_list(result.tails));
       },
       py::arg("x"), py::arg("weight"), py::arg("tail") = py::none(),
@@ -37,11 +41,12 @@ void bind_kernels(py::module_& m) {
       "gated_delta",
       [](py::object q, py::object k, py::object v, py::object g, py::object beta, py::object state,
          const std::vector<int64_t>& boundaries) {
-        GatedDeltaResult result =
-            gated_delta(to_array(q, "gated_delta q"), to_array(k, "gated_delta k"),
-                        to_array(v, "gated_delta v"), to_array(g, "gated_delta g"),
-                        to_array(beta, "gated_delta beta"),
-                        to_array(state, "gated_delta state", /*allow_none=*/true), boundaries);
+        const std::vector<Array> in = {
+            to_array(q, "gated_delta q"),       to_array(k, "gated_delta k"),
+            to_array(v, "gated_delta v"),       to_array(g, "gated_delta g"),
+            to_array(beta, "gated_delta beta"), to_array(state, "gated_delta state", true)};
+        GatedDeltaResult result = without_gil(
+            [&] { return gated_delta(in[0], in[1], in[2], in[3], in[4], in[5], boundaries); });
         return py::make_tuple(to_numpy(result.output, true), to_numpy_list(result.states));
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"),
@@ -55,7 +60,7 @@ void bind_kernels(py::module_& m) {
 
 void bind_ops(py::module_& m) {
   bind_kernels(m);
-  m.def("set_threads", &set_threads, py::arg("threads"),
+  m.def("set_threads", &set_threads, py::arg("threads"), Released(),
         "Threads the kernels use (sdpa over a batch), the calling one included; 1 (the default) "
         "runs everything on the calling thread. Every count gives bitwise the same results. "
         "Raises kvsnap.Error outside [1, 256].");
@@ -64,7 +69,7 @@ void bind_ops(py::module_& m) {
         "Bytes held by live kvsnap-allocated arrays (not wrapped ones).");
   m.def("allocation_count", &allocation_count, "Allocations of kvsnap's allocator so far.");
   m.def("pool_bytes", &pool_bytes, "Bytes the buffer pool holds for reuse.");
-  m.def("trim_pool", &trim_pool, "Returns every pooled buffer to the system now.");
+  m.def("trim_pool", &trim_pool, Released(), "Returns every pooled buffer to the system now.");
 }
 
 }  // namespace kvsnap::python

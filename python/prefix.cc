@@ -2,34 +2,51 @@
 #include <fmt/format.h>
 #include <pybind11/stl.h>
 
+#include <mutex>
 #include <optional>
+#include <vector>
 
 #include "bindings.h"
 
 namespace kvsnap::python {
 namespace {
 
-// The prefix cache and the Python caches it drives, kept alive as long as it is.
+// The prefix cache and the Python caches it drives, kept alive as long as it is. Thread-safe
+// itself: its calls run with the GIL released.
 struct PyPrefixCache {
+  ReleaseDeferredAtExit release_last;   // gives back what the two below let go of
   py::tuple layers;                     // destroyed after `prefix` (declared first)
   std::unique_ptr<PrefixCache> prefix;  // drives the layers' offsets from now on
 };
 
 // A session and the prefix cache it belongs to (kept alive: a session may outlive every other
-// reference to it).
+// reference to it). `mutex` makes the session's calls from several threads run one at a time
+// (taken with the GIL released).
 struct PySession {
+  ReleaseDeferredAtExit release_last;
   py::object owner;
+  std::mutex mutex;
   PrefixCache::Session session;
 };
 
-PyPrefixCache make_prefix_cache(const py::sequence& layers, std::optional<int64_t> budget,
-                                SeqId slots) {
+std::unique_ptr<PyPrefixCache> make_prefix_cache(const py::sequence& layers,
+                                                 std::optional<int64_t> budget, SeqId slots) {
   PrefixCache::Options options;
   if (budget) options.max_paged_out_bytes = *budget;
   options.slots = slots;
   py::tuple held(layers);  // one pass over the caller's sequence
-  std::vector<Cache*> caches = to_layers(held, "PrefixCache");
-  return PyPrefixCache{held, std::make_unique<PrefixCache>(caches, options)};
+  const std::vector<Cache*> caches = to_layers(held, "PrefixCache");
+  auto prefix = without_gil([&] { return std::make_unique<PrefixCache>(caches, options); });
+  return std::unique_ptr<PyPrefixCache>(new PyPrefixCache{{}, held, std::move(prefix)});
+}
+
+// Runs `call` on the session with the GIL released and its mutex held.
+template <class Call>
+auto on_session(PySession& s, Call&& call) {
+  return without_gil([&] {
+    const std::lock_guard<std::mutex> lock(s.mutex);
+    return std::forward<Call>(call)(s.session);
+  });
 }
 
 void bind_session(py::module_& m) {
@@ -40,40 +57,55 @@ generated token the model evaluates; close() (or leaving a `with` block) pages t
 tokens out into the trie.)")
       .def(
           "remaining",
-          [](const PySession& s) {
-            const std::span<const int32_t> tokens = s.session.remaining();
+          [](PySession& s) {
+            const std::vector<int32_t> tokens = on_session(s, [](PrefixCache::Session& session) {
+              const std::span<const int32_t> remaining = session.remaining();
+              return std::vector<int32_t>(remaining.begin(), remaining.end());
+            });
             return py::array_t<int32_t>(static_cast<py::ssize_t>(tokens.size()), tokens.data());
           },
           "The prompt tokens the model must still evaluate (an int32 copy).")
       .def_property_readonly(
-          "cached", [](const PySession& s) { return s.session.cached(); },
+          "cached",
+          [](PySession& s) {
+            return on_session(s, [](auto& session) { return session.cached(); });
+          },
           "Tokens restored from the cache: the live caches stand at this offset.")
       .def_property_readonly(
-          "slot", [](const PySession& s) { return s.session.slot(); },
+          "slot",
+          [](PySession& s) { return on_session(s, [](auto& session) { return session.slot(); }); },
           "The slot (the layers' sequence) this session runs on.")
       .def(
           "schedule_snapshots",
           [](PySession& s, const std::vector<int64_t>& offsets) {
-            s.session.schedule_snapshots(offsets);
+            on_session(s, [&](auto& session) { session.schedule_snapshots(offsets); });
           },
           py::arg("offsets"), "Extra restore points in [cached, prompt size], before prefill.")
       .def(
-          "prefill_done", [](PySession& s) { s.session.prefill_done(); },
+          "prefill_done",
+          [](PySession& s) { on_session(s, [](auto& session) { session.prefill_done(); }); },
           "Call after the prefill forward over remaining().")
       .def(
-          "append_output", [](PySession& s, int32_t token) { s.session.append_output(token); },
+          "append_output",
+          [](PySession& s, int32_t token) {
+            on_session(s, [&](auto& session) { session.append_output(token); });
+          },
           py::arg("token"), "A generated token.")
       .def(
-          "retract_outputs", [](PySession& s, int64_t count) { s.session.retract_outputs(count); },
+          "retract_outputs",
+          [](PySession& s, int64_t count) {
+            on_session(s, [&](auto& session) { session.retract_outputs(count); });
+          },
           py::arg("count"),
           "Takes back the last `count` generated tokens (drafts the verification rejected; "
           "never paged out). Raises Error, changing nothing, unless decoding, 0 <= count <= "
           "the tokens generated so far, and the layers stand at or past the prompt's end.")
       .def(
-          "close", [](PySession& s) { s.session.close(); },
+          "close", [](PySession& s) { on_session(s, [](auto& session) { session.close(); }); },
           "Pages the evaluated tokens out and ends the session (idempotent).")
       .def("__enter__", [](py::object self) { return self; })
-      .def("__exit__", [](PySession& s, py::args) { s.session.close(); });
+      .def("__exit__",
+           [](PySession& s, py::args) { on_session(s, [](auto& session) { session.close(); }); });
 }
 
 void bind_prefix_cache(py::module_& m) {
@@ -89,8 +121,9 @@ in order (None for a stateless layer); the prefix cache drives their offsets fro
       .def(
           "begin",
           [](py::object self, const std::vector<int32_t>& prompt, SeqId slot) {
-            auto& cache = self.cast<PyPrefixCache&>();
-            return PySession{self, cache.prefix->begin(slot, prompt)};
+            PrefixCache& prefix = *self.cast<PyPrefixCache&>().prefix;
+            PrefixCache::Session session = without_gil([&] { return prefix.begin(slot, prompt); });
+            return std::unique_ptr<PySession>(new PySession{{}, self, {}, std::move(session)});
           },
           py::arg("prompt"), py::kw_only(), py::arg("slot") = 0,
           "Starts a request on `slot` (one session per slot at a time).")
@@ -100,7 +133,7 @@ in order (None for a stateless layer); the prefix cache drives their offsets fro
              std::optional<SeqId> slot) {
             return slot ? c.prefix->match(*slot, prompt) : c.prefix->match(prompt);
           },
-          py::arg("prompt"), py::kw_only(), py::arg("slot") = py::none(),
+          py::arg("prompt"), py::kw_only(), py::arg("slot") = py::none(), Released(),
           "Prompt tokens begin would restore (from the trie alone, or on `slot` as it stands); "
           "changes nothing.")
       .def_property_readonly("slots", [](const PyPrefixCache& c) { return c.prefix->slots(); })
@@ -109,7 +142,8 @@ in order (None for a stateless layer); the prefix cache drives their offsets fro
           [](const PyPrefixCache& c, const std::string& dir, const std::string& model_id) {
             c.prefix->save(dir, model_id);
           },
-          py::arg("dir"), py::arg("model_id") = "", "Writes the trie and its snapshots to `dir`.")
+          py::arg("dir"), py::arg("model_id") = "", Released(),
+          "Writes the trie and its snapshots to `dir`.")
       .def(
           "load",
           [](PyPrefixCache& c, const std::string& dir, const std::string& model_id,
@@ -117,6 +151,7 @@ in order (None for a stateless layer); the prefix cache drives their offsets fro
             c.prefix->load(dir, model_id, LoadOptions{.allow_shared = allow_shared});
           },
           py::arg("dir"), py::arg("model_id") = "", py::kw_only(), py::arg("allow_shared") = false,
+          Released(),
           "Replaces the trie by the one saved in `dir` (same layers and model_id). Refuses a "
           "`dir` or file another user owns or others can write unless allow_shared.")
       .def_static(
@@ -124,16 +159,23 @@ in order (None for a stateless layer); the prefix cache drives their offsets fro
           [](const std::string& dir, bool allow_shared) {
             return PrefixCache::saved_in(dir, LoadOptions{.allow_shared = allow_shared});
           },
-          py::arg("dir"), py::kw_only(), py::arg("allow_shared") = false)
+          py::arg("dir"), py::kw_only(), py::arg("allow_shared") = false, Released())
       .def_property_readonly("paged_out_bytes",
-                             [](const PyPrefixCache& c) { return c.prefix->paged_out_bytes(); })
+                             [](const PyPrefixCache& c) {
+                               return without_gil([&] { return c.prefix->paged_out_bytes(); });
+                             })
       .def_property_readonly("node_count",
-                             [](const PyPrefixCache& c) { return c.prefix->node_count(); })
-      .def("stats", [](const PyPrefixCache& c) { return c.prefix->stats(); })
+                             [](const PyPrefixCache& c) {
+                               return without_gil([&] { return c.prefix->node_count(); });
+                             })
+      .def(
+          "stats", [](const PyPrefixCache& c) { return c.prefix->stats(); }, Released())
       .def(
           "check_invariants", [](const PyPrefixCache& c) { return c.prefix->check_invariants(); },
-          "Empty when the trie's invariants hold, else the first violation.")
-      .def("debug_string", [](const PyPrefixCache& c) { return c.prefix->debug_string(); });
+          Released(), "Empty when the trie's invariants hold, else the first violation.")
+      .def(
+          "debug_string", [](const PyPrefixCache& c) { return c.prefix->debug_string(); },
+          Released());
 
   py::class_<PrefixCache::Stats>(m, "PrefixStats", "What the prefix cache has done so far.")
       .def_readonly("lookups", &PrefixCache::Stats::lookups)
@@ -144,14 +186,14 @@ in order (None for a stateless layer); the prefix cache drives their offsets fro
 }
 
 // Item `i` of save_snapshots' list: a snapshot, or null for None.
-const Snapshot* snapshot_item(py::handle item, size_t i) {
-  if (item.is_none()) return nullptr;
+PySnapshot::Use snapshot_item(py::handle item, size_t i) {
+  if (item.is_none()) return PySnapshot::Use(nullptr, "save_snapshots");
   if (!py::isinstance<PySnapshot>(item)) {
     throw Error(
         fmt::format("save_snapshots: snapshots[{}] has type {}; need a kvsnap.Snapshot or None", i,
                     Py_TYPE(item.ptr())->tp_name));
   }
-  return &item.cast<const PySnapshot&>().get("save_snapshots");
+  return PySnapshot::Use(&item.cast<const PySnapshot&>(), "save_snapshots");
 }
 
 void bind_files(py::module_& m) {
@@ -161,18 +203,22 @@ void bind_files(py::module_& m) {
         // One pass over the caller's sequence: no Python code runs (none can drop or consume a
         // snapshot) between taking the pointers and the save, and the tuple keeps them alive.
         const py::tuple items(snapshots);
+        std::vector<PySnapshot::Use> uses;  // no other thread consumes them during the save
         std::vector<const Snapshot*> pointers;
         for (size_t i = 0; i < items.size(); ++i) {
-          pointers.push_back(snapshot_item(items[i], i));
+          uses.push_back(snapshot_item(items[i], i));
+          pointers.push_back(uses.back().get());
         }
-        save_snapshots(path, offset, std::span<const Snapshot* const>(pointers));
+        without_gil(
+            [&] { save_snapshots(path, offset, std::span<const Snapshot* const>(pointers)); });
       },
       py::arg("path"), py::arg("offset"), py::arg("snapshots"),
       "Writes one snapshot per layer (None allowed) to a safetensors file, atomically.");
   m.def(
       "load_snapshots",
       [](const std::string& path, bool allow_shared) {
-        LoadedSnapshots loaded = load_snapshots(path, LoadOptions{.allow_shared = allow_shared});
+        LoadedSnapshots loaded = without_gil(
+            [&] { return load_snapshots(path, LoadOptions{.allow_shared = allow_shared}); });
         py::list snapshots;
         for (SnapshotPtr& s : loaded.snapshots)
           snapshots.append(py::cast(wrap_snapshot(std::move(s))));

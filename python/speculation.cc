@@ -1,6 +1,8 @@
 // kvsnap.Speculation: exact rollback of a verified chunk of drafts, for every cache kind.
 #include <pybind11/stl.h>
 
+#include <memory>
+#include <mutex>
 #include <vector>
 
 #include "bindings.h"
@@ -8,16 +10,30 @@
 namespace kvsnap::python {
 namespace {
 
-// A Speculation and the Python caches it rolls back, kept alive as long as it is.
+// A Speculation and the Python caches it rolls back, kept alive as long as it is. `mutex` makes
+// its calls from several threads run one at a time (taken with the GIL released: they wait for
+// the layers' locks).
 struct PySpeculation {
-  py::tuple layers;                          // destroyed after `speculation` (declared first)
+  ReleaseDeferredAtExit release_last;  // gives back what the members let go of
+  py::tuple layers;                    // destroyed after `speculation` (declared first)
+  std::mutex mutex;
   std::unique_ptr<Speculation> speculation;  // its destructor cancels an open round
 };
 
-PySpeculation make_speculation(const py::sequence& layers, SeqId seq) {
+std::unique_ptr<PySpeculation> make_speculation(const py::sequence& layers, SeqId seq) {
   py::tuple held(layers);  // one pass over the caller's sequence
-  std::vector<Cache*> caches = to_layers(held, "Speculation");
-  return PySpeculation{held, std::make_unique<Speculation>(caches, seq)};
+  const std::vector<Cache*> caches = to_layers(held, "Speculation");
+  auto speculation = without_gil([&] { return std::make_unique<Speculation>(caches, seq); });
+  return std::unique_ptr<PySpeculation>(new PySpeculation{{}, held, {}, std::move(speculation)});
+}
+
+// Runs `call` on the speculation with the GIL released and its mutex held.
+template <class Call>
+auto on_round(PySpeculation& s, Call&& call) {
+  return without_gil([&] {
+    const std::lock_guard<std::mutex> lock(s.mutex);
+    return std::forward<Call>(call)(*s.speculation);
+  });
 }
 
 }  // namespace
@@ -35,13 +51,19 @@ and retract_outputs() the rejected ones.)")
            "Rounds over sequence `seq` of `layers` (the model's caches in order, None for a "
            "stateless layer; a cache listed twice is one state, rolled back once).")
       .def(
-          "begin", [](PySpeculation& s, int64_t drafts) { s.speculation->begin(drafts); },
+          "begin",
+          [](PySpeculation& s, int64_t drafts) {
+            on_round(s, [&](Speculation& round) { round.begin(drafts); });
+          },
           py::arg("drafts"),
           "Opens a round before the verify forward of 1 + `drafts` tokens. Raises Error, "
           "changing nothing, for drafts < 0, an open round, layers that disagree on their "
           "offset, or a layer of any kind with captures already scheduled for the sequence.")
       .def(
-          "accept", [](PySpeculation& s, int64_t accepted) { s.speculation->accept(accepted); },
+          "accept",
+          [](PySpeculation& s, int64_t accepted) {
+            on_round(s, [&](Speculation& round) { round.accept(accepted); });
+          },
           py::arg("accepted"),
           "Closes the round: the first `accepted` drafts were confirmed. Every layer is checked "
           "before any moves: raises Error, the round left open and nothing changed, unless 0 <= "
@@ -50,23 +72,37 @@ and retract_outputs() the rejected ones.)")
           "or cancelled first; a capturing one still holds the round's captures: if another "
           "call took or replaced them, only cancel() ends the round).")
       .def(
-          "cancel", [](PySpeculation& s) { s.speculation->cancel(); },
+          "cancel",
+          [](PySpeculation& s) { on_round(s, [](Speculation& round) { round.cancel(); }); },
           "Drops an open round's captures without moving any layer (a schedule that replaced "
           "the round's is someone else's and stays).")
       .def_property_readonly(
-          "open", [](const PySpeculation& s) { return s.speculation->open(); },
+          "open",
+          [](PySpeculation& s) {
+            return on_round(s, [](Speculation& round) { return round.open(); });
+          },
           "Whether a round is open.")
       .def_property_readonly(
-          "start", [](const PySpeculation& s) { return s.speculation->start(); },
+          "start",
+          [](PySpeculation& s) {
+            return on_round(s, [](Speculation& round) { return round.start(); });
+          },
           "The open round's start offset.")
       .def_property_readonly(
-          "drafts", [](const PySpeculation& s) { return s.speculation->drafts(); },
+          "drafts",
+          [](PySpeculation& s) {
+            return on_round(s, [](Speculation& round) { return round.drafts(); });
+          },
           "The open round's draft count.")
       .def_property_readonly(
           "capturing_layers",
-          [](const PySpeculation& s) { return s.speculation->capturing_layers(); },
+          [](PySpeculation& s) {
+            return on_round(s, [](Speculation& round) { return round.capturing_layers(); });
+          },
           "Layers that capture in the open round (whole-state layers that cannot rewind).")
-      .def("stats", [](const PySpeculation& s) { return s.speculation->stats(); });
+      .def("stats", [](PySpeculation& s) {
+        return on_round(s, [](Speculation& round) { return round.stats(); });
+      });
 
   py::class_<Speculation::Stats>(m, "SpeculationStats", "The rounds so far.")
       .def_readonly("rounds", &Speculation::Stats::rounds, "Accepted rounds.")

@@ -1,0 +1,94 @@
+#include "gil.h"
+
+#include <chrono>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace kvsnap::python {
+namespace {
+
+struct Deferred {
+  std::mutex mutex;
+  std::vector<PyObject*> objects;  // references kvsnap let go of, not yet given back
+  bool nudged = false;             // a pending call is queued (or the queue is being drained)
+};
+
+// Never destroyed: kvsnap may let go of memory during the process's exit, after this module's
+// static objects would have been.
+Deferred& deferred() {
+  static auto* queue = new Deferred;
+  return *queue;
+}
+
+bool finalizing() {
+  if (!Py_IsInitialized()) return true;
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
+unsigned long main_thread = 0;  // NOLINT: set once, at import
+
+int release_pending(void*) {
+  release_deferred();
+  return 0;
+}
+
+}  // namespace
+
+void note_main_thread() {
+  main_thread =
+      py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>();
+}
+
+GilReleased::~GilReleased() noexcept(false) {
+  while (finalizing() && PyThread_get_thread_ident() != main_thread) {
+    std::this_thread::sleep_for(std::chrono::hours(1));
+  }
+  PyEval_RestoreThread(state_);
+}
+
+void defer_decref(PyObject* object) noexcept {
+  Deferred& queue = deferred();
+  bool nudge = false;
+  {
+    const std::lock_guard<std::mutex> lock(queue.mutex);
+    try {
+      queue.objects.push_back(object);
+    } catch (...) {
+      return;  // out of memory: the object is left alive rather than freed under a lock
+    }
+    nudge = !queue.nudged;
+    queue.nudged = true;
+  }
+  // For references dropped on threads that do not return to the module: the interpreter runs
+  // pending calls on its main thread, between bytecodes (never inside a kvsnap call).
+  if (nudge && !finalizing() && Py_AddPendingCall(&release_pending, nullptr) != 0) {
+    const std::lock_guard<std::mutex> lock(queue.mutex);
+    queue.nudged = false;  // the queue of pending calls is full: the next drop tries again
+  }
+}
+
+void release_deferred() noexcept {
+  if (finalizing() || !PyGILState_Check()) return;
+  Deferred& queue = deferred();
+  for (;;) {
+    std::vector<PyObject*> objects;
+    {
+      const std::lock_guard<std::mutex> lock(queue.mutex);
+      objects.swap(queue.objects);
+      queue.nudged = false;
+    }
+    if (objects.empty()) return;
+    // Finalizers run below; an exception being raised or handled must survive them.
+    PyObject *type = nullptr, *value = nullptr, *trace = nullptr;
+    PyErr_Fetch(&type, &value, &trace);
+    for (PyObject* object : objects) Py_DECREF(object);
+    PyErr_Restore(type, value, trace);
+  }
+}
+
+}  // namespace kvsnap::python

@@ -1,0 +1,76 @@
+// The GIL and kvsnap's own locks.
+//
+// kvsnap's caches lock themselves, and inside their calls — under their locks, on any thread —
+// they let go of memory the module wrapped (numpy arrays, DLPack capsules they adopted). Were a
+// thread holding a cache's lock to wait for the GIL while the GIL's holder waits for that lock
+// (or runs a finalizer that lets a third thread in), the two would deadlock. So:
+//   - kvsnap never touches a Python object: a reference it lets go of is queued (defer_decref,
+//     no GIL needed) and given back by the module where it holds the GIL outside every kvsnap
+//     call (release_deferred): at the end of each call that released the GIL, when the module's
+//     own objects go away, and, for references dropped on threads that never return to Python,
+//     from a pending call (Py_AddPendingCall) the interpreter runs on its main thread;
+//   - calls that may take long or wait for a cache's lock run with the GIL released
+//     (without_gil), after every Python object they need was converted: no thread then holds
+//     a kvsnap lock while waiting for the GIL.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <utility>
+
+namespace kvsnap::python {
+
+namespace py = pybind11;
+
+// Notes the interpreter's main thread (threading.main_thread()); at import, GIL held.
+void note_main_thread();
+
+// Queues `object`'s reference for release_deferred. Any thread, GIL or not, any lock held.
+void defer_decref(PyObject* object) noexcept;
+
+// Gives back the queued references (their finalizers may run any Python code). Does nothing
+// unless this thread holds the GIL, and nothing once the interpreter is finalizing (the objects
+// are left to the exiting process). Call only outside kvsnap calls (no kvsnap lock held).
+void release_deferred() noexcept;
+
+// Calls release_deferred when it goes out of scope (also on an exception).
+struct ReleaseDeferredAtExit {
+  ReleaseDeferredAtExit() = default;
+  ReleaseDeferredAtExit(const ReleaseDeferredAtExit&) = delete;
+  ReleaseDeferredAtExit& operator=(const ReleaseDeferredAtExit&) = delete;
+  ~ReleaseDeferredAtExit() { release_deferred(); }
+};
+
+// The GIL released for a scope, as py::gil_scoped_release, except for a thread other than the
+// main one that would take it back once the interpreter is finalizing (a daemon thread still in
+// a kvsnap call at exit): that thread waits for the process to end instead (as Python 3.14
+// does), since taking the GIL would end it with pthread_exit, whose unwinding through a
+// noexcept destructor aborts the process. The main thread finalizes, and may still call kvsnap
+// from finalizers. The destructor lets that unwinding pass should finalization begin just after
+// its check.
+class GilReleased {
+ public:
+  GilReleased() : state_(PyEval_SaveThread()) {}
+  GilReleased(const GilReleased&) = delete;
+  GilReleased& operator=(const GilReleased&) = delete;
+  ~GilReleased() noexcept(false);
+
+ private:
+  PyThreadState* state_;
+};
+
+// Runs `call` with the GIL released, then (the GIL held again, also on an exception) gives back
+// the references kvsnap let go of meanwhile. `call` must not touch a Python object: convert the
+// arguments before, build the Python results after.
+template <class Call>
+auto without_gil(Call&& call) {
+  const ReleaseDeferredAtExit release_after;
+  const GilReleased released;
+  return std::forward<Call>(call)();
+}
+
+// For bindings whose arguments and results are plain C++ values (no Python object touched inside):
+// runs the call with the GIL released, then gives back what kvsnap let go of meanwhile.
+using Released = py::call_guard<ReleaseDeferredAtExit, GilReleased>;
+
+}  // namespace kvsnap::python

@@ -1,0 +1,169 @@
+"""Threads: kvsnap's calls release the GIL while they work or wait for a cache's lock, and the
+memory kvsnap lets go of under its locks is given back to Python outside them — no deadlock
+between the GIL and a cache's lock, and Python threads overlap kvsnap's work."""
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import kvsnap
+
+
+def run_script(source, timeout=60):
+    """Runs `source` in a fresh interpreter (a deadlock fails the test instead of hanging it)."""
+    try:
+        return subprocess.run([sys.executable, "-c", textwrap.dedent(source)], env=os.environ,
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as expired:
+        pytest.fail(f"the script did not finish in {timeout} s (deadlock?): {expired.stdout}")
+
+
+def test_a_finalizer_that_lets_another_thread_call_the_cache_does_not_deadlock():
+    done = run_script("""
+        import threading, time, weakref
+        import numpy as np, kvsnap
+        rc = kvsnap.RecurrentCache(0, 1, 1, 1, 1)
+        b = kvsnap.Batch.uniform(1, 1, 0)
+        rc.get(b)
+        state = np.zeros((1, 1, 1, 1), np.float32)
+        weakref.finalize(state, time.sleep, 0.1)  # Python code that lets other threads run
+        rc.put(b, [np.zeros((1, 0, 1), np.float32)], [state])
+        del state  # the cache holds the only reference now
+        other = threading.Thread(target=lambda: (time.sleep(0.02), print("other", rc.offset)))
+        other.start()
+        rc.reset()  # drops the state under the cache's lock; the finalizer runs after
+        other.join()
+        print("reset returned")
+        """, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert "other 0" in done.stdout and "reset returned" in done.stdout
+
+
+def test_a_daemon_thread_inside_a_kvsnap_call_at_exit_does_not_crash_the_interpreter():
+    for _ in range(3):
+        done = run_script("""
+            import threading, time, weakref
+            import numpy as np, kvsnap
+            keys = np.random.rand(1, 4, 256, 32).astype(np.float32)
+            batch = kvsnap.Batch.uniform(1, 256, 0)
+            history = kvsnap.KVCache().update(batch, keys, keys)
+            def attend():
+                while True:
+                    kvsnap.sdpa(batch, keys, history, kvsnap.AttentionMask.causal(), 0.1)
+            threading.Thread(target=attend, daemon=True).start()
+            cache = kvsnap.RecurrentCache(0, 1, 1, 1, 1)
+            cache.get(kvsnap.Batch.uniform(1, 1, 0))
+            state = np.zeros((1, 1, 1, 1), np.float32)
+            weakref.finalize(state, print, "state finalized")
+            cache.put(kvsnap.Batch.uniform(1, 1, 0), [np.zeros((1, 0, 1), np.float32)], [state])
+            del state
+            snapshot = cache.snapshot()
+            time.sleep(0.1)
+            """)
+        assert done.returncode == 0, done.stderr
+
+
+def test_other_python_threads_run_while_a_long_kernel_works():
+    length = 1024
+    rng = np.random.default_rng(0)
+    keys = rng.standard_normal((1, 8, length, 64)).astype(np.float32)
+    batch = kvsnap.Batch.uniform(1, length, 0)
+    history = kvsnap.KVCache().update(batch, keys, keys)
+    ticks, stop = [], threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    time.sleep(0.02)
+    start = time.perf_counter()
+    kvsnap.sdpa(batch, keys, history, kvsnap.AttentionMask.causal(), 0.125)
+    end = time.perf_counter()
+    stop.set()
+    ticker.join()
+    inside = [t for t in ticks if start < t < end]
+    longest_gap = max(np.diff([start] + inside + [end]))
+    assert len(inside) >= 5 and longest_gap < (end - start) / 2, (end - start, len(inside))
+
+
+def test_memory_a_call_lets_go_of_is_given_back_when_it_returns():
+    cache = kvsnap.RecurrentCache(0, 1, 1, 1, 1)
+    batch = kvsnap.Batch.uniform(1, 1, 0)
+    cache.get(batch)
+    state = np.zeros((1, 1, 1, 1), np.float32)
+    references = sys.getrefcount(state)
+    cache.put(batch, [np.zeros((1, 0, 1), np.float32)], [state])
+    assert sys.getrefcount(state) == references + 1
+    cache.reset()
+    assert sys.getrefcount(state) == references
+
+
+def test_caches_and_a_prefix_cache_serve_slots_from_several_threads():
+    slots = 4
+    layers = [kvsnap.PagedKVCache(block_tokens=4), kvsnap.RotatingKVCache(8)]
+    prefix = kvsnap.PrefixCache(layers, slots=slots)
+    failures = []
+
+    def serve(slot):
+        rng = np.random.default_rng(slot)
+        try:
+            for turn in range(20):
+                prompt = [1, 2, 3, 4, 5, 6] + [slot, turn]
+                with prefix.begin(prompt, slot=slot) as session:
+                    todo = session.remaining()
+                    batch = kvsnap.Batch(None, [session.cached], [len(todo)], [slot])
+                    for layer in layers:
+                        kv = rng.standard_normal((1, 2, len(todo), 4)).astype(np.float32)
+                        layer.update(batch, kv, kv)
+                    session.prefill_done()
+        except Exception as error:  # reported below
+            failures.append(repr(error))
+
+    threads = [threading.Thread(target=serve, args=(slot,)) for slot in range(slots)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not failures and prefix.check_invariants() == ""
+    assert prefix.stats().reused_tokens > 0
+
+
+def test_a_snapshot_in_use_on_another_thread_is_not_consumed_under_it():
+    cache = kvsnap.KVCache()
+    keys = np.ones((1, 8, 256, 64), np.float32)
+    cache.update(kvsnap.Batch.uniform(1, 256, 0), keys, keys)
+    snapshot = cache.snapshot(0)
+    errors, stop = [], threading.Event()
+
+    def restore():
+        fresh = kvsnap.KVCache()
+        while not stop.is_set():
+            try:
+                fresh.restore(snapshot, 256)
+                fresh.reset()
+            except kvsnap.Error as error:
+                errors.append(str(error))
+                return
+
+    reader = threading.Thread(target=restore)
+    reader.start()
+    refusals = 0
+    for _ in range(200):
+        try:
+            cache.split(snapshot, 128)  # consumes it unless the reader is using it
+            break
+        except kvsnap.Error as error:
+            assert "in use by a call running on another thread" in str(error)
+            refusals += 1
+    stop.set()
+    reader.join()
+    assert snapshot.consumed or refusals == 200
+    assert all("consumed by Cache.split" in error for error in errors)
