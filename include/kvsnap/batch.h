@@ -27,6 +27,7 @@ struct KVSNAP_EXPORT Batch {
   std::vector<int32_t> seq_query_lens;  // per row: real query length (rest is padding)
   std::vector<int32_t> seq_ids;         // per row: its sequence; empty: row b is sequence b
 
+  // The factories throw Error when an offset or a length does not fit in int32.
   // One row of `tokens` starting at `offset`, no padding.
   [[nodiscard]] static Batch single(std::span<const int32_t> tokens, int64_t offset);
   // One row per chunk: its sequence, the position its tokens start at, and the tokens; rows are

@@ -3,29 +3,59 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <string>
 
 namespace kvsnap {
+namespace {
+
+// `value` as a batch's int32 offset or length; Error naming `call`, the row (when >= 0), `what`
+// and the value when it does not fit (a silent cast would move the row to another position).
+int32_t to_int32(int64_t value, const char* call, const char* what, int64_t row = -1) {
+  if (value >= std::numeric_limits<int32_t>::min() &&
+      value <= std::numeric_limits<int32_t>::max()) {
+    return static_cast<int32_t>(value);
+  }
+  const std::string where = row >= 0 ? fmt::format("row {} ", row) : std::string();
+  throw Error(
+      fmt::format("{}: {}{} {} does not fit in int32 (a batch's offsets and lengths are int32)",
+                  call, where, what, value));
+}
+
+}  // namespace
 
 Batch Batch::single(std::span<const int32_t> tokens, int64_t offset) {
+  const int32_t start = to_int32(offset, "Batch::single", "offset");
+  const int32_t count =
+      to_int32(static_cast<int64_t>(tokens.size()), "Batch::single", "token count");
   Batch batch;
-  batch.input_ids = Array::from_ints(tokens, {1, static_cast<int64_t>(tokens.size())});
-  batch.seq_offsets = {static_cast<int32_t>(offset)};
-  batch.seq_query_lens = {static_cast<int32_t>(tokens.size())};
+  batch.input_ids = Array::from_ints(tokens, {1, count});
+  batch.seq_offsets = {start};
+  batch.seq_query_lens = {count};
   return batch;
 }
 
 Batch Batch::uniform(int64_t rows, int64_t length, int64_t offset) {
+  const int32_t start = to_int32(offset, "Batch::uniform", "offset");
+  const int32_t columns = to_int32(length, "Batch::uniform", "length");
   Batch batch;
   batch.input_ids = Array::zeros(DType::i32, {rows, length});
-  batch.seq_offsets.assign(static_cast<size_t>(rows), static_cast<int32_t>(offset));
-  batch.seq_query_lens.assign(static_cast<size_t>(rows), static_cast<int32_t>(length));
+  batch.seq_offsets.assign(static_cast<size_t>(rows), start);
+  batch.seq_query_lens.assign(static_cast<size_t>(rows), columns);
   return batch;
 }
 
 Batch Batch::rows(std::span<const Chunk> chunks) {
   Batch batch;
   size_t longest = 0;
-  for (const Chunk& chunk : chunks) longest = std::max(longest, chunk.tokens.size());
+  for (size_t r = 0; r < chunks.size(); ++r) {  // every row checked before anything is made
+    const auto row = static_cast<int64_t>(r);
+    (void)to_int32(chunks[r].offset, "Batch::rows", "offset", row);
+    (void)to_int32(static_cast<int64_t>(chunks[r].tokens.size()), "Batch::rows", "token count",
+                   row);
+    longest = std::max(longest, chunks[r].tokens.size());
+  }
   std::vector<int32_t> ids(chunks.size() * longest, 0);
   for (size_t r = 0; r < chunks.size(); ++r) {
     std::copy(chunks[r].tokens.begin(), chunks[r].tokens.end(), ids.begin() + r * longest);

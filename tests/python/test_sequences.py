@@ -151,3 +151,14 @@ def test_a_recurrent_layer_asks_each_sequence_for_its_own_split_points():
     cache.put(batch, conv, delta)
     assert len(cache.take_snapshots(seq=1)) == 2
     assert cache.state(seq=1)[1][0, 0, 0, 0] == 12
+
+
+def test_batch_factories_refuse_offsets_outside_int32():
+    with pytest.raises(kvsnap.Error,
+                       match=r"^Batch::single: offset 4294967301 does not fit in int32"):
+        kvsnap.Batch.single([1], 2**32 + 5)  # was silently offset 5
+    with pytest.raises(kvsnap.Error, match=r"^Batch::uniform: length 2147483648 does not fit"):
+        kvsnap.Batch.uniform(1, 2**31, 0)
+    with pytest.raises(kvsnap.Error, match=r"^Batch::rows: row 1 offset -2147483649 does not"):
+        kvsnap.Batch.rows([(0, 0, [1]), (1, -2**31 - 1, [2])])
+    assert kvsnap.Batch.single([1], 2**31 - 1).seq_offsets == [2**31 - 1]
