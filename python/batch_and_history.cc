@@ -136,8 +136,17 @@ and T = block_tokens. key_chunks and value_chunks are read-only numpy views
       });
 }
 
-void bind_histories(py::module_& m) {
-  bind_paged_columns(m);
+// Error naming `call` for a ragged history: its rows have their own columns (row(b)).
+void require_columns(const KVHistory& h, const char* call) {
+  if (h.ragged()) {
+    throw Error(
+        fmt::format("{}: this history is ragged ({} rows of different sequences, each with its own "
+                    "columns); ask row(b)",
+                    call, h.rows()));
+  }
+}
+
+void bind_kv_history(py::module_& m) {
   py::class_<KVHistory>(m, "KVHistory", R"(Keys and values a cache hands back for attention.
 
 keys [B, H, K, D] and values [B, H, K, Dv] are read-only numpy views of the cache's buffers (no
@@ -149,12 +158,25 @@ position(c).)")
       .def_property_readonly(
           "values", [](const KVHistory& h) { return to_numpy(h.values(), /*writeable=*/false); })
       .def_property_readonly("length", &KVHistory::length, "Key columns K.")
-      .def_property_readonly("first_position", &KVHistory::first_position)
-      .def_property_readonly("oldest_column", &KVHistory::oldest_column)
+      .def_property_readonly(
+          "first_position",
+          [](const KVHistory& h) {
+            require_columns(h, "KVHistory.first_position");
+            return h.first_position();
+          },
+          "Absolute position of column oldest_column.")
+      .def_property_readonly(
+          "oldest_column",
+          [](const KVHistory& h) {
+            require_columns(h, "KVHistory.oldest_column");
+            return h.oldest_column();
+          },
+          "The column holding first_position (columns wrap in a rotating window's ring).")
       .def_property_readonly("window", &KVHistory::window, "The cache's lookback window, or 0.")
       .def(
           "position",
           [](const KVHistory& h, int64_t column) {
+            require_columns(h, "KVHistory.position");
             if (column < 0 || column >= h.length()) {
               throw Error(fmt::format("KVHistory.position: column {} out of range [0, {})", column,
                                       h.length()));
@@ -187,17 +209,32 @@ position(c).)")
           py::arg("b"), "Row b's history (this one unless ragged).")
       .def("contiguous", &KVHistory::contiguous, Released(),
            "A contiguous copy of a paged history (keys and values as plain arrays).");
+}
 
-  py::class_<RecurrentHistory>(m, "RecurrentHistory",
-                               "A recurrent layer's live state (read-only numpy views).")
+void bind_recurrent_history(py::module_& m) {
+  py::class_<RecurrentHistory>(m, "RecurrentHistory", R"(A recurrent layer's live state.
+
+conv_state and delta_state are read-only numpy views of the states the cache holds (no copy);
+for a batch of several rows (rows of different sequences) they are None: take row(b).)")
       .def_property_readonly(
           "conv_state",
           [](const RecurrentHistory& h) { return to_numpy(h.conv_state(), /*writeable=*/false); },
-          "[B, conv_tail, conv_dim] in the activation dtype.")
+          "[1, conv_tail, conv_dim] in the activation dtype (None for several rows).")
       .def_property_readonly(
           "delta_state",
           [](const RecurrentHistory& h) { return to_numpy(h.delta_state(), /*writeable=*/false); },
-          "[B, v_heads, v_dim, k_dim] float32.");
+          "[1, v_heads, v_dim, k_dim] float32 (None for several rows).")
+      .def_property_readonly("rows", &RecurrentHistory::rows, "Rows of the batch it was got for.")
+      .def(
+          "row",
+          [](const RecurrentHistory& h, int64_t b) {
+            if (b < 0 || b >= h.rows()) {
+              throw Error(
+                  fmt::format("RecurrentHistory.row: row {} out of range [0, {})", b, h.rows()));
+            }
+            return h.row(b);
+          },
+          py::arg("b"), "Row b's states (this history for a single row).");
 }
 
 }  // namespace
@@ -205,7 +242,9 @@ position(c).)")
 void bind_batch_and_history(py::module_& m) {
   bind_batch(m);
   bind_mask(m);
-  bind_histories(m);
+  bind_paged_columns(m);
+  bind_kv_history(m);
+  bind_recurrent_history(m);
 }
 
 }  // namespace kvsnap::python

@@ -4,6 +4,8 @@
 #include <pybind11/stl.h>
 
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "bindings.h"
 
@@ -302,6 +304,36 @@ a restore splices block references. Rows of a batch address sequences by seq_ids
            "Blocks allocated, in use, copied, live.");
 }
 
+#define kAdopted                                                                            \
+  "The cache adopts the arrays without a copy (numpy arrays are kept alive) and snapshots " \
+  "share them: recurrent states are immutable values, so do not write to the arrays "       \
+  "afterwards (a write would change the live state and every snapshot of it); pass a copy " \
+  "to keep writing one."
+
+// The arrays of a Python sequence of states, converted once.
+std::vector<Array> to_arrays(const py::object& states, const std::string& what) {
+  std::vector<Array> arrays;
+  for (const py::handle state : py::tuple(states)) arrays.push_back(to_array(state, what.c_str()));
+  return arrays;
+}
+
+RecurrentStates to_states(const py::object& conv, const py::object& delta, const char* call) {
+  return {to_arrays(conv, fmt::format("{} conv_states", call)),
+          to_arrays(delta, fmt::format("{} delta_states", call))};
+}
+
+// Row `b`'s (conv_states, delta_states) pair for put_rows.
+RecurrentStates row_states(py::handle row, size_t b) {
+  if (!py::isinstance<py::sequence>(row) || py::isinstance<py::str>(row) || py::len(row) != 2) {
+    throw Error(fmt::format(
+        "RecurrentCache.put_rows: rows[{}] has type {}; each row is a pair (conv_states, "
+        "delta_states)",
+        b, Py_TYPE(row.ptr())->tp_name));
+  }
+  const py::tuple pair(py::reinterpret_borrow<py::object>(row));
+  return to_states(pair[0], pair[1], fmt::format("RecurrentCache.put_rows rows[{}]", b).c_str());
+}
+
 void bind_recurrent_cache(py::module_& m) {
   py::class_<RecurrentCache, Cache>(m, "RecurrentCache", R"(A recurrent layer's state.
 
@@ -322,20 +354,33 @@ head_v_dim, head_k_dim] float32. Snapshots are whole states at exact offsets.)")
           "The live state for `batch`, zero-initialized on first use.")
       .def(
           "put",
-          [](RecurrentCache& c, const Batch& batch, const py::sequence& conv,
-             const py::sequence& delta) {
-            std::vector<Array> conv_states, delta_states;
-            for (py::handle state : conv) {
-              conv_states.push_back(to_array(state, "RecurrentCache.put conv_states"));
+          [](RecurrentCache& c, const Batch& batch, const py::object& conv,
+             const py::object& delta) {
+            if (batch.batch_size() > 1) {
+              throw Error(fmt::format(
+                  "RecurrentCache.put: a batch of {} rows needs one (conv_states, delta_states) "
+                  "pair per row: use put_rows",
+                  batch.batch_size()));
             }
-            for (py::handle state : delta) {
-              delta_states.push_back(to_array(state, "RecurrentCache.put delta_states"));
-            }
-            without_gil([&] { c.put(batch, conv_states, delta_states); });
+            const RecurrentStates states = to_states(conv, delta, "RecurrentCache.put");
+            without_gil([&] { c.put(batch, states.conv, states.delta); });
           },
           py::arg("batch"), py::arg("conv_states"), py::arg("delta_states"),
-          "Ends a forward: one state per scheduled split point, then the end state. The cache "
-          "adopts the arrays without a copy (numpy arrays are kept alive): do not write to them.")
+          "Ends a one-row forward: one state per scheduled split point, then the end "
+          "state. " kAdopted)
+      .def(
+          "put_rows",
+          [](RecurrentCache& c, const Batch& batch, const py::sequence& rows) {
+            const py::tuple items(rows);  // one pass over the caller's sequence
+            std::vector<RecurrentStates> states;
+            for (size_t b = 0; b < items.size(); ++b) states.push_back(row_states(items[b], b));
+            without_gil([&] { c.put(batch, states); });
+          },
+          py::arg("batch"), py::arg("rows"),
+          "Ends a forward of any rows (rows of different sequences): rows[b] is row b's "
+          "(conv_states, delta_states), each as put takes them. Every row is checked before "
+          "any state changes. The arrays are adopted as put adopts them: do not write to them "
+          "afterwards.")
       .def(
           "snapshot_splits",
           [](const RecurrentCache& c, int64_t forward_len, std::optional<SeqId> seq) {

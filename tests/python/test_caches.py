@@ -182,3 +182,18 @@ def test_a_snapshot_of_another_kind_is_refused(rng):
     cache = kvsnap.KVCache()
     with pytest.raises(kvsnap.Error, match=r"^KVCache::restore"):
         cache.restore(window.snapshot(0), 2)
+
+
+def test_recurrent_states_come_back_read_only(rng):
+    cache = kvsnap.RecurrentCache(2, 3, 1, 2, 2)
+    batch = kvsnap.Batch.uniform(1, 1, 0)
+    conv, delta = recurrent_states(rng, 1)
+    cache.get(batch)
+    cache.put(batch, conv, delta)  # adopted: the caller must not write them from now on
+    history = cache.get(kvsnap.Batch.uniform(1, 1, 1))
+    views = [history.conv_state, history.delta_state] + cache.state()
+    for view in views + [np.asarray(kvsnap.Array(v)) for v in views]:
+        assert not view.flags.writeable
+        with pytest.raises(ValueError, match="read-only"):
+            view[...] = 0
+    assert np.shares_memory(history.delta_state, delta[0])

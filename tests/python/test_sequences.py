@@ -162,3 +162,60 @@ def test_batch_factories_refuse_offsets_outside_int32():
     with pytest.raises(kvsnap.Error, match=r"^Batch::rows: row 1 offset -2147483649 does not"):
         kvsnap.Batch.rows([(0, 0, [1]), (1, -2**31 - 1, [2])])
     assert kvsnap.Batch.single([1], 2**31 - 1).seq_offsets == [2**31 - 1]
+
+
+def recurrent_step(history, inputs, weight):
+    """One row's forward through the reference kernels: its end conv tail and delta state."""
+    x, q, v, g = inputs
+    _, tails = kvsnap.causal_conv1d(x, weight, history.conv_state)
+    _, states = kvsnap.gated_delta(q, q, v, g, g, history.delta_state)
+    return [tails[-1]], [states[-1]]
+
+
+def recurrent_inputs(rng, length):
+    return (rng.standard_normal((1, length, 3)).astype(np.float32),     # x [1, L, C]
+            rng.standard_normal((1, length, 1, 2)).astype(np.float32),  # q, k [1, L, Hk, Dk]
+            rng.standard_normal((1, length, 1, 2)).astype(np.float32),  # v [1, L, Hv, Dv]
+            rng.uniform(0.5, 1, (1, length, 1)).astype(np.float32))     # g, beta [1, L, Hv]
+
+
+def test_a_recurrent_batch_of_two_sequences_equals_running_each_alone(rng):
+    weight = rng.standard_normal((3, 3)).astype(np.float32)  # conv width 3: a tail of 2
+    dims = dict(conv_tail=2, conv_dim=3, num_v_heads=1, head_v_dim=2, head_k_dim=2)
+    batched = kvsnap.RecurrentCache(**dims)
+    alone = {0: kvsnap.RecurrentCache(**dims), 3: kvsnap.RecurrentCache(**dims)}
+    for lengths in ({0: 3, 3: 2}, {0: 1, 3: 1}):  # a prefill of unequal rows, then a decode step
+        inputs = {seq: recurrent_inputs(rng, length) for seq, length in lengths.items()}
+        batch = kvsnap.Batch.rows([(seq, batched.offset_of(seq), [5] * length)
+                                   for seq, length in lengths.items()])
+        history = batched.get(batch)
+        assert history.rows == 2 and history.conv_state is None and history.delta_state is None
+        rows = [recurrent_step(history.row(b), inputs[seq], weight)
+                for b, seq in enumerate(lengths)]
+        batched.put_rows(batch, rows)
+        for seq, cache in alone.items():
+            one = kvsnap.Batch.single([5] * lengths[seq], cache.offset)
+            cache.put(one, *recurrent_step(cache.get(one), inputs[seq], weight))
+    for seq, cache in alone.items():
+        assert batched.offset_of(seq) == cache.offset == {0: 4, 3: 3}[seq]
+        for got, expected in zip(batched.state(seq=seq), cache.state()):
+            np.testing.assert_array_equal(got, expected)
+
+
+def test_recurrent_rows_are_checked_before_any_state_changes(rng):
+    cache = kvsnap.RecurrentCache(2, 3, 1, 2, 2)
+    batch = kvsnap.Batch.rows([(0, 0, [1]), (1, 0, [2])])
+    history = cache.get(batch)
+    with pytest.raises(kvsnap.Error, match=r"^RecurrentHistory.row: row 2 out of range \[0, 2\)"):
+        history.row(2)
+    good = ([np.zeros((1, 2, 3), np.float32)], [np.zeros((1, 1, 2, 2), np.float32)])
+    bad = ([np.zeros((1, 2, 3), np.float32)], [np.zeros((1, 1, 2, 3), np.float32)])
+    with pytest.raises(kvsnap.Error, match=r"^RecurrentCache::put"):
+        cache.put_rows(batch, [good, bad])
+    assert cache.offset_of(0) == cache.offset_of(1) == 0  # row 0 was not put either
+    with pytest.raises(kvsnap.Error, match=r"^RecurrentCache.put: a batch of 2 rows .* put_rows"):
+        cache.put(batch, *good)
+    with pytest.raises(kvsnap.Error, match=r"^RecurrentCache.put_rows: rows\[1\] has type int"):
+        cache.put_rows(batch, [good, 7])
+    cache.put_rows(batch, [good, good])
+    assert cache.offset_of(0) == cache.offset_of(1) == 1
