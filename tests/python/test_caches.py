@@ -197,3 +197,64 @@ def test_recurrent_states_come_back_read_only(rng):
         with pytest.raises(ValueError, match="read-only"):
             view[...] = 0
     assert np.shares_memory(history.delta_state, delta[0])
+
+
+def test_lazy_bytes_is_what_a_write_over_lazy_slots_copies(rng):
+    cache = kvsnap.KVCache()
+    keys = kv(rng, 8)  # [1, 2, 8, 4] f32: 32 bytes of keys and 32 of values per token
+    append(cache, keys)
+    assert cache.lazy_bytes(0, 8) == 0  # nothing names the slots yet
+    whole = cache.snapshot(0)
+    tail = cache.snapshot(6)
+    assert whole.is_lazy and whole.size == 0
+    assert cache.lazy_bytes(5, 8) == 3 * 64 + 2 * 64  # slots 6, 7 are named twice
+    before = cache.copy_stats().materialized_bytes
+    assert cache.restore(None, 5)
+    cache.update(kvsnap.Batch.uniform(1, 3, 5), keys[:, :, :3], keys[:, :, :3])
+    assert cache.copy_stats().materialized_bytes - before == 320
+    assert (whole.size, tail.size, cache.lazy_bytes(5, 8)) == (192, 128, 0)
+    fresh = kvsnap.KVCache()
+    assert fresh.restore(whole, 8)
+    np.testing.assert_array_equal(fresh.state()[0][:, :, :8], keys)
+
+
+def test_a_forward_cut_short_keeps_the_captures_it_reached(rng):
+    cache = kvsnap.KVCache()
+    cache.prepare_snapshots([2, 4, 6])
+    keys = kv(rng, 5)
+    append(cache, keys)  # reaches 2 and 4, not 6
+    with pytest.raises(kvsnap.Error, match=r"^KVCache::restore: captures at \[2, 4, 6\] are"):
+        cache.restore(None, 1)
+    with pytest.raises(kvsnap.Error, match=r"^KVCache::take_snapshots: scheduled offset 6 not"):
+        cache.take_snapshots()
+    reached = cache.take_reached_snapshots()
+    assert [(s.from_offset, s.to_offset) for s in reached] == [(0, 2), (2, 4)]
+    assert cache.take_reached_snapshots() == [] and cache.take_snapshots() == []  # dropped
+    assert cache.restore(None, 1)  # no schedule left
+    fresh = kvsnap.KVCache()
+    assert fresh.restore(cache.merge(*reached), 4)
+    np.testing.assert_array_equal(fresh.state()[0][:, :, :4], keys[:, :, :4])
+
+    recurrent = kvsnap.RecurrentCache(2, 3, 1, 2, 2)
+    recurrent.prepare_snapshots([2, 5])
+    batch = kvsnap.Batch.uniform(1, 3, 0)
+    assert recurrent.snapshot_splits(3) == [2]
+    recurrent.get(batch)
+    conv, delta = recurrent_states(rng, 2)
+    recurrent.put(batch, conv, delta)  # the state at 2, then at 3
+    [at_two] = recurrent.take_reached_snapshots()
+    assert at_two.from_offset == at_two.to_offset == 2
+
+
+def test_cancel_snapshots_drops_the_schedule_and_its_captures(rng):
+    cache = kvsnap.KVCache()
+    cache.prepare_snapshots([2, 6])
+    append(cache, kv(rng, 4))  # captured 2
+    cache.cancel_snapshots()
+    assert cache.take_snapshots() == [] and cache.take_reached_snapshots() == []
+    cache.update(kvsnap.Batch.uniform(1, 3, 4), kv(rng, 3), kv(rng, 3))  # passes 6: nothing
+    assert cache.take_snapshots() == [] and cache.offset == 7
+    cache.cancel_snapshots()  # no schedule: a no-op
+    cache.prepare_snapshots([8], seq=1)
+    cache.cancel_snapshots(seq=1)
+    assert cache.take_snapshots(seq=1) == []
