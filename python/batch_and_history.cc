@@ -44,7 +44,7 @@ seq_offsets[b].)")
            }),
            py::arg("input_ids") = py::none(), py::arg("seq_offsets") = std::vector<int32_t>{},
            py::arg("seq_query_lens") = std::vector<int32_t>{},
-           py::arg("seq_ids") = std::vector<SeqId>{},
+           py::arg("seq_ids") = std::vector<SeqId>{}, ReleaseAfter(),
            "input_ids: int32 [B, L] (or None); one offset and one query length per row; "
            "seq_ids: the sequence of each row (empty: row b is sequence b).")
       .def_static(
@@ -95,7 +95,7 @@ void bind_mask(py::module_& m) {
           [](py::object array) {
             return AttentionMask::from_array(to_array(array, "AttentionMask.from_array"));
           },
-          py::arg("array"),
+          py::arg("array"), ReleaseAfter(),
           "Explicit [B|1, Hq|1, L, P] mask: int32 is boolean, float an additive bias.")
       .def("intersect", &AttentionMask::intersect, py::arg("other"), "Keys visible under both.")
       .def_property_readonly("kind",

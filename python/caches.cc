@@ -254,7 +254,7 @@ void bind_attention_caches(py::module_& m) {
             const Array v = to_array(values, "Attention.update values");
             return without_gil([&] { return c.update(batch, k, v); });
           },
-          py::arg("batch"), py::arg("keys"), py::arg("values"),
+          py::arg("batch"), py::arg("keys"), py::arg("values"), ReleaseAfter(),
           "Appends keys [B, H, L, D] and values [B, H, L, Dv] (copied into the cache) and "
           "returns the history every query of the batch attends to.")
       .def("view", &Attention::view, py::arg("batch"), Released(),
@@ -365,7 +365,7 @@ head_v_dim, head_k_dim] float32. Snapshots are whole states at exact offsets.)")
             const RecurrentStates states = to_states(conv, delta, "RecurrentCache.put");
             without_gil([&] { c.put(batch, states.conv, states.delta); });
           },
-          py::arg("batch"), py::arg("conv_states"), py::arg("delta_states"),
+          py::arg("batch"), py::arg("conv_states"), py::arg("delta_states"), ReleaseAfter(),
           "Ends a one-row forward: one state per scheduled split point, then the end "
           "state. " kAdopted)
       .def(
@@ -376,7 +376,7 @@ head_v_dim, head_k_dim] float32. Snapshots are whole states at exact offsets.)")
             for (size_t b = 0; b < items.size(); ++b) states.push_back(row_states(items[b], b));
             without_gil([&] { c.put(batch, states); });
           },
-          py::arg("batch"), py::arg("rows"),
+          py::arg("batch"), py::arg("rows"), ReleaseAfter(),
           "Ends a forward of any rows (rows of different sequences): rows[b] is row b's "
           "(conv_states, delta_states), each as put takes them. Every row is checked before "
           "any state changes. The arrays are adopted as put adopts them: do not write to them "

@@ -61,6 +61,7 @@ void defer_decref(PyObject* object) noexcept {
     } catch (...) {
       return;  // out of memory: the object is left alive rather than freed under a lock
     }
+    if (release_scopes > 0) return;  // this thread gives it back when its scope ends
     nudge = !queue.nudged;
     queue.nudged = true;
   }

@@ -33,12 +33,27 @@ void defer_decref(PyObject* object) noexcept;
 // are left to the exiting process). Call only outside kvsnap calls (no kvsnap lock held).
 void release_deferred() noexcept;
 
-// Calls release_deferred when it goes out of scope (also on an exception).
-struct ReleaseDeferredAtExit {
-  ReleaseDeferredAtExit() = default;
+// Scopes of ReleaseDeferredAtExit open on this thread: what the thread lets go of meanwhile waits
+// for their end (no pending call is queued for it).
+inline thread_local int release_scopes = 0;
+
+// Calls release_deferred when the scope ends (also on an exception). Made and ended with the GIL
+// held, outside kvsnap calls: around a bound call (ReleaseAfter), or in without_gil.
+class ReleaseDeferredAtExit {
+ public:
+  ReleaseDeferredAtExit() { ++release_scopes; }
   ReleaseDeferredAtExit(const ReleaseDeferredAtExit&) = delete;
   ReleaseDeferredAtExit& operator=(const ReleaseDeferredAtExit&) = delete;
-  ~ReleaseDeferredAtExit() { release_deferred(); }
+  ~ReleaseDeferredAtExit() {
+    release_deferred();
+    --release_scopes;
+  }
+};
+
+// Declared first in an object of the module, so destroyed last: gives back what the other
+// members let go of (the object goes with the GIL held, outside kvsnap calls).
+struct ReleaseDeferredLast {
+  ~ReleaseDeferredLast() { release_deferred(); }
 };
 
 // The GIL released for a scope, as py::gil_scoped_release, except for a thread other than the
@@ -72,5 +87,9 @@ auto without_gil(Call&& call) {
 // For bindings whose arguments and results are plain C++ values (no Python object touched inside):
 // runs the call with the GIL released, then gives back what kvsnap let go of meanwhile.
 using Released = py::call_guard<ReleaseDeferredAtExit, GilReleased>;
+
+// For bindings that convert arrays (their last references may go when the call ends): gives back
+// what kvsnap let go of once the call and its locals are done.
+using ReleaseAfter = py::call_guard<ReleaseDeferredAtExit>;
 
 }  // namespace kvsnap::python

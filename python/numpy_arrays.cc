@@ -215,10 +215,10 @@ read-only when a is (a view of a cache's buffers, or of memory numpy marks read-
 (__dlpack__, Array.from_dlpack) exchanges arrays with torch, jax and numpy without a copy, but
 exports a copy of a read-only array (DLPack cannot mark a tensor read-only).)")
       .def(py::init([](py::object object) { return to_py_array(object, "kvsnap.Array"); }),
-           py::arg("obj"),
+           py::arg("obj"), ReleaseAfter(),
            "Wraps obj (a numpy array) without copying where its layout allows; read-only when "
            "obj is (a read-only numpy array, a view of a cache's buffers).")
-      .def_static("from_dlpack", &array_from_dlpack, py::arg("obj"),
+      .def_static("from_dlpack", &array_from_dlpack, py::arg("obj"), ReleaseAfter(),
                   "Wraps any DLPack producer's CPU tensor (f32, f16, bf16, i32) without a copy "
                   "(a compact copy when it has negative strides).")
       .def(

@@ -22,6 +22,7 @@ void bind_kernels(py::module_& m) {
                         true);
       },
       py::arg("batch"), py::arg("q"), py::arg("history"), py::arg("mask"), py::arg("scale"),
+      ReleaseAfter(),
       "Reference attention: q [B, Hq, L, D] over the history; float32 [B, Hq, L, Dv].");
   m.def(
       "causal_conv1d",
@@ -34,7 +35,7 @@ void bind_kernels(py::module_& m) {
         return py::make_tuple(to_numpy(result.output, true), to_numpy_list(result.tails));
       },
       py::arg("x"), py::arg("weight"), py::arg("tail") = py::none(),
-      py::arg("boundaries") = std::vector<int64_t>{},
+      py::arg("boundaries") = std::vector<int64_t>{}, ReleaseAfter(),
       "Causal depthwise conv1d: x [B, L, C], weight [C, W], tail [B, W-1, C] (None: zeros). "
       "Returns (output float32 [B, L, C], [tail per boundary, then the end]).");
   m.def(
@@ -50,7 +51,7 @@ void bind_kernels(py::module_& m) {
         return py::make_tuple(to_numpy(result.output, true), to_numpy_list(result.states));
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"),
-      py::arg("state") = py::none(), py::arg("boundaries") = std::vector<int64_t>{},
+      py::arg("state") = py::none(), py::arg("boundaries") = std::vector<int64_t>{}, ReleaseAfter(),
       "Gated delta rule: q, k [B, L, Hk, Dk]; v [B, L, Hv, Dv]; g, beta [B, L, Hv]; state "
       "[B, Hv, Dv, Dk] (None: zeros). Returns (output float32 [B, L, Hv, Dv], [state per "
       "boundary, then the end]).");

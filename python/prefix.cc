@@ -14,7 +14,7 @@ namespace {
 // The prefix cache and the Python caches it drives, kept alive as long as it is. Thread-safe
 // itself: its calls run with the GIL released.
 struct PyPrefixCache {
-  ReleaseDeferredAtExit release_last;   // gives back what the two below let go of
+  ReleaseDeferredLast release_last;     // gives back what the two below let go of
   py::tuple layers;                     // destroyed after `prefix` (declared first)
   std::unique_ptr<PrefixCache> prefix;  // drives the layers' offsets from now on
 };
@@ -23,7 +23,7 @@ struct PyPrefixCache {
 // reference to it). `mutex` makes the session's calls from several threads run one at a time
 // (taken with the GIL released).
 struct PySession {
-  ReleaseDeferredAtExit release_last;
+  ReleaseDeferredLast release_last;
   py::object owner;
   std::mutex mutex;
   PrefixCache::Session session;

@@ -14,8 +14,8 @@ namespace {
 // its calls from several threads run one at a time (taken with the GIL released: they wait for
 // the layers' locks).
 struct PySpeculation {
-  ReleaseDeferredAtExit release_last;  // gives back what the members let go of
-  py::tuple layers;                    // destroyed after `speculation` (declared first)
+  ReleaseDeferredLast release_last;  // gives back what the members let go of
+  py::tuple layers;                  // destroyed after `speculation` (declared first)
   std::mutex mutex;
   std::unique_ptr<Speculation> speculation;  // its destructor cancels an open round
 };

@@ -106,6 +106,29 @@ def test_memory_a_call_lets_go_of_is_given_back_when_it_returns():
     assert sys.getrefcount(state) == references
 
 
+def test_inputs_are_let_go_of_when_the_call_returns():
+    # On a thread that is not the main one (which alone runs pending calls): the call itself
+    # gives back what it let go of.
+    def calls():
+        keys = np.ones((1, 2, 4, 8), np.float32)
+        references = sys.getrefcount(keys)
+        batch = kvsnap.Batch.uniform(1, 4, 0)
+        history = kvsnap.KVCache().update(batch, keys, keys)  # copied in: the wrap goes
+        assert sys.getrefcount(keys) == references
+        kvsnap.sdpa(batch, keys, history, kvsnap.AttentionMask.causal(), 0.5)
+        assert sys.getrefcount(keys) == references
+        wrapped = kvsnap.Array(keys)
+        del wrapped
+        assert sys.getrefcount(keys) == references
+        results.append("checked")
+
+    results = []
+    worker = threading.Thread(target=calls)
+    worker.start()
+    worker.join()
+    assert results == ["checked"]
+
+
 def test_caches_and_a_prefix_cache_serve_slots_from_several_threads():
     slots = 4
     layers = [kvsnap.PagedKVCache(block_tokens=4), kvsnap.RotatingKVCache(8)]
