@@ -1,5 +1,6 @@
 #include "gil.h"
 
+#include <atomic>
 #include <chrono>
 #include <mutex>
 #include <thread>
@@ -31,6 +32,13 @@ bool finalizing() {
 }
 
 unsigned long main_thread = 0;  // NOLINT: set once, at import
+std::atomic<int> calls_in_flight{0};
+
+// The interpreter's last step (Py_AtExit): no thread can take the GIL any more, so no call
+// starts; the calls still running finish (and their threads then wait in ~GilReleased).
+void wait_for_calls_in_flight() {
+  while (calls_in_flight.load() > 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+}
 
 int release_pending(void*) {
   release_deferred();
@@ -39,12 +47,19 @@ int release_pending(void*) {
 
 }  // namespace
 
-void note_main_thread() {
+void prepare_for_exit() {
   main_thread =
       py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>();
+  Py_AtExit(&wait_for_calls_in_flight);
+}
+
+GilReleased::GilReleased() {
+  calls_in_flight.fetch_add(1);
+  state_ = PyEval_SaveThread();
 }
 
 GilReleased::~GilReleased() noexcept(false) {
+  calls_in_flight.fetch_sub(1);
   while (finalizing() && PyThread_get_thread_ident() != main_thread) {
     std::this_thread::sleep_for(std::chrono::hours(1));
   }

@@ -22,8 +22,9 @@ namespace kvsnap::python {
 
 namespace py = pybind11;
 
-// Notes the interpreter's main thread (threading.main_thread()); at import, GIL held.
-void note_main_thread();
+// At import, GIL held: notes the interpreter's main thread (threading.main_thread()) and has the
+// interpreter's exit wait for the kvsnap calls in flight (GilReleased).
+void prepare_for_exit();
 
 // Queues `object`'s reference for release_deferred. Any thread, GIL or not, any lock held.
 void defer_decref(PyObject* object) noexcept;
@@ -56,16 +57,18 @@ struct ReleaseDeferredLast {
   ~ReleaseDeferredLast() { release_deferred(); }
 };
 
-// The GIL released for a scope, as py::gil_scoped_release, except for a thread other than the
-// main one that would take it back once the interpreter is finalizing (a daemon thread still in
-// a kvsnap call at exit): that thread waits for the process to end instead (as Python 3.14
-// does), since taking the GIL would end it with pthread_exit, whose unwinding through a
-// noexcept destructor aborts the process. The main thread finalizes, and may still call kvsnap
-// from finalizers. The destructor lets that unwinding pass should finalization begin just after
-// its check.
+// The GIL released for a scope, as py::gil_scoped_release, with two additions for the
+// interpreter's exit, where daemon threads may still be inside kvsnap calls:
+//   - such a thread (any but the main one) that would take the GIL back once the interpreter is
+//     finalizing waits for the process to end instead (as Python 3.14 does): taking it would end
+//     the thread with pthread_exit, whose unwinding through a noexcept destructor aborts the
+//     process. The main thread finalizes, and may still call kvsnap from finalizers. The
+//     destructor lets that unwinding pass should finalization begin just after its check;
+//   - the scopes are counted, and the interpreter's last step (Py_AtExit) waits until none is
+//     open, so the process does not destroy kvsnap's static state under a running call.
 class GilReleased {
  public:
-  GilReleased() : state_(PyEval_SaveThread()) {}
+  GilReleased();
   GilReleased(const GilReleased&) = delete;
   GilReleased& operator=(const GilReleased&) = delete;
   ~GilReleased() noexcept(false);

@@ -23,7 +23,7 @@ consume it, raise kvsnap.Error while a call on another thread is using it.)";
   py::register_exception<kvsnap::Error>(m, "Error").attr("__doc__") =
       "A contract violation or bad data. The message is kvsnap's (the call, the values, the "
       "rule); the object is unchanged.";
-  note_main_thread();
+  prepare_for_exit();
   bind_arrays(m);
   bind_batch_and_history(m);
   bind_caches(m);
