@@ -122,6 +122,13 @@ def test_inputs_are_let_go_of_when_the_call_returns():
         wrapped = kvsnap.Array(keys)
         del wrapped
         assert sys.getrefcount(keys) == references
+        recurrent = kvsnap.RecurrentCache(0, 1, 1, 1, 1)
+        wrong = np.zeros((1, 1, 1, 2), np.float32)  # not the cache's delta shape
+        references = sys.getrefcount(wrong)
+        with pytest.raises(kvsnap.Error, match=r"^RecurrentCache::put"):  # an error path too
+            recurrent.put(kvsnap.Batch.uniform(1, 1, 0), [np.zeros((1, 0, 1), np.float32)],
+                          [wrong])
+        assert sys.getrefcount(wrong) == references
         results.append("checked")
 
     results = []
