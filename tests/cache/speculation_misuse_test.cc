@@ -17,15 +17,8 @@ using testing::HybridStack;
 using testing::StackOptions;
 using Tokens = std::vector<int32_t>;
 
-Tokens range(int32_t first, int32_t count) {
-  Tokens out;
-  for (int32_t i = 0; i < count; ++i) out.push_back(first + i);
-  return out;
-}
-Tokens concat(Tokens a, const Tokens& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
+using testing::concat;
+using testing::range;
 
 // Runs `call`, which must throw Error with `text` in its message.
 template <class Call>

@@ -15,15 +15,8 @@ using testing::HybridStack;
 using testing::StackOptions;
 using Tokens = std::vector<int32_t>;
 
-Tokens range(int32_t first, int32_t count) {
-  Tokens out;
-  for (int32_t i = 0; i < count; ++i) out.push_back(first + i);
-  return out;
-}
-Tokens concat(Tokens a, const Tokens& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
+using testing::concat;
+using testing::range;
 
 // (paged attention, window size): a window of 6 has evicted tokens (captures), 64 has not
 // (rewinds).

@@ -170,4 +170,16 @@ class HybridStack {
   TokenKV kv_{.heads = 2, .depth = 4};
 };
 
+// Token lists for the tests that drive a stack: first, first + 1, ... (count of them), and two
+// lists one after the other.
+inline std::vector<int32_t> range(int32_t first, int32_t count) {
+  std::vector<int32_t> out;
+  for (int32_t i = 0; i < count; ++i) out.push_back(first + i);
+  return out;
+}
+inline std::vector<int32_t> concat(std::vector<int32_t> a, const std::vector<int32_t>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
 }  // namespace kvsnap::testing
