@@ -7,7 +7,9 @@
 // write overwrites slots a lazy snapshot names, the cache copies exactly those slots out
 // ("materializes" that part); the rest stays lazy. Freeing the buffer (reset, destruction)
 // copies out whatever is still named — or, when that copy cannot be allocated, leaves the buffer
-// alive for the snapshots that name it, so neither ever fails for lack of memory.
+// alive for the snapshots that name it, so neither ever fails for lack of memory. (Such a snapshot
+// then counts only its own columns in size(), though it keeps the whole buffer, up to its
+// reserved capacity, until the last snapshot naming it goes.)
 //
 //   kvsnap::KVCache cache;
 //   cache.update(batch, keys, values);             // 10 tokens
@@ -44,7 +46,8 @@ class KVSNAP_EXPORT Snapshot {
   virtual int64_t size() const = 0;
   // `hook(delta)` runs whenever size() changes without a call on the snapshot — a lazy snapshot
   // materializing, at once or in parts — with the change in bytes. Replaces any previous hook;
-  // never runs for a snapshot that owns everything already.
+  // never runs for a snapshot that owns everything already. It must not throw: it also runs where
+  // the cache cannot fail (a reset, a destruction), and an exception there ends the process.
   virtual void set_materialize_hook(std::function<void(int64_t delta)>) = 0;
 
   // KV kinds: the range [from(), to()) of tokens whose data it holds. Whole-state kinds:

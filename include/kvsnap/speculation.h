@@ -87,7 +87,7 @@ class KVSNAP_EXPORT Speculation {
   };
   int64_t common_offset() const;
   bool holds_round_schedule(const Layer& layer) const;
-  void check_layer(const Layer& layer, bool moves) const;
+  void check_layer(const Layer& layer, int64_t target) const;
   void check_captures(const Layer& layer) const;
 
   std::vector<Layer> layers_;

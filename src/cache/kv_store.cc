@@ -410,10 +410,15 @@ void KVStore::materialize_all() {
 void KVStore::let_go() noexcept {
   while (Piece* piece = index.any()) {
     if (piece->keys.empty()) {  // no storage yet: the one allocation this needs
+      bool allocated = true;
       try {
         allocate_storage(*piece, layout, piece->tokens);
-        piece->snapshot->storage_changed(storage_bytes(*piece));
       } catch (const std::bad_alloc&) {
+        allocated = false;
+      }
+      if (allocated) {
+        piece->snapshot->storage_changed(storage_bytes(*piece));
+      } else {
         // Out of memory: the piece keeps the buffers alive and reads its columns there.
         piece->keys = keys.slice(2, piece->column, piece->lazy_end());
         piece->values = values.slice(2, piece->column, piece->lazy_end());

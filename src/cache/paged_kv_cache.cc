@@ -345,7 +345,8 @@ int64_t PagedKVCache::exposed_bytes(SeqId seq) const {
 
 ScheduleState PagedKVCache::schedule_state(SeqId seq) const {
   const Guard guard(impl_->pool->lock);
-  const detail::PagedSequence* sequence = impl_->sequences.find(seq);
+  const detail::PagedSequence* sequence =
+      impl_->sequences.find(seq, "PagedKVCache::schedule_state");
   return sequence == nullptr ? ScheduleState{} : sequence->schedule.state();
 }
 

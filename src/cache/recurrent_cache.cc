@@ -332,7 +332,8 @@ std::vector<SeqId> RecurrentCache::sequences() const {
 
 ScheduleState RecurrentCache::schedule_state(SeqId seq) const {
   const Guard guard(impl_->lock);
-  const detail::RecurrentSequence* sequence = impl_->sequences.find(seq);
+  const detail::RecurrentSequence* sequence =
+      impl_->sequences.find(seq, "RecurrentCache::schedule_state");
   return sequence == nullptr ? ScheduleState{} : sequence->schedule.state();
 }
 

@@ -135,11 +135,12 @@ bool Speculation::holds_round_schedule(const Layer& layer) const {
   return !s.known || is_round_schedule(s, start_, drafts_);
 }
 
-// Throws unless `layer` can return to the round's target without touching anyone else's
-// schedule: a capturing layer that must move (`moves`) holds the round's captures, all made; a
-// layer that rewinds holds no schedule. Changes nothing.
-void Speculation::check_layer(const Layer& layer, bool moves) const {
-  if (!moves) return;  // stays where it is: a capturing layer only releases the round's captures
+// Throws unless `layer` can return to `target` without touching anyone else's schedule: a
+// capturing layer that must move holds the round's captures, all made; a layer that rewinds
+// holds no schedule. Changes nothing.
+void Speculation::check_layer(const Layer& layer, int64_t target) const {
+  // At the verify forward's end, a layer stays: a capturing one only releases the round's captures.
+  if (target == start_ + drafts_ + 1) return;
   if (layer.taken) return check_captures(layer);
   const ScheduleState s = layer.cache->schedule_state(seq_);
   if (!s.known) return;
@@ -155,7 +156,7 @@ void Speculation::check_layer(const Layer& layer, bool moves) const {
     throw Error(fmt::format(
         "Speculation::accept: layer {} has captures scheduled for sequence {} ({}), not the "
         "round's, and must rewind to offset {}: take or cancel them, then accept again",
-        layer.index, seq_, describe(s), start_ + 1));
+        layer.index, seq_, describe(s), target));
   }
 }
 
@@ -175,7 +176,7 @@ void Speculation::accept(int64_t accepted) {
         seq_, layer.cache->offset(seq_), drafts_ + 1, start_, end));
   }
   // Everything is checked before any layer moves, so a refusal leaves every layer as it was.
-  for (const Layer& layer : layers_) check_layer(layer, target < end);
+  for (const Layer& layer : layers_) check_layer(layer, target);
   for (Layer& layer : layers_) {
     // A schedule that replaced the round's is left to its owner (only possible when no layer
     // moves: check_layer refused it otherwise).

@@ -345,6 +345,7 @@ TYPED_TEST(CacheContract, EveryCallNamingASequenceRefusesAnIdOutOfRange) {
     EXPECT_TRUE(refused([&] { (void)cache.take_reached_snapshots(id); }));
     EXPECT_TRUE(refused([&] { cache.take_snapshots_into(id, into); }));
     EXPECT_TRUE(refused([&] { (void)cache.restore(id, nullptr, 0); }));
+    EXPECT_TRUE(refused([&] { (void)cache.schedule_state(id); }));
     if constexpr (std::is_same_v<typename TypeParam::Type, KVCache>) {
       EXPECT_TRUE(refused([&] { (void)this->cache->lazy_bytes(id, 0, 2); }));
     }

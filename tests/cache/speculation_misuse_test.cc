@@ -108,7 +108,7 @@ TEST_P(EveryKind, AcceptWaitsForAForeignScheduleOnARewindingLayer) {
   ASSERT_TRUE(stack.forward_and_check(verify, concat(prompt, verify)));
   expect_error([&] { round.accept(1); },
                "layer 0 has captures scheduled for sequence 0 (2 offsets from 12 to 20, 1 "
-               "captured), not the round's, and must rewind to offset 11");
+               "captured), not the round's, and must rewind to offset 12");
   EXPECT_TRUE(round.open());
   expect_offsets(stack.layers(), 14);  // nothing moved
   expect_schedule(attention, 2, 12, 20);
