@@ -21,7 +21,7 @@ Snapshot& PySnapshot::get(const char* call) const {
 
 PySnapshot::~PySnapshot() {
   snapshot_.reset();  // may take its cache's lock (GIL held: the GIL is always taken first)
-  release_deferred();
+  release_deferred_in_destructor();
 }
 
 void PySnapshot::check_take(const char* consumer) const {
@@ -130,6 +130,10 @@ kvsnap.Error on any use.)")
 }
 
 std::unique_ptr<PySnapshot> merge(Cache& cache, PySnapshot* parent, PySnapshot* child) {
+  if (parent != nullptr && parent == child) {  // refused before either is taken: both stay usable
+    throw Error(
+        "Cache.merge: parent and child are the same snapshot; merge joins two adjacent ones");
+  }
   if (parent != nullptr) parent->check_take("Cache.merge");  // both usable before either is taken
   if (child != nullptr) child->check_take("Cache.merge");
   SnapshotPtr first = parent != nullptr ? parent->take("Cache.merge") : nullptr;

@@ -1,5 +1,7 @@
 #include "gil.h"
 
+#include <pthread.h>
+
 #include <atomic>
 #include <chrono>
 #include <mutex>
@@ -16,11 +18,10 @@ struct Deferred {
 };
 
 // Never destroyed: kvsnap may let go of memory during the process's exit, after this module's
-// static objects would have been.
-Deferred& deferred() {
-  static auto* queue = new Deferred;
-  return *queue;
-}
+// static objects would have been. A child process made by fork() gets a new one (the parent's
+// mutex may have been held by a thread the child does not have; its references are left alive).
+std::atomic<Deferred*> queue_now{new Deferred};
+Deferred& deferred() { return *queue_now.load(); }
 
 bool finalizing() {
   if (!Py_IsInitialized()) return true;
@@ -45,12 +46,21 @@ int release_pending(void*) {
   return 0;
 }
 
+// In a child process made by fork(): the thread that forked is its only thread (and Python's
+// main one), and no call is in flight there.
+void after_fork_in_child() {
+  calls_in_flight.store(0);
+  main_thread = PyThread_get_thread_ident();
+  queue_now.store(new Deferred);
+}
+
 }  // namespace
 
 void prepare_for_exit() {
   main_thread =
       py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>();
   Py_AtExit(&wait_for_calls_in_flight);
+  pthread_atfork(nullptr, nullptr, &after_fork_in_child);
 }
 
 GilReleased::GilReleased() {
@@ -88,7 +98,15 @@ void defer_decref(PyObject* object) noexcept {
   }
 }
 
-void release_deferred() noexcept {
+void release_deferred_in_destructor() noexcept {
+  // Elsewhere than on the main thread, a finalizer run here could see the interpreter begin to
+  // finalize and end this thread with pthread_exit, whose unwinding cannot pass the noexcept
+  // destructors above this one: the enclosing call's scope or a pending call gives them back.
+  if (PyThread_get_thread_ident() != main_thread) return;
+  release_deferred();
+}
+
+void release_deferred() {
   if (finalizing() || !PyGILState_Check()) return;
   Deferred& queue = deferred();
   for (;;) {

@@ -31,8 +31,15 @@ void defer_decref(PyObject* object) noexcept;
 
 // Gives back the queued references (their finalizers may run any Python code). Does nothing
 // unless this thread holds the GIL, and nothing once the interpreter is finalizing (the objects
-// are left to the exiting process). Call only outside kvsnap calls (no kvsnap lock held).
-void release_deferred() noexcept;
+// are left to the exiting process). Call only outside kvsnap calls (no kvsnap lock held), and
+// not from a noexcept function: should the interpreter begin to finalize while a finalizer runs
+// on a thread other than the main one, Python ends that thread with pthread_exit, whose
+// unwinding must pass.
+void release_deferred();
+
+// For destructors (noexcept): release_deferred on the main thread; elsewhere nothing (what they
+// let go of waits for the enclosing call's scope or for the main thread's pending call).
+void release_deferred_in_destructor() noexcept;
 
 // Scopes of ReleaseDeferredAtExit open on this thread: what the thread lets go of meanwhile waits
 // for their end (no pending call is queued for it).
@@ -45,7 +52,7 @@ class ReleaseDeferredAtExit {
   ReleaseDeferredAtExit() { ++release_scopes; }
   ReleaseDeferredAtExit(const ReleaseDeferredAtExit&) = delete;
   ReleaseDeferredAtExit& operator=(const ReleaseDeferredAtExit&) = delete;
-  ~ReleaseDeferredAtExit() {
+  ~ReleaseDeferredAtExit() noexcept(false) {
     release_deferred();
     --release_scopes;
   }
@@ -54,7 +61,7 @@ class ReleaseDeferredAtExit {
 // Declared first in an object of the module, so destroyed last: gives back what the other
 // members let go of (the object goes with the GIL held, outside kvsnap calls).
 struct ReleaseDeferredLast {
-  ~ReleaseDeferredLast() { release_deferred(); }
+  ~ReleaseDeferredLast() { release_deferred_in_destructor(); }
 };
 
 // The GIL released for a scope, as py::gil_scoped_release, with two additions for the

@@ -178,7 +178,7 @@ py::tuple to_tuple(const Shape& extents) {
 
 PyArray::~PyArray() {
   array = Array();
-  release_deferred();  // what the array let go of (never under a kvsnap lock here)
+  release_deferred_in_destructor();  // what the array let go of (never under a kvsnap lock here)
 }
 
 PyArray to_py_array(py::handle object, const char* what, bool allow_none) {

@@ -76,6 +76,18 @@ def test_a_failed_merge_still_consumes_its_inputs(rng):
     assert late.consumed and early.consumed  # as in C++: merge takes ownership
 
 
+def test_merging_a_snapshot_with_itself_is_refused_and_consumes_nothing(rng):
+    cache = kvsnap.KVCache()
+    append(cache, kv(rng, 6))
+    snapshot = cache.snapshot(0)
+    with pytest.raises(kvsnap.Error, match=r"^Cache.merge: parent and child are the same snapshot"):
+        cache.merge(snapshot, snapshot)
+    assert not snapshot.consumed
+    cache.restore(None, 0)
+    cache.restore(snapshot, 6)
+    assert cache.offset == 6
+
+
 def test_scheduled_capture_inside_one_write(rng):
     cache = kvsnap.KVCache()
     cache.prepare_snapshots([3, 7])

@@ -70,6 +70,57 @@ def test_a_daemon_thread_inside_a_kvsnap_call_at_exit_does_not_crash_the_interpr
         assert done.returncode == 0, done.stderr
 
 
+def test_a_daemon_thread_dropping_arrays_whose_finalizers_run_python_at_exit_does_not_abort():
+    # A finalizer given back on a daemon thread could be running when the interpreter begins to
+    # finalize, which ends the thread with pthread_exit: never from inside a noexcept destructor.
+    for _ in range(3):
+        done = run_script("""
+            import threading, time, weakref
+            import numpy as np, kvsnap
+            def busy():
+                total = 0
+                for i in range(200_000):  # Python code: the eval loop hands the GIL around
+                    total += i
+            def drop():
+                while True:
+                    x = np.zeros(4, np.float32)
+                    weakref.finalize(x, busy)
+                    a = kvsnap.Array(x)
+                    del x
+                    del a
+            threading.Thread(target=drop, daemon=True).start()
+            time.sleep(0.3)
+            """)
+        assert done.returncode == 0, done.stderr
+
+
+def test_a_child_forked_while_another_thread_is_in_a_call_exits():
+    done = run_script("""
+        import os, sys, threading, time
+        import numpy as np, kvsnap
+        keys = np.random.rand(1, 8, 64, 64).astype(np.float32)
+        batch = kvsnap.Batch.uniform(1, 64, 0)
+        history = kvsnap.KVCache().update(batch, keys, keys)
+        def attend():
+            while True:
+                kvsnap.sdpa(batch, keys, history, kvsnap.AttentionMask.causal(), 0.125)
+        threading.Thread(target=attend, daemon=True).start()
+        time.sleep(0.2)
+        for _ in range(4):
+            pid = os.fork()
+            if pid == 0:
+                kvsnap.Array(np.zeros(4, np.float32))  # the child's queue and exit work
+                sys.exit(0)
+            deadline = time.time() + 10
+            while os.waitpid(pid, os.WNOHANG) == (0, 0):
+                if time.time() > deadline:
+                    os.kill(pid, 9)
+                    sys.exit("a forked child hung at exit")
+                time.sleep(0.01)
+        """)
+    assert done.returncode == 0, done.stderr + done.stdout
+
+
 def test_other_python_threads_run_while_a_long_kernel_works():
     length = 1024
     rng = np.random.default_rng(0)
@@ -120,7 +171,8 @@ def test_inputs_are_let_go_of_when_the_call_returns():
         kvsnap.sdpa(batch, keys, history, kvsnap.AttentionMask.causal(), 0.5)
         assert sys.getrefcount(keys) == references
         wrapped = kvsnap.Array(keys)
-        del wrapped
+        del wrapped  # away from the main thread a destructor leaves it to the next call's end
+        kvsnap.sdpa(batch, keys, history, kvsnap.AttentionMask.causal(), 0.5)
         assert sys.getrefcount(keys) == references
         recurrent = kvsnap.RecurrentCache(0, 1, 1, 1, 1)
         wrong = np.zeros((1, 1, 1, 2), np.float32)  # not the cache's delta shape
