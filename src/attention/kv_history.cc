@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "attention/paged_gather.h"
 #include "kvsnap/attention.h"
 
 namespace kvsnap {
@@ -57,14 +58,14 @@ Array PagedColumns::key_block(size_t i) const {
   const int64_t block = table[i];
   const int64_t first = block % blocks_per_chunk * block_tokens;
   return key_chunks[static_cast<size_t>(block / blocks_per_chunk)].slice(2, first,
-                                                                        first + block_tokens);
+                                                                         first + block_tokens);
 }
 
 Array PagedColumns::value_block(size_t i) const {
   const int64_t block = table[i];
   const int64_t first = block % blocks_per_chunk * block_tokens;
   return value_chunks[static_cast<size_t>(block / blocks_per_chunk)].slice(2, first,
-                                                                          first + block_tokens);
+                                                                           first + block_tokens);
 }
 
 KVHistory::KVHistory(PagedColumns paged, int64_t first_position, int64_t window)
@@ -118,12 +119,7 @@ KVHistory KVHistory::contiguous() const {
   const Array& v0 = p.value_chunks.front();
   Array keys = Array::uninitialized(k0.dtype(), {1, k0.dim(1), p.length, k0.dim(3)});
   Array values = Array::uninitialized(v0.dtype(), {1, v0.dim(1), p.length, v0.dim(3)});
-  for (size_t i = 0; static_cast<int64_t>(i) * p.block_tokens < p.length; ++i) {
-    const int64_t first = static_cast<int64_t>(i) * p.block_tokens;
-    const int64_t count = std::min(p.block_tokens, p.length - first);
-    keys.assign_slice(2, first, p.key_block(i).slice(2, 0, count));
-    values.assign_slice(2, first, p.value_block(i).slice(2, 0, count));
-  }
+  detail::gather_paged(p, keys, values);
   return KVHistory(std::move(keys), std::move(values), first_position_, 0, window_);
 }
 
@@ -216,3 +212,16 @@ AttentionMask KVHistory::apply_mask(const Batch& batch, const AttentionMask& log
 }
 
 }  // namespace kvsnap
+
+namespace kvsnap::detail {
+
+void gather_paged(const PagedColumns& p, const Array& keys, const Array& values) {
+  for (size_t i = 0; static_cast<int64_t>(i) * p.block_tokens < p.length; ++i) {
+    const int64_t first = static_cast<int64_t>(i) * p.block_tokens;
+    const int64_t count = std::min(p.block_tokens, p.length - first);
+    keys.assign_slice(2, first, p.key_block(i).slice(2, 0, count));
+    values.assign_slice(2, first, p.value_block(i).slice(2, 0, count));
+  }
+}
+
+}  // namespace kvsnap::detail

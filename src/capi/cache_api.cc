@@ -1,4 +1,5 @@
 // The C API for caches: the four kinds, their writes and histories, and their live state.
+#include "attention/paged_gather.h"
 #include "capi/handles.h"
 
 using namespace kvsnap;
@@ -78,12 +79,7 @@ struct HistoryHandles {
       history = row.contiguous();
       return;
     }
-    for (size_t i = 0; static_cast<int64_t>(i) * p.block_tokens < p.length; ++i) {
-      const int64_t first = static_cast<int64_t>(i) * p.block_tokens;
-      const int64_t count = std::min(p.block_tokens, p.length - first);
-      k.assign_slice(2, first, p.key_block(i).slice(2, 0, count));
-      v.assign_slice(2, first, p.value_block(i).slice(2, 0, count));
-    }
+    detail::gather_paged(p, k, v);
     history = KVHistory(k, v, row.first_position(), 0, row.window());
   }
 

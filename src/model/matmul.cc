@@ -265,12 +265,18 @@ struct Avx2 {
     for (int v0 = V; v0 < kPanel / 8; v0 += V) pass<R, P, V, Fetch::none>(x, in, panel, y, j, v0);
   }
 
-  // A later block over a panel: the same sums, fetching its share of the next panel.
+  // A block of R rows over a panel that is not its first three: the same sums, fetching its share
+  // of the next panel (none when `next.from` is 0).
   template <int R>
-  [[gnu::target("avx2,fma"), gnu::noinline]] static void panel_fetching_next(
-      const float* x, int64_t in, const float* panel, Out y, int64_t j, NextShare next) {
+  [[gnu::target("avx2,fma"), gnu::noinline]] static void later_block(const float* x, int64_t in,
+                                                                     const float* panel, Out y,
+                                                                     int64_t j, NextShare next) {
     constexpr int V = kVectors<R, 1>;
-    pass<R, 1, V, Fetch::next>(x, in, panel, y, j, 0, next);
+    if (next.from != 0) {
+      pass<R, 1, V, Fetch::next>(x, in, panel, y, j, 0, next);
+    } else {
+      pass<R, 1, V, Fetch::none>(x, in, panel, y, j, 0);
+    }
     for (int v0 = V; v0 < kPanel / 8; v0 += V) pass<R, 1, V, Fetch::none>(x, in, panel, y, j, v0);
   }
 };
@@ -350,29 +356,22 @@ void product_default(const float* x, int64_t count, const PackedMatrix& w, Out y
       for (int64_t r = r0, block = 0; r < end; ++block) {
         const float* xr = x + r * in;
         const int64_t take = std::min<int64_t>(3, end - r);
-        const NextShare fetch{
-            reinterpret_cast<uintptr_t>(next) +
-                static_cast<uintptr_t>(std::max<int64_t>(0, block - 1) * share * kPanel) *
-                    sizeof(float),
-            later};
-        if (take == 3) {
-          if (block == 0) {
-            Avx2::panels<3, 1, true>(xr, in, panel, at(r), j);
-          } else if (next != nullptr) {
-            Avx2::panel_fetching_next<3>(xr, in, panel, at(r), j, fetch);
-          } else {
-            Avx2::panels<3, 1>(xr, in, panel, at(r), j);
-          }
+        // Blocks after the first fetch their share of the next panel, if there is one.
+        const NextShare fetch =
+            block > 0 && next != nullptr
+                ? NextShare{reinterpret_cast<uintptr_t>(next) +
+                                static_cast<uintptr_t>((block - 1) * share * kPanel) *
+                                    sizeof(float),
+                            later}
+                : NextShare{};
+        if (block == 0 && take == 3) {
+          Avx2::panels<3, 1, true>(xr, in, panel, at(r), j);
+        } else if (take == 3) {
+          Avx2::later_block<3>(xr, in, panel, at(r), j, fetch);
         } else if (take == 2) {
-          if (next != nullptr) {
-            Avx2::panel_fetching_next<2>(xr, in, panel, at(r), j, fetch);
-          } else {
-            Avx2::panels<2, 1>(xr, in, panel, at(r), j);
-          }
-        } else if (next != nullptr) {
-          Avx2::panel_fetching_next<1>(xr, in, panel, at(r), j, fetch);
+          Avx2::later_block<2>(xr, in, panel, at(r), j, fetch);
         } else {
-          Avx2::panels<1, 1>(xr, in, panel, at(r), j);
+          Avx2::later_block<1>(xr, in, panel, at(r), j, fetch);
         }
         r += take;
       }
