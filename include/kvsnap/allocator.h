@@ -62,7 +62,15 @@ struct PoolOptions {
   int64_t max_bytes = int64_t(512) << 20;
   // A buffer unused for this long is returned to the system at the next allocation or release.
   double idle_seconds = 2.0;
+  // Buffers of kHugePageBytes and more are aligned to it and backed by transparent huge pages
+  // where the kernel offers them (madvise; nothing changes where it does not): a decode step
+  // streams tens of MB of weights, keys and values, and with 4 KB pages every 4 KB costs a
+  // TLB miss and stops the hardware's prefetch. The environment variable KVSNAP_HUGE_PAGES=0
+  // sets the starting value to false. Applies to buffers mapped after the change.
+  bool huge_pages = true;
 };
+// Buffers at least this large are backed by huge pages when PoolOptions::huge_pages is set.
+inline constexpr int64_t kHugePageBytes = int64_t(2) << 20;
 KVSNAP_EXPORT void set_pool_options(const PoolOptions&);
 KVSNAP_EXPORT PoolOptions pool_options();
 // Bytes the default allocator's pool holds for reuse.

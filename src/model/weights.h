@@ -21,15 +21,22 @@ using Floats = std::vector<float>;
 // W [in, out] as matmul reads it: column panels of kPanel columns, each stored [in, width]
 // contiguously (width kPanel; the last panel out % kPanel when that is not 0), so a product
 // streams each panel front to back instead of striding across W's rows. Derived from the
-// row-major matrix; the values, and so every product, are the same.
+// row-major matrix; the values, and so every product, are the same. Stored in an Array of its
+// own, or at a place in one shared by all of a model's matrices (ModelWeights::derive), which is
+// large enough for huge pages (kvsnap/allocator.h): a decode step streams all of them.
 class PackedMatrix {
  public:
   static constexpr int64_t kPanel = 32;
   PackedMatrix() = default;
-  PackedMatrix(const Floats& w, int64_t in, int64_t out) : in_(in), out_(out), data_(w.size()) {
+  PackedMatrix(const Floats& w, int64_t in, int64_t out)
+      : PackedMatrix(w, in, out, Array::zeros(DType::f32, Shape{in * out}), 0) {}
+  // Packs w into `storage` (f32) from float `at` on, which must hold in * out floats.
+  PackedMatrix(const Floats& w, int64_t in, int64_t out, const Array& storage, int64_t at)
+      : in_(in), out_(out), storage_(storage), data_(storage.data<float>() + at) {
+    float* const into = storage_.mutable_data<float>() + at;
     for (int64_t j = 0; j < out; j += kPanel) {
       const int64_t width = this->width(j);
-      float* to = data_.data() + j * in;
+      float* to = into + j * in;
       for (int64_t k = 0; k < in; ++k) {
         std::copy_n(w.data() + k * out + j, width, to + k * width);
       }
@@ -38,12 +45,13 @@ class PackedMatrix {
   int64_t in() const { return in_; }
   int64_t out() const { return out_; }
   // The panel whose first column is j (a multiple of kPanel), and its width.
-  const float* panel(int64_t j) const { return data_.data() + j * in_; }
+  const float* panel(int64_t j) const { return data_ + j * in_; }
   int64_t width(int64_t j) const { return std::min(kPanel, out_ - j); }
 
  private:
   int64_t in_ = 0, out_ = 0;
-  Floats data_;
+  Array storage_;  // holds data_
+  const float* data_ = nullptr;
 };
 
 // What matmul reads: each layer matrix packed (PackedMatrix); derived, not saved.
@@ -70,7 +78,9 @@ struct ModelWeights {
   Floats final_norm;
   std::vector<LayerWeights> layers;
 
-  // Fills what is derived from the weights (head, the packed matrices) once they are set.
+  // Fills what is derived from the weights (head, the packed matrices) once they are set. The
+  // packed matrices lie one after another (each from a cache line on) in one Array, in the
+  // order a forward reads them.
   void derive() {
     const ModelConfig& c = config;
     Floats transposed(embed.size());
@@ -79,24 +89,41 @@ struct ModelWeights {
         transposed[h * c.vocab_size + v] = embed[v * c.hidden + h];
       }
     }
-    head = PackedMatrix(transposed, c.hidden, c.vocab_size);
     const int64_t q = c.query_heads * c.head_dim, kv = c.kv_heads * c.head_dim,
                   value = c.delta_value_heads * c.delta_head_dim;
+    struct Job {
+      const Floats* w;
+      int64_t in, out;
+      PackedMatrix* into;
+    };
+    std::vector<Job> jobs;
     for (LayerWeights& l : layers) {
-      const auto pack = [](const Floats& w, int64_t in, int64_t out) {
-        return w.empty() ? PackedMatrix() : PackedMatrix(w, in, out);
-      };
       PackedLayer& p = l.packed;
-      p.wq = pack(l.wq, c.hidden, q);
-      p.wk = pack(l.wk, c.hidden, kv);
-      p.wv = pack(l.wv, c.hidden, kv);
-      p.wqkv = pack(l.wqkv, c.hidden, conv_dim());
-      p.wa = pack(l.wa, c.hidden, c.delta_value_heads);
-      p.wb = pack(l.wb, c.hidden, c.delta_value_heads);
-      p.wo = pack(l.wo, l.kind == 'R' ? value : q, c.hidden);
-      p.w_gate = pack(l.w_gate, c.hidden, c.mlp_hidden);
-      p.w_up = pack(l.w_up, c.hidden, c.mlp_hidden);
-      p.w_down = pack(l.w_down, c.mlp_hidden, c.hidden);
+      for (const Job& job :
+           {Job{&l.wqkv, c.hidden, conv_dim(), &p.wqkv},
+            Job{&l.wa, c.hidden, c.delta_value_heads, &p.wa},
+            Job{&l.wb, c.hidden, c.delta_value_heads, &p.wb}, Job{&l.wq, c.hidden, q, &p.wq},
+            Job{&l.wk, c.hidden, kv, &p.wk}, Job{&l.wv, c.hidden, kv, &p.wv},
+            Job{&l.wo, l.kind == 'R' ? value : q, c.hidden, &p.wo},
+            Job{&l.w_gate, c.hidden, c.mlp_hidden, &p.w_gate},
+            Job{&l.w_up, c.hidden, c.mlp_hidden, &p.w_up},
+            Job{&l.w_down, c.mlp_hidden, c.hidden, &p.w_down}}) {
+        *job.into = PackedMatrix();
+        if (!job.w->empty()) jobs.push_back(job);
+      }
+    }
+    jobs.push_back({&transposed, c.hidden, c.vocab_size, &head});
+    constexpr int64_t kLine = 16;  // floats per cache line
+    const auto place = [&](const Job& job) {
+      return (job.in * job.out + kLine - 1) / kLine * kLine;
+    };
+    int64_t total = 0;
+    for (const Job& job : jobs) total += place(job);
+    const Array storage = Array::zeros(DType::f32, Shape{total});
+    int64_t at = 0;
+    for (const Job& job : jobs) {
+      *job.into = PackedMatrix(*job.w, job.in, job.out, storage, at);
+      at += place(job);
     }
   }
 
