@@ -106,9 +106,10 @@ struct ScheduleState {
 //
 // std::bad_alloc promises less. A failed allocation leaves the cache consistent and usable, and
 // a multi-row update of KVCache or PagedKVCache allocates every row's storage (buffer growth,
-// pool blocks, copies of lazy data the rows overwrite) before writing any row, so running out
-// there leaves every row's tokens and offset as they were (buffers may have grown, and lazy
-// snapshots may own what they named). A bad_alloc after that — from small bookkeeping
+// pool blocks, copies of lazy data the rows overwrite, the sequences it creates — also on the
+// cache's first write) before writing any row, so running out there leaves every row's tokens
+// and offset as they were and creates no sequence (buffers may have grown, and lazy snapshots
+// may own what they named). A bad_alloc after that — from small bookkeeping
 // allocations (captures, the returned history) — or in a multi-row RotatingKVCache update or
 // RecurrentCache get may leave the rows before the failing one written.
 //

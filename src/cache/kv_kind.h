@@ -78,14 +78,16 @@ class KVKind {
   Calls calls_;
 };
 
-// update() of a batch over a cache's sequences (Seq has check, update and make_room as KVKind
-// does): a one-row batch is its sequence's update; more rows are checked first (all of them, so
-// a refusal changes nothing), then `make_room(id, tokens)` runs for each row (allocations that
-// may fail before any row is written), then the rows are written one by one into their
-// sequences, and the history is ragged. A sequence is created only when its row is written.
-template <class Seq, class MakeRoom>
+// update() of a batch over a cache's sequences (Seq has check and update as KVKind does): a
+// one-row batch is its sequence's update; more rows are checked first (all of them, so a refusal
+// changes nothing), then `room.make(id, tokens, keys, values)` runs for each row — the
+// allocations writing the row needs, so that failing there leaves every row unwritten; a row of a
+// sequence not yet created finds it staged (Sequences::stage) — and `room.undo()` (noexcept) when
+// one of them throws; then the rows are written one by one into their sequences, and the history
+// is ragged. A sequence is created only when its row is written.
+template <class Seq, class Room>
 KVHistory update_rows(const Batch& batch, const Array& keys, const Array& values, const char* call,
-                      Sequences<Seq>& sequences, MakeRoom&& make_room) {
+                      Sequences<Seq>& sequences, Room&& room) {
   batch.validate(call);
   const int64_t rows = batch.batch_size();
   if (rows == 1) {
@@ -106,11 +108,21 @@ KVHistory update_rows(const Batch& batch, const Array& keys, const Array& values
         .check(one[static_cast<size_t>(b)], keys.slice(0, b, b + 1), values.slice(0, b, b + 1), b,
                batch.seq_id(b));
   }
-  for (int64_t b = 0; b < rows; ++b) {
-    make_room(batch.seq_id(b), static_cast<int64_t>(batch.seq_query_lens[static_cast<size_t>(b)]));
-  }
+  struct Unstage {
+    Sequences<Seq>& sequences;
+    ~Unstage() { sequences.unstage(); }
+  } const unstage{sequences};
   std::vector<KVHistory> histories;
-  histories.reserve(static_cast<size_t>(rows));
+  try {
+    histories.reserve(static_cast<size_t>(rows));
+    for (int64_t b = 0; b < rows; ++b) {
+      room.make(batch.seq_id(b), static_cast<int64_t>(batch.seq_query_lens[static_cast<size_t>(b)]),
+                keys.slice(0, b, b + 1), values.slice(0, b, b + 1));
+    }
+  } catch (...) {
+    room.undo();
+    throw;
+  }
   for (int64_t b = 0; b < rows; ++b) {
     const SeqId id = batch.seq_id(b);
     histories.push_back(sequences.change(id, call, [&](Seq& sequence) {
@@ -146,6 +158,28 @@ class KVCacheCore {
           return sequence;
         }) {}
 
+  // A multi-row update's allocations before any row is written (update_rows): a sequence
+  // without state is staged, one without a layout takes the batch's (given back by undo unless
+  // written), then KVKind::make_room.
+  struct Room {
+    Sequences<Seq>& sequences;
+    const char* call;
+    std::vector<Seq*> adopted;  // sequences that took the batch's layout here
+
+    void make(SeqId id, int64_t tokens, const Array& keys, const Array& values) {
+      Seq* sequence = sequences.find(id);
+      if (sequence == nullptr) sequence = &sequences.stage(id, call);
+      if (tokens > 0 && !sequence->store.has_layout) {
+        adopted.push_back(sequence);  // first: a sequence adopts only once undo() knows it
+        sequence->store.adopt_layout(KVLayout::of(keys, values));
+      }
+      sequence->make_room(tokens);
+    }
+    void undo() noexcept {
+      for (Seq* sequence : adopted) sequence->store.clear();  // nothing written: a layout alone
+    }
+  };
+
   Seq& at(SeqId id) { return sequences.at(id, name_); }
   // Sequence `id` for checks: an empty one when absent (none is created).
   const Seq& peek(SeqId id) const { return sequences.peek(id, name_); }
@@ -154,10 +188,8 @@ class KVCacheCore {
 
   KVHistory update(const Batch& batch, const Array& keys, const Array& values) {
     const Guard guard(lock);
-    return update_rows(batch, keys, values, update_call_.c_str(), sequences,
-                       [&](SeqId id, int64_t tokens) {
-                         if (Seq* sequence = sequences.find(id)) sequence->make_room(tokens);
-                       });
+    Room room{sequences, update_call_.c_str(), {}};
+    return update_rows(batch, keys, values, update_call_.c_str(), sequences, room);
   }
   KVHistory view(const Batch& batch) const {
     const Guard guard(lock);

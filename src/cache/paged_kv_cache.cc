@@ -283,19 +283,33 @@ PagedKVCache::PoolStats PagedKVCache::pool_stats() const {
 
 KVHistory PagedKVCache::update(const Batch& batch, const Array& keys, const Array& values) {
   const Guard guard(impl_->pool->lock);
-  // Before any row is written, the pool holds every block the rows will take (a fresh sequence
-  // takes blocks_for(tokens)): running out of memory leaves every row unwritten.
-  int64_t blocks = 0;
-  detail::BlockPool& pool = *impl_->pool;
-  return detail::update_rows(
-      batch, keys, values, detail::kUpdate, impl_->sequences, [&](SeqId id, int64_t tokens) {
-        if (!pool.has_layout) return;  // the first write: its layout is not known yet
-        detail::PagedSequence* sequence = impl_->sequences.find(id);
-        if (sequence != nullptr) sequence->make_room(tokens);
-        blocks += sequence != nullptr ? sequence->blocks_to_write(tokens)
-                                      : detail::blocks_for(tokens, pool.block_tokens);
-        pool.reserve(blocks);
-      });
+  // Before any row is written, the pool holds every block the rows will take, and every
+  // sequence room for their references (a sequence not yet created is staged; the cache's first
+  // write takes the batch's layout, given back when nothing was allocated): running out of
+  // memory leaves every row unwritten.
+  struct Room {
+    detail::Sequences<detail::PagedSequence>& sequences;
+    detail::BlockPool& pool;
+    int64_t blocks = 0;
+    bool adopted = false;
+
+    void make(SeqId id, int64_t tokens, const Array& keys, const Array& values) {
+      detail::PagedSequence* sequence = sequences.find(id);
+      if (sequence == nullptr) sequence = &sequences.stage(id, detail::kUpdate);
+      if (tokens > 0 && !pool.has_layout) {
+        sequence->adopt(detail::KVLayout::of(keys, values));
+        adopted = true;
+      }
+      if (!pool.has_layout) return;
+      sequence->make_room(tokens);
+      blocks += sequence->blocks_to_write(tokens);
+      pool.reserve(blocks);
+    }
+    void undo() noexcept {
+      if (adopted && pool.blocks() == 0) pool.has_layout = false;
+    }
+  } room{impl_->sequences, *impl_->pool};
+  return detail::update_rows(batch, keys, values, detail::kUpdate, impl_->sequences, room);
 }
 
 KVHistory PagedKVCache::view(const Batch& batch) const {

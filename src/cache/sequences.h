@@ -7,6 +7,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "kvsnap/cache.h"
@@ -35,9 +36,25 @@ class Sequences {
     check_id(id, call);
     if (static_cast<size_t>(id) >= by_id_.size()) by_id_.resize(static_cast<size_t>(id) + 1);
     std::unique_ptr<Seq>& slot = by_id_[static_cast<size_t>(id)];
+    if (slot == nullptr) slot = take_staged(id);
     if (slot == nullptr) slot = make_();
     return *slot;
   }
+  // Makes sequence `id` ahead of the change that creates it, with every allocation that takes
+  // (its state, its place by id): find, peek and for_each do not see it, and at() or change()
+  // takes it instead of making one. Returns it (the one staged before, when called again).
+  // Throws Error naming `call` for an id outside [0, kMaxSequences).
+  Seq& stage(SeqId id, const char* call) {
+    check_id(id, call);
+    if (static_cast<size_t>(id) >= by_id_.size()) by_id_.resize(static_cast<size_t>(id) + 1);
+    for (auto& [staged, sequence] : staged_) {
+      if (staged == id) return *sequence;
+    }
+    staged_.emplace_back(id, make_());
+    return *staged_.back().second;
+  }
+  // Drops every staged sequence no change took.
+  void unstage() noexcept { staged_.clear(); }
   // The state of sequence `id` for checks: an absent sequence reads as an empty one, and none
   // is created (a call that fails or changes nothing leaves no new sequence). Throws Error
   // naming `call` for an id outside [0, kMaxSequences).
@@ -78,9 +95,21 @@ class Sequences {
   }
 
  private:
+  // The staged sequence `id`, taken out of staged_ (null when none); allocates nothing.
+  std::unique_ptr<Seq> take_staged(SeqId id) noexcept {
+    for (auto it = staged_.begin(); it != staged_.end(); ++it) {
+      if (it->first != id) continue;
+      std::unique_ptr<Seq> sequence = std::move(it->second);
+      staged_.erase(it);
+      return sequence;
+    }
+    return nullptr;
+  }
+
   Make make_;
   std::unique_ptr<const Seq> empty_;  // what peek() gives for an absent sequence
   std::vector<std::unique_ptr<Seq>> by_id_;
+  std::vector<std::pair<SeqId, std::unique_ptr<Seq>>> staged_;  // stage(): not yet taken
 };
 
 // Adds `more` to `total`, field by field.
