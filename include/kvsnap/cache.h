@@ -108,8 +108,9 @@ struct ScheduleState {
 // a multi-row update of KVCache or PagedKVCache allocates every row's storage (buffer growth,
 // pool blocks, copies of lazy data the rows overwrite, the sequences it creates — also on the
 // cache's first write) before writing any row, so running out there leaves every row's tokens
-// and offset as they were and creates no sequence (buffers may have grown, and lazy snapshots
-// may own what they named). A bad_alloc after that — from small bookkeeping
+// and offset as they were and creates no sequence (buffers may have grown, a paged cache's pool
+// that grew on its first write keeps that write's layout, and lazy snapshots may own what they
+// named). A bad_alloc after that — from small bookkeeping
 // allocations (captures, the returned history) — or in a multi-row RotatingKVCache update or
 // RecurrentCache get may leave the rows before the failing one written.
 //

@@ -36,22 +36,23 @@ int64_t size_class(int64_t bytes) {
   return (bytes + quarter - 1) / quarter * quarter;
 }
 
-// `size` bytes (a multiple of the page size) from the kernel, pre-faulted. With `huge`, and
-// when size >= kHugePageBytes, aligned to kHugePageBytes and advised to be huge pages before
-// they are faulted in (MAP_POPULATE would fault 4 KB pages first): the kernel backs every whole
-// huge page of it so where transparent huge pages are enabled, and ignores the advice where not.
-void* map_buffer(int64_t size, bool huge) {
-  const auto bytes = static_cast<size_t>(size);
-  if (!huge || size < kHugePageBytes) {
-    void* buffer = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
-                          MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
-    if (buffer == MAP_FAILED) throw std::bad_alloc();
-    return buffer;
-  }
+// `size` bytes (a multiple of the page size) from the kernel, pre-faulted.
+void* map_plain(size_t bytes) {
+  void* buffer = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+  if (buffer == MAP_FAILED) throw std::bad_alloc();
+  return buffer;
+}
+
+// map_plain's bytes aligned to kHugePageBytes and advised to be huge pages before they are
+// faulted in (MAP_POPULATE would fault 4 KB pages first): the kernel backs every whole huge page
+// of them so where transparent huge pages are on, and ignores the advice where not. Null when the
+// 2 MiB more of address space this maps at first is not there (the caller maps plainly).
+void* map_huge(size_t bytes) {
   constexpr auto kHuge = static_cast<size_t>(kHugePageBytes);
   const size_t reach = bytes + kHuge;
   void* mapped = ::mmap(nullptr, reach, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (mapped == MAP_FAILED) throw std::bad_alloc();
+  if (mapped == MAP_FAILED) return nullptr;
   // Keep the aligned `bytes` of the mapping; the rest goes back.
   char* const raw = static_cast<char*>(mapped);
   const size_t head = (kHuge - reinterpret_cast<uintptr_t>(raw) % kHuge) % kHuge;
@@ -59,16 +60,28 @@ void* map_buffer(int64_t size, bool huge) {
   if (head > 0) ::munmap(raw, head);
   if (reach - head > bytes) ::munmap(buffer + bytes, reach - head - bytes);
   (void)::madvise(buffer, bytes, MADV_HUGEPAGE);  // advice: fails harmlessly where THP is off
+  bool populated = false;
 #ifdef MADV_POPULATE_WRITE
-  if (::madvise(buffer, bytes, MADV_POPULATE_WRITE) == 0) return buffer;
-  if (errno == ENOMEM) {
+  if (::madvise(buffer, bytes, MADV_POPULATE_WRITE) == 0) {
+    populated = true;
+  } else if (errno != EINVAL) {  // no memory, or pages that cannot be had: not a buffer
     ::munmap(buffer, bytes);
     throw std::bad_alloc();
   }
 #endif
-  // Kernels before 5.14: fault each page in by touching it (the mapping reads as zeros).
-  for (size_t at = 0; at < bytes; at += 4096) static_cast<volatile char*>(buffer)[at] = 0;
+  if (!populated) {  // kernels before 5.14: fault each page in by touching it (reads as zeros)
+    for (size_t at = 0; at < bytes; at += 4096) static_cast<volatile char*>(buffer)[at] = 0;
+  }
   return buffer;
+}
+
+// `size` bytes (a multiple of the page size), on huge pages when `huge` and it is large enough.
+void* map_buffer(int64_t size, bool huge) {
+  const auto bytes = static_cast<size_t>(size);
+  if (huge && size >= kHugePageBytes) {
+    if (void* buffer = map_huge(bytes)) return buffer;
+  }
+  return map_plain(bytes);
 }
 
 // Large buffers come straight from the kernel, pre-faulted (faulting them in one call is about

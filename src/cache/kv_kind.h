@@ -82,9 +82,10 @@ class KVKind {
 // one-row batch is its sequence's update; more rows are checked first (all of them, so a refusal
 // changes nothing), then `room.make(id, tokens, keys, values)` runs for each row — the
 // allocations writing the row needs, so that failing there leaves every row unwritten; a row of a
-// sequence not yet created finds it staged (Sequences::stage) — and `room.undo()` (noexcept) when
-// one of them throws; then the rows are written one by one into their sequences, and the history
-// is ragged. A sequence is created only when its row is written.
+// sequence not yet created finds it staged (Sequences::stage) — then the rows are written one by
+// one into their sequences, and the history is ragged; when anything throws, `room.undo()`
+// (noexcept) gives back what make() gave the rows not written. A sequence is created only when
+// its row is written.
 template <class Seq, class Room>
 KVHistory update_rows(const Batch& batch, const Array& keys, const Array& values, const char* call,
                       Sequences<Seq>& sequences, Room&& room) {
@@ -123,12 +124,17 @@ KVHistory update_rows(const Batch& batch, const Array& keys, const Array& values
     room.undo();
     throw;
   }
-  for (int64_t b = 0; b < rows; ++b) {
-    const SeqId id = batch.seq_id(b);
-    histories.push_back(sequences.change(id, call, [&](Seq& sequence) {
-      return sequence.update(one[static_cast<size_t>(b)], keys.slice(0, b, b + 1),
-                             values.slice(0, b, b + 1), b, id);
-    }));
+  try {
+    for (int64_t b = 0; b < rows; ++b) {
+      const SeqId id = batch.seq_id(b);
+      histories.push_back(sequences.change(id, call, [&](Seq& sequence) {
+        return sequence.update(one[static_cast<size_t>(b)], keys.slice(0, b, b + 1),
+                               values.slice(0, b, b + 1), b, id);
+      }));
+    }
+  } catch (...) {
+    room.undo();  // for the rows not written
+    throw;
   }
   return KVHistory::of_rows(std::move(histories));
 }
@@ -164,19 +170,23 @@ class KVCacheCore {
   struct Room {
     Sequences<Seq>& sequences;
     const char* call;
-    std::vector<Seq*> adopted;  // sequences that took the batch's layout here
+    std::vector<Seq*> adopted;  // existing sequences that took the batch's layout here
 
     void make(SeqId id, int64_t tokens, const Array& keys, const Array& values) {
       Seq* sequence = sequences.find(id);
-      if (sequence == nullptr) sequence = &sequences.stage(id, call);
+      const bool staged = sequence == nullptr;  // dropped, not undone, unless its row is written
+      if (staged) sequence = &sequences.stage(id, call);
       if (tokens > 0 && !sequence->store.has_layout) {
-        adopted.push_back(sequence);  // first: a sequence adopts only once undo() knows it
+        if (!staged) adopted.push_back(sequence);  // first: it adopts only once undo() knows it
         sequence->store.adopt_layout(KVLayout::of(keys, values));
       }
       sequence->make_room(tokens);
     }
+    // The sequences that took the layout here and were not written get none again.
     void undo() noexcept {
-      for (Seq* sequence : adopted) sequence->store.clear();  // nothing written: a layout alone
+      for (Seq* sequence : adopted) {
+        if (sequence->offset == 0) sequence->store.clear();
+      }
     }
   };
 

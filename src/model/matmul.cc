@@ -282,21 +282,17 @@ struct Avx2 {
     }
   }
 
-  // R rows over one panel's stretch of k's, fetching a share of the rows that follow it (none
-  // when `share.from` is 0).
+  // R rows over one panel's stretch of k's, fetching a share of the rows that follow it.
   template <int R>
   [[gnu::target("avx2,fma"), gnu::noinline]] static void stretch(const float* x, int64_t in,
                                                                  const float* panel, Out y,
                                                                  int64_t j, Stretch ks,
                                                                  Share share) {
     constexpr int V = kVectors<R, 1>;
-    if (share.from != 0) {
-      pass<R, 1, V, Fetch::share>(x, in, panel, y, j, 0, ks, share);
-    } else {
-      pass<R, 1, V, Fetch::none>(x, in, panel, y, j, 0, ks);
-    }
-    for (int v0 = V; v0 < kPanel / 8; v0 += V)
+    pass<R, 1, V, Fetch::share>(x, in, panel, y, j, 0, ks, share);
+    for (int v0 = V; v0 < kPanel / 8; v0 += V) {
       pass<R, 1, V, Fetch::none>(x, in, panel, y, j, v0, ks);
+    }
   }
 };
 #endif
@@ -357,6 +353,12 @@ void product_default(const float* x, int64_t count, const PackedMatrix& w, Out y
   constexpr int64_t kBlockRows = 24, kStretch = 32;
   const int64_t in = w.in(), out = y.out, full = first + (last - first) / kPanel * kPanel;
   const auto at = [&](int64_t r) { return Out{y.y + r * out, out, y.accumulate}; };
+  if (in == 0) {  // every sum is 0 (a stretch loop over no k's would write none)
+    for (int64_t r = 0; r < count; ++r) {
+      for (int64_t c = first; c < last; ++c) y.put(r, c, 0.0f);
+    }
+    return;
+  }
   if (count < 3) {
     if (count == 2) rows<Avx2, true, 2, 3, false>(x, w, y, first, last);
     if (count == 1) rows<Portable<true>, true, 1, 4>(x, w, y, first, last);

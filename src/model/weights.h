@@ -97,6 +97,7 @@ struct ModelWeights {
       PackedMatrix* into;
     };
     std::vector<Job> jobs;
+    head = PackedMatrix();  // the storage a previous derive() made goes before the new one comes
     for (LayerWeights& l : layers) {
       PackedLayer& p = l.packed;
       for (const Job& job :

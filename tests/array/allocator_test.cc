@@ -84,8 +84,14 @@ TEST_F(Pool, IdleBuffersAreReturnedToTheSystem) {
   EXPECT_EQ(pool_bytes(), 0);
 }
 
-// The kernel's transparent huge page mode: "always", "madvise", "never", or "" where it has none.
+// The kernel's transparent huge page mode for this process: "always", "madvise", "never", or ""
+// where it has none; "never" too when the process may not have them (prctl PR_SET_THP_DISABLE,
+// e.g. inherited from a container's runtime).
 std::string huge_page_mode() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("THP_enabled:", 0) == 0 && line.find('0') != std::string::npos) return "never";
+  }
   std::ifstream file("/sys/kernel/mm/transparent_hugepage/enabled");
   std::string line;
   std::getline(file, line);

@@ -25,7 +25,9 @@ struct Shape2 {
 
 TEST(Matmul, EveryVariantEqualsTheProductComputedInDoublePrecision) {
   std::mt19937 rng(7);
-  for (const Shape2 s : {Shape2{256, 768}, Shape2{768, 256}, Shape2{32, 4}, Shape2{17, 161}}) {
+  // in = 0 (every sum 0) and 100 (stretches of 32 rows of W and a last of 4) among them.
+  for (const Shape2 s : {Shape2{256, 768}, Shape2{768, 256}, Shape2{32, 4}, Shape2{17, 161},
+                         Shape2{0, 40}, Shape2{100, 96}}) {
     for (const int64_t rows : {1, 2, 3, 5, 8, 13, 70}) {
       const Floats x = random_floats(static_cast<size_t>(rows * s.in), rng);
       const Floats w = random_floats(static_cast<size_t>(s.in * s.out), rng);
