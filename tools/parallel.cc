@@ -160,6 +160,10 @@ class Scheduler {
     r.result.reused = r.result.prompt_tokens - r.result.evaluated;
     held_[static_cast<size_t>(best)] = r.prompt;
     admitted_[i] = true;
+    // A slot is queued once: sample() takes a finished request's slot out of the queue.
+    if (std::find(admission_.begin(), admission_.end(), best) != admission_.end()) {
+      throw Error(fmt::format("replay --parallel: internal error: slot {} queued twice", best));
+    }
     admission_.push_back(best);
     return true;
   }
@@ -244,6 +248,9 @@ class Scheduler {
     prompts_[r.index] = std::move(r.prompt);
     results_[r.index] = std::move(r.result);
     slots_[static_cast<size_t>(slot)].reset();
+    // Out of the prefill queue now (a request that ends in its prefill's step is still there):
+    // the next request admitted to this slot is queued afresh.
+    std::erase(admission_, slot);
     options_.progress(++done_, workload_.requests.size());
   }
 

@@ -101,6 +101,29 @@ TEST(ParallelReplay, AgreesWithTheSequentialRunWithoutCacheForEverySlotCountAndC
   }
 }
 
+// A request that finishes in the step its prefill ends (max_tokens 1) frees its slot, and the
+// next request is admitted there at once: the slot is queued for prefill once, not twice (the
+// same tokens fed twice in one forward: Model::forward refused the step).
+TEST(ParallelReplay, ARequestFinishingInItsPrefillStepFreesItsSlotOnce) {
+  const Model model(tiny_model());
+  const Workload workload = parse_workload(
+      R"({"id": "a", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 1}
+{"id": "b", "messages": [{"role": "user", "content": "world"}], "max_tokens": 2}
+{"id": "c", "after": "a", "messages": [{"role": "user", "content": "again"}], "max_tokens": 1}
+{"id": "d", "regenerate": "c", "max_tokens": 1})",
+      "one-token replies");
+  const RunResult uncached = sequential_uncached(workload, model);
+  for (const int64_t parallel : {1, 4}) {
+    SCOPED_TRACE(fmt::format("--parallel {}", parallel));
+    ParallelRun run;
+    ASSERT_NO_THROW(run = replay_parallel(workload, model, slots(parallel)));
+    const Comparison c = compare(run.run, uncached, 1e-4);
+    EXPECT_TRUE(c.first_difference.empty()) << c.first_difference;
+    ASSERT_EQ(run.run.requests.size(), workload.requests.size());
+    EXPECT_EQ(run.run.requests[0].reply.size(), 1u);
+  }
+}
+
 TEST(ParallelReplay, SequencesShareTheirPrefixInsteadOfHoldingCopies) {
   const Model model(tiny_model());
   const Workload workload = many_users(8);
