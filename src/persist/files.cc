@@ -201,8 +201,16 @@ FileDescriptor open_private_file(const std::string& path, const PrivacyRule& rul
     return Error(fmt::format("cannot open {} for reading ({})", path, std::strerror(error)));
   };
   if (rule.allow_shared) {
-    FileDescriptor file(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    // Links are followed, as below, but nothing blocks (a FIFO is not waited on) and only a
+    // regular file is read (not a FIFO, a device such as /dev/zero, a socket).
+    FileDescriptor file(::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC));
     if (file.get() < 0) throw cannot_open(errno);
+    struct stat status {};
+    if (::fstat(file.get(), &status) != 0) throw cannot_open(errno);
+    if (S_ISDIR(status.st_mode)) throw cannot_open(EISDIR);
+    if (!S_ISREG(status.st_mode)) {
+      throw Error(fmt::format("cannot open {} for reading (it is not a regular file)", path));
+    }
     return file;
   }
   // The folder checked must be the one that really holds the file: resolve links first.

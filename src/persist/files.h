@@ -73,8 +73,9 @@ void check_private_folder(const std::string& path, const PrivacyRule& rule);
 // and the read: the path is resolved (links included), the folder that really holds the file is
 // opened and checked (check_private_folder), then the file is opened relative to that folder
 // descriptor, not following a link, without blocking (a FIFO is refused, not waited on), and
-// checked (check_private). Under rule.allow_shared `path` is simply opened. Throws Error
-// "cannot open <path> for reading (<why>)" or the checks' Error.
+// checked (check_private). Under rule.allow_shared `path` is opened (links followed) without
+// blocking and checked for nothing but being a regular file. Throws Error "cannot open <path>
+// for reading (<why>)" or the checks' Error.
 FileDescriptor open_private_file(const std::string& path, const PrivacyRule& rule);
 // The whole file, read through open_private_file's descriptor. Throws its Errors or "error
 // reading <path> (<why>)".

@@ -251,6 +251,34 @@ TEST(PrivateFiles, AFifoIsRefusedWithoutWaitingForAWriter) {
   fs::remove_all(dir);
 }
 
+// Trusting a shared folder trusts its writers' files, not whatever they plant: a FIFO (a read
+// would wait for a writer forever) or a link to a device (/dev/zero: a read that never ends)
+// is refused without blocking, by the loaders and by PrefixCache::saved_in.
+TEST(PrivateFiles, ASharedFileThatIsNotARegularFileIsRefusedWithoutBlocking) {
+  const fs::path dir = private_scratch("shared_fifo");
+  ASSERT_EQ(::mkfifo((dir / "s.safetensors").c_str(), 0600), 0);
+  ASSERT_EQ(::mkfifo((dir / "prefix_cache.safetensors").c_str(), 0600), 0);
+  ::alarm(10);  // a load that waits for a writer would wait forever: end the test instead
+  const std::string fifo =
+      "cannot open " + (dir / "s.safetensors").string() + " for reading (it is not a regular file)";
+  EXPECT_TRUE(throws_error([&] { (void)load_snapshots((dir / "s.safetensors").string(), kShared); },
+                           {fifo.c_str()}));
+  EXPECT_TRUE(throws_error([&] { (void)PrefixCache::saved_in(dir.string(), kShared); },
+                           {"prefix_cache.safetensors for reading (it is not a regular file)"}));
+  ::alarm(0);
+  if (fs::exists("/dev/zero")) {
+    fs::remove(dir / "s.safetensors");
+    fs::create_symlink("/dev/zero", dir / "s.safetensors");
+    EXPECT_TRUE(throws_error(
+        [&] { (void)load_snapshots((dir / "s.safetensors").string(), kShared); }, {fifo.c_str()}));
+  }
+  save_one(dir / "real.safetensors");  // a link to a regular file is still followed
+  fs::remove(dir / "s.safetensors");
+  fs::create_symlink(dir / "real.safetensors", dir / "s.safetensors");
+  EXPECT_EQ(load_snapshots((dir / "s.safetensors").string(), kShared).offset, 3);
+  fs::remove_all(dir);
+}
+
 // The rule a shared tier's MAC key file is read with: no one else may read it either.
 TEST(PrivateFiles, ASecretMustNotBeReadableByOthers) {
   const fs::path dir = private_scratch("secret");
