@@ -183,9 +183,9 @@ int run_replay(const ReplayArguments& args) {
                static_cast<double>(model.config().parameter_count()) / 1e6, weights, workload.name,
                workload.requests.size());
   }
-  // The saved trie is only valid for this exact model: its config (with the seed) and weights.
-  const std::string model_id =
-      model.config().to_json() + (args.weights.empty() ? "" : " weights " + args.weights);
+  // The saved trie and the tier's entries are only valid for this exact model: its config
+  // (with the seed) and the weights' bytes, wherever the weights file lies.
+  const std::string model_id = model_fingerprint(args, model);
   if (args.parallel > 0) return run_parallel(args, workload, model, model_id);
   if (args.speculate > 0) {
     const tools::SpeculateReport report = tools::speculate_report(
@@ -206,7 +206,7 @@ int run_replay(const ReplayArguments& args) {
   cached_options.model_id = model_id;
   cached_options.tier = args.tier;
   cached_options.tier_options = std::move(tier);
-  cached_options.tier_options.model_fingerprint = model_fingerprint(args, model);
+  cached_options.tier_options.model_fingerprint = model_id;
   cached_options.progress = Progress("with prefix cache", !args.quiet);
   tools::ReplayOptions uncached_options;
   uncached_options.with_cache = false;

@@ -1,8 +1,10 @@
 #include "replay.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -305,6 +307,25 @@ TEST(Replay, ARunThatDisagreesIsReported) {
   const Comparison c = compare(cached, uncached, 1e-4);
   EXPECT_FALSE(c.same_tokens);
   EXPECT_NE(c.first_difference.find("request 2 (b)"), std::string::npos);
+}
+
+// Writes a model config and two sets of weights for it (seeds 1 and 2) to $KVSNAP_WEIGHTS_DIR
+// (else a scratch folder): the inputs of cli_cache_dir_keyed_by_weights.
+TEST(CliFixture, WritesAModelConfigAndTwoSetsOfWeights) {
+  const char* target = std::getenv("KVSNAP_WEIGHTS_DIR");
+  const std::filesystem::path dir = target != nullptr
+                                        ? std::filesystem::path(target)
+                                        : kvsnap::testing::private_scratch("cli_fixture_weights");
+  std::filesystem::create_directories(dir);
+  for (const uint64_t seed : {1, 2}) {
+    ModelConfig config = tiny_model();
+    config.seed = seed;
+    const Model model(config);
+    const std::string weights = (dir / fmt::format("weights{}.safetensors", seed)).string();
+    model.save((dir / fmt::format("model{}.json", seed)).string(), weights);
+    EXPECT_EQ(Model::load((dir / "model1.json").string(), weights).config().hidden, 32);
+  }
+  if (target == nullptr) std::filesystem::remove_all(dir);
 }
 
 // Two runs agree on the same requests, replies and logits within the tolerance, relative to a
