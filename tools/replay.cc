@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
+#include "output.h"
 #include "persist/files.h"
 
 namespace kvsnap::tools {
@@ -472,20 +473,21 @@ std::string format_chart(const RunResult& cached, const RunResult& uncached) {
     const double x = left + slot * static_cast<double>(i) + slot * 0.1;
     const auto a = static_cast<double>(cached.requests[i].evaluated);
     const auto b = static_cast<double>(uncached.requests[i].evaluated);
+    const std::string id = xml_escape(cached.requests[i].id);  // any text a JSON string holds
     // Bars are at least 2px tall so a single evaluated token still shows.
     const auto bar_top = [&](double tokens) { return std::min(y(tokens), top + plot_h - 2); };
     svg += fmt::format(
         "<rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"{:.1f}\" height=\"{:.1f}\" "
         "fill=\"#c44\"><title>{}: {} without cache</title></rect>\n",
-        x, bar_top(b), bar, top + plot_h - bar_top(b), uncached.requests[i].id, b);
+        x, bar_top(b), bar, top + plot_h - bar_top(b), id, b);
     svg += fmt::format(
         "<rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"{:.1f}\" height=\"{:.1f}\" "
         "fill=\"#3a7\"><title>{}: {} with cache</title></rect>\n",
-        x + bar, bar_top(a), bar, top + plot_h - bar_top(a), cached.requests[i].id, a);
+        x + bar, bar_top(a), bar, top + plot_h - bar_top(a), id, a);
     svg += fmt::format(
         "<text transform=\"translate({:.1f},{:.1f}) rotate(-60)\" text-anchor=\"end\" "
         "font-size=\"10\">{}</text>\n",
-        x + bar, top + plot_h + 12, cached.requests[i].id);
+        x + bar, top + plot_h + 12, id);
     ideal_path += fmt::format("{}{:.1f},{:.1f}", i == 0 ? "M" : " L", x + bar,
                               y(static_cast<double>(cached.requests[i].ideal)));
   }

@@ -10,6 +10,7 @@
 #include <limits>
 
 #include "model/model.h"
+#include "output.h"
 #include "support/private_support.h"
 #include "support/test_support.h"
 #include "support/tiny_model.h"
@@ -274,6 +275,23 @@ TEST(Replay, FiguresAreConsistentAndTheRunsAgree) {
   EXPECT_NE(format_chart(cached, uncached).find("<svg"), std::string::npos);
   EXPECT_NE(format_json(s, c, cached, uncached, "test").find("\"evaluated_cached\""),
             std::string::npos);
+}
+
+// Request ids are any JSON string: the chart escapes XML's special characters and replaces what
+// XML cannot hold at all (a control character, bytes that are not UTF-8).
+TEST(Replay, TheChartEscapesRequestIds) {
+  const Model model(tiny_model());
+  const Workload w = parse_workload(
+      R"({"id": "a<b&c\u0001\"'>", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})",
+      "test");
+  const RunResult cached = replay(w, model, ReplayOptions{});
+  const RunResult uncached = replay(w, model, uncached_options());
+  const std::string chart = format_chart(cached, uncached);
+  EXPECT_EQ(chart.find("a<b"), std::string::npos);
+  EXPECT_NE(chart.find("<title>a&lt;b&amp;c\xEF\xBF\xBD&quot;&apos;&gt;: "), std::string::npos)
+      << chart;
+  EXPECT_EQ(xml_escape("x\xff\xc0\x80y\x1b\t\xe2\x82\xac"),
+            "x\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBDy\xEF\xBF\xBD\t\xe2\x82\xac");
 }
 
 TEST(Replay, ASecondRunWithTheCacheDirectoryStartsWarm) {
