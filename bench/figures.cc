@@ -115,7 +115,7 @@ std::string figures_json(const std::vector<Figure>& figures) {
                      {"pass", f.pass},
                      {"note", f.note}});
   }
-  return array.dump(2) + "\n";
+  return array.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
 }
 
 }  // namespace kvsnap::bench

@@ -10,7 +10,9 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <limits>
 #include <new>
@@ -18,6 +20,7 @@
 
 #include "figures.h"
 #include "model/model.h"
+#include "output.h"
 #include "parallel.h"
 #include "persist/safetensors.h"
 #include "replay.h"
@@ -115,6 +118,24 @@ void write_chart(const std::string& path, const tools::RunResult& cached,
   if (!json) std::cout << fmt::format("  chart: {}\n", path);
 }
 
+// After the results are printed: the chart, then the saved cache — only for runs that agree (a
+// run that disagreed leaves the saved cache as it was). A failure is reported after the
+// results (exit 3, or 1 for runs that disagree).
+int finish(const ReplayArguments& args, int verdict, const tools::RunResult& cached,
+           const tools::RunResult& uncached) {
+  std::cout.flush();
+  std::vector<std::function<void()>> steps{
+      [&] { write_chart(args.chart, cached, uncached, args.json); }};
+  if (cached.save_cache) {
+    steps.emplace_back([&] {
+      if (verdict == 0) return cached.save_cache();
+      fmt::print(stderr, "kvsnap: the runs disagree: the prefix cache is not saved to {}\n",
+                 args.cache_dir);
+    });
+  }
+  return tools::finish_run(verdict, steps, std::cerr);
+}
+
 // --parallel N: the scheduler over N slots, compared with the sequential run without cache.
 int run_parallel(const ReplayArguments& args, const tools::Workload& workload, const Model& model,
                  const std::string& model_id) {
@@ -136,8 +157,7 @@ int run_parallel(const ReplayArguments& args, const tools::Workload& workload, c
   std::cout << (args.json
                     ? tools::format_parallel_json(parallel, uncached, comparison, workload.name)
                     : tools::format_parallel_table(parallel, uncached, comparison, workload.name));
-  write_chart(args.chart, parallel.run, uncached, args.json);
-  return comparison.first_difference.empty() ? 0 : 1;
+  return finish(args, comparison.first_difference.empty() ? 0 : 1, parallel.run, uncached);
 }
 
 // The shared tier's options.
@@ -158,7 +178,9 @@ void add_tier_options(CLI::App& command, ReplayArguments& args) {
       ->capture_default_str();
 }
 
-int run_replay(const ReplayArguments& args) {
+// `runs_started` is set once everything that can be refused up front has been checked (see
+// tools::failure_status).
+int run_replay(const ReplayArguments& args, bool& runs_started) {
   // Everything that can be refused is, before any model work: arguments, the workload, requests
   // over the context length, then the cache directory (last: checking may create it).
   const tools::Workload workload = args.workload.empty() ? tools::embedded_workload(args.embedded)
@@ -186,6 +208,7 @@ int run_replay(const ReplayArguments& args) {
   // The saved trie and the tier's entries are only valid for this exact model: its config
   // (with the seed) and the weights' bytes, wherever the weights file lies.
   const std::string model_id = model_fingerprint(args, model);
+  runs_started = true;
   if (args.parallel > 0) return run_parallel(args, workload, model, model_id);
   if (args.speculate > 0) {
     const tools::SpeculateReport report = tools::speculate_report(
@@ -196,8 +219,8 @@ int run_replay(const ReplayArguments& args) {
          .progress = Progress("speculative, cache", !args.quiet)},
         Progress("plain, no cache", !args.quiet), Progress("plain, cache", !args.quiet));
     std::cout << (args.json ? report.json : report.table);
-    write_chart(args.chart, report.speculative.run, report.uncached, args.json);
-    return report.comparison.first_difference.empty() ? 0 : 1;
+    return finish(args, report.comparison.first_difference.empty() ? 0 : 1, report.speculative.run,
+                  report.uncached);
   }
   tools::ReplayOptions cached_options;
   cached_options.max_paged_out_bytes = args.budget;
@@ -220,8 +243,7 @@ int run_replay(const ReplayArguments& args) {
   } else {
     std::cout << tools::format_table(summary, comparison, workload.name);
   }
-  write_chart(args.chart, cached, uncached, args.json);
-  return comparison.first_difference.empty() ? 0 : 1;
+  return finish(args, comparison.first_difference.empty() ? 0 : 1, cached, uncached);
 }
 
 struct BenchArguments {
@@ -315,10 +337,24 @@ void tune_process() {
   (void)::mallopt(M_TRIM_THRESHOLD, 512 << 20);
 }
 
+// "kvsnap: <what>" on stderr for a failure.
+void report_failure(const std::exception_ptr& failure) {
+  try {
+    std::rethrow_exception(failure);
+  } catch (const std::bad_alloc& e) {
+    fmt::print(stderr, "kvsnap: out of memory ({})\n", e.what());
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "kvsnap: {}\n", e.what());
+  } catch (...) {
+    fmt::print(stderr, "kvsnap: an unknown exception\n");
+  }
+}
+
 // Exit status: 0 the runs agree (or a help text), 1 they disagree, 2 bad arguments, a bad
-// workload, a request over the context length or an unusable cache directory (one that is not
-// private without --shared-cache-dir included), 3 anything else (out of memory, an internal
-// failure): see main.
+// workload, a request over the context length, an unusable cache directory (one that is not
+// private without --shared-cache-dir included) or a saved cache that cannot be loaded, 3
+// anything else (out of memory, an internal failure, a failure after the results were printed):
+// tools::failure_status and tools::finish_run.
 int run(int argc, char** argv) {
   tune_process();
   CLI::App app{"kvsnap: snapshot, rewind, branch and reuse LLM inference state"};
@@ -383,12 +419,14 @@ int run(int argc, char** argv) {
     // arguments" here.
     return app.exit(e) == 0 ? 0 : 2;
   }
+  bool runs_started = false;
   try {
-    if (*replay_command) return run_replay(replay);
+    if (*replay_command) return run_replay(replay, runs_started);
+    runs_started = true;  // bench: nothing to refuse, every failure is the bench's own
     if (*bench_command) return run_bench(bench_args);
-  } catch (const Error& e) {
-    fmt::print(stderr, "kvsnap: {}\n", e.what());
-    return 2;
+  } catch (...) {
+    report_failure(std::current_exception());
+    return tools::failure_status(std::current_exception(), runs_started);
   }
   return 0;
 }

@@ -1,8 +1,39 @@
 #include "output.h"
 
 #include <cstdint>
+#include <new>
+#include <ostream>
 
 namespace kvsnap::tools {
+
+int failure_status(const std::exception_ptr& failure, bool runs_started) {
+  try {
+    std::rethrow_exception(failure);
+  } catch (const InputError&) {
+    return 2;
+  } catch (const Error&) {
+    return runs_started ? 3 : 2;
+  } catch (...) {
+    return 3;
+  }
+}
+
+int finish_run(int verdict, const std::vector<std::function<void()>>& steps, std::ostream& errors) {
+  bool failed = false;
+  for (const std::function<void()>& step : steps) {
+    try {
+      step();
+    } catch (const std::bad_alloc& e) {
+      errors << "kvsnap: out of memory (" << e.what() << ")\n";
+      failed = true;
+    } catch (const std::exception& e) {
+      errors << "kvsnap: " << e.what() << "\n";
+      failed = true;
+    }
+  }
+  errors.flush();
+  return verdict != 0 ? verdict : failed ? 3 : 0;
+}
 
 namespace {
 

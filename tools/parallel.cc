@@ -82,10 +82,9 @@ class Scheduler {
   }
 
   ParallelRun run() {
-    const LoadOptions load_options{.allow_shared = options_.shared_cache_dir};
-    if (!options_.cache_dir.empty() && PrefixCache::saved_in(options_.cache_dir, load_options)) {
-      prefix_.load(options_.cache_dir, options_.model_id, load_options);
-      out_.run.loaded_nodes = prefix_.node_count();
+    if (!options_.cache_dir.empty()) {
+      out_.run.loaded_nodes = load_saved_cache(prefix_, options_.cache_dir, options_.model_id,
+                                               options_.shared_cache_dir);
     }
     start_ = Clock::now();
     while (done_ < workload_.requests.size()) {
@@ -97,7 +96,6 @@ class Scheduler {
       }
     }
     out_.run.seconds = since(start_);
-    if (!options_.cache_dir.empty()) prefix_.save(options_.cache_dir, options_.model_id);
     measure_ideals(prompts_, results_);
     out_.run.with_cache = true;
     out_.run.requests = std::move(results_);
@@ -106,6 +104,11 @@ class Scheduler {
     out_.run.trie_nodes = prefix_.node_count();
     out_.parallel = options_.parallel;
     return std::move(out_);
+  }
+
+  // Saves the prefix cache (RunResult::save_cache).
+  void save(const std::string& dir, const std::string& model_id) const {
+    prefix_.save(dir, model_id);
   }
 
  private:
@@ -312,7 +315,14 @@ ParallelRun replay_parallel(const Workload& workload, const Model& model,
   }
   check_context_length(workload, model.config().context_length);
   if (!options.cache_dir.empty()) check_cache_dir(options.cache_dir, options.shared_cache_dir);
-  return Scheduler(workload, model, options).run();
+  auto scheduler = std::make_shared<Scheduler>(workload, model, options);
+  ParallelRun run = scheduler->run();
+  if (!options.cache_dir.empty()) {
+    run.run.save_cache = [scheduler, dir = options.cache_dir, id = options.model_id] {
+      scheduler->save(dir, id);
+    };
+  }
+  return run;
 }
 
 namespace {
@@ -439,7 +449,7 @@ std::string format_parallel_json(const ParallelRun& parallel, const RunResult& u
       {"agree", c.first_difference.empty()},
       {"max_logit_difference", c.max_logit_difference},
       {"per_request", requests}};
-  return json.dump(2) + "\n";
+  return json.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
 }
 
 }  // namespace kvsnap::tools

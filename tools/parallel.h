@@ -16,7 +16,8 @@ struct ParallelOptions {
   // decode step; a restore into the middle of a block copies that one block.
   int64_t block_tokens = 32;
   int64_t max_paged_out_bytes = int64_t(8) << 30;
-  // As ReplayOptions: load the trie from here at start when saved there, save it at the end.
+  // As ReplayOptions: load the trie from here at start when saved there; the run's
+  // RunResult::save_cache saves it there (the scheduler's memory is held until then).
   std::string cache_dir;
   // As ReplayOptions: trust a cache_dir that another user owns or that others can write.
   bool shared_cache_dir = false;

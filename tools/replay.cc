@@ -47,9 +47,9 @@ double percentile(std::vector<double> values, double q) {
 namespace {
 
 // The error of check_context_length and of replay's check before each request.
-Error over_context_length(const Workload& workload, const Request& request, int64_t prompt_tokens,
-                          bool minimum, int64_t context_length) {
-  return Error(fmt::format(
+InputError over_context_length(const Workload& workload, const Request& request,
+                               int64_t prompt_tokens, bool minimum, int64_t context_length) {
+  return InputError(fmt::format(
       "{} line {}: request \"{}\": prompt of {}{} tokens + max_tokens {} = {} exceeds the "
       "model's context length of {}",
       workload.name, request.line, request.id, minimum ? "at least " : "", prompt_tokens,
@@ -178,48 +178,33 @@ void run_request(const Request& request, const std::vector<int32_t>& prompt,
 
 }  // namespace
 
-RunResult replay(const Workload& workload, const Model& model, const ReplayOptions& options) {
-  if (model.config().vocab_size < kVocabularyNeeded) {
-    throw Error(
-        fmt::format("replay: the model's vocabulary of {} is smaller than the {} tokens the "
-                    "chat format needs",
-                    model.config().vocab_size, kVocabularyNeeded));
-  }
-  const int64_t context_length = model.config().context_length;
-  check_context_length(workload, context_length);
-  if (options.with_cache && !options.cache_dir.empty()) {
-    check_cache_dir(options.cache_dir, options.shared_cache_dir);
-  }
-  RunResult run;
-  run.with_cache = options.with_cache;
-  auto caches = model.make_caches();
-  const std::vector<Cache*> layers = cache_pointers(caches);
+namespace {
+
+// What a run with the cache keeps alive for RunResult::save_cache: the layers' caches (the
+// trie's lazy snapshots are read from them), the tier and the prefix cache over them.
+struct CachedState {
+  std::vector<std::unique_ptr<Cache>> caches;
   std::shared_ptr<Tier> tier;
-  if (options.with_cache && !options.tier.empty()) {
-    tier = Tier::open(options.tier, layers, options.tier_options);
-  }
-  PrefixCache prefix(layers, {.max_paged_out_bytes = options.max_paged_out_bytes, .tier = tier});
-  const LoadOptions load_options{.allow_shared = options.shared_cache_dir};
-  if (options.with_cache && !options.cache_dir.empty() &&
-      PrefixCache::saved_in(options.cache_dir, load_options)) {
-    prefix.load(options.cache_dir, options.model_id, load_options);
-    run.loaded_nodes = prefix.node_count();
-  }
+  std::unique_ptr<PrefixCache> prefix;
+};
+
+// Every request in workload order, through `prefix` when given; fills run.requests (with
+// their ideals) and run.seconds.
+void run_requests(const Workload& workload, const Model& model, const std::vector<Cache*>& layers,
+                  PrefixCache* prefix, const ReplayOptions& options, RunResult& run) {
   PromptBuilder builder;
   std::vector<std::vector<int32_t>> prompts;
   const auto start = Clock::now();
-
   for (size_t index = 0; index < workload.requests.size(); ++index) {
     const Request& request = workload.requests[index];
     std::vector<int64_t> boundaries;
     const std::vector<int32_t> prompt = builder.prompt(request, &boundaries);
     const auto prompt_tokens = static_cast<int64_t>(prompt.size());
-    check_prompt_fits(workload, request, prompt_tokens, context_length);
+    check_prompt_fits(workload, request, prompt_tokens, model.config().context_length);
     RequestResult result;
     result.id = request.id;
     result.prompt_tokens = prompt_tokens;
-    run_request(request, prompt, boundaries, model, layers, options.with_cache ? &prefix : nullptr,
-                result);
+    run_request(request, prompt, boundaries, model, layers, prefix, result);
     builder.record(request, prompt, result.reply);
     prompts.push_back(prompt);
     run.requests.push_back(std::move(result));
@@ -227,15 +212,61 @@ RunResult replay(const Workload& workload, const Model& model, const ReplayOptio
   }
   run.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   measure_ideals(prompts, run.requests);
-  if (options.with_cache && !options.cache_dir.empty())
-    prefix.save(options.cache_dir, options.model_id);
+}
+
+}  // namespace
+
+int64_t load_saved_cache(PrefixCache& prefix, const std::string& dir, const std::string& model_id,
+                         bool shared) {
+  try {
+    const LoadOptions load_options{.allow_shared = shared};
+    if (!PrefixCache::saved_in(dir, load_options)) return -1;
+    prefix.load(dir, model_id, load_options);
+  } catch (const Error& e) {
+    throw InputError(e.what());  // another model's, damaged or refused: the input is at fault
+  }
+  return prefix.node_count();
+}
+
+RunResult replay(const Workload& workload, const Model& model, const ReplayOptions& options) {
+  if (model.config().vocab_size < kVocabularyNeeded) {
+    throw Error(
+        fmt::format("replay: the model's vocabulary of {} is smaller than the {} tokens the "
+                    "chat format needs",
+                    model.config().vocab_size, kVocabularyNeeded));
+  }
+  check_context_length(workload, model.config().context_length);
+  const bool saved = options.with_cache && !options.cache_dir.empty();
+  if (saved) check_cache_dir(options.cache_dir, options.shared_cache_dir);
+  RunResult run;
+  run.with_cache = options.with_cache;
+  auto state = std::make_shared<CachedState>();
+  state->caches = model.make_caches();
+  const std::vector<Cache*> layers = cache_pointers(state->caches);
+  if (options.with_cache && !options.tier.empty()) {
+    state->tier = Tier::open(options.tier, layers, options.tier_options);
+  }
+  state->prefix = std::make_unique<PrefixCache>(
+      layers, PrefixCache::Options{.max_paged_out_bytes = options.max_paged_out_bytes,
+                                   .tier = state->tier});
+  PrefixCache& prefix = *state->prefix;
+  if (saved) {
+    run.loaded_nodes =
+        load_saved_cache(prefix, options.cache_dir, options.model_id, options.shared_cache_dir);
+  }
+  run_requests(workload, model, layers, options.with_cache ? &prefix : nullptr, options, run);
   run.paged_out_bytes = prefix.paged_out_bytes();
   run.evicted_nodes = prefix.stats().evicted_nodes;
   run.trie_nodes = prefix.node_count();
-  if (tier != nullptr) {
-    (void)tier->flush(std::chrono::seconds(10));  // what the next process will find
+  if (state->tier != nullptr) {
+    (void)state->tier->flush(std::chrono::seconds(10));  // what the next process will find
     run.with_tier = true;
-    run.tier = tier->stats();
+    run.tier = state->tier->stats();
+  }
+  if (saved) {
+    run.save_cache = [state, dir = options.cache_dir, id = options.model_id] {
+      state->prefix->save(dir, id);
+    };
   }
   return run;
 }
@@ -438,7 +469,8 @@ std::string format_json(const Summary& s, const Comparison& c, const RunResult& 
       {"agree", c.first_difference.empty()},
       {"max_logit_difference", c.max_logit_difference},
       {"per_request", requests}};
-  return json.dump(2) + "\n";
+  // Invalid UTF-8 (a workload path's bytes) is replaced, never thrown on after the runs.
+  return json.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
 }
 
 std::string format_chart(const RunResult& cached, const RunResult& uncached) {

@@ -7,8 +7,10 @@
 #include <string>
 #include <vector>
 
+#include "kvsnap/prefix_cache.h"
 #include "kvsnap/tier.h"
 #include "model/model.h"
+#include "output.h"
 #include "workload.h"
 
 namespace kvsnap::tools {
@@ -36,12 +38,17 @@ struct RunResult {
   double seconds = 0;
   bool with_tier = false;
   TierStats tier;  // with_tier: the tier's counters at the end (its writes flushed)
+  // With a cache_dir: saves the run's prefix cache there (PrefixCache::save, and its Error). A
+  // run never saves by itself: its caller saves once it has checked the run (and printed its
+  // results). Holds the run's caches alive until destroyed. Empty without a cache_dir.
+  std::function<void()> save_cache;
 };
 
 struct ReplayOptions {
   bool with_cache = true;
   int64_t max_paged_out_bytes = int64_t(8) << 30;
-  // With the cache: load the trie from here at start when saved there, save it at the end.
+  // With the cache: load the trie from here at start when saved there; RunResult::save_cache
+  // saves it there.
   std::string cache_dir;
   // Trust a cache_dir (and the cache saved in it) that another user owns or that group or
   // others can write (LoadOptions::allow_shared); by default check_cache_dir refuses it.
@@ -59,15 +66,22 @@ struct ReplayOptions {
 // Runs every request in order. Before any model work it refuses (throws Error) a workload with
 // a request that cannot fit the model's context (check_context_length) and an unusable cache
 // directory (check_cache_dir); before evaluating each request it checks the request's exact
-// prompt length, which replies make longer than the minimum, in the same words.
+// prompt length, which replies make longer than the minimum, in the same words (InputError).
+// A saved cache that cannot be loaded throws InputError (load_saved_cache).
 RunResult replay(const Workload&, const Model&, const ReplayOptions&);
+
+// Loads the prefix cache saved in `dir` into `prefix` when there is one (LoadOptions::
+// allow_shared = `shared`). Returns the nodes loaded, -1 when none was saved. Throws InputError
+// with PrefixCache's message for a cache saved for another model_id, damaged or refused.
+int64_t load_saved_cache(PrefixCache& prefix, const std::string& dir, const std::string& model_id,
+                         bool shared);
 
 // Shared by the sequential and the parallel replay:
 // The index of the largest logit (greedy decoding; the first on ties).
 int32_t argmax(const float* logits, int64_t n);
 // The q-quantile (0..1) of `values`, linearly interpolated; 0 for none.
 double percentile(std::vector<double> values, double q);
-// Throws the Error of check_context_length for `request`'s exact prompt length.
+// Throws the InputError of check_context_length for `request`'s exact prompt length.
 void check_prompt_fits(const Workload& workload, const Request& request, int64_t prompt_tokens,
                        int64_t context_length);
 // Fills each request's ideal (prompt tokens no earlier request had seen, at least one) and
@@ -76,10 +90,10 @@ void check_prompt_fits(const Workload& workload, const Request& request, int64_t
 void measure_ideals(const std::vector<std::vector<int32_t>>& prompts,
                     std::vector<RequestResult>& requests);
 
-// Throws Error "<workload> line N: request \"<id>\": prompt of at least P tokens + max_tokens M
-// = T exceeds the model's context length of C" for the first request whose minimum prompt
-// length (minimum_prompt_lengths) plus max_tokens exceeds `context_length`. Linear in the
-// number of requests; renders nothing.
+// Throws InputError "<workload> line N: request \"<id>\": prompt of at least P tokens + max_tokens
+// M = T exceeds the model's context length of C" for the first request whose minimum prompt length
+// (minimum_prompt_lengths) plus max_tokens exceeds `context_length`. Linear in the number of
+// requests; renders nothing.
 void check_context_length(const Workload& workload, int64_t context_length);
 
 // The file PrefixCache::save writes in its folder.

@@ -237,7 +237,7 @@ SpeculateReport speculate_report(const Workload& workload, const Model& model,
                          {"decode_forwards_plain", r.plain.decode.forwards},
                          {"decode_seconds", s.seconds},
                          {"decode_seconds_plain", r.plain.decode.seconds}};
-  r.json = json.dump(2) + "\n";
+  r.json = json.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
   return r;
 }
 

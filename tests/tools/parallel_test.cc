@@ -178,6 +178,9 @@ TEST(ParallelReplay, TheReportCarriesThroughputLatencyAndMemory) {
   EXPECT_TRUE(json.at("agree").get<bool>());
   EXPECT_GT(json.at("ttft_ms").at("cached").at("p90").get<double>(), 0.0);
   EXPECT_EQ(json.at("per_request").size(), workload.requests.size());
+  // Bytes that are not UTF-8 (a workload's path) are replaced, never thrown on.
+  EXPECT_NE(format_parallel_json(run, uncached, c, "bad\xffname").find("bad\xEF\xBF\xBDname"),
+            std::string::npos);
   const std::string table = format_parallel_table(run, uncached, c, "many users");
   for (const char* row :
        {"reply tokens per second", "time to first token, median ms", "time to first token, p90 ms",
@@ -228,6 +231,8 @@ TEST(ParallelReplay, ACacheDirectoryOthersCanWriteIsRefusedUnlessShared) {
   EXPECT_FALSE(std::filesystem::exists(dir / kSavedCacheFile));
   options.shared_cache_dir = true;
   const ParallelRun first = replay_parallel(workload, model, options);
+  EXPECT_FALSE(std::filesystem::exists(dir / kSavedCacheFile));  // saved by its caller
+  first.run.save_cache();
   EXPECT_EQ(kvsnap::testing::mode_of(dir / kSavedCacheFile), 0600u);
   EXPECT_EQ(replay_parallel(workload, model, options).run.loaded_nodes, first.run.trie_nodes);
   options.shared_cache_dir = false;
@@ -247,6 +252,7 @@ TEST(ParallelReplay, ACacheFileOfAnotherUserIsRefusedUnlessShared) {
   options.cache_dir = dir.string();
   options.model_id = "tiny";
   const ParallelRun first = replay_parallel(workload, model, options);
+  first.run.save_cache();
   kvsnap::testing::give_to(dir / kSavedCacheFile, *nobody);
   EXPECT_TRUE(throws_error([&] { (void)replay_parallel(workload, model, options); },
                            {"refusing the file", "another user owns it", "--shared-cache-dir"}));

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <sstream>
 
 #include "model/model.h"
 #include "output.h"
@@ -220,6 +221,7 @@ TEST(Replay, ACacheDirectoryOthersCanWriteIsRefusedUnlessShared) {
   options.model_id = "tiny";
   options.shared_cache_dir = true;
   const RunResult first = replay(w, model, options);
+  first.save_cache();
   EXPECT_EQ(kvsnap::testing::mode_of(dir / kSavedCacheFile), 0600u);
   EXPECT_EQ(replay(w, model, options).loaded_nodes, first.trie_nodes);
   options.shared_cache_dir = false;
@@ -305,14 +307,18 @@ TEST(Replay, ASecondRunWithTheCacheDirectoryStartsWarm) {
   options.model_id = "tiny";
   const RunResult first = replay(w, model, options);
   EXPECT_EQ(first.loaded_nodes, -1);
+  // The run saves nothing by itself: its caller saves once it has checked the run.
+  EXPECT_FALSE(std::filesystem::exists(dir / kSavedCacheFile));
+  EXPECT_FALSE(replay(w, model, uncached_options()).save_cache);  // nothing to save
+  first.save_cache();
   const RunResult second = replay(w, model, options);
   EXPECT_EQ(second.loaded_nodes, first.trie_nodes);
   int64_t evaluated = 0;
   for (const RequestResult& r : second.requests) evaluated += r.evaluated;
   EXPECT_EQ(evaluated, static_cast<int64_t>(w.requests.size()));  // one token per request
   EXPECT_TRUE(compare(second, replay(w, model, uncached_options()), 1e-4).first_difference.empty());
-  options.model_id = "another model";
-  EXPECT_THROW((void)replay(w, model, options), Error);  // a trie saved for another model
+  options.model_id = "another model";  // a trie saved for another model: the input's fault
+  EXPECT_THROW((void)replay(w, model, options), InputError);
   std::filesystem::remove_all(dir);
 }
 
@@ -325,6 +331,47 @@ TEST(Replay, ARunThatDisagreesIsReported) {
   const Comparison c = compare(cached, uncached, 1e-4);
   EXPECT_FALSE(c.same_tokens);
   EXPECT_NE(c.first_difference.find("request 2 (b)"), std::string::npos);
+}
+
+// JSON encoding never throws after the runs: bytes that are not UTF-8 (a workload's path need
+// not be) are replaced by U+FFFD.
+TEST(Replay, TheJsonReplacesBytesThatAreNotUtf8) {
+  const Model model(tiny_model());
+  const Workload w = parse_workload(kWorkload, "test");
+  const RunResult cached = replay(w, model, ReplayOptions{});
+  const RunResult uncached = replay(w, model, uncached_options());
+  const Comparison c = compare(cached, uncached, 1e-4);
+  std::string json;
+  ASSERT_NO_THROW(
+      json = format_json(summarize(cached, uncached), c, cached, uncached, "bad\xffname.jsonl"));
+  EXPECT_NE(json.find("\"workload\": \"bad\xEF\xBF\xBDname.jsonl\""), std::string::npos) << json;
+}
+
+// How a run ends (README: exit status): failures before the runs are the arguments' and
+// inputs' (2), after they started the run's own (3) unless about an input; a failure after the
+// results were printed keeps them, and a disagreement stays 1.
+TEST(ExitStatus, FailuresBeforeTheRunsAreTheInputsAndAfterThemTheRuns) {
+  const auto status = [](auto exception, bool started) {
+    return failure_status(std::make_exception_ptr(exception), started);
+  };
+  EXPECT_EQ(status(Error("bad workload"), false), 2);
+  EXPECT_EQ(status(Error("Model::forward: rows 0 and 1 are both sequence 0"), true), 3);
+  EXPECT_EQ(status(InputError("request over the context length"), true), 2);
+  EXPECT_EQ(status(std::bad_alloc(), false), 3);
+  EXPECT_EQ(status(std::runtime_error("json"), true), 3);
+}
+
+TEST(ExitStatus, AFailureAfterTheResultsIsReportedAndEveryStepStillRuns) {
+  std::ostringstream errors;
+  int ran = 0;
+  const std::vector<std::function<void()>> steps{
+      [&] { throw Error("replay: cannot write the chart to /x"); }, [&] { ++ran; }};
+  EXPECT_EQ(finish_run(0, steps, errors), 3);
+  EXPECT_EQ(ran, 1);
+  EXPECT_EQ(errors.str(), "kvsnap: replay: cannot write the chart to /x\n");
+  EXPECT_EQ(finish_run(1, steps, errors), 1);  // a disagreement is not masked
+  EXPECT_EQ(finish_run(0, {[&] { ++ran; }}, errors), 0);
+  EXPECT_EQ(ran, 3);
 }
 
 // Writes a model config and two sets of weights for it (seeds 1 and 2) to $KVSNAP_WEIGHTS_DIR
