@@ -11,7 +11,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
-#include <fstream>
 #include <functional>
 #include <iostream>
 #include <limits>
@@ -112,10 +111,8 @@ std::string model_fingerprint(const ReplayArguments& args, const Model& model) {
 void write_chart(const std::string& path, const tools::RunResult& cached,
                  const tools::RunResult& uncached, bool json) {
   if (path.empty()) return;
-  std::ofstream out(path, std::ios::trunc);
-  out << tools::format_chart(cached, uncached);
-  if (!out) throw Error(fmt::format("replay: cannot write the chart to {}", path));
-  if (!json) std::cout << fmt::format("  chart: {}\n", path);
+  tools::write_replacing(path, tools::format_chart(cached, uncached), "--chart");
+  if (!json) std::cout << fmt::format("  chart: {}\n", path) << std::flush;
 }
 
 // After the results are printed: the chart, then the saved cache — only for runs that agree (a
@@ -191,6 +188,7 @@ int run_replay(const ReplayArguments& args, bool& runs_started) {
   if (args.seed) config.seed = *args.seed;
   tools::check_context_length(workload, config.context_length);
   TierOptions tier = tier_options(args);
+  if (!args.chart.empty()) tools::check_writable(args.chart, "--chart");
   if (!args.cache_dir.empty()) tools::check_cache_dir(args.cache_dir, args.shared_cache_dir);
   set_threads(args.threads);
   const Model model =
@@ -373,7 +371,9 @@ int run(int argc, char** argv) {
       ->check(CLI::ExistingFile);
   replay_command->add_flag("--json", replay.json, "print the figures as JSON instead of a table");
   replay_command->add_flag("--quiet", replay.quiet, "no progress on stderr");
-  replay_command->add_option("--chart", replay.chart, "SVG chart file ('' for none)")
+  replay_command
+      ->add_option("--chart", replay.chart,
+                   "SVG chart file ('' for none): checked before the runs, replaced atomically")
       ->capture_default_str();
   replay_command->add_option("--budget", replay.budget, "prefix cache budget in bytes")
       ->check(CLI::Range(int64_t{1}, std::numeric_limits<int64_t>::max()))

@@ -1,6 +1,13 @@
 #include "output.h"
 
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdint>
+#include <cstring>
+#include <filesystem>
 #include <new>
 #include <ostream>
 
@@ -56,6 +63,8 @@ size_t xml_character(std::string_view text, size_t i) {
   return valid ? length : 0;
 }
 
+std::string pid_suffix() { return fmt::format(".tmp-{}", ::getpid()); }
+
 }  // namespace
 
 std::string xml_escape(std::string_view text) {
@@ -90,6 +99,50 @@ std::string xml_escape(std::string_view text) {
     i += length;
   }
   return out;
+}
+
+void check_writable(const std::string& path, const std::string& option) {
+  const auto fail = [&](const std::string& why) {
+    return Error(fmt::format("{} {}: {}", option, path, why));
+  };
+  std::error_code error;
+  if (std::filesystem::is_directory(path, error)) throw fail("it is a folder");
+  const std::string probe = path + pid_suffix();
+  const auto create = [&] {
+    return ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
+  };
+  int descriptor = create();
+  if (descriptor < 0 && errno == EEXIST && ::unlink(probe.c_str()) == 0) {
+    descriptor = create();  // left by a process of the same pid, killed mid-write
+  }
+  if (descriptor < 0) throw fail(fmt::format("cannot write it ({})", std::strerror(errno)));
+  ::close(descriptor);
+  ::unlink(probe.c_str());
+}
+
+void write_replacing(const std::string& path, const std::string& text, const std::string& option) {
+  const std::string temporary = path + pid_suffix();
+  const auto fail = [&](const char* step) {
+    const std::string reason = std::strerror(errno);
+    ::unlink(temporary.c_str());
+    return Error(fmt::format("{} {}: cannot write it ({} failed: {})", option, path, step, reason));
+  };
+  const int fd =
+      ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0666);
+  if (fd < 0) {
+    throw Error(fmt::format("{} {}: cannot write it ({})", option, path, std::strerror(errno)));
+  }
+  for (size_t written = 0; written < text.size();) {
+    const ssize_t n = ::write(fd, text.data() + written, text.size() - written);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      ::close(fd);
+      throw fail("write");
+    }
+    written += static_cast<size_t>(n);
+  }
+  if (::close(fd) != 0) throw fail("close");
+  if (::rename(temporary.c_str(), path.c_str()) != 0) throw fail("rename");
 }
 
 }  // namespace kvsnap::tools

@@ -1,5 +1,6 @@
-// What `kvsnap replay` writes besides its figures, and how a run ends: text made safe for SVG,
-// and the exit status of a failure.
+// What `kvsnap replay` writes besides its figures, and how a run ends: the --chart file (checked
+// before the runs, written atomically), text made safe for SVG, and the exit status of a
+// failure.
 #pragma once
 
 #include <exception>
@@ -35,5 +36,14 @@ int finish_run(int verdict, const std::vector<std::function<void()>>& steps, std
 // all, even escaped (control characters other than tab, newline and carriage return; bytes
 // that are not UTF-8), replaced by U+FFFD.
 std::string xml_escape(std::string_view text);
+
+// Throws Error "<option> <path>: <why>" unless `path` can be written as write_replacing writes
+// it: not a folder, in a folder that exists and in which this process can create a file (a
+// probe beside `path` is created and removed). `path` itself is not touched.
+void check_writable(const std::string& path, const std::string& option);
+// Writes `text` to `path` atomically: a temporary beside it (`path`.tmp-<pid>, created with the
+// umask like any program's output), then renamed over `path`. Throws Error "<option> <path>:
+// <why>", `path` left as it was.
+void write_replacing(const std::string& path, const std::string& text, const std::string& option);
 
 }  // namespace kvsnap::tools

@@ -374,6 +374,27 @@ TEST(ExitStatus, AFailureAfterTheResultsIsReportedAndEveryStepStillRuns) {
   EXPECT_EQ(ran, 3);
 }
 
+// --chart: checked before the runs, then replaced in one rename (never half written), with the
+// umask like any program's output.
+TEST(Output, AChartIsCheckedThenReplacedAtomically) {
+  const kvsnap::testing::ScopedUmask umask(022);
+  const auto dir = kvsnap::testing::private_scratch("chart");
+  const std::string path = (dir / "c.svg").string();
+  check_writable(path, "--chart");
+  EXPECT_TRUE(std::filesystem::is_empty(dir));  // the probe is gone
+  { std::ofstream(path) << "old"; }
+  write_replacing(path, "<svg/>", "--chart");
+  std::ifstream in(path);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), "<svg/>");
+  EXPECT_EQ(kvsnap::testing::mode_of(path), 0644u);
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir), {}), 1);  // no temporary
+  const std::string missing = "--chart " + (dir / "no" / "c.svg").string() + ": cannot write it";
+  EXPECT_TRUE(throws_error([&] { check_writable((dir / "no" / "c.svg").string(), "--chart"); },
+                           {missing.c_str(), "No such file or directory"}));
+  EXPECT_TRUE(throws_error([&] { check_writable(dir.string(), "--chart"); }, {"it is a folder"}));
+  std::filesystem::remove_all(dir);
+}
+
 // Writes a model config and two sets of weights for it (seeds 1 and 2) to $KVSNAP_WEIGHTS_DIR
 // (else a scratch folder): the inputs of cli_cache_dir_keyed_by_weights.
 TEST(CliFixture, WritesAModelConfigAndTwoSetsOfWeights) {
