@@ -189,7 +189,11 @@ int run_replay(const ReplayArguments& args, bool& runs_started) {
   tools::check_context_length(workload, config.context_length);
   TierOptions tier = tier_options(args);
   if (!args.chart.empty()) tools::check_writable(args.chart, "--chart");
-  if (!args.cache_dir.empty()) tools::check_cache_dir(args.cache_dir, args.shared_cache_dir);
+  tools::CacheDirLock lock;  // held until the saved cache is written, after the runs
+  if (!args.cache_dir.empty()) {
+    tools::check_cache_dir(args.cache_dir, args.shared_cache_dir);
+    lock = tools::lock_cache_dir(args.cache_dir, args.shared_cache_dir);
+  }
   set_threads(args.threads);
   const Model model =
       args.weights.empty() ? Model(config) : Model::load(args.model_config, args.weights);
@@ -382,7 +386,8 @@ int run(int argc, char** argv) {
       "--cache-dir", replay.cache_dir,
       "load the prefix cache from DIR when saved there, save it at the end (a second run over "
       "the same workload starts warm); folders it creates and the file are private (0700, "
-      "0600), and a DIR or file another user owns or others can write is refused");
+      "0600), and a DIR or file another user owns or others can write is refused; a DIR "
+      "another run is using (DIR/kvsnap.lock) is refused too");
   replay_command
       ->add_flag("--shared-cache-dir", replay.shared_cache_dir,
                  "trust a --cache-dir that another user owns or that group or others can write "

@@ -2,14 +2,19 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <signal.h>
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <new>
 #include <ostream>
+#include <utility>
 
 namespace kvsnap::tools {
 
@@ -143,6 +148,73 @@ void write_replacing(const std::string& path, const std::string& text, const std
   }
   if (::close(fd) != 0) throw fail("close");
   if (::rename(temporary.c_str(), path.c_str()) != 0) throw fail("rename");
+}
+
+CacheDirLock::~CacheDirLock() {
+  if (fd_ >= 0) ::close(fd_);  // releases the lock
+}
+
+CacheDirLock::CacheDirLock(CacheDirLock&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+
+CacheDirLock& CacheDirLock::operator=(CacheDirLock&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = std::exchange(other.fd_, -1);
+  }
+  return *this;
+}
+
+namespace {
+
+// Who holds the lock on `fd`: "another kvsnap run (pid N)" when the file names a live process,
+// else "another process".
+std::string lock_holder(int fd) {
+  char text[64] = {};
+  const ssize_t n = ::pread(fd, text, sizeof text - 1, 0);
+  long pid = 0;
+  if (n > 0 && std::sscanf(text, "pid %ld", &pid) == 1 && pid > 0 &&
+      (::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM)) {
+    return fmt::format("another kvsnap run (pid {})", pid);
+  }
+  return "another process";
+}
+
+}  // namespace
+
+CacheDirLock lock_cache_dir(const std::string& dir, bool shared) {
+  const std::string path = (std::filesystem::path(dir) / kCacheDirLockFile).string();
+  const auto fail = [&](const std::string& why) {
+    return Error(fmt::format("cache directory {}: {}", dir, why));
+  };
+  const mode_t mode = shared ? 0644 : 0600;
+  constexpr int kFlags = O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC;
+  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | kFlags, mode);
+  const bool writable = fd >= 0;
+  if (fd < 0 && errno == EACCES) fd = ::open(path.c_str(), O_RDONLY | kFlags);  // another's
+  if (fd < 0) {
+    throw fail(fmt::format("cannot open its lock file {} ({})", path, std::strerror(errno)));
+  }
+  CacheDirLock lock(fd);
+  struct stat status {};
+  if (::fstat(fd, &status) != 0 || !S_ISREG(status.st_mode)) {
+    throw fail(fmt::format("its lock file {} is not a regular file", path));
+  }
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    if (errno != EWOULDBLOCK) {
+      throw fail(fmt::format("cannot lock {} ({})", path, std::strerror(errno)));
+    }
+    throw fail(fmt::format(
+        "in use by {} (it holds {}): two runs on one cache directory would overwrite each "
+        "other's saves; wait for it to end or use another --cache-dir",
+        lock_holder(fd), path));
+  }
+  if (writable && status.st_uid == ::geteuid()) {
+    (void)::fchmod(fd, mode);  // whatever the umask
+    // The pid only names the holder in another run's error: the lock holds without it.
+    const std::string pid = fmt::format("pid {}\n", ::getpid());
+    (void)(::ftruncate(fd, 0) == 0 && ::pwrite(fd, pid.data(), pid.size(), 0) >= 0);
+  }
+  return lock;
 }
 
 }  // namespace kvsnap::tools

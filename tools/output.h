@@ -1,6 +1,6 @@
 // What `kvsnap replay` writes besides its figures, and how a run ends: the --chart file (checked
-// before the runs, written atomically), text made safe for SVG, and the exit status of a
-// failure.
+// before the runs, written atomically), text made safe for SVG, the lock that keeps two runs off
+// one --cache-dir, and the exit status of a failure.
 #pragma once
 
 #include <exception>
@@ -45,5 +45,30 @@ void check_writable(const std::string& path, const std::string& option);
 // umask like any program's output), then renamed over `path`. Throws Error "<option> <path>:
 // <why>", `path` left as it was.
 void write_replacing(const std::string& path, const std::string& text, const std::string& option);
+
+// An exclusive advisory lock (flock) on a --cache-dir, held until destroyed (move-only).
+class CacheDirLock {
+ public:
+  CacheDirLock() = default;
+  explicit CacheDirLock(int fd) : fd_(fd) {}
+  ~CacheDirLock();
+  CacheDirLock(CacheDirLock&& other) noexcept;
+  CacheDirLock& operator=(CacheDirLock&& other) noexcept;
+  bool held() const { return fd_ >= 0; }
+
+ private:
+  int fd_ = -1;
+};
+
+// The lock file lock_cache_dir takes in its folder.
+inline constexpr const char* kCacheDirLockFile = "kvsnap.lock";
+
+// Takes the lock on `dir`/kvsnap.lock (created when missing: mode 0600, or 0644 when `shared`,
+// so that the folder's other users can lock it too; never through a link), without waiting, and
+// writes this process's id into it. Two processes that load a --cache-dir at start and save it
+// at the end would otherwise overwrite each other's saves. Throws Error "cache directory <dir>:
+// in use by another kvsnap run (pid N) ..." (or "by another process" when the holder left no
+// live pid) when another holds it, or naming why the lock file cannot be used.
+CacheDirLock lock_cache_dir(const std::string& dir, bool shared);
 
 }  // namespace kvsnap::tools

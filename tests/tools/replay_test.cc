@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -372,6 +373,32 @@ TEST(ExitStatus, AFailureAfterTheResultsIsReportedAndEveryStepStillRuns) {
   EXPECT_EQ(finish_run(1, steps, errors), 1);  // a disagreement is not masked
   EXPECT_EQ(finish_run(0, {[&] { ++ran; }}, errors), 0);
   EXPECT_EQ(ran, 3);
+}
+
+// Runs that load a --cache-dir at start and save it at the end would overwrite each other's
+// saves: the CLI takes an exclusive lock on DIR/kvsnap.lock for the run, and a second run is
+// refused at once, naming the folder and the process that holds it.
+TEST(Output, ACacheDirectoryIsLockedForOneRunAtATime) {
+  const auto dir = kvsnap::testing::private_scratch("cache_dir_lock");
+  {
+    const CacheDirLock first = lock_cache_dir(dir.string(), false);
+    EXPECT_TRUE(first.held());
+    EXPECT_EQ(kvsnap::testing::mode_of(dir / kCacheDirLockFile), 0600u);
+    const std::string message =
+        "cache directory " + dir.string() + ": in use by another kvsnap run (pid " +
+        std::to_string(::getpid()) + ") (it holds " + (dir / kCacheDirLockFile).string() + ")";
+    EXPECT_TRUE(throws_error([&] { (void)lock_cache_dir(dir.string(), false); },
+                             {message.c_str(), "use another --cache-dir"}));
+  }
+  // Released with the first run: the next one takes it; a shared folder's lock file is one its
+  // other users can open and lock too.
+  EXPECT_TRUE(lock_cache_dir(dir.string(), true).held());
+  EXPECT_EQ(kvsnap::testing::mode_of(dir / kCacheDirLockFile), 0644u);
+  std::filesystem::remove(dir / kCacheDirLockFile);
+  ASSERT_EQ(::mkfifo((dir / kCacheDirLockFile).c_str(), 0600), 0);
+  EXPECT_TRUE(
+      throws_error([&] { (void)lock_cache_dir(dir.string(), true); }, {"is not a regular file"}));
+  std::filesystem::remove_all(dir);
 }
 
 // --chart: checked before the runs, then replaced in one rename (never half written), with the
