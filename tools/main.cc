@@ -303,10 +303,15 @@ void add_parallel_options(CLI::App& replay_command, ReplayArguments& replay) {
       ->check(CLI::Range(int64_t{1}, std::numeric_limits<int64_t>::max()))
       ->needs(parallel)
       ->capture_default_str();
+  // The pools grow 64 blocks at a time: at most 64 x 1024 = 65536 tokens per chunk (32 MiB per
+  // attention layer of the default model). 2^20 made one chunk 32 GiB per layer.
   replay_command
       .add_option("--block-tokens", replay.block_tokens,
-                  "with --parallel: tokens per block of the paged attention caches")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+                  "with --parallel: tokens per block of the paged attention caches, at most "
+                  "1024 (a pool grows by 64 blocks: a chunk then holds at most 65536 tokens, "
+                  "32 MiB per attention layer of the default model; larger blocks only leave "
+                  "more of the last block of every sequence unused)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1024}))
       ->needs(parallel)
       ->capture_default_str();
 }
@@ -337,19 +342,6 @@ void tune_process() {
   // large on every step, and each first touch of a page faults. Keep freed memory in the heap.
   (void)::mallopt(M_MMAP_THRESHOLD, 32 << 20);
   (void)::mallopt(M_TRIM_THRESHOLD, 512 << 20);
-}
-
-// "kvsnap: <what>" on stderr for a failure.
-void report_failure(const std::exception_ptr& failure) {
-  try {
-    std::rethrow_exception(failure);
-  } catch (const std::bad_alloc& e) {
-    fmt::print(stderr, "kvsnap: out of memory ({})\n", e.what());
-  } catch (const std::exception& e) {
-    fmt::print(stderr, "kvsnap: {}\n", e.what());
-  } catch (...) {
-    fmt::print(stderr, "kvsnap: an unknown exception\n");
-  }
 }
 
 // Exit status: 0 the runs agree (or a help text), 1 they disagree, 2 bad arguments, a bad
@@ -430,7 +422,7 @@ int run(int argc, char** argv) {
     runs_started = true;  // bench: nothing to refuse, every failure is the bench's own
     if (*bench_command) return run_bench(bench_args);
   } catch (...) {
-    report_failure(std::current_exception());
+    fmt::print(stderr, "kvsnap: {}\n", tools::failure_message(std::current_exception()));
     return tools::failure_status(std::current_exception(), runs_started);
   }
   return 0;
@@ -442,12 +434,8 @@ int main(int argc, char** argv) {
   // The last resort: whatever escapes is reported in one line, never as an abort.
   try {
     return run(argc, argv);
-  } catch (const std::bad_alloc& e) {
-    fmt::print(stderr, "kvsnap: out of memory ({})\n", e.what());
-  } catch (const std::exception& e) {
-    fmt::print(stderr, "kvsnap: {}\n", e.what());
   } catch (...) {
-    fmt::print(stderr, "kvsnap: an unknown exception\n");
+    fmt::print(stderr, "kvsnap: {}\n", tools::failure_message(std::current_exception()));
   }
   return 3;
 }

@@ -30,16 +30,28 @@ int failure_status(const std::exception_ptr& failure, bool runs_started) {
   }
 }
 
+std::string failure_message(const std::exception_ptr& failure) {
+  try {
+    std::rethrow_exception(failure);
+  } catch (const std::bad_alloc& e) {
+    return fmt::format(
+        "out of memory ({}): the run needs more memory than this process can have; a smaller "
+        "--budget, --parallel or --block-tokens, or a smaller workload, needs less",
+        e.what());
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "an unknown exception";
+  }
+}
+
 int finish_run(int verdict, const std::vector<std::function<void()>>& steps, std::ostream& errors) {
   bool failed = false;
   for (const std::function<void()>& step : steps) {
     try {
       step();
-    } catch (const std::bad_alloc& e) {
-      errors << "kvsnap: out of memory (" << e.what() << ")\n";
-      failed = true;
-    } catch (const std::exception& e) {
-      errors << "kvsnap: " << e.what() << "\n";
+    } catch (const std::exception&) {
+      errors << "kvsnap: " << failure_message(std::current_exception()) << "\n";
       failed = true;
     }
   }

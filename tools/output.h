@@ -26,8 +26,13 @@ struct InputError : Error {
 // other exception.
 int failure_status(const std::exception_ptr& failure, bool runs_started);
 
+// What a failure says after "kvsnap: ": the exception's message; for std::bad_alloc "out of
+// memory (<what>): ..." and what needs less memory.
+std::string failure_message(const std::exception_ptr& failure);
+
 // After the results are printed: runs `steps` (writing the chart, saving the cache) in order,
-// each whatever the others did, reporting a failure on `errors` as "kvsnap: <what>". Returns
+// each whatever the others did, reporting a failure on `errors` as "kvsnap: <failure_message>".
+// Returns
 // `verdict` (0 the runs agree, 1 they disagree) unless a step failed after runs that agree: 3.
 // A disagreement stays 1: it is the result the caller asked for.
 int finish_run(int verdict, const std::vector<std::function<void()>>& steps, std::ostream& errors);

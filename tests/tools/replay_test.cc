@@ -362,6 +362,15 @@ TEST(ExitStatus, FailuresBeforeTheRunsAreTheInputsAndAfterThemTheRuns) {
   EXPECT_EQ(status(std::runtime_error("json"), true), 3);
 }
 
+// Running out of memory is said plainly, with what needs less of it.
+TEST(ExitStatus, OutOfMemoryIsReportedClearly) {
+  EXPECT_EQ(failure_message(std::make_exception_ptr(std::bad_alloc())),
+            "out of memory (std::bad_alloc): the run needs more memory than this process can "
+            "have; a smaller --budget, --parallel or --block-tokens, or a smaller workload, "
+            "needs less");
+  EXPECT_EQ(failure_message(std::make_exception_ptr(Error("replay: x"))), "replay: x");
+}
+
 TEST(ExitStatus, AFailureAfterTheResultsIsReportedAndEveryStepStillRuns) {
   std::ostringstream errors;
   int ran = 0;
