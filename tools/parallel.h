@@ -54,8 +54,10 @@ struct ParallelRun {
 // sequence still prefilling shares more of its prompt than the cache holds now (it waits for
 // that prefill's restore points instead of computing the same tokens twice). Each step is one
 // Model::forward: a token for every decoding sequence and up to `prefill_chunk` prompt tokens
-// of the prefilling ones, in admission order. Time to first token counts from when the request
-// could be admitted. Throws Error as replay does (context length, vocabulary, options < 1).
+// of the prefilling ones, in admission order. A request's ttft_seconds counts from when it took
+// its slot, its waited_seconds from when it could be admitted (the run's start, or the end of
+// the request it follows) to then; the report adds them, for the sequential run too. Throws
+// Error as replay does (context length, vocabulary, options < 1).
 ParallelRun replay_parallel(const Workload&, const Model&, const ParallelOptions&);
 
 std::string format_parallel_table(const ParallelRun& parallel, const RunResult& uncached,

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "output.h"
@@ -194,9 +195,13 @@ void run_requests(const Workload& workload, const Model& model, const std::vecto
                   PrefixCache* prefix, const ReplayOptions& options, RunResult& run) {
   PromptBuilder builder;
   std::vector<std::vector<int32_t>> prompts;
+  std::map<std::string, double> finished;  // by id: seconds into the run
   const auto start = Clock::now();
+  const auto now = [&] { return std::chrono::duration<double>(Clock::now() - start).count(); };
   for (size_t index = 0; index < workload.requests.size(); ++index) {
     const Request& request = workload.requests[index];
+    const double could_start =
+        request.kind == Request::Kind::fresh ? 0.0 : finished.at(request.reference);
     std::vector<int64_t> boundaries;
     const std::vector<int32_t> prompt = builder.prompt(request, &boundaries);
     const auto prompt_tokens = static_cast<int64_t>(prompt.size());
@@ -204,7 +209,9 @@ void run_requests(const Workload& workload, const Model& model, const std::vecto
     RequestResult result;
     result.id = request.id;
     result.prompt_tokens = prompt_tokens;
+    result.waited_seconds = now() - could_start;
     run_request(request, prompt, boundaries, model, layers, prefix, result);
+    finished[request.id] = now();
     builder.record(request, prompt, result.reply);
     prompts.push_back(prompt);
     run.requests.push_back(std::move(result));

@@ -24,6 +24,10 @@ struct RequestResult {
   int64_t floor = 0;        // max(1, prompt tokens never evaluated before): the best a cache of
                             // evaluated state can do (a decoder never evaluates its last token)
   double ttft_seconds = 0;  // request start to the first reply token's logits
+  // From when the request could start — the run's start, or the end of the request it follows
+  // (after / regenerate / edit) — to its start: time queued behind other requests (the
+  // sequential run serves one at a time; --parallel: until a slot took it).
+  double waited_seconds = 0;
   std::vector<int32_t> reply;
   std::vector<std::vector<float>> logits;  // per reply token, the logits it was chosen from
 };

@@ -189,6 +189,44 @@ TEST(ParallelReplay, TheReportCarriesThroughputLatencyAndMemory) {
   }
 }
 
+// The --parallel report's time to first token counts the same thing in both columns: from when a
+// request could start (the run's start, or the end of the request it follows), the time it
+// queued included — for a slot, or in the sequential run behind the requests before it. (The
+// scheduled run counted from the run's start, the sequential one from each request's own start,
+// so --parallel 1 looked slower than the sequential run it equals.)
+TEST(ParallelReplay, TimeToFirstTokenCountsFromWhenARequestCouldStartInBothColumns) {
+  const Model model(tiny_model());
+  const Workload workload = many_users(2);  // u0, u1, then u0-2 after u0, u1-2 after u1, ...
+  const RunResult uncached = sequential_uncached(workload, model);
+  const auto& r = uncached.requests;
+  EXPECT_LT(r[0].waited_seconds, r[0].ttft_seconds);  // the first starts at once
+  // u1 could start with the run: it waited for all of u0; u0-2 for u1, after u0 ended.
+  EXPECT_GE(r[1].waited_seconds, r[0].ttft_seconds);
+  EXPECT_GE(r[2].waited_seconds, r[1].ttft_seconds);
+  const ParallelRun run = replay_parallel(workload, model, slots(1));
+  for (const RequestResult& p : run.run.requests) {
+    EXPECT_GE(p.waited_seconds, 0.0) << p.id;
+    EXPECT_GT(p.ttft_seconds, 0.0) << p.id;
+  }
+  EXPECT_GE(run.run.requests[1].waited_seconds, run.run.requests[0].ttft_seconds);
+  const Comparison c = compare(run.run, uncached, 1e-4);
+  const nlohmann::json json =
+      nlohmann::json::parse(format_parallel_json(run, uncached, c, "many users"));
+  const auto from_arrival = [](const RunResult& run, double q) {
+    std::vector<double> values;
+    for (const RequestResult& x : run.requests) values.push_back(x.waited_seconds + x.ttft_seconds);
+    return percentile(values, q) * 1e3;
+  };
+  EXPECT_DOUBLE_EQ(json.at("ttft_ms").at("uncached").at("median").get<double>(),
+                   from_arrival(uncached, 0.5));
+  EXPECT_DOUBLE_EQ(json.at("ttft_ms").at("cached").at("p90").get<double>(),
+                   from_arrival(run.run, 0.9));
+  EXPECT_EQ(json.at("ttft_counts_from"), "when the request could start");
+  EXPECT_NE(format_parallel_table(run, uncached, c, "many users")
+                .find("time to first token counts from when a request could start"),
+            std::string::npos);
+}
+
 TEST(ParallelReplay, ARequestWaitsForThePrefillOfItsPrefixInsteadOfRecomputingIt) {
   const Model model(tiny_model());
   const Workload workload = many_users(2);
