@@ -83,8 +83,8 @@ class Scheduler {
 
   ParallelRun run() {
     if (!options_.cache_dir.empty()) {
-      out_.run.loaded_nodes = load_saved_cache(prefix_, options_.cache_dir, options_.model_id,
-                                               options_.shared_cache_dir);
+      load_saved_cache(prefix_, options_.cache_dir, options_.model_id, options_.shared_cache_dir,
+                       out_.run);
     }
     start_ = Clock::now();
     while (done_ < workload_.requests.size()) {
@@ -335,6 +335,7 @@ double ttft_from_arrival(const RequestResult& r) { return r.waited_seconds + r.t
 
 struct Totals {
   int64_t prompt_tokens = 0, evaluated = 0, ideal = 0, reply_tokens = 0;
+  int64_t seen_not_evaluated = 0, restore_points = 0;  // the gap over the ideal, as replay's
   std::vector<double> ttft;
   double seconds = 0;
   double throughput() const {
@@ -348,6 +349,8 @@ Totals totals(const RunResult& run) {
     t.prompt_tokens += r.prompt_tokens;
     t.evaluated += r.evaluated;
     t.ideal += r.ideal;
+    t.seen_not_evaluated += r.floor - r.ideal;
+    t.restore_points += r.evaluated - r.floor;
     t.reply_tokens += static_cast<int64_t>(r.reply.size());
     t.ttft.push_back(ttft_from_arrival(r));
   }
@@ -372,10 +375,7 @@ std::string format_parallel_table(const ParallelRun& parallel, const RunResult& 
   std::string out =
       fmt::format("kvsnap replay --parallel {}: {} ({} requests, {} prompt tokens)\n\n",
                   parallel.parallel, workload, parallel.run.requests.size(), a.prompt_tokens);
-  if (parallel.run.loaded_nodes >= 0) {
-    out += fmt::format("  warm start: {} trie nodes loaded from the cache directory\n\n",
-                       parallel.run.loaded_nodes);
-  }
+  out += warm_start_lines(parallel.run.loaded_nodes, parallel.run.load_evicted_nodes);
   out += row("", fmt::format("{} slots, cache", parallel.parallel), "sequential, no cache");
   out += row("tokens evaluated", std::to_string(a.evaluated), std::to_string(b.evaluated));
   out += row("ideal (never seen before)", std::to_string(a.ideal), "");
@@ -403,8 +403,8 @@ std::string format_parallel_table(const ParallelRun& parallel, const RunResult& 
   out +=
       fmt::format("    the pools at their peak: {} with the blocks only the prefix cache keeps\n",
                   mib(kv.pool_bytes));
-  out += fmt::format("  evaluated with the cache vs ideal: {:+.2f}% ({} tokens over)\n",
-                     100.0 * ratio(a.evaluated - a.ideal, a.ideal), a.evaluated - a.ideal);
+  out += ideal_gap_lines(a.evaluated, a.ideal, a.seen_not_evaluated, a.restore_points,
+                         parallel.run.loaded_nodes >= 0);
   out += fmt::format("  throughput vs the sequential run without cache: {:.1f}x\n",
                      ratio(a.throughput(), b.throughput()));
   out += c.first_difference.empty()
@@ -438,6 +438,9 @@ std::string format_parallel_json(const ParallelRun& parallel, const RunResult& u
       {"evaluated_cached", a.evaluated},
       {"evaluated_uncached", b.evaluated},
       {"ideal", a.ideal},
+      {"gap", {{"seen_not_evaluated", a.seen_not_evaluated}, {"restore_points", a.restore_points}}},
+      {"loaded_nodes", parallel.run.loaded_nodes},
+      {"load_evicted_nodes", parallel.run.load_evicted_nodes},
       {"reply_tokens", a.reply_tokens},
       {"throughput_tokens_per_s", a.throughput()},
       {"throughput_tokens_per_s_uncached", b.throughput()},

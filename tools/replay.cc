@@ -223,16 +223,18 @@ void run_requests(const Workload& workload, const Model& model, const std::vecto
 
 }  // namespace
 
-int64_t load_saved_cache(PrefixCache& prefix, const std::string& dir, const std::string& model_id,
-                         bool shared) {
+void load_saved_cache(PrefixCache& prefix, const std::string& dir, const std::string& model_id,
+                      bool shared, RunResult& run) {
+  const int64_t evicted_before = prefix.stats().evicted_nodes;
   try {
     const LoadOptions load_options{.allow_shared = shared};
-    if (!PrefixCache::saved_in(dir, load_options)) return -1;
+    if (!PrefixCache::saved_in(dir, load_options)) return;
     prefix.load(dir, model_id, load_options);
   } catch (const Error& e) {
     throw InputError(e.what());  // another model's, damaged or refused: the input is at fault
   }
-  return prefix.node_count();
+  run.loaded_nodes = prefix.stats().loaded_nodes;
+  run.load_evicted_nodes = prefix.stats().evicted_nodes - evicted_before;
 }
 
 RunResult replay(const Workload& workload, const Model& model, const ReplayOptions& options) {
@@ -258,8 +260,7 @@ RunResult replay(const Workload& workload, const Model& model, const ReplayOptio
                                    .tier = state->tier});
   PrefixCache& prefix = *state->prefix;
   if (saved) {
-    run.loaded_nodes =
-        load_saved_cache(prefix, options.cache_dir, options.model_id, options.shared_cache_dir);
+    load_saved_cache(prefix, options.cache_dir, options.model_id, options.shared_cache_dir, run);
   }
   run_requests(workload, model, layers, options.with_cache ? &prefix : nullptr, options, run);
   run.paged_out_bytes = prefix.paged_out_bytes();
@@ -332,6 +333,7 @@ Summary summarize(const RunResult& cached, const RunResult& uncached) {
   s.evicted_nodes = cached.evicted_nodes;
   s.trie_nodes = cached.trie_nodes;
   s.loaded_nodes = cached.loaded_nodes;
+  s.load_evicted_nodes = cached.load_evicted_nodes;
   s.seconds_cached = cached.seconds;
   s.seconds_uncached = uncached.seconds;
   s.with_tier = cached.with_tier;
@@ -380,20 +382,51 @@ nlohmann::json tier_json(const Summary& s) {
 
 }  // namespace
 
+std::string warm_start_lines(int64_t loaded, int64_t load_evicted) {
+  if (loaded < 0) return "";
+  if (load_evicted == 0) {
+    return fmt::format("  warm start: {} trie nodes loaded from the cache directory\n\n", loaded);
+  }
+  return fmt::format(
+      "  warm start: {} trie nodes loaded from the cache directory; the budget evicted {} of "
+      "them at once\n    (it is smaller than the saving run's: the cache saved at the end holds "
+      "what fits)\n\n",
+      loaded, load_evicted);
+}
+
+std::string ideal_gap_lines(int64_t evaluated, int64_t ideal, int64_t seen_not_evaluated,
+                            int64_t restore_points, bool warm) {
+  const double gap =
+      ideal > 0 ? 100.0 * static_cast<double>(evaluated - ideal) / static_cast<double>(ideal) : 0.0;
+  if (warm) {
+    return fmt::format(
+        "\n  evaluated with the cache vs ideal: {:+.2f}% (the ideal counts tokens new to this "
+        "run; a warm start\n    or the tier restores even those, from the state earlier runs "
+        "saved)\n",
+        gap);
+  }
+  std::string out = fmt::format(
+      "\n  evaluated with the cache vs ideal: {:+.2f}% ({} tokens over)\n", gap, evaluated - ideal);
+  out += fmt::format(
+      "    {} of them were sampled but never evaluated (a decoder does not feed its "
+      "last token back),\n",
+      seen_not_evaluated);
+  out += fmt::format(
+      "    {} lie between a divergence and the restore point before it (recurrent and "
+      "window layers\n    resume only where a snapshot was captured: message ends, "
+      "branch points).\n",
+      restore_points);
+  return out;
+}
+
 std::string format_table(const Summary& s, const Comparison& c, const std::string& workload) {
   const auto row = [](const std::string& name, const std::string& a, const std::string& b) {
     return fmt::format("  {:<30} {:>14} {:>14}\n", name, a, b);
   };
   const auto ms = [](double seconds) { return fmt::format("{:.1f}", seconds * 1e3); };
-  const double gap = s.ideal > 0 ? 100.0 * static_cast<double>(s.evaluated_cached - s.ideal) /
-                                       static_cast<double>(s.ideal)
-                                 : 0.0;
   std::string out = fmt::format("kvsnap replay: {} ({} requests, {} prompt tokens)\n\n", workload,
                                 s.requests, s.prompt_tokens);
-  if (s.loaded_nodes >= 0) {
-    out += fmt::format("  warm start: {} trie nodes loaded from the cache directory\n\n",
-                       s.loaded_nodes);
-  }
+  out += warm_start_lines(s.loaded_nodes, s.load_evicted_nodes);
   out += row("", "with cache", "without cache");
   out += row("tokens evaluated", std::to_string(s.evaluated_cached),
              std::to_string(s.evaluated_uncached));
@@ -408,25 +441,9 @@ std::string format_table(const Summary& s, const Comparison& c, const std::strin
   out += row("evicted trie nodes", std::to_string(s.evicted_nodes), "");
   out += row("trie nodes", std::to_string(s.trie_nodes), "");
   if (s.with_tier) out += tier_rows(s.tier);
-  if (s.loaded_nodes >= 0 || (s.with_tier && s.tier.hits > 0)) {
-    out += fmt::format(
-        "\n  evaluated with the cache vs ideal: {:+.2f}% (the ideal counts tokens new to this "
-        "run; a warm start\n    or the tier restores even those, from the state earlier runs "
-        "saved)\n",
-        gap);
-  } else {
-    out += fmt::format("\n  evaluated with the cache vs ideal: {:+.2f}% ({} tokens over)\n", gap,
-                       s.evaluated_cached - s.ideal);
-    out += fmt::format(
-        "    {} of them were sampled but never evaluated (a decoder does not feed its "
-        "last token back),\n",
-        s.gap_seen_not_evaluated);
-    out += fmt::format(
-        "    {} lie between a divergence and the restore point before it (recurrent and "
-        "window layers\n    resume only where a snapshot was captured: message ends, "
-        "branch points).\n",
-        s.gap_restore_points);
-  }
+  out +=
+      ideal_gap_lines(s.evaluated_cached, s.ideal, s.gap_seen_not_evaluated, s.gap_restore_points,
+                      s.loaded_nodes >= 0 || (s.with_tier && s.tier.hits > 0));
   out +=
       fmt::format("  speed-up of time to first token (median): {:.1f}x\n",
                   s.ttft_median_cached > 0 ? s.ttft_median_uncached / s.ttft_median_cached : 0.0);
@@ -472,6 +489,7 @@ std::string format_json(const Summary& s, const Comparison& c, const RunResult& 
       {"evicted_nodes", s.evicted_nodes},
       {"trie_nodes", s.trie_nodes},
       {"loaded_nodes", s.loaded_nodes},
+      {"load_evicted_nodes", s.load_evicted_nodes},
       {"tier", tier_json(s)},
       {"agree", c.first_difference.empty()},
       {"max_logit_difference", c.max_logit_difference},

@@ -39,6 +39,9 @@ struct RunResult {
   int64_t evicted_nodes = 0;
   int64_t trie_nodes = 0;
   int64_t loaded_nodes = -1;  // nodes loaded from the cache directory at start; -1: none loaded
+  // Of them, evicted at once by a budget smaller than the saving run's (counted in
+  // evicted_nodes too): the cache saved at the end holds only what fits.
+  int64_t load_evicted_nodes = 0;
   double seconds = 0;
   bool with_tier = false;
   TierStats tier;  // with_tier: the tier's counters at the end (its writes flushed)
@@ -75,10 +78,11 @@ struct ReplayOptions {
 RunResult replay(const Workload&, const Model&, const ReplayOptions&);
 
 // Loads the prefix cache saved in `dir` into `prefix` when there is one (LoadOptions::
-// allow_shared = `shared`). Returns the nodes loaded, -1 when none was saved. Throws InputError
-// with PrefixCache's message for a cache saved for another model_id, damaged or refused.
-int64_t load_saved_cache(PrefixCache& prefix, const std::string& dir, const std::string& model_id,
-                         bool shared);
+// allow_shared = `shared`) and sets run.loaded_nodes and run.load_evicted_nodes (-1 and 0 when
+// none was saved). Throws InputError with PrefixCache's message for a cache saved for another
+// model_id, damaged or refused.
+void load_saved_cache(PrefixCache& prefix, const std::string& dir, const std::string& model_id,
+                      bool shared, RunResult& run);
 
 // Shared by the sequential and the parallel replay:
 // The index of the largest logit (greedy decoding; the first on ties).
@@ -125,7 +129,8 @@ struct Summary {
   int64_t gap_seen_not_evaluated = 0, gap_restore_points = 0;
   double ttft_median_cached = 0, ttft_p90_cached = 0, ttft_median_uncached = 0,
          ttft_p90_uncached = 0;
-  int64_t paged_out_bytes = 0, evicted_nodes = 0, trie_nodes = 0, loaded_nodes = -1;
+  int64_t paged_out_bytes = 0, evicted_nodes = 0, trie_nodes = 0, loaded_nodes = -1,
+          load_evicted_nodes = 0;
   double seconds_cached = 0, seconds_uncached = 0;
   bool with_tier = false;
   TierStats tier;
@@ -133,6 +138,13 @@ struct Summary {
 Summary summarize(const RunResult& cached, const RunResult& uncached);
 
 std::string format_table(const Summary&, const Comparison&, const std::string& workload);
+// The tables' lines on a warm start (none when `loaded` < 0): how many nodes were loaded and how
+// many of them the budget evicted at once.
+std::string warm_start_lines(int64_t loaded, int64_t load_evicted);
+// The tables' lines on the tokens evaluated with the cache over the ideal: after a warm start
+// (or tier hits) the ideal's meaning; else what the tokens over it were.
+std::string ideal_gap_lines(int64_t evaluated, int64_t ideal, int64_t seen_not_evaluated,
+                            int64_t restore_points, bool warm);
 std::string format_json(const Summary&, const Comparison&, const RunResult& cached,
                         const RunResult& uncached, const std::string& workload);
 // An SVG chart of tokens evaluated per request, with and without the cache, and the ideal.

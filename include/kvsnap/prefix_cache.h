@@ -136,6 +136,9 @@ class KVSNAP_EXPORT PrefixCache {
     int64_t evicted_nodes = 0;
     // Whole-state snapshots dropped from the active path when evicting leaves was not enough.
     int64_t dropped_snapshots = 0;
+    // Nodes the last load installed, before the budget evicted any (evicted_nodes counts
+    // those it did); 0 before any load.
+    int64_t loaded_nodes = 0;
   };
   Stats stats() const;
 

@@ -154,7 +154,8 @@ void PrefixCache::load(const std::string& dir, const std::string& model_id,
                           path, impl_->trie.layers(), model_id);
   for (const auto& slot : impl_->slots) slot->live().reset();
   detail::install(impl_->trie, std::move(loaded));
-  impl_->evict(0, detail::Change::shared);
+  impl_->stats.loaded_nodes = impl_->trie.node_count();
+  impl_->evict(0, detail::Change::shared);  // a smaller budget than the saving cache's
 }
 
 bool PrefixCache::saved_in(const std::string& dir) { return saved_in(dir, LoadOptions{}); }

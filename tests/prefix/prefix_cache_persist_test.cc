@@ -66,6 +66,28 @@ TEST(PrefixCachePersist, ARestartedCacheContinuesWarm) {
   std::filesystem::remove_all(dir);
 }
 
+// A cache loaded under a smaller budget evicts at once; its stats say how many nodes the file
+// held and how many the budget evicted.
+TEST(PrefixCachePersist, ALoadUnderASmallerBudgetSaysWhatItLoadedAndEvicted) {
+  const std::string dir = scratch("budget");
+  int64_t nodes = 0;
+  {
+    HybridStack stack;
+    PrefixCache cache(stack.layers());
+    warm_up(cache, stack);
+    nodes = cache.node_count();
+    cache.save(dir, "model-a");
+  }
+  HybridStack stack;
+  PrefixCache cache(stack.layers(), {.max_paged_out_bytes = 1});
+  EXPECT_EQ(cache.stats().loaded_nodes, 0);
+  cache.load(dir, "model-a");
+  EXPECT_EQ(cache.stats().loaded_nodes, nodes);
+  EXPECT_GT(cache.stats().evicted_nodes, 0);
+  EXPECT_LT(cache.node_count(), nodes);
+  std::filesystem::remove_all(dir);
+}
+
 TEST(PrefixCachePersist, AnotherLayerConfigurationIsRejectedAndNothingChanges) {
   const std::string dir = scratch("config");
   {

@@ -279,6 +279,37 @@ TEST(ParallelReplay, ACacheDirectoryOthersCanWriteIsRefusedUnlessShared) {
   std::filesystem::remove_all(dir);
 }
 
+// --parallel --json reports a warm start and the gap over the ideal as the sequential run does,
+// and its table explains a warm start's ideal the same way.
+TEST(ParallelReplay, AWarmStartIsReportedLikeTheSequentialRuns) {
+  const Model model(tiny_model());
+  const Workload workload = many_users(2);
+  const auto dir = kvsnap::testing::private_scratch("parallel_warm");
+  ParallelOptions options = slots(2);
+  options.cache_dir = dir.string();
+  options.model_id = "tiny";
+  const ParallelRun cold = replay_parallel(workload, model, options);
+  const RunResult uncached = sequential_uncached(workload, model);
+  const Comparison c = compare(cold.run, uncached, 1e-4);
+  nlohmann::json json = nlohmann::json::parse(format_parallel_json(cold, uncached, c, "w"));
+  EXPECT_EQ(json.at("loaded_nodes"), -1);
+  EXPECT_EQ(json.at("gap").at("seen_not_evaluated").get<int64_t>() +
+                json.at("gap").at("restore_points").get<int64_t>(),
+            json.at("evaluated_cached").get<int64_t>() - json.at("ideal").get<int64_t>());
+  EXPECT_NE(format_parallel_table(cold, uncached, c, "w").find("sampled but never evaluated"),
+            std::string::npos);
+  cold.run.save_cache();
+  const ParallelRun warm = replay_parallel(workload, model, options);
+  json = nlohmann::json::parse(format_parallel_json(warm, uncached, c, "w"));
+  EXPECT_EQ(json.at("loaded_nodes"), cold.run.trie_nodes);
+  EXPECT_EQ(json.at("load_evicted_nodes"), 0);
+  const std::string table = format_parallel_table(warm, uncached, c, "w");
+  EXPECT_NE(table.find("warm start: " + std::to_string(cold.run.trie_nodes) + " trie nodes"),
+            std::string::npos);
+  EXPECT_NE(table.find("the ideal counts tokens new to this run"), std::string::npos);
+  std::filesystem::remove_all(dir);
+}
+
 TEST(ParallelReplay, ACacheFileOfAnotherUserIsRefusedUnlessShared) {
   std::string why;
   const std::optional<uid_t> nobody = kvsnap::testing::nobody_uid(why);

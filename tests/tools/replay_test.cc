@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "model/model.h"
@@ -320,6 +321,35 @@ TEST(Replay, ASecondRunWithTheCacheDirectoryStartsWarm) {
   EXPECT_TRUE(compare(second, replay(w, model, uncached_options()), 1e-4).first_difference.empty());
   options.model_id = "another model";  // a trie saved for another model: the input's fault
   EXPECT_THROW((void)replay(w, model, options), InputError);
+  std::filesystem::remove_all(dir);
+}
+
+// A smaller --budget than the saving run's evicts loaded nodes at once: the table and the JSON
+// say how many were loaded and how many of them the budget evicted (they said "0 loaded").
+TEST(Replay, AWarmStartUnderASmallerBudgetSaysWhatItLoadedAndEvicted) {
+  const Model model(tiny_model());
+  const Workload w = parse_workload(kWorkload, "test");
+  const auto dir = kvsnap::testing::private_scratch("replay_budget");
+  ReplayOptions options;
+  options.cache_dir = dir.string();
+  options.model_id = "tiny";
+  const RunResult first = replay(w, model, options);
+  first.save_cache();
+  options.max_paged_out_bytes = 1;
+  const RunResult second = replay(w, model, options);
+  EXPECT_EQ(second.loaded_nodes, first.trie_nodes);
+  EXPECT_GT(second.load_evicted_nodes, 0);
+  EXPECT_GE(second.evicted_nodes, second.load_evicted_nodes);
+  const RunResult uncached = replay(w, model, uncached_options());
+  const Comparison c = compare(second, uncached, 1e-4);
+  const Summary s = summarize(second, uncached);
+  const std::string loaded = "warm start: " + std::to_string(first.trie_nodes) +
+                             " trie nodes loaded from the cache directory; the budget evicted " +
+                             std::to_string(second.load_evicted_nodes) + " of them at once";
+  EXPECT_NE(format_table(s, c, "test").find(loaded), std::string::npos) << format_table(s, c, "t");
+  const nlohmann::json json = nlohmann::json::parse(format_json(s, c, second, uncached, "test"));
+  EXPECT_EQ(json.at("loaded_nodes"), first.trie_nodes);
+  EXPECT_EQ(json.at("load_evicted_nodes"), second.load_evicted_nodes);
   std::filesystem::remove_all(dir);
 }
 
