@@ -69,6 +69,12 @@ Request parse_line(nlohmann::json& json, const std::set<std::string>& known,
           !m.contains("content") || !m["content"].is_string()) {
         throw fail(fmt::format("message {} needs string \"role\" and \"content\"", i));
       }
+      for (const auto& [key, value] : m.items()) {
+        if (key != "role" && key != "content") {
+          throw fail(
+              fmt::format("message {} has unknown field \"{}\" (known: role, content)", i, key));
+        }
+      }
       const int32_t role = parse_role(m["role"].get<std::string>());
       if (role < 0) {
         throw fail(fmt::format("message {} has role \"{}\" (use system, user, assistant or tool)",
@@ -93,6 +99,27 @@ Request parse_line(nlohmann::json& json, const std::set<std::string>& known,
   return request;
 }
 
+struct DuplicateKey {
+  std::string key;
+};
+
+// nlohmann::json::parse, refusing (throws DuplicateKey) an object that holds a key twice — the
+// default keeps the last silently, so a duplicated "after" could hide one naming a missing id.
+nlohmann::json parse_without_duplicate_keys(std::string_view line) {
+  std::vector<std::set<std::string>> keys;  // of each object open at this point
+  const nlohmann::json::parser_callback_t check = [&](int, nlohmann::json::parse_event_t event,
+                                                      nlohmann::json& parsed) {
+    using Event = nlohmann::json::parse_event_t;
+    if (event == Event::object_start) keys.emplace_back();
+    if (event == Event::object_end) keys.pop_back();
+    if (event == Event::key && !keys.back().insert(parsed.get<std::string>()).second) {
+      throw DuplicateKey{parsed.get<std::string>()};
+    }
+    return true;
+  };
+  return nlohmann::json::parse(line, check);
+}
+
 }  // namespace
 
 Workload parse_workload(const std::string& text, const std::string& source) {
@@ -112,9 +139,14 @@ Workload parse_workload(const std::string& text, const std::string& source) {
     };
     nlohmann::json json;
     try {
-      json = nlohmann::json::parse(line);
+      json = parse_without_duplicate_keys(line);
     } catch (const nlohmann::json::exception& e) {
       throw fail(fmt::format("not valid JSON ({})", e.what()));
+    } catch (const DuplicateKey& duplicate) {
+      throw fail(
+          fmt::format("key \"{}\" appears twice in one object (which one counts is "
+                      "ambiguous)",
+                      duplicate.key));
     }
     Request request = parse_line(json, known, fail);
     request.line = number;

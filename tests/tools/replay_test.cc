@@ -80,6 +80,23 @@ TEST(Workload, MalformedLinesAreReportedWithTheirNumber) {
   EXPECT_TRUE(bad(R"({"id": "b", "colour": 1, "messages": [{"role": "user", "content": "x"}]})",
                   "unknown field \"colour\""));
   EXPECT_TRUE(bad(R"({"id": "b"})", "\"messages\" is required"));
+  // A key twice in one object (the last one silently won), at the top or in a message; an
+  // unknown field in a message (a typo such as "contents" was ignored).
+  EXPECT_TRUE(bad(R"({"id": "b", "id": "c", "messages": [{"role": "user", "content": "x"}]})",
+                  "key \"id\" appears twice in one object"));
+  EXPECT_TRUE(bad(
+      R"({"id": "b", "after": "zz", "after": "a", "messages": [{"role": "user", "content": "x"}]})",
+      "key \"after\" appears twice"));
+  EXPECT_TRUE(bad(R"({"id": "b", "messages": [{"role": "user", "content": "x", "content": "y"}]})",
+                  "key \"content\" appears twice"));
+  EXPECT_TRUE(
+      bad(R"({"id": "b", "messages": [{"role": "user", "content": "x", "contents": "typo"}]})",
+          "message 0 has unknown field \"contents\" (known: role, content)"));
+  // The same key in two objects is fine.
+  EXPECT_NO_THROW((void)parse_workload(
+      good + "\n" +
+          R"({"id": "b", "messages": [{"role": "user", "content": "x"}, {"role": "user", "content": "y"}]})",
+      "w.jsonl"));
   EXPECT_TRUE(
       throws_error([] { (void)parse_workload("# nothing\n", "w.jsonl"); }, {"no requests"}));
 }
