@@ -8,6 +8,7 @@
 #include <xxhash.h>
 
 #include <CLI/CLI.hpp>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -172,6 +173,7 @@ void add_tier_options(CLI::App& command, ReplayArguments& args) {
       .add_option("--tier-timeout-ms", args.tier_timeout_ms,
                   "with --tier: the most a lookup waits for the store")
       ->check(CLI::Range(int64_t{0}, int64_t{60000}))
+      ->needs("--tier")
       ->capture_default_str();
 }
 
@@ -264,6 +266,23 @@ int run_bench(const BenchArguments& args) {
   return 0;
 }
 
+// A whole number from 0 to 2^64 - 1, digits only: CLI11 converts "-1" to 2^64 - 1 and a number
+// past 2^64 to its largest value silently.
+CLI::Validator unsigned_64() {
+  return {[](std::string& value) -> std::string {
+            const bool digits =
+                !value.empty() && value.find_first_not_of("0123456789") == std::string::npos;
+            errno = 0;
+            if (digits) (void)std::strtoull(value.c_str(), nullptr, 10);
+            if (!digits || errno == ERANGE) {
+              return fmt::format("{} is not a whole number from 0 to {}", value,
+                                 std::numeric_limits<uint64_t>::max());
+            }
+            return {};
+          },
+          "UINT64"};
+}
+
 // The model: its weights and the threads its kernels use.
 void add_model_options(CLI::App& command, ReplayArguments& args) {
   CLI::Option* config =
@@ -280,6 +299,7 @@ void add_model_options(CLI::App& command, ReplayArguments& args) {
       .add_option("--seed", args.seed,
                   "seed of the generated weights (default: the --model-config's \"seed\", "
                   "else 42)")
+      ->check(unsigned_64())
       ->excludes(weights);
   command
       .add_option("--threads", args.threads,
@@ -359,12 +379,15 @@ int run(int argc, char** argv) {
       "Run a multi-turn workload through the built-in hybrid model with and without the prefix "
       "cache, check that both produce the same tokens and logits, and report tokens evaluated, "
       "time to first token and cache use (table or --json, plus an SVG chart).");
-  replay_command
-      ->add_option("workload", replay.workload,
-                   "JSONL workload (default: the embedded one; format in README.md)")
-      ->check(CLI::ExistingFile);
-  replay_command->add_option("--workload", replay.workload, "same as the positional WORKLOAD")
-      ->check(CLI::ExistingFile);
+  CLI::Option* positional =
+      replay_command
+          ->add_option("workload", replay.workload,
+                       "JSONL workload (default: the embedded one; format in README.md)")
+          ->check(CLI::ExistingFile);
+  CLI::Option* workload_option =
+      replay_command->add_option("--workload", replay.workload, "same as the positional WORKLOAD")
+          ->check(CLI::ExistingFile)
+          ->excludes(positional);
   replay_command->add_flag("--json", replay.json, "print the figures as JSON instead of a table");
   replay_command->add_flag("--quiet", replay.quiet, "no progress on stderr");
   replay_command
@@ -391,6 +414,8 @@ int run(int argc, char** argv) {
                    "(16 users on one long system prompt) or code-edits (a coding agent quoting "
                    "files, diffs and test logs back: for --speculate)")
       ->check(CLI::IsMember(tools::embedded_workload_names()))
+      ->excludes(positional)
+      ->excludes(workload_option)
       ->capture_default_str();
   add_model_options(*replay_command, replay);
   add_tier_options(*replay_command, replay);
