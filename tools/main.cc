@@ -180,14 +180,16 @@ void add_tier_options(CLI::App& command, ReplayArguments& args) {
 // `runs_started` is set once everything that can be refused up front has been checked (see
 // tools::failure_status).
 int run_replay(const ReplayArguments& args, bool& runs_started) {
-  // Everything that can be refused is, before any model work: arguments, the workload, requests
-  // over the context length, then the cache directory (last: checking may create it).
+  // Everything that can be refused is, before any model work: arguments, the workload, the
+  // model's vocabulary, requests over the context length, the chart's path, then the cache
+  // directory (last: checking may create it).
   const tools::Workload workload = args.workload.empty() ? tools::embedded_workload(args.embedded)
                                                          : tools::load_workload(args.workload);
   ModelConfig config;
   if (!args.model_config.empty())
     config = ModelConfig::from_json(detail::read_file(args.model_config));
   if (args.seed) config.seed = *args.seed;
+  tools::check_vocabulary(config.vocab_size);
   tools::check_context_length(workload, config.context_length);
   TierOptions tier = tier_options(args);
   if (!args.chart.empty()) tools::check_writable(args.chart, "--chart");

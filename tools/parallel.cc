@@ -308,12 +308,7 @@ ParallelRun replay_parallel(const Workload& workload, const Model& model,
         "replay: --parallel {}, --prefill-chunk {} and the block size {} must all be >= 1",
         options.parallel, options.prefill_chunk, options.block_tokens));
   }
-  if (model.config().vocab_size < kVocabularyNeeded) {
-    throw Error(
-        fmt::format("replay: the model's vocabulary of {} is smaller than the {} tokens the "
-                    "chat format needs",
-                    model.config().vocab_size, kVocabularyNeeded));
-  }
+  check_vocabulary(model.config().vocab_size);
   check_context_length(workload, model.config().context_length);
   if (!options.cache_dir.empty()) check_cache_dir(options.cache_dir, options.shared_cache_dir);
   auto scheduler = std::make_shared<Scheduler>(workload, model, options);

@@ -238,12 +238,7 @@ void load_saved_cache(PrefixCache& prefix, const std::string& dir, const std::st
 }
 
 RunResult replay(const Workload& workload, const Model& model, const ReplayOptions& options) {
-  if (model.config().vocab_size < kVocabularyNeeded) {
-    throw Error(
-        fmt::format("replay: the model's vocabulary of {} is smaller than the {} tokens the "
-                    "chat format needs",
-                    model.config().vocab_size, kVocabularyNeeded));
-  }
+  check_vocabulary(model.config().vocab_size);
   check_context_length(workload, model.config().context_length);
   const bool saved = options.with_cache && !options.cache_dir.empty();
   if (saved) check_cache_dir(options.cache_dir, options.shared_cache_dir);

@@ -127,12 +127,7 @@ void SpeculativeDecoder::decode(PrefixCache::Session* session, std::vector<int32
 
 SpeculativeRun replay_speculative(const Workload& workload, const Model& model,
                                   const SpeculateOptions& options) {
-  if (model.config().vocab_size < kVocabularyNeeded) {
-    throw Error(
-        fmt::format("replay: the model's vocabulary of {} is smaller than the {} tokens "
-                    "the chat format needs",
-                    model.config().vocab_size, kVocabularyNeeded));
-  }
+  check_vocabulary(model.config().vocab_size);
   const int64_t context_length = model.config().context_length;
   check_context_length(workload, context_length);
   SpeculativeRun out;

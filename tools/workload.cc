@@ -187,6 +187,14 @@ Workload load_workload(const std::string& path) {
   return parse_workload(text, path);
 }
 
+void check_vocabulary(int64_t vocab_size) {
+  if (vocab_size < kVocabularyNeeded) {
+    throw Error(fmt::format(
+        "replay: the model's vocabulary of {} is smaller than the {} tokens the chat format needs",
+        vocab_size, kVocabularyNeeded));
+  }
+}
+
 std::vector<int32_t> render(const std::vector<Message>& messages) {
   std::vector<int32_t> out;
   for (const Message& m : messages) {

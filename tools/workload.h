@@ -26,6 +26,9 @@ namespace kvsnap::tools {
 // The byte-level chat vocabulary: bytes 0..255, then role and end markers.
 enum Token : int32_t { kSystem = 256, kUser = 257, kAssistant = 258, kTool = 259, kEnd = 260 };
 constexpr int64_t kVocabularyNeeded = 261;
+// Throws Error "replay: the model's vocabulary of N is smaller than the 261 tokens the chat
+// format needs" when `vocab_size` < kVocabularyNeeded.
+void check_vocabulary(int64_t vocab_size);
 
 struct Message {
   int32_t role = kUser;  // kSystem, kUser, kAssistant or kTool

@@ -6,6 +6,8 @@
 #   EXPECT_FIRST_LINE  a regular expression the first line of stderr must match
 #   EXPECT_NO_STDOUT   ON: the program must print nothing on stdout (it failed before any work)
 #   TIMEOUT            seconds the program may run (a refusal must be quick)
+#   EXPECT_ABSENT      a path that must not exist after the run (removed before it): what a
+#                      refusal before any work must not have created
 #   PREPARE            one of the inputs below, written before the run and removed after it
 #                      (FILE names the path, ARGS refers to it):
 #     big_message      a workload whose one request has a user message of BYTES bytes
@@ -88,6 +90,9 @@ elseif(DEFINED PREPARE)
                       "shared_folder, foreign_folder or open_key")
 endif()
 
+if(DEFINED EXPECT_ABSENT)
+  file(REMOVE_RECURSE ${EXPECT_ABSENT})
+endif()
 set(limit)
 if(DEFINED TIMEOUT)
   set(limit TIMEOUT ${TIMEOUT})
@@ -116,6 +121,9 @@ if(DEFINED EXPECT_FIRST_LINE)
     message(FATAL_ERROR "the first line of stderr does not match \"${EXPECT_FIRST_LINE}\":\n"
                         "${first_line}\n(stderr:\n${err})")
   endif()
+endif()
+if(DEFINED EXPECT_ABSENT AND EXISTS ${EXPECT_ABSENT})
+  message(FATAL_ERROR "${EXPECT_ABSENT} exists after the run: it was created before the refusal")
 endif()
 if(EXPECT_NO_STDOUT AND NOT out STREQUAL "")
   message(FATAL_ERROR "expected no output on stdout (a failure before any work), got:\n${out}")
