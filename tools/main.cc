@@ -225,8 +225,7 @@ int run_replay(const ReplayArguments& args, bool& runs_started) {
          .progress = Progress("speculative, cache", !args.quiet)},
         Progress("plain, no cache", !args.quiet), Progress("plain, cache", !args.quiet));
     std::cout << (args.json ? report.json : report.table);
-    return finish(args, report.comparison.first_difference.empty() ? 0 : 1, report.speculative.run,
-                  report.uncached);
+    return finish(args, report.agree() ? 0 : 1, report.speculative.run, report.uncached);
   }
   tools::ReplayOptions cached_options;
   cached_options.max_paged_out_bytes = args.budget;

@@ -46,6 +46,24 @@ void PromptLookup::draft(std::span<const int32_t> context, int64_t k,
   }
 }
 
+SettledDrafts settle_drafts(std::span<const int32_t> drafts,
+                            const std::function<int32_t(int64_t)>& choose,
+                            const std::function<bool(int32_t)>& done) {
+  const auto k = static_cast<int64_t>(drafts.size());
+  SettledDrafts s;
+  for (;;) {
+    s.last = choose(s.kept);
+    if (s.kept == k || s.last != drafts[static_cast<size_t>(s.kept)]) break;
+    if (done(s.last)) {  // a right draft that ends the reply: accepted, never evaluated
+      s.accepted = s.kept + 1;
+      return s;
+    }
+    ++s.kept;
+  }
+  s.accepted = s.kept;
+  return s;
+}
+
 SpeculativeDecoder::SpeculativeDecoder(const Model& model, std::vector<Cache*> layers,
                                        int64_t speculate, double draft_noise)
     : model_(model),
@@ -104,14 +122,11 @@ void SpeculativeDecoder::decode(PrefixCache::Session* session, std::vector<int32
     logits = model_.forward(verify_, layers_, /*all_positions=*/true);
     // Row j predicts the token after verify_[j]: drafts hold while they equal the prediction.
     const size_t first = result.reply.size();
-    int64_t accepted = 0;
-    for (;;) {
-      token = choose(logits.data<float>() + accepted * vocab);
-      if (accepted == k || token != drafts[static_cast<size_t>(accepted)] || done(token)) break;
-      ++accepted;
-    }
+    const SettledDrafts settled = settle_drafts(
+        drafts, [&](int64_t row) { return choose(logits.data<float>() + row * vocab); }, done);
+    token = settled.last;
     timer = Clock::now();
-    round_.accept(accepted);  // every layer holds exactly the tokens before `token`
+    round_.accept(settled.kept);  // every layer holds exactly the tokens before `token`
     stats.round_seconds += since(timer);
     // The session learns the tokens once the layers hold what it will page out.
     if (session != nullptr) {
@@ -119,7 +134,7 @@ void SpeculativeDecoder::decode(PrefixCache::Session* session, std::vector<int32
     }
     ++stats.rounds;
     stats.drafted += k;
-    stats.accepted += accepted;
+    stats.accepted += settled.accepted;
   }
   stats.tokens += static_cast<int64_t>(result.reply.size()) - 1;
   stats.seconds += since(start);
@@ -192,6 +207,13 @@ std::string speculation_table(const SpeculateReport& r, int64_t k) {
                      s.forwards, p.forwards, s.tokens);
   out += fmt::format("    capture + rollback share       {:.3f}% of decode time\n",
                      s.seconds > 0 ? 100.0 * s.round_seconds / s.seconds : 0.0);
+  const Comparison& c = r.plain_comparison;
+  out += c.first_difference.empty()
+             ? fmt::format(
+                   "    plain decoding with the cache  agrees too: identical tokens, "
+                   "logits within {:.1e}\n",
+                   c.max_logit_difference)
+             : fmt::format("    PLAIN DECODING WITH THE CACHE DISAGREES: {}\n", c.first_difference);
   return out;
 }
 
@@ -211,13 +233,22 @@ SpeculateReport speculate_report(const Workload& workload, const Model& model,
   reference.with_cache = false;
   reference.progress = uncached_progress;
   r.uncached = replay(workload, model, reference);
+  finish_report(r, workload.name, options);
+  return r;
+}
+
+void finish_report(SpeculateReport& r, const std::string& workload,
+                   const SpeculateOptions& options) {
   r.comparison = compare(r.speculative.run, r.uncached, 1e-4);
+  r.plain_comparison = compare(r.plain.run, r.uncached, 1e-4);
   const Summary summary = summarize(r.speculative.run, r.uncached);
-  r.table =
-      format_table(summary, r.comparison, workload.name) + speculation_table(r, options.speculate);
+  r.table = format_table(summary, r.comparison, workload) + speculation_table(r, options.speculate);
   nlohmann::json json = nlohmann::json::parse(
-      format_json(summary, r.comparison, r.speculative.run, r.uncached, workload.name));
+      format_json(summary, r.comparison, r.speculative.run, r.uncached, workload));
   const DecodeStats& s = r.speculative.decode;
+  json["agree"] = r.agree();
+  json["plain_agree"] = r.plain_comparison.first_difference.empty();
+  json["plain_max_logit_difference"] = r.plain_comparison.max_logit_difference;
   json["speculate"] = options.speculate;
   json["draft_noise"] = options.draft_noise;
   json["acceptance_rate"] = s.acceptance_rate();
@@ -233,7 +264,6 @@ SpeculateReport speculate_report(const Workload& workload, const Model& model,
                          {"decode_seconds", s.seconds},
                          {"decode_seconds_plain", r.plain.decode.seconds}};
   r.json = json.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
-  return r;
 }
 
 }  // namespace kvsnap::tools

@@ -65,6 +65,19 @@ struct SpeculateOptions {
 // reply greedily with speculation.
 SpeculativeRun replay_speculative(const Workload&, const Model&, const SpeculateOptions&);
 
+// How one verify forward settles its drafts: `choose(j)` takes (and records) the model's token
+// from row j, which follows the last token and the first j drafts; `done(token)` says whether
+// the token ends the reply. A draft is accepted when it equals the model's token there, up to
+// the first one that differs or ends the reply.
+struct SettledDrafts {
+  int64_t kept = 0;      // drafts the layers keep (Speculation::accept): never a reply's end
+  int64_t accepted = 0;  // drafts equal to the model's tokens: kept, plus one that ended it
+  int32_t last = 0;      // the last token chosen: the next round's first
+};
+SettledDrafts settle_drafts(std::span<const int32_t> drafts,
+                            const std::function<int32_t(int64_t)>& choose,
+                            const std::function<bool(int32_t)>& done);
+
 // Greedy decoding of one sequence with speculation rounds (K = 0: plain decode steps).
 class SpeculativeDecoder {
  public:
@@ -93,13 +106,20 @@ struct SpeculateReport {
   SpeculativeRun speculative, plain;  // both with the prefix cache
   RunResult uncached;                 // plain greedy decoding without it: the reference
   Comparison comparison;              // speculative against the reference
+  Comparison plain_comparison;        // plain with the cache (the speed baseline) against it
   std::string table, json;
+  bool agree() const {
+    return comparison.first_difference.empty() && plain_comparison.first_difference.empty();
+  }
 };
 
 // The three runs and their figures (table and JSON: replay's, plus speculate, acceptance_rate,
-// decode_tokens_per_s, decode_tokens_per_s_plain, rollback_share).
+// decode_tokens_per_s, decode_tokens_per_s_plain, rollback_share, plain_agree; "agree" when
+// both runs with the cache agree with the reference).
 SpeculateReport speculate_report(const Workload&, const Model&, const SpeculateOptions&,
                                  const std::function<void(size_t, size_t)>& uncached_progress,
                                  const std::function<void(size_t, size_t)>& plain_progress);
+// Compares both runs with the reference and writes the table and the JSON of `r`'s runs.
+void finish_report(SpeculateReport& r, const std::string& workload, const SpeculateOptions&);
 
 }  // namespace kvsnap::tools

@@ -5,6 +5,9 @@
 
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+#include <tuple>
+
 #include "model/model.h"
 #include "support/tiny_model.h"
 #include "workload.h"
@@ -41,6 +44,29 @@ TEST(PromptLookup, NoMatchNoDraftsAndAtMostK) {
   EXPECT_EQ(drafts_for({1, 2, 3, 9, 1, 2}, 1), (Tokens{3}));
   EXPECT_THROW(PromptLookup(2, 0), Error);
   EXPECT_THROW(PromptLookup(1, 2), Error);
+}
+
+// A verify forward's drafts: accepted while they equal the model's tokens. A right draft that
+// ends the reply (the end token) is accepted too — the layers never evaluate a reply's last
+// token, so they keep only the drafts before it.
+TEST(SettleDrafts, ARightDraftThatEndsTheReplyIsAccepted) {
+  const auto settle = [](const Tokens& drafts, const Tokens& model) {
+    Tokens chosen;
+    const SettledDrafts s = settle_drafts(
+        drafts,
+        [&](int64_t row) {
+          chosen.push_back(model[static_cast<size_t>(row)]);
+          return chosen.back();
+        },
+        [](int32_t token) { return token == kEnd; });
+    EXPECT_EQ(s.last, chosen.back());
+    return std::tuple(s.kept, s.accepted, chosen);
+  };
+  EXPECT_EQ(settle({7, kEnd, 9}, {7, kEnd, 1, 1}), std::tuple(1, 2, Tokens{7, kEnd}));
+  EXPECT_EQ(settle({kEnd}, {kEnd, 1}), std::tuple(0, 1, Tokens{kEnd}));
+  EXPECT_EQ(settle({7, 8}, {7, 5, 1}), std::tuple(1, 1, Tokens{7, 5}));     // 8 was wrong
+  EXPECT_EQ(settle({7, 8}, {7, 8, 9}), std::tuple(2, 2, Tokens{7, 8, 9}));  // and a bonus
+  EXPECT_EQ(settle({7, 8}, {kEnd, 1}), std::tuple(0, 0, Tokens{kEnd}));     // a wrong draft
 }
 
 TEST(ModelSpeculation, GreedyTokensAndLogitsEqualPlainDecoding) {
@@ -109,6 +135,29 @@ TEST(ReplaySpeculative, AgreesWithPlainDecodingAndReusesAsMuch) {
   for (size_t i = 0; i < plain.run.requests.size(); ++i) {
     EXPECT_EQ(noisy.run.requests[i].evaluated, plain.run.requests[i].evaluated) << i;
   }
+}
+
+// --speculate checks both runs with the cache against recomputation: the speculative one and the
+// plain one that gives the speed baseline (it was never checked).
+TEST(ReplaySpeculative, ThePlainRunWithTheCacheIsCheckedToo) {
+  const Workload w = parse_workload(
+      R"({"id": "a", "messages": [{"role": "user", "content": "abcabcabc"}], "max_tokens": 12})",
+      "test");
+  const Model model(tiny_model());
+  const auto none = [](size_t, size_t) {};
+  SpeculateReport r = speculate_report(w, model, {.speculate = 4}, none, none);
+  EXPECT_TRUE(r.agree()) << r.comparison.first_difference << r.plain_comparison.first_difference;
+  EXPECT_NE(r.table.find("plain decoding with the cache  agrees too"), std::string::npos);
+  r.plain.run.requests[0].reply[0] += 1;  // as if the plain run had gone wrong
+  finish_report(r, "test", {.speculate = 4});
+  EXPECT_FALSE(r.agree());
+  EXPECT_TRUE(r.comparison.first_difference.empty());
+  EXPECT_NE(r.table.find("PLAIN DECODING WITH THE CACHE DISAGREES: request 1 (a)"),
+            std::string::npos)
+      << r.table;
+  const nlohmann::json json = nlohmann::json::parse(r.json);
+  EXPECT_FALSE(json.at("agree").get<bool>());
+  EXPECT_FALSE(json.at("plain_agree").get<bool>());
 }
 
 }  // namespace
