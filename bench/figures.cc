@@ -3,12 +3,16 @@
 #include <fmt/format.h>
 #include <sys/mman.h>
 
+#include <algorithm>
+#include <cmath>
+#include <new>
 #include <nlohmann/json.hpp>
 #include <thread>
 
 #include "figure_parts.h"
 #include "model/weights.h"
 #include "ops/kernel_report.h"
+#include "output.h"
 
 namespace kvsnap::bench {
 namespace {
@@ -47,6 +51,7 @@ double memcpy_fresh_ns(int64_t bytes) {
       [&] {
         void* fresh = ::mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE,
                              MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (fresh == MAP_FAILED) throw std::bad_alloc();  // kvsnap: out of memory, exit 3
         std::memcpy(fresh, source.data(), source.size());
         ::munmap(fresh, static_cast<size_t>(bytes));
       },
@@ -116,6 +121,57 @@ std::string figures_json(const std::vector<Figure>& figures) {
                      {"note", f.note}});
   }
   return array.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+}
+
+int figures_status(const std::vector<Figure>& figures) {
+  const bool failed = std::any_of(figures.begin(), figures.end(),
+                                  [](const Figure& f) { return !f.target.empty() && !f.pass; });
+  return failed ? 1 : 0;
+}
+
+std::string figures_chart(const std::vector<Figure>& figures) {
+  std::vector<const Figure*> rows;
+  for (const Figure& f : figures) {
+    if (f.ratio > 0) rows.push_back(&f);
+  }
+  const double row_height = 18, top = 60, label_width = 600, bar_left = 20 + label_width;
+  const double bar_width = 320, width = bar_left + bar_width + 110;
+  const double height = top + row_height * static_cast<double>(rows.size()) + 20;
+  // log10 of the ratio from -2 (0.01) to 3 (1000) across the bar's width.
+  const auto x = [&](double ratio) {
+    return bar_left + bar_width * std::clamp((std::log10(ratio) + 2) / 5, 0.0, 1.0);
+  };
+  std::string svg = fmt::format(
+      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{0}\" height=\"{1}\" "
+      "viewBox=\"0 0 {0} {1}\" font-family=\"sans-serif\" font-size=\"11\">\n"
+      "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+      "<text x=\"20\" y=\"22\" font-size=\"15\">kvsnap bench: each figure's ratio against its "
+      "limit (log scale)</text>\n<text x=\"20\" y=\"40\">green: passes its target; red: "
+      "fails it; grey: no target (hover a bar for its meaning and target)</text>\n",
+      width, height);
+  for (int decade = -2; decade <= 3; ++decade) {
+    const double at = x(std::pow(10.0, decade));
+    svg += fmt::format(
+        "<line x1=\"{0:.1f}\" x2=\"{0:.1f}\" y1=\"{1}\" y2=\"{2}\" stroke=\"#ddd\"/>"
+        "<text x=\"{0:.1f}\" y=\"{3}\" text-anchor=\"middle\">{4}</text>\n",
+        at, top - 4, height - 16, top - 8, std::pow(10.0, decade));
+  }
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const Figure& f = *rows[i];
+    const double y = top + row_height * static_cast<double>(i);
+    const std::string verdict = f.target.empty() ? "" : f.pass ? "PASS" : "FAIL";
+    const char* colour = f.target.empty() ? "#999" : f.pass ? "#3a7" : "#c44";
+    svg += fmt::format(
+        "<text x=\"20\" y=\"{0:.1f}\">{1}</text><rect x=\"{2:.1f}\" y=\"{3:.1f}\" "
+        "width=\"{4:.1f}\" height=\"12\" fill=\"{5}\"><title>{6}</title></rect>"
+        "<text x=\"{7:.1f}\" y=\"{0:.1f}\">{8:.2f} {9}</text>\n",
+        y + 10, tools::xml_escape(f.group + ": " + f.name), bar_left, y, x(f.ratio) - bar_left,
+        colour,
+        tools::xml_escape(fmt::format("{:.3g} {}{}", f.ratio, f.ratio_meaning,
+                                      f.target.empty() ? "" : "; target " + f.target)),
+        x(f.ratio) + 4, f.ratio, verdict);
+  }
+  return svg + "</svg>\n";
 }
 
 }  // namespace kvsnap::bench

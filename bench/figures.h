@@ -29,5 +29,10 @@ std::vector<Figure> run_figures(const BenchOptions&);
 
 std::string format_figures(const std::vector<Figure>&);
 std::string figures_json(const std::vector<Figure>&);
+// An SVG chart of every figure with a ratio: a bar per figure on a log scale (0.01 to 1000),
+// green when it passes its target, red when it fails it, grey without one.
+std::string figures_chart(const std::vector<Figure>&);
+// The exit status of `kvsnap bench`: 0 when every figure with a target passes it, else 1.
+int figures_status(const std::vector<Figure>&);
 
 }  // namespace kvsnap::bench

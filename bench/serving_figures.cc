@@ -116,6 +116,24 @@ void prefix_overhead_figures(std::vector<Figure>& out, const BenchOptions& optio
                              ttft * 1e3)});
 }
 
+namespace {
+
+// A figure that fails unless two runs agree (identical tokens, logits within 1e-4): a speed-up
+// of runs that disagree is no speed-up.
+Figure agreement(const std::string& group, const std::string& name, const tools::Comparison& c) {
+  return {group,
+          name,
+          c.max_logit_difference,
+          "max logit diff",
+          0,
+          "",
+          "identical tokens, logits within 1e-4",
+          c.first_difference.empty(),
+          c.first_difference.empty() ? "the runs agree" : c.first_difference};
+}
+
+}  // namespace
+
 void end_to_end_figures(std::vector<Figure>& out, const BenchOptions& options) {
   const Model model{ModelConfig{}};
   const tools::Workload workload = tools::embedded_workload();
@@ -128,6 +146,8 @@ void end_to_end_figures(std::vector<Figure>& out, const BenchOptions& options) {
   options.progress("end to end: replay without the prefix cache");
   const tools::RunResult uncached = tools::replay(workload, model, without_cache);
   const tools::Summary s = tools::summarize(cached, uncached);
+  out.push_back(agreement("end to end (kvsnap replay)", "with cache vs recomputing",
+                          tools::compare(cached, uncached, 1e-4)));
   out.push_back({"end to end (kvsnap replay)", "time to first token, median",
                  s.ttft_median_cached * 1e3, "ms", s.ttft_median_uncached / s.ttft_median_cached,
                  "x faster than recomputing", "", true,
@@ -149,7 +169,7 @@ void parallel_figures(std::vector<Figure>& out, const BenchOptions& options) {
   const tools::Workload workload = tools::embedded_workload("many-users");
   const std::pair<std::string, ModelConfig> models[] = {
       {"default model, 4.5M", ModelConfig{}}, {"data/model-16m.json", tools::embedded_model_16m()}};
-  tools::ParallelRun eight;  // the default model's, for memory and tokens
+  tools::ParallelRun eight, one;  // the default model's, for memory, tokens and agreement
   for (const auto& [name, config] : models) {
     const Model model{config};
     double seconds[2] = {std::numeric_limits<double>::infinity(),
@@ -166,6 +186,7 @@ void parallel_figures(std::vector<Figure>& out, const BenchOptions& options) {
         best = std::min(best, run.run.seconds);
         reply_tokens = run.reply_tokens;  // greedy: the same replies in every run
         if (slots == 8 && eight.steps == 0) eight = std::move(run);
+        if (slots == 1 && one.steps == 0) one = std::move(run);
       }
     }
     const double ratio = seconds[1] / seconds[0];
@@ -175,6 +196,8 @@ void parallel_figures(std::vector<Figure>& out, const BenchOptions& options) {
                    fmt::format("one slot {:.0f} tokens/s; faster of 2 runs each",
                                static_cast<double>(reply_tokens) / seconds[1])});
   }
+  out.push_back(agreement("many sequences (many-users)", "8 slots vs 1, default model",
+                          tools::compare(eight.run, one.run, 1e-4)));
   const double peak = static_cast<double>(eight.kv.peak_bytes);
   out.push_back({"many sequences (many-users)", "peak attention memory, 8 slots", peak / kMiB,
                  "MiB", peak / static_cast<double>(eight.kv.ideal_bytes), "x shared prefixes once",

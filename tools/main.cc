@@ -255,16 +255,27 @@ struct BenchArguments {
   bool json = false;
   bool quick = false;
   bool quiet = false;
+  std::string chart = "bench.svg";
 };
 
-int run_bench(const BenchArguments& args) {
+// Exit status: 0 when every figure with a target passes it, 1 when one fails (bench::
+// figures_status), 3 when the chart cannot be written at the end.
+int run_bench(const BenchArguments& args, bool& runs_started) {
+  if (!args.chart.empty()) tools::check_writable(args.chart, "--chart");
+  runs_started = true;
   bench::BenchOptions options;
   options.end_to_end = !args.quick;
   if (!args.quiet)
     options.progress = [](const std::string& step) { fmt::print(stderr, "bench: {}\n", step); };
   const std::vector<bench::Figure> figures = bench::run_figures(options);
-  std::cout << (args.json ? bench::figures_json(figures) : bench::format_figures(figures));
-  return 0;
+  std::cout << (args.json ? bench::figures_json(figures) : bench::format_figures(figures))
+            << std::flush;
+  const auto chart = [&] {
+    if (args.chart.empty()) return;
+    tools::write_replacing(args.chart, bench::figures_chart(figures), "--chart");
+    if (!args.json) std::cout << fmt::format("chart: {}\n", args.chart) << std::flush;
+  };
+  return tools::finish_run(bench::figures_status(figures), {chart}, std::cerr);
 }
 
 // A whole number from 0 to 2^64 - 1, digits only: CLI11 converts "-1" to 2^64 - 1 and a number
@@ -429,11 +440,17 @@ int run(int argc, char** argv) {
       "Measure the headline figures (decode append, chunked prefill, lazy capture, materialize "
       "and restore, merge/split, recurrent snapshots, trie lookups, end-to-end replay, many "
       "sequences at once), each as a "
-      "ratio against a limit measured in the same run, with PASS/FAIL against its target.");
+      "ratio against a limit measured in the same run, with PASS/FAIL against its target (exit "
+      "status 1 when one fails), as a table or --json, plus an SVG chart.");
   bench_command->add_flag("--json", bench_args.json, "print the figures as JSON");
   bench_command->add_flag("--quick", bench_args.quick,
                           "skip the end-to-end replays (the sequential and the parallel one)");
   bench_command->add_flag("--quiet", bench_args.quiet, "no progress on stderr");
+  bench_command
+      ->add_option("--chart", bench_args.chart,
+                   "SVG chart of the figures' ratios and verdicts ('' for none): checked before "
+                   "the run, replaced atomically")
+      ->capture_default_str();
 
   try {
     app.parse(argc, argv);
@@ -445,8 +462,7 @@ int run(int argc, char** argv) {
   bool runs_started = false;
   try {
     if (*replay_command) return run_replay(replay, runs_started);
-    runs_started = true;  // bench: nothing to refuse, every failure is the bench's own
-    if (*bench_command) return run_bench(bench_args);
+    if (*bench_command) return run_bench(bench_args, runs_started);
   } catch (...) {
     fmt::print(stderr, "kvsnap: {}\n", tools::failure_message(std::current_exception()));
     return tools::failure_status(std::current_exception(), runs_started);
