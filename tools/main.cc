@@ -376,11 +376,32 @@ void tune_process() {
   (void)::mallopt(M_TRIM_THRESHOLD, 512 << 20);
 }
 
+// `kvsnap bench` and its options.
+CLI::App* add_bench_command(CLI::App& app, BenchArguments& args) {
+  CLI::App* bench_command = app.add_subcommand(
+      "bench",
+      "Measure the headline figures (decode append, chunked prefill, lazy capture, materialize "
+      "and restore, merge/split, recurrent snapshots, trie lookups, end-to-end replay, many "
+      "sequences at once), each as a "
+      "ratio against a limit measured in the same run, with PASS/FAIL against its target (exit "
+      "status 1 when one fails), as a table or --json, plus an SVG chart.");
+  bench_command->add_flag("--json", args.json, "print the figures as JSON");
+  bench_command->add_flag("--quick", args.quick,
+                          "skip the end-to-end replays (the sequential and the parallel one)");
+  bench_command->add_flag("--quiet", args.quiet, "no progress on stderr");
+  bench_command
+      ->add_option("--chart", args.chart,
+                   "SVG chart of the figures' ratios and verdicts ('' for none): checked before "
+                   "the run, replaced atomically")
+      ->capture_default_str();
+  return bench_command;
+}
+
 // Exit status: 0 the runs agree (or a help text), 1 they disagree, 2 bad arguments, a bad
 // workload, a request over the context length, an unusable cache directory (one that is not
 // private without --shared-cache-dir included) or a saved cache that cannot be loaded, 3
 // anything else (out of memory, an internal failure, a failure after the results were printed):
-// tools::failure_status and tools::finish_run.
+// tools::failure_status and tools::finish_run. bench: 0 every figure passes, 1 one fails.
 int run(int argc, char** argv) {
   tune_process();
   CLI::App app{"kvsnap: snapshot, rewind, branch and reuse LLM inference state"};
@@ -435,22 +456,7 @@ int run(int argc, char** argv) {
   add_speculate_options(*replay_command, replay);
 
   BenchArguments bench_args;
-  CLI::App* bench_command = app.add_subcommand(
-      "bench",
-      "Measure the headline figures (decode append, chunked prefill, lazy capture, materialize "
-      "and restore, merge/split, recurrent snapshots, trie lookups, end-to-end replay, many "
-      "sequences at once), each as a "
-      "ratio against a limit measured in the same run, with PASS/FAIL against its target (exit "
-      "status 1 when one fails), as a table or --json, plus an SVG chart.");
-  bench_command->add_flag("--json", bench_args.json, "print the figures as JSON");
-  bench_command->add_flag("--quick", bench_args.quick,
-                          "skip the end-to-end replays (the sequential and the parallel one)");
-  bench_command->add_flag("--quiet", bench_args.quiet, "no progress on stderr");
-  bench_command
-      ->add_option("--chart", bench_args.chart,
-                   "SVG chart of the figures' ratios and verdicts ('' for none): checked before "
-                   "the run, replaced atomically")
-      ->capture_default_str();
+  CLI::App* bench_command = add_bench_command(app, bench_args);
 
   try {
     app.parse(argc, argv);
