@@ -339,18 +339,20 @@ void product_default(const float* x, int64_t count, const PackedMatrix& w, Out y
                                                    int64_t last) {
   product<Avx512, true>(x, count, w, y, first, last);
 }
-// Blocks of up to 24 rows, each going over W's panels once, a panel in stretches of kStretch of
-// its rows: the block's rows take a stretch in threes (12 sums each) and a last one or two, which
-// find it in L1 after the first, and the threes share out fetching the stretch that follows in
-// memory (the rest of the panel, then the next), so W streams in while it is computed rather than
-// between the multiply-adds. Measured on the default model's matrices, 8 rows, just after a 64 MB
-// stream has pushed them out of the caches: 1.38 ms, against 1.62 ms when each panel was fetched
-// by its own first three rows and the later ones fetched the next panel (4 rows: 1.13 against
-// 1.37; 24 and more: the same within 3%). One or two rows alone keep 12 sums over three panels
-// at a time.
+// Blocks of up to 24 rows, each going over W's panels once. A block of up to kStretchedRows rows
+// (a decode step's) goes over a panel in stretches of kStretch of its rows: the rows take a
+// stretch in threes (12 sums each) and a last one or two, which find it in L1 after the first,
+// and the threes share out fetching the stretch that follows in memory (the rest of the panel,
+// then the next), so W streams in while it is computed rather than between the multiply-adds.
+// Measured on the default model's matrices, 8 rows, just after a 64 MB stream has pushed them
+// out of the caches: 1.38 ms, against 1.62 ms when each panel was fetched by its own first three
+// rows and the later ones fetched the next panel (4 rows: 1.13 against 1.37). Larger blocks take
+// a panel whole, their threes sharing out fetching the next panel: stretches cost them ~20%
+// (64 and 512 rows), carrying their many sums through memory. One or two rows alone keep 12
+// sums over three panels at a time.
 [[gnu::target("avx2,fma")]] void product_avx2(const float* x, int64_t count, const PackedMatrix& w,
                                               Out y, int64_t first, int64_t last) {
-  constexpr int64_t kBlockRows = 24, kStretch = 32;
+  constexpr int64_t kBlockRows = 24, kStretch = 32, kStretchedRows = 12;
   const int64_t in = w.in(), out = y.out, full = first + (last - first) / kPanel * kPanel;
   const auto at = [&](int64_t r) { return Out{y.y + r * out, out, y.accumulate}; };
   if (in == 0) {  // every sum is 0 (a stretch loop over no k's would write none)
@@ -367,7 +369,8 @@ void product_default(const float* x, int64_t count, const PackedMatrix& w, Out y
   alignas(32) float partial[kBlockRows / 3][3 * kPanel];  // each three rows' sums between stretches
   for (int64_t r0 = 0; r0 < count; r0 += kBlockRows) {
     const int64_t end = std::min(count, r0 + kBlockRows), threes = (end - r0 + 2) / 3;
-    const int64_t share = (kStretch + threes - 1) / threes;  // following rows each three fetch
+    const int64_t stretch = end - r0 <= kStretchedRows ? kStretch : in;
+    const int64_t share = (stretch + threes - 1) / threes;  // following rows each three fetch
     for (int64_t j = first; j < last; j += kPanel) {
       if (j == full) {  // the narrow last panel
         for (int64_t r = r0; r < end; ++r) {
@@ -376,8 +379,8 @@ void product_default(const float* x, int64_t count, const PackedMatrix& w, Out y
         continue;
       }
       const float* panel = w.panel(j);
-      for (int64_t k0 = 0; k0 < in; k0 += kStretch) {
-        const int64_t k1 = std::min(in, k0 + kStretch);
+      for (int64_t k0 = 0; k0 < in; k0 += stretch) {
+        const int64_t k1 = std::min(in, k0 + stretch);
         // The rows that follow in memory: this panel's next stretch, or the next panel's first.
         const auto after = reinterpret_cast<uintptr_t>(panel + k1 * kPanel);
         const int64_t every = (k1 - k0 + share - 1) / share;
