@@ -44,7 +44,96 @@ bool parse_dtype(const std::string& name, DType& dtype) {
   return false;
 }
 
+// Error messages show this much of a value read from a file.
+constexpr size_t kDescribedChars = 120;
+constexpr size_t kDescribedStringBytes = 40;
+constexpr int kDescribedLevels = 3;
+
+// The deepest nesting of brackets outside strings: for valid JSON, the parser's depth.
+bool nests_deeper_than(std::string_view text, int limit) {
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  for (const char c : text) {
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > limit) return true;
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return false;
+}
+
+// `text` as a JSON string, cut to kDescribedStringBytes; bytes that are not UTF-8 (a cut may
+// split a character) show as U+FFFD.
+std::string quoted(const std::string& text) {
+  const bool cut = text.size() > kDescribedStringBytes;
+  const Json shown = cut ? text.substr(0, kDescribedStringBytes) : text;
+  std::string out = shown.dump(-1, ' ', false, Json::error_handler_t::replace);
+  if (cut) out.insert(out.size() - 1, "...");
+  return out;
+}
+
+// Appends `value` to `out`, containers `levels` deep, stopping once `out` is kDescribedChars long.
+void render(const Json& value, int levels, std::string& out) {
+  if (value.is_string()) {
+    out += quoted(value.get_ref<const std::string&>());
+    return;
+  }
+  if (!value.is_structured()) {
+    out += value.dump();  // a number, a boolean or null: short
+    return;
+  }
+  const bool object = value.is_object();
+  if (levels == 0) {
+    const char* plural = value.size() == 1 ? "" : "s";
+    out += object ? fmt::format("{{{} member{}}}", value.size(), plural)
+                  : fmt::format("[{} element{}]", value.size(), plural);
+    return;
+  }
+  out += object ? '{' : '[';
+  for (auto it = value.begin(); it != value.end(); ++it) {
+    if (it != value.begin()) out += ',';
+    if (out.size() > kDescribedChars) {
+      out += "...";
+      break;
+    }
+    if (object) out += quoted(it.key()) + ':';
+    render(*it, levels - 1, out);
+  }
+  out += object ? '}' : ']';
+}
+
 }  // namespace
+
+Json parse_json(std::string_view text, std::string& problem) {
+  problem.clear();
+  if (nests_deeper_than(text, kMaxJsonDepth)) {
+    problem = fmt::format("nests deeper than {} levels", kMaxJsonDepth);
+    return nullptr;
+  }
+  try {
+    return Json::parse(text);
+  } catch (const Json::exception& e) {
+    problem = fmt::format("is not valid JSON ({})", e.what());
+  }
+  return nullptr;
+}
+
+std::string describe_json(const Json& value) {
+  std::string out;
+  render(value, kDescribedLevels, out);
+  return out;
+}
 
 const Array& SafetensorsFile::at(const std::string& name, const char* context) const {
   for (const auto& [key, array] : tensors) {
@@ -110,12 +199,9 @@ Json parse_header(const std::string& bytes, uint64_t& length, const Fail& fail) 
   }
   const std::string_view text(bytes.data() + 8, length);
   if (text.empty() || text.front() != '{') throw fail("the header does not start with '{'");
-  Json header;
-  try {
-    header = Json::parse(text);
-  } catch (const Json::exception& e) {
-    throw fail(fmt::format("the header is not valid JSON ({})", e.what()));
-  }
+  std::string problem;
+  Json header = parse_json(text, problem);
+  if (!problem.empty()) throw fail("the header " + problem);
   if (!header.is_object()) throw fail("the header is not a JSON object");
   return header;
 }
@@ -129,18 +215,19 @@ Array parse_tensor(const std::string& name, const Json& entry, const char* data,
   }
   DType dtype;
   if (!entry["dtype"].is_string() || !parse_dtype(entry["dtype"].get<std::string>(), dtype)) {
-    throw fail(fmt::format("tensor \"{}\" has unknown dtype {}", name, entry["dtype"].dump()));
+    throw fail(
+        fmt::format("tensor \"{}\" has unknown dtype {}", name, describe_json(entry["dtype"])));
   }
   const Json& shape_json = entry["shape"];
   if (!shape_json.is_array() || shape_json.size() > static_cast<size_t>(Array::kMaxDims)) {
     throw fail(fmt::format("tensor \"{}\" has shape {} (need at most {} extents)", name,
-                           shape_json.dump(), Array::kMaxDims));
+                           describe_json(shape_json), Array::kMaxDims));
   }
   Shape shape;
   uint64_t elements = 1;
   for (const Json& extent : shape_json) {
     if (!extent.is_number_unsigned() || extent.get<uint64_t>() > (uint64_t(1) << 40)) {
-      throw fail(fmt::format("tensor \"{}\" has a bad extent {}", name, extent.dump()));
+      throw fail(fmt::format("tensor \"{}\" has a bad extent {}", name, describe_json(extent)));
     }
     shape.push_back(static_cast<int64_t>(extent.get<uint64_t>()));
     elements *= extent.get<uint64_t>();
@@ -149,7 +236,7 @@ Array parse_tensor(const std::string& name, const Json& entry, const char* data,
   const Json& offsets = entry["data_offsets"];
   if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
       !offsets[1].is_number_unsigned()) {
-    throw fail(fmt::format("tensor \"{}\" has bad data_offsets {}", name, offsets.dump()));
+    throw fail(fmt::format("tensor \"{}\" has bad data_offsets {}", name, describe_json(offsets)));
   }
   const uint64_t begin = offsets[0].get<uint64_t>(), end = offsets[1].get<uint64_t>();
   const uint64_t expected = elements * static_cast<uint64_t>(dtype_size(dtype));

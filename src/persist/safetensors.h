@@ -5,7 +5,9 @@
 
 #include <cstdint>
 #include <map>
+#include <nlohmann/json_fwd.hpp>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -26,6 +28,19 @@ std::string encode_safetensors(const SafetensorsFile&);
 // Parses and validates bytes (every rule above); throws Error naming `source` and the rule
 // broken. Nothing partial is returned.
 SafetensorsFile decode_safetensors(const std::string& bytes, const std::string& source);
+
+// --- JSON read from files (which may be damaged or forged) ---
+
+// Nesting parse_json refuses beyond: kvsnap's JSON nests 4 levels at most, and whatever recurses
+// over a parsed value (rendering, comparing, copying) recurses once per level.
+inline constexpr int kMaxJsonDepth = 32;
+// Parses `text`. On failure returns null and sets `problem` to why: "is not valid JSON (...)" or
+// "nests deeper than 32 levels" (found by a linear scan before parsing).
+nlohmann::json parse_json(std::string_view text, std::string& problem);
+// A short rendering of `value` for an error message, whatever its size: compact JSON, strings
+// cut to 40 bytes, containers below the third level as their size, the whole cut to about 120
+// characters; always valid UTF-8 (never throws for a string's bytes).
+std::string describe_json(const nlohmann::json& value);
 
 // Whole-file helpers; read errors and decode errors throw Error.
 std::string read_file(const std::string& path);

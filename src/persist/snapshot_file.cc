@@ -104,12 +104,9 @@ LoadedSnapshots decode_snapshots(const std::string& bytes, const std::string& so
   };
   for (int64_t i = 0; i < layers; ++i) {
     const std::string layer = fmt::format("layer.{}", i);
-    Json entry;
-    try {
-      entry = Json::parse(meta(layer));
-    } catch (const Json::exception&) {
-      throw fail(fmt::format("metadata \"{}\" is not valid JSON", layer));
-    }
+    std::string problem;
+    const Json entry = detail::parse_json(meta(layer), problem);
+    if (!problem.empty()) throw fail(fmt::format("metadata \"{}\" {}", layer, problem));
     const auto number = [&](const char* key) {
       if (!entry.contains(key) || !entry[key].is_number_integer()) {
         throw fail(fmt::format("{} needs an integer \"{}\"", layer, key));

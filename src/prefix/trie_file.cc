@@ -112,7 +112,7 @@ class TrieDecoder {
     }
     for (size_t i = 0; i < layers_.size(); ++i) {
       if (saved[i] != describe(layers_[i])) {
-        throw fail(fmt::format("layer {} is {} in the file but {} here", i, saved[i].dump(),
+        throw fail(fmt::format("layer {} is {} in the file but {} here", i, describe_json(saved[i]),
                                describe(layers_[i]).dump()));
       }
     }
@@ -141,11 +141,10 @@ class TrieDecoder {
 
  private:
   Json parse(const char* key) const {
-    try {
-      return Json::parse(meta(key));
-    } catch (const Json::exception& e) {
-      throw fail(fmt::format("metadata \"{}\" is not valid JSON ({})", key, e.what()));
-    }
+    std::string problem;
+    Json value = parse_json(meta(key), problem);
+    if (!problem.empty()) throw fail(fmt::format("metadata \"{}\" {}", key, problem));
+    return value;
   }
 
   LoadedNode node(size_t n, const Json& e) {
@@ -197,7 +196,7 @@ class TrieDecoder {
     if (!s.is_object() || !s.contains("kind") || s["kind"] != expected || !s.contains("from") ||
         !s.contains("to") || !s["from"].is_number_integer() || !s["to"].is_number_integer()) {
       throw fail(fmt::format("node {} layer {}: snapshot {} does not fit a {} layer", n, i,
-                             s.dump(), expected));
+                             describe_json(s), expected));
     }
     const int64_t from = s["from"].get<int64_t>(), to = s["to"].get<int64_t>();
     const bool ranged = expected == "kv";

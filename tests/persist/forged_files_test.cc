@@ -1,0 +1,88 @@
+// Damaged or forged snapshot files (some with a recomputed checksum: it detects damage, not
+// tampering) are rejected whole with a kvsnap::Error that names the file — never a crash, never
+// another exception, never an allocation a forged length asks for.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <kvsnap/kvsnap.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "persist/files.h"
+#include "persist/safetensors.h"
+#include "support/cache_support.h"
+#include "support/recurrent_support.h"
+#include "support/test_support.h"
+
+namespace kvsnap {
+namespace {
+
+using testing::id_range;
+using testing::throws_error;
+using testing::TokenKV;
+
+const TokenKV kv{.heads = 2, .depth = 4};
+
+std::filesystem::path scratch(const std::string& name) {
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("kvsnap_forged_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  std::filesystem::permissions(dir, std::filesystem::perms::owner_all);
+  return dir / name;
+}
+
+// A safetensors file whose JSON header is `header` (padded), with no data.
+std::string with_header(std::string header) {
+  header.append((8 - header.size() % 8) % 8, ' ');
+  std::string out(8, '\0');
+  for (size_t i = 0; i < 8; ++i) out[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
+  return out + header;
+}
+
+std::string nested(size_t depth) { return std::string(depth, '[') + std::string(depth, ']'); }
+
+// nlohmann parses deep nesting without recursion, but rendering a value (dump) recurses once
+// per level: a header 100000 levels deep must be refused, not rendered into a message.
+TEST(ForgedFiles, DeeplyNestedJsonIsRejectedCleanly) {
+  const std::string deep = nested(100000);
+  const std::string headers[] = {
+      R"({"t":{"dtype":)" + deep + R"(,"shape":[],"data_offsets":[0,0]}})",
+      R"({"t":{"dtype":"F32","shape":[)" + deep + R"(],"data_offsets":[0,0]}})",
+      R"({"t":{"dtype":"F32","shape":[],"data_offsets":)" + deep + "}}",
+      R"({"__metadata__":{"format":)" + deep + "}}",
+  };
+  for (const std::string& header : headers) {
+    const std::string bytes = with_header(header);
+    EXPECT_TRUE(throws_error([&] { (void)decode_snapshots(bytes, "deep.safetensors"); },
+                             {"safetensors deep.safetensors", "deeper than"}));
+  }
+  const auto path = scratch("deep.safetensors");
+  { std::ofstream(path, std::ios::binary) << with_header(headers[0]); }
+  EXPECT_TRUE(throws_error([&] { (void)load_snapshots(path.string()); },
+                           {path.string().c_str(), "deeper than"}));
+  std::filesystem::remove(path);
+}
+
+// What an error message shows of a value read from a file is short, however long the value.
+TEST(ForgedFiles, AnOverlongValueIsDescribedBriefly) {
+  std::string long_array = "[0";
+  for (int i = 0; i < 200000; ++i) long_array += ",0";
+  long_array += "]";
+  const std::string long_string = '"' + std::string(500000, 'x') + '"';
+  for (const std::string& value : {long_array, long_string}) {
+    const std::string bytes =
+        with_header(R"({"t":{"dtype":)" + value + R"(,"shape":[],"data_offsets":[0,0]}})");
+    try {
+      (void)decode_snapshots(bytes, "long.safetensors");
+      ADD_FAILURE() << "accepted";
+    } catch (const Error& error) {
+      EXPECT_LT(std::string(error.what()).size(), 400u) << std::string(error.what()).substr(0, 400);
+      EXPECT_NE(std::string(error.what()).find("unknown dtype"), std::string::npos);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvsnap

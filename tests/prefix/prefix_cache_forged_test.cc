@@ -1,0 +1,133 @@
+// Forged prefix-cache files: a saved trie taken apart, changed and resealed (the checksum detects
+// damage, not tampering: anyone who can write the file can recompute it). Each is rejected whole
+// with a kvsnap::Error naming the file, and the cache that refused it is unchanged.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <kvsnap/prefix_cache.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "persist/files.h"
+#include "persist/safetensors.h"
+#include "support/conversation.h"
+
+namespace kvsnap {
+namespace {
+
+using Json = nlohmann::json;
+using testing::HybridStack;
+using testing::run_turn;
+using testing::throws_error;
+using testing::Tokens;
+using testing::tokens;
+using testing::operator+;
+
+const Tokens kSystem = tokens(100, 12);
+
+void warm_up(PrefixCache& cache, HybridStack& stack) {
+  const std::vector<int64_t> end_of_system{12};
+  run_turn(cache, stack, kSystem + tokens(200, 6), tokens(300, 4), end_of_system);
+  run_turn(cache, stack, kSystem + tokens(200, 6) + tokens(300, 4) + tokens(400, 5),
+           tokens(500, 3));
+  run_turn(cache, stack, kSystem + tokens(800, 7), tokens(900, 2));
+}
+
+std::string read(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+class ForgedTrie : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = (std::filesystem::temp_directory_path() /
+            ("kvsnap_forged_trie_" + std::to_string(::getpid())))
+               .string();
+    std::filesystem::remove_all(dir_);
+    HybridStack stack;
+    PrefixCache cache(stack.layers());
+    warm_up(cache, stack);
+    cache.save(dir_, "m");
+    path_ = dir_ + "/prefix_cache.safetensors";
+    file_ = detail::decode_safetensors(read(path_), path_);
+    nodes_ = Json::parse(file_.metadata.at("nodes"));
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  // Writes the file back with `nodes_`, sealed; each `marker` string in the metadata text is
+  // replaced by the raw JSON text it maps to (nesting too deep to build as a value).
+  void rewrite(const std::map<std::string, std::string>& raw = {}) {
+    file_.metadata["nodes"] = nodes_.dump();
+    for (auto& [key, text] : file_.metadata) {
+      for (const auto& [marker, replacement] : raw) {
+        const size_t at = text.find('"' + marker + '"');
+        if (at != std::string::npos) text.replace(at, marker.size() + 2, replacement);
+      }
+    }
+    std::ofstream(path_, std::ios::binary | std::ios::trunc) << detail::encode_sealed(file_);
+  }
+  // Expects a warm cache's load to throw an Error with every fragment and change nothing.
+  void expect_rejected(std::initializer_list<const char*> fragments) {
+    HybridStack stack;
+    PrefixCache cache(stack.layers());
+    warm_up(cache, stack);
+    const std::string before = cache.debug_string();
+    EXPECT_TRUE(throws_error([&] { cache.load(dir_, "m"); }, fragments));
+    EXPECT_EQ(cache.debug_string(), before);
+    EXPECT_EQ(cache.check_invariants(), "");
+  }
+  // The first node with a snapshot on layer `layer`.
+  size_t node_with(size_t layer) const {
+    for (size_t n = 0; n < nodes_.size(); ++n) {
+      if (!nodes_[n]["snapshots"][layer].is_null()) return n;
+    }
+    ADD_FAILURE() << "no node has a snapshot on layer " << layer;
+    return 0;
+  }
+
+  std::string dir_, path_;
+  detail::SafetensorsFile file_;
+  Json nodes_;
+};
+
+TEST_F(ForgedTrie, TheUnchangedFileResealedLoads) {
+  rewrite();
+  HybridStack stack;
+  PrefixCache cache(stack.layers());
+  cache.load(dir_, "m");
+  EXPECT_EQ(cache.check_invariants(), "");
+  EXPECT_GT(cache.node_count(), 0);
+}
+
+TEST_F(ForgedTrie, DeeplyNestedJsonIsRejectedCleanly) {
+  Json layers = Json::parse(file_.metadata.at("layers"));
+  layers[0] = "DEEP";
+  file_.metadata["layers"] = layers.dump();
+  rewrite({{"DEEP", std::string(100000, '[') + std::string(100000, ']')}});
+  expect_rejected({"prefix_cache.safetensors", "\"layers\"", "deeper than"});
+  SetUp();
+  nodes_[0]["snapshots"][0] = "DEEP";
+  rewrite({{"DEEP", std::string(100000, '[') + std::string(100000, ']')}});
+  expect_rejected({"prefix_cache.safetensors", "\"nodes\"", "deeper than"});
+}
+
+// A snapshot entry that does not fit its layer is described briefly, however long it is.
+TEST_F(ForgedTrie, AnOverlongSnapshotEntryIsDescribedBriefly) {
+  nodes_[0]["snapshots"][0] = Json::array();
+  for (int i = 0; i < 100000; ++i) nodes_[0]["snapshots"][0].push_back(i);
+  rewrite();
+  HybridStack stack;
+  PrefixCache cache(stack.layers());
+  try {
+    cache.load(dir_, "m");
+    ADD_FAILURE() << "loaded";
+  } catch (const Error& error) {
+    EXPECT_LT(std::string(error.what()).size(), 500u) << std::string(error.what()).substr(0, 500);
+  }
+}
+
+}  // namespace
+}  // namespace kvsnap
