@@ -206,6 +206,28 @@ Json parse_header(const std::string& bytes, uint64_t& length, const Fail& fail) 
   return header;
 }
 
+// The extents of tensor `name`: each at most 2^40, and so is their product with zero extents
+// counted as 1 (the strides of [0, 2^40, 2^40] overflow too); checked before it can wrap.
+Shape parse_shape(const std::string& name, const Json& extents, const Fail& fail) {
+  constexpr uint64_t kMaxElements = uint64_t(1) << 40;
+  Shape shape;
+  uint64_t product = 1;  // <= kMaxElements
+  for (const Json& extent : extents) {
+    if (!extent.is_number_unsigned() || extent.get<uint64_t>() > kMaxElements) {
+      throw fail(fmt::format("tensor \"{}\" has a bad extent {}", name, describe_json(extent)));
+    }
+    const uint64_t factor = std::max<uint64_t>(extent.get<uint64_t>(), 1);
+    if (factor > kMaxElements / product) {
+      throw fail(fmt::format(
+          "tensor \"{}\" is too large: shape {} spans more than 2^40 elements (zero extents as 1)",
+          name, describe_json(extents)));
+    }
+    product *= factor;
+    shape.push_back(static_cast<int64_t>(extent.get<uint64_t>()));
+  }
+  return shape;
+}
+
 // One tensor's entry: its array (data copied from `data`, `data_size` bytes) and byte range.
 Array parse_tensor(const std::string& name, const Json& entry, const char* data, uint64_t data_size,
                    std::pair<uint64_t, uint64_t>& range, const Fail& fail) {
@@ -223,16 +245,9 @@ Array parse_tensor(const std::string& name, const Json& entry, const char* data,
     throw fail(fmt::format("tensor \"{}\" has shape {} (need at most {} extents)", name,
                            describe_json(shape_json), Array::kMaxDims));
   }
-  Shape shape;
+  const Shape shape = parse_shape(name, shape_json, fail);
   uint64_t elements = 1;
-  for (const Json& extent : shape_json) {
-    if (!extent.is_number_unsigned() || extent.get<uint64_t>() > (uint64_t(1) << 40)) {
-      throw fail(fmt::format("tensor \"{}\" has a bad extent {}", name, describe_json(extent)));
-    }
-    shape.push_back(static_cast<int64_t>(extent.get<uint64_t>()));
-    elements *= extent.get<uint64_t>();
-    if (elements > (uint64_t(1) << 40)) throw fail(fmt::format("tensor \"{}\" is too large", name));
-  }
+  for (const int64_t extent : shape) elements *= static_cast<uint64_t>(extent);
   const Json& offsets = entry["data_offsets"];
   if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
       !offsets[1].is_number_unsigned()) {

@@ -84,5 +84,18 @@ TEST(ForgedFiles, AnOverlongValueIsDescribedBriefly) {
   }
 }
 
+// The product of the extents is checked before it can wrap (and with zero extents ignored: the
+// strides of [0, 2^40, 2^40, 2^40] overflow too); the error names the file and the tensor.
+TEST(ForgedFiles, ShapesWhoseProductOverflowsAreRejectedNamingTheFileAndTensor) {
+  for (const char* shape : {"[1099511627776,16777216]", "[16777216,16777216,16777216]",
+                            "[0,1099511627776,1099511627776,1099511627776]"}) {
+    const std::string bytes = with_header(std::string(R"({"big":{"dtype":"F32","shape":)") + shape +
+                                          R"(,"data_offsets":[0,0]}})");
+    EXPECT_TRUE(throws_error([&] { (void)detail::decode_safetensors(bytes, "forged.safetensors"); },
+                             {"safetensors forged.safetensors", "tensor \"big\"", "too large"}))
+        << shape;
+  }
+}
+
 }  // namespace
 }  // namespace kvsnap
