@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -235,11 +236,21 @@ FileDescriptor open_private_file(const std::string& path, const PrivacyRule& rul
   return file;
 }
 
-std::string read_private_file(const std::string& path, const PrivacyRule& rule) {
+std::string read_private_file(const std::string& path, const PrivacyRule& rule,
+                              uint64_t max_bytes) {
   const FileDescriptor file = open_private_file(path, rule);
+  const auto too_large = [&](uint64_t size, const char* more) {
+    return Error(
+        fmt::format("{}: cannot load {}: it holds {}{} bytes, more than the {} bytes a "
+                    "load accepts{}",
+                    rule.call, path, more, size, max_bytes,
+                    max_bytes == loadable_bytes() ? " (the machine's memory)" : ""));
+  };
   struct stat status {};
   std::string bytes;
   if (::fstat(file.get(), &status) == 0 && S_ISREG(status.st_mode)) {
+    if (static_cast<uint64_t>(status.st_size) > max_bytes)
+      throw too_large(static_cast<uint64_t>(status.st_size), "");
     bytes.reserve(static_cast<size_t>(status.st_size));
   }
   char buffer[1 << 16];
@@ -250,8 +261,17 @@ std::string read_private_file(const std::string& path, const PrivacyRule& rule) 
       if (errno == EINTR) continue;
       throw Error(fmt::format("error reading {} ({})", path, std::strerror(errno)));
     }
+    if (static_cast<uint64_t>(n) > max_bytes - bytes.size()) {
+      throw too_large(bytes.size() + static_cast<uint64_t>(n), "at least ");
+    }
     bytes.append(buffer, static_cast<size_t>(n));
   }
+}
+
+uint64_t loadable_bytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0) return std::numeric_limits<uint64_t>::max();
+  return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page);
 }
 
 FileDescriptor create_private_file(const std::string& path, const std::string& call) {

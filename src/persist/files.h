@@ -77,9 +77,17 @@ void check_private_folder(const std::string& path, const PrivacyRule& rule);
 // blocking and checked for nothing but being a regular file. Throws Error "cannot open <path>
 // for reading (<why>)" or the checks' Error.
 FileDescriptor open_private_file(const std::string& path, const PrivacyRule& rule);
-// The whole file, read through open_private_file's descriptor. Throws its Errors or "error
-// reading <path> (<why>)".
-std::string read_private_file(const std::string& path, const PrivacyRule& rule);
+// The most bytes a file can hold and be loaded: the machine's memory (a loader holds the file and
+// what it decodes at once).
+uint64_t loadable_bytes();
+// The whole file, read through open_private_file's descriptor. A regular file of more than
+// `max_bytes` is refused before any of it is reserved or read, and reading stops once more
+// arrived (a file that grows, or is not a regular one): Error "<rule.call>: cannot load <path>:
+// it holds ... bytes, more than ...". Throws open_private_file's Errors, or "error reading <path>
+// (<why>)"; std::bad_alloc when a file within the limit does not fit in memory (callers turn it
+// into an Error).
+std::string read_private_file(const std::string& path, const PrivacyRule& rule,
+                              uint64_t max_bytes = loadable_bytes());
 
 // Opens `path` for writing, emptied: created mode 0600 whatever the umask (fchmod after open),
 // never through a symbolic link. An existing file that is not a regular file, that another user

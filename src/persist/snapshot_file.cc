@@ -1,5 +1,6 @@
 #include <fmt/format.h>
 
+#include <new>
 #include <nlohmann/json.hpp>
 
 #include "cache/snapshot_record.h"
@@ -76,7 +77,9 @@ std::string encode_snapshots(int64_t offset, std::span<const Snapshot* const> sn
   return detail::encode_sealed(std::move(file));
 }
 
-LoadedSnapshots decode_snapshots(const std::string& bytes, const std::string& source) {
+namespace {
+
+LoadedSnapshots decode(const std::string& bytes, const std::string& source) {
   const detail::SafetensorsFile file = detail::decode_safetensors(bytes, source);
   const auto fail = [&](const std::string& what) {
     return Error(fmt::format("{}: {}", source, what));
@@ -146,6 +149,16 @@ LoadedSnapshots decode_snapshots(const std::string& bytes, const std::string& so
   return loaded;
 }
 
+}  // namespace
+
+LoadedSnapshots decode_snapshots(const std::string& bytes, const std::string& source) {
+  try {
+    return decode(bytes, source);
+  } catch (const std::bad_alloc&) {
+    throw Error(fmt::format("{}: out of memory decoding its {} bytes", source, bytes.size()));
+  }
+}
+
 void save_snapshots(const std::string& path, int64_t offset,
                     std::span<const Snapshot* const> snapshots) {
   detail::write_file_atomically(path, encode_snapshots(offset, snapshots));
@@ -171,7 +184,11 @@ LoadedSnapshots load_snapshots(const std::string& path, const LoadOptions& optio
   const detail::PrivacyRule rule{.call = "load_snapshots",
                                  .override_with = "set LoadOptions::allow_shared",
                                  .allow_shared = options.allow_shared};
-  return decode_snapshots(detail::read_private_file(path, rule), path);
+  try {
+    return decode_snapshots(detail::read_private_file(path, rule), path);
+  } catch (const std::bad_alloc&) {
+    throw Error(fmt::format("load_snapshots: cannot load {}: out of memory", path));
+  }
 }
 
 }  // namespace kvsnap

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <mutex>
+#include <new>
 
 #include "kvsnap/tier.h"
 #include "persist/files.h"
@@ -149,9 +150,14 @@ void PrefixCache::load(const std::string& dir, const std::string& model_id,
   if (impl_->any_open()) throw Error("PrefixCache::load: a session is open; close it first");
   const std::string path = trie_path(dir);
   detail::remove_stale_temporaries(path);
-  detail::LoadedTrie loaded =
-      detail::decode_trie(detail::read_private_file(path, load_rule("PrefixCache::load", options)),
-                          path, impl_->trie.layers(), model_id);
+  detail::LoadedTrie loaded;
+  try {
+    loaded = detail::decode_trie(
+        detail::read_private_file(path, load_rule("PrefixCache::load", options)), path,
+        impl_->trie.layers(), model_id);
+  } catch (const std::bad_alloc&) {
+    throw Error(fmt::format("PrefixCache::load: cannot load {}: out of memory", path));
+  }
   for (const auto& slot : impl_->slots) slot->live().reset();
   detail::install(impl_->trie, std::move(loaded));
   impl_->stats.loaded_nodes = impl_->trie.node_count();

@@ -97,5 +97,35 @@ TEST(ForgedFiles, ShapesWhoseProductOverflowsAreRejectedNamingTheFileAndTensor) 
   }
 }
 
+// A file far larger than the machine's memory (sparse: it takes no disk) is refused before a
+// byte of it is read or reserved.
+TEST(ForgedFiles, AFileTooLargeToLoadIsRefusedBeforeItIsRead) {
+  const auto path = scratch("huge.safetensors");
+  {
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::ftruncate(fd, off_t(1) << 40), 0);
+    ::close(fd);
+  }
+  EXPECT_TRUE(throws_error([&] { (void)load_snapshots(path.string()); },
+                           {"load_snapshots", path.string().c_str(), "1099511627776 bytes"}));
+  std::filesystem::remove(path);
+}
+
+// A caller's own limit, and a file that is not a regular one (whose size says nothing): reading
+// stops at the limit.
+TEST(ForgedFiles, ReadingStopsAtTheLimit) {
+  const auto path = scratch("sixteen");
+  { std::ofstream(path, std::ios::binary) << "0123456789abcdef"; }
+  const detail::PrivacyRule rule{.call = "test", .override_with = ""};
+  EXPECT_EQ(detail::read_private_file(path.string(), rule, 16), "0123456789abcdef");
+  EXPECT_TRUE(throws_error([&] { (void)detail::read_private_file(path.string(), rule, 15); },
+                           {"test: cannot load", path.string().c_str(), "16 bytes", "15 bytes"}));
+  std::filesystem::remove(path);
+  const detail::PrivacyRule shared{.call = "test", .override_with = "", .allow_shared = true};
+  EXPECT_TRUE(throws_error([&] { (void)detail::read_private_file("/dev/zero", shared, 1 << 20); },
+                           {"/dev/zero"}));
+}
+
 }  // namespace
 }  // namespace kvsnap

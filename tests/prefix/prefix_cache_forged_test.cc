@@ -129,5 +129,15 @@ TEST_F(ForgedTrie, AnOverlongSnapshotEntryIsDescribedBriefly) {
   }
 }
 
+// A file far larger than the machine's memory (sparse: it takes no disk) is refused before a
+// byte of it is read or reserved.
+TEST_F(ForgedTrie, AFileTooLargeToLoadIsRefusedBeforeItIsRead) {
+  const int fd = ::open(path_.c_str(), O_WRONLY | O_TRUNC);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::ftruncate(fd, off_t(1) << 40), 0);
+  ::close(fd);
+  expect_rejected({"PrefixCache::load", "prefix_cache.safetensors", "1099511627776 bytes"});
+}
+
 }  // namespace
 }  // namespace kvsnap
