@@ -183,10 +183,24 @@ class TrieDecoder {
     if (snapshots.size() != layers_.size())
       throw fail(fmt::format("node {} has {} snapshot slots", n, snapshots.size()));
     for (size_t i = 0; i < layers_.size(); ++i) {
-      node.snapshots.push_back(
-          snapshots[i].is_null() ? nullptr : snapshot(n, i, snapshots[i], start, ends_.back()));
+      node.snapshots.push_back(layer_snapshot(n, i, snapshots[i], start, ends_.back()));
     }
     return node;
+  }
+
+  // Layer i's snapshot of node n, which spans [start, end), or null: a stateless layer has none,
+  // a KV layer's spans every node's edge (a restore through the node needs it), a whole-state
+  // layer's is a restore point, which a node may lack.
+  SnapshotPtr layer_snapshot(size_t n, size_t i, const Json& s, int64_t start, int64_t end) {
+    if (layers_[i].cache == nullptr && !s.is_null()) {
+      throw fail(fmt::format("node {} layer {}: a snapshot on a stateless layer", n, i));
+    }
+    if (layers_[i].ranged() && s.is_null()) {
+      throw fail(fmt::format(
+          "node {} [{}, {}) layer {}: no KV snapshot (a KV layer's spans every node's edge)", n,
+          start, end, i));
+    }
+    return s.is_null() ? nullptr : snapshot(n, i, s, start, end);
   }
 
   // Layer i's snapshot of node n, which spans [start, end).

@@ -102,6 +102,31 @@ TEST_F(ForgedTrie, TheUnchangedFileResealedLoads) {
   EXPECT_GT(cache.node_count(), 0);
 }
 
+// Layer 2 of the HybridStack is stateless: a snapshot there (kind "none") is not a trie's.
+TEST_F(ForgedTrie, ASnapshotOnAStatelessLayerIsRejected) {
+  const size_t n = node_with(3);
+  const Json recurrent = nodes_[n]["snapshots"][3];
+  nodes_[n]["snapshots"][2] = {
+      {"kind", "none"}, {"from", recurrent["to"]}, {"to", recurrent["to"]}};
+  for (const char* part : {"a", "b"}) {
+    const std::string node = "node." + std::to_string(n);
+    file_.tensors.emplace_back(node + ".layer.2." + part,
+                               file_.at(node + ".layer.3." + part, "test").clone());
+  }
+  rewrite();
+  const std::string named = "node " + std::to_string(n);
+  expect_rejected({"prefix_cache.safetensors", named.c_str(), "layer 2", "stateless"});
+}
+
+// Every node's edge must be covered by every KV layer (a restore through it needs the data).
+TEST_F(ForgedTrie, AMissingKVSnapshotIsRejected) {
+  nodes_[0]["snapshots"][0] = nullptr;
+  std::erase_if(file_.tensors,
+                [](const auto& t) { return t.first.starts_with("node.0.layer.0."); });
+  rewrite();
+  expect_rejected({"prefix_cache.safetensors", "node 0", "layer 0", "no KV snapshot"});
+}
+
 TEST_F(ForgedTrie, DeeplyNestedJsonIsRejectedCleanly) {
   Json layers = Json::parse(file_.metadata.at("layers"));
   layers[0] = "DEEP";
