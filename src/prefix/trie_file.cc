@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -126,11 +127,7 @@ class TrieDecoder {
     const Json entries = parse("nodes");
     if (!entries.is_array()) throw fail("\"nodes\" must be an array");
     LoadedTrie loaded;
-    try {
-      loaded.clock = std::stoll(meta("clock"));
-    } catch (const std::exception&) {
-      throw fail("\"clock\" is not an integer");
-    }
+    loaded.clock = clock_ = clock();
     for (size_t n = 0; n < entries.size(); ++n) loaded.nodes.push_back(node(n, entries[n]));
     if (position_ != tokens_.size())
       throw fail(fmt::format("{} edge tokens belong to no node", tokens_.size() - position_));
@@ -140,6 +137,18 @@ class TrieDecoder {
   }
 
  private:
+  // The last-use clock: decimal digits only, at most 18 of them (below 10^18, so that no tick
+  // from it can overflow).
+  int64_t clock() const {
+    const std::string& text = meta("clock");
+    if (text.empty() || text.size() > 18 ||
+        !std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+      throw fail(fmt::format("\"clock\" {} is not a decimal integer of at most 18 digits",
+                             describe_json(Json(text))));
+    }
+    return std::stoll(text);
+  }
+
   Json parse(const char* key) const {
     std::string problem;
     Json value = parse_json(meta(key), problem);
@@ -179,6 +188,10 @@ class TrieDecoder {
     ends_.push_back(start + static_cast<int64_t>(length));
     node.user = field("user").get<bool>();
     node.last_used = field("used").get<int64_t>();
+    if (node.last_used < 0 || node.last_used > clock_) {
+      throw fail(fmt::format("node {} was \"used\" at {}, outside [0, {}] (the \"clock\")", n,
+                             node.last_used, clock_));
+    }
     const Json& snapshots = field("snapshots");
     if (snapshots.size() != layers_.size())
       throw fail(fmt::format("node {} has {} snapshot slots", n, snapshots.size()));
@@ -251,6 +264,7 @@ class TrieDecoder {
   const std::string& source_;
   const std::vector<LayerInfo>& layers_;
   std::vector<int32_t> tokens_;  // every edge, in node order
+  int64_t clock_ = 0;            // the file's last-use clock
   size_t position_ = 0;          // edge tokens claimed so far
   size_t claimed_ = 1;           // tensors claimed so far ("edges")
   std::vector<int64_t> ends_;    // per node read: the offset its edge ends at

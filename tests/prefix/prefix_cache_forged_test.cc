@@ -154,6 +154,31 @@ TEST_F(ForgedTrie, AnOverlongSnapshotEntryIsDescribedBriefly) {
   }
 }
 
+TEST_F(ForgedTrie, TheClockIsParsedStrictly) {
+  for (const char* clock : {"7xyz", "-5", "+5", " 5", "", "5 ", "0x10", "9223372036854775807",
+                            "4611686018427387904", "99999999999999999999"}) {
+    file_.metadata["clock"] = clock;
+    rewrite();
+    expect_rejected({"prefix_cache.safetensors", "\"clock\""});
+  }
+  // A node used later than the clock says (the clock orders uses: the next one would be older).
+  int64_t latest = 0;
+  for (const Json& node : nodes_) latest = std::max(latest, node["used"].get<int64_t>());
+  file_.metadata["clock"] = std::to_string(latest);
+  nodes_[0]["used"] = latest + 1;
+  rewrite();
+  expect_rejected({"prefix_cache.safetensors", "node 0", "\"used\""});
+  nodes_[0]["used"] = -1;
+  rewrite();
+  expect_rejected({"prefix_cache.safetensors", "node 0", "\"used\""});
+  nodes_[0]["used"] = latest;  // the clock exactly at the latest use loads
+  rewrite();
+  HybridStack stack;
+  PrefixCache cache(stack.layers());
+  cache.load(dir_, "m");
+  EXPECT_EQ(cache.check_invariants(), "");
+}
+
 // A file far larger than the machine's memory (sparse: it takes no disk) is refused before a
 // byte of it is read or reserved.
 TEST_F(ForgedTrie, AFileTooLargeToLoadIsRefusedBeforeItIsRead) {
