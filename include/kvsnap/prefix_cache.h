@@ -107,7 +107,8 @@ class KVSNAP_EXPORT PrefixCache {
 
   // Writes the trie (edges, offsets, user flags, last-use order) and every node's snapshots to
   // `dir`/prefix_cache.safetensors, atomically, with the layers' kinds and shapes and `model_id`
-  // (e.g. the model's config and weights hash). The file is mode 0600 and the folders save
+  // (e.g. the model's config and weights hash; any bytes: one that is not UTF-8 is kept exactly,
+  // and load compares the same bytes). The file is mode 0600 and the folders save
   // creates 0700, whatever the umask; an existing `dir` keeps its mode. Throws Error when it
   // cannot be written.
   void save(const std::string& dir, const std::string& model_id = "") const;

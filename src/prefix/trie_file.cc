@@ -6,6 +6,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <string_view>
 
 #include "cache/snapshot_record.h"
 #include "persist/files.h"
@@ -25,6 +26,58 @@ Json describe(const LayerInfo& layer) { return Json::parse(describe_layer(layer.
 
 std::string signature(const SnapshotRecord& record, const LayerInfo& layer) {
   return snapshot_signature(record, layer.cache);
+}
+
+// Bytes of the well-formed UTF-8 sequence at `text[at]` (no overlong forms, surrogates or code
+// points past U+10FFFF, as JSON demands), or 0.
+size_t utf8_length(std::string_view text, size_t at) {
+  const auto lead = static_cast<unsigned char>(text[at]);
+  if (lead < 0x80) return 1;
+  const size_t length = (lead & 0xe0) == 0xc0   ? 2
+                        : (lead & 0xf0) == 0xe0 ? 3
+                        : (lead & 0xf8) == 0xf0 ? 4
+                                                : 0;
+  if (length == 0 || at + length > text.size()) return 0;
+  uint32_t code = lead & (0x7fu >> length);
+  for (size_t k = 1; k < length; ++k) {
+    const auto next = static_cast<unsigned char>(text[at + k]);
+    if ((next & 0xc0) != 0x80) return 0;
+    code = (code << 6) | (next & 0x3fu);
+  }
+  static constexpr uint32_t kLeast[] = {0, 0, 0x80, 0x800, 0x10000};
+  const bool valid = code >= kLeast[length] && code <= 0x10ffff && (code < 0xd800 || code > 0xdfff);
+  return valid ? length : 0;
+}
+
+// `id` as text: each byte that is not part of well-formed UTF-8 written as \xNN.
+std::string readable(std::string_view id) {
+  std::string out;
+  for (size_t at = 0; at < id.size();) {
+    const size_t length = utf8_length(id, at);
+    out += length == 0 ? fmt::format("\\x{:02X}", static_cast<unsigned char>(id[at]))
+                       : std::string(id.substr(at, length));
+    at += std::max<size_t>(length, 1);
+  }
+  return out;
+}
+
+std::string hex(std::string_view bytes) {
+  std::string out;
+  for (const char c : bytes) out += fmt::format("{:02x}", static_cast<unsigned char>(c));
+  return out;
+}
+
+// A model_id is any bytes (a file path, say), JSON text only UTF-8: an id that is not is kept in
+// "model_hex" (and "model" shows it readably), so a load compares exactly the bytes saved.
+void record_model(SafetensorsFile& file, const std::string& model_id) {
+  file.metadata["model"] = readable(model_id);
+  if (file.metadata["model"] != model_id) file.metadata["model_hex"] = hex(model_id);
+}
+bool same_model(const SafetensorsFile& file, const std::string& model_id) {
+  const auto bytes = file.metadata.find("model_hex");
+  if (bytes != file.metadata.end()) return bytes->second == hex(model_id);
+  const auto text = file.metadata.find("model");
+  return text != file.metadata.end() && text->second == model_id;
 }
 
 }  // namespace
@@ -70,7 +123,7 @@ std::string encode_trie(const Trie& trie, const std::string& model_id) {
                        Array::from_ints(edges, {static_cast<int64_t>(edges.size())}));
   file.metadata["format"] = kFormat;
   file.metadata["version"] = std::to_string(kVersion);
-  file.metadata["model"] = model_id;
+  record_model(file, model_id);
   file.metadata["layers"] = layers.dump();
   file.metadata["nodes"] = entries.dump();
   file.metadata["clock"] = std::to_string(trie.clock());
@@ -102,9 +155,9 @@ class TrieDecoder {
                              meta("version"), kVersion));
     }
     check_seal(bytes, file_, source_);
-    if (meta("model") != model_id) {
+    if (!same_model(file_, model_id)) {
       throw fail(fmt::format("it was saved for model \"{}\", this cache serves \"{}\"",
-                             meta("model"), model_id));
+                             meta("model"), readable(model_id)));
     }
     const Json saved = parse("layers");
     if (!saved.is_array() || saved.size() != layers_.size()) {

@@ -179,6 +179,39 @@ TEST(PrefixCachePersist, LoadingDuringASessionIsAnError) {
   std::filesystem::remove_all(dir);
 }
 
+// A model_id is any bytes (the CLI's holds a file path): one that is not UTF-8 is kept exactly,
+// and a load compares the same bytes, so neither its UTF-8 spelling nor a lossy rendering of it
+// matches.
+TEST(PrefixCachePersist, AModelIdThatIsNotUtf8IsKeptExactly) {
+  const std::string dir = scratch("latin1");
+  const std::string latin1 = "model-\xe9t\xe9";  // Latin-1 "model-été"
+  HybridStack stack;
+  PrefixCache cache(stack.layers());
+  warm_up(cache, stack);
+  cache.save(dir, latin1);
+  HybridStack fresh;
+  PrefixCache other(fresh.layers());
+  other.load(dir, latin1);
+  EXPECT_EQ(other.node_count(), cache.node_count());
+  PrefixCache wrong(fresh.layers());
+  for (const std::string& id :
+       {std::string("model-\xc3\xa9t\xc3\xa9"), std::string("model-\xef\xbf\xbdt\xef\xbf\xbd"),
+        std::string("model-\\xe9t\\xe9"), std::string("model-")}) {
+    EXPECT_TRUE(throws_error([&] { wrong.load(dir, id); }, {"saved for model"})) << id;
+    EXPECT_EQ(wrong.node_count(), 0);
+  }
+  // A UTF-8 id is written as it is (files of earlier versions load as before).
+  cache.save(dir, "model-\xc3\xa9t\xc3\xa9");
+  std::string bytes;
+  {
+    std::ifstream in(dir + "/prefix_cache.safetensors", std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  EXPECT_NE(bytes.find("\"model\":\"model-\xc3\xa9t\xc3\xa9\""), std::string::npos);
+  EXPECT_TRUE(throws_error([&] { wrong.load(dir, latin1); }, {"saved for model"}));
+  std::filesystem::remove_all(dir);
+}
+
 TEST(PrefixCachePersist, AnEmptyTrieRoundTrips) {
   const std::string dir = scratch("empty");
   HybridStack stack;
