@@ -193,8 +193,27 @@ Array KVStateSnapshot::values() const {
 
 SnapshotRecord KVStateSnapshot::record() const {
   return locked([&] {  // read consistently with the store's writers
-    return SnapshotRecord{kind(), keys(), values(), begin, end, window};
+    SnapshotRecord out{kind(), keys(), values(), begin, end, window};
+    out.live = viewed_live();
+    return out;
   });
+}
+
+void KVStateSnapshot::copy_record(bool second, Array& place) const {
+  // A write that overwrites the columns copies them out first, under this lock: what is read
+  // here is the snapshot's, wherever it lies now.
+  locked([&] { place.assign(second ? values() : keys()); });
+}
+
+bool KVStateSnapshot::viewed_live() const {
+  if (owner() == nullptr) return false;
+  int parts = 0;
+  bool lazy = false;
+  for_each_part(tokens_, [&](int64_t, const Array&, const Array&, int64_t column) {
+    ++parts;
+    lazy = column >= 0;
+  });
+  return parts == 1 && lazy;
 }
 
 void KVStateSnapshot::move_piece(Piece& source, Piece& target, KVStore* store) {

@@ -49,6 +49,7 @@ class KVStateSnapshot final : public StateSnapshot, public Pooled<KVStateSnapsho
   int64_t to() const override { return end; }
   bool is_lazy() const override { return owner() != nullptr; }
   SnapshotRecord record() const override;
+  void copy_record(bool second, Array& place) const override;
 
   // Tokens held: to - from for ranges, the window's tokens for windows.
   int64_t tokens() const { return tokens_; }
@@ -110,6 +111,8 @@ class KVStateSnapshot final : public StateSnapshot, public Pooled<KVStateSnapsho
   // Moves `source`'s fields into `target` (re-linking a lazy piece in `store`'s index).
   void move_piece(Piece& source, Piece& target, KVStore* store);
   bool has_lazy_piece() const;
+  // Whether keys() and values() are views of the store's buffers: one part, a lazy one.
+  bool viewed_live() const;
   void insert_after(Piece& piece, std::unique_ptr<Piece> next);
 
   std::atomic<KVStore*> owner_;

@@ -17,6 +17,10 @@ struct SnapshotRecord {
   Array second;  // kv, rotating: values [B, H, T, Dv]; recurrent: delta state [B, Hv, Dv, Dk]
   int64_t from = 0, to = 0;  // kv: [from, to); whole-state kinds: from == to == the offset
   int64_t window = 0;        // rotating: the max_size of the cache it belongs to
+  // The arrays are views of a cache's live buffers (a lazy snapshot's columns): valid only until
+  // that cache's next write, which copies the snapshot's columns out first and then overwrites
+  // them, on any thread. Read them under the cache's lock: StateSnapshot::copy_record.
+  bool live = false;
 };
 
 // Tokens a rotating snapshot ending at `end` holds for a window of `window`: every token while
@@ -26,7 +30,7 @@ constexpr int64_t rotating_window_tokens(int64_t end, int64_t window) {
 }
 
 // The record of a KVCache, RotatingKVCache or RecurrentCache snapshot (arrays are views of the
-// live cache while the snapshot is lazy); nullopt for any other kind.
+// live cache while the snapshot is lazy: see SnapshotRecord::live); nullopt for any other kind.
 std::optional<SnapshotRecord> snapshot_record(const Snapshot&);
 
 // An owned snapshot holding `record`'s arrays. Throws Error naming `context` when the arrays and

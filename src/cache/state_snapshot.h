@@ -22,6 +22,13 @@ class StateSnapshot : public Snapshot {
   // Its data (views of the live cache while lazy, or a copy when it is held in parts) and
   // offsets.
   virtual SnapshotRecord record() const = 0;
+  // Copies record()'s first array (or its second) into `place`, which has its dtype and shape,
+  // consistently with the writers of the cache it is lazy in (under that cache's lock): for a
+  // record whose arrays are `live`, read after record() returned.
+  virtual void copy_record(bool second, Array& place) const {
+    const SnapshotRecord data = record();
+    place.assign(second ? data.second : data.first);
+  }
   // Sets the materialize hook and returns size() at the same instant (under the lock of the
   // cache it is lazy in), so a holder that counts its bytes misses no change another thread
   // makes in between.

@@ -361,9 +361,9 @@ size_t checksum_position(std::string_view bytes, const std::string& value) {
 
 }  // namespace
 
-std::string encode_sealed(SafetensorsFile file) {
+std::string encode_sealed(SafetensorsFile file, const TensorWriter& write) {
   file.metadata["checksum"] = kChecksumPlaceholder;
-  std::string bytes = encode_safetensors(file);
+  std::string bytes = encode_safetensors(file, write);
   const size_t at = checksum_position(bytes, kChecksumPlaceholder);
   if (at == std::string::npos) throw Error("encode_sealed: internal error: no checksum entry");
   const std::string seal = seal_of(bytes, at);

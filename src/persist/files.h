@@ -112,8 +112,9 @@ void remove_stale_temporaries(const std::string& path);
 // padding, length) makes the file fail its check.
 inline constexpr const char* kChecksumPlaceholder = "0000000000000000";
 
-// Encodes `file` with metadata "checksum" set to the file's seal.
-std::string encode_sealed(SafetensorsFile file);
+// Encodes `file` (its tensors' data through `write`, when given: see encode_safetensors) with
+// metadata "checksum" set to the file's seal.
+std::string encode_sealed(SafetensorsFile file, const TensorWriter& write = nullptr);
 // Throws Error naming `source` unless metadata "checksum" of `file` (decoded from `bytes`) is
 // the seal of `bytes`.
 void check_seal(const std::string& bytes, const SafetensorsFile& file, const std::string& source);

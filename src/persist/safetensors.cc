@@ -142,7 +142,7 @@ const Array& SafetensorsFile::at(const std::string& name, const char* context) c
   throw Error(fmt::format("{}: tensor \"{}\" is missing", context, name));
 }
 
-std::string encode_safetensors(const SafetensorsFile& file) {
+std::string encode_safetensors(const SafetensorsFile& file, const TensorWriter& write) {
   Json header = Json::object();
   uint64_t offset = 0;
   for (const auto& [name, array] : file.tensors) {
@@ -162,7 +162,8 @@ std::string encode_safetensors(const SafetensorsFile& file) {
   out += text;
   size_t at = out.size();
   out.resize(at + offset);
-  for (const auto& [name, array] : file.tensors) {
+  for (size_t i = 0; i < file.tensors.size(); ++i) {
+    const Array& array = file.tensors[i].second;
     if (array.size() == 0) continue;
     // Straight from the (possibly strided) view into its place: one copy of the data — unless
     // the place is not aligned for the dtype (after a 2-byte tensor of odd size; the format
@@ -170,9 +171,16 @@ std::string encode_safetensors(const SafetensorsFile& file) {
     char* place = out.data() + at;
     if (reinterpret_cast<uintptr_t>(place) % static_cast<uintptr_t>(dtype_size(array.dtype())) ==
         0) {
-      Array::wrap(place, array.dtype(), array.shape()).assign(array);
+      Array target = Array::wrap(place, array.dtype(), array.shape());
+      if (!write || !write(i, target)) target.assign(array);
     } else {
-      const Array compact = array.is_contiguous() ? array : array.contiguous();
+      Array compact;
+      if (write) {
+        compact = Array::uninitialized(array.dtype(), array.shape());
+        if (!write(i, compact)) compact.assign(array);
+      } else {
+        compact = array.is_contiguous() ? array : array.contiguous();
+      }
       std::memcpy(place, compact.bytes(), static_cast<size_t>(compact.nbytes()));
     }
     at += static_cast<size_t>(array.nbytes());

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <nlohmann/json_fwd.hpp>
 #include <string>
@@ -23,8 +24,14 @@ struct SafetensorsFile {
   const Array& at(const std::string& name, const char* context) const;
 };
 
-// Serializes tensors (any layout; written compact) and metadata to bytes.
-std::string encode_safetensors(const SafetensorsFile&);
+// Writes tensor `index`'s data into `place` (a compact array of its dtype and shape in the bytes
+// being encoded) and returns true, or returns false to have it copied from the tensor's array.
+// For tensors that view buffers another thread may write: the writer copies under their lock.
+using TensorWriter = std::function<bool(size_t index, Array& place)>;
+
+// Serializes tensors (any layout; written compact) and metadata to bytes, each tensor's data
+// through `write` when given.
+std::string encode_safetensors(const SafetensorsFile&, const TensorWriter& write = nullptr);
 // Parses and validates bytes (every rule above); throws Error naming `source` and the rule
 // broken. Nothing partial is returned.
 SafetensorsFile decode_safetensors(const std::string& bytes, const std::string& source);

@@ -9,6 +9,7 @@
 #include <string_view>
 
 #include "cache/snapshot_record.h"
+#include "cache/state_snapshot.h"
 #include "persist/files.h"
 #include "persist/safetensors.h"
 
@@ -84,6 +85,9 @@ bool same_model(const SafetensorsFile& file, const std::string& model_id) {
 
 std::string encode_trie(const Trie& trie, const std::string& model_id) {
   SafetensorsFile file;
+  file.tensors.emplace_back("edges", Array());  // filled in once every node is read
+  // Per tensor: the snapshot whose live columns it views (or null), and which of its arrays.
+  std::vector<std::pair<const StateSnapshot*, bool>> live(1);
   Json layers = Json::array();
   for (const LayerInfo& layer : trie.layers()) layers.push_back(describe(layer));
   std::vector<const Node*> nodes;
@@ -107,8 +111,10 @@ std::string encode_trie(const Trie& trie, const std::string& model_id) {
             "PrefixCache::save: layer {} holds a snapshot of a kind kvsnap cannot store", i));
       }
       const std::string prefix = fmt::format("node.{}.layer.{}", id, i);
+      const StateSnapshot* source = record->live ? as_state_snapshot(s.get()) : nullptr;
       file.tensors.emplace_back(fmt::format("{}.a", prefix), record->first);
       file.tensors.emplace_back(fmt::format("{}.b", prefix), record->second);
+      live.insert(live.end(), {{source, false}, {source, true}});
       snapshots.push_back(
           {{"kind", snapshot_kind_name(record->kind)}, {"from", record->from}, {"to", record->to}});
     }
@@ -119,15 +125,22 @@ std::string encode_trie(const Trie& trie, const std::string& model_id) {
                        {"snapshots", snapshots}});
     edges.insert(edges.end(), node->edge.begin(), node->edge.end());
   }
-  file.tensors.emplace(file.tensors.begin(), "edges",
-                       Array::from_ints(edges, {static_cast<int64_t>(edges.size())}));
+  file.tensors.front().second = Array::from_ints(edges, {static_cast<int64_t>(edges.size())});
   file.metadata["format"] = kFormat;
   file.metadata["version"] = std::to_string(kVersion);
   record_model(file, model_id);
   file.metadata["layers"] = layers.dump();
   file.metadata["nodes"] = entries.dump();
   file.metadata["clock"] = std::to_string(trie.clock());
-  return encode_sealed(std::move(file));
+  // A lazy snapshot's views of a live cache may be overwritten by a forward on another thread
+  // once record() returned (the forward copies the snapshot's columns out first): they are
+  // copied into the file under that cache's lock, from wherever the snapshot's data lies then.
+  const TensorWriter write = [&](size_t tensor, Array& place) {
+    const auto [source, second] = live[tensor];
+    if (source != nullptr) source->copy_record(second, place);
+    return source != nullptr;
+  };
+  return encode_sealed(std::move(file), write);
 }
 
 namespace {

@@ -5,6 +5,9 @@
 #include <gtest/gtest.h>
 #include <kvsnap/kvsnap.h>
 
+#include <atomic>
+#include <chrono>
+#include <filesystem>
 #include <random>
 #include <thread>
 
@@ -15,6 +18,7 @@ namespace kvsnap {
 namespace {
 
 using testing::HybridStack;
+using testing::run_turn;
 using testing::StackOptions;
 using testing::Tokens;
 using testing::tokens;
@@ -79,6 +83,78 @@ TEST(PrefixCacheThreads, ConcurrentSessionsOnContiguousCaches) {
 }
 TEST(PrefixCacheThreads, ConcurrentSessionsOnPagedCaches) {
   for (int round = 0; round < 4; ++round) race(true);
+}
+
+// A folder for saved caches: in /dev/shm when there is one (a save's fsync costs nothing there,
+// so saves come back to back).
+std::string save_folder(const std::string& name) {
+  const std::filesystem::path shm("/dev/shm");
+  const std::filesystem::path base =
+      std::filesystem::is_directory(shm) ? shm : std::filesystem::temp_directory_path();
+  const auto dir = base / ("kvsnap_threads_" + std::to_string(::getpid()) + "_" + name);
+  std::filesystem::remove_all(dir);
+  return dir.string();
+}
+
+// PrefixCache::save while a slot's forward runs on another thread (each slot's forward may run
+// on its own thread): the trie's lazy snapshots name columns of the live caches (here the
+// window's ring) that a forward overwrites — after copying them out — so a save copies them
+// under the caches' locks. Each turn below is saved while its decode step shifts the ring; every
+// saved file then restores to outputs equal to recomputation.
+TEST(PrefixCacheThreads, SavesWhileASlotForwardsHoldConsistentState) {
+  constexpr int32_t kTurns = 8;
+  HybridStack stack(StackOptions{.check_copies = false});
+  PrefixCache cache(stack.layers());
+  Tokens conversation = tokens(1, 6);
+  run_turn(cache, stack, conversation, tokens(50, 2));  // the root's first child: saved first
+  conversation = conversation + tokens(50, 2);
+  // Other requests, saved after the conversation's nodes: a save reads them while the forward
+  // runs.
+  for (int32_t f = 0; f < 24; ++f) run_turn(cache, stack, tokens(10000 + 100 * f, 20), {7, 8});
+  std::atomic<int32_t> begun{0}, saving{0};  // turns begun; saves started
+  std::thread forwards([&] {
+    for (int32_t turn = 0; turn < kTurns; ++turn) {
+      const Tokens prompt = conversation + tokens(1000 + 10 * turn, 3);
+      PrefixCache::Session session = cache.begin(prompt);
+      EXPECT_TRUE(stack.forward_and_check(session.remaining(), prompt));
+      session.prefill_done();  // captures in the window's ring: lazy nodes
+      const Tokens sequence = prompt + Tokens{2000 + turn};
+      session.append_output(2000 + turn);
+      begun = turn + 1;
+      while (saving.load() <= turn) std::this_thread::yield();
+      // The save has read the conversation's nodes by now and reads the others' while this
+      // decode step shifts the window's ring over the columns those nodes name.
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      EXPECT_TRUE(stack.forward_and_check(Tokens{2000 + turn}, sequence));
+      session.append_output(3000 + turn);  // not evaluated: the next prompt's first token
+      session.close();
+      conversation = sequence + Tokens{3000 + turn};
+    }
+  });
+  std::vector<std::string> saved;
+  for (int32_t turn = 0; turn < kTurns; ++turn) {
+    while (begun.load() <= turn) std::this_thread::yield();
+    saved.push_back(save_folder(std::to_string(turn)));
+    saving = turn + 1;
+    cache.save(saved.back(), "m");
+  }
+  forwards.join();
+  // In each file, the restore points at the end (turns', captures') are those a forward may have
+  // overwritten while it was saved: each restores to outputs equal to recomputation.
+  for (const std::string& dir : saved) {
+    HybridStack fresh(StackOptions{.check_copies = false});
+    PrefixCache loaded(fresh.layers());
+    loaded.load(dir, "m");
+    const int64_t deepest = loaded.match(conversation);
+    for (int64_t end = deepest; end > std::max<int64_t>(0, deepest - 12); --end) {
+      const Tokens prompt(conversation.begin(), conversation.begin() + end + 1);
+      PrefixCache::Session session = loaded.begin(prompt);
+      if (session.cached() != end) continue;  // not a restore point
+      EXPECT_TRUE(fresh.forward_and_check(session.remaining(), prompt))
+          << "restored " << end << " tokens (of " << deepest << ") from " << dir;
+    }
+    std::filesystem::remove_all(dir);
+  }
 }
 
 }  // namespace
