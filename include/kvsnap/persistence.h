@@ -40,7 +40,10 @@ struct LoadedSnapshots {
 };
 
 // Writes `snapshots` (lazy ones are read from their cache, not materialized) with `offset`.
-// Throws Error for a snapshot of a kind kvsnap cannot store, or when the file cannot be written.
+// Throws Error for a snapshot of a kind kvsnap cannot store or that cannot restore `offset` (a KV
+// range restores any offset in [from, to], a window its end or, while it has evicted nothing, an
+// earlier one, a recurrent state its own: loading checks the same), or when the file cannot be
+// written.
 KVSNAP_EXPORT void save_snapshots(const std::string& path, int64_t offset,
                                   std::span<const Snapshot* const> snapshots);
 KVSNAP_EXPORT void save_snapshots(const std::string& path, int64_t offset,

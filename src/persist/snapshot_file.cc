@@ -35,6 +35,26 @@ int64_t integer(const std::map<std::string, std::string>& metadata, const std::s
                          low, high));
 }
 
+// Why a snapshot of `record` cannot restore a file's `offset` (what restore(s, offset) needs:
+// a KV range any offset in [from, to], a window its end, or an earlier offset while it has
+// evicted nothing, a recurrent state its own), or empty when it can.
+std::string offset_problem(const SnapshotRecord& record, int64_t offset) {
+  switch (record.kind) {
+    case SnapshotRecord::Kind::kv:
+      if (offset >= record.from && offset <= record.to) return "";
+      return fmt::format("its KV range [{}, {}) cannot restore offset {}", record.from, record.to,
+                         offset);
+    case SnapshotRecord::Kind::rotating:
+      if (offset == record.to || (offset < record.to && record.to <= record.window)) return "";
+      return fmt::format("its window of {} ending at {} cannot restore offset {}", record.window,
+                         record.to, offset);
+    case SnapshotRecord::Kind::recurrent:
+      if (offset == record.to) return "";
+      return fmt::format("its recurrent state at {} cannot restore offset {}", record.to, offset);
+  }
+  return "";
+}
+
 }  // namespace
 
 std::string encode_snapshots(int64_t offset, std::span<const Snapshot* const> snapshots) {
@@ -54,6 +74,9 @@ std::string encode_snapshots(int64_t offset, std::span<const Snapshot* const> sn
     if (!record) {
       throw Error(fmt::format(
           "save_snapshots: layer {} holds a snapshot of a kind kvsnap cannot store", i));
+    }
+    if (const std::string problem = offset_problem(*record, offset); !problem.empty()) {
+      throw Error(fmt::format("save_snapshots: layer {}: {}", i, problem));
     }
     switch (record->kind) {
       case SnapshotRecord::Kind::kv:
@@ -139,6 +162,9 @@ LoadedSnapshots decode(const std::string& bytes, const std::string& source) {
                 tensor(fmt::format("{}.delta", layer)), number("offset"), number("offset")};
     } else {
       throw fail(fmt::format("{} has unknown kind \"{}\"", layer, kind));
+    }
+    if (const std::string problem = offset_problem(record, loaded.offset); !problem.empty()) {
+      throw fail(fmt::format("{}: {}", layer, problem));
     }
     loaded.snapshots.push_back(
         detail::make_snapshot(std::move(record), fmt::format("{} {}", source, layer)));

@@ -127,5 +127,42 @@ TEST(ForgedFiles, ReadingStopsAtTheLimit) {
                            {"/dev/zero"}));
 }
 
+// A file's offset is one every layer's snapshot can restore (what restore(s, loaded.offset)
+// needs): save refuses another, and a file forged to hold one is rejected.
+TEST(ForgedFiles, AnOffsetALayerCannotRestoreIsRefused) {
+  KVCache attention;
+  RotatingKVCache window(6), wide(16);
+  testing::RecurrentLayer layer;
+  RecurrentCache recurrent = layer.make_cache();
+  testing::write(attention, kv, id_range(0, 3));
+  testing::write(window, kv, id_range(0, 9));
+  testing::write(wide, kv, id_range(0, 9));
+  layer.forward(recurrent, id_range(0, 9));
+  const SnapshotPtr range = attention.snapshot(0), evicted = window.snapshot(0),
+                    whole = wide.snapshot(0), state = recurrent.snapshot(0);
+  const auto save = [](int64_t offset, const Snapshot* s) {
+    return encode_snapshots(offset, std::vector<const Snapshot*>{s});
+  };
+  EXPECT_TRUE(throws_error([&] { (void)save(5, range.get()); },
+                           {"save_snapshots", "layer 0", "[0, 3)", "offset 5"}));
+  EXPECT_TRUE(throws_error([&] { (void)save(8, evicted.get()); },
+                           {"save_snapshots", "layer 0", "window of 6 ending at 9", "offset 8"}));
+  EXPECT_TRUE(throws_error([&] { (void)save(10, whole.get()); }, {"offset 10"}));
+  EXPECT_TRUE(throws_error([&] { (void)save(8, state.get()); },
+                           {"save_snapshots", "layer 0", "recurrent state at 9", "offset 8"}));
+  // What restore can reach saves and loads: any offset of a range, an earlier one of a window
+  // that evicted nothing.
+  for (const auto& [offset, s] :
+       {std::pair{int64_t{0}, range.get()}, std::pair{int64_t{3}, range.get()},
+        std::pair{int64_t{9}, evicted.get()}, std::pair{int64_t{4}, whole.get()},
+        std::pair{int64_t{9}, state.get()}}) {
+    EXPECT_EQ(decode_snapshots(save(offset, s), "good").offset, offset);
+  }
+  detail::SafetensorsFile file = detail::decode_safetensors(save(3, range.get()), "good");
+  file.metadata["offset"] = "5";
+  EXPECT_TRUE(throws_error([&] { (void)decode_snapshots(detail::encode_sealed(file), "forged"); },
+                           {"forged", "layer.0", "[0, 3)", "offset 5"}));
+}
+
 }  // namespace
 }  // namespace kvsnap
