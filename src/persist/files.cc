@@ -67,13 +67,32 @@ std::string next_temporary_path(const std::string& path) {
   return temporary_path(path, temporaries_named.load());
 }
 
+namespace {
+
+// The rename of `path` into its folder is durable only once the folder is synced too. Throws
+// when that fails; a folder this process cannot open for reading (EACCES) or a file system that
+// cannot sync folders (EINVAL) is no failure: there is nothing more a save can do there.
+void sync_folder(const std::string& path) {
+  const std::string folder = std::filesystem::path(path).parent_path().string();
+  const FileDescriptor dir(
+      ::open(folder.empty() ? "." : folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  const int error = dir.get() < 0 ? errno : ::fsync(dir.get()) != 0 ? errno : 0;
+  if (error == 0 || error == EACCES || error == EINVAL) return;
+  throw Error(
+      fmt::format("writing {}: syncing its folder {} after the rename failed ({}): the new "
+                  "file is in place but may not survive a crash",
+                  path, folder.empty() ? "." : folder, std::strerror(error)));
+}
+
+}  // namespace
+
 void write_file_atomically(const std::string& path, const std::string& bytes) {
   remove_stale_temporaries(path);
   const std::string temporary = temporary_path(path, temporaries_named.fetch_add(1));
-  const auto fail = [&](const char* step) {
-    const std::string reason = std::strerror(errno);
+  // `error`: the errno of the step, read before anything else (close, unlink) can change it.
+  const auto fail = [&](const char* step, int error) {
     ::unlink(temporary.c_str());
-    return Error(fmt::format("writing {}: {} failed ({})", path, step, reason));
+    return Error(fmt::format("writing {}: {} failed ({})", path, step, std::strerror(error)));
   };
   const int fd = create_private_file(temporary, fmt::format("writing {}", path)).release();
   size_t written = 0;
@@ -81,24 +100,20 @@ void write_file_atomically(const std::string& path, const std::string& bytes) {
     const ssize_t n = ::write(fd, bytes.data() + written, bytes.size() - written);
     if (n < 0) {
       if (errno == EINTR) continue;
+      const int error = errno;
       ::close(fd);
-      throw fail("write");
+      throw fail("write", error);
     }
     written += static_cast<size_t>(n);
   }
   if (::fsync(fd) != 0) {
+    const int error = errno;
     ::close(fd);
-    throw fail("fsync");
+    throw fail("fsync", error);
   }
-  if (::close(fd) != 0) throw fail("close");
-  if (::rename(temporary.c_str(), path.c_str()) != 0) throw fail("rename");
-  // The rename is durable only once the folder is synced too.
-  const std::string folder = std::filesystem::path(path).parent_path().string();
-  const int dir = ::open(folder.empty() ? "." : folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir >= 0) {
-    (void)::fsync(dir);
-    ::close(dir);
-  }
+  if (::close(fd) != 0) throw fail("close", errno);
+  if (::rename(temporary.c_str(), path.c_str()) != 0) throw fail("rename", errno);
+  sync_folder(path);
 }
 
 FileDescriptor::~FileDescriptor() {

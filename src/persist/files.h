@@ -15,7 +15,9 @@ namespace kvsnap::detail {
 // `path`.tmp-<pid>-<n> with n a count of this process's temporaries (so each call has its own:
 // saves of one path from several threads do not touch each other's, and the last rename wins,
 // one whole save), created mode 0600 whatever the umask (see create_private_file), fsync,
-// rename over `path`, fsync of the folder. On failure `path` is untouched and Error is thrown.
+// rename over `path`, fsync of the folder. On failure before the rename `path` is untouched and
+// Error is thrown; a failed fsync of the folder after it is an Error too (the new file is in
+// place, but a crash could undo the rename).
 // Removes stale temporaries of `path` first (see below).
 void write_file_atomically(const std::string& path, const std::string& bytes);
 // The temporary the next write_file_atomically of this process will use, unless another thread

@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 #include <kvsnap/kvsnap.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -389,6 +390,34 @@ TEST(SnapshotFile, SavingToAnUnwritablePlaceFailsClearly) {
                    {"writing /nonexistent-dir/x.safetensors", "open"}));
   EXPECT_TRUE(throws_error([&] { (void)load_snapshots("/nonexistent-dir/x.safetensors"); },
                            {"cannot open"}));
+}
+
+// A write that fails (here past the file size limit: EFBIG) is reported with its own reason,
+// read before the descriptor is closed, and leaves neither the file nor a temporary behind.
+TEST(SnapshotFile, AFailedWriteReportsItsReasonAndLeavesNoTemporary) {
+  Fixture f;
+  const std::filesystem::path path = scratch("limited.safetensors");
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {  // the limit is the process's: set in a child
+    ::signal(SIGXFSZ, SIG_IGN);
+    const struct rlimit limit { 64, 64 };
+    ::setrlimit(RLIMIT_FSIZE, &limit);
+    try {
+      save_snapshots(path.string(), 9, f.snapshots);
+    } catch (const Error& error) {
+      const std::string message = error.what();
+      ::_exit(message.find("write failed (File too large)") != std::string::npos ? 0 : 2);
+    }
+    ::_exit(1);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
+  EXPECT_FALSE(std::filesystem::exists(path));
+  for (const auto& entry : std::filesystem::directory_iterator(path.parent_path())) {
+    EXPECT_NE(entry.path().filename().string().rfind("limited.safetensors", 0), 0u) << entry.path();
+  }
 }
 
 }  // namespace
