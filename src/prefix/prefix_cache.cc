@@ -240,17 +240,20 @@ PrefixCache::Session::~Session() {
 
 namespace {
 // The slot of an open, attached session (its PrefixCache's lock held by `lock`); throws Error
-// naming `call` otherwise.
+// naming `call` otherwise. The owner is read again under its lock: another thread's close (or
+// the PrefixCache's destruction) detaches the session under that lock meanwhile.
 detail::Slot& slot_of(const std::shared_ptr<detail::SessionState>& state, const char* call,
                       std::unique_lock<std::mutex>& lock) {
-  if (state != nullptr && state->owner != nullptr) lock = std::unique_lock(state->owner->mutex);
+  detail::PrefixCacheImpl* const seen = state == nullptr ? nullptr : state->owner.load();
+  if (seen != nullptr) lock = std::unique_lock(seen->mutex);
   if (state == nullptr || state->phase == detail::SessionState::Phase::closed) {
     throw Error(fmt::format("{}: the session is closed", call));  // closing detached it
   }
-  if (state->owner == nullptr) {
+  detail::PrefixCacheImpl* const owner = state->owner.load();
+  if (owner == nullptr) {
     throw Error(fmt::format("{}: the PrefixCache this session belongs to was destroyed", call));
   }
-  return state->owner->slot(state->slot, call);
+  return owner->slot(state->slot, call);
 }
 }  // namespace
 
@@ -287,10 +290,14 @@ void PrefixCache::Session::retract_outputs(int64_t count) {
   slot_of(state_, "Session::retract_outputs", lock).retract_outputs(count);
 }
 void PrefixCache::Session::close() {
-  if (state_ == nullptr || state_->owner == nullptr) return;
-  const Lock lock(state_->owner->mutex);
-  if (state_->phase == detail::SessionState::Phase::closed) return;
-  state_->owner->slot(state_->slot, "Session::close").close();
+  detail::PrefixCacheImpl* const owner = state_ == nullptr ? nullptr : state_->owner.load();
+  if (owner == nullptr) return;
+  const Lock lock(owner->mutex);
+  // Closed (and detached) by another thread meanwhile: nothing left to do.
+  if (state_->owner.load() != owner || state_->phase == detail::SessionState::Phase::closed) {
+    return;
+  }
+  owner->slot(state_->slot, "Session::close").close();
 }
 
 }  // namespace kvsnap

@@ -3,6 +3,7 @@
 // into the shared trie. The PrefixCache's lock is held around every call.
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <set>
@@ -19,14 +20,15 @@ namespace kvsnap::detail {
 
 // One request's state, shared by its Session handle and the PrefixCache while it is open. The
 // PrefixCache detaches it (owner = null) when destroyed first, and closing detaches it too, so
-// the handle never dangles.
+// the handle never dangles. Detaching happens under the owner's lock, which a handle's call can
+// take only once it has read `owner`: an atomic, read again under the lock.
 struct SessionState {
   enum class Phase {
     prefill,  // begun: the model evaluates remaining(), then prefill_done()
     decode,   // prefill attached: generated tokens are appended
     closed,
   };
-  PrefixCacheImpl* owner = nullptr;
+  std::atomic<PrefixCacheImpl*> owner{nullptr};
   SeqId slot = 0;
   Phase phase = Phase::prefill;
   std::vector<int32_t> prompt;  // as given (remaining() views it: never reallocated)

@@ -157,5 +157,29 @@ TEST(PrefixCacheThreads, SavesWhileASlotForwardsHoldConsistentState) {
   }
 }
 
+// One session's calls from two threads, one at a time (the Python binding allows it): a close on
+// one thread while the other asks for cached() — the session's owner is read under the lock.
+TEST(PrefixCacheThreads, ASessionClosedWhileAnotherThreadCallsIt) {
+  HybridStack stack;
+  PrefixCache cache(stack.layers());
+  for (int32_t round = 0; round < 100; ++round) {
+    PrefixCache::Session session = cache.begin(tokens(100 + round, 3));
+    std::atomic<bool> started{false};
+    std::thread other([&] {
+      started = true;
+      for (;;) {
+        try {
+          (void)session.cached();
+        } catch (const Error&) {
+          return;  // closed
+        }
+      }
+    });
+    while (!started) std::this_thread::yield();
+    session.close();
+    other.join();
+  }
+}
+
 }  // namespace
 }  // namespace kvsnap
