@@ -62,7 +62,7 @@ TEST(ForgedFiles, DeeplyNestedJsonIsRejectedCleanly) {
   { std::ofstream(path, std::ios::binary) << with_header(headers[0]); }
   EXPECT_TRUE(throws_error([&] { (void)load_snapshots(path.string()); },
                            {path.string().c_str(), "deeper than"}));
-  std::filesystem::remove(path);
+  std::filesystem::remove_all(path.parent_path());
 }
 
 // What an error message shows of a value read from a file is short, however long the value.
@@ -109,7 +109,7 @@ TEST(ForgedFiles, AFileTooLargeToLoadIsRefusedBeforeItIsRead) {
   }
   EXPECT_TRUE(throws_error([&] { (void)load_snapshots(path.string()); },
                            {"load_snapshots", path.string().c_str(), "1099511627776 bytes"}));
-  std::filesystem::remove(path);
+  std::filesystem::remove_all(path.parent_path());
 }
 
 // A caller's own limit, and a file that is not a regular one (whose size says nothing): reading
@@ -121,7 +121,7 @@ TEST(ForgedFiles, ReadingStopsAtTheLimit) {
   EXPECT_EQ(detail::read_private_file(path.string(), rule, 16), "0123456789abcdef");
   EXPECT_TRUE(throws_error([&] { (void)detail::read_private_file(path.string(), rule, 15); },
                            {"test: cannot load", path.string().c_str(), "16 bytes", "15 bytes"}));
-  std::filesystem::remove(path);
+  std::filesystem::remove_all(path.parent_path());
   const detail::PrivacyRule shared{.call = "test", .override_with = "", .allow_shared = true};
   EXPECT_TRUE(throws_error([&] { (void)detail::read_private_file("/dev/zero", shared, 1 << 20); },
                            {"/dev/zero"}));
