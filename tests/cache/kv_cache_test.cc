@@ -780,6 +780,8 @@ TwoRows two_rows(const TokenKV& kv, SeqId first, SeqId second, int64_t small, in
 // staged sequences' buffers are all allocated before either row is written.
 TEST(KVCacheMemory, MultiRowFirstWriteThatRunsOutOfMemoryCreatesNoSequence) {
   if (kAddressSanitizer) GTEST_SKIP() << "AddressSanitizer ignores RLIMIT_AS";
+  if (testing::kThreadSanitizer)
+    GTEST_SKIP() << "ThreadSanitizer's own allocations fail under the limit";
   const TokenKV kv{.heads = 4, .depth = 64};  // 2 KiB a token
   const TwoRows rows = two_rows(kv, 0, 1, 2, 8192);
   const TokenKV other{.heads = 4, .depth = 64, .dtype = DType::f16};
@@ -803,6 +805,8 @@ TEST(KVCacheMemory, MultiRowFirstWriteThatRunsOutOfMemoryCreatesNoSequence) {
 // and its schedule, and a later write of another layout is accepted.
 TEST(KVCacheMemory, MultiRowUpdateThatRunsOutOfMemoryLeavesALayoutlessSequenceSo) {
   if (kAddressSanitizer) GTEST_SKIP() << "AddressSanitizer ignores RLIMIT_AS";
+  if (testing::kThreadSanitizer)
+    GTEST_SKIP() << "ThreadSanitizer's own allocations fail under the limit";
   const TokenKV kv{.heads = 4, .depth = 64};
   const TwoRows rows = two_rows(kv, 0, 1, 2, 8192);
   const TokenKV other{.heads = 4, .depth = 64, .dtype = DType::f16};
@@ -831,6 +835,10 @@ TEST(KVCacheMemory, MultiRowUpdateThatRunsOutOfMemoryLeavesALayoutlessSequenceSo
 // second's, not written first); the cache writes once memory is there.
 TEST(KVCacheMemory, PagedMultiRowFirstWriteThatRunsOutOfMemoryCreatesNoSequence) {
   if (kAddressSanitizer) GTEST_SKIP() << "AddressSanitizer ignores RLIMIT_AS";
+  if (testing::kThreadSanitizer)
+    GTEST_SKIP() << "ThreadSanitizer's own allocations fail under the limit";
+  if (testing::kThreadSanitizer)
+    GTEST_SKIP() << "ThreadSanitizer's own allocations fail under the limit";
   // Chunks of 64 blocks of 4 tokens: 8 MiB a chunk. Row 0 takes a block, row 1 192 (3 chunks).
   PagedKVCache cache({.block_tokens = 4, .blocks_per_chunk = 64});
   const TwoRows rows = two_rows(wide, 0, 1, 1, 192 * 4);

@@ -19,6 +19,11 @@ constexpr bool kAddressSanitizer = true;  // it aborts on impossible sizes and i
 #else
 constexpr bool kAddressSanitizer = false;
 #endif
+#if defined(__SANITIZE_THREAD__)
+constexpr bool kThreadSanitizer = true;  // its own allocations fail under RLIMIT_AS
+#else
+constexpr bool kThreadSanitizer = false;
+#endif
 
 // Runs `body` in a forked child whose address space may grow by at most `headroom` bytes more
 // than it has at the fork; returns the child's exit status (body's result), or -1 if it died
