@@ -14,7 +14,8 @@
 #include <filesystem>
 #include <new>
 #include <ostream>
-#include <utility>
+
+#include "persist/safetensors.h"
 
 namespace kvsnap::tools {
 
@@ -64,20 +65,11 @@ namespace {
 // The length of the UTF-8 sequence of a character XML 1.0 allows at `text[i]`, or 0 when the
 // bytes there are not one (invalid UTF-8, a control character, U+FFFE, U+FFFF).
 size_t xml_character(std::string_view text, size_t i) {
-  const auto byte = [&](size_t k) { return static_cast<unsigned char>(text[k]); };
-  const unsigned char first = byte(i);
-  if (first < 0x80) return first >= 0x20 || first == '\t' || first == '\n' || first == '\r';
-  const size_t length = first >= 0xF0 ? 4 : first >= 0xE0 ? 3 : first >= 0xC0 ? 2 : 0;
-  if (length == 0 || first > 0xF4 || i + length > text.size()) return 0;
-  uint32_t code = first & (0x7F >> length);
-  for (size_t k = 1; k < length; ++k) {
-    if ((byte(i + k) & 0xC0) != 0x80) return 0;
-    code = (code << 6) | (byte(i + k) & 0x3F);
-  }
-  const uint32_t least[] = {0, 0, 0x80, 0x800, 0x10000};
-  const bool valid = code >= least[length] && code <= 0x10FFFF &&
-                     !(code >= 0xD800 && code <= 0xDFFF) && code != 0xFFFE && code != 0xFFFF;
-  return valid ? length : 0;
+  const size_t length = detail::utf8_length(text, i);
+  const auto first = static_cast<unsigned char>(text[i]);
+  if (length == 1) return first >= 0x20 || first == '\t' || first == '\n' || first == '\r';
+  const std::string_view character = text.substr(i, length);
+  return character == "\xEF\xBF\xBE" || character == "\xEF\xBF\xBF" ? 0 : length;
 }
 
 std::string pid_suffix() { return fmt::format(".tmp-{}", ::getpid()); }
@@ -149,31 +141,13 @@ void write_replacing(const std::string& path, const std::string& text, const std
   if (fd < 0) {
     throw Error(fmt::format("{} {}: cannot write it ({})", option, path, std::strerror(errno)));
   }
-  for (size_t written = 0; written < text.size();) {
-    const ssize_t n = ::write(fd, text.data() + written, text.size() - written);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      ::close(fd);
-      throw fail("write");
-    }
-    written += static_cast<size_t>(n);
+  if (const int error = detail::write_all(fd, text); error != 0) {
+    ::close(fd);
+    errno = error;
+    throw fail("write");
   }
   if (::close(fd) != 0) throw fail("close");
   if (::rename(temporary.c_str(), path.c_str()) != 0) throw fail("rename");
-}
-
-CacheDirLock::~CacheDirLock() {
-  if (fd_ >= 0) ::close(fd_);  // releases the lock
-}
-
-CacheDirLock::CacheDirLock(CacheDirLock&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
-
-CacheDirLock& CacheDirLock::operator=(CacheDirLock&& other) noexcept {
-  if (this != &other) {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = std::exchange(other.fd_, -1);
-  }
-  return *this;
 }
 
 namespace {

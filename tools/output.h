@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kvsnap/error.h"
+#include "persist/files.h"
 
 namespace kvsnap::tools {
 
@@ -51,18 +52,16 @@ void check_writable(const std::string& path, const std::string& option);
 // <why>", `path` left as it was.
 void write_replacing(const std::string& path, const std::string& text, const std::string& option);
 
-// An exclusive advisory lock (flock) on a --cache-dir, held until destroyed (move-only).
+// An exclusive advisory lock (flock) on a --cache-dir, held until destroyed (move-only: closing
+// the descriptor releases it).
 class CacheDirLock {
  public:
   CacheDirLock() = default;
-  explicit CacheDirLock(int fd) : fd_(fd) {}
-  ~CacheDirLock();
-  CacheDirLock(CacheDirLock&& other) noexcept;
-  CacheDirLock& operator=(CacheDirLock&& other) noexcept;
-  bool held() const { return fd_ >= 0; }
+  explicit CacheDirLock(int fd) : file_(fd) {}
+  bool held() const { return file_.get() >= 0; }
 
  private:
-  int fd_ = -1;
+  detail::FileDescriptor file_;
 };
 
 // The lock file lock_cache_dir takes in its folder.

@@ -80,12 +80,12 @@ class KVKind {
 
 // update() of a batch over a cache's sequences (Seq has check and update as KVKind does): a
 // one-row batch is its sequence's update; more rows are checked first (all of them, so a refusal
-// changes nothing), then `room.make(id, tokens, keys, values)` runs for each row — the
-// allocations writing the row needs, so that failing there leaves every row unwritten; a row of a
-// sequence not yet created finds it staged (Sequences::stage) — then the rows are written one by
-// one into their sequences, and the history is ragged; when anything throws, `room.undo()`
-// (noexcept) gives back what make() gave the rows not written. A sequence is created only when
-// its row is written.
+// changes nothing), then `room.make(id, tokens, keys, values)` (the whole batch's arrays) runs
+// for each row — the allocations writing the row needs, so that failing there leaves every row
+// unwritten; a row of a sequence not yet created finds it staged (Sequences::stage) — then the
+// rows are written one by one into their sequences, and the history is ragged; when anything
+// throws, `room.undo()` (noexcept) gives back what make() gave the rows not written. A sequence
+// is created only when its row is written.
 template <class Seq, class Room>
 KVHistory update_rows(const Batch& batch, const Array& keys, const Array& values, const char* call,
                       Sequences<Seq>& sequences, Room&& room) {
@@ -118,7 +118,7 @@ KVHistory update_rows(const Batch& batch, const Array& keys, const Array& values
     histories.reserve(static_cast<size_t>(rows));
     for (int64_t b = 0; b < rows; ++b) {
       room.make(batch.seq_id(b), static_cast<int64_t>(batch.seq_query_lens[static_cast<size_t>(b)]),
-                keys.slice(0, b, b + 1), values.slice(0, b, b + 1));
+                keys, values);
     }
   } catch (...) {
     room.undo();
@@ -178,7 +178,7 @@ class KVCacheCore {
       if (staged) sequence = &sequences.stage(id, call);
       if (tokens > 0 && !sequence->store.has_layout) {
         if (!staged) adopted.push_back(sequence);  // first: it adopts only once undo() knows it
-        sequence->store.adopt_layout(KVLayout::of(keys, values));
+        sequence->store.adopt_layout(KVLayout::of_row(keys, values));
       }
       sequence->make_room(tokens);
     }

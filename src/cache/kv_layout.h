@@ -15,6 +15,12 @@ struct KVLayout {
   DType key_dtype = DType::f32, value_dtype = DType::f32;
 
   static KVLayout of(const Array& keys, const Array& values);
+  // The layout of one row of `keys` and `values` (B = 1).
+  static KVLayout of_row(const Array& keys, const Array& values) {
+    KVLayout layout = of(keys, values);
+    layout.rows = 1;
+    return layout;
+  }
   bool operator==(const KVLayout&) const = default;
   // "B=1 H=8 D=128 Dv=128 keys f16 values f16"
   std::string describe() const;

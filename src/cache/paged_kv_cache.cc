@@ -297,7 +297,7 @@ KVHistory PagedKVCache::update(const Batch& batch, const Array& keys, const Arra
       detail::PagedSequence* sequence = sequences.find(id);
       if (sequence == nullptr) sequence = &sequences.stage(id, detail::kUpdate);
       if (tokens > 0 && !pool.has_layout) {
-        sequence->adopt(detail::KVLayout::of(keys, values));
+        sequence->adopt(detail::KVLayout::of_row(keys, values));
         adopted = true;
       }
       if (!pool.has_layout) return;

@@ -86,6 +86,16 @@ void sync_folder(const std::string& path) {
 
 }  // namespace
 
+int write_all(int fd, std::string_view bytes) {
+  for (size_t written = 0; written < bytes.size();) {
+    const ssize_t n = ::write(fd, bytes.data() + written, bytes.size() - written);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return errno;
+    written += static_cast<size_t>(n);
+  }
+  return 0;
+}
+
 void write_file_atomically(const std::string& path, const std::string& bytes) {
   remove_stale_temporaries(path);
   const std::string temporary = temporary_path(path, temporaries_named.fetch_add(1));
@@ -95,16 +105,9 @@ void write_file_atomically(const std::string& path, const std::string& bytes) {
     return Error(fmt::format("writing {}: {} failed ({})", path, step, std::strerror(error)));
   };
   const int fd = create_private_file(temporary, fmt::format("writing {}", path)).release();
-  size_t written = 0;
-  while (written < bytes.size()) {
-    const ssize_t n = ::write(fd, bytes.data() + written, bytes.size() - written);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      const int error = errno;
-      ::close(fd);
-      throw fail("write", error);
-    }
-    written += static_cast<size_t>(n);
+  if (const int error = write_all(fd, bytes); error != 0) {
+    ::close(fd);
+    throw fail("write", error);
   }
   if (::fsync(fd) != 0) {
     const int error = errno;

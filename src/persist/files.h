@@ -4,6 +4,7 @@
 
 #include <map>
 #include <string>
+#include <string_view>
 #include <system_error>
 #include <utility>
 
@@ -20,6 +21,9 @@ namespace kvsnap::detail {
 // place, but a crash could undo the rename).
 // Removes stale temporaries of `path` first (see below).
 void write_file_atomically(const std::string& path, const std::string& bytes);
+// Writes all of `bytes` to `fd` (again after EINTR and short writes); 0, or the errno of the
+// write that failed.
+int write_all(int fd, std::string_view bytes);
 // The temporary the next write_file_atomically of this process will use, unless another thread
 // saves first (for tests).
 std::string next_temporary_path(const std::string& path);

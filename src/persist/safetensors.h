@@ -16,6 +16,10 @@
 
 namespace kvsnap::detail {
 
+// Bytes of the well-formed UTF-8 sequence at `text[at]` (no overlong forms, surrogates or code
+// points past U+10FFFF, as JSON demands), or 0. `at` < text.size().
+size_t utf8_length(std::string_view text, size_t at);
+
 struct SafetensorsFile {
   std::vector<std::pair<std::string, Array>> tensors;  // in file order
   std::map<std::string, std::string> metadata;

@@ -29,27 +29,6 @@ std::string signature(const SnapshotRecord& record, const LayerInfo& layer) {
   return snapshot_signature(record, layer.cache);
 }
 
-// Bytes of the well-formed UTF-8 sequence at `text[at]` (no overlong forms, surrogates or code
-// points past U+10FFFF, as JSON demands), or 0.
-size_t utf8_length(std::string_view text, size_t at) {
-  const auto lead = static_cast<unsigned char>(text[at]);
-  if (lead < 0x80) return 1;
-  const size_t length = (lead & 0xe0) == 0xc0   ? 2
-                        : (lead & 0xf0) == 0xe0 ? 3
-                        : (lead & 0xf8) == 0xf0 ? 4
-                                                : 0;
-  if (length == 0 || at + length > text.size()) return 0;
-  uint32_t code = lead & (0x7fu >> length);
-  for (size_t k = 1; k < length; ++k) {
-    const auto next = static_cast<unsigned char>(text[at + k]);
-    if ((next & 0xc0) != 0x80) return 0;
-    code = (code << 6) | (next & 0x3fu);
-  }
-  static constexpr uint32_t kLeast[] = {0, 0, 0x80, 0x800, 0x10000};
-  const bool valid = code >= kLeast[length] && code <= 0x10ffff && (code < 0xd800 || code > 0xdfff);
-  return valid ? length : 0;
-}
-
 // `id` as text: each byte that is not part of well-formed UTF-8 written as \xNN.
 std::string readable(std::string_view id) {
   std::string out;

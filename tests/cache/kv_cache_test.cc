@@ -3,6 +3,7 @@
 #include <kvsnap/paged_kv_cache.h>
 #include <kvsnap/rotating_kv_cache.h>
 
+#include <functional>
 #include <new>
 
 #include "cache/snapshot_record.h"
@@ -775,85 +776,81 @@ TwoRows two_rows(const TokenKV& kv, SeqId first, SeqId second, int64_t small, in
           kv.keys(ids, 2), kv.values(ids, 2)};
 }
 
-// A KVCache's first write, of two new sequences, that runs out of memory on the second row's
-// buffer (16 MiB; the first's takes 512 KiB) creates no sequence and fixes no layout: the
-// staged sequences' buffers are all allocated before either row is written.
-TEST(KVCacheMemory, MultiRowFirstWriteThatRunsOutOfMemoryCreatesNoSequence) {
-  if (kAddressSanitizer) GTEST_SKIP() << "AddressSanitizer ignores RLIMIT_AS";
-  if (testing::kThreadSanitizer)
-    GTEST_SKIP() << "ThreadSanitizer's own allocations fail under the limit";
-  const TokenKV kv{.heads = 4, .depth = 64};  // 2 KiB a token
-  const TwoRows rows = two_rows(kv, 0, 1, 2, 8192);
-  const TokenKV other{.heads = 4, .depth = 64, .dtype = DType::f16};
-  KVCache cache;
-  const int status = run_with_headroom(int64_t(4) << 20, [&] {
+// Runs `cache.update(rows)` in a child whose address space may grow by `headroom` bytes: 2 when
+// that does not throw std::bad_alloc, else what `after` returns with no limit from there on (0:
+// the cache is as expected, 1: not); 3 for another exception.
+int update_out_of_memory(Attention& cache, const TwoRows& rows, int64_t headroom,
+                         const std::function<int()>& after) {
+  return run_with_headroom(headroom, [&] {
     try {
       (void)cache.update(rows.batch, rows.keys, rows.values);
       return 2;
     } catch (const std::bad_alloc&) {
     }
     testing::lift_memory_limit();
-    if (!cache.sequences().empty() || cache.offset(0) != 0) return 1;
-    write(cache, other, id_range(0, 3));  // another layout: none was fixed
-    return cache.offset(0) == 3 ? 0 : 1;
+    return after();
   });
-  EXPECT_EQ(status, 0) << "1: a row was written or the layout fixed; 2: no std::bad_alloc; 3: "
-                          "another exception";
+}
+constexpr const char* kOutOfMemoryStatus =
+    "1: a row was written or the layout fixed; 2: no std::bad_alloc; 3: another exception";
+
+// A KVCache's first write, of two new sequences, that runs out of memory on the second row's
+// buffer (16 MiB; the first's takes 512 KiB) creates no sequence and fixes no layout: the
+// staged sequences' buffers are all allocated before either row is written.
+TEST(KVCacheMemory, MultiRowFirstWriteThatRunsOutOfMemoryCreatesNoSequence) {
+  if (kAddressSanitizer || testing::kThreadSanitizer) {
+    GTEST_SKIP() << "the sanitizer's own allocations ignore or fail under RLIMIT_AS";
+  }
+  const TokenKV kv{.heads = 4, .depth = 64};  // 2 KiB a token
+  const TokenKV other{.heads = 4, .depth = 64, .dtype = DType::f16};
+  KVCache cache;
+  const int status =
+      update_out_of_memory(cache, two_rows(kv, 0, 1, 2, 8192), int64_t(4) << 20, [&] {
+        if (!cache.sequences().empty() || cache.offset(0) != 0) return 1;
+        write(cache, other, id_range(0, 3));  // another layout: none was fixed
+        return cache.offset(0) == 3 ? 0 : 1;
+      });
+  EXPECT_EQ(status, 0) << kOutOfMemoryStatus;
 }
 
 // The same for a sequence that exists without a layout (a schedule made it): it keeps no layout
 // and its schedule, and a later write of another layout is accepted.
 TEST(KVCacheMemory, MultiRowUpdateThatRunsOutOfMemoryLeavesALayoutlessSequenceSo) {
-  if (kAddressSanitizer) GTEST_SKIP() << "AddressSanitizer ignores RLIMIT_AS";
-  if (testing::kThreadSanitizer)
-    GTEST_SKIP() << "ThreadSanitizer's own allocations fail under the limit";
+  if (kAddressSanitizer || testing::kThreadSanitizer) {
+    GTEST_SKIP() << "the sanitizer's own allocations ignore or fail under RLIMIT_AS";
+  }
   const TokenKV kv{.heads = 4, .depth = 64};
-  const TwoRows rows = two_rows(kv, 0, 1, 2, 8192);
   const TokenKV other{.heads = 4, .depth = 64, .dtype = DType::f16};
   KVCache cache;
   cache.prepare_snapshots(0, std::vector<int64_t>{1});
-  const int status = run_with_headroom(int64_t(4) << 20, [&] {
-    try {
-      (void)cache.update(rows.batch, rows.keys, rows.values);
-      return 2;
-    } catch (const std::bad_alloc&) {
-    }
-    testing::lift_memory_limit();
-    if (cache.sequences() != std::vector<SeqId>{0} || cache.offset(0) != 0 ||
-        !cache.schedule_state(0).pending) {
-      return 1;
-    }
-    write(cache, other, id_range(0, 3));
-    return cache.offset(0) == 3 && cache.take_snapshots(0).size() == 1 ? 0 : 1;
-  });
-  EXPECT_EQ(status, 0) << "1: a row was written or the layout fixed; 2: no std::bad_alloc; 3: "
-                          "another exception";
+  const int status =
+      update_out_of_memory(cache, two_rows(kv, 0, 1, 2, 8192), int64_t(4) << 20, [&] {
+        if (cache.sequences() != std::vector<SeqId>{0} || cache.offset(0) != 0 ||
+            !cache.schedule_state(0).pending) {
+          return 1;
+        }
+        write(cache, other, id_range(0, 3));
+        return cache.offset(0) == 3 && cache.take_snapshots(0).size() == 1 ? 0 : 1;
+      });
+  EXPECT_EQ(status, 0) << kOutOfMemoryStatus;
 }
 
 // A paged cache's first write, of two new sequences, whose blocks run out of memory: no
 // sequence is created and no block is in use (the first row's block was reserved with the
 // second's, not written first); the cache writes once memory is there.
 TEST(KVCacheMemory, PagedMultiRowFirstWriteThatRunsOutOfMemoryCreatesNoSequence) {
-  if (kAddressSanitizer) GTEST_SKIP() << "AddressSanitizer ignores RLIMIT_AS";
-  if (testing::kThreadSanitizer)
-    GTEST_SKIP() << "ThreadSanitizer's own allocations fail under the limit";
-  if (testing::kThreadSanitizer)
-    GTEST_SKIP() << "ThreadSanitizer's own allocations fail under the limit";
+  if (kAddressSanitizer || testing::kThreadSanitizer) {
+    GTEST_SKIP() << "the sanitizer's own allocations ignore or fail under RLIMIT_AS";
+  }
   // Chunks of 64 blocks of 4 tokens: 8 MiB a chunk. Row 0 takes a block, row 1 192 (3 chunks).
   PagedKVCache cache({.block_tokens = 4, .blocks_per_chunk = 64});
   const TwoRows rows = two_rows(wide, 0, 1, 1, 192 * 4);
-  const int status = run_with_headroom(int64_t(12) << 20, [&] {
-    try {
-      (void)cache.update(rows.batch, rows.keys, rows.values);
-      return 2;
-    } catch (const std::bad_alloc&) {
-    }
-    testing::lift_memory_limit();
+  const int status = update_out_of_memory(cache, rows, int64_t(12) << 20, [&] {
     if (!cache.sequences().empty() || cache.pool_stats().blocks_in_use != 0) return 1;
     (void)cache.update(rows.batch, rows.keys, rows.values);
     return cache.offset(0) == 1 && cache.offset(1) == 192 * 4 ? 0 : 1;
   });
-  EXPECT_EQ(status, 0) << "1: a row was written; 2: no std::bad_alloc; 3: another exception";
+  EXPECT_EQ(status, 0) << kOutOfMemoryStatus;
 }
 
 }  // namespace

@@ -19,21 +19,9 @@ namespace {
 
 using Json = nlohmann::json;
 using testing::HybridStack;
-using testing::run_turn;
 using testing::throws_error;
-using testing::Tokens;
-using testing::tokens;
-using testing::operator+;
+using testing::warm_up;
 
-const Tokens kSystem = tokens(100, 12);
-
-void warm_up(PrefixCache& cache, HybridStack& stack) {
-  const std::vector<int64_t> end_of_system{12};
-  run_turn(cache, stack, kSystem + tokens(200, 6), tokens(300, 4), end_of_system);
-  run_turn(cache, stack, kSystem + tokens(200, 6) + tokens(300, 4) + tokens(400, 5),
-           tokens(500, 3));
-  run_turn(cache, stack, kSystem + tokens(800, 7), tokens(900, 2));
-}
 
 std::string read(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

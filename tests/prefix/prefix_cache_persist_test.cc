@@ -15,9 +15,10 @@ using testing::run_turn;
 using testing::throws_error;
 using testing::Tokens;
 using testing::tokens;
+using testing::warm_up;
 using testing::operator+;
 
-const Tokens kSystem = tokens(100, 12);
+const Tokens& kSystem = testing::kWarmSystem;
 
 std::string scratch(const std::string& name) {
   const auto dir = std::filesystem::temp_directory_path() /
@@ -26,25 +27,19 @@ std::string scratch(const std::string& name) {
   return dir.string();
 }
 
-// A cache that has seen two conversations on a shared system prompt.
-void warm_up(PrefixCache& cache, HybridStack& stack) {
-  const std::vector<int64_t> end_of_system{12};
-  run_turn(cache, stack, kSystem + tokens(200, 6), tokens(300, 4), end_of_system);
-  run_turn(cache, stack, kSystem + tokens(200, 6) + tokens(300, 4) + tokens(400, 5),
-           tokens(500, 3));
-  run_turn(cache, stack, kSystem + tokens(800, 7), tokens(900, 2));
+// Saves a warmed-up cache (warm_up) to `dir` as "model-a" from a process of its own; returns its
+// node count.
+int64_t save_warm(const std::string& dir) {
+  HybridStack stack;
+  PrefixCache cache(stack.layers());
+  warm_up(cache, stack);
+  cache.save(dir, "model-a");
+  return cache.node_count();
 }
 
 TEST(PrefixCachePersist, ARestartedCacheContinuesWarm) {
   const std::string dir = scratch("warm");
-  int64_t nodes = 0;
-  {
-    HybridStack stack;
-    PrefixCache cache(stack.layers());
-    warm_up(cache, stack);
-    nodes = cache.node_count();
-    cache.save(dir, "model-a");
-  }
+  const int64_t nodes = save_warm(dir);
   ASSERT_TRUE(PrefixCache::saved_in(dir));
   HybridStack stack;  // a fresh process: empty caches
   PrefixCache cache(stack.layers());
@@ -70,14 +65,7 @@ TEST(PrefixCachePersist, ARestartedCacheContinuesWarm) {
 // held and how many the budget evicted.
 TEST(PrefixCachePersist, ALoadUnderASmallerBudgetSaysWhatItLoadedAndEvicted) {
   const std::string dir = scratch("budget");
-  int64_t nodes = 0;
-  {
-    HybridStack stack;
-    PrefixCache cache(stack.layers());
-    warm_up(cache, stack);
-    nodes = cache.node_count();
-    cache.save(dir, "model-a");
-  }
+  const int64_t nodes = save_warm(dir);
   HybridStack stack;
   PrefixCache cache(stack.layers(), {.max_paged_out_bytes = 1});
   EXPECT_EQ(cache.stats().loaded_nodes, 0);
@@ -90,12 +78,7 @@ TEST(PrefixCachePersist, ALoadUnderASmallerBudgetSaysWhatItLoadedAndEvicted) {
 
 TEST(PrefixCachePersist, AnotherLayerConfigurationIsRejectedAndNothingChanges) {
   const std::string dir = scratch("config");
-  {
-    HybridStack stack;
-    PrefixCache cache(stack.layers());
-    warm_up(cache, stack);
-    cache.save(dir, "model-a");
-  }
+  (void)save_warm(dir);
   KVCache attention;
   RotatingKVCache window(16);  // not the 8 it was saved with
   PrefixCache other({&attention, &window, nullptr});

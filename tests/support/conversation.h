@@ -69,4 +69,17 @@ inline Turn run_turn(
   return turn;
 }
 
+// The system prompt of warm_up's conversations.
+inline const Tokens kWarmSystem = tokens(100, 12);
+
+// A cache that has seen two conversations (one of two turns) on a shared system prompt
+// (kWarmSystem, a restore point at its end): what the persistence tests save and load.
+inline void warm_up(PrefixCache& cache, HybridStack& stack) {
+  const std::vector<int64_t> end_of_system{12};
+  run_turn(cache, stack, kWarmSystem + tokens(200, 6), tokens(300, 4), end_of_system);
+  run_turn(cache, stack, kWarmSystem + tokens(200, 6) + tokens(300, 4) + tokens(400, 5),
+           tokens(500, 3));
+  run_turn(cache, stack, kWarmSystem + tokens(800, 7), tokens(900, 2));
+}
+
 }  // namespace kvsnap::testing
