@@ -199,10 +199,17 @@ SnapshotRecord KVStateSnapshot::record() const {
   });
 }
 
-void KVStateSnapshot::copy_record(bool second, Array& place) const {
+void KVStateSnapshot::copy_record(bool second, Array& place, int64_t column) const {
   // A write that overwrites the columns copies them out first, under this lock: what is read
-  // here is the snapshot's, wherever it lies now.
-  locked([&] { place.assign(second ? values() : keys()); });
+  // here is the snapshot's, wherever it lies now. Only the parts overlapping the range are read.
+  const int64_t end = column + place.shape()[2];
+  locked([&] {
+    for_each_part(end, [&](int64_t first, const Array& k, const Array& v, int64_t) {
+      const Array& part = second ? v : k;
+      const int64_t from = std::max(first, column), to = first + part.shape()[2];
+      if (to > from) place.assign_slice(2, from - column, part.slice(2, from - first, to - first));
+    });
+  });
 }
 
 bool KVStateSnapshot::viewed_live() const {

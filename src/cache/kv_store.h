@@ -49,7 +49,7 @@ class KVStateSnapshot final : public StateSnapshot, public Pooled<KVStateSnapsho
   int64_t to() const override { return end; }
   bool is_lazy() const override { return owner() != nullptr; }
   SnapshotRecord record() const override;
-  void copy_record(bool second, Array& place) const override;
+  void copy_record(bool second, Array& place, int64_t column = 0) const override;
 
   // Tokens held: to - from for ranges, the window's tokens for windows.
   int64_t tokens() const { return tokens_; }

@@ -22,12 +22,17 @@ class StateSnapshot : public Snapshot {
   // Its data (views of the live cache while lazy, or a copy when it is held in parts) and
   // offsets.
   virtual SnapshotRecord record() const = 0;
-  // Copies record()'s first array (or its second) into `place`, which has its dtype and shape,
-  // consistently with the writers of the cache it is lazy in (under that cache's lock): for a
-  // record whose arrays are `live`, read after record() returned.
-  virtual void copy_record(bool second, Array& place) const {
+  // Copies record()'s first array (or its second) into `place`, consistently with the writers
+  // of the cache it is lazy in (under that cache's lock): for a record whose arrays are `live`,
+  // read after record() returned. `place` has the array's dtype and shape, except that along
+  // the token axis (2) of a KV or window record it may hold only the tokens from `column` on
+  // (the record's token `column` onwards, place's extent of them); `column` is 0 otherwise.
+  virtual void copy_record(bool second, Array& place, int64_t column = 0) const {
     const SnapshotRecord data = record();
-    place.assign(second ? data.second : data.first);
+    const Array& array = second ? data.second : data.first;
+    place.assign(data.kind == SnapshotRecord::Kind::recurrent
+                     ? array
+                     : array.slice(2, column, column + place.shape()[2]));
   }
   // Sets the materialize hook and returns size() at the same instant (under the lock of the
   // cache it is lazy in), so a holder that counts its bytes misses no change another thread

@@ -137,8 +137,7 @@ void DirStore::probe(std::span<const std::string> sets, std::span<const std::str
     // What fetch would read: a regular file, not a link to one, of at most the largest object.
     const std::string file = path(keys[i]);
     exists[i] = fs::is_regular_file(fs::symlink_status(file, error)) &&
-                fs::file_size(file, error) <= static_cast<uintmax_t>(kMaximumObjectBytes) &&
-                !error;
+                fs::file_size(file, error) <= static_cast<uintmax_t>(kMaximumObjectBytes) && !error;
   }
 }
 

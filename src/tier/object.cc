@@ -48,9 +48,25 @@ bool object_holds(const ObjectSpec& spec, const Cache* layer) {
   return spec.kind == ObjectSpec::Kind::point;
 }
 
+ObjectPart object_part(const Snapshot& snapshot) {
+  ObjectPart part{*snapshot_record(snapshot)};
+  if (part.record.live) part.source = as_state_snapshot(&snapshot);
+  return part;
+}
+
+ObjectPart slice_part(const ObjectPart& kv, int64_t from, int64_t to) {
+  ObjectPart out = kv;
+  out.record.first = kv.record.first.slice(2, from - kv.record.from, to - kv.record.from);
+  out.record.second = kv.record.second.slice(2, from - kv.record.from, to - kv.record.from);
+  out.record.from = from;
+  out.record.to = to;
+  out.column = kv.column + from - kv.record.from;
+  return out;
+}
+
 std::string encode_object(const std::string& key, const std::string& root_hex,
                           const ObjectSpec& spec,
-                          const std::vector<std::optional<SnapshotRecord>>& records) {
+                          const std::vector<std::optional<ObjectPart>>& parts) {
   SafetensorsFile file;
   file.metadata["format"] = kFormat;
   file.metadata["version"] = std::to_string(kTierFormatVersion);
@@ -59,12 +75,19 @@ std::string encode_object(const std::string& key, const std::string& root_hex,
   file.metadata["kind"] = kind_name(spec.kind);
   file.metadata["from"] = std::to_string(spec.from);
   file.metadata["to"] = std::to_string(spec.to);
-  for (size_t i = 0; i < records.size(); ++i) {
-    if (!records[i]) continue;
-    file.tensors.emplace_back(tensor_name(i, 'a'), records[i]->first);
-    file.tensors.emplace_back(tensor_name(i, 'b'), records[i]->second);
+  std::vector<const ObjectPart*> sources;  // per tensor
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (!parts[i]) continue;
+    file.tensors.emplace_back(tensor_name(i, 'a'), parts[i]->record.first);
+    file.tensors.emplace_back(tensor_name(i, 'b'), parts[i]->record.second);
+    sources.insert(sources.end(), 2, &*parts[i]);
   }
-  return encode_sealed(std::move(file));
+  const TensorWriter write = [&](size_t tensor, Array& place) {
+    const ObjectPart& part = *sources[tensor];
+    if (part.source != nullptr) part.source->copy_record(tensor % 2 == 1, place, part.column);
+    return part.source != nullptr;
+  };
+  return encode_sealed(std::move(file), write);
 }
 
 void append_tag(std::string& value, const std::string& key, const std::string& mac_key) {

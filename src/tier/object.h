@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cache/snapshot_record.h"
+#include "cache/state_snapshot.h"
 #include "kvsnap/error.h"
 
 namespace kvsnap::detail {
@@ -38,11 +39,26 @@ struct ObjectRejected : Error {
   bool unauthenticated;
 };
 
-// The object `key` holding `records` (per layer; nullopt where the spec holds nothing), tagged
-// when `mac_key` is not empty.
+// One layer's data in an object: a record (or a slice of one along the token axis). Where its
+// arrays are views of a live cache (`record.live`), `source` is the snapshot they came from and
+// `column` the slice's first token in source's record: the data is copied from wherever the
+// snapshot's tokens lie when the object is encoded, under that cache's lock — another thread's
+// forward may have copied them out of the viewed columns and overwritten those since.
+struct ObjectPart {
+  SnapshotRecord record;
+  const StateSnapshot* source = nullptr;
+  int64_t column = 0;
+};
+
+// The part of `snapshot`'s record (a built-in snapshot's).
+ObjectPart object_part(const Snapshot& snapshot);
+// Tokens [from, to) of a KV part covering them.
+ObjectPart slice_part(const ObjectPart& kv, int64_t from, int64_t to);
+
+// The object `key` holding `parts` (per layer; nullopt where the spec holds nothing).
 std::string encode_object(const std::string& key, const std::string& root_hex,
                           const ObjectSpec& spec,
-                          const std::vector<std::optional<SnapshotRecord>>& records);
+                          const std::vector<std::optional<ObjectPart>>& parts);
 // Appends the MAC tag of `key` over `value` (as encode_object left it).
 void append_tag(std::string& value, const std::string& key, const std::string& mac_key);
 

@@ -3,6 +3,7 @@
 // knows: keys it wrote or read (not written again) and each layer's snapshot shapes.
 #pragma once
 
+#include <condition_variable>
 #include <mutex>
 #include <string>
 #include <unordered_set>
@@ -10,10 +11,37 @@
 
 #include "kvsnap/tier.h"
 #include "tier/keys.h"
+#include "tier/object.h"
 #include "tier/store.h"
 #include "tier/writer.h"
 
 namespace kvsnap::detail {
+
+// A mutex whose lock waits until a deadline at most (std::unique_lock(mutex, deadline)). Not
+// std::timed_mutex: its try_lock_until on the steady clock is pthread_mutex_clocklock, which
+// this toolchain's ThreadSanitizer does not intercept — it then takes every unlock for one of an
+// unlocked mutex, and sees none of the order the lock gives.
+class DeadlineMutex {
+ public:
+  bool try_lock_until(Deadline deadline) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (!free_.wait_until(lock, deadline, [&] { return !held_; })) return false;
+    held_ = true;
+    return true;
+  }
+  void unlock() {
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      held_ = false;
+    }
+    free_.notify_one();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable free_;
+  bool held_ = false;
+};
 
 // Keys this process wrote or read, so it does not write them again. Bounded; cleared whenever
 // the store turns out to have lost one (flushed, evicted, restarted).
@@ -48,7 +76,7 @@ class TierImpl {
   bool ranged(size_t layer) const;
   // The objects of a store call, encoded (the copy of the data).
   WriteBatch encode(std::span<const int32_t> tokens,
-                    const std::vector<std::optional<SnapshotRecord>>& kv,
+                    const std::vector<std::optional<ObjectPart>>& kv,
                     std::span<const TierPoint> points, int64_t end);
   // Counts and logs a rejected object and forgets it as known. `doom` (a damaged or forged
   // object, of no use to any process): the writer deletes it, unless this process has written
@@ -71,7 +99,7 @@ class TierImpl {
   std::atomic<bool> logged_loss_{false};
   mutable std::mutex signatures_mutex_;
   std::vector<std::string> signatures_;
-  std::timed_mutex lookup_mutex_;  // one lookup at a time on the connection
+  DeadlineMutex lookup_mutex_;  // one lookup at a time on the connection
   std::unique_ptr<Store> lookup_store_;
   std::unique_ptr<WriteBehind> writer_;  // last: its thread stops before the rest goes
 };

@@ -194,7 +194,7 @@ TierMatch TierImpl::lookup(std::span<const int32_t> tokens, int64_t limit, int64
   const LookupGate::Entry in_flight(writer_->lookups());  // writes step aside until it is done
   ++counters_.lookups;
   const Deadline deadline = Clock::now() + options_.lookup_timeout;
-  std::unique_lock<std::timed_mutex> lock(lookup_mutex_, deadline);
+  std::unique_lock<DeadlineMutex> lock(lookup_mutex_, deadline);
   if (!lock.owns_lock()) {
     ++counters_.timeouts;  // other lookups held the connection until the deadline
     return {};

@@ -9,20 +9,6 @@
 #include "tier/tier_impl.h"
 
 namespace kvsnap::detail {
-namespace {
-
-// Layer data of [from, to) from a KV record covering it.
-SnapshotRecord slice(const SnapshotRecord& kv, int64_t from, int64_t to) {
-  SnapshotRecord out = kv;
-  out.first = kv.first.slice(2, from - kv.from, to - kv.from);
-  out.second = kv.second.slice(2, from - kv.from, to - kv.from);
-  out.from = from;
-  out.to = to;
-  return out;
-}
-
-}  // namespace
-
 void TierImpl::store(std::span<const int32_t> tokens, std::span<const Snapshot* const> ranges,
                      std::span<const TierPoint> points) {
   const CallerTime timed(counters_.caller_microseconds);
@@ -42,13 +28,16 @@ void TierImpl::store(std::span<const int32_t> tokens, std::span<const Snapshot* 
     end = std::max(end, point.offset);
   }
   if (points.empty()) return;
-  std::vector<std::optional<SnapshotRecord>> kv(layers_.size());
+  std::vector<std::optional<ObjectPart>> kv(layers_.size());
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (!ranged(i)) continue;
-    if (ranges[i] != nullptr) kv[i] = snapshot_record(*ranges[i]);
-    if (!kv[i] || kv[i]->kind != SnapshotRecord::Kind::kv || kv[i]->from > 0 || kv[i]->to < end) {
-      throw fail(fmt::format("layer {} needs a KV snapshot covering [0, {}){}", i, end,
-                             kv[i] ? fmt::format(", not [{}, {})", kv[i]->from, kv[i]->to) : ""));
+    if (ranges[i] != nullptr && snapshot_record(*ranges[i])) kv[i] = object_part(*ranges[i]);
+    const SnapshotRecord* record = kv[i] ? &kv[i]->record : nullptr;
+    if (!record || record->kind != SnapshotRecord::Kind::kv || record->from > 0 ||
+        record->to < end) {
+      throw fail(
+          fmt::format("layer {} needs a KV snapshot covering [0, {}){}", i, end,
+                      record ? fmt::format(", not [{}, {})", record->from, record->to) : ""));
     }
   }
   // Every snapshot must be of its layer's kind, in the shapes its others have (those this
@@ -70,7 +59,7 @@ void TierImpl::store(std::span<const int32_t> tokens, std::span<const Snapshot* 
     }
   };
   for (size_t i = 0; i < layers_.size(); ++i) {
-    if (kv[i]) check_fits(i, *kv[i], end);
+    if (kv[i]) check_fits(i, kv[i]->record, end);
   }
   for (const TierPoint& point : points) {
     for (size_t i = 0; i < layers_.size(); ++i) {
@@ -84,20 +73,20 @@ void TierImpl::store(std::span<const int32_t> tokens, std::span<const Snapshot* 
   }
   WriteBatch batch = encode(tokens, kv, points, end);
   for (size_t i = 0; i < layers_.size(); ++i) {
-    if (kv[i]) learn_signature(i, *kv[i]);
+    if (kv[i]) learn_signature(i, kv[i]->record);
   }
   if (!batch.empty()) (void)writer_->push(std::move(batch));
 }
 
 WriteBatch TierImpl::encode(std::span<const int32_t> tokens,
-                            const std::vector<std::optional<SnapshotRecord>>& kv,
+                            const std::vector<std::optional<ObjectPart>>& kv,
                             std::span<const TierPoint> points, int64_t end) {
   const int64_t chunk = keys_.chunk_tokens();
   const std::vector<Digest> chain = keys_.chain(tokens, end / chunk);
   WriteBatch batch;
-  std::vector<std::optional<SnapshotRecord>> records(layers_.size());
+  std::vector<std::optional<ObjectPart>> parts(layers_.size());
   const auto add = [&](const std::string& key, const ObjectSpec& spec) {
-    batch.objects.emplace_back(key, encode_object(key, keys_.root_hex(), spec, records));
+    batch.objects.emplace_back(key, encode_object(key, keys_.root_hex(), spec, parts));
   };
   const bool any_kv =
       std::any_of(kv.begin(), kv.end(), [](const auto& r) { return r.has_value(); });
@@ -108,7 +97,8 @@ WriteBatch TierImpl::encode(std::span<const int32_t> tokens,
       continue;
     }
     for (size_t i = 0; i < layers_.size(); ++i) {
-      records[i] = kv[i] ? std::optional(slice(*kv[i], j * chunk, (j + 1) * chunk)) : std::nullopt;
+      parts[i] =
+          kv[i] ? std::optional(slice_part(*kv[i], j * chunk, (j + 1) * chunk)) : std::nullopt;
     }
     add(key, {ObjectSpec::Kind::chunk, j * chunk, (j + 1) * chunk});
   }
@@ -126,14 +116,14 @@ WriteBatch TierImpl::encode(std::span<const int32_t> tokens,
     }
     const ObjectSpec spec{ObjectSpec::Kind::point, base * chunk, point.offset};
     for (size_t i = 0; i < layers_.size(); ++i) {
-      records[i].reset();
+      parts[i].reset();
       if (!object_holds(spec, layers_[i])) continue;
       if (kv[i]) {
-        records[i] = slice(*kv[i], spec.from, spec.to);
+        parts[i] = slice_part(*kv[i], spec.from, spec.to);
         continue;
       }
-      records[i] = snapshot_record(*point.states[i]);  // checked by store()
-      learn_signature(i, *records[i]);
+      parts[i] = object_part(*point.states[i]);  // checked by store()
+      learn_signature(i, parts[i]->record);
     }
     add(key, spec);
     batch.index.emplace_back(TierKeys::index_key(digest), std::to_string(point.offset));

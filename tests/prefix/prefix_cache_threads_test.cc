@@ -13,6 +13,7 @@
 
 #include "support/conversation.h"
 #include "support/test_support.h"
+#include "support/tier_support.h"
 
 namespace kvsnap {
 namespace {
@@ -59,10 +60,23 @@ void serve(PrefixCache& cache, HybridStack& stack, SeqId slot, uint32_t seed, in
   }
 }
 
-void race(bool paged) {
+// The tests' tier options, logging nowhere (its trusted-store warning, once per tier).
+TierOptions quiet_tier_options() {
+  TierOptions options = testing::tier_options();
+  options.log = [](const std::string&) {};
+  return options;
+}
+
+// `tier_address`: a tier the prefix cache stores to and looks up in, when not empty.
+void race(bool paged, const std::string& tier_address = "") {
   constexpr SeqId kThreads = 4;
   HybridStack stack(StackOptions{.paged = paged, .check_copies = false});
-  PrefixCache cache(stack.layers(), {.max_paged_out_bytes = 20000, .slots = kThreads});
+  PrefixCache cache(stack.layers(),
+                    {.max_paged_out_bytes = 20000,
+                     .slots = kThreads,
+                     .tier = tier_address.empty()
+                                 ? nullptr
+                                 : Tier::open(tier_address, stack.layers(), quiet_tier_options())});
   std::atomic<int64_t> failures{0}, reused{0};
   std::vector<std::thread> threads;
   for (SeqId slot = 0; slot < kThreads; ++slot) {
@@ -83,6 +97,77 @@ TEST(PrefixCacheThreads, ConcurrentSessionsOnContiguousCaches) {
 }
 TEST(PrefixCacheThreads, ConcurrentSessionsOnPagedCaches) {
   for (int round = 0; round < 4; ++round) race(true);
+}
+
+// With a tier: every begin looks the tier up (the lookups of four threads share one connection,
+// taken in turn) and every close stores its restore points; another process then restores from
+// what they stored, its outputs equal to recomputation.
+TEST(PrefixCacheThreads, ConcurrentSessionsWithATier) {
+  const testing::FolderStore store("threads");
+  for (int round = 0; round < 2; ++round) race(round == 1, store.address());
+  testing::TierProcess other(store.address());
+  EXPECT_EQ(other.turn(tokens(100, 30) + tokens(9000, 3), tokens(9100, 2)).cached, 30);
+  EXPECT_EQ(other.tier->stats().rejected, 0);
+}
+
+// A slot's close stores the restore points on its path, among them one another slot made whose
+// window snapshot may still name columns of that slot's ring while that slot's decode steps
+// shift the ring over them (copying them out first). Every stored point restores in another
+// process to outputs equal to recomputation, and ThreadSanitizer sees no race. (The store's
+// record of such a snapshot and its copy into the object are microseconds apart, so this run
+// rarely lands a write in between; TierObject.LiveSnapshotsAreEncodedFromWhereTheirTokensLieThen
+// does so every time.)
+TEST(PrefixCacheThreads, TierStoresWhileAnotherSlotDecodesHoldConsistentState) {
+  constexpr int64_t kWindow = 32;
+  constexpr int32_t kRounds = 6;
+  const StackOptions options{.window = kWindow, .check_copies = false};
+  const testing::FolderStore store("decoding");
+  HybridStack stack(options);
+  const std::shared_ptr<Tier> tier =
+      Tier::open(store.address(), stack.layers(), quiet_tier_options());
+  PrefixCache cache(stack.layers(), {.slots = 2, .tier = tier});
+  const auto prompt = [](int32_t round) { return tokens(10000 * (round + 1), 40); };
+  const Tokens reply = tokens(400, 4);
+  for (int32_t round = 0; round < kRounds; ++round) {
+    // Slot 0's first turn: its close leaves a restore point at 43 whose window is lazy in slot
+    // 0's ring.
+    const Tokens conversation = prompt(round) + Tokens(reply.begin(), reply.end() - 1);
+    (void)run_turn(cache, stack, prompt(round), reply);
+    std::atomic<bool> decoding{false};
+    std::thread decoder([&] {  // slot 0's next turn, decoding one token a step
+      Tokens sequence = conversation + Tokens{reply.back()};
+      PrefixCache::Session session = cache.begin(0, sequence);
+      EXPECT_TRUE(stack.forward_and_check(session.remaining(), sequence, 0));
+      session.prefill_done();
+      decoding = true;
+      for (int32_t t = 0; t < kWindow + 4; ++t) {
+        const int32_t token = 500 + t;
+        session.append_output(token);
+        sequence.push_back(token);
+        EXPECT_TRUE(stack.forward_and_check(std::span(&token, 1), sequence, 0));
+      }
+      session.close();
+    });
+    while (!decoding) std::this_thread::yield();
+    const Tokens next = conversation + tokens(700, 4);
+    PrefixCache::Session second = cache.begin(1, next);
+    EXPECT_EQ(second.cached(), 43);
+    EXPECT_TRUE(stack.forward_and_check(second.remaining(), next, 1));
+    second.prefill_done();
+    second.close();  // stores point 43 while slot 0 decodes
+    decoder.join();
+  }
+  ASSERT_TRUE(tier->flush());
+  HybridStack fresh(options);
+  PrefixCache other(fresh.layers(),
+                    {.tier = Tier::open(store.address(), fresh.layers(), quiet_tier_options())});
+  for (int32_t round = 0; round < kRounds; ++round) {
+    const Tokens request = prompt(round) + Tokens(reply.begin(), reply.end() - 1) + tokens(900, 3);
+    PrefixCache::Session session = other.begin(request);
+    EXPECT_EQ(session.cached(), 43);
+    EXPECT_TRUE(fresh.forward_and_check(session.remaining(), request)) << "round " << round;
+    session.close();
+  }
 }
 
 // A folder for saved caches: in /dev/shm when there is one (a save's fsync costs nothing there,

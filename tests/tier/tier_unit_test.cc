@@ -2,7 +2,10 @@
 // under a PrefixCache.
 #include <gtest/gtest.h>
 
+#include "persist/safetensors.h"
+#include "support/cache_support.h"
 #include "support/tier_support.h"
+#include "tier/object.h"
 #include "tier/redis_store.h"
 #include "tier/store.h"
 
@@ -10,8 +13,10 @@ namespace kvsnap {
 namespace {
 
 using testing::HybridStack;
+using testing::id_range;
 using testing::throws_error;
 using testing::tier_options;
+using testing::TokenKV;
 using testing::tokens;
 using testing::operator+;
 
@@ -129,6 +134,62 @@ TEST(TierContract, APrefixCacheRefusesATierOpenedForOtherLayers) {
   const std::shared_ptr<Tier> tier = Tier::open(folder.address(), other.layers(), tier_options());
   EXPECT_TRUE(throws_error([&] { PrefixCache cache(stack.layers(), {.tier = tier}); },
                            {"PrefixCache", "opened for other layers"}));
+}
+
+}  // namespace
+}  // namespace kvsnap
+
+namespace kvsnap {
+namespace {
+
+// The token ids (TokenKV's tags) values [B, H, T, D] hold, for each row and head, in column
+// order.
+std::vector<int64_t> value_ids(const Array& values) {
+  const std::vector<float> data = values.to_floats();
+  std::vector<int64_t> ids;
+  for (size_t i = 0; i < data.size(); i += static_cast<size_t>(values.dim(3))) {
+    ids.push_back(static_cast<int64_t>(data[i]));
+  }
+  return ids;
+}
+std::vector<int64_t> object_ids(const std::string& bytes, const std::string& name) {
+  return value_ids(detail::decode_safetensors(bytes, "object").at(name, "object"));
+}
+
+std::vector<int64_t> repeat(const std::vector<int64_t>& ids, int times) {
+  std::vector<int64_t> out;
+  for (int i = 0; i < times; ++i) out.insert(out.end(), ids.begin(), ids.end());
+  return out;
+}
+
+// A store takes its snapshots' records, then encodes them; in a server another thread's forward
+// may run on those caches in between, copying a lazy snapshot's tokens out of the columns it
+// names and then overwriting them (a window's ring shifts; a rewound range is written again).
+// The object must hold the snapshot's tokens, read from wherever they lie when it is encoded.
+TEST(TierObject, LiveSnapshotsAreEncodedFromWhereTheirTokensLieThen) {
+  const TokenKV kv;
+  KVCache range;
+  RotatingKVCache window(8);
+  (void)testing::write(range, kv, id_range(0, 12));
+  (void)testing::write(window, kv, id_range(0, 12));
+  const SnapshotPtr keys = range.snapshot(0);
+  const SnapshotPtr state = window.snapshot(0);  // tokens 5..11, in the ring's columns
+  std::vector<std::optional<detail::ObjectPart>> parts{
+      detail::slice_part(detail::object_part(*keys), 4, 12), detail::object_part(*state)};
+  ASSERT_TRUE(parts[0]->record.live);
+  ASSERT_TRUE(parts[1]->record.live);
+  ASSERT_TRUE(range.restore(nullptr, 6));
+  (void)testing::write(range, kv, id_range(100, 6));  // over columns 6..11
+  for (int64_t id = 100; id < 106; ++id) {  // decode steps, over the ring's columns of 4..9
+    (void)testing::write(window, kv, id_range(id, 1));
+  }
+  // The records' views show the new tokens now.
+  ASSERT_NE(value_ids(parts[0]->record.second), repeat(id_range(4, 8), 2));
+  ASSERT_NE(value_ids(parts[1]->record.second), repeat(id_range(5, 7), 2));
+  const std::string bytes =
+      detail::encode_object("k", "root", {detail::ObjectSpec::Kind::point, 4, 12}, parts);
+  EXPECT_EQ(object_ids(bytes, "layer.0.b"), repeat(id_range(4, 8), 2));  // both heads
+  EXPECT_EQ(object_ids(bytes, "layer.1.b"), repeat(id_range(5, 7), 2));
 }
 
 }  // namespace
