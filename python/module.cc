@@ -21,7 +21,7 @@ one at a time. A snapshot may be read and restored from on any thread, but not s
 (save_snapshots) while another thread writes the sequence it was taken from: a lazy snapshot
 reads that sequence's live buffer. merge and split, which consume a snapshot, raise kvsnap.Error
 while a call on another thread is using it.)";
-  m.attr("__version__") = "0.1.0";
+  m.attr("__version__") = KVSNAP_VERSION;
   py::register_exception<kvsnap::Error>(m, "Error").attr("__doc__") =
       "A contract violation or bad data. The message is kvsnap's (the call, the values, the "
       "rule); the object is unchanged.";

@@ -45,3 +45,9 @@ def test_the_stub_lists_every_class_member():
 def test_everything_has_a_docstring():
     for name in public(dir(kvsnap)) - {"__version__"}:
         assert getattr(kvsnap, name).__doc__, name
+
+
+def test_the_version_is_the_projects():
+    import re
+    cmake = (ROOT / "CMakeLists.txt").read_text()
+    assert kvsnap.__version__ == re.search(r"project\(kvsnap VERSION ([0-9.]+)", cmake).group(1)
