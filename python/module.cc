@@ -17,10 +17,10 @@ Threads: calls that work or wait for a cache's lock (cache, prefix cache, sessio
 calls, the kernels, snapshot files) release the GIL, so Python threads overlap them. Caches and
 prefix caches lock themselves: their calls may come from several threads (a prefix cache's
 slots each on its own thread); a session's and a speculation's calls from several threads run
-one at a time. A snapshot may be read and restored from on any thread, but not saved
-(save_snapshots) while another thread writes the sequence it was taken from: a lazy snapshot
-reads that sequence's live buffer. merge and split, which consume a snapshot, raise kvsnap.Error
-while a call on another thread is using it.)";
+one at a time. A snapshot may be read, restored from and saved (save_snapshots) on any thread,
+also while another thread writes the sequence it was taken from: a lazy snapshot's tokens are
+read under its cache's lock. merge and split, which consume a snapshot, raise kvsnap.Error while
+a call on another thread is using it.)";
   m.attr("__version__") = KVSNAP_VERSION;
   py::register_exception<kvsnap::Error>(m, "Error").attr("__doc__") =
       "A contract violation or bad data. The message is kvsnap's (the call, the values, the "

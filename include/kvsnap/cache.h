@@ -33,7 +33,10 @@
 namespace kvsnap {
 
 // State that lets a cache return to an offset. Destroying it releases its memory (and detaches
-// a lazy snapshot from its cache). Not thread-safe; use with its cache from one thread.
+// a lazy snapshot from its cache). A built-in snapshot may be used (restored from, saved,
+// destroyed) on any thread while its cache is written on another: a lazy one's tokens are read
+// under its cache's lock. Calls that consume a snapshot (merge, split) must not race other calls
+// on the same snapshot.
 class KVSNAP_EXPORT Snapshot {
  public:
   virtual ~Snapshot();

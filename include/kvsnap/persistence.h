@@ -39,7 +39,8 @@ struct LoadedSnapshots {
   std::vector<SnapshotPtr> snapshots;  // one per layer; owned; null where null was saved
 };
 
-// Writes `snapshots` (lazy ones are read from their cache, not materialized) with `offset`.
+// Writes `snapshots` (lazy ones are read from their cache, not materialized: under the cache's
+// lock, so another thread may write the sequences they were taken from meanwhile) with `offset`.
 // Throws Error for a snapshot of a kind kvsnap cannot store or that cannot restore `offset` (a KV
 // range restores any offset in [from, to], a window its end or, while it has evicted nothing, an
 // earlier one, a recurrent state its own: loading checks the same), or when the file cannot be

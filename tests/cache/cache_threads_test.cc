@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <kvsnap/kv_cache.h>
 #include <kvsnap/paged_kv_cache.h>
+#include <kvsnap/persistence.h>
 #include <kvsnap/rotating_kv_cache.h>
 
 #include <atomic>
@@ -13,9 +14,11 @@
 #include <cstdlib>
 #include <functional>
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
+#include "persist/safetensors.h"
 #include "support/cache_support.h"
 
 namespace kvsnap {
@@ -108,6 +111,47 @@ TEST(CacheThreads, SnapshotsUsedWhileTheirCacheIsDestroyedStayWhole) {
     KVCache after;
     ASSERT_TRUE(after.restore(range.get(), 40));
     EXPECT_EQ(column_ids(after.view(Batch::uniform(1, 1, 0))), id_range(0, 40));
+  }
+}
+
+// The token ids (TokenKV's tags) tensor `name` of saved snapshots holds, per head, in column
+// order.
+std::vector<int64_t> saved_ids(const std::string& bytes, const std::string& name) {
+  const Array values = detail::decode_safetensors(bytes, "saved").at(name, "saved");
+  const std::vector<float> data = values.to_floats();
+  std::vector<int64_t> ids;
+  for (size_t i = 0; i < data.size(); i += static_cast<size_t>(values.dim(3))) {
+    ids.push_back(static_cast<int64_t>(data[i]));
+  }
+  return ids;
+}
+
+// Snapshots saved on one thread while another writes the sequences they were taken from — a
+// rewind and new tokens over a range's columns, decode steps shifting a window's ring over its
+// columns: each write copies the snapshot's tokens out before overwriting them, and the save
+// copies them under the cache's lock from wherever they lie then, so every save holds the
+// snapshots' own tokens (and ThreadSanitizer sees the save's reads ordered with the writes).
+TEST(CacheThreads, SnapshotsSavedWhileTheirSequencesAreWrittenHoldTheirTokens) {
+  for (int round = 0; round < 100; ++round) {
+    KVCache range;
+    RotatingKVCache window(8);
+    write(range, kv, id_range(0, 12));
+    write(window, kv, id_range(0, 12));
+    const SnapshotPtr keys = range.snapshot(0, 0), state = window.snapshot(0, 0);
+    ASSERT_TRUE(keys->is_lazy() && state->is_lazy());
+    std::thread writer([&] {
+      ASSERT_TRUE(range.restore(nullptr, 6));
+      write(range, kv, id_range(100, 6));
+      for (int64_t id = 100; id < 106; ++id) write(window, kv, id_range(id, 1));
+    });
+    const std::vector<const Snapshot*> saved{keys.get(), state.get()};
+    const std::string bytes = encode_snapshots(12, saved);
+    writer.join();
+    std::vector<int64_t> range_ids = id_range(0, 12), window_ids = id_range(5, 7);
+    range_ids.insert(range_ids.end(), range_ids.begin(), range_ids.end());  // both heads
+    window_ids.insert(window_ids.end(), window_ids.begin(), window_ids.end());
+    ASSERT_EQ(saved_ids(bytes, "layer.0.values"), range_ids) << "round " << round;
+    ASSERT_EQ(saved_ids(bytes, "layer.1.values"), window_ids) << "round " << round;
   }
 }
 
