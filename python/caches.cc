@@ -172,7 +172,8 @@ void bind_cache_state(py::class_<Cache>& cache) {
           },
           py::kw_only(), py::arg("seq") = py::none(),
           "The live state arrays (of sequence `seq`, default 0) as read-only numpy views (none "
-          "before the first write).")
+          "before the first write): views of the cache's buffers, valid until its next write to "
+          "that sequence, which may change them (copy them to keep them).")
       .def(
           "reset", [](Cache& c, std::optional<SeqId> seq) { seq ? c.reset(*seq) : c.reset(); },
           py::kw_only(), py::arg("seq") = py::none(), Released(),
