@@ -221,6 +221,12 @@ void RedisStore::connect(Deadline deadline) {
 
 std::vector<RedisStore::Reply> RedisStore::round_trip(const std::vector<Command>& commands,
                                                       Deadline deadline) {
+  if (context_ != nullptr && !idle()) {
+    // Bytes nobody asked for (a server that closed the connection, or one out of step): every
+    // reply read on it would answer another command. A new connection instead.
+    redisFree(context_);
+    context_ = nullptr;
+  }
   if (context_ == nullptr) connect(deadline);
   if (Clock::now() >= deadline) {
     throw StoreFailure("no time left for the round trip", StoreFailure::Reason::timed_out);
@@ -264,8 +270,17 @@ std::vector<RedisStore::Reply> RedisStore::round_trip(const std::vector<Command>
     }
     replies.emplace_back(static_cast<redisReply*>(reply));
   }
+  if (context_->reader->pos != context_->reader->len) {
+    fail("the store sent more replies than there were commands", false);
+  }
   options_.health->answered();
   return replies;
+}
+
+bool RedisStore::idle() const {
+  if (context_->reader->pos != context_->reader->len) return false;  // read, not yet a reply
+  pollfd socket{context_->fd, POLLIN, 0};
+  return ::poll(&socket, 1, 0) == 0;
 }
 
 void RedisStore::probe(std::span<const std::string> sets, std::span<const std::string> keys,

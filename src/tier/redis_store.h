@@ -44,6 +44,9 @@ class RedisStore final : public Store {
   // Sends `commands` in one pipeline and returns their replies in order. Throws StoreFailure
   // (dropping the connection) when the connection or a reply fails or the deadline passes.
   std::vector<Reply> round_trip(const std::vector<Command>& commands, Deadline deadline);
+  // Whether the connection holds nothing unread: no bytes read but not yet a reply, none waiting
+  // on the socket (nor a hang-up).
+  bool idle() const;
   void connect(Deadline deadline);
   // Waits until the socket is ready for `events` (poll), failing at the deadline.
   void await(short events, Deadline deadline);

@@ -57,12 +57,15 @@ void check_store_address(const std::string& address) {
 }
 
 std::string redact_address(const std::string& address) {
-  const std::string scheme = "redis://";
+  // Whatever stands between the scheme (any, or none) and the last '@' may be a password: only
+  // a user name before a ':' stays.
   const size_t at = address.rfind('@');
-  if (address.rfind(scheme, 0) != 0 || at == std::string::npos) return address;
-  const size_t colon = address.find(':', scheme.size());
-  if (colon == std::string::npos || colon > at) return address;
-  return address.substr(0, colon + 1) + "***" + address.substr(at);
+  if (at == std::string::npos) return address;
+  const size_t scheme = address.find("://");
+  const size_t start = scheme != std::string::npos && scheme < at ? scheme + 3 : 0;
+  const size_t colon = address.find(':', start);
+  const size_t keep = colon != std::string::npos && colon < at ? colon + 1 : start;
+  return address.substr(0, keep) + "***" + address.substr(at);
 }
 
 std::unique_ptr<Store> open_store(const std::string& address, const StoreOptions& options) {

@@ -1,6 +1,14 @@
 // The tier's parts: addresses, key names, the contract of Tier::open / store and its place
 // under a PrefixCache.
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <stdexcept>
+#include <thread>
 
 #include "persist/safetensors.h"
 #include "support/cache_support.h"
@@ -55,6 +63,19 @@ TEST(TierAddress, MalformedAddressesAreRefusedWithoutShowingThePassword) {
   } catch (const Error& e) {
     EXPECT_EQ(std::string(e.what()).find("hunter2"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find(":***@host"), std::string::npos) << e.what();
+  }
+  // Other schemes, spacing, case, and credentials without a ':': nothing before the '@' but a
+  // user name is shown.
+  for (const std::string address :
+       {"rediss://:hunter2@h:6379", " redis://:hunter2@h", "REDIS://:hunter2@h",
+        "redis://hunter2@h:6379", "redis://alice:hunter2@h:x", "redis://:p@hunter2@h:bad"}) {
+    try {
+      Tier::check_address(address);
+      ADD_FAILURE() << address << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()).find("hunter2"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("***@h"), std::string::npos) << e.what();
+    }
   }
 }
 
@@ -190,6 +211,76 @@ TEST(TierObject, LiveSnapshotsAreEncodedFromWhereTheirTokensLieThen) {
       detail::encode_object("k", "root", {detail::ObjectSpec::Kind::point, 4, 12}, parts);
   EXPECT_EQ(object_ids(bytes, "layer.0.b"), repeat(id_range(4, 8), 2));  // both heads
   EXPECT_EQ(object_ids(bytes, "layer.1.b"), repeat(id_range(5, 7), 2));
+}
+
+// A server on loopback that answers every read with `reply` (what a broken or hostile store
+// might send), until destroyed.
+class ScriptedServer {
+ public:
+  explicit ScriptedServer(std::string reply) : reply_(std::move(reply)) {
+    listener_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t length = sizeof address;
+    if (::bind(listener_, reinterpret_cast<sockaddr*>(&address), length) != 0 ||
+        ::listen(listener_, 4) != 0 ||
+        ::getsockname(listener_, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
+      throw std::runtime_error("ScriptedServer: cannot listen on loopback");
+    }
+    port_ = ntohs(address.sin_port);
+    thread_ = std::thread([this] { run(); });
+  }
+  ~ScriptedServer() {
+    stopping_ = true;
+    thread_.join();
+    ::close(listener_);
+  }
+  std::string address() const { return "redis://127.0.0.1:" + std::to_string(port_); }
+
+ private:
+  void run() {
+    std::vector<int> clients;
+    while (!stopping_) {
+      std::vector<pollfd> fds{{listener_, POLLIN, 0}};
+      for (const int c : clients) fds.push_back({c, POLLIN, 0});
+      if (::poll(fds.data(), fds.size(), 5) <= 0) continue;
+      if (fds[0].revents & POLLIN) clients.push_back(::accept4(listener_, nullptr, nullptr, 0));
+      for (size_t i = 1; i < fds.size(); ++i) {
+        char buffer[1 << 16];
+        if ((fds[i].revents & POLLIN) && ::read(fds[i].fd, buffer, sizeof buffer) > 0) {
+          (void)::write(fds[i].fd, reply_.data(), reply_.size());
+        }
+      }
+    }
+    for (const int c : clients) ::close(c);
+  }
+  std::string reply_;
+  int listener_ = -1, port_ = 0;
+  std::atomic<bool> stopping_{false};
+  std::thread thread_;
+};
+
+// A store that sends more replies than there were commands: every later reply on that
+// connection would answer the command before it (valid objects then look damaged and are
+// deleted), so the round trip fails and the connection is not used again.
+TEST(TierRedisReplies, ExtraRepliesFailTheRoundTripInsteadOfAnsweringTheNextCommand) {
+  const ScriptedServer server("+OK\r\n+OK\r\n");
+  std::vector<std::string> log;
+  const auto health = std::make_shared<detail::StoreHealth>(
+      server.address(), [&](const std::string& line) { log.push_back(line); }, [] {});
+  const std::unique_ptr<detail::Store> store =
+      detail::open_store(server.address(), {.ttl = std::chrono::seconds(60), .health = health});
+  detail::WriteBatch batch;
+  batch.objects = {{"kvsnap:test:one", "value"}};
+  try {
+    (void)store->write(batch, std::chrono::steady_clock::now() + std::chrono::seconds(5));
+    ADD_FAILURE() << "the write succeeded";
+  } catch (const detail::StoreFailure& failure) {
+    EXPECT_NE(std::string(failure.what()).find("more replies than there were commands"),
+              std::string::npos)
+        << failure.what();
+  }
 }
 
 }  // namespace
