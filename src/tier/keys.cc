@@ -12,8 +12,12 @@ std::string tier_layer_configuration(const std::vector<Cache*>& layers) {
   return out + "]";
 }
 
+std::string tier_key_id(const std::string& mac_key) {
+  return mac_key.empty() ? "" : hex(object_mac(mac_key, "kvsnap tier key id", ""));
+}
+
 TierKeys::TierKeys(const std::string& model_fingerprint, const std::string& layer_configuration,
-                   const std::string& tenant, int64_t chunk_tokens)
+                   const std::string& tenant, int64_t chunk_tokens, const std::string& key_id)
     : root_(Hasher()
                 .field("kvsnap tier root")
                 .number(kTierFormatVersion)
@@ -21,6 +25,8 @@ TierKeys::TierKeys(const std::string& model_fingerprint, const std::string& laye
                 .field(model_fingerprint)
                 .field(layer_configuration)
                 .field(tenant)
+                .field(key_id.empty() ? "trusted store" : "authenticated")
+                .field(key_id)
                 .finish()),
       root_hex_(hex(root_)),
       chunk_tokens_(chunk_tokens) {}

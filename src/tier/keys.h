@@ -1,12 +1,12 @@
 // Internal: the names of tier objects. A root digest binds the format version, chunk size, model
-// fingerprint, layer configuration and tenant salt; a hash chained from it over the prompt's
-// tokens, one full chunk at a time, names
+// fingerprint, layer configuration, tenant salt and MAC key id; a hash chained from it over the
+// prompt's tokens, one full chunk at a time, names
 //   kvsnap:c:<h>  the KV data of the chunk that ends where digest h was taken,
 //   kvsnap:i:<h>  the index of restore points after that digest, before the next chunk ends
 //                 (a set of offsets),
 //   kvsnap:p:<d>  one restore point: d hashes the chunk digest, the offset and the tail tokens.
-// Everything a name depends on is hashed (BLAKE2b-256), so another model, layer layout, tenant or
-// version never meets these names.
+// Everything a name depends on is hashed (BLAKE2b-256), so another model, layer layout, tenant,
+// key or version never meets these names.
 #pragma once
 
 #include <cstdint>
@@ -25,10 +25,16 @@ inline constexpr int kTierFormatVersion = 1;
 // The layers as part of the root: each one's describe_layer (kinds, windows, recurrent shapes).
 std::string tier_layer_configuration(const std::vector<Cache*>& layers);
 
+// What names a MAC key's objects apart from those of other keys and of processes without one
+// (which would take them for damaged and delete them): a keyed digest of a constant, which does
+// not reveal the key; empty for no key.
+std::string tier_key_id(const std::string& mac_key);
+
 class TierKeys {
  public:
+  // `key_id`: tier_key_id of the MAC key, empty without one.
   TierKeys(const std::string& model_fingerprint, const std::string& layer_configuration,
-           const std::string& tenant, int64_t chunk_tokens);
+           const std::string& tenant, int64_t chunk_tokens, const std::string& key_id);
 
   const std::string& root_hex() const { return root_hex_; }
   int64_t chunk_tokens() const { return chunk_tokens_; }

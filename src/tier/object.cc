@@ -122,7 +122,8 @@ void check_header(const std::string& bytes, const SafetensorsFile& file, const s
   }
   if (meta("root") != root_hex) {
     throw ObjectRejected(
-        fmt::format("written for another model, layer layout or tenant (root {})", meta("root")),
+        fmt::format("written for another model, layer layout, tenant or key (root {})",
+                    meta("root")),
         false);
   }
   if (meta("key") != key) {

@@ -35,6 +35,16 @@ class TierAuth : public ::testing::Test {
     TierProcess writer(store.address(), options);
     (void)writer.turn(talk.first, talk.reply, talk.ends);
   }
+  // What someone who can write the store but lacks the key can do: copy objects of talk.second
+  // (its point at 31 and its three chunks) from the names of `from` over those of `to` (whose
+  // index then names them).
+  void copy(const TierOptions& from, const TierOptions& to) {
+    const ObjectNames a(from), b(to);
+    store.set(b.point(talk.second, 31), store.get(a.point(talk.second, 31)));
+    for (int64_t j = 0; j < 3; ++j) {
+      store.set(b.chunk(talk.second, j), store.get(a.chunk(talk.second, j)));
+    }
+  }
   RedisStore store;
   Conversation talk;
 };
@@ -49,7 +59,9 @@ TEST_F(TierAuth, ACorrectlyKeyedObjectRestores) {
 }
 
 TEST_F(TierAuth, ObjectsForgedWithoutTheKeyAreRejected) {
-  write(tier_options());  // a writer without the key, same names
+  write(tier_options());  // a writer without the key: its objects copied over the keyed ones
+  write(tier_options("", kKey));
+  copy(tier_options(), tier_options("", kKey));
   TierProcess reader(store.address(), tier_options("", kKey));
   EXPECT_EQ(reader.turn(talk.second, tokens(500, 3)).cached, 0);
   const TierStats stats = reader.tier->stats();
@@ -79,12 +91,7 @@ TEST_F(TierAuth, AForgeryThatPassesTheChecksumIsRejected) {
 TEST_F(TierAuth, AnObjectReplayedFromAnotherTenantIsRejected) {
   write(tier_options("tenant a", kKey));
   write(tier_options("tenant b", kKey));
-  // Tenant a's objects copied over tenant b's: the MAC covers the name.
-  const ObjectNames a(tier_options("tenant a", kKey)), b(tier_options("tenant b", kKey));
-  store.set(b.point(talk.second, 31), store.get(a.point(talk.second, 31)));
-  for (int64_t j = 0; j < 3; ++j) {
-    store.set(b.chunk(talk.second, j), store.get(a.chunk(talk.second, j)));
-  }
+  copy(tier_options("tenant a", kKey), tier_options("tenant b", kKey));  // the MAC covers names
   TierProcess reader(store.address(), tier_options("tenant b", kKey));
   EXPECT_EQ(reader.turn(talk.second, tokens(500, 3)).cached, 0);
   EXPECT_GE(reader.tier->stats().unauthenticated, 1);
@@ -92,9 +99,25 @@ TEST_F(TierAuth, AnObjectReplayedFromAnotherTenantIsRejected) {
 
 TEST_F(TierAuth, AnObjectSignedWithAnotherKeyIsRejected) {
   write(tier_options("", kOtherKey));
+  write(tier_options("", kKey));
+  copy(tier_options("", kOtherKey), tier_options("", kKey));
   TierProcess reader(store.address(), tier_options("", kKey));
   EXPECT_EQ(reader.turn(talk.second, tokens(500, 3)).cached, 0);
   EXPECT_GE(reader.tier->stats().unauthenticated, 1);
+}
+
+// Processes with another key, or none (a key being rolled out or rotated), name their objects
+// apart: each misses the others' objects instead of rejecting them as forged and deleting them.
+TEST_F(TierAuth, ProcessesWithDifferentKeysKeepToTheirOwnObjects) {
+  write(tier_options("", kKey));
+  for (const TierOptions& other : {tier_options(), tier_options("", kOtherKey)}) {
+    TierProcess process(store.address(), other);
+    EXPECT_EQ(process.turn(talk.second, tokens(500, 3)).cached, 0);
+    EXPECT_EQ(process.tier->stats().rejected, 0);
+  }
+  TierProcess keyed(store.address(), tier_options("", kKey));
+  EXPECT_EQ(keyed.turn(talk.second, tokens(600, 3)).cached, 31);
+  EXPECT_EQ(keyed.tier->stats().rejected, 0);
 }
 
 TEST(TierTrust, WithoutAKeyTheTierSaysOnceThatItTrustsTheStore) {

@@ -158,7 +158,7 @@ TEST_P(TierStore, ObjectsCopiedFromAnotherModelAreRejected) {
   TierProcess reader(store->address());
   EXPECT_EQ(reader.turn(talk.second, tokens(500, 3)).cached, 0);
   EXPECT_GE(reader.tier->stats().rejected, 1);
-  EXPECT_GE(reader.log.count("another model, layer layout or tenant"), 1) << reader.log.all();
+  EXPECT_GE(reader.log.count("another model, layer layout, tenant or key"), 1) << reader.log.all();
 }
 
 TEST_P(TierStore, TheTrieIsAskedFirstAndTheTierOnlyBeyondIt) {

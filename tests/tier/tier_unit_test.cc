@@ -103,8 +103,16 @@ TEST(TierKeys, TheRootSeparatesTenantsModelsLayersAndChunkSizes) {
   const std::string layers = detail::tier_layer_configuration(stack.layers());
   HybridStack wider(true, 16);
   EXPECT_NE(detail::tier_layer_configuration(wider.layers()), layers);
-  const detail::TierKeys four("f", layers, "", 4), eight("f", layers, "", 8);
+  const detail::TierKeys four("f", layers, "", 4, ""), eight("f", layers, "", 8, "");
   EXPECT_NE(four.root_hex(), eight.root_hex());
+  // Keyed processes name their objects apart from each other's and from processes without a key.
+  const std::string key = "0123456789abcdef0123456789abcdef";
+  EXPECT_NE(testing::ObjectNames(tier_options("", key)).chunk(prompt, 0), base);
+  EXPECT_NE(
+      testing::ObjectNames(tier_options("", key)).chunk(prompt, 0),
+      testing::ObjectNames(tier_options("", "fedcba9876543210fedcba9876543210")).chunk(prompt, 0));
+  EXPECT_EQ(testing::ObjectNames(tier_options("", key)).chunk(prompt, 0),
+            testing::ObjectNames(tier_options("", key)).chunk(prompt, 0));
 }
 
 TEST(TierContract, LookupsWaitAtMost50MsByDefault) {
