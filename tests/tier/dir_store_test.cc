@@ -199,6 +199,37 @@ TEST_F(DirStoreTest, AnIndexFolderThatIsALinkIsNeitherWrittenNorRead) {
   fs::remove_all(elsewhere);
 }
 
+// An index folder planted with more entries than any chunk has offsets: probe lists at most
+// kMaximumIndexMembers of them, and stops at the deadline.
+TEST_F(DirStoreTest, AnIndexPlantedWithManyEntriesCostsABoundedListing) {
+  DirStore store(folder.string());
+  const std::string set = "kvsnap:i:planted";
+  fs::create_directories(file(set));
+  const size_t planted = DirStore::kMaximumIndexMembers + 3000;
+  for (size_t i = 0; i < planted; ++i) {
+    const int fd =
+        ::open((file(set) / std::to_string(i)).c_str(), O_CREAT | O_WRONLY | O_CLOEXEC, 0600);
+    ASSERT_GE(fd, 0);
+    ::close(fd);
+  }
+  EXPECT_EQ(members_of(store, set).size(), DirStore::kMaximumIndexMembers);
+  // A deadline that passes while it lists: a StoreFailure, not the whole folder.
+  const std::vector<std::string> sets{set};
+  std::vector<std::vector<std::string>> members;
+  std::vector<bool> exists;
+  bool timed_out = false;
+  for (int attempt = 0; attempt < 20 && !timed_out; ++attempt) {
+    try {
+      store.probe(sets, {}, Clock::now() + std::chrono::microseconds(200 * (attempt + 1)), members,
+                  exists);
+    } catch (const detail::StoreFailure& failure) {
+      timed_out = failure.reason == detail::StoreFailure::Reason::timed_out && !members.empty() &&
+                  !members[0].empty();
+    }
+  }
+  EXPECT_TRUE(timed_out) << "no probe stopped at its deadline in the middle of the listing";
+}
+
 // The whole tier: a FIFO planted over the deepest restore point costs that point (the lookup
 // falls back to the next), never the request's time past the lookup timeout.
 TEST_F(DirStoreTest, AFifoOverARestorePointCostsOnlyThatPoint) {
