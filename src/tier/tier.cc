@@ -24,6 +24,9 @@ TierOptions checked(const std::vector<Cache*>& layers, TierOptions options) {
   if (!options.key.empty() && options.key.size() < 16) {
     throw fail(fmt::format("a key of {} bytes is too short (at least 16)", options.key.size()));
   }
+  if (options.write_queue_bytes < 1) {
+    throw fail(fmt::format("write_queue_bytes {} must be >= 1", options.write_queue_bytes));
+  }
   if (options.write_queue < 1) {
     throw fail(fmt::format("write_queue {} must be >= 1", options.write_queue));
   }
@@ -80,6 +83,7 @@ TierImpl::TierImpl(const std::string& address, std::vector<Cache*> layers, TierO
   lookup_store_ = open_store(address, store_options);
   WriteBehind::Options writer;
   writer.capacity = static_cast<size_t>(options_.write_queue);
+  writer.capacity_bytes = options_.write_queue_bytes;
   writer.write_timeout = options_.write_timeout;
   writer.lookup_timeout = options_.lookup_timeout;
   writer.mac_key = mac_key_;

@@ -74,10 +74,11 @@ class TierImpl {
  private:
   class Finder;  // one lookup (lookup.cc)
   bool ranged(size_t layer) const;
-  // The objects of a store call, encoded (the copy of the data).
-  WriteBatch encode(std::span<const int32_t> tokens,
-                    const std::vector<std::optional<ObjectPart>>& kv,
-                    std::span<const TierPoint> points, int64_t end);
+  // The objects of a store call, encoded (the copy of the data); nullopt, having copied no
+  // more, once they would not fit the write queue.
+  std::optional<WriteBatch> encode(std::span<const int32_t> tokens,
+                                   const std::vector<std::optional<ObjectPart>>& kv,
+                                   std::span<const TierPoint> points, int64_t end);
   // Counts and logs a rejected object and forgets it as known. `doom` (a damaged or forged
   // object, of no use to any process): the writer deletes it, unless this process has written
   // the key since, so the next process that stores it writes it whole again. An object that is

@@ -71,22 +71,33 @@ void TierImpl::store(std::span<const int32_t> tokens, std::span<const Snapshot* 
       check_fits(i, *snapshot_record(*state), point.offset);
     }
   }
-  WriteBatch batch = encode(tokens, kv, points, end);
+  std::optional<WriteBatch> batch = encode(tokens, kv, points, end);
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (kv[i]) learn_signature(i, kv[i]->record);
   }
-  if (!batch.empty()) (void)writer_->push(std::move(batch));
+  if (!batch) {
+    ++counters_.dropped_batches;  // no room in the write queue: nothing was copied past it
+    return;
+  }
+  if (!batch->empty()) (void)writer_->push(std::move(*batch));
 }
 
-WriteBatch TierImpl::encode(std::span<const int32_t> tokens,
-                            const std::vector<std::optional<ObjectPart>>& kv,
-                            std::span<const TierPoint> points, int64_t end) {
+std::optional<WriteBatch> TierImpl::encode(std::span<const int32_t> tokens,
+                                           const std::vector<std::optional<ObjectPart>>& kv,
+                                           std::span<const TierPoint> points, int64_t end) {
   const int64_t chunk = keys_.chunk_tokens();
   const std::vector<Digest> chain = keys_.chain(tokens, end / chunk);
   WriteBatch batch;
   std::vector<std::optional<ObjectPart>> parts(layers_.size());
+  // Each object is copied only when the write queue has room for it and those before it.
+  int64_t bytes = 0;
   const auto add = [&](const std::string& key, const ObjectSpec& spec) {
+    for (const std::optional<ObjectPart>& part : parts) {
+      if (part) bytes += part->record.first.nbytes() + part->record.second.nbytes();
+    }
+    if (!writer_->has_room(bytes)) return false;
     batch.objects.emplace_back(key, encode_object(key, keys_.root_hex(), spec, parts));
+    return true;
   };
   const bool any_kv =
       std::any_of(kv.begin(), kv.end(), [](const auto& r) { return r.has_value(); });
@@ -100,7 +111,7 @@ WriteBatch TierImpl::encode(std::span<const int32_t> tokens,
       parts[i] =
           kv[i] ? std::optional(slice_part(*kv[i], j * chunk, (j + 1) * chunk)) : std::nullopt;
     }
-    add(key, {ObjectSpec::Kind::chunk, j * chunk, (j + 1) * chunk});
+    if (!add(key, {ObjectSpec::Kind::chunk, j * chunk, (j + 1) * chunk})) return std::nullopt;
   }
   for (const TierPoint& point : points) {
     const int64_t base = point.offset / chunk;
@@ -125,7 +136,7 @@ WriteBatch TierImpl::encode(std::span<const int32_t> tokens,
       parts[i] = object_part(*point.states[i]);  // checked by store()
       learn_signature(i, parts[i]->record);
     }
-    add(key, spec);
+    if (!add(key, spec)) return std::nullopt;
     batch.index.emplace_back(TierKeys::index_key(digest), std::to_string(point.offset));
   }
   return batch;

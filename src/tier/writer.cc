@@ -11,6 +11,16 @@
 
 namespace kvsnap::detail {
 
+namespace {
+
+int64_t object_bytes(const WriteBatch& batch) {
+  int64_t bytes = 0;
+  for (const auto& object : batch.objects) bytes += static_cast<int64_t>(object.second.size());
+  return bytes;
+}
+
+}  // namespace
+
 LookupGate::Entry::Entry(LookupGate& gate) : gate_(gate) {
   const std::lock_guard<std::mutex> lock(gate_.mutex_);
   ++gate_.started_;
@@ -41,6 +51,7 @@ WriteBehind::~WriteBehind() {
   {
     const std::lock_guard<std::mutex> lock(mutex_);
     counters_.dropped_batches += static_cast<int64_t>(queue_.size());
+    for (const WriteBatch& batch : queue_) queued_bytes_ -= object_bytes(batch);
     queue_.clear();  // the store is too slow: what is left would hold up the exit
     stopping_ = true;
   }
@@ -48,13 +59,20 @@ WriteBehind::~WriteBehind() {
   thread_.join();
 }
 
+bool WriteBehind::has_room(int64_t bytes) {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  return queue_.size() < options_.capacity && queued_bytes_ + bytes <= options_.capacity_bytes;
+}
+
 bool WriteBehind::push(WriteBatch batch) {
+  const int64_t bytes = object_bytes(batch);
   {
     const std::lock_guard<std::mutex> lock(mutex_);
-    if (queue_.size() >= options_.capacity) {
+    if (queue_.size() >= options_.capacity || queued_bytes_ + bytes > options_.capacity_bytes) {
       ++counters_.dropped_batches;
       return false;
     }
+    queued_bytes_ += bytes;
     queue_.push_back(std::move(batch));
   }
   wake_.notify_one();
@@ -76,10 +94,13 @@ void WriteBehind::run() {
     if (queue_.empty()) return;  // stopping, and everything was sent
     WriteBatch batch = std::move(queue_.front());
     queue_.pop_front();
+    const int64_t bytes = object_bytes(batch);
     busy_ = true;
     lock.unlock();
     send(batch);
+    batch = {};  // its memory goes before its bytes leave the count
     lock.lock();
+    queued_bytes_ -= bytes;
     busy_ = false;
     if (queue_.empty()) idle_.notify_all();
   }

@@ -53,6 +53,7 @@ class WriteBehind {
 
   struct Options {
     size_t capacity = 64;
+    int64_t capacity_bytes = int64_t(1) << 30;  // of objects queued and in flight
     std::chrono::milliseconds write_timeout{2000};
     // The most the writer steps aside for lookups before each slice (their own time limit).
     std::chrono::milliseconds lookup_timeout{50};
@@ -73,8 +74,12 @@ class WriteBehind {
   WriteBehind(const WriteBehind&) = delete;
   WriteBehind& operator=(const WriteBehind&) = delete;
 
-  // Queues `batch`; false (and the batch dropped, counted) when the queue is full.
+  // Queues `batch`; false (and the batch dropped, counted) when the queue is full: capacity
+  // batches, or its objects would pass capacity_bytes.
   bool push(WriteBatch batch);
+  // Whether a batch of `bytes` of objects would be queued now (a caller asks before copying
+  // them; push decides).
+  bool has_room(int64_t bytes);
   // Waits until the queue is empty and no batch is being written, or `timeout` passes.
   bool flush(std::chrono::milliseconds timeout);
   // Lookups mark themselves here (LookupGate::Entry) so writes step aside for them.
@@ -98,6 +103,7 @@ class WriteBehind {
   std::condition_variable wake_;  // a batch was queued, or stopping
   std::condition_variable idle_;  // the queue emptied and nothing is in flight
   std::deque<WriteBatch> queue_;
+  int64_t queued_bytes_ = 0;  // objects' bytes in queue_ and in flight
   bool busy_ = false;
   bool stopping_ = false;
   std::thread thread_;  // last: starts once everything above exists

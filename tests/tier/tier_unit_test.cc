@@ -138,6 +138,24 @@ TEST(TierContract, OpenRefusesWhatCannotWork) {
                    {"tier folder /proc/self/x"}));
 }
 
+// A session whose objects would pass write_queue_bytes is dropped (counted) before its state
+// is copied into objects; the tier stays usable.
+TEST(TierContract, ASessionThatWouldPassTheWriteQueuesBytesIsDropped) {
+  const testing::FolderStore store("queue_bytes");
+  TierOptions options = tier_options();
+  options.write_queue_bytes = 1;
+  testing::TierProcess writer(store.address(), options);
+  const testing::Conversation talk;
+  (void)writer.turn(talk.first, talk.reply, talk.ends);
+  EXPECT_EQ(writer.tier->stats().dropped_batches, 1);
+  EXPECT_EQ(writer.tier->stats().objects_written, 0);
+  EXPECT_TRUE(store.keys("kvsnap:").empty());
+  options.write_queue_bytes = 0;
+  HybridStack stack;
+  EXPECT_TRUE(throws_error([&] { (void)Tier::open(store.address(), stack.layers(), options); },
+                           {"write_queue_bytes 0 must be >= 1"}));
+}
+
 TEST(TierContract, StoreRefusesDataThatDoesNotFitNamingTheRule) {
   testing::FolderStore folder("contract");
   HybridStack stack;

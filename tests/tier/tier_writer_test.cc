@@ -29,6 +29,7 @@ class RecordingStore : public detail::Store {
     return {};
   }
   int64_t write(const WriteBatch& batch, detail::Deadline deadline) override {
+    while (held && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(1ms);
     const std::lock_guard<std::mutex> lock(mutex_);
     if (std::chrono::steady_clock::now() >= deadline) {  // as the real backends do
       throw detail::StoreFailure("no time left", detail::StoreFailure::Reason::timed_out);
@@ -40,7 +41,8 @@ class RecordingStore : public detail::Store {
     ++write_count_;
     return 0;
   }
-  int fail_at = 0;  // the write that fails (1-based; 0: none)
+  int fail_at = 0;                // the write that fails (1-based; 0: none)
+  std::atomic<bool> held{false};  // writes wait while set (a stalled store)
   std::vector<WriteBatch> writes() {
     const std::lock_guard<std::mutex> lock(mutex_);
     return writes_;
@@ -67,13 +69,14 @@ WriteBatch batch_of(int objects, size_t bytes_each) {
 struct Writer {
   explicit Writer(std::chrono::milliseconds lookup_timeout,
                   std::chrono::milliseconds write_timeout = std::chrono::seconds(2),
-                  int fail_at = 0) {
+                  int fail_at = 0, int64_t capacity_bytes = int64_t(1) << 30) {
     auto owned = std::make_unique<RecordingStore>();
     store = owned.get();
     store->fail_at = fail_at;
     WriteBehind::Options options;
     options.lookup_timeout = lookup_timeout;
     options.write_timeout = write_timeout;
+    options.capacity_bytes = capacity_bytes;
     options.written = [this](const std::vector<std::string>& keys) {
       const std::lock_guard<std::mutex> lock(mutex);
       known.insert(known.end(), keys.begin(), keys.end());
@@ -110,6 +113,26 @@ TEST(TierWriteBehind, ABatchGoesOutInSlicesWithTheIndexAfterEveryObject) {
   EXPECT_EQ(next, 5);
   EXPECT_EQ(w.counters.objects_written.load(), 5);
   EXPECT_EQ(w.counters.bytes_written.load(), 5 * static_cast<int64_t>(object_bytes));
+}
+
+// A stalled store: what waits for it (queued, and the batch in flight) is held to
+// capacity_bytes of objects; a batch that would pass it is dropped and counted, and the room
+// comes back as batches are written.
+TEST(TierWriteBehind, WhatWaitsForAStalledStoreIsBoundedInBytes) {
+  Writer w(50ms, 10s, 0, /*capacity_bytes=*/1000);
+  w.store->held = true;
+  EXPECT_TRUE(w.writer->push(batch_of(2, 300)));  // 600 bytes: in flight, stalled
+  EXPECT_FALSE(w.writer->has_room(500));
+  EXPECT_TRUE(w.writer->has_room(400));
+  EXPECT_FALSE(w.writer->push(batch_of(2, 250)));  // 1100 > 1000
+  EXPECT_EQ(w.counters.dropped_batches.load(), 1);
+  EXPECT_TRUE(w.writer->push(batch_of(1, 400)));  // exactly 1000
+  EXPECT_FALSE(w.writer->has_room(1));
+  w.store->held = false;
+  ASSERT_TRUE(w.writer->flush(10s));
+  EXPECT_TRUE(w.writer->has_room(1000));
+  EXPECT_EQ(w.counters.objects_written.load(), 3);
+  EXPECT_EQ(w.counters.dropped_batches.load(), 1);
 }
 
 TEST(TierWriteBehind, WritesWaitForTheLookupInFlight) {
