@@ -322,6 +322,10 @@ std::vector<std::optional<std::string>> RedisStore::fetch(std::span<const std::s
   for (const Reply& reply : round_trip(commands, deadline)) {
     if (reply->type == REDIS_REPLY_STRING) {
       values.emplace_back(std::string(reply.text()));
+    } else if (reply.error() && reply.text().find("unknown command") != std::string_view::npos) {
+      // Not a missing object: no lookup could ever hit. Said (once per outage), not swallowed.
+      fail(fmt::format("GETEX refused: {} (the tier needs Redis 6.2 or later)", reply.text()),
+           false);
     } else {
       values.emplace_back(std::nullopt);  // missing, or an error (another type): not usable
     }

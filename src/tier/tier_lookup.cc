@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <charconv>
 #include <map>
+#include <new>
 
 #include "tier/object.h"
 #include "tier/tier_impl.h"
@@ -209,6 +210,9 @@ TierMatch TierImpl::lookup(std::span<const int32_t> tokens, int64_t limit, int64
   } catch (const StoreFailure& failure) {
     if (failure.reason == StoreFailure::Reason::timed_out) ++counters_.timeouts;
     if (failure.reason == StoreFailure::Reason::failed) ++counters_.store_errors;
+    return {};
+  } catch (const std::bad_alloc&) {  // what the store sent did not fit in memory: a miss
+    ++counters_.store_errors;
     return {};
   }
 }

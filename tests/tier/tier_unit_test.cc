@@ -309,5 +309,21 @@ TEST(TierRedisReplies, ExtraRepliesFailTheRoundTripInsteadOfAnsweringTheNextComm
   }
 }
 
+// A Redis before 6.2 has no GETEX: every lookup would miss, silently. The fetch fails instead,
+// saying what the tier needs (the store's health logs it once).
+TEST(TierRedisReplies, AStoreWithoutGetexSaysSoInsteadOfMissingSilently) {
+  const ScriptedServer server("-ERR unknown command 'GETEX'\r\n");
+  std::vector<std::string> log;
+  const auto health = std::make_shared<detail::StoreHealth>(
+      server.address(), [&](const std::string& line) { log.push_back(line); }, [] {});
+  const std::unique_ptr<detail::Store> store =
+      detail::open_store(server.address(), {.ttl = std::chrono::seconds(60), .health = health});
+  const std::vector<std::string> keys{"kvsnap:p:x"};
+  EXPECT_THROW((void)store->fetch(keys, std::chrono::steady_clock::now() + std::chrono::seconds(5)),
+               detail::StoreFailure);
+  ASSERT_EQ(log.size(), 1u);
+  EXPECT_NE(log[0].find("Redis 6.2 or later"), std::string::npos) << log[0];
+}
+
 }  // namespace
 }  // namespace kvsnap
