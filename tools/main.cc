@@ -75,9 +75,16 @@ struct ReplayArguments {
   double draft_noise = 0;
 };
 
+// The tier's address: --tier's, or with --tier @PATH the one in PATH (a private file, like the
+// key file: a Redis password stays off the command line, which other users can read).
+std::string tier_address(const ReplayArguments& args) {
+  if (!args.tier.starts_with('@')) return args.tier;
+  return load_tier_address(args.tier.substr(1));
+}
+
 // The shared tier's options, checked before any model work: the address, the key file (like a
 // private key: the user's own, no access for group or others).
-TierOptions tier_options(const ReplayArguments& args) {
+TierOptions tier_options(const ReplayArguments& args, const std::string& address) {
   if (args.tier.empty()) {
     if (!args.tenant.empty() || !args.tier_key_file.empty()) {
       throw Error(fmt::format("replay: --{} needs --tier (the store it applies to)",
@@ -92,7 +99,7 @@ TierOptions tier_options(const ReplayArguments& args) {
         args.parallel > 0 ? "parallel" : "speculate",
         args.parallel > 0 ? "slots' paged caches are" : "speculative sessions are"));
   }
-  Tier::check_address(args.tier);
+  Tier::check_address(address);
   TierOptions options;
   options.tenant = args.tenant;
   if (!args.tier_key_file.empty()) options.key = load_tier_key(args.tier_key_file);
@@ -162,7 +169,9 @@ int run_parallel(const ReplayArguments& args, const tools::Workload& workload, c
 void add_tier_options(CLI::App& command, ReplayArguments& args) {
   command.add_option("--tier", args.tier,
                      "a snapshot store shared by processes, below the prefix cache: "
-                     "redis://[:PASSWORD@]HOST:PORT[/DB] or dir:PATH (README: the tier)");
+                     "redis://[:PASSWORD@]HOST:PORT[/DB] or dir:PATH, or @FILE to read "
+                     "it from a private file (mode 0600: a password stays off the command "
+                     "line; README: the tier)");
   command.add_option("--tenant", args.tenant,
                      "with --tier: the isolation salt; processes of other tenants never see "
                      "these entries");
@@ -191,7 +200,8 @@ int run_replay(const ReplayArguments& args, bool& runs_started) {
   if (args.seed) config.seed = *args.seed;
   tools::check_vocabulary(config.vocab_size);
   tools::check_context_length(workload, config.context_length);
-  TierOptions tier = tier_options(args);
+  const std::string address = tier_address(args);
+  TierOptions tier = tier_options(args, address);
   if (!args.chart.empty()) tools::check_writable(args.chart, "--chart");
   tools::CacheDirLock lock;  // held until the saved cache is written, after the runs
   if (!args.cache_dir.empty()) {
@@ -232,7 +242,7 @@ int run_replay(const ReplayArguments& args, bool& runs_started) {
   cached_options.cache_dir = args.cache_dir;
   cached_options.shared_cache_dir = args.shared_cache_dir;
   cached_options.model_id = model_id;
-  cached_options.tier = args.tier;
+  cached_options.tier = address;
   cached_options.tier_options = std::move(tier);
   cached_options.tier_options.model_fingerprint = model_id;
   cached_options.progress = Progress("with prefix cache", !args.quiet);

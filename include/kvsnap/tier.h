@@ -168,5 +168,10 @@ class KVSNAP_EXPORT Tier {
 // whitespace removed (for TierOptions::key). Throws Error naming the path, its owner and mode
 // and what is wrong otherwise.
 [[nodiscard]] KVSNAP_EXPORT std::string load_tier_key(const std::string& path);
+// Reads a tier address (which may hold a Redis password, kept out of command lines and
+// environments this way) from `path`, a file checked as load_tier_key checks key files;
+// surrounding whitespace is dropped. Throws Error naming the path and what is wrong, the
+// address's password redacted.
+[[nodiscard]] KVSNAP_EXPORT std::string load_tier_address(const std::string& path);
 
 }  // namespace kvsnap

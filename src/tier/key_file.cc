@@ -22,16 +22,17 @@ namespace {
 constexpr size_t kMinimumKeyBytes = 16;
 constexpr int64_t kMaximumKeyBytes = int64_t(1) << 20;
 
-}  // namespace
-
-std::string load_tier_key(const std::string& path) {
+// The contents of the secret file `path` (checked as the header says), trailing whitespace
+// removed; errors name `call`.
+std::string read_secret(const std::string& path, const std::string& call, const char* what_file) {
   detail::PrivacyRule rule;
-  rule.call = "load_tier_key";
+  rule.call = call;
   rule.secret = true;
-  const auto named = [](const Error& error) {
+  const std::string prefix = call + ": ";
+  const auto named = [&](const Error& error) {
     // The checks' errors name the call already; open's and read's do not.
     const std::string what = error.what();
-    return Error(what.starts_with("load_tier_key: ") ? what : "load_tier_key: " + what);
+    return Error(what.starts_with(prefix) ? what : prefix + what);
   };
   detail::FileDescriptor file;
   try {
@@ -42,8 +43,8 @@ std::string load_tier_key(const std::string& path) {
   // The size before any byte is read: a huge (or sparse) file is refused, not loaded.
   struct stat status {};
   if (::fstat(file.get(), &status) != 0 || status.st_size > kMaximumKeyBytes) {
-    throw Error(fmt::format("load_tier_key: key file {} holds {} bytes; a key file is at most {}",
-                            path, static_cast<int64_t>(status.st_size), kMaximumKeyBytes));
+    throw Error(fmt::format("{}: {} {} holds {} bytes; one is at most {}", call, what_file, path,
+                            static_cast<int64_t>(status.st_size), kMaximumKeyBytes));
   }
   std::string contents(static_cast<size_t>(kMaximumKeyBytes) + 1, '\0');
   size_t size = 0;
@@ -52,18 +53,25 @@ std::string load_tier_key(const std::string& path) {
     if (n == 0) break;
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) {
-      throw Error(fmt::format("load_tier_key: error reading {} ({})", path, std::strerror(errno)));
+      throw Error(fmt::format("{}: error reading {} ({})", call, path, std::strerror(errno)));
     }
     size += static_cast<size_t>(n);
   }
   if (size > static_cast<size_t>(kMaximumKeyBytes)) {
-    throw Error(fmt::format("load_tier_key: key file {} grew past {} bytes while read", path,
+    throw Error(fmt::format("{}: {} {} grew past {} bytes while read", call, what_file, path,
                             kMaximumKeyBytes));
   }
   contents.resize(size);
   while (!contents.empty() && std::isspace(static_cast<unsigned char>(contents.back()))) {
     contents.pop_back();
   }
+  return contents;
+}
+
+}  // namespace
+
+std::string load_tier_key(const std::string& path) {
+  const std::string contents = read_secret(path, "load_tier_key", "key file");
   if (contents.size() < kMinimumKeyBytes) {
     throw Error(fmt::format(
         "load_tier_key: key file {} holds {} bytes; a key needs at least {} (e.g. head -c 32 "
@@ -71,6 +79,18 @@ std::string load_tier_key(const std::string& path) {
         path, contents.size(), kMinimumKeyBytes, path, path));
   }
   return contents;
+}
+
+std::string load_tier_address(const std::string& path) {
+  std::string address = read_secret(path, "load_tier_address", "address file");
+  const size_t first = address.find_first_not_of(" \t\r\n");
+  address.erase(0, first == std::string::npos ? address.size() : first);
+  try {
+    Tier::check_address(address);
+  } catch (const Error& error) {
+    throw Error(fmt::format("load_tier_address: {}: {}", path, error.what()));
+  }
+  return address;
 }
 
 }  // namespace kvsnap

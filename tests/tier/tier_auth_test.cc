@@ -194,5 +194,24 @@ TEST_F(KeyFile, AKeyInAFolderOthersCanWriteIsRefused) {
                            {"load_tier_key", "refusing the folder", "can write it"}));
 }
 
+// An address with a password kept in a file (not on a command line): read under the key file's
+// rules, checked, its password never shown in errors.
+TEST_F(KeyFile, AnAddressFileIsReadUnderTheKeyFilesRules) {
+  EXPECT_EQ(load_tier_address(file("address", "  redis://:hunter2@10.0.0.5:6380/2\n", 0600)),
+            "redis://:hunter2@10.0.0.5:6380/2");
+  const std::string open = file("open", "redis://:hunter2@h:1", 0644);
+  EXPECT_TRUE(throws_error([&] { (void)load_tier_address(open); },
+                           {"load_tier_address", open.c_str(), "mode 0644", "can read it"}));
+  const std::string bad = file("bad", "redis://:hunter2@h:port", 0600);
+  try {
+    (void)load_tier_address(bad);
+    ADD_FAILURE() << "a malformed address was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("load_tier_address: " + bad), std::string::npos)
+        << e.what();
+    EXPECT_EQ(std::string(e.what()).find("hunter2"), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace kvsnap

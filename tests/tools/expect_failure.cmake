@@ -19,6 +19,8 @@
 #                      the test SKIP_REGULAR_EXPRESSION "SKIPPED")
 #     open_key         a tier key file of 32 bytes that group and others may read (mode 0644),
 #                      in a folder of mode 0700
+#     address_file     a private tier address file (mode 0600, in a folder of mode 0700) naming
+#                      redis://:hunter2@host:x (a password, and a port that is not a number)
 #     shared_folder    an empty folder of mode 0777 (group and others can write it)
 #     foreign_folder   an empty folder of mode 0700 owned by user nobody; skipped ("SKIPPED: ...")
 #                      unless this process runs as root (only root can hand a folder to another
@@ -69,6 +71,12 @@ elseif(PREPARE STREQUAL "open_key")
   file(CHMOD ${key_folder} PERMISSIONS OWNER_READ OWNER_WRITE OWNER_EXECUTE)
   file(WRITE ${FILE} "0123456789abcdef0123456789abcdef")
   file(CHMOD ${FILE} PERMISSIONS OWNER_READ OWNER_WRITE GROUP_READ WORLD_READ)
+elseif(PREPARE STREQUAL "address_file")
+  get_filename_component(address_folder ${FILE} DIRECTORY)
+  file(MAKE_DIRECTORY ${address_folder})
+  file(CHMOD ${address_folder} PERMISSIONS OWNER_READ OWNER_WRITE OWNER_EXECUTE)
+  file(WRITE ${FILE} "redis://:hunter2@host:x\n")
+  file(CHMOD ${FILE} PERMISSIONS OWNER_READ OWNER_WRITE)
 elseif(PREPARE STREQUAL "shared_folder" OR PREPARE STREQUAL "foreign_folder")
   file(REMOVE_RECURSE ${FILE})
   file(MAKE_DIRECTORY ${FILE})
@@ -87,7 +95,7 @@ elseif(PREPARE STREQUAL "shared_folder" OR PREPARE STREQUAL "foreign_folder")
   endif()
 elseif(DEFINED PREPARE)
   message(FATAL_ERROR "PREPARE=${PREPARE}: use big_message, inherited, unreadable, "
-                      "shared_folder, foreign_folder or open_key")
+                      "shared_folder, foreign_folder, open_key or address_file")
 endif()
 
 if(DEFINED EXPECT_ABSENT)
