@@ -96,8 +96,8 @@ int write_all(int fd, std::string_view bytes) {
   return 0;
 }
 
-void write_file_atomically(const std::string& path, const std::string& bytes) {
-  remove_stale_temporaries(path);
+void write_file_atomically(const std::string& path, const std::string& bytes, bool clean_stale) {
+  if (clean_stale) remove_stale_temporaries(path);
   const std::string temporary = temporary_path(path, temporaries_named.fetch_add(1));
   // `error`: the errno of the step, read before anything else (close, unlink) can change it.
   const auto fail = [&](const char* step, int error) {

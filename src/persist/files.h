@@ -19,8 +19,10 @@ namespace kvsnap::detail {
 // rename over `path`, fsync of the folder. On failure before the rename `path` is untouched and
 // Error is thrown; a failed fsync of the folder after it is an Error too (the new file is in
 // place, but a crash could undo the rename).
-// Removes stale temporaries of `path` first (see below).
-void write_file_atomically(const std::string& path, const std::string& bytes);
+// Removes stale temporaries of `path` first (see below), unless `clean_stale` is false (a
+// folder of many files, shared across hosts, cleans its own: tier/dir_store.cc).
+void write_file_atomically(const std::string& path, const std::string& bytes,
+                           bool clean_stale = true);
 // Writes all of `bytes` to `fd` (again after EINTR and short writes); 0, or the errno of the
 // write that failed.
 int write_all(int fd, std::string_view bytes);

@@ -106,6 +106,20 @@ DirStore::DirStore(std::string folder) : folder_(std::move(folder)) {
       throw Error(fmt::format("tier folder {}: cannot create it ({})", folder_, error.message()));
     }
     fs::permissions(folder_, fs::perms::owner_all, error);  // what it holds is private
+    return;
+  }
+  remove_stale_temporaries();
+}
+
+void DirStore::remove_stale_temporaries() const {
+  std::error_code error;
+  const auto stale = fs::file_time_type::clock::now() - kStaleTemporary;
+  for (fs::directory_iterator it(folder_, error), end; !error && it != end; it.increment(error)) {
+    if (it->path().filename().string().find(".tmp-") == std::string::npos) continue;
+    std::error_code ignored;
+    if (it->is_regular_file(ignored) && it->last_write_time(ignored) < stale && !ignored) {
+      fs::remove(it->path(), ignored);
+    }
   }
 }
 
@@ -165,7 +179,7 @@ int64_t DirStore::write(const WriteBatch& batch, Deadline deadline) {
       continue;
     }
     try {
-      write_file_atomically(path(key), value);
+      write_file_atomically(path(key), value, /*clean_stale=*/false);
     } catch (const Error& e) {
       throw StoreFailure(e.what(), StoreFailure::Reason::failed);
     }

@@ -4,6 +4,7 @@
 // FIFOs or devices, see fetch). Objects do not expire.
 #pragma once
 
+#include <chrono>
 #include <string>
 
 #include "tier/store.h"
@@ -12,8 +13,16 @@ namespace kvsnap::detail {
 
 class DirStore final : public Store {
  public:
-  // Creates `folder` when missing. Throws Error when it is not a folder or cannot be created.
+  // Creates `folder` when missing, and removes temporaries of writes older than
+  // kStaleTemporary (a writer that died mid-write). Throws Error when it is not a folder or
+  // cannot be created.
   explicit DirStore(std::string folder);
+
+  // A write's temporary this old is a dead writer's: no live write takes this long (the write
+  // timeout bounds a batch). By age, not by process id: the folder may be shared by hosts or
+  // containers whose process ids this one cannot see. Checked when a store opens, not on every
+  // write (a scan of a folder of many objects per write).
+  static constexpr std::chrono::hours kStaleTemporary{1};
 
   // The largest object fetch reads: Redis's largest value (its proto-max-bulk-len, 512 MB by
   // default), so both backends hand back the same objects.
@@ -37,6 +46,8 @@ class DirStore final : public Store {
   int64_t write(const WriteBatch& batch, Deadline deadline) override;
 
  private:
+  // Removes the folder's temporaries older than kStaleTemporary.
+  void remove_stale_temporaries() const;
   // The file of key `key` ("kvsnap:c:..." -> "<folder>/kvsnap-c-...").
   std::string path(const std::string& key) const;
 

@@ -199,6 +199,26 @@ TEST_F(DirStoreTest, AnIndexFolderThatIsALinkIsNeitherWrittenNorRead) {
   fs::remove_all(elsewhere);
 }
 
+// Temporaries of writes in the folder belong to writers this process may not see (another host
+// or container): a fresh one stays whatever its process id; one older than kStaleTemporary is a
+// dead writer's, removed when a store opens the folder.
+TEST_F(DirStoreTest, TemporariesAreRemovedByAgeNotByProcessId) {
+  DirStore store(folder.string());
+  const fs::path fresh = file("kvsnap:p:fresh").string() + ".tmp-999999-0";
+  const fs::path old = file("kvsnap:p:old").string() + ".tmp-1-0";
+  { std::ofstream(fresh) << "writing"; }
+  { std::ofstream(old) << "abandoned"; }
+  fs::last_write_time(old, fs::file_time_type::clock::now() - DirStore::kStaleTemporary - 1min);
+  detail::WriteBatch batch;
+  batch.objects = {{"kvsnap:p:fresh", "object"}};
+  (void)store.write(batch, Clock::now() + 2s);
+  EXPECT_TRUE(fs::exists(fresh)) << "a live writer's temporary was removed";
+  EXPECT_TRUE(fs::exists(old));  // writes do not scan the folder
+  DirStore again(folder.string());
+  EXPECT_TRUE(fs::exists(fresh));
+  EXPECT_FALSE(fs::exists(old));
+}
+
 // An index folder planted with more entries than any chunk has offsets: probe lists at most
 // kMaximumIndexMembers of them, and stops at the deadline.
 TEST_F(DirStoreTest, AnIndexPlantedWithManyEntriesCostsABoundedListing) {
