@@ -34,7 +34,8 @@ StoreFailure cannot_read(const std::string& file) {
 // followed), a FIFO (never waited on), a device, a socket, a folder — or a file that grows past
 // that size while it is read. Checks the deadline before every read. Throws StoreFailure when a
 // file that is there cannot be read, or at the deadline.
-std::optional<std::string> read_object(const std::string& file, Deadline deadline) {
+std::optional<std::string> read_object(const std::string& file, Deadline deadline,
+                                       bool own_files_only) {
   constexpr int64_t kMaximum = DirStore::kMaximumObjectBytes;
   struct stat status {};
   // What is not a regular file is not even opened (opening a device can do things).
@@ -53,6 +54,7 @@ std::optional<std::string> read_object(const std::string& file, Deadline deadlin
   }
   if (::fstat(object.get(), &status) != 0) throw cannot_read(file);
   if (!S_ISREG(status.st_mode) || status.st_size > kMaximum) return std::nullopt;
+  if (own_files_only && status.st_uid != ::geteuid() && status.st_uid != 0) return std::nullopt;
   std::string bytes;
   bytes.reserve(static_cast<size_t>(status.st_size));
   std::string buffer(size_t(1) << 20, '\0');
@@ -94,7 +96,8 @@ void add_member(const std::string& folder, const std::string& member) {
 
 }  // namespace
 
-DirStore::DirStore(std::string folder) : folder_(std::move(folder)) {
+DirStore::DirStore(std::string folder, bool own_files_only)
+    : folder_(std::move(folder)), own_files_only_(own_files_only) {
   std::error_code error;
   const fs::file_status status = fs::status(folder_, error);
   if (fs::exists(status) && !fs::is_directory(status)) {
@@ -107,6 +110,12 @@ DirStore::DirStore(std::string folder) : folder_(std::move(folder)) {
     }
     fs::permissions(folder_, fs::perms::owner_all, error);  // what it holds is private
     return;
+  }
+  if (own_files_only_) {
+    PrivacyRule rule;
+    rule.call = "Tier::open";
+    rule.override_with = "give the tier a key (TierOptions::key, --tier-key-file)";
+    check_private_folder(folder_, rule);
   }
   remove_stale_temporaries();
 }
@@ -161,7 +170,7 @@ std::vector<std::optional<std::string>> DirStore::fetch(std::span<const std::str
   std::vector<std::optional<std::string>> values;
   for (const std::string& key : keys) {
     check_time(deadline);
-    values.push_back(read_object(path(key), deadline));
+    values.push_back(read_object(path(key), deadline, own_files_only_));
   }
   return values;
 }

@@ -16,7 +16,10 @@ class DirStore final : public Store {
   // Creates `folder` when missing, and removes temporaries of writes older than
   // kStaleTemporary (a writer that died mid-write). Throws Error when it is not a folder or
   // cannot be created.
-  explicit DirStore(std::string folder);
+  // With `own_files_only` (no MAC key: ownership is all that says who wrote an object) the
+  // folder must be private — this user's or root's, not writable by group or others unless
+  // sticky — else Error naming it; and a file another user owns reads as missing.
+  explicit DirStore(std::string folder, bool own_files_only = false);
 
   // A write's temporary this old is a dead writer's: no live write takes this long (the write
   // timeout bounds a batch). By age, not by process id: the folder may be shared by hosts or
@@ -52,6 +55,7 @@ class DirStore final : public Store {
   std::string path(const std::string& key) const;
 
   std::string folder_;
+  bool own_files_only_;
 };
 
 }  // namespace kvsnap::detail

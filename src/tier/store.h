@@ -116,6 +116,9 @@ struct StoreOptions {
   std::chrono::seconds ttl{0};
   std::chrono::milliseconds retry_interval{0};
   std::shared_ptr<StoreHealth> health;
+  // dir: only — without a MAC key nothing but ownership says who wrote an object: the folder
+  // must be private (check_private_folder) and files of other users read as missing.
+  bool own_files_only = false;
 };
 
 // Throws Error unless `address` is "dir:PATH" or "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]".

@@ -79,7 +79,8 @@ TierImpl::TierImpl(const std::string& address, std::vector<Cache*> layers, TierO
   // A store that was lost may come back empty (restarted, flushed): write everything again.
   StoreOptions store_options{
       options_.ttl, options_.retry_interval,
-      std::make_shared<StoreHealth>(address_, options_.log, [this] { known_.clear(); })};
+      std::make_shared<StoreHealth>(address_, options_.log, [this] { known_.clear(); }),
+      /*own_files_only=*/mac_key_.empty()};
   lookup_store_ = open_store(address, store_options);
   WriteBehind::Options writer;
   writer.capacity = static_cast<size_t>(options_.write_queue);

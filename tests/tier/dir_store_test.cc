@@ -5,6 +5,7 @@
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <pwd.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -27,6 +28,7 @@ using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 using detail::DirStore;
 using testing::Conversation;
+using testing::HybridStack;
 using testing::ObjectNames;
 using testing::tier_options;
 using testing::TierProcess;
@@ -217,6 +219,34 @@ TEST_F(DirStoreTest, TemporariesAreRemovedByAgeNotByProcessId) {
   DirStore again(folder.string());
   EXPECT_TRUE(fs::exists(fresh));
   EXPECT_FALSE(fs::exists(old));
+}
+
+// Without a key only ownership says who wrote an object: a folder others can write is refused,
+// naming it, unless the tier has a key; in a sticky folder (others may add files), a file of
+// another user reads as missing.
+TEST_F(DirStoreTest, WithoutAKeyOnlyThisUsersFilesInAPrivateFolderAreTrusted) {
+  fs::create_directories(folder);
+  fs::permissions(folder, fs::perms::all);  // 0777
+  HybridStack stack;
+  EXPECT_TRUE(testing::throws_error(
+      [&] { (void)Tier::open("dir:" + folder.string(), stack.layers(), tier_options()); },
+      {"Tier::open", folder.c_str(), "mode 0777", "give the tier a key"}));
+  EXPECT_NO_THROW((void)Tier::open("dir:" + folder.string(), stack.layers(),
+                                   tier_options("", "0123456789abcdef0123456789abcdef")));
+  fs::permissions(folder, fs::perms::all | fs::perms::sticky_bit);  // 1777, like /tmp
+  DirStore store(folder.string(), /*own_files_only=*/true);
+  detail::WriteBatch batch;
+  batch.objects = {{"kvsnap:p:theirs", "planted"}};
+  (void)store.write(batch, Clock::now() + 2s);
+  const std::vector<std::string> keys{"kvsnap:p:theirs"};
+  EXPECT_EQ(store.fetch(keys, Clock::now() + 2s).at(0), "planted");  // this user's
+  const passwd* nobody = ::getpwnam("nobody");
+  if (nobody == nullptr || ::geteuid() == nobody->pw_uid ||
+      ::chown(file(keys[0]).c_str(), nobody->pw_uid, static_cast<gid_t>(-1)) != 0) {
+    GTEST_SKIP() << "cannot hand a file to user nobody (not root)";
+  }
+  EXPECT_EQ(store.fetch(keys, Clock::now() + 2s).at(0), std::nullopt);
+  EXPECT_EQ(DirStore(folder.string()).fetch(keys, Clock::now() + 2s).at(0), "planted");  // keyed
 }
 
 // An index folder planted with more entries than any chunk has offsets: probe lists at most
