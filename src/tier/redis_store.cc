@@ -231,7 +231,6 @@ std::vector<RedisStore::Reply> RedisStore::round_trip(const std::vector<Command>
   if (Clock::now() >= deadline) {
     throw StoreFailure("no time left for the round trip", StoreFailure::Reason::timed_out);
   }
-  redisSetTimeout(context_, remaining(deadline));
   std::vector<const char*> argv;
   std::vector<size_t> lengths;
   for (const Command& command : commands) {
@@ -251,6 +250,8 @@ std::vector<RedisStore::Reply> RedisStore::round_trip(const std::vector<Command>
   // the call as long as it keeps dripping.
   for (int sent = 0; sent == 0;) {
     await(POLLOUT, deadline);
+    // A write of a large buffer can block past POLLOUT: the socket's timeout is what is left.
+    redisSetTimeout(context_, remaining(deadline));
     bool written = false;
     {
       const NoSigpipe quiet;
