@@ -72,8 +72,9 @@ struct TierOptions {
   // Write batches (one per closed session) waiting for the writer; more are dropped.
   int64_t write_queue = 64;
   // Bytes of objects waiting for the writer (and being written): a session's batch that would
-  // pass it is dropped (counted in dropped_batches) before its state is copied, so a slow or
-  // stalled store costs at most this much memory.
+  // pass it is dropped (counted in dropped_batches) before its objects are encoded, so a slow
+  // or stalled store costs at most this much memory — or one batch, when a single one is larger
+  // (it goes when nothing else waits, so a session that large is still stored).
   int64_t write_queue_bytes = int64_t(1) << 30;
   // One line per event worth an operator's attention (trusted-store mode, rejected objects,
   // the store lost or back). Default: "kvsnap tier: ..." on stderr. Called from any thread.

@@ -1,5 +1,7 @@
 #include "tier/keys.h"
 
+#include <unistd.h>
+
 #include "cache/snapshot_record.h"
 
 namespace kvsnap::detail {
@@ -16,8 +18,14 @@ std::string tier_key_id(const std::string& mac_key) {
   return mac_key.empty() ? "" : hex(object_mac(mac_key, "kvsnap tier key id", ""));
 }
 
+std::string tier_scope(const std::string& address, const std::string& mac_key) {
+  if (!mac_key.empty()) return "key " + tier_key_id(mac_key);
+  if (address.rfind("dir:", 0) == 0) return "user " + std::to_string(::geteuid());
+  return "";
+}
+
 TierKeys::TierKeys(const std::string& model_fingerprint, const std::string& layer_configuration,
-                   const std::string& tenant, int64_t chunk_tokens, const std::string& key_id)
+                   const std::string& tenant, int64_t chunk_tokens, const std::string& scope)
     : root_(Hasher()
                 .field("kvsnap tier root")
                 .number(kTierFormatVersion)
@@ -25,8 +33,7 @@ TierKeys::TierKeys(const std::string& model_fingerprint, const std::string& laye
                 .field(model_fingerprint)
                 .field(layer_configuration)
                 .field(tenant)
-                .field(key_id.empty() ? "trusted store" : "authenticated")
-                .field(key_id)
+                .field(scope)
                 .finish()),
       root_hex_(hex(root_)),
       chunk_tokens_(chunk_tokens) {}

@@ -1,6 +1,6 @@
 // Internal: the names of tier objects. A root digest binds the format version, chunk size, model
-// fingerprint, layer configuration, tenant salt and MAC key id; a hash chained from it over the
-// prompt's tokens, one full chunk at a time, names
+// fingerprint, layer configuration, tenant salt and scope (MAC key id, or user); a hash chained
+// from it over the prompt's tokens, one full chunk at a time, names
 //   kvsnap:c:<h>  the KV data of the chunk that ends where digest h was taken,
 //   kvsnap:i:<h>  the index of restore points after that digest, before the next chunk ends
 //                 (a set of offsets),
@@ -29,12 +29,16 @@ std::string tier_layer_configuration(const std::vector<Cache*>& layers);
 // (which would take them for damaged and delete them): a keyed digest of a constant, which does
 // not reveal the key; empty for no key.
 std::string tier_key_id(const std::string& mac_key);
+// The scope of a tier's names: "key <tier_key_id>" with a MAC key; without one, "user <euid>" for
+// a dir: store (which then trusts only this user's files: users sharing a folder would otherwise
+// block each other's names) and empty for Redis (processes share it as the operator set it up).
+std::string tier_scope(const std::string& address, const std::string& mac_key);
 
 class TierKeys {
  public:
-  // `key_id`: tier_key_id of the MAC key, empty without one.
+  // `scope`: tier_scope's.
   TierKeys(const std::string& model_fingerprint, const std::string& layer_configuration,
-           const std::string& tenant, int64_t chunk_tokens, const std::string& key_id);
+           const std::string& tenant, int64_t chunk_tokens, const std::string& scope);
 
   const std::string& root_hex() const { return root_hex_; }
   int64_t chunk_tokens() const { return chunk_tokens_; }

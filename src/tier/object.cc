@@ -48,8 +48,10 @@ bool object_holds(const ObjectSpec& spec, const Cache* layer) {
   return spec.kind == ObjectSpec::Kind::point;
 }
 
-ObjectPart object_part(const Snapshot& snapshot) {
-  ObjectPart part{*snapshot_record(snapshot)};
+std::optional<ObjectPart> object_part(const Snapshot& snapshot) {
+  std::optional<SnapshotRecord> record = snapshot_record(snapshot);  // one record(): may copy
+  if (!record) return std::nullopt;
+  ObjectPart part{std::move(*record)};
   if (part.record.live) part.source = as_state_snapshot(&snapshot);
   return part;
 }

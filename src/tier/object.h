@@ -50,8 +50,8 @@ struct ObjectPart {
   int64_t column = 0;
 };
 
-// The part of `snapshot`'s record (a built-in snapshot's).
-ObjectPart object_part(const Snapshot& snapshot);
+// The part of `snapshot`'s record; nullopt for a snapshot of a kind kvsnap cannot store.
+std::optional<ObjectPart> object_part(const Snapshot& snapshot);
 // Tokens [from, to) of a KV part covering them.
 ObjectPart slice_part(const ObjectPart& kv, int64_t from, int64_t to);
 

@@ -6,6 +6,7 @@
 #include <pthread.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <charconv>
 #include <cstring>
@@ -30,8 +31,13 @@ int parse_number(const std::string& address, std::string_view text, int low, int
   const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
   if (text.empty() || error != std::errc() || end != text.data() + text.size() || value < low ||
       value > high) {
+    // A port that is not digits is not shown: it may be a password written without its '@'.
+    const bool shown =
+        std::string_view(what) != "port" ||
+        std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; });
     throw bad_address(address,
-                      fmt::format("{} \"{}\" is not a number in [{}, {}]", what, text, low, high));
+                      fmt::format("{} {} is not a number in [{}, {}]", what,
+                                  shown ? fmt::format("\"{}\"", text) : "(not shown)", low, high));
   }
   return value;
 }
@@ -196,6 +202,7 @@ void RedisStore::connect(Deadline deadline) {
     throw StoreFailure("no time left to connect", StoreFailure::Reason::timed_out);
   }
   context_ = redisConnectWithTimeout(address_.host.c_str(), address_.port, remaining(deadline));
+  answered_ = false;  // what a new connection says first is read as a reply (an error: DENIED)
   if (context_ == nullptr) fail("cannot allocate a connection", false);
   if (context_->err != 0) {
     const bool timed_out = Clock::now() >= deadline;
@@ -221,7 +228,7 @@ void RedisStore::connect(Deadline deadline) {
 
 std::vector<RedisStore::Reply> RedisStore::round_trip(const std::vector<Command>& commands,
                                                       Deadline deadline) {
-  if (context_ != nullptr && !idle()) {
+  if (context_ != nullptr && answered_ && !idle()) {
     // Bytes nobody asked for (a server that closed the connection, or one out of step): every
     // reply read on it would answer another command. A new connection instead.
     redisFree(context_);
@@ -274,6 +281,7 @@ std::vector<RedisStore::Reply> RedisStore::round_trip(const std::vector<Command>
   if (context_->reader->pos != context_->reader->len) {
     fail("the store sent more replies than there were commands", false);
   }
+  answered_ = true;
   options_.health->answered();
   return replies;
 }

@@ -47,6 +47,7 @@ class RedisStore final : public Store {
   // Whether the connection holds nothing unread: no bytes read but not yet a reply, none waiting
   // on the socket (nor a hang-up).
   bool idle() const;
+  bool answered_ = false;  // the connection has completed a round trip
   void connect(Deadline deadline);
   // Waits until the socket is ready for `events` (poll), failing at the deadline.
   void await(short events, Deadline deadline);

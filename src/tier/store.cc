@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "kvsnap/error.h"
 #include "tier/dir_store.h"
 #include "tier/redis_store.h"
@@ -57,11 +59,24 @@ void check_store_address(const std::string& address) {
 }
 
 std::string redact_address(const std::string& address) {
+  if (address.rfind(kDir, 0) == 0) return address;  // a path: nothing secret, '@' or not
+  const size_t scheme = address.find("://");
+  const size_t at = address.rfind('@');
+  if (at == std::string::npos) {
+    // No '@': a password written without it stands where the port would ("redis://:secret",
+    // "redis://user:secret"); anything after the host's ':' but digits is hidden.
+    const size_t start = scheme == std::string::npos ? 0 : scheme + 3;
+    const size_t end = std::min(address.find('/', start), address.size());
+    const size_t colon = address.rfind(':', end);
+    if (colon == std::string::npos || colon < start || colon + 1 >= end) return address;
+    const std::string_view port(address.data() + colon + 1, end - colon - 1);
+    if (std::all_of(port.begin(), port.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+      return address;
+    }
+    return address.substr(0, colon + 1) + "***" + address.substr(end);
+  }
   // Whatever stands between the scheme (any, or none) and the last '@' may be a password: only
   // a user name before a ':' stays.
-  const size_t at = address.rfind('@');
-  if (at == std::string::npos) return address;
-  const size_t scheme = address.find("://");
   const size_t start = scheme != std::string::npos && scheme < at ? scheme + 3 : 0;
   const size_t colon = address.find(':', start);
   const size_t keep = colon != std::string::npos && colon < at ? colon + 1 : start;

@@ -74,7 +74,7 @@ TierImpl::TierImpl(const std::string& address, std::vector<Cache*> layers, TierO
       options_(checked(layers_, std::move(options))),
       mac_key_(options_.key.empty() ? "" : derive_mac_key(options_.key)),
       keys_(options_.model_fingerprint, tier_layer_configuration(layers_), options_.tenant,
-            options_.chunk_tokens, tier_key_id(mac_key_)),
+            options_.chunk_tokens, tier_scope(address, mac_key_)),
       signatures_(layers_.size()) {
   // A store that was lost may come back empty (restarted, flushed): write everything again.
   StoreOptions store_options{

@@ -31,7 +31,7 @@ void TierImpl::store(std::span<const int32_t> tokens, std::span<const Snapshot* 
   std::vector<std::optional<ObjectPart>> kv(layers_.size());
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (!ranged(i)) continue;
-    if (ranges[i] != nullptr && snapshot_record(*ranges[i])) kv[i] = object_part(*ranges[i]);
+    if (ranges[i] != nullptr) kv[i] = object_part(*ranges[i]);
     const SnapshotRecord* record = kv[i] ? &kv[i]->record : nullptr;
     if (!record || record->kind != SnapshotRecord::Kind::kv || record->from > 0 ||
         record->to < end) {
@@ -133,7 +133,7 @@ std::optional<WriteBatch> TierImpl::encode(std::span<const int32_t> tokens,
         parts[i] = slice_part(*kv[i], spec.from, spec.to);
         continue;
       }
-      parts[i] = object_part(*point.states[i]);  // checked by store()
+      parts[i] = object_part(*point.states[i]);  // a built-in kind: checked by store()
       learn_signature(i, parts[i]->record);
     }
     if (!add(key, spec)) return std::nullopt;

@@ -59,16 +59,23 @@ WriteBehind::~WriteBehind() {
   thread_.join();
 }
 
+bool WriteBehind::fits(int64_t bytes) const {
+  // A batch larger than the budget still goes when nothing else waits or is written: else a
+  // session that large could never be stored, nor any later one with its prompt.
+  return queue_.size() < options_.capacity &&
+         (queued_bytes_ + bytes <= options_.capacity_bytes || (queued_bytes_ == 0 && !busy_));
+}
+
 bool WriteBehind::has_room(int64_t bytes) {
   const std::lock_guard<std::mutex> lock(mutex_);
-  return queue_.size() < options_.capacity && queued_bytes_ + bytes <= options_.capacity_bytes;
+  return fits(bytes);
 }
 
 bool WriteBehind::push(WriteBatch batch) {
   const int64_t bytes = object_bytes(batch);
   {
     const std::lock_guard<std::mutex> lock(mutex_);
-    if (queue_.size() >= options_.capacity || queued_bytes_ + bytes > options_.capacity_bytes) {
+    if (!fits(bytes)) {
       ++counters_.dropped_batches;
       return false;
     }

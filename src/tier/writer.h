@@ -75,7 +75,8 @@ class WriteBehind {
   WriteBehind& operator=(const WriteBehind&) = delete;
 
   // Queues `batch`; false (and the batch dropped, counted) when the queue is full: capacity
-  // batches, or its objects would pass capacity_bytes.
+  // batches, or its objects would pass capacity_bytes (unless nothing else is queued or being
+  // written: one batch of any size goes).
   bool push(WriteBatch batch);
   // Whether a batch of `bytes` of objects would be queued now (a caller asks before copying
   // them; push decides).
@@ -87,6 +88,8 @@ class WriteBehind {
 
  private:
   void run();
+  // Whether a batch of `bytes` is queued now (under mutex_).
+  bool fits(int64_t bytes) const;
   void send(WriteBatch& batch);
   // Whether the store still holds what `batch` skipped as known (one round trip; true when
   // it could not be asked).

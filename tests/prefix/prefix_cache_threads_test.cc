@@ -64,6 +64,7 @@ void serve(PrefixCache& cache, HybridStack& stack, SeqId slot, uint32_t seed, in
 TierOptions quiet_tier_options() {
   TierOptions options = testing::tier_options();
   options.log = [](const std::string&) {};
+  options.write_queue = 1000;  // every session's batch, however far the writer lags
   return options;
 }
 
@@ -71,12 +72,11 @@ TierOptions quiet_tier_options() {
 void race(bool paged, const std::string& tier_address = "") {
   constexpr SeqId kThreads = 4;
   HybridStack stack(StackOptions{.paged = paged, .check_copies = false});
+  const std::shared_ptr<Tier> tier =
+      tier_address.empty() ? nullptr
+                           : Tier::open(tier_address, stack.layers(), quiet_tier_options());
   PrefixCache cache(stack.layers(),
-                    {.max_paged_out_bytes = 20000,
-                     .slots = kThreads,
-                     .tier = tier_address.empty()
-                                 ? nullptr
-                                 : Tier::open(tier_address, stack.layers(), quiet_tier_options())});
+                    {.max_paged_out_bytes = 20000, .slots = kThreads, .tier = tier});
   std::atomic<int64_t> failures{0}, reused{0};
   std::vector<std::thread> threads;
   for (SeqId slot = 0; slot < kThreads; ++slot) {
@@ -84,6 +84,7 @@ void race(bool paged, const std::string& tier_address = "") {
                          std::ref(failures), std::ref(reused));
   }
   for (std::thread& t : threads) t.join();
+  if (tier) EXPECT_TRUE(tier->flush(std::chrono::minutes(2)));  // all written, however slowly
   EXPECT_EQ(failures.load(), 0);
   EXPECT_GT(reused.load(), 500);
   EXPECT_EQ(cache.check_invariants(), "") << cache.debug_string();

@@ -104,12 +104,15 @@ struct Conversation {
 // The names a tier of `options` gives the objects of `prompt` (the hybrid stack's layers).
 class ObjectNames {
  public:
-  explicit ObjectNames(const TierOptions& options = tier_options()) : chunk_(options.chunk_tokens) {
+  // `address`: the store's (names of a dir: store without a key are this user's).
+  explicit ObjectNames(const TierOptions& options = tier_options(), const std::string& address = "")
+      : chunk_(options.chunk_tokens) {
     HybridStack stack;
     keys_ = std::make_unique<detail::TierKeys>(
         options.model_fingerprint, detail::tier_layer_configuration(stack.layers()), options.tenant,
         options.chunk_tokens,
-        detail::tier_key_id(options.key.empty() ? "" : detail::derive_mac_key(options.key)));
+        detail::tier_scope(address,
+                           options.key.empty() ? "" : detail::derive_mac_key(options.key)));
   }
   // The restore point at `offset` of `prompt`.
   std::string point(const Tokens& prompt, int64_t offset) const {

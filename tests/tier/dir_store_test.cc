@@ -289,7 +289,7 @@ TEST_F(DirStoreTest, AFifoOverARestorePointCostsOnlyThatPoint) {
     TierProcess writer(address);
     (void)writer.turn(talk.first, talk.reply, talk.ends);  // points 20, 26, 31
   }
-  const fs::path point = file(ObjectNames().point(talk.second, 31));
+  const fs::path point = file(ObjectNames(tier_options(), address).point(talk.second, 31));
   fs::remove(point);
   ASSERT_EQ(::mkfifo(point.c_str(), 0600), 0);
   for (const auto timeout : {50ms, 2000ms}) {

@@ -21,6 +21,7 @@ class TierStore : public ::testing::TestWithParam<std::string> {
   void SetUp() override {
     store = testing::make_store(GetParam(),
                                 ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    names = std::make_unique<ObjectNames>(tier_options(), store->address());
   }
   // A process that runs the conversation's first turn, so the store holds points 20, 26, 31.
   void store_first_turn() {
@@ -29,7 +30,7 @@ class TierStore : public ::testing::TestWithParam<std::string> {
   }
   std::unique_ptr<testing::TestStore> store;
   Conversation talk;
-  ObjectNames names;
+  std::unique_ptr<ObjectNames> names;  // of the store's objects
 };
 
 TEST_P(TierStore, AnotherProcessContinuesWhereOneStopped) {
@@ -57,10 +58,10 @@ TEST_P(TierStore, ChunksAreStoredOnceForEveryPromptThatSharesThem) {
 
 TEST_P(TierStore, ARestorePointCountsOnlyWithEveryLayerAtThatOffset) {
   store_first_turn();
-  store->remove(names.point(talk.second, 31));  // the window and recurrent states at 31
+  store->remove(names->point(talk.second, 31));  // the window and recurrent states at 31
   TierProcess without_31(store->address());
   EXPECT_EQ(without_31.turn(talk.second, tokens(500, 3)).cached, 26);
-  store->remove(names.chunk(talk.second, 2));  // KV of [16, 24): points 26 and 31 need it
+  store->remove(names->chunk(talk.second, 2));  // KV of [16, 24): points 26 and 31 need it
   TierProcess without_chunk(store->address());
   EXPECT_EQ(without_chunk.turn(talk.second, tokens(500, 3)).cached, 20);
   EXPECT_EQ(without_chunk.tier->stats().rejected, 0);  // missing is not damaged
@@ -68,7 +69,7 @@ TEST_P(TierStore, ARestorePointCountsOnlyWithEveryLayerAtThatOffset) {
 
 TEST_P(TierStore, DamagedObjectsAreRejectedCountedAndLoggedNeverRestored) {
   store_first_turn();
-  const std::string point = names.point(talk.second, 31);
+  const std::string point = names->point(talk.second, 31);
   std::string bytes = store->get(point);
   bytes[bytes.size() / 2] ^= 0x01;  // one flipped bit in the data
   store->set(point, bytes);
@@ -78,7 +79,7 @@ TEST_P(TierStore, DamagedObjectsAreRejectedCountedAndLoggedNeverRestored) {
   EXPECT_EQ(flipped.log.count("rejected " + point), 1) << flipped.log.all();
   EXPECT_EQ(flipped.log.count("checksum"), 1) << flipped.log.all();
 
-  const std::string chunk = names.chunk(talk.second, 2);
+  const std::string chunk = names->chunk(talk.second, 2);
   const std::string whole = store->get(chunk);
   store->set(chunk, whole.substr(0, whole.size() - 5));  // truncated
   TierProcess truncated(store->address());
@@ -92,7 +93,7 @@ TEST_P(TierStore, DamagedObjectsAreRejectedCountedAndLoggedNeverRestored) {
 TEST_P(TierStore, ADamagedObjectIsDeletedByItsReaderAndWrittenAgainByItsWriter) {
   TierProcess writer(store->address());
   (void)writer.turn(talk.first, talk.reply, talk.ends);
-  const std::string point = names.point(talk.first, 20);
+  const std::string point = names->point(talk.first, 20);
   std::string bytes = store->get(point);
   bytes[bytes.size() / 2] ^= 0x01;
   store->set(point, bytes);
@@ -115,7 +116,7 @@ TEST_P(TierStore, ADamagedObjectIsDeletedByItsReaderAndWrittenAgainByItsWriter) 
 
 TEST_P(TierStore, ObjectsOfAnotherVersionAreRejected) {
   store_first_turn();
-  const std::string point = names.point(talk.second, 31);
+  const std::string point = names->point(talk.second, 31);
   std::string bytes = store->get(point);
   const size_t at = bytes.find("\"version\":\"1\"");
   ASSERT_NE(at, std::string::npos);
@@ -150,10 +151,10 @@ TEST_P(TierStore, ObjectsCopiedFromAnotherModelAreRejected) {
   }
   store_first_turn();
   // Its objects over this model's (a confused or malicious writer of the store).
-  const ObjectNames theirs(model);
-  store->set(names.point(talk.second, 31), store->get(theirs.point(talk.second, 31)));
+  const ObjectNames theirs(model, store->address());
+  store->set(names->point(talk.second, 31), store->get(theirs.point(talk.second, 31)));
   for (int64_t j = 0; j < 3; ++j) {
-    store->set(names.chunk(talk.second, j), store->get(theirs.chunk(talk.second, j)));
+    store->set(names->chunk(talk.second, j), store->get(theirs.chunk(talk.second, j)));
   }
   TierProcess reader(store->address());
   EXPECT_EQ(reader.turn(talk.second, tokens(500, 3)).cached, 0);
@@ -170,8 +171,9 @@ TEST_P(TierStore, TheTrieIsAskedFirstAndTheTierOnlyBeyondIt) {
   // rest; chunks before 20 are not fetched again.
   const int64_t read = reader.tier->stats().bytes_read;
   EXPECT_EQ(reader.turn(talk.second, tokens(500, 3)).cached, 31);
-  const int64_t chunk_bytes = static_cast<int64_t>(store->get(names.chunk(talk.second, 0)).size());
-  const int64_t point_bytes = static_cast<int64_t>(store->get(names.point(talk.second, 31)).size());
+  const int64_t chunk_bytes = static_cast<int64_t>(store->get(names->chunk(talk.second, 0)).size());
+  const int64_t point_bytes =
+      static_cast<int64_t>(store->get(names->point(talk.second, 31)).size());
   EXPECT_LE(reader.tier->stats().bytes_read - read, point_bytes + 2 * chunk_bytes);
   // A prompt the trie restores fully (a regeneration) does not ask the tier.
   const int64_t lookups = reader.tier->stats().lookups;

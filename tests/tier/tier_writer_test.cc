@@ -133,6 +133,16 @@ TEST(TierWriteBehind, WhatWaitsForAStalledStoreIsBoundedInBytes) {
   EXPECT_TRUE(w.writer->has_room(1000));
   EXPECT_EQ(w.counters.objects_written.load(), 3);
   EXPECT_EQ(w.counters.dropped_batches.load(), 1);
+  // Larger than the budget: goes when nothing else waits or is written, and only then.
+  w.store->held = true;
+  EXPECT_TRUE(w.writer->has_room(5000));
+  EXPECT_TRUE(w.writer->push(batch_of(1, 5000)));
+  EXPECT_FALSE(w.writer->push(batch_of(1, 5000)));
+  EXPECT_FALSE(w.writer->has_room(1));
+  w.store->held = false;
+  ASSERT_TRUE(w.writer->flush(10s));
+  EXPECT_EQ(w.counters.objects_written.load(), 4);
+  EXPECT_EQ(w.counters.dropped_batches.load(), 2);
 }
 
 TEST(TierWriteBehind, WritesWaitForTheLookupInFlight) {
