@@ -304,16 +304,21 @@ class ScriptedServer {
   std::thread thread_;
 };
 
+// A connection to `server` whose health lines go to `log`.
+std::unique_ptr<detail::Store> open_logged(const ScriptedServer& server,
+                                           std::vector<std::string>& log) {
+  const auto health = std::make_shared<detail::StoreHealth>(
+      server.address(), [&log](const std::string& line) { log.push_back(line); }, [] {});
+  return detail::open_store(server.address(), {.ttl = std::chrono::seconds(60), .health = health});
+}
+
 // A store that sends more replies than there were commands: every later reply on that
 // connection would answer the command before it (valid objects then look damaged and are
 // deleted), so the round trip fails and the connection is not used again.
 TEST(TierRedisReplies, ExtraRepliesFailTheRoundTripInsteadOfAnsweringTheNextCommand) {
   const ScriptedServer server("+OK\r\n+OK\r\n");
   std::vector<std::string> log;
-  const auto health = std::make_shared<detail::StoreHealth>(
-      server.address(), [&](const std::string& line) { log.push_back(line); }, [] {});
-  const std::unique_ptr<detail::Store> store =
-      detail::open_store(server.address(), {.ttl = std::chrono::seconds(60), .health = health});
+  const std::unique_ptr<detail::Store> store = open_logged(server, log);
   detail::WriteBatch batch;
   batch.objects = {{"kvsnap:test:one", "value"}};
   try {
@@ -331,10 +336,7 @@ TEST(TierRedisReplies, ExtraRepliesFailTheRoundTripInsteadOfAnsweringTheNextComm
 TEST(TierRedisReplies, AStoreWithoutGetexSaysSoInsteadOfMissingSilently) {
   const ScriptedServer server("-ERR unknown command 'GETEX'\r\n");
   std::vector<std::string> log;
-  const auto health = std::make_shared<detail::StoreHealth>(
-      server.address(), [&](const std::string& line) { log.push_back(line); }, [] {});
-  const std::unique_ptr<detail::Store> store =
-      detail::open_store(server.address(), {.ttl = std::chrono::seconds(60), .health = health});
+  const std::unique_ptr<detail::Store> store = open_logged(server, log);
   const std::vector<std::string> keys{"kvsnap:p:x"};
   EXPECT_THROW((void)store->fetch(keys, std::chrono::steady_clock::now() + std::chrono::seconds(5)),
                detail::StoreFailure);
