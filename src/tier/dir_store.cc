@@ -149,7 +149,8 @@ void DirStore::probe(std::span<const std::string> sets, std::span<const std::str
     // An index is a folder, never a link to one (write adds nothing through a link either).
     if (fs::is_directory(fs::symlink_status(path(sets[i]), error))) {
       for (fs::directory_iterator it(path(sets[i]), error), end;
-           !error && it != end && members[i].size() < kMaximumIndexMembers; it.increment(error)) {
+           !error && it != end && static_cast<int64_t>(members[i].size()) < kMaximumIndexMembers;
+           it.increment(error)) {
         if (members[i].size() % 1024 == 1023) check_time(deadline);
         members[i].push_back(it->path().filename().string());
       }

@@ -27,13 +27,6 @@ class DirStore final : public Store {
   // write (a scan of a folder of many objects per write).
   static constexpr std::chrono::hours kStaleTemporary{1};
 
-  // The largest object fetch reads: Redis's largest value (its proto-max-bulk-len, 512 MB by
-  // default), so both backends hand back the same objects.
-  static constexpr int64_t kMaximumObjectBytes = int64_t(512) << 20;
-  // The most members probe lists of one index (a restore point per offset of a 64k-token chunk):
-  // a folder planted with millions of entries costs a lookup that many names at most.
-  static constexpr size_t kMaximumIndexMembers = size_t(1) << 16;
-
   void probe(std::span<const std::string> sets, std::span<const std::string> keys,
              Deadline deadline, std::vector<std::vector<std::string>>& members,
              std::vector<bool>& exists) override;

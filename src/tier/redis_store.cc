@@ -1,7 +1,9 @@
 #include "tier/redis_store.h"
 
+#include <arpa/inet.h>
 #include <fmt/format.h>
 #include <hiredis/hiredis.h>
+#include <netdb.h>
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
@@ -9,7 +11,11 @@
 #include <algorithm>
 #include <cerrno>
 #include <charconv>
+#include <condition_variable>
 #include <cstring>
+#include <limits>
+#include <mutex>
+#include <thread>
 
 #include "kvsnap/error.h"
 
@@ -104,7 +110,101 @@ timeval remaining(Deadline deadline) {
   return timeval{static_cast<time_t>(micros / 1000000), static_cast<suseconds_t>(micros % 1000000)};
 }
 
+// getaddrinfo's numeric addresses for `host`: IPv4 ones, else IPv6 ones (hiredis's order: trying
+// IPv6 first would cost every connect a timeout where it is not routed).
+std::vector<std::string> system_resolve(const std::string& host) {
+  std::vector<std::string> out;
+  std::string why;
+  for (const int family : {AF_INET, AF_INET6}) {
+    addrinfo hints{};
+    hints.ai_family = family;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* found = nullptr;
+    if (const int error = ::getaddrinfo(host.c_str(), nullptr, &hints, &found); error != 0) {
+      why = error == EAI_SYSTEM ? std::strerror(errno) : ::gai_strerror(error);
+      continue;
+    }
+    for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
+      char text[NI_MAXHOST];
+      if (::getnameinfo(a->ai_addr, a->ai_addrlen, text, sizeof text, nullptr, 0, NI_NUMERICHOST) ==
+              0 &&
+          std::find(out.begin(), out.end(), text) == out.end()) {
+        out.emplace_back(text);
+      }
+    }
+    ::freeaddrinfo(found);
+    if (!out.empty()) return out;
+  }
+  throw std::runtime_error(why.empty() ? "no address" : why);
+}
+
+bool numeric_host(const std::string& host) {
+  in6_addr address{};
+  return ::inet_pton(AF_INET, host.c_str(), &address) == 1 ||
+         ::inet_pton(AF_INET6, host.c_str(), &address) == 1;
+}
+
 }  // namespace
+
+struct RedisStore::Resolution {
+  std::mutex mutex;
+  std::condition_variable finished;
+  bool done = false;
+  std::vector<std::string> addresses;
+  std::string error;
+};
+
+// The most bytes a reply holds around its object: "$<length>\r\n" and "\r\n".
+constexpr int64_t kReplyHeader = 64;
+
+// The reply limits, enforced while hiredis parses (it builds every reply through the functions
+// in `hooks`, each handed `this` as the task's privdata). An array is refused from its header,
+// before hiredis allocates its element pointers: a hostile "*200000000" would cost 1.6 GB, and
+// a reply object per element after it. No command the tier sends is answered with a nested
+// array. Bulk strings are bounded as they arrive: round_trip checks the reader's buffer after
+// every read, so no reply grows past the largest object before it fails.
+struct RedisStore::ReplyLimits {
+  redisReplyObjectFunctions hooks{};
+  const redisReplyObjectFunctions* base = nullptr;  // hiredis's own
+  int64_t max_members = 0, max_bytes = 0;
+  std::string broken;  // why the reader stopped, when a limit stopped it
+
+  // Routes `context`'s reader through the limits.
+  void install(redisContext* context) {
+    base = context->reader->fn;
+    hooks = *base;
+    hooks.createArray = [](const redisReadTask* task, int elements) -> void* {
+      auto& self = *static_cast<ReplyLimits*>(task->privdata);
+      if (task->parent != nullptr) {
+        self.broken =
+            "a reply nests an array in an array (no command the tier sends is answered so)";
+        return nullptr;
+      }
+      if (elements < 0 || elements > self.max_members) {
+        self.broken = fmt::format(
+            "a reply announces an array of {} elements, more than the {} an index may list",
+            elements, self.max_members);
+        return nullptr;
+      }
+      return self.base->createArray(task, elements);
+    };
+    hooks.createString = [](const redisReadTask* task, char* text, size_t length) -> void* {
+      auto& self = *static_cast<ReplyLimits*>(task->privdata);
+      if (length > static_cast<size_t>(self.max_bytes)) {
+        self.broken = too_large(self.max_bytes);
+        return nullptr;
+      }
+      return self.base->createString(task, text, length);
+    };
+    context->reader->fn = &hooks;
+    context->reader->privdata = this;
+  }
+
+  static std::string too_large(int64_t max_bytes) {
+    return fmt::format("a reply is larger than {} bytes, the largest object a store hands back",
+                       max_bytes);
+  }
+};
 
 RedisAddress parse_redis_address(const std::string& address) {
   const std::string scheme = "redis://";
@@ -153,7 +253,12 @@ class RedisStore::Reply {
 };
 
 RedisStore::RedisStore(RedisAddress address, StoreOptions options)
-    : address_(std::move(address)), options_(std::move(options)) {}
+    : address_(std::move(address)),
+      options_(std::move(options)),
+      limits_(std::make_unique<ReplyLimits>()) {
+  limits_->max_members = options_.max_index_members;
+  limits_->max_bytes = options_.max_object_bytes;
+}
 
 RedisStore::~RedisStore() {
   if (context_ != nullptr) redisFree(context_);
@@ -185,12 +290,53 @@ void RedisStore::await(short events, Deadline deadline) {
 }
 
 void RedisStore::fail_io(Deadline deadline) {
+  if (!limits_->broken.empty()) fail(limits_->broken, false);
   const bool timed_out =
       (context_->err == REDIS_ERR_IO && (errno == EAGAIN || errno == EWOULDBLOCK)) ||
       Clock::now() >= deadline;
   fail(timed_out ? std::string("no answer before the deadline")
                  : fmt::format("the connection failed ({})", context_->errstr),
        timed_out);
+}
+
+std::vector<std::string> RedisStore::resolve_host(Deadline deadline) {
+  if (numeric_host(address_.host)) return {address_.host};
+  if (resolution_ == nullptr) {
+    auto resolution = std::make_shared<Resolution>();
+    auto resolve = options_.resolve ? options_.resolve : system_resolve;
+    try {
+      std::thread([resolution, resolve, host = address_.host] {
+        std::vector<std::string> addresses;
+        std::string error;
+        try {
+          addresses = resolve(host);
+          if (addresses.empty()) error = "no address";
+        } catch (const std::exception& e) {
+          error = e.what();
+        }
+        const std::lock_guard lock(resolution->mutex);
+        resolution->addresses = std::move(addresses);
+        resolution->error = std::move(error);
+        resolution->done = true;
+        resolution->finished.notify_all();
+      }).detach();
+    } catch (const std::system_error& e) {
+      fail(fmt::format("cannot start resolving {} ({})", address_.host, e.what()), false);
+    }
+    resolution_ = std::move(resolution);
+  }
+  std::unique_lock lock(resolution_->mutex);
+  if (!resolution_->finished.wait_until(lock, deadline, [this] { return resolution_->done; })) {
+    lock.unlock();
+    fail(fmt::format("{} was not resolved before the deadline", address_.host), true);
+  }
+  // Taken: the next connect resolves the name afresh (its addresses may have moved).
+  std::vector<std::string> addresses = std::move(resolution_->addresses);
+  const std::string error = std::move(resolution_->error);
+  lock.unlock();
+  resolution_.reset();
+  if (!error.empty()) fail(fmt::format("cannot resolve {} ({})", address_.host, error), false);
+  return addresses;
 }
 
 void RedisStore::connect(Deadline deadline) {
@@ -201,9 +347,15 @@ void RedisStore::connect(Deadline deadline) {
   if (Clock::now() >= deadline) {
     throw StoreFailure("no time left to connect", StoreFailure::Reason::timed_out);
   }
-  context_ = redisConnectWithTimeout(address_.host.c_str(), address_.port, remaining(deadline));
+  // Each address in turn, as hiredis tries a name's; numeric ones resolve without a lookup.
+  for (const std::string& host : resolve_host(deadline)) {
+    if (context_ != nullptr) redisFree(context_);
+    context_ = redisConnectWithTimeout(host.c_str(), address_.port, remaining(deadline));
+    if (context_ == nullptr) fail("cannot allocate a connection", false);
+    if (context_->err == 0 || Clock::now() >= deadline) break;
+  }
   answered_ = false;  // what a new connection says first is read as a reply (an error: DENIED)
-  if (context_ == nullptr) fail("cannot allocate a connection", false);
+  if (context_->err == 0) limits_->install(context_);
   if (context_->err != 0) {
     const bool timed_out = Clock::now() >= deadline;
     fail(
@@ -228,6 +380,7 @@ void RedisStore::connect(Deadline deadline) {
 
 std::vector<RedisStore::Reply> RedisStore::round_trip(const std::vector<Command>& commands,
                                                       Deadline deadline) {
+  limits_->broken.clear();
   if (context_ != nullptr && answered_ && !idle()) {
     // Bytes nobody asked for (a server that closed the connection, or one out of step): every
     // reply read on it would answer another command. A new connection instead.
@@ -266,6 +419,13 @@ std::vector<RedisStore::Reply> RedisStore::round_trip(const std::vector<Command>
     }
     if (!written) fail_io(deadline);
   }
+  // Each reply holds at most one object (and a few bytes of header): what the round trip reads
+  // is bounded by that many.
+  const int64_t reply_bytes = options_.max_object_bytes + kReplyHeader;
+  const int64_t budget =
+      reply_bytes * std::min<int64_t>(static_cast<int64_t>(commands.size()),
+                                      std::numeric_limits<int64_t>::max() / reply_bytes);
+  int64_t received = 0;
   std::vector<Reply> replies;
   replies.reserve(commands.size());
   for (size_t i = 0; i < commands.size(); ++i) {
@@ -273,7 +433,21 @@ std::vector<RedisStore::Reply> RedisStore::round_trip(const std::vector<Command>
     if (redisGetReplyFromReader(context_, &reply) != REDIS_OK) fail_io(deadline);
     while (reply == nullptr) {
       await(POLLIN, deadline);
+      const redisReader& reader = *context_->reader;
+      const size_t before = reader.len;
       if (redisBufferRead(context_) != REDIS_OK) fail_io(deadline);
+      received += static_cast<int64_t>(reader.len - before);
+      // The reply being read lies unparsed in the buffer until it is whole (a multi-bulk's
+      // elements leave it one by one).
+      if (reader.len - reader.pos > static_cast<size_t>(reply_bytes)) {
+        fail(ReplyLimits::too_large(options_.max_object_bytes), false);
+      }
+      if (received > budget) {
+        fail(fmt::format("the replies to {} commands hold more than {} bytes (one object each "
+                         "at most)",
+                         commands.size(), budget),
+             false);
+      }
       if (redisGetReplyFromReader(context_, &reply) != REDIS_OK) fail_io(deadline);
     }
     replies.emplace_back(static_cast<redisReply*>(reply));

@@ -3,6 +3,7 @@
 // socket timeouts; after a failure nothing is tried for the retry interval.
 #pragma once
 
+#include <memory>
 #include <string>
 
 #include "tier/store.h"
@@ -49,6 +50,13 @@ class RedisStore final : public Store {
   bool idle() const;
   bool answered_ = false;  // the connection has completed a round trip
   void connect(Deadline deadline);
+  // The numeric addresses to try for the host. A name resolves on a thread of its own:
+  // getaddrinfo takes no deadline, and a DNS server that does not answer would hold the caller
+  // (and the lookup connection) for the resolver's timeouts, seconds. A resolution still running
+  // when the deadline passes is waited on by the next connect instead of starting another.
+  std::vector<std::string> resolve_host(Deadline deadline);
+  struct Resolution;
+  std::shared_ptr<Resolution> resolution_;  // shared with the thread resolving
   // Waits until the socket is ready for `events` (poll), failing at the deadline.
   void await(short events, Deadline deadline);
   // Fails for a hiredis call that returned REDIS_ERR: timed out when the socket's timeout or
@@ -58,6 +66,10 @@ class RedisStore final : public Store {
 
   RedisAddress address_;
   StoreOptions options_;
+  // What the reader may build of a reply (StoreOptions' limits), checked as hiredis parses: see
+  // install_limits in redis_store.cc. Outlives every connection's reader.
+  struct ReplyLimits;
+  std::unique_ptr<ReplyLimits> limits_;
   redisContext* context_ = nullptr;
   std::chrono::steady_clock::time_point retry_after_{};
 };

@@ -54,6 +54,16 @@ struct WriteBatch {
 
 class Store {
  public:
+  // The largest object a store hands back: Redis's largest value (its proto-max-bulk-len, 512 MB
+  // by default), so every backend hands back the same objects. Anything larger is never read
+  // into memory: a dir: file reads as missing; a Redis reply fails the round trip before its
+  // bytes pass this size.
+  static constexpr int64_t kMaximumObjectBytes = int64_t(512) << 20;
+  // The most members probe lists of one index (a restore point per offset of a 64k-token chunk):
+  // a store planted with millions of them costs a lookup that many names at most (a dir: index
+  // is listed that far; a Redis reply announcing more fails before anything is allocated).
+  static constexpr int64_t kMaximumIndexMembers = int64_t(1) << 16;
+
   virtual ~Store() = default;
   // One round trip: the members of each set (empty when missing) and whether each key exists.
   virtual void probe(std::span<const std::string> sets, std::span<const std::string> keys,
@@ -119,6 +129,12 @@ struct StoreOptions {
   // dir: only — without a MAC key nothing but ownership says who wrote an object: the folder
   // must be private (check_private_folder) and files of other users read as missing.
   bool own_files_only = false;
+  // Redis only, lowered by tests: the reply limits above (Store::kMaximum...).
+  int64_t max_object_bytes = Store::kMaximumObjectBytes;
+  int64_t max_index_members = Store::kMaximumIndexMembers;
+  // Redis only: a host name's numeric addresses (IPv4 before IPv6, as hiredis orders them), or
+  // throws std::exception saying why there are none. Empty: getaddrinfo. Tests: one that hangs.
+  std::function<std::vector<std::string>(const std::string& host)> resolve = nullptr;
 };
 
 // Throws Error unless `address` is "dir:PATH" or "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]".

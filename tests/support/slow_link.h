@@ -3,18 +3,17 @@
 // or an overloaded server would. The store behind it is the real one; nothing is answered for it.
 #pragma once
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
-#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "support/loopback.h"
 
 namespace kvsnap::testing {
 
@@ -22,16 +21,9 @@ class SlowLink {
  public:
   SlowLink(int server_port, std::chrono::milliseconds delay)
       : server_port_(server_port), delay_(delay) {
-    listener_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_in address = loopback(0);
-    if (listener_ < 0 ||
-        ::bind(listener_, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0 ||
-        ::listen(listener_, 8) != 0) {
-      throw std::runtime_error("SlowLink: cannot listen on loopback");
-    }
-    socklen_t length = sizeof address;
-    ::getsockname(listener_, reinterpret_cast<sockaddr*>(&address), &length);
-    port_ = ntohs(address.sin_port);
+    const LoopbackListener listener = listen_on_loopback("SlowLink");
+    listener_ = listener.fd;
+    port_ = listener.port;
     thread_ = std::thread([this] { run(); });
   }
   ~SlowLink() {
@@ -45,14 +37,6 @@ class SlowLink {
   std::string address() const { return "redis://127.0.0.1:" + std::to_string(port_); }
 
  private:
-  static sockaddr_in loopback(int port) {
-    sockaddr_in address{};
-    address.sin_family = AF_INET;
-    address.sin_port = htons(static_cast<uint16_t>(port));
-    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    return address;
-  }
-
   // One thread relays every connection: client bytes at once, server bytes one per delay.
   void run() {
     struct Pair {
@@ -71,7 +55,7 @@ class SlowLink {
       if (fds[0].revents & POLLIN) {
         const int client = ::accept4(listener_, nullptr, nullptr, SOCK_CLOEXEC);
         const int server = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-        sockaddr_in address = loopback(server_port_);
+        sockaddr_in address = loopback_address(server_port_);
         if (client >= 0 && server >= 0 &&
             ::connect(server, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0) {
           pairs.push_back({client, server, {}});

@@ -255,14 +255,14 @@ TEST_F(DirStoreTest, AnIndexPlantedWithManyEntriesCostsABoundedListing) {
   DirStore store(folder.string());
   const std::string set = "kvsnap:i:planted";
   fs::create_directories(file(set));
-  const size_t planted = DirStore::kMaximumIndexMembers + 3000;
+  const size_t planted = static_cast<size_t>(DirStore::kMaximumIndexMembers) + 3000;
   for (size_t i = 0; i < planted; ++i) {
     const int fd =
         ::open((file(set) / std::to_string(i)).c_str(), O_CREAT | O_WRONLY | O_CLOEXEC, 0600);
     ASSERT_GE(fd, 0);
     ::close(fd);
   }
-  EXPECT_EQ(members_of(store, set).size(), DirStore::kMaximumIndexMembers);
+  EXPECT_EQ(static_cast<int64_t>(members_of(store, set).size()), DirStore::kMaximumIndexMembers);
   // A deadline that passes while it lists: a StoreFailure, not the whole folder.
   const std::vector<std::string> sets{set};
   std::vector<std::vector<std::string>> members;

@@ -124,7 +124,7 @@ TEST(TierRedis, AStoreAnsweringAByteAtATimeDelaysARequestByNoMoreThanTheTimeout)
 // with EPIPE, raising SIGPIPE — whose default action would kill the engine. It must fail that
 // write only (in a child process, so the test sees how it ended), and the next one reconnects.
 TEST(TierRedis, AWriteToAConnectionTheServerClosedFailsThatWriteNotTheProcess) {
-  RedisServer server({.config = {"--timeout", "1"}});
+  RedisServer server({.password = "", .config = {"--timeout", "1"}});
   const pid_t child = ::fork();
   ASSERT_GE(child, 0);
   if (child == 0) {

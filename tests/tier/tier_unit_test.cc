@@ -1,17 +1,19 @@
 // The tier's parts: addresses, key names, the contract of Tier::open / store and its place
 // under a PrefixCache.
 #include <gtest/gtest.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <condition_variable>
+#include <mutex>
 #include <stdexcept>
 #include <thread>
 
 #include "persist/safetensors.h"
 #include "support/cache_support.h"
+#include "support/loopback.h"
 #include "support/tier_support.h"
 #include "tier/object.h"
 #include "tier/redis_store.h"
@@ -261,17 +263,9 @@ TEST(TierObject, LiveSnapshotsAreEncodedFromWhereTheirTokensLieThen) {
 class ScriptedServer {
  public:
   explicit ScriptedServer(std::string reply) : reply_(std::move(reply)) {
-    listener_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_in address{};
-    address.sin_family = AF_INET;
-    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t length = sizeof address;
-    if (::bind(listener_, reinterpret_cast<sockaddr*>(&address), length) != 0 ||
-        ::listen(listener_, 4) != 0 ||
-        ::getsockname(listener_, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
-      throw std::runtime_error("ScriptedServer: cannot listen on loopback");
-    }
-    port_ = ntohs(address.sin_port);
+    const testing::LoopbackListener listener = testing::listen_on_loopback("ScriptedServer");
+    listener_ = listener.fd;
+    port_ = listener.port;
     thread_ = std::thread([this] { run(); });
   }
   ~ScriptedServer() {
@@ -280,6 +274,7 @@ class ScriptedServer {
     ::close(listener_);
   }
   std::string address() const { return "redis://127.0.0.1:" + std::to_string(port_); }
+  int port() const { return port_; }
 
  private:
   void run() {
@@ -292,7 +287,8 @@ class ScriptedServer {
       for (size_t i = 1; i < fds.size(); ++i) {
         char buffer[1 << 16];
         if ((fds[i].revents & POLLIN) && ::read(fds[i].fd, buffer, sizeof buffer) > 0) {
-          (void)::write(fds[i].fd, reply_.data(), reply_.size());
+          // A client that hangs up mid-reply (one refusing it) ends the write: no SIGPIPE.
+          (void)::send(fds[i].fd, reply_.data(), reply_.size(), MSG_NOSIGNAL);
         }
       }
     }
@@ -304,12 +300,110 @@ class ScriptedServer {
   std::thread thread_;
 };
 
-// A connection to `server` whose health lines go to `log`.
-std::unique_ptr<detail::Store> open_logged(const ScriptedServer& server,
-                                           std::vector<std::string>& log) {
+// A connection to `server` whose health lines go to `log`, reading objects of at most
+// `max_object_bytes`.
+std::unique_ptr<detail::Store> open_logged(
+    const ScriptedServer& server, std::vector<std::string>& log,
+    int64_t max_object_bytes = detail::Store::kMaximumObjectBytes) {
   const auto health = std::make_shared<detail::StoreHealth>(
       server.address(), [&log](const std::string& line) { log.push_back(line); }, [] {});
-  return detail::open_store(server.address(), {.ttl = std::chrono::seconds(60), .health = health});
+  return detail::open_store(
+      server.address(),
+      {.ttl = std::chrono::seconds(60), .health = health, .max_object_bytes = max_object_bytes});
+}
+
+// The StoreFailure `call` throws (a test failure when it throws none).
+template <class Call>
+detail::StoreFailure store_failure(Call&& call) {
+  try {
+    call();
+  } catch (const detail::StoreFailure& failure) {
+    return failure;
+  }
+  ADD_FAILURE() << "the call succeeded";
+  return detail::StoreFailure("", detail::StoreFailure::Reason::waiting);
+}
+
+// A probe against `server` (one index, one key), failing or not.
+void probe_once(detail::Store& store) {
+  const std::vector<std::string> sets{"kvsnap:i:x"}, keys{"kvsnap:p:x"};
+  std::vector<std::vector<std::string>> members;
+  std::vector<bool> exists;
+  store.probe(sets, keys, std::chrono::steady_clock::now() + std::chrono::seconds(5), members,
+              exists);
+}
+
+// A bulk string reply of `bytes` bytes.
+std::string bulk(size_t bytes) {
+  return "$" + std::to_string(bytes) + "\r\n" + std::string(bytes, 'x') + "\r\n";
+}
+
+// An array header announcing 200 million elements would have hiredis allocate 1.6 GB of element
+// pointers (and a reply object per element as they come). It is refused from its header — at
+// once, not at the deadline — and the failure says why.
+TEST(TierRedisReplies, AnArrayLargerThanAnIndexMayListFailsFromItsHeader) {
+  const ScriptedServer server("*200000000\r\n");
+  std::vector<std::string> log;
+  const std::unique_ptr<detail::Store> store = open_logged(server, log);
+  const auto start = std::chrono::steady_clock::now();
+  const detail::StoreFailure failure = store_failure([&] { probe_once(*store); });
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(4));
+  EXPECT_EQ(failure.reason, detail::StoreFailure::Reason::failed);
+  EXPECT_NE(std::string(failure.what()).find("array of 200000000 elements, more than the 65536"),
+            std::string::npos)
+      << failure.what();
+}
+
+// No command the tier sends is answered with an array inside an array.
+TEST(TierRedisReplies, ANestedArrayFailsTheRoundTrip) {
+  const ScriptedServer server("*1\r\n*1\r\n:1\r\n");
+  std::vector<std::string> log;
+  const std::unique_ptr<detail::Store> store = open_logged(server, log);
+  const detail::StoreFailure failure = store_failure([&] { probe_once(*store); });
+  EXPECT_NE(std::string(failure.what()).find("nests an array"), std::string::npos)
+      << failure.what();
+}
+
+// A reply larger than the largest object fails as its bytes pass that size (here 1 MiB, of a
+// reply announcing 3): never buffered whole. One within it is read as before.
+TEST(TierRedisReplies, AReplyLargerThanTheLargestObjectFailsBeforeItIsWhole) {
+  constexpr int64_t kLimit = int64_t(1) << 20;
+  const std::vector<std::string> keys{"kvsnap:p:x"};
+  {
+    const ScriptedServer server(bulk(3 << 20));
+    std::vector<std::string> log;
+    const std::unique_ptr<detail::Store> store = open_logged(server, log, kLimit);
+    const detail::StoreFailure failure = store_failure([&] {
+      (void)store->fetch(keys, std::chrono::steady_clock::now() + std::chrono::seconds(5));
+    });
+    EXPECT_EQ(failure.reason, detail::StoreFailure::Reason::failed);
+    EXPECT_NE(std::string(failure.what()).find("larger than 1048576 bytes"), std::string::npos)
+        << failure.what();
+  }
+  const ScriptedServer server(bulk(kLimit));
+  std::vector<std::string> log;
+  const std::unique_ptr<detail::Store> store = open_logged(server, log, kLimit);
+  const auto values =
+      store->fetch(keys, std::chrono::steady_clock::now() + std::chrono::seconds(5));
+  ASSERT_EQ(values.size(), 1u);
+  ASSERT_TRUE(values[0].has_value());
+  EXPECT_EQ(values[0]->size(), static_cast<size_t>(kLimit));
+}
+
+// Each reply holds one object at most: an index whose members are each within the limit but
+// together larger than the round trip's replies could hold fails too (the probe sends two
+// commands for the index and one for the key: 3 MiB at most, here 4 members of 0.9 MiB).
+TEST(TierRedisReplies, RepliesLargerTogetherThanTheirCommandsCouldHoldFail) {
+  constexpr int64_t kLimit = int64_t(1) << 20;
+  std::string members = "*4\r\n";
+  for (int i = 0; i < 4; ++i) members += bulk(900 << 10);
+  const ScriptedServer server(members);
+  std::vector<std::string> log;
+  const std::unique_ptr<detail::Store> store = open_logged(server, log, kLimit);
+  const detail::StoreFailure failure = store_failure([&] { probe_once(*store); });
+  EXPECT_NE(std::string(failure.what()).find("the replies to 3 commands hold more than"),
+            std::string::npos)
+      << failure.what();
 }
 
 // A store that sends more replies than there were commands: every later reply on that
@@ -342,6 +436,76 @@ TEST(TierRedisReplies, AStoreWithoutGetexSaysSoInsteadOfMissingSilently) {
                detail::StoreFailure);
   ASSERT_EQ(log.size(), 1u);
   EXPECT_NE(log[0].find("Redis 6.2 or later"), std::string::npos) << log[0];
+}
+
+// A host name resolves on a thread of its own: a resolver that does not answer (a DNS server
+// down) costs a lookup its deadline, not the resolver's timeouts of seconds. The next connect
+// waits on the same resolution instead of starting another, and connects once it is done.
+TEST(TierRedisAddress, AHostNameThatDoesNotResolveCostsTheDeadlineNotTheResolversTimeouts) {
+  const ScriptedServer server("$5\r\nhello\r\n");
+  std::mutex mutex;
+  std::condition_variable released;
+  bool release = false;
+  std::atomic<int> calls{0};
+  std::vector<std::string> log;
+  detail::StoreOptions options{
+      .ttl = std::chrono::seconds(60),
+      .health = std::make_shared<detail::StoreHealth>(
+          "store", [&log](const std::string& line) { log.push_back(line); }, [] {})};
+  options.resolve = [&](const std::string& host) {
+    ++calls;
+    EXPECT_EQ(host, "store.example");
+    std::unique_lock lock(mutex);
+    released.wait(lock, [&] { return release; });
+    return std::vector<std::string>{"127.0.0.1"};
+  };
+  const std::unique_ptr<detail::Store> store =
+      detail::open_store("redis://store.example:" + std::to_string(server.port()), options);
+  const std::vector<std::string> keys{"kvsnap:p:x"};
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    const auto start = std::chrono::steady_clock::now();
+    const detail::StoreFailure failure =
+        store_failure([&] { (void)store->fetch(keys, start + std::chrono::milliseconds(200)); });
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
+    EXPECT_EQ(failure.reason, detail::StoreFailure::Reason::timed_out);
+    EXPECT_NE(
+        std::string(failure.what()).find("store.example was not resolved before the deadline"),
+        std::string::npos)
+        << failure.what();
+  }
+  {
+    const std::lock_guard lock(mutex);
+    release = true;
+  }
+  released.notify_all();
+  const auto values =
+      store->fetch(keys, std::chrono::steady_clock::now() + std::chrono::seconds(5));
+  ASSERT_EQ(values.size(), 1u);
+  EXPECT_EQ(values[0], "hello");
+  EXPECT_EQ(calls.load(), 1);
+}
+
+// A name the system resolves (localhost, from the hosts file) reaches the store through its
+// numeric address; one that does not resolve fails saying so.
+TEST(TierRedisAddress, NamesResolveThroughTheSystemResolver) {
+  const ScriptedServer server("$5\r\nhello\r\n");
+  std::vector<std::string> log;
+  const auto health = std::make_shared<detail::StoreHealth>(
+      "store", [&log](const std::string& line) { log.push_back(line); }, [] {});
+  const std::vector<std::string> keys{"kvsnap:p:x"};
+  const std::unique_ptr<detail::Store> store =
+      detail::open_store("redis://localhost:" + std::to_string(server.port()),
+                         {.ttl = std::chrono::seconds(60), .health = health});
+  EXPECT_EQ(store->fetch(keys, std::chrono::steady_clock::now() + std::chrono::seconds(5)).at(0),
+            "hello");
+  const std::unique_ptr<detail::Store> nowhere =
+      detail::open_store("redis://kvsnap-test.invalid:" + std::to_string(server.port()),
+                         {.ttl = std::chrono::seconds(60), .health = health});
+  const detail::StoreFailure failure = store_failure([&] {
+    (void)nowhere->fetch(keys, std::chrono::steady_clock::now() + std::chrono::seconds(30));
+  });
+  EXPECT_NE(std::string(failure.what()).find("kvsnap-test.invalid"), std::string::npos)
+      << failure.what();
 }
 
 }  // namespace
