@@ -8,6 +8,7 @@
 #include "cache/state_snapshot.h"
 #include "kvsnap/persistence.h"
 #include "persist/files.h"
+#include "persist/record_tensors.h"
 #include "persist/safetensors.h"
 
 namespace kvsnap {
@@ -66,7 +67,7 @@ std::string encode_snapshots(int64_t offset, std::span<const Snapshot* const> sn
   file.metadata["version"] = std::to_string(kVersion);
   file.metadata["offset"] = std::to_string(offset);
   file.metadata["layers"] = std::to_string(snapshots.size());
-  std::vector<const detail::StateSnapshot*> live;  // per tensor: a lazy snapshot's, else null
+  detail::RecordTensors records;
   for (size_t i = 0; i < snapshots.size(); ++i) {
     const std::string layer = fmt::format("layer.{}", i);
     if (snapshots[i] == nullptr) {
@@ -95,20 +96,11 @@ std::string encode_snapshots(int64_t offset, std::span<const Snapshot* const> sn
         break;
     }
     const bool recurrent = record->kind == SnapshotRecord::Kind::recurrent;
-    file.tensors.emplace_back(fmt::format("{}.{}", layer, recurrent ? "conv" : "keys"),
-                              record->first);
-    file.tensors.emplace_back(fmt::format("{}.{}", layer, recurrent ? "delta" : "values"),
-                              record->second);
-    live.insert(live.end(), 2, record->live ? detail::as_state_snapshot(snapshots[i]) : nullptr);
+    records.add(file, fmt::format("{}.{}", layer, recurrent ? "conv" : "keys"),
+                fmt::format("{}.{}", layer, recurrent ? "delta" : "values"), *record,
+                detail::live_source(*record, *snapshots[i]));
   }
-  // A lazy snapshot's views of a live cache may be overwritten by a write on another thread once
-  // record() returned (the write copies the snapshot's tokens out first): they are copied into
-  // the file under that cache's lock, from wherever the tokens lie then.
-  const detail::TensorWriter write = [&](size_t tensor, Array& place) {
-    if (live[tensor] != nullptr) live[tensor]->copy_record(tensor % 2 == 1, place);
-    return live[tensor] != nullptr;
-  };
-  return detail::encode_sealed(std::move(file), write);
+  return records.encode_sealed(std::move(file));
 }
 
 namespace {

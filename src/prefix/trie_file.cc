@@ -11,6 +11,7 @@
 #include "cache/snapshot_record.h"
 #include "cache/state_snapshot.h"
 #include "persist/files.h"
+#include "persist/record_tensors.h"
 #include "persist/safetensors.h"
 
 namespace kvsnap::detail {
@@ -65,8 +66,7 @@ bool same_model(const SafetensorsFile& file, const std::string& model_id) {
 std::string encode_trie(const Trie& trie, const std::string& model_id) {
   SafetensorsFile file;
   file.tensors.emplace_back("edges", Array());  // filled in once every node is read
-  // Per tensor: the snapshot whose live columns it views (or null), and which of its arrays.
-  std::vector<std::pair<const StateSnapshot*, bool>> live(1);
+  RecordTensors records;
   Json layers = Json::array();
   for (const LayerInfo& layer : trie.layers()) layers.push_back(describe(layer));
   std::vector<const Node*> nodes;
@@ -90,10 +90,8 @@ std::string encode_trie(const Trie& trie, const std::string& model_id) {
             "PrefixCache::save: layer {} holds a snapshot of a kind kvsnap cannot store", i));
       }
       const std::string prefix = fmt::format("node.{}.layer.{}", id, i);
-      const StateSnapshot* source = record->live ? as_state_snapshot(s.get()) : nullptr;
-      file.tensors.emplace_back(fmt::format("{}.a", prefix), record->first);
-      file.tensors.emplace_back(fmt::format("{}.b", prefix), record->second);
-      live.insert(live.end(), {{source, false}, {source, true}});
+      records.add(file, fmt::format("{}.a", prefix), fmt::format("{}.b", prefix), *record,
+                  live_source(*record, *s));
       snapshots.push_back(
           {{"kind", snapshot_kind_name(record->kind)}, {"from", record->from}, {"to", record->to}});
     }
@@ -111,15 +109,7 @@ std::string encode_trie(const Trie& trie, const std::string& model_id) {
   file.metadata["layers"] = layers.dump();
   file.metadata["nodes"] = entries.dump();
   file.metadata["clock"] = std::to_string(trie.clock());
-  // A lazy snapshot's views of a live cache may be overwritten by a forward on another thread
-  // once record() returned (the forward copies the snapshot's columns out first): they are
-  // copied into the file under that cache's lock, from wherever the snapshot's data lies then.
-  const TensorWriter write = [&](size_t tensor, Array& place) {
-    const auto [source, second] = live[tensor];
-    if (source != nullptr) source->copy_record(second, place);
-    return source != nullptr;
-  };
-  return encode_sealed(std::move(file), write);
+  return records.encode_sealed(std::move(file));
 }
 
 namespace {

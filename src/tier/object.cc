@@ -5,6 +5,7 @@
 #include "kvsnap/recurrent_cache.h"
 #include "kvsnap/rotating_kv_cache.h"
 #include "persist/files.h"
+#include "persist/record_tensors.h"
 #include "persist/safetensors.h"
 #include "tier/hashing.h"
 #include "tier/keys.h"
@@ -52,7 +53,7 @@ std::optional<ObjectPart> object_part(const Snapshot& snapshot) {
   std::optional<SnapshotRecord> record = snapshot_record(snapshot);  // one record(): may copy
   if (!record) return std::nullopt;
   ObjectPart part{std::move(*record)};
-  if (part.record.live) part.source = as_state_snapshot(&snapshot);
+  part.source = live_source(part.record, snapshot);
   return part;
 }
 
@@ -77,19 +78,13 @@ std::string encode_object(const std::string& key, const std::string& root_hex,
   file.metadata["kind"] = kind_name(spec.kind);
   file.metadata["from"] = std::to_string(spec.from);
   file.metadata["to"] = std::to_string(spec.to);
-  std::vector<const ObjectPart*> sources;  // per tensor
+  RecordTensors records;
   for (size_t i = 0; i < parts.size(); ++i) {
     if (!parts[i]) continue;
-    file.tensors.emplace_back(tensor_name(i, 'a'), parts[i]->record.first);
-    file.tensors.emplace_back(tensor_name(i, 'b'), parts[i]->record.second);
-    sources.insert(sources.end(), 2, &*parts[i]);
+    records.add(file, tensor_name(i, 'a'), tensor_name(i, 'b'), parts[i]->record, parts[i]->source,
+                parts[i]->column);
   }
-  const TensorWriter write = [&](size_t tensor, Array& place) {
-    const ObjectPart& part = *sources[tensor];
-    if (part.source != nullptr) part.source->copy_record(tensor % 2 == 1, place, part.column);
-    return part.source != nullptr;
-  };
-  return encode_sealed(std::move(file), write);
+  return records.encode_sealed(std::move(file));
 }
 
 void append_tag(std::string& value, const std::string& key, const std::string& mac_key) {
