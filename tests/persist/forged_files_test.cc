@@ -13,6 +13,7 @@
 #include "persist/files.h"
 #include "persist/safetensors.h"
 #include "support/cache_support.h"
+#include "support/private_support.h"
 #include "support/recurrent_support.h"
 #include "support/test_support.h"
 
@@ -26,11 +27,7 @@ using testing::TokenKV;
 const TokenKV kv{.heads = 2, .depth = 4};
 
 std::filesystem::path scratch(const std::string& name) {
-  const auto dir =
-      std::filesystem::temp_directory_path() / ("kvsnap_forged_" + std::to_string(::getpid()));
-  std::filesystem::create_directories(dir);
-  std::filesystem::permissions(dir, std::filesystem::perms::owner_all);
-  return dir / name;
+  return testing::private_scratch("forged", name);
 }
 
 // A safetensors file whose JSON header is `header` (padded), with no data.

@@ -16,6 +16,7 @@
 #include "cache/snapshot_record.h"
 #include "persist/safetensors.h"
 #include "support/cache_support.h"
+#include "support/private_support.h"
 #include "support/recurrent_support.h"
 #include "support/test_support.h"
 
@@ -29,12 +30,7 @@ using testing::TokenKV;
 const TokenKV kv{.heads = 2, .depth = 4, .dtype = DType::bf16};
 
 std::filesystem::path scratch(const std::string& name) {
-  const auto dir =
-      std::filesystem::temp_directory_path() / ("kvsnap_persist_" + std::to_string(::getpid()));
-  std::filesystem::create_directories(dir);
-  // Private whatever the umask: kvsnap loads nothing from a folder others can write.
-  std::filesystem::permissions(dir, std::filesystem::perms::owner_all);
-  return dir / name;
+  return testing::private_scratch("persist", name);
 }
 
 // Bytes of every array of a snapshot's record, and its offsets: equal iff bit-exact.
