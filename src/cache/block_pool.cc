@@ -205,16 +205,17 @@ bool PagedSnapshot::is_lazy() const {
 }
 
 void PagedSnapshot::for_each_part(
-    int64_t limit, const std::function<void(int64_t, const Array&, const Array&)>& visit) const {
+    int64_t from, int64_t to,
+    const std::function<void(int64_t, const Array&, const Array&)>& visit) const {
   const int64_t block_tokens = pool_->block_tokens;
   for (size_t i = 0; i < blocks_.size(); ++i) {
     const int64_t block_start = (first_block() + static_cast<int64_t>(i)) * block_tokens;
-    const int64_t from = std::max(begin_, block_start) - begin_;
-    const int64_t to = std::min(begin_ + limit, block_start + block_tokens) - begin_;
-    if (to <= from) continue;
-    const int64_t slot = from + begin_ - block_start;
-    visit(from, pool_->keys(blocks_[i]).slice(2, slot, slot + to - from),
-          pool_->values(blocks_[i]).slice(2, slot, slot + to - from));
+    const int64_t lo = std::max(begin_ + from, block_start) - begin_;
+    const int64_t hi = std::min(begin_ + to, block_start + block_tokens) - begin_;
+    if (hi <= lo) continue;
+    const int64_t slot = lo + begin_ - block_start;
+    visit(lo, pool_->keys(blocks_[i]).slice(2, slot, slot + hi - lo),
+          pool_->values(blocks_[i]).slice(2, slot, slot + hi - lo));
   }
 }
 
@@ -229,6 +230,27 @@ SnapshotRecord PagedSnapshot::record() const {
     values.assign_slice(2, first, v);
   });
   return {SnapshotRecord::Kind::kv, std::move(keys), std::move(values), begin_, end_};
+}
+
+std::optional<SnapshotRecord> PagedSnapshot::record_outline() const {
+  // One element behind every index (zero strides): the shapes without the data.
+  alignas(16) static std::byte nothing[16]{};
+  const KVLayout& layout = pool_->layout;
+  const int64_t tokens = end_ - begin_;
+  const auto outline = [&](DType dtype, int64_t depth) {
+    return Array::wrap(nothing, dtype, {layout.rows, layout.heads, tokens, depth}, {0, 0, 0, 0});
+  };
+  SnapshotRecord out{SnapshotRecord::Kind::kv, outline(layout.key_dtype, layout.key_depth),
+                     outline(layout.value_dtype, layout.value_depth), begin_, end_};
+  out.live = true;  // read through copy_record
+  return out;
+}
+
+void PagedSnapshot::copy_record(bool second, Array& place, int64_t column) const {
+  const Guard guard(pool_->lock);  // blocks a snapshot holds are never written; the pool may grow
+  for_each_part(column, column + place.dim(2), [&](int64_t first, const Array& k, const Array& v) {
+    place.assign_slice(2, first - column, second ? v : k);
+  });
 }
 
 }  // namespace kvsnap::detail

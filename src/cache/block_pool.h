@@ -120,15 +120,26 @@ class PagedSnapshot final : public StateSnapshot, public Pooled<PagedSnapshot> {
   int64_t from() const override { return begin_; }
   int64_t to() const override { return end_; }
   bool is_lazy() const override;
+  // A copy of its tokens, gathered from its blocks.
   SnapshotRecord record() const override;
+  // Its record's dtypes and shapes without the data (gathering it would copy every token):
+  // writers copy the tokens they need from the blocks through copy_record.
+  std::optional<SnapshotRecord> record_outline() const override;
+  // Tokens [column, column + place's tokens) straight from the blocks.
+  void copy_record(bool second, Array& place, int64_t column = 0) const override;
 
   const std::shared_ptr<BlockPool>& pool() const { return pool_; }
   const std::vector<int32_t>& blocks() const { return blocks_; }
   int64_t first_block() const { return begin_ / pool_->block_tokens; }
-  // Calls visit(first token, keys, values) for the parts of its first `limit` tokens, block
-  // by block (the pool's lock held by the caller).
-  void for_each_part(int64_t limit,
+  // Calls visit(first token, keys, values) for the parts of its tokens [from, to) (counted
+  // from its first), block by block (the pool's lock held by the caller).
+  void for_each_part(int64_t from, int64_t to,
                      const std::function<void(int64_t, const Array&, const Array&)>& visit) const;
+  // The same for its first `limit` tokens.
+  void for_each_part(int64_t limit,
+                     const std::function<void(int64_t, const Array&, const Array&)>& visit) const {
+    for_each_part(0, limit, visit);
+  }
   // Called by the pool when this snapshot starts or stops paying for a block.
   void paid(int64_t delta) {
     if (hook_ && delta != 0) hook_(delta);

@@ -5,7 +5,8 @@
 // forward on another thread may copy the snapshot's tokens out of the viewed columns and
 // overwrite them, so such tensors are not copied from the record's arrays: encode_sealed copies
 // them under that cache's lock, from wherever the snapshot's tokens lie then
-// (StateSnapshot::copy_record).
+// (StateSnapshot::copy_record). A paged snapshot's tokens are copied the same way, straight from
+// its blocks, so a file or object taking a few of its tokens does not gather them all first.
 #pragma once
 
 #include <optional>
@@ -18,16 +19,34 @@
 
 namespace kvsnap::detail {
 
-// The snapshot `record` (taken from `snapshot`) views while it is live, else null.
-inline const StateSnapshot* live_source(const SnapshotRecord& record, const Snapshot& snapshot) {
-  return record.live ? as_state_snapshot(&snapshot) : nullptr;
+// What a file writes of a snapshot: its record, and where the data is copied from when the
+// record's arrays are not it (null when they are).
+struct RecordToWrite {
+  SnapshotRecord record;
+  const StateSnapshot* source = nullptr;
+};
+
+// For a built-in snapshot: a lazy one's record (views of its live cache, copied from the
+// snapshot under the cache's lock), a paged one's outline (its tokens copied from its blocks by
+// each file or object that takes them, never gathered whole first), else its record (owned
+// arrays). nullopt for a kind kvsnap cannot store.
+inline std::optional<RecordToWrite> record_to_write(const Snapshot& snapshot) {
+  const StateSnapshot* state = as_state_snapshot(&snapshot);
+  if (state == nullptr) return std::nullopt;
+  if (std::optional<SnapshotRecord> outline = state->record_outline()) {
+    return RecordToWrite{std::move(*outline), state};
+  }
+  SnapshotRecord record = state->record();
+  const bool live = record.live;
+  return RecordToWrite{std::move(record), live ? state : nullptr};
 }
 
 class RecordTensors {
  public:
-  // Appends `record`'s arrays to `file` as tensors `first` and `second`. `source`: the snapshot
-  // the record views while it is live (live_source), else null; `column`: where the record's
-  // first token lies in source's record (a slice's first token; 0 for a whole record).
+  // Appends `record`'s arrays to `file` as tensors `first` and `second`. `source`: where the
+  // data is copied from when the arrays are not it (RecordToWrite::source), else null; `column`:
+  // where the record's first token lies in source's record (a slice's first token; 0 for a whole
+  // record).
   void add(SafetensorsFile& file, std::string first, std::string second,
            const SnapshotRecord& record, const StateSnapshot* source, int64_t column = 0);
 

@@ -74,7 +74,8 @@ std::string encode_snapshots(int64_t offset, std::span<const Snapshot* const> sn
       file.metadata[layer] = Json{{"kind", "none"}}.dump();
       continue;
     }
-    const std::optional<SnapshotRecord> record = detail::snapshot_record(*snapshots[i]);
+    const std::optional<detail::RecordToWrite> write = detail::record_to_write(*snapshots[i]);
+    const SnapshotRecord* record = write ? &write->record : nullptr;
     if (!record) {
       throw Error(fmt::format(
           "save_snapshots: layer {} holds a snapshot of a kind kvsnap cannot store", i));
@@ -98,7 +99,7 @@ std::string encode_snapshots(int64_t offset, std::span<const Snapshot* const> sn
     const bool recurrent = record->kind == SnapshotRecord::Kind::recurrent;
     records.add(file, fmt::format("{}.{}", layer, recurrent ? "conv" : "keys"),
                 fmt::format("{}.{}", layer, recurrent ? "delta" : "values"), *record,
-                detail::live_source(*record, *snapshots[i]));
+                write->source);
   }
   return records.encode_sealed(std::move(file));
 }

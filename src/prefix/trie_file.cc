@@ -84,14 +84,15 @@ std::string encode_trie(const Trie& trie, const std::string& model_id) {
         snapshots.push_back(nullptr);
         continue;
       }
-      const std::optional<SnapshotRecord> record = snapshot_record(*s);
-      if (!record) {
+      const std::optional<RecordToWrite> write = record_to_write(*s);
+      if (!write) {
         throw Error(fmt::format(
             "PrefixCache::save: layer {} holds a snapshot of a kind kvsnap cannot store", i));
       }
+      const SnapshotRecord* record = &write->record;
       const std::string prefix = fmt::format("node.{}.layer.{}", id, i);
       records.add(file, fmt::format("{}.a", prefix), fmt::format("{}.b", prefix), *record,
-                  live_source(*record, *s));
+                  write->source);
       snapshots.push_back(
           {{"kind", snapshot_kind_name(record->kind)}, {"from", record->from}, {"to", record->to}});
     }

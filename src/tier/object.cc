@@ -50,11 +50,9 @@ bool object_holds(const ObjectSpec& spec, const Cache* layer) {
 }
 
 std::optional<ObjectPart> object_part(const Snapshot& snapshot) {
-  std::optional<SnapshotRecord> record = snapshot_record(snapshot);  // one record(): may copy
-  if (!record) return std::nullopt;
-  ObjectPart part{std::move(*record)};
-  part.source = live_source(part.record, snapshot);
-  return part;
+  std::optional<RecordToWrite> write = record_to_write(snapshot);  // one record(): may copy
+  if (!write) return std::nullopt;
+  return ObjectPart{std::move(write->record), write->source};
 }
 
 ObjectPart slice_part(const ObjectPart& kv, int64_t from, int64_t to) {

@@ -40,10 +40,11 @@ struct ObjectRejected : Error {
 };
 
 // One layer's data in an object: a record (or a slice of one along the token axis). Where its
-// arrays are views of a live cache (`record.live`), `source` is the snapshot they came from and
-// `column` the slice's first token in source's record: the data is copied from wherever the
-// snapshot's tokens lie when the object is encoded, under that cache's lock — another thread's
-// forward may have copied them out of the viewed columns and overwritten those since.
+// arrays are not the data (`record.live`: views of a live cache, or a paged snapshot's outline),
+// `source` is the snapshot they came from and `column` the slice's first token in source's
+// record: the data is copied from wherever the snapshot's tokens lie when the object is encoded,
+// under that cache's lock — another thread's forward may have copied them out of the viewed
+// columns and overwritten those since; a paged snapshot's come straight from its blocks.
 struct ObjectPart {
   SnapshotRecord record;
   const StateSnapshot* source = nullptr;

@@ -80,6 +80,25 @@ TEST(SnapshotFile, RoundTripsEveryKindBitExactly) {
   }
 }
 
+// A paged snapshot is saved from its blocks, tokens straight into the file (no gather of them
+// first): the same bytes as the contiguous cache's snapshot of the same tokens, and it loads
+// back bit-exactly.
+TEST(SnapshotFile, APagedSnapshotIsSavedFromItsBlocksAsAContiguousOneWouldBe) {
+  KVCache contiguous;
+  PagedKVCache paged({.block_tokens = 4});
+  (void)testing::write(contiguous, kv, id_range(0, 14));
+  (void)testing::write(paged, kv, id_range(0, 14));
+  const SnapshotPtr whole = contiguous.snapshot(3), blocks = paged.snapshot(3);
+  const std::vector<const Snapshot*> from_blocks{blocks.get()}, from_whole{whole.get()};
+  const int64_t allocations = allocation_count();
+  const std::string bytes = encode_snapshots(14, from_blocks);
+  EXPECT_EQ(allocation_count(), allocations);
+  EXPECT_EQ(bytes, encode_snapshots(14, from_whole));
+  const LoadedSnapshots loaded = decode_snapshots(bytes, "paged");
+  ASSERT_EQ(loaded.snapshots.size(), 1u);
+  EXPECT_EQ(fingerprint(*loaded.snapshots[0]), fingerprint(*blocks));
+}
+
 // The format has no padding: a tensor after a 2-byte one of odd size starts unaligned for its
 // dtype. Encoding (strided views too) and decoding still give the exact values.
 TEST(Safetensors, TensorsAfterAnOddSizedHalfPrecisionOneRoundTrip) {

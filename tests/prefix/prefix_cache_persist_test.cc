@@ -29,8 +29,8 @@ std::string scratch(const std::string& name) {
 
 // Saves a warmed-up cache (warm_up) to `dir` as "model-a" from a process of its own; returns its
 // node count.
-int64_t save_warm(const std::string& dir) {
-  HybridStack stack;
+int64_t save_warm(const std::string& dir, bool paged = false) {
+  HybridStack stack(testing::StackOptions{.paged = paged});
   PrefixCache cache(stack.layers());
   warm_up(cache, stack);
   cache.save(dir, "model-a");
@@ -58,6 +58,26 @@ TEST(PrefixCachePersist, ARestartedCacheContinuesWarm) {
   EXPECT_EQ(
       run_turn(cache, stack, kSystem + tokens(800, 7) + tokens(900, 2), tokens(910, 2)).cached,
       12 + 7 + 1);
+  std::filesystem::remove_all(dir);
+}
+
+// Over paged attention caches, the nodes' KV data is written from their blocks (never gathered
+// whole first) and a restarted cache continues from it as from a contiguous cache's.
+TEST(PrefixCachePersist, ARestartedCacheOverPagedAttentionContinuesWarm) {
+  const std::string dir = scratch("paged");
+  const int64_t nodes = save_warm(dir, /*paged=*/true);
+  HybridStack stack(testing::StackOptions{.paged = true});
+  PrefixCache cache(stack.layers());
+  cache.load(dir, "model-a");
+  EXPECT_EQ(cache.node_count(), nodes);
+  EXPECT_EQ(cache.check_invariants(), "");
+  EXPECT_EQ(run_turn(cache, stack,
+                     kSystem + tokens(200, 6) + tokens(300, 4) + tokens(400, 5) + tokens(500, 3) +
+                         tokens(600, 2),
+                     tokens(700, 2))
+                .cached,
+            12 + 6 + 4 + 5 + 2);
+  EXPECT_EQ(run_turn(cache, stack, kSystem + tokens(850, 3), tokens(900, 2)).cached, 12);
   std::filesystem::remove_all(dir);
 }
 

@@ -258,6 +258,31 @@ TEST(TierObject, LiveSnapshotsAreEncodedFromWhereTheirTokensLieThen) {
   EXPECT_EQ(object_ids(bytes, "layer.1.b"), repeat(id_range(5, 7), 2));
 }
 
+// A paged snapshot's part is an outline: making it gathers nothing (its record() would copy
+// every token, for objects that each take a chunk of them), and each object copies its own
+// tokens from the blocks — the same bytes as from a contiguous cache holding the same tokens.
+TEST(TierObject, APagedSnapshotsObjectsCopyOnlyTheirTokensFromItsBlocks) {
+  const TokenKV kv;
+  KVCache contiguous;
+  PagedKVCache paged({.block_tokens = 4});
+  (void)testing::write(contiguous, kv, id_range(0, 14));
+  (void)testing::write(paged, kv, id_range(0, 14));
+  const SnapshotPtr whole = contiguous.snapshot(0), blocks = paged.snapshot(2);
+  const int64_t allocations = allocation_count();
+  const std::optional<detail::ObjectPart> part = detail::object_part(*blocks);
+  EXPECT_EQ(allocation_count(), allocations);
+  ASSERT_TRUE(part.has_value());
+  EXPECT_TRUE(part->record.live);
+  EXPECT_EQ(part->record.first.shape(), (Shape{1, kv.heads, 12, kv.depth}));
+  for (const auto& [from, to] : {std::pair{2, 14}, {4, 12}, {5, 10}, {13, 14}}) {
+    const detail::ObjectSpec spec{detail::ObjectSpec::Kind::chunk, from, to};
+    EXPECT_EQ(detail::encode_object("k", "root", spec, {detail::slice_part(*part, from, to)}),
+              detail::encode_object("k", "root", spec,
+                                    {detail::slice_part(*detail::object_part(*whole), from, to)}))
+        << from << ".." << to;
+  }
+}
+
 // A server on loopback that answers every read with `reply` (what a broken or hostile store
 // might send), until destroyed.
 class ScriptedServer {
