@@ -33,4 +33,7 @@ void prefix_overhead_figures(std::vector<Figure>& out, const BenchOptions& optio
 void end_to_end_figures(std::vector<Figure>& out, const BenchOptions& options);
 void parallel_figures(std::vector<Figure>& out, const BenchOptions& options);
 
+// tier_figures.cc
+void tier_figures(std::vector<Figure>& out, const Shape& shape);
+
 }  // namespace kvsnap::bench

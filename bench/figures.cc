@@ -79,6 +79,8 @@ std::vector<Figure> run_figures(const BenchOptions& options) {
   recurrent_figures(out);
   options.progress("prefix trie");
   trie_figures(out);
+  options.progress("shared tier");
+  tier_figures(out, shape);
   options.progress("built-in model");
   model_figures(out);
   if (options.end_to_end) {

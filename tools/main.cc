@@ -391,7 +391,8 @@ CLI::App* add_bench_command(CLI::App& app, BenchArguments& args) {
   CLI::App* bench_command = app.add_subcommand(
       "bench",
       "Measure the headline figures (decode append, chunked prefill, lazy capture, materialize "
-      "and restore, merge/split, recurrent snapshots, trie lookups, end-to-end replay, many "
+      "and restore, merge/split, recurrent snapshots, trie lookups, the shared tier's store, "
+      "end-to-end replay, many "
       "sequences at once), each as a "
       "ratio against a limit measured in the same run, with PASS/FAIL against its target (exit "
       "status 1 when one fails), as a table or --json, plus an SVG chart.");
