@@ -37,11 +37,16 @@ int64_t save_warm(const std::string& dir, bool paged = false) {
   return cache.node_count();
 }
 
-TEST(PrefixCachePersist, ARestartedCacheContinuesWarm) {
-  const std::string dir = scratch("warm");
-  const int64_t nodes = save_warm(dir);
+// Over contiguous or paged attention caches (whose nodes' KV data is written from their blocks,
+// never gathered whole first).
+class PrefixCachePersistWarm : public ::testing::TestWithParam<bool> {};
+
+TEST_P(PrefixCachePersistWarm, ARestartedCacheContinuesWarm) {
+  const bool paged = GetParam();
+  const std::string dir = scratch(paged ? "warm_paged" : "warm");
+  const int64_t nodes = save_warm(dir, paged);
   ASSERT_TRUE(PrefixCache::saved_in(dir));
-  HybridStack stack;  // a fresh process: empty caches
+  HybridStack stack(testing::StackOptions{.paged = paged});  // a fresh process: empty caches
   PrefixCache cache(stack.layers());
   cache.load(dir, "model-a");
   EXPECT_EQ(cache.node_count(), nodes);
@@ -60,26 +65,8 @@ TEST(PrefixCachePersist, ARestartedCacheContinuesWarm) {
       12 + 7 + 1);
   std::filesystem::remove_all(dir);
 }
-
-// Over paged attention caches, the nodes' KV data is written from their blocks (never gathered
-// whole first) and a restarted cache continues from it as from a contiguous cache's.
-TEST(PrefixCachePersist, ARestartedCacheOverPagedAttentionContinuesWarm) {
-  const std::string dir = scratch("paged");
-  const int64_t nodes = save_warm(dir, /*paged=*/true);
-  HybridStack stack(testing::StackOptions{.paged = true});
-  PrefixCache cache(stack.layers());
-  cache.load(dir, "model-a");
-  EXPECT_EQ(cache.node_count(), nodes);
-  EXPECT_EQ(cache.check_invariants(), "");
-  EXPECT_EQ(run_turn(cache, stack,
-                     kSystem + tokens(200, 6) + tokens(300, 4) + tokens(400, 5) + tokens(500, 3) +
-                         tokens(600, 2),
-                     tokens(700, 2))
-                .cached,
-            12 + 6 + 4 + 5 + 2);
-  EXPECT_EQ(run_turn(cache, stack, kSystem + tokens(850, 3), tokens(900, 2)).cached, 12);
-  std::filesystem::remove_all(dir);
-}
+INSTANTIATE_TEST_SUITE_P(AttentionStorage, PrefixCachePersistWarm, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "paged" : "contiguous"; });
 
 // A cache loaded under a smaller budget evicts at once; its stats say how many nodes the file
 // held and how many the budget evicted.

@@ -358,6 +358,16 @@ void probe_once(detail::Store& store) {
               exists);
 }
 
+// What a probe fails with against a store that answers `reply`, reading objects of at most
+// `max_object_bytes`.
+detail::StoreFailure probe_failure(const std::string& reply,
+                                   int64_t max_object_bytes = detail::Store::kMaximumObjectBytes) {
+  const ScriptedServer server(reply);
+  std::vector<std::string> log;
+  const std::unique_ptr<detail::Store> store = open_logged(server, log, max_object_bytes);
+  return store_failure([&] { probe_once(*store); });
+}
+
 // A bulk string reply of `bytes` bytes.
 std::string bulk(size_t bytes) {
   return "$" + std::to_string(bytes) + "\r\n" + std::string(bytes, 'x') + "\r\n";
@@ -367,11 +377,8 @@ std::string bulk(size_t bytes) {
 // pointers (and a reply object per element as they come). It is refused from its header — at
 // once, not at the deadline — and the failure says why.
 TEST(TierRedisReplies, AnArrayLargerThanAnIndexMayListFailsFromItsHeader) {
-  const ScriptedServer server("*200000000\r\n");
-  std::vector<std::string> log;
-  const std::unique_ptr<detail::Store> store = open_logged(server, log);
   const auto start = std::chrono::steady_clock::now();
-  const detail::StoreFailure failure = store_failure([&] { probe_once(*store); });
+  const detail::StoreFailure failure = probe_failure("*200000000\r\n");
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(4));
   EXPECT_EQ(failure.reason, detail::StoreFailure::Reason::failed);
   EXPECT_NE(std::string(failure.what()).find("array of 200000000 elements, more than the 65536"),
@@ -381,10 +388,7 @@ TEST(TierRedisReplies, AnArrayLargerThanAnIndexMayListFailsFromItsHeader) {
 
 // No command the tier sends is answered with an array inside an array.
 TEST(TierRedisReplies, ANestedArrayFailsTheRoundTrip) {
-  const ScriptedServer server("*1\r\n*1\r\n:1\r\n");
-  std::vector<std::string> log;
-  const std::unique_ptr<detail::Store> store = open_logged(server, log);
-  const detail::StoreFailure failure = store_failure([&] { probe_once(*store); });
+  const detail::StoreFailure failure = probe_failure("*1\r\n*1\r\n:1\r\n");
   EXPECT_NE(std::string(failure.what()).find("nests an array"), std::string::npos)
       << failure.what();
 }
@@ -422,10 +426,7 @@ TEST(TierRedisReplies, RepliesLargerTogetherThanTheirCommandsCouldHoldFail) {
   constexpr int64_t kLimit = int64_t(1) << 20;
   std::string members = "*4\r\n";
   for (int i = 0; i < 4; ++i) members += bulk(900 << 10);
-  const ScriptedServer server(members);
-  std::vector<std::string> log;
-  const std::unique_ptr<detail::Store> store = open_logged(server, log, kLimit);
-  const detail::StoreFailure failure = store_failure([&] { probe_once(*store); });
+  const detail::StoreFailure failure = probe_failure(members, kLimit);
   EXPECT_NE(std::string(failure.what()).find("the replies to 3 commands hold more than"),
             std::string::npos)
       << failure.what();
