@@ -61,7 +61,10 @@ std::optional<std::string> read_object(const std::string& file, Deadline deadlin
   for (;;) {
     check_time(deadline);
     const ssize_t n = ::read(object.get(), buffer.data(), buffer.size());
-    if (n == 0) return bytes;
+    if (n == 0) {
+      (void)::futimens(object.get(), nullptr);  // used: its lifetime starts afresh (as GETEX)
+      return bytes;
+    }
     if (n < 0) {
       if (errno == EINTR) continue;
       throw cannot_read(file);
@@ -91,13 +94,17 @@ void add_member(const std::string& folder, const std::string& member) {
   const int fd = ::openat(index.get(), member.c_str(),
                           O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (fd < 0 && errno != EEXIST) throw failed((fs::path(folder) / member).string());
-  if (fd >= 0) ::close(fd);
+  if (fd >= 0) {
+    ::close(fd);  // a new entry: the folder's modification time is now
+  } else {
+    (void)::futimens(index.get(), nullptr);  // there already: the set's lifetime starts afresh
+  }
 }
 
 }  // namespace
 
-DirStore::DirStore(std::string folder, bool own_files_only)
-    : folder_(std::move(folder)), own_files_only_(own_files_only) {
+DirStore::DirStore(std::string folder, bool own_files_only, std::chrono::seconds ttl)
+    : folder_(std::move(folder)), own_files_only_(own_files_only), ttl_(ttl) {
   std::error_code error;
   const fs::file_status status = fs::status(folder_, error);
   if (fs::exists(status) && !fs::is_directory(status)) {
@@ -117,17 +124,42 @@ DirStore::DirStore(std::string folder, bool own_files_only)
     rule.override_with = "give the tier a key (TierOptions::key, --tier-key-file)";
     check_private_folder(folder_, rule);
   }
-  remove_stale_temporaries();
 }
 
-void DirStore::remove_stale_temporaries() const {
+std::chrono::seconds DirStore::sweep_interval() const {
+  const std::chrono::seconds longest = kStaleTemporary;
+  if (ttl_.count() <= 0) return longest;
+  return std::clamp<std::chrono::seconds>(ttl_ / 8, std::chrono::seconds(1), longest);
+}
+
+void DirStore::sweep(Deadline deadline) {
+  const timespec now = [] {
+    timespec t{};
+    ::clock_gettime(CLOCK_REALTIME, &t);
+    return t;
+  }();
+  const auto older_than = [&](const struct stat& status, std::chrono::seconds age) {
+    return status.st_mtim.tv_sec < now.tv_sec - static_cast<time_t>(age.count());
+  };
   std::error_code error;
-  const auto stale = fs::file_time_type::clock::now() - kStaleTemporary;
+  int64_t seen = 0;
   for (fs::directory_iterator it(folder_, error), end; !error && it != end; it.increment(error)) {
-    if (it->path().filename().string().find(".tmp-") == std::string::npos) continue;
+    if (++seen % 256 == 0 && Clock::now() >= deadline) return;  // the rest at the next sweep
+    const std::string file = it->path().string(), name = it->path().filename().string();
+    struct stat status {};
+    if (::lstat(file.c_str(), &status) != 0) continue;
+    if (own_files_only_ && status.st_uid != ::geteuid()) continue;  // another user's to sweep
     std::error_code ignored;
-    if (it->is_regular_file(ignored) && it->last_write_time(ignored) < stale && !ignored) {
-      fs::remove(it->path(), ignored);
+    if (name.find(".tmp-") != std::string::npos) {
+      if (S_ISREG(status.st_mode) && older_than(status, kStaleTemporary)) fs::remove(file, ignored);
+      continue;
+    }
+    // Only names this store writes (kvsnap:c:/p:/i: as files and folders): nothing else there.
+    if (ttl_.count() <= 0 || name.rfind("kvsnap-", 0) != 0 || !older_than(status, ttl_)) continue;
+    if (S_ISDIR(status.st_mode)) {
+      fs::remove_all(file, ignored);  // an index set: its entries, then it (links not followed)
+    } else {
+      fs::remove(file, ignored);  // an object, or a link planted at one's name
     }
   }
 }
@@ -148,6 +180,8 @@ void DirStore::probe(std::span<const std::string> sets, std::span<const std::str
     check_time(deadline);
     // An index is a folder, never a link to one (write adds nothing through a link either).
     if (fs::is_directory(fs::symlink_status(path(sets[i]), error))) {
+      // In use: its lifetime starts afresh (as EXPIRE after SMEMBERS).
+      (void)::utimensat(AT_FDCWD, path(sets[i]).c_str(), nullptr, AT_SYMLINK_NOFOLLOW);
       for (fs::directory_iterator it(path(sets[i]), error), end;
            !error && it != end && static_cast<int64_t>(members[i].size()) < kMaximumIndexMembers;
            it.increment(error)) {
@@ -177,6 +211,10 @@ std::vector<std::optional<std::string>> DirStore::fetch(std::span<const std::str
 }
 
 int64_t DirStore::write(const WriteBatch& batch, Deadline deadline) {
+  if (const auto now = Clock::now(); now >= next_sweep_) {
+    next_sweep_ = now + sweep_interval();
+    sweep(now + (deadline - now) / 2);  // the other half for the batch
+  }
   for (const std::string& key : batch.doomed) {
     check_time(deadline);
     (void)::unlink(path(key).c_str());  // a name gone already, or never there: nothing to do

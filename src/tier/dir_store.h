@@ -1,7 +1,8 @@
 // Internal: the folder backend of the tier — the same objects as files in one folder (written
 // atomically), index sets as subfolders of empty files named by their members. The deadline is
 // checked between files and between reads of a file (local files seldom block; they are never
-// FIFOs or devices, see fetch). Objects do not expire.
+// FIFOs or devices, see fetch). Objects and index sets expire as Redis's do: unused for the
+// TTL, they are removed (a sweep on the writing connection).
 #pragma once
 
 #include <chrono>
@@ -13,19 +14,22 @@ namespace kvsnap::detail {
 
 class DirStore final : public Store {
  public:
-  // Creates `folder` when missing, and removes temporaries of writes older than
-  // kStaleTemporary (a writer that died mid-write). Throws Error when it is not a folder or
-  // cannot be created.
+  // Creates `folder` when missing. Throws Error when it is not a folder or cannot be created.
   // With `own_files_only` (no MAC key: ownership is all that says who wrote an object) the
   // folder must be private — this user's or root's, not writable by group or others unless
-  // sticky — else Error naming it; and a file another user owns reads as missing.
-  explicit DirStore(std::string folder, bool own_files_only = false);
+  // sticky — else Error naming it; and a file another user owns reads as missing (and is never
+  // swept). `ttl`: how long an object or index set lives unused (0: for ever).
+  explicit DirStore(std::string folder, bool own_files_only = false,
+                    std::chrono::seconds ttl = std::chrono::seconds(0));
 
   // A write's temporary this old is a dead writer's: no live write takes this long (the write
   // timeout bounds a batch). By age, not by process id: the folder may be shared by hosts or
-  // containers whose process ids this one cannot see. Checked when a store opens, not on every
-  // write (a scan of a folder of many objects per write).
+  // containers whose process ids this one cannot see.
   static constexpr std::chrono::hours kStaleTemporary{1};
+  // How often write sweeps the folder (one listing of it): an eighth of the TTL, between a
+  // second and kStaleTemporary. Not when a store opens: opening stays cheap however many objects
+  // the folder holds, and a connection that only reads (lookups) never lists it.
+  std::chrono::seconds sweep_interval() const;
 
   void probe(std::span<const std::string> sets, std::span<const std::string> keys,
              Deadline deadline, std::vector<std::vector<std::string>>& members,
@@ -39,16 +43,24 @@ class DirStore final : public Store {
   // Index entries are never made through a link: an index folder's name holding a link (or
   // anything but a folder) is left alone and its entries are skipped (probe lists nothing
   // there), and a member's file is created only when its name is free (O_EXCL|O_NOFOLLOW).
+  // Sweeps first when sweep_interval() has passed since the last sweep.
   int64_t write(const WriteBatch& batch, Deadline deadline) override;
 
+  // Lifetimes, as Redis's TTLs: writing an object or an index entry, fetching an object and
+  // probing an index set start them afresh (their modification times). A sweep removes, of this
+  // user's files (all files with own_files_only unset, as far as permissions go): objects and
+  // index sets unused for the TTL, and temporaries older than kStaleTemporary. It stops at the
+  // deadline (the rest waits for the next sweep). Links are removed, never followed.
+  void sweep(Deadline deadline);
+
  private:
-  // Removes the folder's temporaries older than kStaleTemporary.
-  void remove_stale_temporaries() const;
   // The file of key `key` ("kvsnap:c:..." -> "<folder>/kvsnap-c-...").
   std::string path(const std::string& key) const;
 
   std::string folder_;
   bool own_files_only_;
+  std::chrono::seconds ttl_;
+  std::chrono::steady_clock::time_point next_sweep_{};  // the first write sweeps
 };
 
 }  // namespace kvsnap::detail

@@ -86,7 +86,8 @@ std::string redact_address(const std::string& address) {
 std::unique_ptr<Store> open_store(const std::string& address, const StoreOptions& options) {
   check_store_address(address);
   if (address.rfind(kDir, 0) == 0) {
-    return std::make_unique<DirStore>(address.substr(kDir.size()), options.own_files_only);
+    return std::make_unique<DirStore>(address.substr(kDir.size()), options.own_files_only,
+                                      options.ttl);
   }
   return std::make_unique<RedisStore>(parse_redis_address(address), options);
 }

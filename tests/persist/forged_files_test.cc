@@ -27,7 +27,7 @@ using testing::TokenKV;
 const TokenKV kv{.heads = 2, .depth = 4};
 
 std::filesystem::path scratch(const std::string& name) {
-  return testing::private_scratch("forged", name);
+  return testing::private_scratch_file("forged", name);
 }
 
 // A safetensors file whose JSON header is `header` (padded), with no data.

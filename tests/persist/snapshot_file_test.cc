@@ -30,7 +30,7 @@ using testing::TokenKV;
 const TokenKV kv{.heads = 2, .depth = 4, .dtype = DType::bf16};
 
 std::filesystem::path scratch(const std::string& name) {
-  return testing::private_scratch("persist", name);
+  return testing::private_scratch_file("persist", name);
 }
 
 // Bytes of every array of a snapshot's record, and its offsets: equal iff bit-exact.

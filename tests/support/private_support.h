@@ -16,7 +16,7 @@ namespace kvsnap::testing {
 
 // `name` in this process's private scratch folder for `tag` (TMPDIR/kvsnap_<tag>_<pid>, created
 // when missing, 0700 whatever the umask: kvsnap loads nothing from a folder others can write).
-inline std::filesystem::path private_scratch(const std::string& tag, const std::string& name) {
+inline std::filesystem::path private_scratch_file(const std::string& tag, const std::string& name) {
   const auto dir =
       std::filesystem::temp_directory_path() / ("kvsnap_" + tag + "_" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);

@@ -18,6 +18,7 @@
 #include <future>
 #include <thread>
 
+#include "support/private_support.h"
 #include "support/tier_support.h"
 
 namespace kvsnap {
@@ -205,20 +206,91 @@ TEST_F(DirStoreTest, AnIndexFolderThatIsALinkIsNeitherWrittenNorRead) {
 // or container): a fresh one stays whatever its process id; one older than kStaleTemporary is a
 // dead writer's, removed when a store opens the folder.
 TEST_F(DirStoreTest, TemporariesAreRemovedByAgeNotByProcessId) {
-  DirStore store(folder.string());
   const fs::path fresh = file("kvsnap:p:fresh").string() + ".tmp-999999-0";
   const fs::path old = file("kvsnap:p:old").string() + ".tmp-1-0";
+  fs::create_directories(folder);
   { std::ofstream(fresh) << "writing"; }
   { std::ofstream(old) << "abandoned"; }
   fs::last_write_time(old, fs::file_time_type::clock::now() - DirStore::kStaleTemporary - 1min);
+  DirStore store(folder.string());
+  EXPECT_TRUE(fs::exists(old));  // opening lists nothing: a lookup's connection never does
   detail::WriteBatch batch;
   batch.objects = {{"kvsnap:p:fresh", "object"}};
-  (void)store.write(batch, Clock::now() + 2s);
+  (void)store.write(batch, Clock::now() + 2s);  // the first write sweeps
   EXPECT_TRUE(fs::exists(fresh)) << "a live writer's temporary was removed";
-  EXPECT_TRUE(fs::exists(old));  // writes do not scan the folder
-  DirStore again(folder.string());
-  EXPECT_TRUE(fs::exists(fresh));
   EXPECT_FALSE(fs::exists(old));
+  { std::ofstream(old) << "abandoned"; }
+  fs::last_write_time(old, fs::file_time_type::clock::now() - DirStore::kStaleTemporary - 1min);
+  (void)store.write(batch, Clock::now() + 2s);
+  EXPECT_TRUE(fs::exists(old));  // not every write lists the folder: one an interval
+  EXPECT_EQ(store.sweep_interval(), DirStore::kStaleTemporary);  // without a TTL
+}
+
+// Objects and index sets live as long as Redis's keys: unused for the TTL, a sweep removes them.
+// Fetching an object, probing an index set, and writing either start their lifetimes afresh;
+// names kvsnap does not write are left alone, and a link at an object's name is removed without
+// touching what it points to.
+TEST_F(DirStoreTest, ObjectsAndIndexSetsUnusedForTheTtlAreSwept) {
+  DirStore store(folder.string(), /*own_files_only=*/false, std::chrono::hours(24));
+  EXPECT_EQ(store.sweep_interval(), DirStore::kStaleTemporary);  // an eighth of the TTL, at most
+  EXPECT_EQ(DirStore(folder.string(), false, 16s).sweep_interval(), 2s);
+  EXPECT_EQ(DirStore(folder.string(), false, 2s).sweep_interval(), 1s);
+  detail::WriteBatch batch;
+  batch.objects = {{"kvsnap:c:unused", "a"}, {"kvsnap:c:fetched", "b"}, {"kvsnap:c:written", "c"}};
+  batch.index = {{"kvsnap:i:unused", "5"}, {"kvsnap:i:probed", "7"}, {"kvsnap:i:added", "9"}};
+  (void)store.write(batch, Clock::now() + 2s);
+  const fs::path outside = folder.string() + "_target";
+  { std::ofstream(outside) << "not the store's"; }
+  fs::create_symlink(outside, file("kvsnap:c:link"));
+  { std::ofstream(folder / "notes.txt") << "someone's"; }
+  const auto day_ago = fs::file_time_type::clock::now() - std::chrono::hours(25);
+  for (const fs::path& aged :
+       {file("kvsnap:c:unused"), file("kvsnap:c:fetched"), file("kvsnap:c:written"),
+        file("kvsnap:i:unused"), file("kvsnap:i:probed"), file("kvsnap:i:added"),
+        folder / "notes.txt"}) {
+    fs::last_write_time(aged, day_ago);
+  }
+  ::timespec link_age[2] = {{0, UTIME_OMIT}, {::time(nullptr) - 25 * 3600, 0}};
+  ASSERT_EQ(::utimensat(AT_FDCWD, file("kvsnap:c:link").c_str(), link_age, AT_SYMLINK_NOFOLLOW), 0);
+  const std::vector<std::string> fetched{"kvsnap:c:fetched"}, probed{"kvsnap:i:probed"};
+  EXPECT_EQ(store.fetch(fetched, Clock::now() + 2s).at(0), "b");
+  std::vector<std::vector<std::string>> members;
+  std::vector<bool> found;
+  store.probe(probed, {}, Clock::now() + 2s, members, found);
+  detail::WriteBatch again;
+  again.objects = {{"kvsnap:c:written", "c"}};
+  again.index = {{"kvsnap:i:added", "9"}};  // there already: only its lifetime starts afresh
+  (void)store.write(again, Clock::now() + 2s);
+  store.sweep(Clock::now() + 2s);
+  EXPECT_FALSE(fs::exists(file("kvsnap:c:unused")));
+  EXPECT_FALSE(fs::exists(file("kvsnap:i:unused")));
+  EXPECT_FALSE(fs::exists(fs::symlink_status(file("kvsnap:c:link"))));
+  EXPECT_TRUE(fs::exists(outside));
+  for (const fs::path& kept :
+       {file("kvsnap:c:fetched"), file("kvsnap:c:written"), file("kvsnap:i:probed") / "7",
+        file("kvsnap:i:added") / "9", folder / "notes.txt"}) {
+    EXPECT_TRUE(fs::exists(kept)) << kept;
+  }
+  fs::remove(outside);
+}
+
+// Without a key, a sweep leaves other users' files alone (theirs to sweep, as they are theirs to
+// read): in a sticky folder it could not remove them anyway, and must not try to judge them.
+TEST_F(DirStoreTest, WithoutAKeyASweepLeavesOtherUsersFilesAlone) {
+  DirStore store(folder.string(), /*own_files_only=*/true, std::chrono::hours(1));
+  detail::WriteBatch batch;
+  batch.objects = {{"kvsnap:c:mine", "a"}, {"kvsnap:c:theirs", "b"}};
+  (void)store.write(batch, Clock::now() + 2s);
+  std::string why;
+  const std::optional<uid_t> nobody = testing::nobody_uid(why);
+  if (!nobody) GTEST_SKIP() << why;
+  testing::give_to(file("kvsnap:c:theirs"), *nobody);
+  for (const char* key : {"kvsnap:c:mine", "kvsnap:c:theirs"}) {
+    fs::last_write_time(file(key), fs::file_time_type::clock::now() - std::chrono::hours(2));
+  }
+  store.sweep(Clock::now() + 2s);
+  EXPECT_FALSE(fs::exists(file("kvsnap:c:mine")));
+  EXPECT_TRUE(fs::exists(file("kvsnap:c:theirs")));
 }
 
 // Without a key only ownership says who wrote an object: a folder others can write is refused,
