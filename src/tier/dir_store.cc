@@ -132,12 +132,25 @@ std::chrono::seconds DirStore::sweep_interval() const {
   return std::clamp<std::chrono::seconds>(ttl_ / 8, std::chrono::seconds(1), longest);
 }
 
+// The folder's clock: the modification time of a file made there now. Ages are measured against
+// it, not this host's clock, which may differ from a file server's (NFS) by more than the ages
+// compared, and a sweep would then remove live temporaries and objects of other hosts. This
+// host's clock when no file can be made.
+timespec DirStore::folder_now() const {
+  timespec now{};
+  ::clock_gettime(CLOCK_REALTIME, &now);
+  std::string name = (fs::path(folder_) / "kvsnap-clock-XXXXXX").string();
+  const int fd = ::mkstemp(name.data());
+  if (fd < 0) return now;
+  struct stat status {};
+  if (::fstat(fd, &status) == 0) now = status.st_mtim;
+  ::close(fd);
+  ::unlink(name.c_str());
+  return now;
+}
+
 void DirStore::sweep(Deadline deadline) {
-  const timespec now = [] {
-    timespec t{};
-    ::clock_gettime(CLOCK_REALTIME, &t);
-    return t;
-  }();
+  const timespec now = folder_now();
   const auto older_than = [&](const struct stat& status, std::chrono::seconds age) {
     return status.st_mtim.tv_sec < now.tv_sec - static_cast<time_t>(age.count());
   };

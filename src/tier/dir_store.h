@@ -5,6 +5,8 @@
 // TTL, they are removed (a sweep on the writing connection).
 #pragma once
 
+#include <time.h>
+
 #include <chrono>
 #include <string>
 
@@ -54,6 +56,7 @@ class DirStore final : public Store {
   void sweep(Deadline deadline);
 
  private:
+  timespec folder_now() const;
   // The file of key `key` ("kvsnap:c:..." -> "<folder>/kvsnap-c-...").
   std::string path(const std::string& key) const;
 

@@ -219,6 +219,9 @@ TEST_F(DirStoreTest, TemporariesAreRemovedByAgeNotByProcessId) {
   (void)store.write(batch, Clock::now() + 2s);  // the first write sweeps
   EXPECT_TRUE(fs::exists(fresh)) << "a live writer's temporary was removed";
   EXPECT_FALSE(fs::exists(old));
+  for (const auto& entry : fs::directory_iterator(folder)) {  // the sweep's clock file is gone
+    EXPECT_EQ(entry.path().filename().string().find("kvsnap-clock"), std::string::npos);
+  }
   { std::ofstream(old) << "abandoned"; }
   fs::last_write_time(old, fs::file_time_type::clock::now() - DirStore::kStaleTemporary - 1min);
   (void)store.write(batch, Clock::now() + 2s);
