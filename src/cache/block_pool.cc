@@ -208,8 +208,12 @@ void PagedSnapshot::for_each_part(
     int64_t from, int64_t to,
     const std::function<void(int64_t, const Array&, const Array&)>& visit) const {
   const int64_t block_tokens = pool_->block_tokens;
-  for (size_t i = 0; i < blocks_.size(); ++i) {
+  // From the block holding token `from` (a chunk of a long snapshot visits its own blocks only).
+  const auto first =
+      static_cast<size_t>(std::max<int64_t>(0, (begin_ + from) / block_tokens - first_block()));
+  for (size_t i = first; i < blocks_.size(); ++i) {
     const int64_t block_start = (first_block() + static_cast<int64_t>(i)) * block_tokens;
+    if (block_start >= begin_ + to) break;
     const int64_t lo = std::max(begin_ + from, block_start) - begin_;
     const int64_t hi = std::min(begin_ + to, block_start + block_tokens) - begin_;
     if (hi <= lo) continue;

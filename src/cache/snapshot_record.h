@@ -17,9 +17,11 @@ struct SnapshotRecord {
   Array second;  // kv, rotating: values [B, H, T, Dv]; recurrent: delta state [B, Hv, Dv, Dk]
   int64_t from = 0, to = 0;  // kv: [from, to); whole-state kinds: from == to == the offset
   int64_t window = 0;        // rotating: the max_size of the cache it belongs to
-  // The arrays are views of a cache's live buffers (a lazy snapshot's columns): valid only until
-  // that cache's next write, which copies the snapshot's columns out first and then overwrites
-  // them, on any thread. Read them under the cache's lock: StateSnapshot::copy_record.
+  // The arrays are not the data to read: views of a cache's live buffers (a lazy snapshot's
+  // columns), valid only until that cache's next write, which copies the snapshot's columns out
+  // first and then overwrites them, on any thread; or an outline's placeholders
+  // (StateSnapshot::record_outline). Read the data through StateSnapshot::copy_record (under the
+  // cache's lock).
   bool live = false;
 };
 

@@ -38,7 +38,8 @@ class StateSnapshot : public Snapshot {
   // For a snapshot whose record() gathers its data into new arrays (a paged one: blocks): a
   // record with the same kind, offsets, dtypes and shapes whose arrays hold no data (each is
   // one element behind every index) and `live` set, so a writer copies what it needs through
-  // copy_record instead of gathering everything first. nullopt where record() is a view anyway.
+  // copy_record instead of gathering everything first. nullopt for the other kinds (whose
+  // record() is a view, or a copy writers take as it is).
   virtual std::optional<SnapshotRecord> record_outline() const { return std::nullopt; }
   // Sets the materialize hook and returns size() at the same instant (under the lock of the
   // cache it is lazy in), so a holder that counts its bytes misses no change another thread

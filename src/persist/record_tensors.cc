@@ -1,13 +1,23 @@
 #include "persist/record_tensors.h"
 
+#include <fmt/format.h>
+
 #include <utility>
 
+#include "kvsnap/error.h"
 #include "persist/files.h"
 
 namespace kvsnap::detail {
 
 void RecordTensors::add(SafetensorsFile& file, std::string first, std::string second,
                         const SnapshotRecord& record, const StateSnapshot* source, int64_t column) {
+  if (record.live && source == nullptr) {
+    // Its arrays are not its data (views that may be overwritten, or an outline's placeholders).
+    throw Error(
+        fmt::format("RecordTensors::add: tensors {} / {}: a live record needs the snapshot "
+                    "it came from to copy its data from",
+                    first, second));
+  }
   live_.resize(file.tensors.size());
   file.tensors.emplace_back(std::move(first), record.first);
   file.tensors.emplace_back(std::move(second), record.second);

@@ -1,9 +1,7 @@
 #include "tier/redis_store.h"
 
-#include <arpa/inet.h>
 #include <fmt/format.h>
 #include <hiredis/hiredis.h>
-#include <netdb.h>
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
@@ -11,11 +9,8 @@
 #include <algorithm>
 #include <cerrno>
 #include <charconv>
-#include <condition_variable>
 #include <cstring>
 #include <limits>
-#include <mutex>
-#include <thread>
 
 #include "kvsnap/error.h"
 
@@ -110,64 +105,41 @@ timeval remaining(Deadline deadline) {
   return timeval{static_cast<time_t>(micros / 1000000), static_cast<suseconds_t>(micros % 1000000)};
 }
 
-// getaddrinfo's numeric addresses for `host`: IPv4 ones, else IPv6 ones (hiredis's order: trying
-// IPv6 first would cost every connect a timeout where it is not routed).
-std::vector<std::string> system_resolve(const std::string& host) {
-  std::vector<std::string> out;
-  std::string why;
-  for (const int family : {AF_INET, AF_INET6}) {
-    addrinfo hints{};
-    hints.ai_family = family;
-    hints.ai_socktype = SOCK_STREAM;
-    addrinfo* found = nullptr;
-    if (const int error = ::getaddrinfo(host.c_str(), nullptr, &hints, &found); error != 0) {
-      why = error == EAI_SYSTEM ? std::strerror(errno) : ::gai_strerror(error);
-      continue;
-    }
-    for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
-      char text[NI_MAXHOST];
-      if (::getnameinfo(a->ai_addr, a->ai_addrlen, text, sizeof text, nullptr, 0, NI_NUMERICHOST) ==
-              0 &&
-          std::find(out.begin(), out.end(), text) == out.end()) {
-        out.emplace_back(text);
-      }
-    }
-    ::freeaddrinfo(found);
-    if (!out.empty()) return out;
-  }
-  throw std::runtime_error(why.empty() ? "no address" : why);
-}
-
-bool numeric_host(const std::string& host) {
-  in6_addr address{};
-  return ::inet_pton(AF_INET, host.c_str(), &address) == 1 ||
-         ::inet_pton(AF_INET6, host.c_str(), &address) == 1;
-}
-
 }  // namespace
 
-struct RedisStore::Resolution {
-  std::mutex mutex;
-  std::condition_variable finished;
-  bool done = false;
-  std::vector<std::string> addresses;
-  std::string error;
+// The most bytes a reply holds around what it carries: "$<length>\r\n", "\r\n".
+constexpr int64_t kReplyHeader = 64;
+// The longest status or error line a reply to anything but GETEX carries, and the longest index
+// member (a decimal offset).
+constexpr int64_t kLineBytes = 4096;
+constexpr int64_t kMemberBytes = 64;
+
+// What one reply may hold, by the command it answers: GETEX an object, SMEMBERS an index's
+// members, anything else a status, a number or an error line.
+struct RedisStore::ReplyCeiling {
+  int64_t string_bytes = kLineBytes;  // its string (an object, or a status or error line)
+  int64_t members = 0;                // elements of its array (0: it is never one)
+  // All its bytes, headers included: what may lie unparsed while it is read.
+  int64_t bytes() const {
+    return string_bytes + kReplyHeader + members * (kMemberBytes + kReplyHeader);
+  }
 };
 
-// The most bytes a reply holds around its object: "$<length>\r\n" and "\r\n".
-constexpr int64_t kReplyHeader = 64;
-
 // The reply limits, enforced while hiredis parses (it builds every reply through the functions
-// in `hooks`, each handed `this` as the task's privdata). An array is refused from its header,
-// before hiredis allocates its element pointers: a hostile "*200000000" would cost 1.6 GB, and
-// a reply object per element after it. No command the tier sends is answered with a nested
-// array. Bulk strings are bounded as they arrive: round_trip checks the reader's buffer after
-// every read, so no reply grows past the largest object before it fails.
+// in `hooks`, each handed `this` as the task's privdata): an array is refused from its header,
+// before hiredis allocates its element pointers (a hostile "*200000000" would cost 1.6 GB, and
+// a reply object per element after it), so is an array nested in one or an element past the
+// count its array announced, and each string past what its command's reply may hold. Strings
+// are bounded as they arrive too: round_trip checks the reader's buffer after every read. The
+// hooks allocate nothing of their own (no exception may cross hiredis's C frames): why they
+// stopped the reader is formatted by round_trip.
 struct RedisStore::ReplyLimits {
+  enum class Broken { no, nested, long_array, long_string, extra_element };
   redisReplyObjectFunctions hooks{};
   const redisReplyObjectFunctions* base = nullptr;  // hiredis's own
-  int64_t max_members = 0, max_bytes = 0;
-  std::string broken;  // why the reader stopped, when a limit stopped it
+  ReplyCeiling reply;                               // of the reply being parsed
+  Broken broken = Broken::no;
+  int64_t value = 0;  // the count or length that broke a limit
 
   // Routes `context`'s reader through the limits.
   void install(redisContext* context) {
@@ -175,34 +147,76 @@ struct RedisStore::ReplyLimits {
     hooks = *base;
     hooks.createArray = [](const redisReadTask* task, int elements) -> void* {
       auto& self = *static_cast<ReplyLimits*>(task->privdata);
-      if (task->parent != nullptr) {
-        self.broken =
-            "a reply nests an array in an array (no command the tier sends is answered so)";
-        return nullptr;
-      }
-      if (elements < 0 || elements > self.max_members) {
-        self.broken = fmt::format(
-            "a reply announces an array of {} elements, more than the {} an index may list",
-            elements, self.max_members);
-        return nullptr;
+      if (task->parent != nullptr) return self.stop(Broken::nested, 0);
+      if (elements < 0 || elements > self.reply.members) {
+        return self.stop(Broken::long_array, elements);
       }
       return self.base->createArray(task, elements);
     };
     hooks.createString = [](const redisReadTask* task, char* text, size_t length) -> void* {
       auto& self = *static_cast<ReplyLimits*>(task->privdata);
-      if (length > static_cast<size_t>(self.max_bytes)) {
-        self.broken = too_large(self.max_bytes);
-        return nullptr;
+      if (extra(task)) return self.stop(Broken::extra_element, task->idx);
+      const int64_t most = task->parent != nullptr ? kMemberBytes : self.reply.string_bytes;
+      if (length > static_cast<size_t>(most)) {
+        return self.stop(Broken::long_string, static_cast<int64_t>(length));
       }
       return self.base->createString(task, text, length);
+    };
+    hooks.createInteger = [](const redisReadTask* task, long long value) -> void* {
+      auto& self = *static_cast<ReplyLimits*>(task->privdata);
+      if (extra(task)) return self.stop(Broken::extra_element, task->idx);
+      return self.base->createInteger(task, value);
+    };
+    hooks.createNil = [](const redisReadTask* task) -> void* {
+      auto& self = *static_cast<ReplyLimits*>(task->privdata);
+      if (extra(task)) return self.stop(Broken::extra_element, task->idx);
+      return self.base->createNil(task);
     };
     context->reader->fn = &hooks;
     context->reader->privdata = this;
   }
 
-  static std::string too_large(int64_t max_bytes) {
-    return fmt::format("a reply is larger than {} bytes, the largest object a store hands back",
-                       max_bytes);
+  void expect(const ReplyCeiling& ceiling) {
+    reply = ceiling;
+    broken = Broken::no;
+  }
+
+  // Why the reader stopped, when a limit stopped it; empty otherwise.
+  std::string why() const {
+    switch (broken) {
+      case Broken::no:
+        return "";
+      case Broken::nested:
+        return "a reply nests an array in an array (no command the tier sends is answered so)";
+      case Broken::long_array:
+        return fmt::format(
+            "a reply announces an array of {} elements, more than the {} {}", value, reply.members,
+            reply.members > 0 ? "an index may list" : "its command is answered with");
+      case Broken::long_string:
+        return too_long(value, reply);
+      case Broken::extra_element:
+        return fmt::format("a reply holds an element past the count its array announced ({})",
+                           value);
+    }
+    return "";
+  }
+
+  static std::string too_long(int64_t bytes, const ReplyCeiling& ceiling) {
+    return fmt::format("a reply of {} bytes, more than the {} its command's reply may hold{}",
+                       bytes, ceiling.members > 0 ? kMemberBytes : ceiling.string_bytes,
+                       ceiling.string_bytes > kLineBytes ? " (the largest object)" : "");
+  }
+
+ private:
+  // An element past its array's announced count (a hiredis without the CVE-2021-32765 fix
+  // writes it past the array's end).
+  static bool extra(const redisReadTask* task) {
+    return task->parent != nullptr && task->idx >= task->parent->elements;
+  }
+  void* stop(Broken why, int64_t what) {
+    broken = why;
+    value = what;
+    return nullptr;
   }
 };
 
@@ -255,10 +269,8 @@ class RedisStore::Reply {
 RedisStore::RedisStore(RedisAddress address, StoreOptions options)
     : address_(std::move(address)),
       options_(std::move(options)),
-      limits_(std::make_unique<ReplyLimits>()) {
-  limits_->max_members = options_.max_index_members;
-  limits_->max_bytes = options_.max_object_bytes;
-}
+      resolver_(address_.host, options_.resolve),
+      limits_(std::make_unique<ReplyLimits>()) {}
 
 RedisStore::~RedisStore() {
   if (context_ != nullptr) redisFree(context_);
@@ -290,53 +302,13 @@ void RedisStore::await(short events, Deadline deadline) {
 }
 
 void RedisStore::fail_io(Deadline deadline) {
-  if (!limits_->broken.empty()) fail(limits_->broken, false);
+  if (const std::string why = limits_->why(); !why.empty()) fail(why, false);
   const bool timed_out =
       (context_->err == REDIS_ERR_IO && (errno == EAGAIN || errno == EWOULDBLOCK)) ||
       Clock::now() >= deadline;
   fail(timed_out ? std::string("no answer before the deadline")
                  : fmt::format("the connection failed ({})", context_->errstr),
        timed_out);
-}
-
-std::vector<std::string> RedisStore::resolve_host(Deadline deadline) {
-  if (numeric_host(address_.host)) return {address_.host};
-  if (resolution_ == nullptr) {
-    auto resolution = std::make_shared<Resolution>();
-    auto resolve = options_.resolve ? options_.resolve : system_resolve;
-    try {
-      std::thread([resolution, resolve, host = address_.host] {
-        std::vector<std::string> addresses;
-        std::string error;
-        try {
-          addresses = resolve(host);
-          if (addresses.empty()) error = "no address";
-        } catch (const std::exception& e) {
-          error = e.what();
-        }
-        const std::lock_guard lock(resolution->mutex);
-        resolution->addresses = std::move(addresses);
-        resolution->error = std::move(error);
-        resolution->done = true;
-        resolution->finished.notify_all();
-      }).detach();
-    } catch (const std::system_error& e) {
-      fail(fmt::format("cannot start resolving {} ({})", address_.host, e.what()), false);
-    }
-    resolution_ = std::move(resolution);
-  }
-  std::unique_lock lock(resolution_->mutex);
-  if (!resolution_->finished.wait_until(lock, deadline, [this] { return resolution_->done; })) {
-    lock.unlock();
-    fail(fmt::format("{} was not resolved before the deadline", address_.host), true);
-  }
-  // Taken: the next connect resolves the name afresh (its addresses may have moved).
-  std::vector<std::string> addresses = std::move(resolution_->addresses);
-  const std::string error = std::move(resolution_->error);
-  lock.unlock();
-  resolution_.reset();
-  if (!error.empty()) fail(fmt::format("cannot resolve {} ({})", address_.host, error), false);
-  return addresses;
 }
 
 void RedisStore::connect(Deadline deadline) {
@@ -348,7 +320,13 @@ void RedisStore::connect(Deadline deadline) {
     throw StoreFailure("no time left to connect", StoreFailure::Reason::timed_out);
   }
   // Each address in turn, as hiredis tries a name's; numeric ones resolve without a lookup.
-  for (const std::string& host : resolve_host(deadline)) {
+  std::vector<std::string> addresses;
+  try {
+    addresses = resolver_.addresses(deadline);
+  } catch (const ResolveError& e) {
+    fail(e.what(), false);
+  }
+  for (const std::string& host : addresses) {
     if (context_ != nullptr) redisFree(context_);
     context_ = redisConnectWithTimeout(host.c_str(), address_.port, remaining(deadline));
     if (context_ == nullptr) fail("cannot allocate a connection", false);
@@ -357,6 +335,7 @@ void RedisStore::connect(Deadline deadline) {
   answered_ = false;  // what a new connection says first is read as a reply (an error: DENIED)
   if (context_->err == 0) limits_->install(context_);
   if (context_->err != 0) {
+    resolver_.forget();  // the name may have moved: resolved afresh next time
     const bool timed_out = Clock::now() >= deadline;
     fail(
         fmt::format("cannot connect to {}:{} ({})", address_.host, address_.port, context_->errstr),
@@ -380,7 +359,7 @@ void RedisStore::connect(Deadline deadline) {
 
 std::vector<RedisStore::Reply> RedisStore::round_trip(const std::vector<Command>& commands,
                                                       Deadline deadline) {
-  limits_->broken.clear();
+  limits_->expect({});
   if (context_ != nullptr && answered_ && !idle()) {
     // Bytes nobody asked for (a server that closed the connection, or one out of step): every
     // reply read on it would answer another command. A new connection instead.
@@ -419,16 +398,39 @@ std::vector<RedisStore::Reply> RedisStore::round_trip(const std::vector<Command>
     }
     if (!written) fail_io(deadline);
   }
-  // Each reply holds at most one object (and a few bytes of header): what the round trip reads
-  // is bounded by that many.
-  const int64_t reply_bytes = options_.max_object_bytes + kReplyHeader;
-  const int64_t budget =
-      reply_bytes * std::min<int64_t>(static_cast<int64_t>(commands.size()),
-                                      std::numeric_limits<int64_t>::max() / reply_bytes);
+  std::vector<Reply> replies = read_replies(commands, deadline);
+  if (context_->reader->pos != context_->reader->len) {
+    fail("the store sent more replies than there were commands", false);
+  }
+  answered_ = true;
+  options_.health->answered();
+  return replies;
+}
+
+std::vector<RedisStore::Reply> RedisStore::read_replies(const std::vector<Command>& commands,
+                                                        Deadline deadline) {
+  // What each reply may hold, by its command; the round trip reads no more than all of them.
+  std::vector<ReplyCeiling> ceilings;
+  int64_t budget = 0;
+  for (const Command& command : commands) {
+    ReplyCeiling ceiling;
+    if (command[0] == "GETEX") ceiling.string_bytes = options_.max_object_bytes;
+    if (command[0] == "SMEMBERS") ceiling.members = options_.max_index_members;
+    ceilings.push_back(ceiling);
+    budget = std::min(budget + ceiling.bytes(), std::numeric_limits<int64_t>::max() / 2);
+  }
   int64_t received = 0;
+  const auto check_budget = [this](int64_t received, int64_t budget, size_t commands) {
+    if (received > budget) {
+      fail(fmt::format("the replies to {} commands hold more than the {} bytes they may", commands,
+                       budget),
+           false);
+    }
+  };
   std::vector<Reply> replies;
   replies.reserve(commands.size());
   for (size_t i = 0; i < commands.size(); ++i) {
+    limits_->expect(ceilings[i]);
     void* reply = nullptr;
     if (redisGetReplyFromReader(context_, &reply) != REDIS_OK) fail_io(deadline);
     while (reply == nullptr) {
@@ -437,26 +439,17 @@ std::vector<RedisStore::Reply> RedisStore::round_trip(const std::vector<Command>
       const size_t before = reader.len;
       if (redisBufferRead(context_) != REDIS_OK) fail_io(deadline);
       received += static_cast<int64_t>(reader.len - before);
-      // The reply being read lies unparsed in the buffer until it is whole (a multi-bulk's
-      // elements leave it one by one).
-      if (reader.len - reader.pos > static_cast<size_t>(reply_bytes)) {
-        fail(ReplyLimits::too_large(options_.max_object_bytes), false);
-      }
-      if (received > budget) {
-        fail(fmt::format("the replies to {} commands hold more than {} bytes (one object each "
-                         "at most)",
-                         commands.size(), budget),
-             false);
-      }
       if (redisGetReplyFromReader(context_, &reply) != REDIS_OK) fail_io(deadline);
+      // Still not whole: all that lies unparsed is this reply's (a multi-bulk's elements leave
+      // the buffer one by one), so it grows past what it may hold no further than one read.
+      if (reply != nullptr) break;
+      const auto unparsed = static_cast<int64_t>(reader.len - reader.pos);
+      if (unparsed > ceilings[i].bytes()) fail(ReplyLimits::too_long(unparsed, ceilings[i]), false);
+      check_budget(received, budget, commands.size());
     }
     replies.emplace_back(static_cast<redisReply*>(reply));
+    check_budget(received, budget, commands.size());
   }
-  if (context_->reader->pos != context_->reader->len) {
-    fail("the store sent more replies than there were commands", false);
-  }
-  answered_ = true;
-  options_.health->answered();
   return replies;
 }
 

@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 
+#include "tier/host_resolver.h"
 #include "tier/store.h"
 
 struct redisContext;
@@ -45,18 +46,14 @@ class RedisStore final : public Store {
   // Sends `commands` in one pipeline and returns their replies in order. Throws StoreFailure
   // (dropping the connection) when the connection or a reply fails or the deadline passes.
   std::vector<Reply> round_trip(const std::vector<Command>& commands, Deadline deadline);
+  // The replies to `commands`, sent: each bounded as it is parsed by what its command is answered
+  // with (ReplyLimits), all of them by the sum.
+  std::vector<Reply> read_replies(const std::vector<Command>& commands, Deadline deadline);
   // Whether the connection holds nothing unread: no bytes read but not yet a reply, none waiting
   // on the socket (nor a hang-up).
   bool idle() const;
   bool answered_ = false;  // the connection has completed a round trip
   void connect(Deadline deadline);
-  // The numeric addresses to try for the host. A name resolves on a thread of its own:
-  // getaddrinfo takes no deadline, and a DNS server that does not answer would hold the caller
-  // (and the lookup connection) for the resolver's timeouts, seconds. A resolution still running
-  // when the deadline passes is waited on by the next connect instead of starting another.
-  std::vector<std::string> resolve_host(Deadline deadline);
-  struct Resolution;
-  std::shared_ptr<Resolution> resolution_;  // shared with the thread resolving
   // Waits until the socket is ready for `events` (poll), failing at the deadline.
   void await(short events, Deadline deadline);
   // Fails for a hiredis call that returned REDIS_ERR: timed out when the socket's timeout or
@@ -66,8 +63,10 @@ class RedisStore final : public Store {
 
   RedisAddress address_;
   StoreOptions options_;
+  HostResolver resolver_;  // the host's addresses (resolved on a thread of their own)
   // What the reader may build of a reply (StoreOptions' limits), checked as hiredis parses: see
   // install_limits in redis_store.cc. Outlives every connection's reader.
+  struct ReplyCeiling;
   struct ReplyLimits;
   std::unique_ptr<ReplyLimits> limits_;
   redisContext* context_ = nullptr;
