@@ -1,5 +1,6 @@
 #include "tier/dir_store.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <sys/stat.h>
@@ -84,21 +85,54 @@ void add_member(const std::string& folder, const std::string& member) {
     return StoreFailure(fmt::format("cannot create {} ({})", what, std::strerror(errno)),
                         StoreFailure::Reason::failed);
   };
-  if (::mkdir(folder.c_str(), 0700) != 0 && errno != EEXIST) throw failed(folder);
+  // Twice at most: another process's sweep may remove the folder between the steps (ENOENT),
+  // once; then the entry is left out (that index only loses it, which costs restores).
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    if (::mkdir(folder.c_str(), 0700) != 0 && errno != EEXIST) throw failed(folder);
+    const FileDescriptor index(
+        ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+    if (index.get() < 0) {
+      if (errno == ELOOP || errno == ENOTDIR) return;  // not a folder, or a link to one
+      if (errno == ENOENT) continue;
+      throw failed(folder);
+    }
+    const int fd = ::openat(index.get(), member.c_str(),
+                            O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0 && errno == ENOENT) continue;
+    if (fd < 0 && errno != EEXIST) throw failed((fs::path(folder) / member).string());
+    if (fd >= 0) {
+      ::close(fd);  // a new entry: the folder's modification time is now
+    } else {
+      (void)::futimens(index.get(), nullptr);  // there already: the set's lifetime starts afresh
+    }
+    return;
+  }
+}
+
+// Removes the index folder `folder` (its entries: files or links, never followed; then it),
+// until `deadline`. Whatever else is in it stays, and so does it.
+void remove_index(const std::string& folder, Deadline deadline) {
   const FileDescriptor index(
       ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
-  if (index.get() < 0) {
-    if (errno == ELOOP || errno == ENOTDIR) return;  // not a folder, or a link to one
-    throw failed(folder);
+  if (index.get() < 0) return;
+  DIR* entries = ::fdopendir(::dup(index.get()));
+  if (entries == nullptr) return;
+  while (const dirent* entry = ::readdir(entries)) {
+    if (Clock::now() >= deadline) break;
+    if (entry->d_type == DT_DIR) continue;  // "." and "..", or a folder nobody made here
+    (void)::unlinkat(index.get(), entry->d_name, 0);
   }
-  const int fd = ::openat(index.get(), member.c_str(),
-                          O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
-  if (fd < 0 && errno != EEXIST) throw failed((fs::path(folder) / member).string());
-  if (fd >= 0) {
-    ::close(fd);  // a new entry: the folder's modification time is now
-  } else {
-    (void)::futimens(index.get(), nullptr);  // there already: the set's lifetime starts afresh
+  ::closedir(entries);
+  (void)::unlinkat(AT_FDCWD, folder.c_str(), AT_REMOVEDIR);  // fails unless it is empty now
+}
+
+// Whether `name` is one this store writes: an object (kvsnap-c-, kvsnap-p-), an index set
+// (kvsnap-i-), a sweep's clock file (kvsnap-clock-), or a temporary of an object's write.
+bool swept_name(const std::string& name) {
+  for (const char* prefix : {"kvsnap-c-", "kvsnap-p-", "kvsnap-i-", "kvsnap-clock-"}) {
+    if (name.rfind(prefix, 0) == 0) return true;
   }
+  return false;
 }
 
 }  // namespace
@@ -155,26 +189,33 @@ void DirStore::sweep(Deadline deadline) {
     return status.st_mtim.tv_sec < now.tv_sec - static_cast<time_t>(age.count());
   };
   std::error_code error;
-  int64_t seen = 0;
+  int64_t seen = 0, kept = 0;
   for (fs::directory_iterator it(folder_, error), end; !error && it != end; it.increment(error)) {
-    if (++seen % 256 == 0 && Clock::now() >= deadline) return;  // the rest at the next sweep
+    // A sweep that ran out of time goes on from where the last one stopped (less what it
+    // removed), so a folder too large for one sweep is swept all the same.
+    if (seen++ < sweep_resume_) continue;
+    if (Clock::now() >= deadline) {
+      sweep_resume_ = kept;
+      return;
+    }
+    ++kept;
     const std::string file = it->path().string(), name = it->path().filename().string();
+    if (!swept_name(name)) continue;  // not this store's: left alone
     struct stat status {};
     if (::lstat(file.c_str(), &status) != 0) continue;
     if (own_files_only_ && status.st_uid != ::geteuid()) continue;  // another user's to sweep
-    std::error_code ignored;
-    if (name.find(".tmp-") != std::string::npos) {
-      if (S_ISREG(status.st_mode) && older_than(status, kStaleTemporary)) fs::remove(file, ignored);
-      continue;
-    }
-    // Only names this store writes (kvsnap:c:/p:/i: as files and folders): nothing else there.
-    if (ttl_.count() <= 0 || name.rfind("kvsnap-", 0) != 0 || !older_than(status, ttl_)) continue;
+    const bool temporary = name.find(".tmp-") != std::string::npos;
+    const bool expired = temporary ? older_than(status, kStaleTemporary)
+                                   : ttl_.count() > 0 && older_than(status, ttl_);
+    if (!expired) continue;
+    --kept;
     if (S_ISDIR(status.st_mode)) {
-      fs::remove_all(file, ignored);  // an index set: its entries, then it (links not followed)
+      if (!temporary) remove_index(file, deadline);
     } else {
-      fs::remove(file, ignored);  // an object, or a link planted at one's name
+      (void)::unlink(file.c_str());  // an object, a temporary, or a link planted at a name
     }
   }
+  sweep_resume_ = 0;
 }
 
 std::string DirStore::path(const std::string& key) const {
@@ -210,6 +251,9 @@ void DirStore::probe(std::span<const std::string> sets, std::span<const std::str
     const std::string file = path(keys[i]);
     exists[i] = fs::is_regular_file(fs::symlink_status(file, error)) &&
                 fs::file_size(file, error) <= static_cast<uintmax_t>(kMaximumObjectBytes) && !error;
+    // Asked after: in use (a prefix the asking process holds itself, an object its writer skips
+    // as stored), so its lifetime starts afresh, as EXPIRE's does on Redis.
+    if (exists[i]) (void)::utimensat(AT_FDCWD, file.c_str(), nullptr, AT_SYMLINK_NOFOLLOW);
   }
 }
 

@@ -48,11 +48,13 @@ class DirStore final : public Store {
   // Sweeps first when sweep_interval() has passed since the last sweep.
   int64_t write(const WriteBatch& batch, Deadline deadline) override;
 
-  // Lifetimes, as Redis's TTLs: writing an object or an index entry, fetching an object and
-  // probing an index set start them afresh (their modification times). A sweep removes, of this
-  // user's files (all files with own_files_only unset, as far as permissions go): objects and
-  // index sets unused for the TTL, and temporaries older than kStaleTemporary. It stops at the
-  // deadline (the rest waits for the next sweep). Links are removed, never followed.
+  // Lifetimes, as Redis's TTLs: writing an object or an index entry, fetching an object or
+  // finding it in probe, and probing an index set start them afresh (their modification times).
+  // A sweep removes, of the names this store writes (kvsnap-c-, -p-, -i-, -clock-; nothing else
+  // in the folder) and of this user's files only with own_files_only: objects and index sets
+  // unused for the TTL, and temporaries older than kStaleTemporary. Links are removed, never
+  // followed; an index folder loses its entries (never recursing), then goes when empty. It stops
+  // at the deadline, and the next sweep goes on from there.
   void sweep(Deadline deadline);
 
  private:
@@ -64,6 +66,7 @@ class DirStore final : public Store {
   bool own_files_only_;
   std::chrono::seconds ttl_;
   std::chrono::steady_clock::time_point next_sweep_{};  // the first write sweeps
+  int64_t sweep_resume_ = 0;  // entries of the folder the next sweep skips (the last stopped)
 };
 
 }  // namespace kvsnap::detail

@@ -208,8 +208,8 @@ struct RedisStore::ReplyLimits {
   }
 
  private:
-  // An element past its array's announced count (a hiredis without the CVE-2021-32765 fix
-  // writes it past the array's end).
+  // An element past its array's announced count, which hiredis would store past the array's
+  // end: none is handed over by the hiredis built here, a guard for any other.
   static bool extra(const redisReadTask* task) {
     return task->parent != nullptr && task->idx >= task->parent->elements;
   }
@@ -277,6 +277,9 @@ RedisStore::~RedisStore() {
 }
 
 void RedisStore::fail(const std::string& why, bool timed_out) {
+  // A connection that never completed a round trip (refused, AUTH or SELECT refused, no answer):
+  // the host's addresses may have moved to another server, resolved afresh next time.
+  if (!answered_) resolver_.forget();
   if (context_ != nullptr) {
     redisFree(context_);  // replies may still be in flight: the connection is unusable
     context_ = nullptr;
@@ -470,7 +473,10 @@ void RedisStore::probe(std::span<const std::string> sets, std::span<const std::s
     commands.push_back({"SMEMBERS", set});
     commands.push_back({"EXPIRE", set, ttl});
   }
-  for (const std::string& key : keys) commands.push_back({"EXISTS", key});
+  // EXPIRE rather than EXISTS: it answers the same (1 when the key is there) and refreshes its
+  // lifetime — an object asked after is in use (a prefix the asking process holds itself, one
+  // its writer skips as stored) and must not expire while it is.
+  for (const std::string& key : keys) commands.push_back({"EXPIRE", key, ttl});
   const std::vector<Reply> replies = round_trip(commands, deadline);
   members.assign(sets.size(), {});
   exists.assign(keys.size(), false);

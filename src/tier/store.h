@@ -65,7 +65,8 @@ class Store {
   static constexpr int64_t kMaximumIndexMembers = int64_t(1) << 16;
 
   virtual ~Store() = default;
-  // One round trip: the members of each set (empty when missing) and whether each key exists.
+  // One round trip: the members of each set (empty when missing) and whether each key exists;
+  // the sets and keys there start their lifetimes afresh (they are in use).
   virtual void probe(std::span<const std::string> sets, std::span<const std::string> keys,
                      Deadline deadline, std::vector<std::vector<std::string>>& members,
                      std::vector<bool>& exists) = 0;
