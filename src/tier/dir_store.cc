@@ -183,22 +183,25 @@ timespec DirStore::folder_now() const {
   return now;
 }
 
-void DirStore::sweep(Deadline deadline) {
+void DirStore::sweep(Deadline deadline, int64_t most) {
   const timespec now = folder_now();
   const auto older_than = [&](const struct stat& status, std::chrono::seconds age) {
     return status.st_mtim.tv_sec < now.tv_sec - static_cast<time_t>(age.count());
   };
   std::error_code error;
-  int64_t seen = 0, kept = 0;
+  // Entries before the current one that are still there: where the next sweep goes on when this
+  // one runs out of time, so a folder too large for one sweep is swept all the same.
+  int64_t position = 0, looked_at = 0;
   for (fs::directory_iterator it(folder_, error), end; !error && it != end; it.increment(error)) {
-    // A sweep that ran out of time goes on from where the last one stopped (less what it
-    // removed), so a folder too large for one sweep is swept all the same.
-    if (seen++ < sweep_resume_) continue;
-    if (Clock::now() >= deadline) {
-      sweep_resume_ = kept;
+    if (position < sweep_resume_) {
+      ++position;
+      continue;
+    }
+    if (looked_at++ >= most || Clock::now() >= deadline) {
+      sweep_resume_ = position;
       return;
     }
-    ++kept;
+    ++position;
     const std::string file = it->path().string(), name = it->path().filename().string();
     if (!swept_name(name)) continue;  // not this store's: left alone
     struct stat status {};
@@ -208,7 +211,7 @@ void DirStore::sweep(Deadline deadline) {
     const bool expired = temporary ? older_than(status, kStaleTemporary)
                                    : ttl_.count() > 0 && older_than(status, ttl_);
     if (!expired) continue;
-    --kept;
+    --position;  // removed: the entries after it move up
     if (S_ISDIR(status.st_mode)) {
       if (!temporary) remove_index(file, deadline);
     } else {

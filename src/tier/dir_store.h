@@ -8,6 +8,7 @@
 #include <time.h>
 
 #include <chrono>
+#include <limits>
 #include <string>
 
 #include "tier/store.h"
@@ -55,7 +56,8 @@ class DirStore final : public Store {
   // unused for the TTL, and temporaries older than kStaleTemporary. Links are removed, never
   // followed; an index folder loses its entries (never recursing), then goes when empty. It stops
   // at the deadline, and the next sweep goes on from there.
-  void sweep(Deadline deadline);
+  // `most`: entries looked at before it stops as at the deadline (tests).
+  void sweep(Deadline deadline, int64_t most = std::numeric_limits<int64_t>::max());
 
  private:
   timespec folder_now() const;

@@ -288,23 +288,29 @@ TEST_F(DirStoreTest, ObjectsAndIndexSetsUnusedForTheTtlAreSwept) {
   fs::remove(outside);
 }
 
-// A sweep stops at its deadline (here at once: nothing removed) and a later one finishes; one
-// that stops midway leaves the next its position in the folder (not forced here: timing).
-TEST_F(DirStoreTest, ASweepStopsAtItsDeadlineAndALaterOneFinishes) {
+// A sweep stops at its deadline (here at once: nothing removed), and one that stops midway
+// leaves the next its place in the folder: sweeps of 5 entries each go through 50 (45 in use, 5
+// expired, in the folder's order) in 10 — starting over each time, they would stay on the first
+// 5 entries in use.
+TEST_F(DirStoreTest, ASweepThatStopsMidwayLeavesTheNextItsPlace) {
   DirStore store(folder.string(), /*own_files_only=*/false, std::chrono::hours(1));
   detail::WriteBatch batch;
-  for (int i = 0; i < 40; ++i) batch.objects.emplace_back("kvsnap:c:" + std::to_string(i), "x");
+  for (int i = 0; i < 50; ++i) batch.objects.emplace_back("kvsnap:c:" + std::to_string(i), "x");
   (void)store.write(batch, Clock::now() + 2s);
-  for (const auto& entry : fs::directory_iterator(folder)) {
-    fs::last_write_time(entry.path(), fs::file_time_type::clock::now() - std::chrono::hours(2));
+  for (int i = 0; i < 50; i += 10) {
+    fs::last_write_time(file("kvsnap:c:" + std::to_string(i)),
+                        fs::file_time_type::clock::now() - std::chrono::hours(2));
   }
   const auto left = [&] {
     return std::distance(fs::directory_iterator(folder), fs::directory_iterator());
   };
   store.sweep(Clock::now());  // no time at all: nothing removed
-  EXPECT_EQ(left(), 40);
-  store.sweep(Clock::now() + 2s);
-  EXPECT_EQ(left(), 0);
+  EXPECT_EQ(left(), 50);
+  for (int sweep = 0; sweep < 10; ++sweep) store.sweep(Clock::now() + 2s, 5);
+  EXPECT_EQ(left(), 45);
+  for (int i = 0; i < 50; ++i) {
+    EXPECT_EQ(fs::exists(file("kvsnap:c:" + std::to_string(i))), i % 10 != 0) << i;
+  }
 }
 
 // Without a key, a sweep leaves other users' files alone (theirs to sweep, as they are theirs to
