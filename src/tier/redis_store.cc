@@ -11,6 +11,7 @@
 #include <charconv>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "kvsnap/error.h"
 
@@ -145,14 +146,7 @@ struct RedisStore::ReplyLimits {
   void install(redisContext* context) {
     base = context->reader->fn;
     hooks = *base;
-    hooks.createArray = [](const redisReadTask* task, int elements) -> void* {
-      auto& self = *static_cast<ReplyLimits*>(task->privdata);
-      if (task->parent != nullptr) return self.stop(Broken::nested, 0);
-      if (elements < 0 || elements > self.reply.members) {
-        return self.stop(Broken::long_array, elements);
-      }
-      return self.base->createArray(task, elements);
-    };
+    hooks.createArray = array_hook(hooks.createArray);
     hooks.createString = [](const redisReadTask* task, char* text, size_t length) -> void* {
       auto& self = *static_cast<ReplyLimits*>(task->privdata);
       if (extra(task)) return self.stop(Broken::extra_element, task->idx);
@@ -174,6 +168,24 @@ struct RedisStore::ReplyLimits {
     };
     context->reader->fn = &hooks;
     context->reader->privdata = this;
+  }
+
+  // The array hook for this hiredis's createArray, whose count is an int in 0.14 and a size_t
+  // from 1.0 on.
+  template <class Count>
+  using CreateArray = void* (*)(const redisReadTask*, Count);
+  template <class Count>
+  static CreateArray<Count> array_hook(CreateArray<Count> /*hiredis's, for its type*/) {
+    return [](const redisReadTask* task, Count elements) -> void* {
+      auto& self = *static_cast<ReplyLimits*>(task->privdata);
+      if (task->parent != nullptr) return self.stop(Broken::nested, 0);
+      bool negative = false;
+      if constexpr (std::is_signed_v<Count>) negative = elements < 0;
+      if (negative || static_cast<uint64_t>(elements) > static_cast<uint64_t>(self.reply.members)) {
+        return self.stop(Broken::long_array, static_cast<int64_t>(elements));
+      }
+      return self.base->createArray(task, elements);
+    };
   }
 
   void expect(const ReplyCeiling& ceiling) {
