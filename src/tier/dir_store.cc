@@ -110,20 +110,24 @@ void add_member(const std::string& folder, const std::string& member) {
 }
 
 // Removes the index folder `folder` (its entries: files or links, never followed; then it),
-// until `deadline`. Whatever else is in it stays, and so does it.
-void remove_index(const std::string& folder, Deadline deadline) {
+// until `deadline`. Whatever else is in it stays, and so does it. Whether it is gone.
+bool remove_index(const std::string& folder, Deadline deadline) {
   const FileDescriptor index(
       ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
-  if (index.get() < 0) return;
-  DIR* entries = ::fdopendir(::dup(index.get()));
-  if (entries == nullptr) return;
+  if (index.get() < 0) return false;
+  const int listing = ::dup(index.get());  // closedir closes it
+  DIR* entries = listing >= 0 ? ::fdopendir(listing) : nullptr;
+  if (entries == nullptr) {
+    if (listing >= 0) ::close(listing);
+    return false;
+  }
   while (const dirent* entry = ::readdir(entries)) {
     if (Clock::now() >= deadline) break;
     if (entry->d_type == DT_DIR) continue;  // "." and "..", or a folder nobody made here
     (void)::unlinkat(index.get(), entry->d_name, 0);
   }
   ::closedir(entries);
-  (void)::unlinkat(AT_FDCWD, folder.c_str(), AT_REMOVEDIR);  // fails unless it is empty now
+  return ::unlinkat(AT_FDCWD, folder.c_str(), AT_REMOVEDIR) == 0;  // fails unless it is empty
 }
 
 // Whether `name` is one this store writes: an object (kvsnap-c-, kvsnap-p-), an index set
@@ -211,12 +215,11 @@ void DirStore::sweep(Deadline deadline, int64_t most) {
     const bool expired = temporary ? older_than(status, kStaleTemporary)
                                    : ttl_.count() > 0 && older_than(status, ttl_);
     if (!expired) continue;
-    --position;  // removed: the entries after it move up
-    if (S_ISDIR(status.st_mode)) {
-      if (!temporary) remove_index(file, deadline);
-    } else {
-      (void)::unlink(file.c_str());  // an object, a temporary, or a link planted at a name
-    }
+    // An object, a temporary, or a link planted at a name; an index set. Once gone, the entries
+    // after it move up (one that stays, e.g. an index cut off by the deadline, keeps its place).
+    const bool removed = S_ISDIR(status.st_mode) ? !temporary && remove_index(file, deadline)
+                                                 : ::unlink(file.c_str()) == 0;
+    if (removed) --position;
   }
   sweep_resume_ = 0;
 }
