@@ -1,9 +1,9 @@
 // Decode attention's products (decode_kernels.h): the AVX-512 variant, and which variant runs
 // (the AVX2 one is in decode_kernels_avx2.cc). Scores with 16 queries
 // per vector (one lane each), two vectors and 8 key columns at a time, outputs with 32 value
-// columns in two vectors for 4 queries at a time, over runs of columns. Each lane is one fma chain
-// in a fixed order (the depth for a score, the columns for an output), so tiles and sharing never
-// change a result; keys and values are read in place, no packing.
+// columns in two vectors for 8 queries at a time (then 4, then 1), over runs of columns. Each lane
+// is one fma chain in a fixed order (the depth for a score, the columns for an output), so tiles
+// and sharing never change a result; keys and values are read in place, no packing.
 #include "ops/decode_kernels.h"
 
 #include <algorithm>
@@ -285,6 +285,9 @@ template <int T>
   for_each_span(runs, n_runs, stride, [&](const Piece* span, size_t pieces) {
     for (int64_t v0 = 0; v0 < wide; v0 += 32) {
       int64_t i = 0;
+      for (; i + 8 <= m; i += 8) {
+        weigh_tile<8>(v0 == 0 && i == 0, w + i, span, pieces, stride, v0, out + i, ahead);
+      }
       for (; i + 4 <= m; i += 4) {
         weigh_tile<4>(v0 == 0 && i == 0, w + i, span, pieces, stride, v0, out + i, ahead);
       }

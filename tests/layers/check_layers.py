@@ -29,7 +29,8 @@ LAYERS = [
 # Private headers a layer offers the layers above it (the rest of its folder is its own).
 INTERFACES = {
     "attention": ["attention/paged_gather.h"],
-    "ops": ["ops/vector_isa.h", "ops/parallel.h", "ops/activations.h", "ops/kernel_report.h"],
+    "ops": ["ops/vector_isa.h", "ops/parallel.h", "ops/activations.h", "ops/kernel_report.h",
+            "ops/decode_kernels.h"],
     "cache": ["cache/snapshot_record.h", "cache/state_snapshot.h"],
     "persist": ["persist/files.h", "persist/safetensors.h", "persist/record_tensors.h"],
 }
