@@ -424,24 +424,16 @@ std::vector<RedisStore::Reply> RedisStore::round_trip(const std::vector<Command>
 
 std::vector<RedisStore::Reply> RedisStore::read_replies(const std::vector<Command>& commands,
                                                         Deadline deadline) {
-  // What each reply may hold, by its command; the round trip reads no more than all of them.
+  // What each reply may hold, by its command. A read happens only while the reply being parsed
+  // is incomplete, and what then lies unparsed is checked against that reply's ceiling: the
+  // buffer never holds more than the largest ceiling plus one read.
   std::vector<ReplyCeiling> ceilings;
-  int64_t budget = 0;
   for (const Command& command : commands) {
     ReplyCeiling ceiling;
     if (command[0] == "GETEX") ceiling.string_bytes = options_.max_object_bytes;
     if (command[0] == "SMEMBERS") ceiling.members = options_.max_index_members;
     ceilings.push_back(ceiling);
-    budget = std::min(budget + ceiling.bytes(), std::numeric_limits<int64_t>::max() / 2);
   }
-  int64_t received = 0;
-  const auto check_budget = [this](int64_t received, int64_t budget, size_t commands) {
-    if (received > budget) {
-      fail(fmt::format("the replies to {} commands hold more than the {} bytes they may", commands,
-                       budget),
-           false);
-    }
-  };
   std::vector<Reply> replies;
   replies.reserve(commands.size());
   for (size_t i = 0; i < commands.size(); ++i) {
@@ -451,19 +443,15 @@ std::vector<RedisStore::Reply> RedisStore::read_replies(const std::vector<Comman
     while (reply == nullptr) {
       await(POLLIN, deadline);
       const redisReader& reader = *context_->reader;
-      const size_t before = reader.len;
       if (redisBufferRead(context_) != REDIS_OK) fail_io(deadline);
-      received += static_cast<int64_t>(reader.len - before);
       if (redisGetReplyFromReader(context_, &reply) != REDIS_OK) fail_io(deadline);
       // Still not whole: all that lies unparsed is this reply's (a multi-bulk's elements leave
       // the buffer one by one), so it grows past what it may hold no further than one read.
       if (reply != nullptr) break;
       const auto unparsed = static_cast<int64_t>(reader.len - reader.pos);
       if (unparsed > ceilings[i].bytes()) fail(ReplyLimits::too_long(unparsed, ceilings[i]), false);
-      check_budget(received, budget, commands.size());
     }
     replies.emplace_back(static_cast<redisReply*>(reply));
-    check_budget(received, budget, commands.size());
   }
   return replies;
 }
