@@ -59,8 +59,10 @@ struct HostResolver::Resolution {
   std::string error;
 };
 
-HostResolver::HostResolver(std::string host, Resolve resolve)
-    : host_(std::move(host)), resolve_(resolve ? std::move(resolve) : system_resolve) {}
+HostResolver::HostResolver(std::string host, Resolve resolve, bool patient)
+    : host_(std::move(host)),
+      resolve_(resolve ? std::move(resolve) : system_resolve),
+      patient_(patient) {}
 
 std::vector<std::string> HostResolver::addresses(Deadline deadline) {
   if (numeric_host(host_)) return {host_};
@@ -92,13 +94,15 @@ std::vector<std::string> HostResolver::addresses(Deadline deadline) {
     running_ = std::move(resolution);
   }
   // The call that started the resolution waits for it until its deadline; later calls do not
-  // wait at all while it runs: a DNS server that does not answer costs one deadline, not every
-  // lookup's. Neither is a failure of the store: nothing is known to be wrong with it yet.
+  // wait at all while it runs (unless patient): a DNS server that does not answer costs one
+  // deadline, not every lookup's. Neither is a failure of the store: nothing is known to be
+  // wrong with it yet.
+  const bool waits = starting || patient_;
   std::unique_lock lock(running_->mutex);
-  if (!running_->finished.wait_until(lock, starting ? deadline : std::chrono::steady_clock::now(),
+  if (!running_->finished.wait_until(lock, waits ? deadline : std::chrono::steady_clock::now(),
                                      [this] { return running_->done; })) {
     throw StoreFailure(fmt::format("{} is still being resolved", host_),
-                       starting ? StoreFailure::Reason::timed_out : StoreFailure::Reason::waiting);
+                       waits ? StoreFailure::Reason::timed_out : StoreFailure::Reason::waiting);
   }
   std::vector<std::string> addresses = std::move(running_->addresses);
   const std::string error = std::move(running_->error);

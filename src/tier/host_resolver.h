@@ -24,13 +24,14 @@ class HostResolver {
   // are none.
   using Resolve = std::function<std::vector<std::string>(const std::string& host)>;
 
-  // `resolve` null: getaddrinfo.
-  HostResolver(std::string host, Resolve resolve);
+  // `resolve` null: getaddrinfo. `patient`: every call waits for a running resolution.
+  HostResolver(std::string host, Resolve resolve, bool patient = false);
 
   // The addresses to try: a numeric host itself; else the last resolution's until forget();
   // else a new resolution's. The call that starts a resolution waits for it until `deadline`,
   // then throws StoreFailure (timed_out); a call while it runs does not wait (StoreFailure,
-  // waiting). Throws ResolveError when the name does not resolve.
+  // waiting) unless the resolver is patient (then it waits as the first did). Throws
+  // ResolveError when the name does not resolve.
   std::vector<std::string> addresses(Deadline deadline);
   // None of the addresses connected: the next call resolves the name afresh (it may have moved).
   void forget() { resolved_.clear(); }
@@ -39,6 +40,7 @@ class HostResolver {
   struct Resolution;
   std::string host_;
   Resolve resolve_;
+  bool patient_;
   std::shared_ptr<Resolution> running_;  // shared with the thread resolving
   std::vector<std::string> resolved_;
 };

@@ -281,7 +281,7 @@ class RedisStore::Reply {
 RedisStore::RedisStore(RedisAddress address, StoreOptions options)
     : address_(std::move(address)),
       options_(std::move(options)),
-      resolver_(address_.host, options_.resolve),
+      resolver_(address_.host, options_.resolve, options_.wait_for_resolution),
       limits_(std::make_unique<ReplyLimits>()) {}
 
 RedisStore::~RedisStore() {

@@ -136,6 +136,10 @@ struct StoreOptions {
   // Redis only: a host name's numeric addresses (IPv4 before IPv6, as hiredis orders them), or
   // throws std::exception saying why there are none. Empty: getaddrinfo. Tests: one that hangs.
   std::function<std::vector<std::string>(const std::string& host)> resolve = nullptr;
+  // Redis only: every call waits for a running resolution of the host name until its deadline
+  // (the writer's connection: off the request path, a batch waits rather than being dropped).
+  // Otherwise only the call that started it waits; later ones fail at once (waiting).
+  bool wait_for_resolution = false;
 };
 
 // Throws Error unless `address` is "dir:PATH" or "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]".

@@ -98,6 +98,9 @@ TierImpl::TierImpl(const std::string& address, std::vector<Cache*> layers, TierO
         address_));
   };
   writer.known = [this](const std::string& key) { return known_.contains(key); };
+  // The writer is off the request path: while the host name resolves, its batches wait for the
+  // resolution (within their write timeout) instead of being dropped.
+  store_options.wait_for_resolution = true;
   writer_ = std::make_unique<WriteBehind>(open_store(address, store_options), writer, counters_);
   if (mac_key_.empty()) {
     options_.log(fmt::format(

@@ -495,13 +495,15 @@ struct HeldResolver {
 };
 
 // A store at `host`:`port` whose names `resolve` resolves (null: the system's resolver).
+// `patient`: every call waits for a running resolution (the tier's writer connection).
 std::unique_ptr<detail::Store> open_named(
     const std::string& host, int port,
-    std::function<std::vector<std::string>(const std::string&)> resolve) {
+    std::function<std::vector<std::string>(const std::string&)> resolve, bool patient = false) {
   detail::StoreOptions options{.ttl = std::chrono::seconds(60),
                                .health = std::make_shared<detail::StoreHealth>(
                                    "store", [](const std::string&) {}, [] {})};
   options.resolve = std::move(resolve);
+  options.wait_for_resolution = patient;
   return detail::open_store("redis://" + host + ":" + std::to_string(port), options);
 }
 
@@ -543,6 +545,36 @@ TEST(TierRedisAddress, AHostNameThatDoesNotResolveCostsOneDeadline) {
     }
   }
   EXPECT_EQ(value, "hello");
+  EXPECT_EQ(resolver.state->calls.load(), 1);
+}
+
+// The writer's connection is patient: a call while the name resolves waits for the resolution
+// (until its deadline) instead of failing at once, so a write batch is not dropped for it.
+TEST(TierRedisAddress, APatientStoreWaitsForTheResolutionThatRuns) {
+  const ScriptedServer server("$5\r\nhello\r\n");
+  const HeldResolver resolver;
+  const std::unique_ptr<detail::Store> store =
+      open_named("store.example", server.port(), resolver.resolve(), /*patient=*/true);
+  const std::vector<std::string> keys{"kvsnap:p:x"};
+  auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(store_failure([&] {
+              (void)store->fetch(keys, start + std::chrono::milliseconds(100));
+            }).reason,
+            detail::StoreFailure::Reason::timed_out);  // it started the resolution
+  start = std::chrono::steady_clock::now();
+  std::thread answer([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    resolver.let_go();
+  });
+  std::optional<std::string> value;
+  try {
+    value = store->fetch(keys, start + std::chrono::seconds(10)).at(0);
+  } catch (const detail::StoreFailure& failure) {
+    ADD_FAILURE() << "a call while the name resolves failed: " << failure.what();
+  }
+  answer.join();
+  EXPECT_EQ(value, "hello");
+  EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(250));
   EXPECT_EQ(resolver.state->calls.load(), 1);
 }
 
