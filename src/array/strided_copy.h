@@ -14,8 +14,8 @@ int64_t strided_copy(void* destination, const int64_t* destination_strides, cons
                      const int64_t* source_strides, const int64_t* shape, int ndim,
                      int64_t element_size);
 
-// memcpy calls made by strided_copy in this process (monotonic), so tests can check that a
-// copy moved whole runs rather than single elements.
+// memcpy calls made by strided_copy on this thread (monotonic), so tests can check that a copy
+// moved whole runs rather than single elements.
 int64_t strided_copy_calls();
 
 }  // namespace kvsnap::detail
