@@ -224,7 +224,8 @@ class KVSNAP_EXPORT Attention : public Cache {
   // the batch attends to: one row's history for a one-row batch, a ragged history (one per
   // row) otherwise. Each row's offset must equal its sequence's offset.
   virtual KVHistory update(const Batch&, const Array& keys, const Array& values) = 0;
-  // The current history of the batch's rows' sequences, without writing.
+  // The current history of the batch's rows' sequences, without writing (a batch without rows:
+  // sequence 0's). Throws Error for a batch update would refuse (Batch::validate).
   virtual KVHistory view(const Batch&) const = 0;
 };
 

@@ -139,10 +139,14 @@ KVHistory update_rows(const Batch& batch, const Array& keys, const Array& values
   return KVHistory::of_rows(std::move(histories));
 }
 
-// view() of a batch: its one row's history, or a ragged one.
+// view() of a batch: its one row's history, or a ragged one; a batch without rows views
+// sequence 0. One with rows is checked as update checks it (offsets and lengths, one id per
+// row, distinct ids).
 template <class HistoryOf>
-KVHistory view_rows(const Batch& batch, HistoryOf&& history_of) {
-  if (batch.batch_size() <= 1) return history_of(batch.batch_size() == 0 ? 0 : batch.seq_id(0));
+KVHistory view_rows(const Batch& batch, const char* call, HistoryOf&& history_of) {
+  if (batch.batch_size() == 0) return history_of(0);
+  batch.validate(call);
+  if (batch.batch_size() == 1) return history_of(batch.seq_id(0));
   std::vector<KVHistory> histories;
   for (int64_t b = 0; b < batch.batch_size(); ++b) histories.push_back(history_of(batch.seq_id(b)));
   return KVHistory::of_rows(std::move(histories));
@@ -158,6 +162,7 @@ class KVCacheCore {
   KVCacheCore(const char* name, std::function<std::unique_ptr<Seq>()> make)
       : name_(name),
         update_call_(fmt::format("{}::update", name)),
+        view_call_(fmt::format("{}::view", name)),
         sequences([this, make = std::move(make)] {
           std::unique_ptr<Seq> sequence = make();
           sequence->store.lock = shared_lock;
@@ -203,7 +208,7 @@ class KVCacheCore {
   }
   KVHistory view(const Batch& batch) const {
     const Guard guard(lock);
-    return view_rows(batch, [&](SeqId id) {
+    return view_rows(batch, view_call_.c_str(), [&](SeqId id) {
       const Seq* sequence = find(id);
       return sequence == nullptr ? KVHistory() : sequence->history();
     });
@@ -274,7 +279,7 @@ class KVCacheCore {
 
  private:
   const char* name_;
-  std::string update_call_;
+  std::string update_call_, view_call_;
 
  public:
   // Before `sequences`: their snapshots lock it as they go. Snapshots lazy in them share it,

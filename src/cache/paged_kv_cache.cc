@@ -314,7 +314,7 @@ KVHistory PagedKVCache::update(const Batch& batch, const Array& keys, const Arra
 
 KVHistory PagedKVCache::view(const Batch& batch) const {
   const Guard guard(impl_->pool->lock);
-  return detail::view_rows(batch, [&](SeqId id) {
+  return detail::view_rows(batch, "PagedKVCache::view", [&](SeqId id) {
     const detail::PagedSequence* sequence = impl_->sequences.find(id, "PagedKVCache::view");
     return sequence == nullptr ? KVHistory() : sequence->history();
   });

@@ -382,5 +382,22 @@ TYPED_TEST(CacheContract, RefusedBatchNamesTheRowAndCreatesNoSequence) {
   EXPECT_EQ(this->cache->offset(), 2);
 }
 
+// A view checks its batch as update does: a row count the ids do not match, or a sequence twice,
+// is refused naming the call (not read past the ids' end); a batch without rows views sequence 0.
+TYPED_TEST(CacheContract, ViewRefusesABatchUpdateWouldRefuse) {
+  if constexpr (std::is_base_of_v<Attention, typename TypeParam::Type>) {
+    this->write(2);
+    const Attention& cache = *this->cache;
+    Batch short_ids = Batch::uniform(3, 1, 0);
+    short_ids.seq_ids = {2};
+    EXPECT_TRUE(
+        throws_error([&] { (void)cache.view(short_ids); }, {"::view", "1 seq_ids for 3 rows"}));
+    const Batch twice = Batch::rows({{1, 0, {1}}, {1, 0, {1}}});
+    EXPECT_TRUE(throws_error([&] { (void)cache.view(twice); }, {"::view", "both sequence 1"}));
+    EXPECT_EQ(cache.view(Batch{}).length(), 2);
+    EXPECT_EQ(this->cache->sequences(), std::vector<SeqId>{0});
+  }
+}
+
 }  // namespace
 }  // namespace kvsnap
