@@ -53,6 +53,15 @@ void BlockPool::grow() {
   }
 }
 
+void BlockPool::drop_if_unused() {
+  if (blocks_in_use() != 0) return;
+  key_chunks_.clear();
+  value_chunks_.clear();
+  blocks_.clear();
+  free_.clear();
+  has_layout = false;
+}
+
 void BlockPool::reserve(int64_t count) {
   while (static_cast<int64_t>(free_.size()) < count) grow();
 }

@@ -35,6 +35,10 @@ class BlockPool {
   // Grows the pool until at least `count` blocks are free, so the next `count` allocate() calls
   // allocate no storage. A growth that throws (std::bad_alloc) leaves the pool as it was.
   void reserve(int64_t count);
+  // When no block is referenced (by a sequence or a snapshot): drops every block and chunk,
+  // their memory going back (histories handed out keep the chunks they view), and the layout,
+  // so the next write takes any layout. Otherwise nothing.
+  void drop_if_unused();
   // Keys [1, H, T, D] / values [1, H, T, Dv] of block `id` (views of its chunk).
   Array keys(int32_t id) const;
   Array values(int32_t id) const;
@@ -70,7 +74,7 @@ class BlockPool {
   int64_t live_blocks() const { return live_blocks_; }
 
   const int64_t block_tokens, blocks_per_chunk;
-  KVLayout layout;  // rows 1: set at the first write, fixed while blocks exist
+  KVLayout layout;  // rows 1: set at the first write, fixed while blocks exist (set iff they do)
   bool has_layout = false;
   CopyStats stats;  // copies on write (materialized) and joins at restore (restored)
   int64_t blocks_copied = 0;

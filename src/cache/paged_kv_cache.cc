@@ -56,8 +56,8 @@ class PagedSequence {
   }
 
   // Runs `fill`, which may take the pool's first blocks, with the pool's layout `layout` (its
-  // own, once it has one). When it throws before the pool took any block (a chunk too large to
-  // allocate), the layout is not fixed by it.
+  // own, once it has one). When it takes none (it throws first — a chunk too large to allocate
+  // — or writes nothing), the layout is not fixed by it.
   template <class Fill>
   void with_layout(const KVLayout& layout, Fill&& fill) {
     const bool adopting = !pool_->has_layout;
@@ -65,9 +65,10 @@ class PagedSequence {
     try {
       fill();
     } catch (...) {
-      if (adopting && pool_->blocks() == 0) pool_->has_layout = false;
+      if (adopting) pool_->drop_if_unused();
       throw;
     }
+    if (adopting) pool_->drop_if_unused();
   }
 
   void adopt(const KVLayout& layout) {
@@ -306,7 +307,7 @@ KVHistory PagedKVCache::update(const Batch& batch, const Array& keys, const Arra
       pool.reserve(blocks);
     }
     void undo() noexcept {
-      if (adopted && pool.blocks() == 0) pool.has_layout = false;
+      if (adopted) pool.drop_if_unused();
     }
   } room{impl_->sequences, *impl_->pool};
   return detail::update_rows(batch, keys, values, detail::kUpdate, impl_->sequences, room);
@@ -329,12 +330,15 @@ std::vector<Array> PagedKVCache::state(SeqId seq) const {
   return {contiguous.keys(), contiguous.values()};
 }
 
+// Once no sequence and no snapshot uses a block, the pool's memory goes back and the next write
+// takes any layout.
 void PagedKVCache::reset() {
   const Guard guard(impl_->pool->lock);
   impl_->sequences.for_each([](SeqId, detail::PagedSequence& s) {
     s.schedule.clear();
     s.rewind(0);
   });
+  impl_->pool->drop_if_unused();
 }
 void PagedKVCache::reset(SeqId seq) {
   const Guard guard(impl_->pool->lock);
@@ -342,6 +346,7 @@ void PagedKVCache::reset(SeqId seq) {
     s->schedule.clear();
     s->rewind(0);
   }
+  impl_->pool->drop_if_unused();
 }
 
 int64_t PagedKVCache::offset() const { return offset(0); }
@@ -449,6 +454,12 @@ bool PagedKVCache::restore(SeqId seq, Snapshot* snapshot, int64_t target) {
   }
   detail::require_kv(snapshot, detail::kRestore);
   const detail::KVLayout layout = detail::layout_of(*snapshot);
+  if (layout.rows != 1) {
+    throw Error(fmt::format(
+        "{}: the snapshot holds {} batch rows; a paged sequence is one row (B=1): restore each "
+        "row's snapshot into its own sequence",
+        detail::kRestore, layout.rows));
+  }
   if (impl_->pool->has_layout) {
     detail::check_same_layout(impl_->pool->layout, layout, detail::kRestore);
   }

@@ -6,6 +6,7 @@
 #include <optional>
 #include <random>
 
+#include "cache/snapshot_record.h"
 #include "ops/decode_kernels.h"
 #include "support/cache_support.h"
 #include "support/test_support.h"
@@ -367,6 +368,50 @@ TEST(PagedErrors, AWriteWhoseChunkCannotExistChangesNothing) {
   EXPECT_TRUE(throws_error(
       [&] { (void)cache.update(Batch::uniform(1, 4, 0), wide.keys(ids), wide.values(ids)); },
       {"PagedKVCache: a chunk of the pool", "H=3"}));
+}
+
+// A reset cache takes any layout once nothing uses the pool's blocks (its memory goes back);
+// while a snapshot holds some, the layout stays. A write of no tokens fixes no layout.
+TEST(PagedLayout, AResetCacheTakesAnyLayoutOnceNoBlockIsUsed) {
+  PagedKVCache cache({.block_tokens = kBlock});
+  const TokenKV wide{.heads = 3};
+  const auto ids = id_range(0, 4);
+  const auto write_wide = [&] {
+    (void)cache.update(Batch::uniform(1, 4, 0), wide.keys(ids), wide.values(ids));
+  };
+  Batch nothing = Batch::uniform(1, 4, 0);
+  nothing.seq_query_lens = {0};  // a row of padding only
+  (void)cache.update(nothing, wide.keys(ids), wide.values(ids));
+  EXPECT_EQ(cache.pool_stats().blocks, 0);
+  write(cache, 0, ids);  // H=2: the padding fixed no layout
+  SnapshotPtr kept = cache.snapshot(0);
+  cache.reset();
+  EXPECT_TRUE(throws_error(write_wide, {"PagedKVCache::update", "H=3", "H=2"}));
+  kept.reset();
+  cache.reset();
+  EXPECT_EQ(cache.pool_stats().blocks, 0);  // the pool's memory went back
+  write_wide();
+  EXPECT_EQ(cache.offset(), 4);
+  // reset(seq) too, once the last sequence using blocks lets go.
+  cache.reset(0);
+  EXPECT_EQ(cache.pool_stats().blocks, 0);
+  write(cache, 0, ids);
+  EXPECT_EQ(held(cache, 0), ids);
+}
+
+// A snapshot of several batch rows (B=2, as a snapshot file may hold) does not fit a paged
+// sequence (one row): refused naming the rows, before the pool takes its layout — a one-row
+// write still fits the fresh cache afterwards.
+TEST(PagedLayout, ASnapshotOfSeveralRowsIsRefusedAndFixesNoLayout) {
+  PagedKVCache cache({.block_tokens = kBlock});
+  const auto ids = id_range(0, 4);
+  const SnapshotPtr snapshot = detail::make_snapshot(
+      {detail::SnapshotRecord::Kind::kv, kv.keys(ids, 2), kv.values(ids, 2), 0, 4}, "test");
+  EXPECT_TRUE(throws_error([&] { (void)cache.restore(snapshot.get(), 4); },
+                           {"PagedKVCache::restore", "2 batch rows", "B=1"}));
+  EXPECT_TRUE(cache.sequences().empty());
+  write(cache, 0, ids);
+  EXPECT_EQ(held(cache, 0), ids);
 }
 
 }  // namespace
