@@ -44,10 +44,13 @@ class KVSNAP_EXPORT Speculation {
 
   // Opens a round before the verify forward of 1 + `drafts` tokens at the layers' common offset
   // start: schedules a capture at start+1 .. start+drafts in every layer that cannot rewind
-  // there. Throws Error (nothing changed) for drafts < 0, an open round, layers that disagree on
-  // their offset, or a layer, of any kind, with captures already scheduled for the sequence
-  // (Cache::schedule_state).
+  // there. Throws Error (nothing changed) for drafts < 0 or > kMaxDrafts, a round that would
+  // end past the positions a batch holds (start + drafts + 1 > 2^31 - 1), an open round, layers
+  // that disagree on their offset, or a layer, of any kind, with captures already scheduled for
+  // the sequence (Cache::schedule_state).
   void begin(int64_t drafts);
+  // The most drafts one round verifies (its offsets are held in memory: 8 MB at most).
+  static constexpr int64_t kMaxDrafts = int64_t{1} << 20;
   // Closes the round after the verify forward: the first `accepted` drafts (0..drafts) were
   // confirmed, so every layer returns to start + accepted + 1 (rewind or captured state) and the
   // captures are released. Every layer is checked before any moves: throws Error, the round

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <climits>
 #include <string>
 
 namespace kvsnap {
@@ -68,8 +69,9 @@ int64_t Speculation::common_offset() const {
 }
 
 void Speculation::begin(int64_t drafts) {
-  if (drafts < 0) {
-    throw Error(fmt::format("Speculation::begin: drafts {} must be >= 0", drafts));
+  if (drafts < 0 || drafts > kMaxDrafts) {
+    throw Error(
+        fmt::format("Speculation::begin: drafts {} must be in [0, {}]", drafts, kMaxDrafts));
   }
   if (open_) {
     throw Error(fmt::format(
@@ -78,6 +80,12 @@ void Speculation::begin(int64_t drafts) {
         drafts_, start_));
   }
   const int64_t start = common_offset();
+  if (start + drafts + 1 > INT32_MAX) {
+    throw Error(fmt::format(
+        "Speculation::begin: {} drafts from offset {} would end at {}, past the last position a "
+        "batch holds ({})",
+        drafts, start, start + drafts + 1, INT32_MAX));
+  }
   // A schedule someone else left would block a rewind at accept, or be taken for the round's.
   for (const Layer& layer : layers_) {
     const ScheduleState s = layer.cache->schedule_state(seq_);

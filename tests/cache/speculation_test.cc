@@ -6,7 +6,10 @@
 
 #include <tuple>
 
+#include "cache/snapshot_record.h"
 #include "support/hybrid_stack.h"
+#include "support/recurrent_support.h"
+#include "support/test_support.h"
 
 namespace kvsnap {
 namespace {
@@ -104,12 +107,39 @@ TEST(Speculation, CapturesAreReleasedWhenTheRoundEnds) {
   EXPECT_EQ(stack.recurrent.take_snapshots().size(), 1u);
 }
 
+// A round ends where a batch can still place its tokens: one whose verify forward would pass
+// position 2^31 - 1 is refused (here a layer restored near the end of the positions).
+TEST(Speculation, ARoundPastTheLastPositionIsRefused) {
+  const testing::RecurrentLayer layer;
+  RecurrentCache cache = layer.make_cache();
+  layer.forward(cache, testing::id_range(0, 3));
+  const SnapshotPtr at_three = cache.snapshot(0);
+  detail::SnapshotRecord record = *detail::snapshot_record(*at_three);
+  const int64_t late = INT32_MAX - 10;
+  record.from = record.to = late;
+  const SnapshotPtr late_snapshot = detail::make_snapshot(record, "test");
+  ASSERT_TRUE(cache.restore(late_snapshot.get(), late));
+  Speculation round({&cache});
+  EXPECT_TRUE(testing::throws_error(
+      [&] { round.begin(10); },
+      {"Speculation::begin: 10 drafts from offset 2147483637 would end at 2147483648"}));
+  EXPECT_FALSE(round.open());
+  round.begin(9);  // its verify forward ends at 2^31 - 1
+  EXPECT_TRUE(round.open());
+}
+
 TEST(Speculation, MisuseThrowsAndChangesNothing) {
   HybridStack stack(StackOptions{.window = 4});
   const Tokens prompt = range(1, 10);
   ASSERT_TRUE(stack.forward_and_check(prompt, prompt));
   Speculation round(stack.layers());
   EXPECT_THROW(round.begin(-1), Error);
+  EXPECT_TRUE(
+      testing::throws_error([&] { round.begin(Speculation::kMaxDrafts + 1); },
+                            {"Speculation::begin: drafts 1048577 must be in [0, 1048576]"}));
+  EXPECT_TRUE(
+      testing::throws_error([&] { round.begin(INT64_MAX); }, {"drafts 9223372036854775807"}));
+  EXPECT_FALSE(round.open());
   EXPECT_THROW(round.accept(0), Error);  // no round
   round.begin(2);
   EXPECT_THROW(round.begin(2), Error);  // one at a time
