@@ -144,6 +144,12 @@ void BlockPool::release(int32_t id) {
   settle(id);
 }
 
+void BlockPool::make_room_to_hold(int32_t id) {
+  std::vector<PagedSnapshot*>& holders = blocks_[static_cast<size_t>(id)].holders;
+  if (holders.size() == holders.capacity())
+    holders.reserve(std::max<size_t>(4, 2 * holders.size()));
+}
+
 void BlockPool::hold(int32_t id, PagedSnapshot* holder) {
   Block& block = blocks_[static_cast<size_t>(id)];
   block.holders.push_back(holder);
@@ -181,6 +187,9 @@ PagedSnapshot::PagedSnapshot(std::shared_ptr<BlockPool> pool, std::vector<int32_
       blocks_(std::move(blocks)),
       begin_(from),
       end_(to) {
+  // Room first, then the references: running out of memory leaves no block held (the
+  // destructor does not run for a constructor that throws).
+  for (int32_t id : blocks_) pool_->make_room_to_hold(id);
   for (int32_t id : blocks_) pool_->hold(id, this);
 }
 

@@ -35,6 +35,9 @@ class BlockPool {
   // Grows the pool until at least `count` blocks are free, so the next `count` allocate() calls
   // allocate no storage. A growth that throws (std::bad_alloc) leaves the pool as it was.
   void reserve(int64_t count);
+  // A block allocate() gave that nobody came to reference (what was to reference it failed):
+  // free again.
+  void give_back(int32_t id) { settle(id); }
   // When no block is referenced (by a sequence or a snapshot): drops every block and chunk,
   // their memory going back (histories handed out keep the chunks they view), and the layout,
   // so the next write takes any layout. Otherwise nothing.
@@ -60,6 +63,10 @@ class BlockPool {
 
   void acquire(int32_t id);  // a sequence starts using the block
   void release(int32_t id);  // a sequence stops using it
+  // Room for one more holder of the block, so the next hold() of it allocates nothing (may
+  // throw std::bad_alloc, changing nothing).
+  void make_room_to_hold(int32_t id);
+  // Never throws after make_room_to_hold(id).
   void hold(int32_t id, PagedSnapshot* holder);
   void unhold(int32_t id, PagedSnapshot* holder);
   bool live(int32_t id) const { return blocks_[static_cast<size_t>(id)].live > 0; }

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <optional>
 
 #include "cache/block_pool.h"
 #include "cache/capture_schedule.h"
@@ -121,9 +122,13 @@ class PagedSequence {
     return copy;
   }
 
-  // Writes keys/values [1, H, n, *] at the offset, block by block; advances the offset.
+  // Writes keys/values [1, H, n, *] at the offset, block by block; advances the offset. Takes
+  // every block it needs (and room for their references) before writing any: running out of
+  // memory leaves the sequence as it was.
   void write(const Array& keys, const Array& values) {
     const int64_t n = keys.dim(2), block_tokens = pool_->block_tokens;
+    make_room(n);
+    pool_->reserve(blocks_to_write(n));
     for (int64_t done = 0; done < n;) {
       const int64_t position = offset + done;
       const int64_t slot = position % block_tokens;
@@ -164,6 +169,9 @@ class PagedSequence {
   // snapshot's own when its first tokens are ours, else a fresh join).
   void splice(const PagedSnapshot& s, int64_t target) {
     const int64_t block_tokens = pool_->block_tokens, from = s.from();
+    // Room for the references first: acquiring a block and then failing to list it would keep
+    // it forever.
+    blocks.reserve(static_cast<size_t>(blocks_for(target, block_tokens)));
     rewind(from);
     size_t next = 0;  // the snapshot's next block to splice
     const int64_t slot = from % block_tokens;
@@ -506,21 +514,31 @@ SnapshotPtr PagedKVCache::merge(SnapshotPtr parent, SnapshotPtr child) {
     values.assign_slice(2, first.second.dim(2), second.second);
     return detail::make_kv_snapshot(std::move(keys), std::move(values), parent->from());
   }
-  // Block lists joined; where they meet mid-block, the block BlockPool::meet gives.
-  std::vector<int32_t> blocks = a->blocks();
+  // Block lists joined; where they meet mid-block, the block BlockPool::meet gives (a fresh one
+  // goes back to the pool if the joined snapshot cannot be made).
+  std::vector<int32_t> blocks;
+  blocks.reserve(a->blocks().size() + b->blocks().size());
+  blocks.insert(blocks.end(), a->blocks().begin(), a->blocks().end());
   detail::BlockPool& pool = *impl_->pool;
   const int64_t block_tokens = pool.block_tokens, slot = b->from() % block_tokens;
   size_t skip = 0;
+  std::optional<int32_t> fresh;
   if (slot != 0) {
     skip = 1;
     const int32_t met = pool.meet(blocks.back(), b->blocks()[0], slot,
                                   std::min(block_tokens, b->to() - (b->from() - slot)));
     if (met != b->blocks()[0]) pool.stats.snapshot_bytes += pool.block_bytes();
+    if (met != b->blocks()[0] && met != blocks.back()) fresh = met;
     blocks.back() = met;
   }
   blocks.insert(blocks.end(), b->blocks().begin() + static_cast<std::ptrdiff_t>(skip),
                 b->blocks().end());
-  return std::make_unique<PagedSnapshot>(impl_->pool, std::move(blocks), a->from(), b->to());
+  try {
+    return std::make_unique<PagedSnapshot>(impl_->pool, std::move(blocks), a->from(), b->to());
+  } catch (...) {
+    if (fresh) pool.give_back(*fresh);
+    throw;
+  }
 }
 
 std::pair<SnapshotPtr, SnapshotPtr> PagedKVCache::split(SnapshotPtr snapshot, int64_t at) {

@@ -763,6 +763,36 @@ TEST(KVCacheMemory, PagedMultiRowUpdateThatRunsOutOfMemoryWritesNoRow) {
   EXPECT_EQ(status, 0) << "1: a row was written; 2: no std::bad_alloc; 3: another exception";
 }
 
+// A one-row update (and so a restore that copies tokens in) takes every block it writes before
+// writing any: running out of memory midway leaves the sequence's blocks as they were, not a
+// block past its offset that exposed_bytes and the next write would take for its tail.
+TEST(KVCacheMemory, PagedOneRowUpdateThatRunsOutOfMemoryTakesNoBlock) {
+  if (kAddressSanitizer) GTEST_SKIP() << "AddressSanitizer ignores RLIMIT_AS";
+  // A chunk of one block of 64 tokens: 2 MiB.
+  PagedKVCache cache({.block_tokens = 64, .blocks_per_chunk = 1});
+  write(cache, wide, id_range(0, 3));
+  const int64_t length = 3 * 64;  // the rest of block 0, then three new blocks
+  const auto ids = id_range(100, length);
+  const Array keys = wide.keys(ids), values = wide.values(ids);
+  const int status = run_with_headroom(int64_t(3) << 20, [&] {
+    try {
+      (void)cache.update(Batch::uniform(1, length, 3), keys, values);
+      return 2;
+    } catch (const std::bad_alloc&) {
+    }
+    testing::lift_memory_limit();
+    const PagedKVCache::PoolStats stats = cache.pool_stats();
+    const bool unchanged = cache.offset() == 3 && stats.live_blocks == 1 &&
+                           stats.blocks_in_use == 1 && cache.exposed_bytes(0) == 0 &&
+                           column_ids(cache.view(Batch{}).contiguous()) == id_range(0, 3);
+    if (!unchanged) return 1;
+    write(cache, wide, id_range(3, 70));  // and it goes on as if nothing had happened
+    return column_ids(cache.view(Batch{}).contiguous()) == id_range(0, 73) ? 0 : 1;
+  });
+  EXPECT_EQ(status, 0) << "1: a block was taken or a token written; 2: no std::bad_alloc; 3: "
+                          "another exception";
+}
+
 // Two rows for sequences `first` and `second` at offset 0: `small` tokens and `large` tokens of
 // `kv` (the same ids in both rows; row 0 padded).
 struct TwoRows {
