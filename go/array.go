@@ -289,6 +289,9 @@ func (a *Array) Slice(axis int, start, stop int64) (*Array, error) {
 	if a.ptr == nil {
 		return nil, closedError("Array.Slice", "array")
 	}
+	if axis < -MaxDims || axis >= MaxDims {
+		return nil, invalid("Array.Slice", "axis %d outside [-%d, %d)", axis, MaxDims, MaxDims)
+	}
 	var out *C.kvsnap_array
 	err := check(func() C.kvsnap_status {
 		return C.kvsnap_array_slice(a.ptr, C.int(axis), C.int64_t(start), C.int64_t(stop), &out)

@@ -36,6 +36,7 @@ import "C"
 
 import (
 	"fmt"
+	"math"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -76,19 +77,38 @@ type Batch struct {
 	Offsets      []int32
 	QueryLens    []int32
 	SeqIDs       []int32
+
+	unfit string // what a constructor could not hold in int32: every call refuses the batch
+}
+
+// fit is v as an int32 (positions and lengths are int32 in a batch); one that does not fit
+// marks the batch, whose calls then fail with an invalid-argument error naming it.
+func (b *Batch) fit(what string, v int64) int32 {
+	if v < math.MinInt32 || v > math.MaxInt32 {
+		if b.unfit == "" {
+			b.unfit = fmt.Sprintf("%s %d does not fit a batch's int32", what, v)
+		}
+		return 0
+	}
+	return int32(v)
 }
 
 // SingleBatch is one row of tokens from offset (sequence 0; SeqIDs set it otherwise).
 func SingleBatch(tokens []int32, offset int64) *Batch {
-	return &Batch{Rows: 1, Length: int64(len(tokens)), InputIDs: append([]int32{}, tokens...),
-		Offsets: []int32{int32(offset)}}
+	b := &Batch{Rows: 1, Length: int64(len(tokens)), InputIDs: append([]int32{}, tokens...)}
+	b.Offsets = []int32{b.fit("offset", offset)}
+	return b
 }
 
 // UniformBatch is rows rows of length placeholder tokens, all from offset (sequence b in row b).
 func UniformBatch(rows, length, offset int64) *Batch {
-	b := &Batch{Rows: rows, Length: length, Offsets: make([]int32, rows)}
+	b := &Batch{Rows: rows, Length: length}
+	if rows < 0 {
+		return b // refused by every call (rows must be >= 0)
+	}
+	b.Offsets = make([]int32, rows)
 	for i := range b.Offsets {
-		b.Offsets[i] = int32(offset)
+		b.Offsets[i] = b.fit("offset", offset)
 	}
 	return b
 }
@@ -113,7 +133,7 @@ func RowsBatch(rows ...Row) *Batch {
 		Offsets: make([]int32, len(rows)), QueryLens: make([]int32, len(rows)), SeqIDs: make([]int32, len(rows))}
 	for i, r := range rows {
 		copy(b.InputIDs[i*longest:], r.Tokens)
-		b.Offsets[i], b.QueryLens[i], b.SeqIDs[i] = int32(r.Offset), int32(len(r.Tokens)), r.Seq
+		b.Offsets[i], b.QueryLens[i], b.SeqIDs[i] = b.fit("offset", r.Offset), b.fit("row length", int64(len(r.Tokens))), r.Seq
 	}
 	return b
 }
@@ -135,6 +155,9 @@ func int32s(s []int32) *C.int32_t {
 func (b *Batch) c(call string) (cBatch, error) {
 	if b == nil {
 		return cBatch{}, invalid(call, "the batch is nil")
+	}
+	if b.unfit != "" {
+		return cBatch{}, invalid(call, "%s", b.unfit)
 	}
 	if b.Rows < 0 || b.Length < 0 {
 		return cBatch{}, invalid(call, "batch of %d rows and %d columns: both must be >= 0", b.Rows, b.Length)
@@ -211,6 +234,15 @@ func NewRotatingKVCache(maxSize int64) (*Cache, error) {
 
 // NewRecurrentCache is a cache of conv tail and gated-delta state.
 func NewRecurrentCache(o RecurrentOptions) (*Cache, error) {
+	for _, field := range []struct {
+		name  string
+		value int
+	}{{"ConvTail", o.ConvTail}, {"ConvDim", o.ConvDim}, {"NumVHeads", o.NumVHeads},
+		{"HeadVDim", o.HeadVDim}, {"HeadKDim", o.HeadKDim}} {
+		if field.value < math.MinInt32 || field.value > math.MaxInt32 {
+			return nil, invalid("NewRecurrentCache", "RecurrentOptions.%s %d does not fit a C int", field.name, field.value)
+		}
+	}
 	return newCache("NewRecurrentCache", func(out **C.kvsnap_cache) C.kvsnap_status {
 		options := C.kvsnap_recurrent_options{conv_tail: C.int(o.ConvTail), conv_dim: C.int(o.ConvDim),
 			num_v_heads: C.int(o.NumVHeads), head_v_dim: C.int(o.HeadVDim), head_k_dim: C.int(o.HeadKDim)}
@@ -457,9 +489,18 @@ func (c *Cache) Restore(s *Snapshot, target int64) (bool, error) { return c.Seq(
 
 // Merge joins adjacent snapshots parent then child. It consumes both, also on failure: they are
 // closed afterwards. A nil input gives a nil result (the other input is dropped, as in C); a
-// closed or already consumed one fails with ErrClosed.
+// closed or already consumed one fails with ErrClosed; the same snapshot as both fails with an
+// invalid-argument error (consumed once).
 func (c *Cache) Merge(parent, child *Snapshot) (*Snapshot, error) {
 	call := "Cache.Merge"
+	if parent != nil && parent == child { // consumed once, as C does
+		p, ok := parent.consume()
+		C.kvsnap_snapshot_destroy(p)
+		if !ok {
+			return nil, closedError(call, "snapshot")
+		}
+		return nil, invalid(call, "parent and child are the same snapshot (it is consumed)")
+	}
 	pp, pok := parent.consume()
 	cp, cok := child.consume()
 	if !pok || !cok {

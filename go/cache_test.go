@@ -384,3 +384,79 @@ func TestBorrowedCachesCannotBeClosed(t *testing.T) {
 		t.Fatalf("a prefix cache over a closed cache: %v", err)
 	}
 }
+
+// Values a batch holds as int32 that do not fit: the batch is refused by every call, naming the
+// value, instead of wrapping (an offset of 2^32 would write at position 0).
+func TestBatchValuesThatDoNotFitInt32AreRefused(t *testing.T) {
+	c, err := NewKVCache()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	keys := kv(t, []int32{1}, 0, 1)
+	defer keys.Close()
+	for _, b := range []*Batch{SingleBatch([]int32{1}, 1<<32), UniformBatch(1, 1, -1<<33),
+		RowsBatch(Row{Seq: 0, Offset: 1 << 40, Tokens: []int32{1}})} {
+		err := c.Append(b, keys, keys)
+		if !errors.Is(err, ErrInvalidArgument) || !strings.Contains(err.Error(), "does not fit a batch's int32") {
+			t.Fatalf("a batch whose offset does not fit int32: %v", err)
+		}
+	}
+	if offset, _ := c.Offset(); offset != 0 {
+		t.Fatalf("offset %d after refused writes", offset)
+	}
+	if err := SetThreads(1 << 32); !errors.Is(err, ErrInvalidArgument) {
+		t.Fatalf("SetThreads(2^32): %v", err)
+	}
+	if _, err := keys.Slice(1<<32, 0, 1); !errors.Is(err, ErrInvalidArgument) {
+		t.Fatalf("Slice along axis 2^32: %v", err)
+	}
+	if _, err := NewRecurrentCache(RecurrentOptions{ConvTail: 1 << 32, ConvDim: 1, NumVHeads: 1,
+		HeadVDim: 1, HeadKDim: 1}); !errors.Is(err, ErrInvalidArgument) || !strings.Contains(err.Error(), "ConvTail") {
+		t.Fatalf("a recurrent option past a C int: %v", err)
+	}
+}
+
+// A fresh cache's history holds no key: no Keys or Values (nil), not arrays without storage; a
+// recurrent state is read one sequence a call; one snapshot as both halves of a merge is an
+// invalid argument (consumed once).
+func TestEmptyHistoriesRowsOfStateAndSelfMerges(t *testing.T) {
+	c, err := NewKVCache()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	h, err := c.View(SingleBatch([]int32{1}, 0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if h.Form != Contiguous || h.Length != 0 || h.Keys != nil || h.Values != nil {
+		t.Fatalf("a fresh cache's history: form %v, length %d, keys %v", h.Form, h.Length, h.Keys)
+	}
+	if _, _, err := h.Keys.Float32s(); err == nil {
+		t.Fatal("reading the nil keys of an empty history succeeded")
+	}
+	h.Close()
+
+	r, err := NewRecurrentCache(RecurrentOptions{ConvTail: 2, ConvDim: 3, NumVHeads: 1, HeadVDim: 2, HeadKDim: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	if _, _, err := r.RecurrentGet(UniformBatch(2, 1, 0), F32); !errors.Is(err, ErrInvalidArgument) ||
+		!strings.Contains(err.Error(), "a batch of 2 rows") {
+		t.Fatalf("RecurrentGet of two rows: %v", err)
+	}
+
+	write(t, c, 0, []int32{1, 2, 3}).Close()
+	s, err := c.Snapshot(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Merge(s, s); !errors.Is(err, ErrInvalidArgument) || !strings.Contains(err.Error(), "same snapshot") {
+		t.Fatalf("Merge(s, s): %v", err)
+	}
+	if _, err := s.Info(); !errors.Is(err, ErrClosed) {
+		t.Fatalf("the snapshot after Merge(s, s): %v, want consumed", err)
+	}
+}

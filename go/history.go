@@ -16,6 +16,7 @@ import "C"
 
 import (
 	"fmt"
+	"math"
 	"runtime"
 	"sync"
 	"unsafe"
@@ -53,7 +54,7 @@ func (f HistoryForm) String() string {
 // History may be read from several goroutines at once; Close waits for them.
 type History struct {
 	Form          HistoryForm
-	Keys, Values  *Array // the Contiguous form's keys and values (views); nil for the others
+	Keys, Values  *Array // the Contiguous form's keys and values (views); nil for the others, and while it holds no key (Length 0)
 	Length        int64  // key columns (Ragged: the longest row's)
 	Rows          int64  // Ragged: the batch's rows; otherwise 1
 	FirstPosition int64
@@ -251,6 +252,9 @@ func SDPA(b *Batch, q *Array, h *History, m Mask, scale float32) (*Array, error)
 // SetThreads sets the threads SDPA runs on, the calling one included (1 to 256; 1 by default).
 // Process-wide.
 func SetThreads(n int) error {
+	if n < math.MinInt32 || n > math.MaxInt32 {
+		return invalid("SetThreads", "%d threads does not fit a C int", n)
+	}
 	return check(func() C.kvsnap_status { return C.kvsnap_set_threads(C.int(n)) })
 }
 

@@ -200,7 +200,8 @@ KVSNAP_EXPORT kvsnap_status kvsnap_cache_state(const kvsnap_cache* cache, kvsnap
 /* What an attention cache hands back: keys [B, H, K, D] and values [B, H, K, Dv] (views of the
  * cache's buffers, read-only; the caller destroys them, e.g. with kvsnap_kv_history_clear),
  * and which position each key column holds: column c holds first_position + (c -
- * oldest_column) mod K. `window` > 0 hides keys `window` or more positions before a query. */
+ * oldest_column) mod K. `window` > 0 hides keys `window` or more positions before a query.
+ * `keys` and `values` are NULL while the history holds no key (a sequence never written). */
 typedef struct kvsnap_kv_history {
   kvsnap_array* keys;
   kvsnap_array* values;
@@ -338,7 +339,8 @@ KVSNAP_EXPORT kvsnap_status kvsnap_sdpa(const kvsnap_batch* batch, const kvsnap_
 KVSNAP_EXPORT kvsnap_status kvsnap_set_threads(int threads);
 KVSNAP_EXPORT int kvsnap_threads(void);
 
-/* Recurrent kind: the live conv and delta state for `batch`, zero-initialized on first use.
+/* Recurrent kind: the live conv and delta state for `batch` (one row: one sequence's state a
+ * call; KVSNAP_INVALID_ARGUMENT for more rows), zero-initialized on first use.
  * Views of state that snapshots share (capture copies nothing): read-only, as writing them would
  * change those snapshots. A kernel that updates state in place works on a copy (e.g.
  * kvsnap_array_copy_to into the engine's buffer) and puts that (kvsnap_recurrent_put). */

@@ -83,11 +83,13 @@ struct HistoryHandles {
     history = KVHistory(k, v, row.first_position(), 0, row.window());
   }
 
+  // A history that holds no key yet (a sequence never written) has no arrays: NULL handles.
   void hand_out(kvsnap_kv_history* out) noexcept {
     keys->array = history.keys();
     values->array = history.values();
-    *out = {keys.release(), values.release(), history.first_position(), history.oldest_column(),
-            history.window()};
+    const bool none = keys->array.empty();
+    *out = {none ? nullptr : keys.release(), none ? nullptr : values.release(),
+            history.first_position(), history.oldest_column(), history.window()};
   }
 };
 
@@ -282,10 +284,16 @@ kvsnap_status kvsnap_recurrent_get(kvsnap_cache* cache, const kvsnap_batch* batc
     RecurrentCache& layer = recurrent(cache, call);
     require(conv_state, call, "conv_state");
     require(delta_state, call, "delta_state");
+    const Batch b = to_batch(batch, call);
+    if (b.batch_size() != 1) {
+      throw InvalidArgument(fmt::format(
+          "{}: a batch of {} rows; the C API reads one sequence's state a call (a batch of one "
+          "row, its seq_ids naming the sequence)",
+          call, b.batch_size()));
+    }
     auto conv = std::make_unique<kvsnap_array>();
     auto delta = std::make_unique<kvsnap_array>();
-    const RecurrentHistory history =
-        layer.get(to_batch(batch, call), to_dtype(activation_dtype, call));
+    const RecurrentHistory history = layer.get(b, to_dtype(activation_dtype, call));
     conv->array = history.conv_state();
     delta->array = history.delta_state();
     *conv_state = conv.release();

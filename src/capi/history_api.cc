@@ -111,6 +111,10 @@ kvsnap_status kvsnap_history_arrays(const kvsnap_history* history, kvsnap_kv_his
           "{}: the history is {}; this call needs a contiguous one (kvsnap_history_contiguous)",
           call, h.ragged() ? "ragged" : "paged"));
     }
+    if (h.keys().empty()) {  // no key yet (a sequence never written): no arrays
+      *out = {nullptr, nullptr, h.first_position(), h.oldest_column(), h.window()};
+      return;
+    }
     auto keys = std::make_unique<kvsnap_array>(kvsnap_array{h.keys()});
     auto values = std::make_unique<kvsnap_array>(kvsnap_array{h.values()});
     *out = {keys.release(), values.release(), h.first_position(), h.oldest_column(), h.window()};

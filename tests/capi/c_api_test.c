@@ -134,6 +134,16 @@ static void test_kv_cache(void) {
   kvsnap_cache* cache = NULL;
   CHECK_OK(kvsnap_kv_cache_create(&cache));
   kvsnap_kv_history history = {0};
+  /* Before any write the history holds no key: no arrays (not arrays without storage). */
+  int32_t start[1] = {0};
+  const kvsnap_batch first = {.batch_size = 1, .length = 1, .seq_offsets = start};
+  CHECK_OK(kvsnap_cache_view(cache, &first, &history));
+  CHECK(history.keys == NULL && history.values == NULL);
+  kvsnap_history* in_place = NULL;
+  CHECK_OK(kvsnap_cache_view_history(cache, &first, &in_place));
+  CHECK_OK(kvsnap_history_arrays(in_place, &history));
+  CHECK(history.keys == NULL && history.values == NULL);
+  kvsnap_history_destroy(in_place);
   append(cache, 10, 0, &history);
   kvsnap_array_info keys;
   CHECK_OK(kvsnap_array_get_info(history.keys, &keys));
@@ -267,6 +277,12 @@ static void test_recurrent_cache(void) {
   CHECK_OK(kvsnap_recurrent_get(cache, &batch, KVSNAP_F32, &conv, &delta)); /* zero states */
   kvsnap_array_destroy(conv);
   kvsnap_array_destroy(delta);
+  int32_t two_zeros[2] = {0, 0};
+  const kvsnap_batch two = {.batch_size = 2, .length = 4, .seq_offsets = two_zeros};
+  conv = delta = NULL;
+  CHECK_FAILS(kvsnap_recurrent_get(cache, &two, KVSNAP_F32, &conv, &delta), KVSNAP_INVALID_ARGUMENT,
+              "kvsnap_recurrent_get: a batch of 2 rows");
+  CHECK(conv == NULL && delta == NULL);
   const int64_t offsets[1] = {2};
   CHECK_OK(kvsnap_cache_prepare_snapshots(cache, offsets, 1));
   int64_t splits[1] = {0};
