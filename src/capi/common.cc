@@ -1,4 +1,5 @@
 // The C API's shared pieces: the per-thread last error and the conversions every part uses.
+#include <climits>
 #include <string>
 
 #include "capi/handles.h"
@@ -53,6 +54,10 @@ Batch to_batch(const kvsnap_batch* description, const char* call) {
   if (b.batch_size < 0 || b.length < 0) {
     throw InvalidArgument(fmt::format("{}: batch of {} rows and {} columns (need both >= 0)", call,
                                       b.batch_size, b.length));
+  }
+  if (b.length > INT32_MAX) {  // a row's query length is an int32
+    throw InvalidArgument(fmt::format("{}: batch of {} columns; at most {}", call, b.length,
+                                      INT32_MAX));
   }
   const auto rows = static_cast<size_t>(b.batch_size);
   if (rows > 0) require(b.seq_offsets, call, "batch->seq_offsets");

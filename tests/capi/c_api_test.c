@@ -144,6 +144,10 @@ static void test_kv_cache(void) {
   CHECK_OK(kvsnap_history_arrays(in_place, &history));
   CHECK(history.keys == NULL && history.values == NULL);
   kvsnap_history_destroy(in_place);
+  /* A query length past int32 is refused, not truncated to one that may pass. */
+  const kvsnap_batch huge = {.batch_size = 1, .length = (int64_t)1 << 32, .seq_offsets = start};
+  CHECK_FAILS(kvsnap_cache_view(cache, &huge, &history), KVSNAP_INVALID_ARGUMENT,
+              "kvsnap_cache_view: batch of 4294967296 columns; at most 2147483647");
   append(cache, 10, 0, &history);
   kvsnap_array_info keys;
   CHECK_OK(kvsnap_array_get_info(history.keys, &keys));
