@@ -81,8 +81,11 @@ class BlockPool {
   int64_t live_blocks() const { return live_blocks_; }
 
   const int64_t block_tokens, blocks_per_chunk;
-  KVLayout layout;  // rows 1: set at the first write, fixed while blocks exist (set iff they do)
+  KVLayout layout;  // rows 1: set at the first write, fixed while a block is in use
   bool has_layout = false;
+  // Whether the layout binds writes and restores: some block is in use. Otherwise the next one
+  // may bring another (PagedSequence::adopt), the blocks kept for reuse dropped first.
+  bool fixed() const { return has_layout && blocks_in_use() > 0; }
   CopyStats stats;  // copies on write (materialized) and joins at restore (restored)
   int64_t blocks_copied = 0;
   CacheLock lock;  // the cache's lock: its sequences, its snapshots and these blocks

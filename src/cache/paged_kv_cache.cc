@@ -33,15 +33,14 @@ class PagedSequence {
 
   void check(const Batch& batch, const Array& keys, const Array& values, int64_t row,
              SeqId seq) const {
-    (void)check_update(batch, keys, values, offset, pool_->has_layout ? &pool_->layout : nullptr,
+    (void)check_update(batch, keys, values, offset, pool_->fixed() ? &pool_->layout : nullptr,
                        kUpdate, row, seq);
   }
 
   KVHistory update(const Batch& batch, const Array& keys, const Array& values, int64_t row,
                    SeqId seq) {
-    const int64_t length =
-        check_update(batch, keys, values, offset, pool_->has_layout ? &pool_->layout : nullptr,
-                     kUpdate, row, seq);
+    const int64_t length = check_update(
+        batch, keys, values, offset, pool_->fixed() ? &pool_->layout : nullptr, kUpdate, row, seq);
     with_layout(KVLayout::of(keys, values), [&] {
       if (length == 0) return;
       write(keys.slice(2, 0, length), values.slice(2, 0, length));
@@ -61,18 +60,21 @@ class PagedSequence {
   // — or writes nothing), the layout is not fixed by it.
   template <class Fill>
   void with_layout(const KVLayout& layout, Fill&& fill) {
-    const bool adopting = !pool_->has_layout;
-    if (adopting) adopt(layout);
+    const bool unset = !pool_->has_layout;
+    if (!pool_->fixed()) adopt(layout);
     try {
       fill();
     } catch (...) {
-      if (adopting) pool_->drop_if_unused();
+      if (unset) pool_->drop_if_unused();
       throw;
     }
-    if (adopting) pool_->drop_if_unused();
+    if (unset) pool_->drop_if_unused();
   }
 
+  // The layout of a pool whose blocks nobody uses (a fresh or reset cache, its snapshots gone):
+  // the blocks it kept for reuse go first when they are of another layout.
   void adopt(const KVLayout& layout) {
+    if (pool_->has_layout && !(pool_->layout == layout)) pool_->drop_if_unused();
     pool_->layout = layout;
     pool_->has_layout = true;
   }
@@ -305,7 +307,7 @@ KVHistory PagedKVCache::update(const Batch& batch, const Array& keys, const Arra
     void make(SeqId id, int64_t tokens, const Array& keys, const Array& values) {
       detail::PagedSequence* sequence = sequences.find(id);
       if (sequence == nullptr) sequence = &sequences.stage(id, detail::kUpdate);
-      if (tokens > 0 && !pool.has_layout) {
+      if (tokens > 0 && !pool.fixed()) {
         sequence->adopt(detail::KVLayout::of_row(keys, values));
         adopted = true;
       }
@@ -338,15 +340,13 @@ std::vector<Array> PagedKVCache::state(SeqId seq) const {
   return {contiguous.keys(), contiguous.values()};
 }
 
-// Once no sequence and no snapshot uses a block, the pool's memory goes back and the next write
-// takes any layout.
+// The pool keeps its blocks for the next writes (a new layout replaces them: take_layout).
 void PagedKVCache::reset() {
   const Guard guard(impl_->pool->lock);
   impl_->sequences.for_each([](SeqId, detail::PagedSequence& s) {
     s.schedule.clear();
     s.rewind(0);
   });
-  impl_->pool->drop_if_unused();
 }
 void PagedKVCache::reset(SeqId seq) {
   const Guard guard(impl_->pool->lock);
@@ -354,7 +354,6 @@ void PagedKVCache::reset(SeqId seq) {
     s->schedule.clear();
     s->rewind(0);
   }
-  impl_->pool->drop_if_unused();
 }
 
 int64_t PagedKVCache::offset() const { return offset(0); }
@@ -468,7 +467,7 @@ bool PagedKVCache::restore(SeqId seq, Snapshot* snapshot, int64_t target) {
         "row's snapshot into its own sequence",
         detail::kRestore, layout.rows));
   }
-  if (impl_->pool->has_layout) {
+  if (impl_->pool->fixed()) {
     detail::check_same_layout(impl_->pool->layout, layout, detail::kRestore);
   }
   if (target < 0 || target > snapshot->to() || current.offset < snapshot->from()) return false;

@@ -370,8 +370,9 @@ TEST(PagedErrors, AWriteWhoseChunkCannotExistChangesNothing) {
       {"PagedKVCache: a chunk of the pool", "H=3"}));
 }
 
-// A reset cache takes any layout once nothing uses the pool's blocks (its memory goes back);
-// while a snapshot holds some, the layout stays. A write of no tokens fixes no layout.
+// A reset cache takes any layout once nothing uses the pool's blocks; while a snapshot holds
+// some, the layout stays. The pool keeps its blocks for writes of the same layout (no memory
+// allocated again); another layout replaces them. A write of no tokens fixes no layout.
 TEST(PagedLayout, AResetCacheTakesAnyLayoutOnceNoBlockIsUsed) {
   PagedKVCache cache({.block_tokens = kBlock});
   const TokenKV wide{.heads = 3};
@@ -384,19 +385,31 @@ TEST(PagedLayout, AResetCacheTakesAnyLayoutOnceNoBlockIsUsed) {
   (void)cache.update(nothing, wide.keys(ids), wide.values(ids));
   EXPECT_EQ(cache.pool_stats().blocks, 0);
   write(cache, 0, ids);  // H=2: the padding fixed no layout
+  const int64_t blocks = cache.pool_stats().blocks;
   SnapshotPtr kept = cache.snapshot(0);
   cache.reset();
   EXPECT_TRUE(throws_error(write_wide, {"PagedKVCache::update", "H=3", "H=2"}));
   kept.reset();
   cache.reset();
-  EXPECT_EQ(cache.pool_stats().blocks, 0);  // the pool's memory went back
-  write_wide();
+  write(cache, 0, ids);  // the same layout: the kept blocks serve
+  EXPECT_EQ(cache.pool_stats().blocks, blocks);
+  EXPECT_EQ(cache.pool_stats().blocks_in_use, 1);
+  cache.reset();
+  write_wide();  // another: it replaces them
   EXPECT_EQ(cache.offset(), 4);
-  // reset(seq) too, once the last sequence using blocks lets go.
+  EXPECT_EQ(cache.pool_stats().blocks_in_use, 1);
+  const KVHistory history = cache.view(Batch{}).contiguous();
+  EXPECT_EQ(history.keys().dim(1), 3);
+  // reset(seq) too, once the last sequence using blocks lets go; a restore as well.
   cache.reset(0);
-  EXPECT_EQ(cache.pool_stats().blocks, 0);
   write(cache, 0, ids);
   EXPECT_EQ(held(cache, 0), ids);
+  KVCache contiguous;
+  testing::write(contiguous, wide, ids);
+  const SnapshotPtr other = contiguous.snapshot(0);
+  cache.reset(0);
+  ASSERT_TRUE(cache.restore(1, other.get(), 4));
+  EXPECT_EQ(cache.view(Batch::rows({{1, 4, {}}})).contiguous().keys().dim(1), 3);
 }
 
 // A snapshot of several batch rows (B=2, as a snapshot file may hold) does not fit a paged
