@@ -53,15 +53,35 @@ std::shared_ptr<SessionState> Slot::begin(std::span<const int32_t> prompt, Prefi
   state->matched = match.length;
   state->cached = plan.target;
   session_ = state;
-  live_.set_writable(true);
-  prepare(schedule_for(match.path));
-
+  try {
+    live_.set_writable(true);
+    prepare(schedule_for(match.path));
+    // The switch may have shared what other slots' caches hold: every exposure is refreshed.
+    evict_(Change::shared);
+  } catch (...) {
+    // The session never reaches its caller: the slot must not stay open with no handle to close
+    // it (out of memory while scheduling or evicting).
+    abandon();
+    throw;
+  }
   ++stats.lookups;
   stats.matched_tokens += match.length;
   stats.reused_tokens += plan.target;
-  // The switch may have shared what other slots' caches hold: every exposure is refreshed.
-  evict_(Change::shared);
   return state;
+}
+
+void Slot::abandon() noexcept {
+  if (session_ != nullptr) {
+    session_->phase = SessionState::Phase::closed;
+    session_->owner = nullptr;
+    session_.reset();
+  }
+  live_.set_writable(false);
+  try {
+    live_.reset();  // what the caches hold is not known to match any record
+    evict_(Change::own);
+  } catch (...) {  // the caller's failure is the one reported
+  }
 }
 
 // Whether a node ends at `offset` on the matched path with every whole-state snapshot.
@@ -201,6 +221,17 @@ void Slot::retract_outputs(int64_t count) {
 }
 
 void Slot::close() {
+  try {
+    close_session();
+  } catch (...) {
+    // The session ends whatever failed (out of memory inserting or evicting): a slot left open
+    // could never be closed or begun again.
+    abandon();
+    throw;
+  }
+}
+
+void Slot::close_session() {
   SessionState& s = *session_;
   if (s.phase == SessionState::Phase::prefill) {
     const int64_t offset = layer_offset();

@@ -71,9 +71,15 @@ class Slot {
   void prefill_done();
   void append_output(int32_t token);
   void retract_outputs(int64_t count);
+  // Ends the session (also when that fails: then the slot's caches are reset and the error
+  // rethrown).
   void close();
 
  private:
+  void close_session();
+  // A session that cannot go on (a begin or close that failed midway): it ends, and the slot's
+  // caches are reset, as what they hold may match no record. Never throws.
+  void abandon() noexcept;
   // The offset every layer stands at, as the session needs it (-1 never matches an offset).
   int64_t layer_offset() const { return live_.offset().value_or(-1); }
   // The planner's view of the live caches for a prompt cut at `limit`.

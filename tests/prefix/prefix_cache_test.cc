@@ -2,6 +2,7 @@
 #include <kvsnap/prefix_cache.h>
 
 #include "support/conversation.h"
+#include "support/recurrent_support.h"
 #include "support/test_support.h"
 
 namespace kvsnap {
@@ -401,6 +402,69 @@ TEST_F(PrefixCacheTest, DebugStringShowsTheTrie) {
   EXPECT_NE(dump.find("[0, 12) 100 101"), std::string::npos) << dump;
   EXPECT_NE(dump.find("user"), std::string::npos) << dump;
   EXPECT_EQ(cache.node_count(), 3);
+}
+
+// A recurrent cache that runs out of memory on demand: when scheduling captures, or taking them.
+class RunsOut final : public Cache {
+ public:
+  explicit RunsOut(RecurrentCache& inner) : inner_(inner) {}
+  bool fail_prepare = false, fail_take = false;
+  std::vector<Array> state() const override { return inner_.state(); }
+  void reset() override { inner_.reset(); }
+  int64_t offset() const override { return inner_.offset(); }
+  SnapshotPtr snapshot(int64_t from) override { return inner_.snapshot(from); }
+  void prepare_snapshots(std::span<const int64_t> o) override {
+    if (fail_prepare) throw std::bad_alloc();
+    inner_.prepare_snapshots(o);
+  }
+  void cancel_snapshots() override { inner_.cancel_snapshots(); }
+  std::vector<SnapshotPtr> take_snapshots() override {
+    if (fail_take) throw std::bad_alloc();
+    return inner_.take_snapshots();
+  }
+  std::vector<SnapshotPtr> take_reached_snapshots() override {
+    if (fail_take) throw std::bad_alloc();
+    return inner_.take_reached_snapshots();
+  }
+  bool restore(Snapshot* s, int64_t target) override { return inner_.restore(s, target); }
+  SnapshotPtr merge(SnapshotPtr a, SnapshotPtr b) override {
+    return inner_.merge(std::move(a), std::move(b));
+  }
+  std::pair<SnapshotPtr, SnapshotPtr> split(SnapshotPtr s, int64_t at) override {
+    return inner_.split(std::move(s), at);
+  }
+  CopyStats copy_stats() const override { return inner_.copy_stats(); }
+  RestoreRule restore_rule() const override { return inner_.restore_rule(); }
+
+ private:
+  RecurrentCache& inner_;
+};
+
+// A begin or close that fails midway (out of memory scheduling or taking captures) ends its
+// session: the slot is not left open with no handle to close it — the next begin succeeds and
+// restores what the trie holds.
+TEST(PrefixCacheFailures, ABeginOrCloseThatFailsMidwayLeavesTheSlotUsable) {
+  const testing::RecurrentLayer layer;
+  RecurrentCache inner = layer.make_cache();
+  RunsOut cache(inner);
+  PrefixCache prefix({&cache});
+  const std::vector<int32_t> prompt = {1, 2, 3, 4, 5};
+  cache.fail_prepare = true;
+  EXPECT_THROW((void)prefix.begin(prompt), std::bad_alloc);
+  cache.fail_prepare = false;
+  {
+    PrefixCache::Session session = prefix.begin(prompt);  // not "a session already open"
+    layer.forward(inner, testing::id_range(0, 5));
+    cache.fail_take = true;
+    EXPECT_THROW(session.close(), std::bad_alloc);
+    cache.fail_take = false;
+  }
+  PrefixCache::Session again = prefix.begin(prompt);
+  EXPECT_EQ(again.cached(), 0);  // nothing was kept from the failed close
+  EXPECT_EQ(inner.offset(), 0);
+  layer.forward(inner, testing::id_range(0, 5));
+  again.close();
+  EXPECT_EQ(prefix.begin(prompt).cached(), 4);  // the trie holds the prompt (less one token)
 }
 
 }  // namespace
