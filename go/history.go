@@ -54,7 +54,7 @@ func (f HistoryForm) String() string {
 // History may be read from several goroutines at once; Close waits for them.
 type History struct {
 	Form          HistoryForm
-	Keys, Values  *Array // the Contiguous form's keys and values (views); nil for the others, and while it holds no key (Length 0)
+	Keys, Values  *Array // the Contiguous form's keys and values (views); nil for the others, and when the cache has no layout yet (nothing written)
 	Length        int64  // key columns (Ragged: the longest row's)
 	Rows          int64  // Ragged: the batch's rows; otherwise 1
 	FirstPosition int64

@@ -81,8 +81,9 @@ func (s *Speculation) use(call string, f func(*C.kvsnap_speculation) error) erro
 }
 
 // Begin opens a round of drafts drafts at the layers' common offset. Fails, changing nothing,
-// for drafts < 0, an open round, layers that disagree on their offset, or a layer of any kind
-// with captures already scheduled for the sequence.
+// for drafts < 0 or > 2^20, a round ending past position 2^31 - 1, an open round, layers that
+// disagree on their offset, or a layer of any kind with captures already scheduled for the
+// sequence.
 func (s *Speculation) Begin(drafts int64) error {
 	return s.use("Speculation.Begin", func(p *C.kvsnap_speculation) error {
 		return check(func() C.kvsnap_status { return C.kvsnap_speculation_begin(p, C.int64_t(drafts)) })

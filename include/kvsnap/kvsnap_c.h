@@ -201,7 +201,8 @@ KVSNAP_EXPORT kvsnap_status kvsnap_cache_state(const kvsnap_cache* cache, kvsnap
  * cache's buffers, read-only; the caller destroys them, e.g. with kvsnap_kv_history_clear),
  * and which position each key column holds: column c holds first_position + (c -
  * oldest_column) mod K. `window` > 0 hides keys `window` or more positions before a query.
- * `keys` and `values` are NULL while the history holds no key (a sequence never written). */
+ * `keys` and `values` are NULL when the cache has no layout to give them (nothing written to it,
+ * or to that sequence of a KV cache, yet); otherwise arrays, of 0 columns when none is held. */
 typedef struct kvsnap_kv_history {
   kvsnap_array* keys;
   kvsnap_array* values;
@@ -569,8 +570,9 @@ KVSNAP_EXPORT kvsnap_status kvsnap_speculation_create(kvsnap_cache* const* layer
 /* Cancels an open round (its captures dropped, the layers left where they are), then frees. */
 KVSNAP_EXPORT void kvsnap_speculation_destroy(kvsnap_speculation* speculation);
 /* Opens a round of `drafts` drafts at the layers' common offset. Fails, changing nothing, for
- * drafts < 0, an open round, layers that disagree on their offset, or a layer of any kind with
- * captures already scheduled for the sequence. */
+ * drafts < 0 or > 2^20, a round ending past position 2^31 - 1, an open round, layers that
+ * disagree on their offset, or a layer of any kind with captures already scheduled for the
+ * sequence. */
 KVSNAP_EXPORT kvsnap_status kvsnap_speculation_begin(kvsnap_speculation* speculation,
                                                      int64_t drafts);
 /* Closes the round: the first `accepted` drafts were confirmed. Every layer is checked before

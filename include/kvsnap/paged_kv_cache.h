@@ -13,6 +13,9 @@
 //   auto shared = cache.snapshot(/*seq=*/0, /*from=*/0);    // block references, size() == 0
 //   (void)cache.restore(/*seq=*/1, shared.get(), 4000);     // sequence 1 shares the prefix
 //
+// The pool's layout (heads, depths, dtypes) binds while any block is in use: a reset cache whose
+// snapshots are gone takes any layout (blocks of another are dropped; of the same, reused).
+//
 // A snapshot holds no bytes of its own while a sequence still uses its blocks; when the last
 // sequence lets go of a block that snapshots still reference, one of them becomes its owner
 // (size() grows by the block, and the materialize hook runs). Snapshots keep the pool alive

@@ -21,10 +21,11 @@ struct Layout {
   std::array<int64_t, kMaxAxes> destination;
 };
 
-// Drops unit axes and merges neighbours that are contiguous in both layouts.
-Layout collapse(const int64_t* destination_strides, const int64_t* source_strides,
-                const int64_t* shape, int ndim) {
-  Layout out;
+// Drops unit axes and merges neighbours that are contiguous in both layouts, into `out` (filled
+// in place: its unwritten entries are never copied).
+void collapse(const int64_t* destination_strides, const int64_t* source_strides,
+              const int64_t* shape, int ndim, Layout& out) {
+  out.ndim = 0;
   for (int axis = 0; axis < ndim; ++axis) {
     if (shape[axis] == 1) continue;
     if (out.ndim > 0) {
@@ -42,7 +43,6 @@ Layout collapse(const int64_t* destination_strides, const int64_t* source_stride
     out.destination[out.ndim] = destination_strides[axis];
     ++out.ndim;
   }
-  return out;
 }
 
 }  // namespace
@@ -53,7 +53,8 @@ int64_t strided_copy(void* destination, const int64_t* destination_strides, cons
   for (int axis = 0; axis < ndim; ++axis) {
     if (shape[axis] == 0) return 0;
   }
-  Layout layout = collapse(destination_strides, source_strides, shape, ndim);
+  Layout layout;
+  collapse(destination_strides, source_strides, shape, ndim, layout);
   auto* out = static_cast<char*>(destination);
   const auto* in = static_cast<const char*>(source);
 

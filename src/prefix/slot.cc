@@ -38,7 +38,7 @@ std::shared_ptr<SessionState> Slot::begin(std::span<const int32_t> prompt, Prefi
   try {
     live_.switch_to(match.path, plan, live.shared);
   } catch (...) {
-    live_.reset();
+    abandon();  // the caches reset, and the trie back within its budget (their copies out)
     throw;
   }
   live_.set_tokens(prompt.subspan(0, static_cast<size_t>(plan.target)));
