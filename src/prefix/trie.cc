@@ -285,39 +285,35 @@ Node& Trie::add_child(Node& parent, std::vector<int32_t> edge, std::vector<Snaps
   return added;
 }
 
-void Trie::count_bytes(const Node& node, int64_t& total) const {
-  for (const SnapshotPtr& s : node.snapshots) {
-    if (s != nullptr) total += s->size();
-  }
-  for (const auto& c : node.children) count_bytes(*c, total);
-}
-
 int64_t Trie::recount_bytes() const {
+  std::vector<const Node*> nodes{&root_};
+  preorder(nodes);
   int64_t total = 0;
-  count_bytes(root_, total);
+  for (const Node* node : nodes) {
+    for (const SnapshotPtr& s : node->snapshots) {
+      if (s != nullptr) total += s->size();
+    }
+  }
   return total;
 }
 
-void Trie::dump(const Node& node, int depth, std::string& out) const {
-  if (&node != &root_) {
-    std::string tokens;
-    for (size_t i = 0; i < node.edge.size() && i < 6; ++i)
-      tokens += fmt::format(" {}", node.edge[i]);
-    if (node.edge.size() > 6) tokens += " ...";
-    std::string layers;
-    for (const SnapshotPtr& s : node.snapshots) {
-      layers += s == nullptr ? " -" : s->is_lazy() ? " lazy" : fmt::format(" {}B", s->size());
-    }
-    out += fmt::format("{:{}}[{}, {}){}{} |{} | used {}\n", "", 2 * (depth - 1), node.start(),
-                       node.end, tokens, node.user ? " user" : "", layers, node.last_used);
-  } else {
+void Trie::dump_node(const Node& node, int depth, std::string& out) const {
+  if (&node == &root_) {
     out += fmt::format("root: {} nodes, {} bytes paged out\n", node_count_, bytes());
+    return;
   }
-  for (const auto& c : node.children) dump(*c, depth + 1, out);
+  std::string tokens;
+  for (size_t i = 0; i < node.edge.size() && i < 6; ++i) tokens += fmt::format(" {}", node.edge[i]);
+  if (node.edge.size() > 6) tokens += " ...";
+  std::string layers;
+  for (const SnapshotPtr& s : node.snapshots) {
+    layers += s == nullptr ? " -" : s->is_lazy() ? " lazy" : fmt::format(" {}B", s->size());
+  }
+  out += fmt::format("{:{}}[{}, {}){}{} |{} | used {}\n", "", 2 * (depth - 1), node.start(),
+                     node.end, tokens, node.user ? " user" : "", layers, node.last_used);
 }
 
-void Trie::check_node(const Node& node, std::string& problem) const {
-  if (!problem.empty()) return;
+void Trie::check_children(const Node& node, std::string& problem) const {
   std::vector<int32_t> firsts;
   for (const auto& c : node.children) {
     const Node& child = *c;
@@ -350,13 +346,19 @@ void Trie::check_node(const Node& node, std::string& problem) const {
       }
       if (!problem.empty()) return;
     }
-    check_node(child, problem);
   }
 }
 
 std::string Trie::check_invariants() const {
   std::string problem;
-  check_node(root_, problem);
+  {
+    std::vector<const Node*> all{&root_};
+    preorder(all);
+    for (const Node* node : all) {
+      check_children(*node, problem);
+      if (!problem.empty()) break;
+    }
+  }
   int64_t total = recount_bytes();
   if (problem.empty() && total != bytes()) {
     problem =
@@ -383,8 +385,28 @@ std::string Trie::check_invariants() const {
 
 std::string Trie::debug_string() const {
   std::string out;
-  dump(root_, 0, out);
+  // Depth-first, children in order, without recursing (a trie may be as deep as it has nodes).
+  std::vector<std::pair<const Node*, int>> stack{{&root_, 0}};
+  while (!stack.empty()) {
+    const auto [node, depth] = stack.back();
+    stack.pop_back();
+    dump_node(*node, depth, out);
+    for (auto it = node->children.rbegin(); it != node->children.rend(); ++it)
+      stack.emplace_back(it->get(), depth + 1);
+  }
   return out;
+}
+
+Node::~Node() {
+  snapshots.clear();  // before its children's, as the members' own order would have it
+  std::vector<std::unique_ptr<Node>> pending = std::move(children);
+  while (!pending.empty()) {
+    std::unique_ptr<Node> node = std::move(pending.back());
+    pending.pop_back();
+    if (node == nullptr) continue;  // moved out (a merge takes the only child before)
+    for (auto& child : node->children) pending.push_back(std::move(child));
+    node->children.clear();
+  }  // each node goes (its snapshots with it) once its children are pending
 }
 
 }  // namespace kvsnap::detail

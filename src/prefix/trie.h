@@ -31,6 +31,14 @@ struct Node {
   int64_t last_used = 0;
   bool user = false;
 
+  Node() = default;
+  Node(const Node&) = delete;
+  Node& operator=(const Node&) = delete;
+  // Frees the subtree without recursing (a trie may be a chain as deep as it has nodes: every
+  // restore point of a long conversation, or a file's): each node's snapshots before its
+  // children's, as a recursive destruction would.
+  ~Node();
+
   int64_t start() const { return end - static_cast<int64_t>(edge.size()); }
 };
 
@@ -107,7 +115,8 @@ class Trie {
   std::string check_invariants() const;
 
  private:
-  void check_node(const Node& node, std::string& problem) const;
+  // Checks node's children (not further down).
+  void check_children(const Node& node, std::string& problem) const;
   void attach(Node& node, size_t layer, SnapshotPtr snapshot);
   SnapshotPtr detach(Node& node, size_t layer);
   // Joins a non-user node with its only child when no whole-state snapshot (a restore point)
@@ -115,8 +124,7 @@ class Trie {
   void merge_into_child(Node& node, const std::function<bool(const Node&)>& keep);
   Node* child(Node& node, int32_t first);
   SnapshotPtr drop_front(size_t layer, SnapshotPtr snapshot, int64_t at);
-  void dump(const Node& node, int depth, std::string& out) const;
-  void count_bytes(const Node& node, int64_t& total) const;
+  void dump_node(const Node& node, int depth, std::string& out) const;
   // The leaves, in eviction order; every change to a node's children, user flag or last use
   // goes through these two.
   void unindex(Node& node);

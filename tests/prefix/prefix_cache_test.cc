@@ -1,5 +1,8 @@
 #include <gtest/gtest.h>
 #include <kvsnap/prefix_cache.h>
+#include <pthread.h>
+
+#include <functional>
 
 #include "support/conversation.h"
 #include "support/recurrent_support.h"
@@ -465,6 +468,50 @@ TEST(PrefixCacheFailures, ABeginOrCloseThatFailsMidwayLeavesTheSlotUsable) {
   layer.forward(inner, testing::id_range(0, 5));
   again.close();
   EXPECT_EQ(prefix.begin(prompt).cached(), 4);  // the trie holds the prompt (less one token)
+}
+
+// A trie as deep as it has nodes (a restore point at every token of a long prompt) is checked,
+// printed and freed without recursing: here on a thread with a small stack, where a recursion
+// per level would overflow it.
+TEST(PrefixCacheDepth, ADeepTrieIsWalkedAndFreedWithoutRecursing) {
+  constexpr int64_t kDepth = 4000;
+  auto cache = std::make_unique<KVCache>();
+  auto prefix = std::make_unique<PrefixCache>(std::vector<Cache*>{cache.get()});
+  std::vector<int32_t> prompt(kDepth + 1);
+  for (int64_t i = 0; i <= kDepth; ++i) prompt[static_cast<size_t>(i)] = static_cast<int32_t>(i);
+  {
+    PrefixCache::Session session = prefix->begin(prompt);
+    std::vector<int64_t> every(kDepth - 1);
+    for (int64_t i = 0; i < kDepth - 1; ++i) every[static_cast<size_t>(i)] = i + 1;
+    session.schedule_snapshots(every);
+    testing::write(*cache, testing::TokenKV{}, testing::id_range(0, kDepth + 1));
+    session.prefill_done();
+  }
+  ASSERT_GE(prefix->node_count(), kDepth - 1);
+  std::string problem = "not run";
+  size_t printed = 0;
+  std::function<void()> walk = [&] {
+    problem = prefix->check_invariants();
+    printed = prefix->debug_string().size();
+    prefix.reset();
+  };
+  pthread_attr_t attributes;
+  pthread_attr_init(&attributes);
+  pthread_attr_setstacksize(&attributes, size_t{256} << 10);
+  pthread_t small;
+  ASSERT_EQ(pthread_create(
+                &small, &attributes,
+                [](void* f) -> void* {
+                  (*static_cast<std::function<void()>*>(f))();
+                  return nullptr;
+                },
+                &walk),
+            0);
+  pthread_join(small, nullptr);
+  pthread_attr_destroy(&attributes);
+  EXPECT_EQ(problem, "");
+  EXPECT_GT(printed, 0u);
+  EXPECT_EQ(prefix, nullptr);
 }
 
 }  // namespace
