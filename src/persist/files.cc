@@ -293,8 +293,11 @@ uint64_t loadable_bytes() {
 }
 
 FileDescriptor create_private_file(const std::string& path, const std::string& call) {
-  // Not O_TRUNC: whatever is there is checked before anything in it changes.
-  FileDescriptor file(::open(path.c_str(), O_WRONLY | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600));
+  // Not O_TRUNC: whatever is there is checked before anything in it changes. O_NONBLOCK: a FIFO
+  // planted at the name would block the open until someone read it (now it fails, or opens and
+  // is refused below as not a regular file); it changes nothing for a regular file.
+  FileDescriptor file(
+      ::open(path.c_str(), O_WRONLY | O_CREAT | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK, 0600));
   if (file.get() < 0) {
     throw Error(
         fmt::format("{}: cannot open {} for writing ({})", call, path, std::strerror(errno)));

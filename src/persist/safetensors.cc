@@ -158,6 +158,15 @@ std::string describe_json(const Json& value) {
 }
 
 const Array& SafetensorsFile::at(const std::string& name, const char* context) const {
+  if (index.size() == tensors.size()) {
+    const auto found = index.find(name);
+    if (found != index.end() && found->second < tensors.size() &&
+        tensors[found->second].first == name) {
+      return tensors[found->second].second;
+    }
+    if (found == index.end())
+      throw Error(fmt::format("{}: tensor \"{}\" is missing", context, name));
+  }
   for (const auto& [key, array] : tensors) {
     if (key == name) return array;
   }
@@ -349,6 +358,8 @@ SafetensorsFile decode_safetensors(const std::string& bytes, const std::string& 
   std::vector<std::pair<std::string, Array>> sorted;
   for (size_t i : order) sorted.push_back(std::move(file.tensors[i]));
   file.tensors = std::move(sorted);
+  file.index.reserve(file.tensors.size());
+  for (size_t i = 0; i < file.tensors.size(); ++i) file.index.emplace(file.tensors[i].first, i);
   return file;
 }
 

@@ -9,6 +9,7 @@
 #include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -23,6 +24,10 @@ size_t utf8_length(std::string_view text, size_t at);
 struct SafetensorsFile {
   std::vector<std::pair<std::string, Array>> tensors;  // in file order
   std::map<std::string, std::string> metadata;
+  // Tensor name -> index in `tensors`, as decode_safetensors leaves them: at() in constant time
+  // (a file of N tensors read by name would otherwise cost N^2 / 2 comparisons). Used only while
+  // it covers every tensor; a file assembled by hand is searched.
+  std::unordered_map<std::string, size_t> index;
 
   // The tensor named `name`; throws Error naming `context` when absent.
   const Array& at(const std::string& name, const char* context) const;

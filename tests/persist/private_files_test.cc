@@ -251,6 +251,19 @@ TEST(PrivateFiles, AFifoIsRefusedWithoutWaitingForAWriter) {
   fs::remove_all(dir);
 }
 
+// A FIFO planted where a save writes its temporary (a predictable name in a shared folder) is
+// refused without waiting for a reader, as a load refuses one.
+TEST(PrivateFiles, AFifoAtAFileBeingWrittenIsRefusedWithoutWaitingForAReader) {
+  const fs::path dir = private_scratch("fifo_write");
+  const fs::path fifo = dir / "s.safetensors.tmp-1-0";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  ::alarm(10);  // an open that waits for a reader would wait forever: end the test instead
+  EXPECT_TRUE(throws_error([&] { (void)detail::create_private_file(fifo.string(), "save"); },
+                           {"save: cannot open", "for writing"}));
+  ::alarm(0);
+  fs::remove_all(dir);
+}
+
 // Trusting a shared folder trusts its writers' files, not whatever they plant: a FIFO (a read
 // would wait for a writer forever) or a link to a device (/dev/zero: a read that never ends)
 // is refused without blocking, by the loaders and by PrefixCache::saved_in.

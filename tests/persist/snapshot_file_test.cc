@@ -1,3 +1,4 @@
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <kvsnap/kvsnap.h>
 #include <signal.h>
@@ -119,6 +120,29 @@ TEST(Safetensors, TensorsAfterAnOddSizedHalfPrecisionOneRoundTrip) {
     ASSERT_EQ(b.dtype(), a.dtype());
     EXPECT_EQ(b.to_floats(), a.to_floats()) << file.tensors[i].first;
   }
+}
+
+// A decoded file is read by name through an index of its tensors (one lookup each, not a search
+// of all of them: a file of many tensors read in full would otherwise cost N^2 / 2 comparisons);
+// a name it does not hold is missing; a file assembled by hand, without the index, is searched.
+TEST(Safetensors, ADecodedFileIsReadByNameThroughAnIndex) {
+  detail::SafetensorsFile file;
+  constexpr int kTensors = 1000;
+  for (int i = 0; i < kTensors; ++i) {
+    file.tensors.emplace_back(fmt::format("t{}", i),
+                              Array::from_ints(std::vector<int32_t>{i}, {1}));
+  }
+  EXPECT_EQ(file.at("t7", "test").to_floats(), std::vector<float>{7});  // searched
+  const detail::SafetensorsFile back =
+      detail::decode_safetensors(detail::encode_safetensors(file), "test");
+  ASSERT_EQ(back.index.size(), back.tensors.size());
+  for (int i = 0; i < kTensors; ++i) {
+    const std::string name = fmt::format("t{}", i);
+    ASSERT_EQ(back.tensors[back.index.at(name)].first, name);
+    ASSERT_EQ(back.at(name, "test").to_floats(), std::vector<float>{static_cast<float>(i)});
+  }
+  EXPECT_TRUE(testing::throws_error([&] { (void)back.at("t1000", "test"); },
+                                    {"test: tensor \"t1000\" is missing"}));
 }
 
 TEST(SnapshotFile, OwnedAndWrappedSnapshotsRoundTrip) {
