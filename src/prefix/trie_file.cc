@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -192,14 +193,22 @@ class TrieDecoder {
     return value;
   }
 
+  // An integer JSON number an int64_t holds (nlohmann's get<int64_t> would wrap a larger
+  // unsigned one: 2^64 - 1 read as -1).
+  static bool int64_number(const Json& v) {
+    return v.is_number_integer() &&
+           !(v.is_number_unsigned() &&
+             v.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()));
+  }
+
   LoadedNode node(size_t n, const Json& e) {
     const auto field = [&](const char* key) -> const Json& {
       if (!e.is_object() || !e.contains(key))
         throw fail(fmt::format("node {} lacks \"{}\"", n, key));
       return e[key];
     };
-    if (!field("parent").is_number_integer() || !field("length").is_number_unsigned() ||
-        !field("user").is_boolean() || !field("used").is_number_integer() ||
+    if (!int64_number(field("parent")) || !field("length").is_number_unsigned() ||
+        !field("user").is_boolean() || !int64_number(field("used")) ||
         !field("snapshots").is_array()) {
       throw fail(fmt::format("node {} has fields of the wrong type", n));
     }
@@ -257,7 +266,7 @@ class TrieDecoder {
     const std::string expected =
         layers_[i].cache == nullptr ? "none" : describe(layers_[i])["kind"].get<std::string>();
     if (!s.is_object() || !s.contains("kind") || s["kind"] != expected || !s.contains("from") ||
-        !s.contains("to") || !s["from"].is_number_integer() || !s["to"].is_number_integer()) {
+        !s.contains("to") || !int64_number(s["from"]) || !int64_number(s["to"])) {
       throw fail(fmt::format("node {} layer {}: snapshot {} does not fit a {} layer", n, i,
                              describe_json(s), expected));
     }

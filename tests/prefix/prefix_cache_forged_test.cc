@@ -8,6 +8,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 
 #include "persist/files.h"
@@ -21,7 +22,6 @@ using Json = nlohmann::json;
 using testing::HybridStack;
 using testing::throws_error;
 using testing::warm_up;
-
 
 std::string read(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -165,6 +165,23 @@ TEST_F(ForgedTrie, TheClockIsParsedStrictly) {
   PrefixCache cache(stack.layers());
   cache.load(dir_, "m");
   EXPECT_EQ(cache.check_invariants(), "");
+}
+
+// Integers past int64 are refused, not wrapped: a parent of 2^64 - 1 would read as -1 (the root)
+// and a snapshot "to" of 2^63 as a negative offset.
+TEST_F(ForgedTrie, IntegersPastInt64AreRefusedNotWrapped) {
+  const Json original = nodes_;
+  size_t child = 0;  // a node whose parent is the root
+  while (child < nodes_.size() && nodes_[child]["parent"].get<int64_t>() != -1) ++child;
+  ASSERT_LT(child, nodes_.size());
+  nodes_[child]["parent"] = std::numeric_limits<uint64_t>::max();
+  rewrite();
+  const std::string named = "node " + std::to_string(child) + " has fields of the wrong type";
+  expect_rejected({"prefix_cache.safetensors", named.c_str()});
+  nodes_ = original;
+  nodes_[0]["snapshots"][0]["to"] = uint64_t{1} << 63;
+  rewrite();
+  expect_rejected({"prefix_cache.safetensors", "node 0 layer 0", "does not fit"});
 }
 
 // A file far larger than the machine's memory (sparse: it takes no disk) is refused before a
