@@ -53,6 +53,10 @@ int64_t check_update(const Batch& batch, const Array& keys, const Array& values,
     throw Error(fmt::format("{}: keys {} and values {} do not fit a batch of {} rows x {} tokens",
                             call, keys.describe(), values.describe(), rows, length));
   }
+  if (k[1] < 1 || k[3] < 1 || v[3] < 1) {
+    throw Error(fmt::format("{}: keys {} and values {}: heads and depths must be >= 1", call,
+                            keys.describe(), values.describe()));
+  }
   const int32_t query = batch.seq_query_lens[0];
   for (int64_t row = 0; row < rows; ++row) {
     if (batch.seq_offsets[row] != offset || batch.seq_query_lens[row] != query) {

@@ -45,6 +45,9 @@ SnapshotPtr make_snapshot(SnapshotRecord record, const std::string& context) {
           a.dim(1) != b.dim(1) || a.dim(2) != b.dim(2)) {
         throw fail("keys and values must be float [B, H, T, D] with equal B, H and T");
       }
+      if (a.dim(0) < 1 || a.dim(1) < 1 || a.dim(3) < 1 || b.dim(3) < 1) {
+        throw fail("B, H, D and Dv must be >= 1");
+      }
       if (record.kind == SnapshotRecord::Kind::kv) {
         if (record.from < 0 || a.dim(2) == 0 || record.to - record.from != a.dim(2)) {
           throw fail(fmt::format("range [{}, {}) does not hold {} tokens (> 0)", record.from,

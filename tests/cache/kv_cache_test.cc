@@ -560,6 +560,29 @@ TEST(KVCacheErrors, BadUpdatesThrowAndChangeNothing) {
   EXPECT_EQ(held(cache), id_range(0, 5));
 }
 
+// Keys and values without a head or a depth hold nothing a query can attend to: refused by a
+// write and by a snapshot made from a record (a file's), not adopted as a cache's layout.
+TEST(KVCacheErrors, ZeroHeadsOrDepthsAreRefused) {
+  const Shape shapes[] = {{1, 0, 2, 4}, {1, 2, 2, 0}};
+  for (const Shape& shape : shapes) {
+    KVCache cache;
+    PagedKVCache paged;
+    const Array keys = Array::zeros(DType::f32, shape);
+    const Array values = Array::zeros(DType::f32, {1, shape[1], 2, 4});
+    for (Attention* layer : std::initializer_list<Attention*>{&cache, &paged}) {
+      EXPECT_TRUE(throws_error([&] { (void)layer->update(Batch::uniform(1, 2, 0), keys, values); },
+                               {"::update", "heads and depths must be >= 1"}));
+      EXPECT_TRUE(layer->sequences().empty());
+    }
+    EXPECT_TRUE(throws_error(
+        [&] {
+          (void)detail::make_snapshot({detail::SnapshotRecord::Kind::kv, keys, values, 0, 2},
+                                      "load");
+        },
+        {"load", "B, H, D and Dv must be >= 1"}));
+  }
+}
+
 TEST(KVCacheErrors, MisusedSnapshotsThrow) {
   KVCache cache;
   write(cache, kv, id_range(0, 6));
