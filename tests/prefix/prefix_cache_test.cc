@@ -5,6 +5,7 @@
 #include <functional>
 
 #include "support/conversation.h"
+#include "support/delegating_cache.h"
 #include "support/recurrent_support.h"
 #include "support/test_support.h"
 
@@ -408,19 +409,14 @@ TEST_F(PrefixCacheTest, DebugStringShowsTheTrie) {
 }
 
 // A recurrent cache that runs out of memory on demand: when scheduling captures, or taking them.
-class RunsOut final : public Cache {
+class RunsOut final : public testing::DelegatingCache {
  public:
-  explicit RunsOut(RecurrentCache& inner) : inner_(inner) {}
+  using DelegatingCache::DelegatingCache;
   bool fail_prepare = false, fail_take = false;
-  std::vector<Array> state() const override { return inner_.state(); }
-  void reset() override { inner_.reset(); }
-  int64_t offset() const override { return inner_.offset(); }
-  SnapshotPtr snapshot(int64_t from) override { return inner_.snapshot(from); }
   void prepare_snapshots(std::span<const int64_t> o) override {
     if (fail_prepare) throw std::bad_alloc();
     inner_.prepare_snapshots(o);
   }
-  void cancel_snapshots() override { inner_.cancel_snapshots(); }
   std::vector<SnapshotPtr> take_snapshots() override {
     if (fail_take) throw std::bad_alloc();
     return inner_.take_snapshots();
@@ -429,18 +425,6 @@ class RunsOut final : public Cache {
     if (fail_take) throw std::bad_alloc();
     return inner_.take_reached_snapshots();
   }
-  bool restore(Snapshot* s, int64_t target) override { return inner_.restore(s, target); }
-  SnapshotPtr merge(SnapshotPtr a, SnapshotPtr b) override {
-    return inner_.merge(std::move(a), std::move(b));
-  }
-  std::pair<SnapshotPtr, SnapshotPtr> split(SnapshotPtr s, int64_t at) override {
-    return inner_.split(std::move(s), at);
-  }
-  CopyStats copy_stats() const override { return inner_.copy_stats(); }
-  RestoreRule restore_rule() const override { return inner_.restore_rule(); }
-
- private:
-  RecurrentCache& inner_;
 };
 
 // A begin or close that fails midway (out of memory scheduling or taking captures) ends its
