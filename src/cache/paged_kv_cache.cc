@@ -340,7 +340,8 @@ std::vector<Array> PagedKVCache::state(SeqId seq) const {
   return {contiguous.keys(), contiguous.values()};
 }
 
-// The pool keeps its blocks for the next writes (a new layout replaces them: PagedSequence::adopt).
+// The pool keeps its blocks for the next writes (another layout replaces them:
+// PagedSequence::adopt).
 void PagedKVCache::reset() {
   const Guard guard(impl_->pool->lock);
   impl_->sequences.for_each([](SeqId, detail::PagedSequence& s) {
