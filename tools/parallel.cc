@@ -14,12 +14,6 @@
 namespace kvsnap::tools {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
 int64_t common_prefix(std::span<const int32_t> a, std::span<const int32_t> b) {
   const auto [end_a, end_b] = std::mismatch(a.begin(), a.end(), b.begin(), b.end());
   return end_a - a.begin();

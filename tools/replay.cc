@@ -21,8 +21,6 @@
 namespace kvsnap::tools {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
 int64_t common_prefix(const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
   const size_t n = std::min(a.size(), b.size());
   size_t i = 0;
@@ -163,7 +161,7 @@ void run_request(const Request& request, const std::vector<int32_t>& prompt,
   result.evaluated = static_cast<int64_t>(remaining.size());
   result.reused = result.prompt_tokens - result.evaluated;
   Array logits = model.forward(remaining, layers);
-  result.ttft_seconds = std::chrono::duration<double>(Clock::now() - request_start).count();
+  result.ttft_seconds = since(request_start);
   if (session) session->prefill_done();
   for (int64_t step = 0; step < request.max_tokens; ++step) {
     const float* row = logits.data<float>();
@@ -197,7 +195,7 @@ void run_requests(const Workload& workload, const Model& model, const std::vecto
   std::vector<std::vector<int32_t>> prompts;
   std::map<std::string, double> finished;  // by id: seconds into the run
   const auto start = Clock::now();
-  const auto now = [&] { return std::chrono::duration<double>(Clock::now() - start).count(); };
+  const auto now = [&] { return since(start); };
   for (size_t index = 0; index < workload.requests.size(); ++index) {
     const Request& request = workload.requests[index];
     const double could_start =
@@ -217,7 +215,7 @@ void run_requests(const Workload& workload, const Model& model, const std::vecto
     run.requests.push_back(std::move(result));
     options.progress(index + 1, workload.requests.size());
   }
-  run.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  run.seconds = since(start);
   measure_ideals(prompts, run.requests);
 }
 

@@ -2,6 +2,7 @@
 // without, greedy-decoding every reply, and the figures that compare the two runs.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -103,6 +104,12 @@ void measure_ideals(const std::vector<std::vector<int32_t>>& prompts,
 // (minimum_prompt_lengths) plus max_tokens exceeds `context_length`. Linear in the number of
 // requests; renders nothing.
 void check_context_length(const Workload& workload, int64_t context_length);
+
+// The clock the tools time runs with, and seconds on it from `start` to now.
+using Clock = std::chrono::steady_clock;
+inline double since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
 
 // The file PrefixCache::save writes in its folder.
 inline constexpr const char* kSavedCacheFile = "prefix_cache.safetensors";

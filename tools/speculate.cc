@@ -7,15 +7,6 @@
 #include <nlohmann/json.hpp>
 
 namespace kvsnap::tools {
-namespace {
-
-using Clock = std::chrono::steady_clock;
-
-double since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-}  // namespace
 
 PromptLookup::PromptLookup(int64_t max_ngram, int64_t min_ngram)
     : max_ngram_(max_ngram), min_ngram_(min_ngram) {

@@ -25,7 +25,6 @@ namespace {
 
 using decode::for_each_span;
 using decode::Lookahead;
-using decode::Piece;
 using decode::weigh_tail;
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -235,7 +234,7 @@ constexpr std::array<ByKey, sizeof...(M)> by_key(std::index_sequence<M...>) {
 // caches.
 template <int T, bool Fetch>
 [[gnu::target("avx512f,fma")]] inline void weigh_avx512_tile(const float* const* w,
-                                                             const Piece* pieces, size_t n,
+                                                             const decode::Piece* pieces, size_t n,
                                                              int64_t stride, int64_t v0,
                                                              float* const* out, Lookahead& ahead) {
   __m512 lo[T], hi[T];
@@ -268,8 +267,9 @@ template <int T, bool Fetch>
 
 template <int T>
 [[gnu::target("avx512f,fma")]] void weigh_tile(bool fetch, const float* const* w,
-                                               const Piece* pieces, size_t n, int64_t stride,
-                                               int64_t v0, float* const* out, Lookahead& ahead) {
+                                               const decode::Piece* pieces, size_t n,
+                                               int64_t stride, int64_t v0, float* const* out,
+                                               Lookahead& ahead) {
   if (fetch) return weigh_avx512_tile<T, true>(w, pieces, n, stride, v0, out, ahead);
   weigh_avx512_tile<T, false>(w, pieces, n, stride, v0, out, ahead);
 }
@@ -282,7 +282,7 @@ template <int T>
                                                  float* const* out) {
   const int64_t wide = value_depth / 32 * 32;
   Lookahead ahead(runs, n_runs, stride, value_depth);
-  for_each_span(runs, n_runs, stride, [&](const Piece* span, size_t pieces) {
+  for_each_span(runs, n_runs, stride, [&](const decode::Piece* span, size_t pieces) {
     for (int64_t v0 = 0; v0 < wide; v0 += 32) {
       int64_t i = 0;
       for (; i + 8 <= m; i += 8) {

@@ -17,7 +17,7 @@ namespace {
 using detail::SnapshotRecord;
 using Json = nlohmann::json;
 
-constexpr const char* kFormat = "kvsnap-snapshots";
+constexpr const char* kSnapshotsFormat = "kvsnap-snapshots";
 // Written as a string; files of other versions are refused. 2: the checksum covers every byte
 // of the file, rotating snapshots record their window.
 constexpr int kVersion = 2;
@@ -63,7 +63,7 @@ std::string offset_problem(const SnapshotRecord& record, int64_t offset) {
 std::string encode_snapshots(int64_t offset, std::span<const Snapshot* const> snapshots) {
   if (offset < 0) throw Error(fmt::format("save_snapshots: offset {} must be >= 0", offset));
   detail::SafetensorsFile file;
-  file.metadata["format"] = kFormat;
+  file.metadata["format"] = kSnapshotsFormat;
   file.metadata["version"] = std::to_string(kVersion);
   file.metadata["offset"] = std::to_string(offset);
   file.metadata["layers"] = std::to_string(snapshots.size());
@@ -116,8 +116,8 @@ LoadedSnapshots decode(const std::string& bytes, const std::string& source) {
     if (it == file.metadata.end()) throw fail(fmt::format("metadata \"{}\" is missing", key));
     return it->second;
   };
-  if (meta("format") != kFormat) {
-    throw fail(fmt::format("format \"{}\" is not {}", meta("format"), kFormat));
+  if (meta("format") != kSnapshotsFormat) {
+    throw fail(fmt::format("format \"{}\" is not {}", meta("format"), kSnapshotsFormat));
   }
   if (meta("version") != std::to_string(kVersion)) {
     throw fail(fmt::format("version \"{}\" is unknown (this build reads version {})",

@@ -13,7 +13,7 @@
 namespace kvsnap::detail {
 namespace {
 
-constexpr const char* kFormat = "kvsnap-tier";
+constexpr const char* kObjectFormat = "kvsnap-tier";
 
 const char* kind_name(ObjectSpec::Kind kind) {
   return kind == ObjectSpec::Kind::chunk ? "chunk" : "point";
@@ -69,7 +69,7 @@ std::string encode_object(const std::string& key, const std::string& root_hex,
                           const ObjectSpec& spec,
                           const std::vector<std::optional<ObjectPart>>& parts) {
   SafetensorsFile file;
-  file.metadata["format"] = kFormat;
+  file.metadata["format"] = kObjectFormat;
   file.metadata["version"] = std::to_string(kTierFormatVersion);
   file.metadata["key"] = key;
   file.metadata["root"] = root_hex;
@@ -102,8 +102,9 @@ void check_header(const std::string& bytes, const SafetensorsFile& file, const s
     }
     return it->second;
   };
-  if (meta("format") != kFormat) {
-    throw ObjectRejected(fmt::format("format \"{}\" is not {}", meta("format"), kFormat), false);
+  if (meta("format") != kObjectFormat) {
+    throw ObjectRejected(fmt::format("format \"{}\" is not {}", meta("format"), kObjectFormat),
+                         false);
   }
   if (meta("version") != std::to_string(kTierFormatVersion)) {
     throw ObjectRejected(fmt::format("version \"{}\" is not the version this build reads ({})",

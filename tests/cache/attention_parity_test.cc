@@ -11,7 +11,7 @@
 #include "support/cache_support.h"
 #include "support/test_support.h"
 
-namespace kvsnap {
+namespace kvsnap::attention_parity_test {
 namespace {
 
 using testing::all_close;
@@ -177,4 +177,4 @@ TEST(AttentionParity, RotatingCacheOverLongDecodeAfterPrefill) {
 }
 
 }  // namespace
-}  // namespace kvsnap
+}  // namespace kvsnap::attention_parity_test

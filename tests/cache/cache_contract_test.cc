@@ -11,7 +11,7 @@
 #include "support/recurrent_support.h"
 #include "support/test_support.h"
 
-namespace kvsnap {
+namespace kvsnap::cache_contract_test {
 namespace {
 
 using testing::id_range;
@@ -400,4 +400,4 @@ TYPED_TEST(CacheContract, ViewRefusesABatchUpdateWouldRefuse) {
 }
 
 }  // namespace
-}  // namespace kvsnap
+}  // namespace kvsnap::cache_contract_test

@@ -13,7 +13,7 @@
 #include "support/cache_support.h"
 #include "support/memory_limit.h"
 
-namespace kvsnap {
+namespace kvsnap::cache_memory_test {
 namespace {
 
 using testing::column_ids;
@@ -145,4 +145,4 @@ TEST(CacheMemory, RecurrentCacheDestroyedOutOfMemoryKeepsSnapshotsWhole) {
 }
 
 }  // namespace
-}  // namespace kvsnap
+}  // namespace kvsnap::cache_memory_test

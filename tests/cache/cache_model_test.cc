@@ -14,7 +14,7 @@
 #include "support/recurrent_support.h"
 #include "support/test_support.h"
 
-namespace kvsnap {
+namespace kvsnap::cache_model_test {
 namespace {
 
 using testing::all_close;
@@ -491,4 +491,4 @@ TEST(CacheModel, RotatingKVCacheMatchesTheReference) {
 TEST(CacheModel, RecurrentCacheMatchesTheReference) { run_many<RecurrentModel>(1000, 40); }
 
 }  // namespace
-}  // namespace kvsnap
+}  // namespace kvsnap::cache_model_test

@@ -21,7 +21,7 @@
 #include "persist/safetensors.h"
 #include "support/cache_support.h"
 
-namespace kvsnap {
+namespace kvsnap::cache_threads_test {
 namespace {
 
 using testing::column_ids;
@@ -156,4 +156,4 @@ TEST(CacheThreads, SnapshotsSavedWhileTheirSequencesAreWrittenHoldTheirTokens) {
 }
 
 }  // namespace
-}  // namespace kvsnap
+}  // namespace kvsnap::cache_threads_test

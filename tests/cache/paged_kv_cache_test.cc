@@ -11,7 +11,7 @@
 #include "support/cache_support.h"
 #include "support/test_support.h"
 
-namespace kvsnap {
+namespace kvsnap::paged_kv_cache_test {
 namespace {
 
 using testing::column_ids;
@@ -428,4 +428,4 @@ TEST(PagedLayout, ASnapshotOfSeveralRowsIsRefusedAndFixesNoLayout) {
 }
 
 }  // namespace
-}  // namespace kvsnap
+}  // namespace kvsnap::paged_kv_cache_test

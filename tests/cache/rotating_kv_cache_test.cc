@@ -4,7 +4,7 @@
 #include "support/cache_support.h"
 #include "support/test_support.h"
 
-namespace kvsnap {
+namespace kvsnap::rotating_kv_cache_test {
 namespace {
 
 using testing::id_range;
@@ -375,4 +375,4 @@ TEST(RotatingKVCacheErrors, MisuseThrowsAndChangesNothing) {
 }
 
 }  // namespace
-}  // namespace kvsnap
+}  // namespace kvsnap::rotating_kv_cache_test

@@ -17,7 +17,7 @@
 #include "support/recurrent_support.h"
 #include "support/test_support.h"
 
-namespace kvsnap {
+namespace kvsnap::forged_files_test {
 namespace {
 
 using testing::id_range;
@@ -162,4 +162,4 @@ TEST(ForgedFiles, AnOffsetALayerCannotRestoreIsRefused) {
 }
 
 }  // namespace
-}  // namespace kvsnap
+}  // namespace kvsnap::forged_files_test

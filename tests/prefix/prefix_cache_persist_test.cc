@@ -7,7 +7,7 @@
 
 #include "support/conversation.h"
 
-namespace kvsnap {
+namespace kvsnap::prefix_cache_persist_test {
 namespace {
 
 using testing::HybridStack;
@@ -214,4 +214,4 @@ TEST(PrefixCachePersist, AnEmptyTrieRoundTrips) {
 }
 
 }  // namespace
-}  // namespace kvsnap
+}  // namespace kvsnap::prefix_cache_persist_test

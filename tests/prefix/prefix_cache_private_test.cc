@@ -8,7 +8,7 @@
 #include "support/conversation.h"
 #include "support/private_support.h"
 
-namespace kvsnap {
+namespace kvsnap::prefix_cache_private_test {
 namespace {
 
 namespace fs = std::filesystem;
@@ -125,4 +125,4 @@ TEST(PrefixCachePrivate, AnotherUsersFolderOrFileIsRefusedUnlessShared) {
 }
 
 }  // namespace
-}  // namespace kvsnap
+}  // namespace kvsnap::prefix_cache_private_test

@@ -9,7 +9,7 @@
 #include "support/conversation.h"
 #include "support/test_support.h"
 
-namespace kvsnap {
+namespace kvsnap::prefix_cache_slots_test {
 namespace {
 
 using testing::HybridStack;
@@ -301,4 +301,4 @@ TEST(PrefixCacheSlots, RandomInterleavedSessionsEqualRecomputation) {
 }
 
 }  // namespace
-}  // namespace kvsnap
+}  // namespace kvsnap::prefix_cache_slots_test
