@@ -37,9 +37,6 @@ namespace {
 
 using Json = nlohmann::json;
 
-// Header lengths beyond this are corrupt: no kvsnap file has a header near this size.
-constexpr uint64_t kMaxHeader = uint64_t(100) << 20;
-
 const char* safetensors_dtype(DType dtype) {
   switch (dtype) {
     case DType::f32:
@@ -223,8 +220,87 @@ namespace {
 
 using Fail = std::function<Error(const std::string&)>;
 
+// What a header holds, counted in one pass that builds nothing (nlohmann's SAX interface), so
+// a header that would cost far more to parse than any file needs is refused first: parsed into
+// values, JSON takes several times its length (a forged 100 MiB header of `{}`s took 4 GB and
+// 20 s). A header holds tensor entries, each of at most 6 + Array::kMaxDims values (its object,
+// dtype, shape and its extents, data_offsets and its two), and metadata strings.
+class HeaderCount : public nlohmann::json_sax<Json> {
+ public:
+  static constexpr int64_t kMaxMetadata = 1024;
+  static constexpr int64_t kValuesPerEntry = 6 + Array::kMaxDims;
+  static constexpr int64_t kSpareValues = 64;  // small forgeries still get the detailed message
+
+  // Why the header `text` cannot be a safetensors header worth parsing; empty when it may be.
+  static std::string problem(std::string_view text) {
+    HeaderCount count;
+    if (!Json::sax_parse(text, &count) && count.problem_.empty()) count.problem_ = "is not valid";
+    if (!count.problem_.empty()) return count.problem_;
+    const int64_t most = kValuesPerEntry * count.entries_ + count.metadata_ + kSpareValues;
+    if (count.values_ > most) {
+      return fmt::format(
+          "holds {} JSON values, more than its {} tensor entries and {} metadata strings can "
+          "(at most {})",
+          count.values_, count.entries_, count.metadata_, most);
+    }
+    return {};
+  }
+
+  bool null() override { return value(); }
+  bool boolean(bool) override { return value(); }
+  bool number_integer(number_integer_t) override { return value(); }
+  bool number_unsigned(number_unsigned_t) override { return value(); }
+  bool number_float(number_float_t, const string_t&) override { return value(); }
+  bool string(string_t&) override { return value(); }
+  bool binary(binary_t&) override { return value(); }
+  bool start_object(std::size_t) override {
+    if (depth_ == 1 && next_is_metadata_) metadata_depth_ = 2;
+    return open();
+  }
+  bool key(string_t& name) override {
+    if (depth_ == 1) {
+      ++entries_;
+      next_is_metadata_ = name == "__metadata__";
+    } else if (depth_ == metadata_depth_ && ++metadata_ > kMaxMetadata) {
+      problem_ = fmt::format("has __metadata__ of more than {} members", kMaxMetadata);
+      return false;
+    }
+    return true;
+  }
+  bool end_object() override {
+    if (depth_ == metadata_depth_) metadata_depth_ = 0;
+    return close();
+  }
+  bool start_array(std::size_t) override { return open(); }
+  bool end_array() override { return close(); }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) override {
+    problem_ = fmt::format("is not valid JSON ({})", e.what());  // as parse_json says it
+    return false;
+  }
+
+ private:
+  bool value() {
+    ++values_;
+    return true;
+  }
+  bool open() {
+    ++depth_;
+    return value();
+  }
+  bool close() {
+    --depth_;
+    return true;
+  }
+
+  int depth_ = 0, metadata_depth_ = 0;
+  bool next_is_metadata_ = false;
+  int64_t entries_ = 0, metadata_ = 0, values_ = 0;
+  std::string problem_;
+};
+
 // The JSON header of `bytes` (its 8-byte little-endian length, then the text).
-Json parse_header(const std::string& bytes, uint64_t& length, const Fail& fail) {
+Json parse_header(const std::string& bytes, uint64_t max_header, uint64_t& length,
+                  const Fail& fail) {
   if (bytes.size() < 8)
     throw fail(fmt::format("{} bytes is shorter than the 8-byte header length", bytes.size()));
   length = 0;
@@ -232,13 +308,20 @@ Json parse_header(const std::string& bytes, uint64_t& length, const Fail& fail) 
     length |= static_cast<uint64_t>(static_cast<unsigned char>(bytes[static_cast<size_t>(i)]))
               << (8 * i);
   }
-  if (length > kMaxHeader || length > bytes.size() - 8) {
+  if (length > bytes.size() - 8) {
     throw fail(fmt::format("header length {} exceeds the {} bytes that follow it", length,
                            bytes.size() - 8));
   }
+  if (length > max_header) {
+    throw fail(fmt::format("header length {} is over the {} bytes a header may have here", length,
+                           max_header));
+  }
   const std::string_view text(bytes.data() + 8, length);
   if (text.empty() || text.front() != '{') throw fail("the header does not start with '{'");
-  std::string problem;
+  if (nests_deeper_than(text, kMaxJsonDepth))
+    throw fail(fmt::format("the header nests deeper than {} levels", kMaxJsonDepth));
+  std::string problem = HeaderCount::problem(text);
+  if (!problem.empty()) throw fail("the header " + problem);
   Json header = parse_json(text, problem);
   if (!problem.empty()) throw fail("the header " + problem);
   if (!header.is_object()) throw fail("the header is not a JSON object");
@@ -326,12 +409,13 @@ void check_coverage(std::vector<std::pair<uint64_t, uint64_t>> ranges, uint64_t 
 
 }  // namespace
 
-SafetensorsFile decode_safetensors(const std::string& bytes, const std::string& source) {
+SafetensorsFile decode_safetensors(const std::string& bytes, const std::string& source,
+                                   uint64_t max_header) {
   const Fail fail = [&](const std::string& rule) {
     return Error(fmt::format("safetensors {}: {}", source, rule));
   };
   uint64_t length = 0;
-  const Json header = parse_header(bytes, length, fail);
+  const Json header = parse_header(bytes, max_header, length, fail);
   SafetensorsFile file;
   const uint64_t data_size = bytes.size() - 8 - length;
   const char* data = bytes.data() + 8 + length;

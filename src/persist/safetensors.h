@@ -41,9 +41,13 @@ using TensorWriter = std::function<bool(size_t index, Array& place)>;
 // Serializes tensors (any layout; written compact) and metadata to bytes, each tensor's data
 // through `write` when given.
 std::string encode_safetensors(const SafetensorsFile&, const TensorWriter& write = nullptr);
+// The longest JSON header decode_safetensors reads by default (the format's own limit).
+inline constexpr uint64_t kMaxSafetensorsHeader = uint64_t(100) << 20;
 // Parses and validates bytes (every rule above); throws Error naming `source` and the rule
-// broken. Nothing partial is returned.
-SafetensorsFile decode_safetensors(const std::string& bytes, const std::string& source);
+// broken. Nothing partial is returned. A header longer than `max_header` bytes is refused before
+// it is parsed (parsing one costs several times its length in memory: ~2-4 GB for 100 MiB).
+SafetensorsFile decode_safetensors(const std::string& bytes, const std::string& source,
+                                   uint64_t max_header = kMaxSafetensorsHeader);
 
 // --- JSON read from files (which may be damaged or forged) ---
 

@@ -90,6 +90,10 @@ void append_tag(std::string& value, const std::string& key, const std::string& m
   value.append(reinterpret_cast<const char*>(tag.data()), tag.size());
 }
 
+uint64_t max_object_header(const std::string& key, size_t layers) {
+  return 4096 + 2 * key.size() + 512 * layers;
+}
+
 namespace {
 
 // Throws ObjectRejected unless the metadata says the object is `spec` under `key` and `root_hex`.
@@ -183,7 +187,7 @@ std::vector<SnapshotPtr> decode_object(std::string value, const std::string& key
   }
   SafetensorsFile file;
   try {
-    file = decode_safetensors(value, key);
+    file = decode_safetensors(value, key, max_object_header(key, layers.size()));
   } catch (const Error& e) {
     throw ObjectRejected(e.what(), false);
   }

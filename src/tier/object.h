@@ -63,10 +63,16 @@ std::string encode_object(const std::string& key, const std::string& root_hex,
 // Appends the MAC tag of `key` over `value` (as encode_object left it).
 void append_tag(std::string& value, const std::string& key, const std::string& mac_key);
 
-// Checks `value`, read from `key`, in this order: its MAC (with a MAC key), structure and
-// lengths, format and version, checksum, root and key name, then what it holds against `spec`
-// and `layers` (kinds, ranges, windows, recurrent shapes). Returns one snapshot per layer as the
-// spec says (null elsewhere). Throws ObjectRejected with the reason.
+// The longest header an object under `key` for `layers` layers may have: a few short metadata
+// strings (the key among them) and two tensors a layer take well under it. A store anyone can
+// write to could otherwise hand every reader a 100 MiB header, which costs GBs to parse.
+uint64_t max_object_header(const std::string& key, size_t layers);
+
+// Checks `value`, read from `key`, in this order: its MAC (with a MAC key), header length
+// (max_object_header), structure and lengths, format and version, checksum, root and key name,
+// then what it holds against `spec` and `layers` (kinds, ranges, windows, recurrent shapes).
+// Returns one snapshot per layer as the spec says (null elsewhere). Throws ObjectRejected with
+// the reason.
 std::vector<SnapshotPtr> decode_object(std::string value, const std::string& key,
                                        const std::string& root_hex, const ObjectSpec& spec,
                                        const std::vector<Cache*>& layers,

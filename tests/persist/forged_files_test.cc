@@ -2,6 +2,7 @@
 // tampering) are rejected whole with a kvsnap::Error that names the file — never a crash, never
 // another exception, never an allocation a forged length asks for.
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <kvsnap/kvsnap.h>
 #include <unistd.h>
@@ -9,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <utility>
 
 #include "persist/files.h"
 #include "persist/safetensors.h"
@@ -62,13 +64,19 @@ TEST(ForgedFiles, DeeplyNestedJsonIsRejectedCleanly) {
   std::filesystem::remove_all(path.parent_path());
 }
 
-// What an error message shows of a value read from a file is short, however long the value.
+// What an error message shows of a value read from a file is short, however long the value:
+// a long string is shown cut; an array longer than a header's entries could hold is refused by
+// its count before it is parsed.
 TEST(ForgedFiles, AnOverlongValueIsDescribedBriefly) {
   std::string long_array = "[0";
   for (int i = 0; i < 200000; ++i) long_array += ",0";
   long_array += "]";
   const std::string long_string = '"' + std::string(500000, 'x') + '"';
-  for (const std::string& value : {long_array, long_string}) {
+  for (const auto& [value, expected] :
+       {std::pair{long_array,
+                  "the header holds 200008 JSON values, more than its 1 tensor "
+                  "entries and 0 metadata strings can (at most 74)"},
+        std::pair{long_string, "unknown dtype"}}) {
     const std::string bytes =
         with_header(R"({"t":{"dtype":)" + value + R"(,"shape":[],"data_offsets":[0,0]}})");
     try {
@@ -76,9 +84,50 @@ TEST(ForgedFiles, AnOverlongValueIsDescribedBriefly) {
       ADD_FAILURE() << "accepted";
     } catch (const Error& error) {
       EXPECT_LT(std::string(error.what()).size(), 400u) << std::string(error.what()).substr(0, 400);
-      EXPECT_NE(std::string(error.what()).find("unknown dtype"), std::string::npos);
+      EXPECT_NE(std::string(error.what()).find(expected), std::string::npos) << error.what();
     }
   }
+}
+
+// A header that would cost far more to parse than any file's needs is refused by one pass that
+// builds nothing: more values than its tensor entries and metadata strings take (10 an entry:
+// its object, dtype, shape of up to 4 extents, data_offsets of 2), or __metadata__ of more than
+// 1024 members. Headers of 100 MiB like these took 2-4 GB and 12-20 s to parse before. Small
+// forgeries (a shape of 5 extents) still reach the checks that say exactly what is wrong.
+TEST(ForgedFiles, AHeaderTooCostlyToParseIsRefusedBeforeItIsParsed) {
+  std::string many_objects = R"({"t":[{})";
+  for (int i = 0; i < 100000; ++i) many_objects += ",{}";
+  many_objects += "]}";
+  std::string many_members = R"({"__metadata__":{)";
+  for (int i = 0; i < 1025; ++i) many_members += fmt::format(R"("{}":"",)", i);
+  many_members += R"("last":""}})";
+  for (const auto& [header, expected] :
+       {std::pair{many_objects,
+                  "the header holds 100003 JSON values, more than its 1 tensor "
+                  "entries and 0 metadata strings can (at most 74)"},
+        std::pair{many_members, "the header has __metadata__ of more than 1024 members"},
+        std::pair{std::string(R"({"t":{"dtype":"F32","shape":[1,1,1,1,1],)"
+                              R"("data_offsets":[0,0]}})"),
+                  "has shape [1,1,1,1,1] (need at most 4 extents)"}}) {
+    EXPECT_TRUE(
+        throws_error([&] { (void)detail::decode_safetensors(with_header(header), "costly"); },
+                     {"safetensors costly: ", expected}))
+        << expected;
+  }
+  // Within the bounds: 1024 metadata members and entries of 10 values each are read.
+  std::string metadata = R"({"__metadata__":{)";
+  for (int i = 0; i < 1023; ++i) metadata += fmt::format(R"("{}":"",)", i);
+  metadata += R"("last":""},)";
+  std::string entries = metadata;
+  for (int i = 0; i < 100; ++i) {
+    entries += fmt::format(R"("t{}":{{"dtype":"F32","shape":[1,1,1,0],)"
+                           R"("data_offsets":[0,0]}},)",
+                           i);
+  }
+  entries.back() = '}';
+  const detail::SafetensorsFile file = detail::decode_safetensors(with_header(entries), "within");
+  EXPECT_EQ(file.metadata.size(), 1024u);
+  EXPECT_EQ(file.tensors.size(), 100u);
 }
 
 // The product of the extents is checked before it can wrap (and with zero extents ignored: the
