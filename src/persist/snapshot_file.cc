@@ -210,12 +210,14 @@ void save_snapshots(const std::string& path, int64_t offset,
 LoadedSnapshots load_snapshots(const std::string& path) { return load_snapshots(path, {}); }
 
 LoadedSnapshots load_snapshots(const std::string& path, const LoadOptions& options) {
-  detail::remove_stale_temporaries(path);
   const detail::PrivacyRule rule{.call = "load_snapshots",
                                  .override_with = "set LoadOptions::allow_shared",
                                  .allow_shared = options.allow_shared};
   try {
-    return decode_snapshots(detail::read_private_file(path, rule), path);
+    const std::string bytes = detail::read_private_file(path, rule);
+    // Only now, the folder trusted: one refused is left as it is.
+    detail::remove_stale_temporaries(path);
+    return decode_snapshots(bytes, path);
   } catch (const std::bad_alloc&) {
     throw Error(fmt::format("load_snapshots: cannot load {}: out of memory", path));
   }

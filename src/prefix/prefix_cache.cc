@@ -149,12 +149,13 @@ void PrefixCache::load(const std::string& dir, const std::string& model_id,
   const Lock lock(impl_->mutex);
   if (impl_->any_open()) throw Error("PrefixCache::load: a session is open; close it first");
   const std::string path = trie_path(dir);
-  detail::remove_stale_temporaries(path);
   detail::LoadedTrie loaded;
   try {
-    loaded = detail::decode_trie(
-        detail::read_private_file(path, load_rule("PrefixCache::load", options)), path,
-        impl_->trie.layers(), model_id);
+    const std::string bytes =
+        detail::read_private_file(path, load_rule("PrefixCache::load", options));
+    // Only now, the folder trusted: one refused is left as it is.
+    detail::remove_stale_temporaries(path);
+    loaded = detail::decode_trie(bytes, path, impl_->trie.layers(), model_id);
   } catch (const std::bad_alloc&) {
     throw Error(fmt::format("PrefixCache::load: cannot load {}: out of memory", path));
   }

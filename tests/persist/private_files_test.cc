@@ -142,6 +142,21 @@ TEST(PrivateFiles, AFolderGroupOrOthersCanWriteIsRefusedUnlessShared) {
   fs::remove_all(dir);
 }
 
+// A load refuses a folder before it touches anything in it: a dead writer's temporary there is
+// removed only once the folder is trusted.
+TEST(PrivateFiles, ARefusedFolderIsLeftAsItIs) {
+  const fs::path dir = private_scratch("refused_folder");
+  const std::string path = (dir / "s.safetensors").string();
+  save_one(path);
+  const std::string stale = testing::dead_writers_temporary(path);
+  set_mode(dir, 0777);
+  EXPECT_TRUE(throws_error([&] { (void)load_snapshots(path); }, {"refusing the folder"}));
+  EXPECT_TRUE(fs::exists(stale));
+  EXPECT_EQ(load_snapshots(path, kShared).offset, 3);
+  EXPECT_FALSE(fs::exists(stale));
+  fs::remove_all(dir);
+}
+
 TEST(PrivateFiles, AnotherUsersFileOrFolderIsRefusedUnlessShared) {
   std::string why;
   const std::optional<uid_t> nobody = nobody_uid(why);

@@ -104,6 +104,24 @@ TEST(PrefixCachePrivate, AFolderOrFileOthersCanWriteIsRefusedUnlessShared) {
   fs::remove_all(dir);
 }
 
+// A load refuses a folder before it touches anything in it: a dead writer's temporary there is
+// removed only once the folder is trusted.
+TEST(PrefixCachePrivate, ARefusedFolderIsLeftAsItIs) {
+  const fs::path dir = private_scratch("prefix_refused");
+  const int64_t nodes = save_warm(dir.string());
+  const std::string stale =
+      testing::dead_writers_temporary((dir / "prefix_cache.safetensors").string());
+  set_mode(dir, 0777);
+  HybridStack stack;
+  PrefixCache cache(stack.layers());
+  EXPECT_TRUE(throws_error([&] { cache.load(dir.string(), "model"); }, {"refusing the folder"}));
+  EXPECT_TRUE(fs::exists(stale));
+  cache.load(dir.string(), "model", kShared);
+  EXPECT_EQ(cache.node_count(), nodes);
+  EXPECT_FALSE(fs::exists(stale));
+  fs::remove_all(dir);
+}
+
 TEST(PrefixCachePrivate, AnotherUsersFolderOrFileIsRefusedUnlessShared) {
   std::string why;
   const std::optional<uid_t> nobody = nobody_uid(why);

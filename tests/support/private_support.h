@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <pwd.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -90,6 +91,19 @@ inline std::filesystem::path private_scratch(const std::string& name) {
   std::filesystem::create_directories(dir);
   std::filesystem::permissions(dir, std::filesystem::perms::owner_all);
   return dir;
+}
+
+// A temporary of `path` as a writer killed mid-save leaves it (named for a pid no process has:
+// a child's, reaped), which loads and saves remove once they trust the folder.
+inline std::string dead_writers_temporary(const std::string& path) {
+  const pid_t dead = ::fork();
+  if (dead == 0) ::_exit(0);
+  ::waitpid(dead, nullptr, 0);
+  const std::string name = path + ".tmp-" + std::to_string(dead) + "-1";
+  std::FILE* file = std::fopen(name.c_str(), "w");
+  EXPECT_NE(file, nullptr) << name;
+  if (file != nullptr) std::fclose(file);
+  return name;
 }
 
 }  // namespace kvsnap::testing
