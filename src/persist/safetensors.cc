@@ -132,7 +132,78 @@ void render(const Json& value, int levels, std::string& out) {
   out += object ? '}' : ']';
 }
 
+// Counts the values (scalars, arrays and objects) of JSON text in one pass that builds nothing
+// (nlohmann's SAX interface): text parsed into values takes several times its length (a forged
+// 100 MiB safetensors header of `{}`s took 4 GB and 20 s), so what would hold more values than
+// it may is refused before it is parsed.
+class ValueCount : public nlohmann::json_sax<Json> {
+ public:
+  // Counts `text`'s values; false, with problem_ set as parse_json sets it (or as a subclass
+  // stopping early set it), when it is not valid JSON.
+  bool run(std::string_view text) {
+    if (nests_deeper_than(text, kMaxJsonDepth)) {
+      problem_ = fmt::format("nests deeper than {} levels", kMaxJsonDepth);
+      return false;
+    }
+    if (!Json::sax_parse(text, this) && problem_.empty()) problem_ = "is not valid JSON";
+    return problem_.empty();
+  }
+
+  bool null() override { return value(); }
+  bool boolean(bool) override { return value(); }
+  bool number_integer(number_integer_t) override { return value(); }
+  bool number_unsigned(number_unsigned_t) override { return value(); }
+  bool number_float(number_float_t, const string_t&) override { return value(); }
+  bool string(string_t&) override { return value(); }
+  bool binary(binary_t&) override { return value(); }
+  bool start_object(std::size_t) override { return open(); }
+  bool key(string_t&) override { return true; }
+  bool end_object() override { return close(); }
+  bool start_array(std::size_t) override { return open(); }
+  bool end_array() override { return close(); }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) override {
+    problem_ = fmt::format("is not valid JSON ({})", e.what());  // as parse_json says it
+    return false;
+  }
+
+  int64_t values() const { return values_; }
+  const std::string& failure() const { return problem_; }
+
+ protected:
+  int depth_ = 0;
+  int64_t values_ = 0;
+  std::string problem_;
+
+ private:
+  bool value() {
+    ++values_;
+    return true;
+  }
+  bool open() {
+    ++depth_;
+    return value();
+  }
+  bool close() {
+    --depth_;
+    return true;
+  }
+};
+
 }  // namespace
+
+Json parse_json(std::string_view text, int64_t max_values, std::string& problem) {
+  ValueCount count;
+  if (!count.run(text)) {
+    problem = count.failure();
+    return nullptr;
+  }
+  if (count.values() > max_values) {
+    problem =
+        fmt::format("holds {} JSON values, more than the {} it may", count.values(), max_values);
+    return nullptr;
+  }
+  return parse_json(text, problem);
+}
 
 Json parse_json(std::string_view text, std::string& problem) {
   problem.clear();
@@ -220,12 +291,11 @@ namespace {
 
 using Fail = std::function<Error(const std::string&)>;
 
-// What a header holds, counted in one pass that builds nothing (nlohmann's SAX interface), so
-// a header that would cost far more to parse than any file needs is refused first: parsed into
-// values, JSON takes several times its length (a forged 100 MiB header of `{}`s took 4 GB and
-// 20 s). A header holds tensor entries, each of at most 6 + Array::kMaxDims values (its object,
-// dtype, shape and its extents, data_offsets and its two), and metadata strings.
-class HeaderCount : public nlohmann::json_sax<Json> {
+// What a header holds, counted in one pass that builds nothing, so a header that would cost far
+// more to parse than any file needs is refused first. A header holds tensor entries, each of at
+// most 6 + Array::kMaxDims values (its object, dtype, shape and its extents, data_offsets and
+// its two), and metadata strings.
+class HeaderCount : public ValueCount {
  public:
   static constexpr int64_t kMaxMetadata = 1024;
   static constexpr int64_t kValuesPerEntry = 6 + Array::kMaxDims;
@@ -234,8 +304,7 @@ class HeaderCount : public nlohmann::json_sax<Json> {
   // Why the header `text` cannot be a safetensors header worth parsing; empty when it may be.
   static std::string problem(std::string_view text) {
     HeaderCount count;
-    if (!Json::sax_parse(text, &count) && count.problem_.empty()) count.problem_ = "is not valid";
-    if (!count.problem_.empty()) return count.problem_;
+    if (!count.run(text)) return count.problem_;
     const int64_t most = kValuesPerEntry * count.entries_ + count.metadata_ + kSpareValues;
     if (count.values_ > most) {
       return fmt::format(
@@ -246,16 +315,9 @@ class HeaderCount : public nlohmann::json_sax<Json> {
     return {};
   }
 
-  bool null() override { return value(); }
-  bool boolean(bool) override { return value(); }
-  bool number_integer(number_integer_t) override { return value(); }
-  bool number_unsigned(number_unsigned_t) override { return value(); }
-  bool number_float(number_float_t, const string_t&) override { return value(); }
-  bool string(string_t&) override { return value(); }
-  bool binary(binary_t&) override { return value(); }
-  bool start_object(std::size_t) override {
+  bool start_object(std::size_t elements) override {
     if (depth_ == 1 && next_is_metadata_) metadata_depth_ = 2;
-    return open();
+    return ValueCount::start_object(elements);
   }
   bool key(string_t& name) override {
     if (depth_ == 1) {
@@ -269,33 +331,13 @@ class HeaderCount : public nlohmann::json_sax<Json> {
   }
   bool end_object() override {
     if (depth_ == metadata_depth_) metadata_depth_ = 0;
-    return close();
-  }
-  bool start_array(std::size_t) override { return open(); }
-  bool end_array() override { return close(); }
-  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) override {
-    problem_ = fmt::format("is not valid JSON ({})", e.what());  // as parse_json says it
-    return false;
+    return ValueCount::end_object();
   }
 
  private:
-  bool value() {
-    ++values_;
-    return true;
-  }
-  bool open() {
-    ++depth_;
-    return value();
-  }
-  bool close() {
-    --depth_;
-    return true;
-  }
-
-  int depth_ = 0, metadata_depth_ = 0;
+  int metadata_depth_ = 0;
   bool next_is_metadata_ = false;
-  int64_t entries_ = 0, metadata_ = 0, values_ = 0;
-  std::string problem_;
+  int64_t entries_ = 0, metadata_ = 0;
 };
 
 // The JSON header of `bytes` (its 8-byte little-endian length, then the text).
@@ -318,8 +360,6 @@ Json parse_header(const std::string& bytes, uint64_t max_header, uint64_t& lengt
   }
   const std::string_view text(bytes.data() + 8, length);
   if (text.empty() || text.front() != '{') throw fail("the header does not start with '{'");
-  if (nests_deeper_than(text, kMaxJsonDepth))
-    throw fail(fmt::format("the header nests deeper than {} levels", kMaxJsonDepth));
   std::string problem = HeaderCount::problem(text);
   if (!problem.empty()) throw fail("the header " + problem);
   Json header = parse_json(text, problem);

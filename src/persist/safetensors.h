@@ -57,6 +57,10 @@ inline constexpr int kMaxJsonDepth = 32;
 // Parses `text`. On failure returns null and sets `problem` to why: "is not valid JSON (...)" or
 // "nests deeper than 32 levels" (found by a linear scan before parsing).
 nlohmann::json parse_json(std::string_view text, std::string& problem);
+// parse_json, refusing text of more than `max_values` values (scalars, arrays and objects)
+// before it is parsed: counted in one pass that builds nothing, as JSON parsed into values takes
+// several times its length. `problem` then reads "holds N JSON values, more than the M it may".
+nlohmann::json parse_json(std::string_view text, int64_t max_values, std::string& problem);
 // A short rendering of `value` for an error message, whatever its size: compact JSON, strings
 // cut to 40 bytes, containers below the third level as their size, the whole cut to about 120
 // characters; always valid UTF-8 (never throws for a string's bytes).

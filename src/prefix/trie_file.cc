@@ -23,6 +23,9 @@ constexpr const char* kFormat = "kvsnap-prefix-cache";
 // Written as a string; files of other versions are refused. 2: the checksum covers every byte
 // of the file.
 constexpr int kVersion = 2;
+// Values a forged "layers" or "nodes" may hold beyond what the file's layers and nodes take, so
+// that a small forgery still gets the message that says what is wrong with it.
+constexpr int64_t kSpareValues = 64;
 
 // What a layer is, as recorded in the file and compared on load.
 Json describe(const LayerInfo& layer) { return Json::parse(describe_layer(layer.cache)); }
@@ -143,7 +146,8 @@ class TrieDecoder {
       throw fail(fmt::format("it was saved for model \"{}\", this cache serves \"{}\"",
                              meta("model"), readable(model_id)));
     }
-    const Json saved = parse("layers");
+    // Each layer's description: an object of its kind and at most six numbers.
+    const Json saved = parse("layers", 1 + 8 * static_cast<int64_t>(layers_.size()) + kSpareValues);
     if (!saved.is_array() || saved.size() != layers_.size()) {
       throw fail(fmt::format("it holds {} layers, this cache has {}",
                              saved.is_array() ? saved.size() : 0, layers_.size()));
@@ -161,7 +165,12 @@ class TrieDecoder {
     if (edges.dtype() != DType::i32 || edges.ndim() != 1)
       throw fail("\"edges\" must be a 1-d I32 tensor");
     tokens_ = edges.to_ints();
-    const Json entries = parse("nodes");
+    // Each node: its object, parent, length, user, used and snapshots, and per layer a null or
+    // an object of kind, from and to. A node's edge takes a token at least, so there are at most
+    // as many nodes as edge tokens.
+    const auto per_node = 6 + 4 * static_cast<int64_t>(layers_.size());
+    const Json entries =
+        parse("nodes", 1 + per_node * static_cast<int64_t>(tokens_.size()) + kSpareValues);
     if (!entries.is_array()) throw fail("\"nodes\" must be an array");
     LoadedTrie loaded;
     loaded.clock = clock_ = clock();
@@ -186,9 +195,11 @@ class TrieDecoder {
     return std::stoll(text);
   }
 
-  Json parse(const char* key) const {
+  // Metadata `key` parsed, refused before parsing when it holds more than `max_values` values
+  // (parse_json): what the file's layers and nodes take bounds it, not its length.
+  Json parse(const char* key, int64_t max_values) const {
     std::string problem;
-    Json value = parse_json(meta(key), problem);
+    Json value = parse_json(meta(key), max_values, problem);
     if (!problem.empty()) throw fail(fmt::format("metadata \"{}\" {}", key, problem));
     return value;
   }

@@ -142,6 +142,25 @@ TEST_F(ForgedTrie, AnOverlongSnapshotEntryIsDescribedBriefly) {
   }
 }
 
+// "layers" and "nodes" are JSON in the metadata, refused before they are parsed when they hold
+// more values than the file's layers and nodes take (nodes: at most one per edge token). Here
+// padding in a field the loader ignores: without the count the file loads, and a forged one of
+// 100 MiB costs GBs to parse.
+TEST_F(ForgedTrie, MetadataJsonOfMoreValuesThanTheTrieTakesIsRefusedBeforeItIsParsed) {
+  nodes_[0]["padding"] = Json::array();
+  for (int i = 0; i < 100000; ++i) nodes_[0]["padding"].push_back(0);
+  rewrite();
+  expect_rejected(
+      {"prefix_cache.safetensors", "metadata \"nodes\" holds ", " JSON values, more than the "});
+  SetUp();
+  Json layers = Json::parse(file_.metadata.at("layers"));
+  layers.push_back(Json::array());
+  for (int i = 0; i < 1000; ++i) layers.back().push_back(0);
+  file_.metadata["layers"] = layers.dump();
+  rewrite();
+  expect_rejected({"prefix_cache.safetensors", "metadata \"layers\" holds 1"});
+}
+
 TEST_F(ForgedTrie, TheClockIsParsedStrictly) {
   for (const char* clock : {"7xyz", "-5", "+5", " 5", "", "5 ", "0x10", "9223372036854775807",
                             "4611686018427387904", "99999999999999999999"}) {
