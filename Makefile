@@ -32,7 +32,7 @@ asan: deps
 	cmake --build --preset asan -j $(JOBS)
 	ctest --preset asan
 
-# The concurrency tests (threads, slots, paged sharing) under ThreadSanitizer.
+# The concurrency tests (tests/CMakeLists.txt: tsan_test, c_api_threads) under ThreadSanitizer.
 tsan: deps
 	cmake --preset tsan
 	cmake --build --preset tsan -j $(JOBS)

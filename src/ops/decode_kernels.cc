@@ -29,7 +29,9 @@ using decode::weigh_tail;
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 // GCC 12's AVX-512 unpack and shuffle intrinsics pass an undefined vector as their unused
-// merge source, which -Wmaybe-uninitialized reports at every use.
+// merge source, which -Wmaybe-uninitialized reports at every use. (Pushed and popped: a unity
+// build compiles other files after this one.)
+#pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 [[gnu::target("avx512f,fma")]] inline __m512d as_pd(__m512 x) { return _mm512_castps_pd(x); }
@@ -298,6 +300,7 @@ template <int T>
   });
   weigh_tail(w, m, runs, n_runs, stride, wide, value_depth, out);
 }
+#pragma GCC diagnostic pop
 #endif
 
 std::atomic<int> kernels_off{0};  // live DecodeKernelsOff guards

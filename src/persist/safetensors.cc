@@ -297,7 +297,8 @@ using Fail = std::function<Error(const std::string&)>;
 // its two), and metadata strings.
 class HeaderCount : public ValueCount {
  public:
-  static constexpr int64_t kMaxMetadata = 1024;
+  // Snapshot files hold a member for each of up to 2^20 layers (parsed into values, ~150 MB).
+  static constexpr int64_t kMaxMetadata = (int64_t(1) << 20) + 64;
   static constexpr int64_t kValuesPerEntry = 6 + Array::kMaxDims;
   static constexpr int64_t kSpareValues = 64;  // small forgeries still get the detailed message
 

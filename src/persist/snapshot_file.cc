@@ -21,6 +21,9 @@ constexpr const char* kSnapshotsFormat = "kvsnap-snapshots";
 // Written as a string; files of other versions are refused. 2: the checksum covers every byte
 // of the file, rotating snapshots record their window.
 constexpr int kVersion = 2;
+// Values a layer's metadata entry may hold: its object, a kind and three integers take 5; the
+// rest is room for a small forgery to get the message that says what is wrong with it.
+constexpr int64_t kMaxLayerValues = 64;
 
 // Metadata value `key` as an integer in [low, high]; throws through `fail`.
 template <class Fail>
@@ -135,7 +138,8 @@ LoadedSnapshots decode(const std::string& bytes, const std::string& source) {
   for (int64_t i = 0; i < layers; ++i) {
     const std::string layer = fmt::format("layer.{}", i);
     std::string problem;
-    const Json entry = detail::parse_json(meta(layer), problem);
+    // A kind and at most three integers; more is refused before it is parsed.
+    const Json entry = detail::parse_json(meta(layer), kMaxLayerValues, problem);
     if (!problem.empty()) throw fail(fmt::format("metadata \"{}\" {}", layer, problem));
     const auto number = [&](const char* key) {
       if (!entry.contains(key) || !entry[key].is_number_integer()) {

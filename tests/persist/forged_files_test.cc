@@ -92,20 +92,21 @@ TEST(ForgedFiles, AnOverlongValueIsDescribedBriefly) {
 // A header that would cost far more to parse than any file's needs is refused by one pass that
 // builds nothing: more values than its tensor entries and metadata strings take (10 an entry:
 // its object, dtype, shape of up to 4 extents, data_offsets of 2), or __metadata__ of more than
-// 1024 members. Headers of 100 MiB like these took 2-4 GB and 12-20 s to parse before. Small
-// forgeries (a shape of 5 extents) still reach the checks that say exactly what is wrong.
+// 2^20 + 64 members (a snapshot file's layers and a few more). Headers of 100 MiB like these took
+// 2-4 GB and 12-20 s to parse before. Small forgeries (a shape of 5 extents) still reach the checks
+// that say exactly what is wrong.
 TEST(ForgedFiles, AHeaderTooCostlyToParseIsRefusedBeforeItIsParsed) {
   std::string many_objects = R"({"t":[{})";
   for (int i = 0; i < 100000; ++i) many_objects += ",{}";
   many_objects += "]}";
   std::string many_members = R"({"__metadata__":{)";
-  for (int i = 0; i < 1025; ++i) many_members += fmt::format(R"("{}":"",)", i);
+  for (int i = 0; i < (1 << 20) + 65; ++i) many_members += fmt::format(R"("{}":"",)", i);
   many_members += R"("last":""}})";
   for (const auto& [header, expected] :
        {std::pair{many_objects,
                   "the header holds 100003 JSON values, more than its 1 tensor "
                   "entries and 0 metadata strings can (at most 74)"},
-        std::pair{many_members, "the header has __metadata__ of more than 1024 members"},
+        std::pair{many_members, "the header has __metadata__ of more than 1048640 members"},
         std::pair{std::string(R"({"t":{"dtype":"F32","shape":[1,1,1,1,1],)"
                               R"("data_offsets":[0,0]}})"),
                   "has shape [1,1,1,1,1] (need at most 4 extents)"}}) {
@@ -208,6 +209,16 @@ TEST(ForgedFiles, AnOffsetALayerCannotRestoreIsRefused) {
   file.metadata["offset"] = "5";
   EXPECT_TRUE(throws_error([&] { (void)decode_snapshots(detail::encode_sealed(file), "forged"); },
                            {"forged", "layer.0", "[0, 3)", "offset 5"}));
+  // A layer's entry is a kind and three integers at most: one of more values is refused before it
+  // is parsed (extra members are otherwise ignored: this one would load).
+  std::string padded = R"({"kind":"kv","from":0,"to":3,"padding":[0)";
+  for (int i = 0; i < 100000; ++i) padded += ",0";
+  file.metadata["offset"] = "3";
+  file.metadata["layer.0"] = padded + "]}";
+  EXPECT_TRUE(throws_error([&] { (void)decode_snapshots(detail::encode_sealed(file), "forged"); },
+                           {"forged",
+                            "metadata \"layer.0\" holds 100006 JSON values, more than "
+                            "the 64 it may"}));
 }
 
 }  // namespace
