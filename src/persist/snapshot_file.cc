@@ -1,5 +1,6 @@
 #include <fmt/format.h>
 
+#include <charconv>
 #include <new>
 #include <nlohmann/json.hpp>
 #include <vector>
@@ -31,14 +32,14 @@ int64_t integer(const std::map<std::string, std::string>& metadata, const std::s
                 int64_t low, int64_t high, const Fail& fail) {
   const auto it = metadata.find(key);
   if (it == metadata.end()) throw fail(fmt::format("metadata \"{}\" is missing", key));
-  try {
-    size_t used = 0;
-    const long long value = std::stoll(it->second, &used);
-    if (used == it->second.size() && value >= low && value <= high) return value;
-  } catch (const std::exception&) {
-  }
-  throw fail(fmt::format("metadata \"{}\" = \"{}\" is not an integer in [{}, {}]", key, it->second,
-                         low, high));
+  // Decimal digits after an optional '-', nothing else (std::stoll took " 5" and "+5").
+  const std::string& text = it->second;
+  int64_t value = 0;
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (error == std::errc() && end == text.data() + text.size() && value >= low && value <= high)
+    return value;
+  throw fail(fmt::format("metadata \"{}\" = {} is not an integer in [{}, {}]", key,
+                         detail::describe_json(Json(text)), low, high));
 }
 
 // Why a snapshot of `record` cannot restore a file's `offset` (what restore(s, offset) needs:

@@ -209,6 +209,20 @@ TEST(ForgedFiles, AnOffsetALayerCannotRestoreIsRefused) {
   file.metadata["offset"] = "5";
   EXPECT_TRUE(throws_error([&] { (void)decode_snapshots(detail::encode_sealed(file), "forged"); },
                            {"forged", "layer.0", "[0, 3)", "offset 5"}));
+  // Integers are decimal digits after an optional '-', nothing else; a long value shows cut.
+  for (const char* offset : {" 3", "+3", "3 ", "0x3", "", "3.0"}) {
+    file.metadata["offset"] = offset;
+    EXPECT_TRUE(throws_error([&] { (void)decode_snapshots(detail::encode_sealed(file), "forged"); },
+                             {"forged", "metadata \"offset\" = \"", "is not an integer in [0, "}))
+        << '"' << offset << '"';
+  }
+  file.metadata["offset"] = std::string(100000, '7');
+  try {
+    (void)decode_snapshots(detail::encode_sealed(file), "forged");
+    ADD_FAILURE() << "accepted";
+  } catch (const Error& error) {
+    EXPECT_LT(std::string(error.what()).size(), 200u);
+  }
   // A layer's entry is a kind and three integers at most: one of more values is refused before it
   // is parsed (extra members are otherwise ignored: this one would load).
   std::string padded = R"({"kind":"kv","from":0,"to":3,"padding":[0)";
