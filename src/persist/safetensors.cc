@@ -291,62 +291,11 @@ namespace {
 
 using Fail = std::function<Error(const std::string&)>;
 
-// What a header holds, counted in one pass that builds nothing, so a header that would cost far
-// more to parse than any file needs is refused first. A header holds tensor entries, each of at
-// most 6 + Array::kMaxDims values (its object, dtype, shape and its extents, data_offsets and
-// its two), and metadata strings.
-class HeaderCount : public ValueCount {
- public:
-  // Snapshot files hold a member for each of up to 2^20 layers (parsed into values, ~150 MB).
-  static constexpr int64_t kMaxMetadata = (int64_t(1) << 20) + 64;
-  static constexpr int64_t kValuesPerEntry = 6 + Array::kMaxDims;
-  static constexpr int64_t kSpareValues = 64;  // small forgeries still get the detailed message
-
-  // Why the header `text` cannot be a safetensors header worth parsing; empty when it may be.
-  static std::string problem(std::string_view text) {
-    HeaderCount count;
-    if (!count.run(text)) return count.problem_;
-    const int64_t most = kValuesPerEntry * count.entries_ + count.metadata_ + kSpareValues;
-    if (count.values_ > most) {
-      return fmt::format(
-          "holds {} JSON values, more than its {} tensor entries and {} metadata strings can "
-          "(at most {})",
-          count.values_, count.entries_, count.metadata_, most);
-    }
-    return {};
-  }
-
-  bool start_object(std::size_t elements) override {
-    if (depth_ == 1 && next_is_metadata_) metadata_depth_ = 2;
-    return ValueCount::start_object(elements);
-  }
-  bool key(string_t& name) override {
-    if (depth_ == 1) {
-      ++entries_;
-      next_is_metadata_ = name == "__metadata__";
-    } else if (depth_ == metadata_depth_ && ++metadata_ > kMaxMetadata) {
-      problem_ = fmt::format("has __metadata__ of more than {} members", kMaxMetadata);
-      return false;
-    }
-    return true;
-  }
-  bool end_object() override {
-    if (depth_ == metadata_depth_) metadata_depth_ = 0;
-    return ValueCount::end_object();
-  }
-
- private:
-  int metadata_depth_ = 0;
-  bool next_is_metadata_ = false;
-  int64_t entries_ = 0, metadata_ = 0;
-};
-
-// The JSON header of `bytes` (its 8-byte little-endian length, then the text).
-Json parse_header(const std::string& bytes, uint64_t max_header, uint64_t& length,
-                  const Fail& fail) {
+// The JSON header's text in `bytes` (after its 8-byte little-endian length).
+std::string_view header_text(const std::string& bytes, uint64_t max_header, const Fail& fail) {
   if (bytes.size() < 8)
     throw fail(fmt::format("{} bytes is shorter than the 8-byte header length", bytes.size()));
-  length = 0;
+  uint64_t length = 0;
   for (int i = 0; i < 8; ++i) {
     length |= static_cast<uint64_t>(static_cast<unsigned char>(bytes[static_cast<size_t>(i)]))
               << (8 * i);
@@ -361,12 +310,7 @@ Json parse_header(const std::string& bytes, uint64_t max_header, uint64_t& lengt
   }
   const std::string_view text(bytes.data() + 8, length);
   if (text.empty() || text.front() != '{') throw fail("the header does not start with '{'");
-  std::string problem = HeaderCount::problem(text);
-  if (!problem.empty()) throw fail("the header " + problem);
-  Json header = parse_json(text, problem);
-  if (!problem.empty()) throw fail("the header " + problem);
-  if (!header.is_object()) throw fail("the header is not a JSON object");
-  return header;
+  return text;
 }
 
 // The extents of tensor `name`: each at most 2^40, and so is their product with zero extents
@@ -391,6 +335,7 @@ Shape parse_shape(const std::string& name, const Json& extents, const Fail& fail
   return shape;
 }
 
+// One tensor's entry: its array (data copied from `data`, `data_size` bytes) and byte range.
 // One tensor's entry: its array (data copied from `data`, `data_size` bytes) and byte range.
 Array parse_tensor(const std::string& name, const Json& entry, const char* data, uint64_t data_size,
                    std::pair<uint64_t, uint64_t>& range, const Fail& fail) {
@@ -448,6 +393,130 @@ void check_coverage(std::vector<std::pair<uint64_t, uint64_t>> ranges, uint64_t 
   }
 }
 
+// Reads a header in one pass (nlohmann's SAX interface) without parsing it whole into values,
+// which costs several times its length (a forged 100 MiB header of `{}`s took 4 GB and 20 s):
+// each tensor entry is built alone, of at most kMaxEntryValues values, and read into its array
+// as soon as it closes; metadata strings go straight into the file, at most kMaxMetadata.
+class HeaderReader : public ValueCount {
+ public:
+  // Snapshot files hold a member for each of up to 2^20 layers.
+  static constexpr int64_t kMaxMetadata = (int64_t(1) << 20) + 64;
+  // An entry takes 6 + Array::kMaxDims (its object, dtype, shape and extents, data_offsets and
+  // its two); the rest is room for a small forgery to get the message that says what is wrong.
+  static constexpr int64_t kMaxEntryValues = 64;
+
+  HeaderReader(const char* data, uint64_t data_size, const Fail& fail, SafetensorsFile& file,
+               std::vector<std::pair<uint64_t, uint64_t>>& ranges)
+      : data_(data), data_size_(data_size), fail_(fail), file_(file), ranges_(ranges) {}
+
+  bool null() override { return scalar(nullptr); }
+  bool boolean(bool value) override { return scalar(value); }
+  bool number_integer(number_integer_t value) override { return scalar(value); }
+  bool number_unsigned(number_unsigned_t value) override { return scalar(value); }
+  bool number_float(number_float_t value, const string_t&) override { return scalar(value); }
+  bool string(string_t& value) override {
+    if (in_metadata_ && depth_ == 2) {
+      file_.metadata[key_] = std::move(value);
+      return true;
+    }
+    return scalar(std::move(value));
+  }
+  bool binary(binary_t&) override { return scalar(nullptr); }  // not in JSON text
+  bool start_object(std::size_t) override { return open(Json::object()); }
+  bool start_array(std::size_t) override { return open(Json::array()); }
+  bool key(string_t& name) override {
+    if (depth_ == 1) {
+      name_ = std::move(name);
+    } else if (in_metadata_ && depth_ == 2 && ++metadata_ > kMaxMetadata) {
+      problem_ = fmt::format("has __metadata__ of more than {} members", kMaxMetadata);
+      return false;
+    } else {
+      key_ = std::move(name);
+    }
+    return true;
+  }
+  bool end_object() override { return close(); }
+  bool end_array() override { return close(); }
+
+ private:
+  bool scalar(Json value) {
+    if (depth_ == 1) {  // a root member that is no object
+      if (name_ == "__metadata__") throw fail_("__metadata__ is not an object");
+      entry_ = std::move(value);
+      return finish();
+    }
+    if (in_metadata_) throw fail_(fmt::format("metadata \"{}\" is not a string", key_));
+    return add(std::move(value)) != nullptr;
+  }
+  bool open(Json container) {
+    if (depth_ == 0) {  // the root (header_text saw its '{')
+      depth_ = 1;
+      return true;
+    }
+    if (depth_ == 1) {
+      ++depth_;
+      if (name_ == "__metadata__") {
+        if (!container.is_object()) throw fail_("__metadata__ is not an object");
+        in_metadata_ = true;
+        return true;
+      }
+      entry_ = std::move(container);
+      path_.assign(1, &entry_);
+      values_ = 1;
+      return true;
+    }
+    if (in_metadata_) throw fail_(fmt::format("metadata \"{}\" is not a string", key_));
+    Json* added = add(std::move(container));
+    if (added == nullptr) return false;
+    path_.push_back(added);
+    ++depth_;
+    return true;
+  }
+  bool close() {
+    --depth_;
+    if (depth_ != 1) {
+      if (depth_ > 1) path_.pop_back();
+      return true;
+    }
+    if (in_metadata_) {
+      in_metadata_ = false;
+      return true;
+    }
+    return finish();
+  }
+  // Adds `value` to the innermost open container of the entry; null past kMaxEntryValues.
+  Json* add(Json value) {
+    if (++values_ > kMaxEntryValues) {
+      problem_ =
+          fmt::format("has tensor \"{}\" of more than {} JSON values", name_, kMaxEntryValues);
+      return nullptr;
+    }
+    Json& into = *path_.back();
+    if (into.is_object()) return &(into[key_] = std::move(value));
+    into.push_back(std::move(value));
+    return &into.back();
+  }
+  bool finish() {
+    std::pair<uint64_t, uint64_t> range;
+    file_.tensors.emplace_back(name_, parse_tensor(name_, entry_, data_, data_size_, range, fail_));
+    ranges_.push_back(range);
+    entry_ = nullptr;
+    path_.clear();
+    return true;
+  }
+
+  const char* data_;
+  uint64_t data_size_;
+  const Fail& fail_;
+  SafetensorsFile& file_;
+  std::vector<std::pair<uint64_t, uint64_t>>& ranges_;
+  std::string name_, key_;  // the root member and the innermost object key being read
+  Json entry_;
+  std::vector<Json*> path_;  // the entry's open containers, outermost first
+  bool in_metadata_ = false;
+  int64_t metadata_ = 0;
+};
+
 }  // namespace
 
 SafetensorsFile decode_safetensors(const std::string& bytes, const std::string& source,
@@ -455,27 +524,15 @@ SafetensorsFile decode_safetensors(const std::string& bytes, const std::string& 
   const Fail fail = [&](const std::string& rule) {
     return Error(fmt::format("safetensors {}: {}", source, rule));
   };
-  uint64_t length = 0;
-  const Json header = parse_header(bytes, max_header, length, fail);
+  const std::string_view text = header_text(bytes, max_header, fail);
   SafetensorsFile file;
-  const uint64_t data_size = bytes.size() - 8 - length;
-  const char* data = bytes.data() + 8 + length;
+  const uint64_t data_size = bytes.size() - 8 - text.size();
+  const char* data = text.data() + text.size();
   std::vector<std::pair<uint64_t, uint64_t>> ranges;
-  for (const auto& [name, entry] : header.items()) {
-    if (name == "__metadata__") {
-      if (!entry.is_object()) throw fail("__metadata__ is not an object");
-      for (const auto& [key, value] : entry.items()) {
-        if (!value.is_string()) throw fail(fmt::format("metadata \"{}\" is not a string", key));
-        file.metadata[key] = value.get<std::string>();
-      }
-      continue;
-    }
-    std::pair<uint64_t, uint64_t> range;
-    file.tensors.emplace_back(name, parse_tensor(name, entry, data, data_size, range, fail));
-    ranges.push_back(range);
-  }
+  HeaderReader reader(data, data_size, fail, file, ranges);
+  if (!reader.run(text)) throw fail("the header " + reader.failure());
   check_coverage(ranges, data_size, fail);
-  // Keep file order (JSON objects are sorted by key in nlohmann's default object).
+  // In the order of their data.
   std::vector<size_t> order(file.tensors.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
   std::sort(order.begin(), order.end(),
@@ -484,7 +541,10 @@ SafetensorsFile decode_safetensors(const std::string& bytes, const std::string& 
   for (size_t i : order) sorted.push_back(std::move(file.tensors[i]));
   file.tensors = std::move(sorted);
   file.index.reserve(file.tensors.size());
-  for (size_t i = 0; i < file.tensors.size(); ++i) file.index.emplace(file.tensors[i].first, i);
+  for (size_t i = 0; i < file.tensors.size(); ++i) {
+    if (!file.index.emplace(file.tensors[i].first, i).second)
+      throw fail(fmt::format("tensor \"{}\" appears twice", file.tensors[i].first));
+  }
   return file;
 }
 
