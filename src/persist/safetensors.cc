@@ -94,7 +94,7 @@ bool nests_deeper_than(std::string_view text, int limit) {
 
 // `text` as a JSON string, cut to kDescribedStringBytes; bytes that are not UTF-8 (a cut may
 // split a character) show as U+FFFD.
-std::string quoted(const std::string& text) {
+std::string cut_quoted(const std::string& text) {
   const bool cut = text.size() > kDescribedStringBytes;
   const Json shown = cut ? text.substr(0, kDescribedStringBytes) : text;
   std::string out = shown.dump(-1, ' ', false, Json::error_handler_t::replace);
@@ -105,7 +105,7 @@ std::string quoted(const std::string& text) {
 // Appends `value` to `out`, containers `levels` deep, stopping once `out` is kDescribedChars long.
 void render(const Json& value, int levels, std::string& out) {
   if (value.is_string()) {
-    out += quoted(value.get_ref<const std::string&>());
+    out += cut_quoted(value.get_ref<const std::string&>());
     return;
   }
   if (!value.is_structured()) {
@@ -126,7 +126,7 @@ void render(const Json& value, int levels, std::string& out) {
       out += "...";
       break;
     }
-    if (object) out += quoted(it.key()) + ':';
+    if (object) out += cut_quoted(it.key()) + ':';
     render(*it, levels - 1, out);
   }
   out += object ? '}' : ']';
@@ -321,13 +321,14 @@ Shape parse_shape(const std::string& name, const Json& extents, const Fail& fail
   uint64_t product = 1;  // <= kMaxElements
   for (const Json& extent : extents) {
     if (!extent.is_number_unsigned() || extent.get<uint64_t>() > kMaxElements) {
-      throw fail(fmt::format("tensor \"{}\" has a bad extent {}", name, describe_json(extent)));
+      throw fail(
+          fmt::format("tensor {} has a bad extent {}", cut_quoted(name), describe_json(extent)));
     }
     const uint64_t factor = std::max<uint64_t>(extent.get<uint64_t>(), 1);
     if (factor > kMaxElements / product) {
       throw fail(fmt::format(
-          "tensor \"{}\" is too large: shape {} spans more than 2^40 elements (zero extents as 1)",
-          name, describe_json(extents)));
+          "tensor {} is too large: shape {} spans more than 2^40 elements (zero extents as 1)",
+          cut_quoted(name), describe_json(extents)));
     }
     product *= factor;
     shape.push_back(static_cast<int64_t>(extent.get<uint64_t>()));
@@ -336,21 +337,21 @@ Shape parse_shape(const std::string& name, const Json& extents, const Fail& fail
 }
 
 // One tensor's entry: its array (data copied from `data`, `data_size` bytes) and byte range.
-// One tensor's entry: its array (data copied from `data`, `data_size` bytes) and byte range.
+// `claimed`: the bytes the entries before it took, which this one's are added to.
 Array parse_tensor(const std::string& name, const Json& entry, const char* data, uint64_t data_size,
-                   std::pair<uint64_t, uint64_t>& range, const Fail& fail) {
+                   std::pair<uint64_t, uint64_t>& range, uint64_t& claimed, const Fail& fail) {
   if (!entry.is_object() || !entry.contains("dtype") || !entry.contains("shape") ||
       !entry.contains("data_offsets")) {
-    throw fail(fmt::format("tensor \"{}\" lacks dtype, shape or data_offsets", name));
+    throw fail(fmt::format("tensor {} lacks dtype, shape or data_offsets", cut_quoted(name)));
   }
   DType dtype;
   if (!entry["dtype"].is_string() || !parse_dtype(entry["dtype"].get<std::string>(), dtype)) {
-    throw fail(
-        fmt::format("tensor \"{}\" has unknown dtype {}", name, describe_json(entry["dtype"])));
+    throw fail(fmt::format("tensor {} has unknown dtype {}", cut_quoted(name),
+                           describe_json(entry["dtype"])));
   }
   const Json& shape_json = entry["shape"];
   if (!shape_json.is_array() || shape_json.size() > static_cast<size_t>(Array::kMaxDims)) {
-    throw fail(fmt::format("tensor \"{}\" has shape {} (need at most {} extents)", name,
+    throw fail(fmt::format("tensor {} has shape {} (need at most {} extents)", cut_quoted(name),
                            describe_json(shape_json), Array::kMaxDims));
   }
   const Shape shape = parse_shape(name, shape_json, fail);
@@ -359,16 +360,27 @@ Array parse_tensor(const std::string& name, const Json& entry, const char* data,
   const Json& offsets = entry["data_offsets"];
   if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
       !offsets[1].is_number_unsigned()) {
-    throw fail(fmt::format("tensor \"{}\" has bad data_offsets {}", name, describe_json(offsets)));
+    throw fail(
+        fmt::format("tensor {} has bad data_offsets {}", cut_quoted(name), describe_json(offsets)));
   }
   const uint64_t begin = offsets[0].get<uint64_t>(), end = offsets[1].get<uint64_t>();
   const uint64_t expected = elements * static_cast<uint64_t>(dtype_size(dtype));
   if (begin > end || end > data_size || end - begin != expected) {
     throw fail(
-        fmt::format("tensor \"{}\" data_offsets [{}, {}) do not hold {} bytes within the "
+        fmt::format("tensor {} data_offsets [{}, {}) do not hold {} bytes within the "
                     "{}-byte data section",
-                    name, begin, end, expected, data_size));
+                    cut_quoted(name), begin, end, expected, data_size));
   }
+  // The ranges must cover the data once (check_coverage), so together they hold data_size bytes:
+  // more is an overlap, refused before its copy (K entries over the whole data asked for K
+  // copies of it).
+  if (expected > data_size - claimed) {
+    throw fail(fmt::format(
+        "tensor {} data_offsets [{}, {}) overlap another tensor's: the tensors take more than "
+        "the {}-byte data section",
+        cut_quoted(name), begin, end, data_size));
+  }
+  claimed += expected;
   range = {begin, end};
   Array array = Array::uninitialized(dtype, shape);
   if (expected > 0) std::memcpy(array.mutable_bytes(), data + begin, expected);
@@ -445,7 +457,7 @@ class HeaderReader : public ValueCount {
       entry_ = std::move(value);
       return finish();
     }
-    if (in_metadata_) throw fail_(fmt::format("metadata \"{}\" is not a string", key_));
+    if (in_metadata_) throw fail_(fmt::format("metadata {} is not a string", cut_quoted(key_)));
     return add(std::move(value)) != nullptr;
   }
   bool open(Json container) {
@@ -465,7 +477,7 @@ class HeaderReader : public ValueCount {
       values_ = 1;
       return true;
     }
-    if (in_metadata_) throw fail_(fmt::format("metadata \"{}\" is not a string", key_));
+    if (in_metadata_) throw fail_(fmt::format("metadata {} is not a string", cut_quoted(key_)));
     Json* added = add(std::move(container));
     if (added == nullptr) return false;
     path_.push_back(added);
@@ -487,8 +499,8 @@ class HeaderReader : public ValueCount {
   // Adds `value` to the innermost open container of the entry; null past kMaxEntryValues.
   Json* add(Json value) {
     if (++values_ > kMaxEntryValues) {
-      problem_ =
-          fmt::format("has tensor \"{}\" of more than {} JSON values", name_, kMaxEntryValues);
+      problem_ = fmt::format("has tensor {} of more than {} JSON values", cut_quoted(name_),
+                             kMaxEntryValues);
       return nullptr;
     }
     Json& into = *path_.back();
@@ -498,7 +510,8 @@ class HeaderReader : public ValueCount {
   }
   bool finish() {
     std::pair<uint64_t, uint64_t> range;
-    file_.tensors.emplace_back(name_, parse_tensor(name_, entry_, data_, data_size_, range, fail_));
+    file_.tensors.emplace_back(
+        name_, parse_tensor(name_, entry_, data_, data_size_, range, claimed_, fail_));
     ranges_.push_back(range);
     entry_ = nullptr;
     path_.clear();
@@ -515,6 +528,7 @@ class HeaderReader : public ValueCount {
   std::vector<Json*> path_;  // the entry's open containers, outermost first
   bool in_metadata_ = false;
   int64_t metadata_ = 0;
+  uint64_t claimed_ = 0;  // data bytes the entries read so far take
 };
 
 }  // namespace
@@ -543,7 +557,7 @@ SafetensorsFile decode_safetensors(const std::string& bytes, const std::string& 
   file.index.reserve(file.tensors.size());
   for (size_t i = 0; i < file.tensors.size(); ++i) {
     if (!file.index.emplace(file.tensors[i].first, i).second)
-      throw fail(fmt::format("tensor \"{}\" appears twice", file.tensors[i].first));
+      throw fail(fmt::format("tensor {} appears twice", cut_quoted(file.tensors[i].first)));
   }
   return file;
 }

@@ -140,6 +140,34 @@ TEST(ForgedFiles, AHeaderIsReadEntryByEntryWithinBounds) {
   EXPECT_EQ(file.tensors.size(), 100u);
 }
 
+// Entries whose data overlaps are refused at the first one past the data section's size, before
+// its data is copied: 1000 entries over the whole of 1 MiB asked for 1000 copies of it (1 GB)
+// before the coverage check saw the overlap. Names in messages are shown cut, however long.
+TEST(ForgedFiles, OverlappingEntriesAreRefusedBeforeTheirDataIsCopied) {
+  constexpr int64_t kFloats = 1 << 18;  // 1 MiB
+  std::string header = "{";
+  for (int i = 0; i < 1000; ++i) {
+    header += fmt::format(R"("a{}":{{"dtype":"F32","shape":[{}],"data_offsets":[0,{}]}},)", i,
+                          kFloats, 4 * kFloats);
+  }
+  header.back() = '}';
+  const std::string bytes = with_header(header) + std::string(4 * kFloats, '\0');
+  EXPECT_TRUE(throws_error([&] { (void)detail::decode_safetensors(bytes, "overlap"); },
+                           {"safetensors overlap: tensor \"a1\" data_offsets [0, 1048576) "
+                            "overlap another tensor's: the tensors take more than the "
+                            "1048576-byte data section"}));
+  const std::string long_name(100000, 'n');
+  try {
+    (void)detail::decode_safetensors(
+        with_header(R"({")" + long_name + R"(":{"dtype":"X","shape":[],"data_offsets":[0,0]}})"),
+        "long");
+    ADD_FAILURE() << "accepted";
+  } catch (const Error& error) {
+    EXPECT_LT(std::string(error.what()).size(), 200u) << std::string(error.what()).substr(0, 300);
+    EXPECT_NE(std::string(error.what()).find(R"(tensor "nnnnnnnn)"), std::string::npos);
+  }
+}
+
 // The product of the extents is checked before it can wrap (and with zero extents ignored: the
 // strides of [0, 2^40, 2^40, 2^40] overflow too); the error names the file and the tensor.
 TEST(ForgedFiles, ShapesWhoseProductOverflowsAreRejectedNamingTheFileAndTensor) {
