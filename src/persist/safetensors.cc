@@ -10,6 +10,8 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "persist/json_reading.h"
+
 namespace kvsnap::detail {
 
 // Bytes of the well-formed UTF-8 sequence at `text[at]` (no overlong forms, surrogates or code
@@ -63,167 +65,7 @@ bool parse_dtype(const std::string& name, DType& dtype) {
   return false;
 }
 
-// Error messages show this much of a value read from a file.
-constexpr size_t kDescribedChars = 120;
-constexpr size_t kDescribedStringBytes = 40;
-constexpr int kDescribedLevels = 3;
-
-// The deepest nesting of brackets outside strings: for valid JSON, the parser's depth.
-bool nests_deeper_than(std::string_view text, int limit) {
-  int depth = 0;
-  bool in_string = false, escaped = false;
-  for (const char c : text) {
-    if (in_string) {
-      if (escaped) {
-        escaped = false;
-      } else if (c == '\\') {
-        escaped = true;
-      } else if (c == '"') {
-        in_string = false;
-      }
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
-      if (++depth > limit) return true;
-    } else if (c == ']' || c == '}') {
-      --depth;
-    }
-  }
-  return false;
-}
-
-// `text` as a JSON string, cut to kDescribedStringBytes; bytes that are not UTF-8 (a cut may
-// split a character) show as U+FFFD.
-std::string cut_quoted(const std::string& text) {
-  const bool cut = text.size() > kDescribedStringBytes;
-  const Json shown = cut ? text.substr(0, kDescribedStringBytes) : text;
-  std::string out = shown.dump(-1, ' ', false, Json::error_handler_t::replace);
-  if (cut) out.insert(out.size() - 1, "...");
-  return out;
-}
-
-// Appends `value` to `out`, containers `levels` deep, stopping once `out` is kDescribedChars long.
-void render(const Json& value, int levels, std::string& out) {
-  if (value.is_string()) {
-    out += cut_quoted(value.get_ref<const std::string&>());
-    return;
-  }
-  if (!value.is_structured()) {
-    out += value.dump();  // a number, a boolean or null: short
-    return;
-  }
-  const bool object = value.is_object();
-  if (levels == 0) {
-    const char* plural = value.size() == 1 ? "" : "s";
-    out += object ? fmt::format("{{{} member{}}}", value.size(), plural)
-                  : fmt::format("[{} element{}]", value.size(), plural);
-    return;
-  }
-  out += object ? '{' : '[';
-  for (auto it = value.begin(); it != value.end(); ++it) {
-    if (it != value.begin()) out += ',';
-    if (out.size() > kDescribedChars) {
-      out += "...";
-      break;
-    }
-    if (object) out += cut_quoted(it.key()) + ':';
-    render(*it, levels - 1, out);
-  }
-  out += object ? '}' : ']';
-}
-
-// Counts the values (scalars, arrays and objects) of JSON text in one pass that builds nothing
-// (nlohmann's SAX interface): text parsed into values takes several times its length (a forged
-// 100 MiB safetensors header of `{}`s took 4 GB and 20 s), so what would hold more values than
-// it may is refused before it is parsed.
-class ValueCount : public nlohmann::json_sax<Json> {
- public:
-  // Counts `text`'s values; false, with problem_ set as parse_json sets it (or as a subclass
-  // stopping early set it), when it is not valid JSON.
-  bool run(std::string_view text) {
-    if (nests_deeper_than(text, kMaxJsonDepth)) {
-      problem_ = fmt::format("nests deeper than {} levels", kMaxJsonDepth);
-      return false;
-    }
-    if (!Json::sax_parse(text, this) && problem_.empty()) problem_ = "is not valid JSON";
-    return problem_.empty();
-  }
-
-  bool null() override { return value(); }
-  bool boolean(bool) override { return value(); }
-  bool number_integer(number_integer_t) override { return value(); }
-  bool number_unsigned(number_unsigned_t) override { return value(); }
-  bool number_float(number_float_t, const string_t&) override { return value(); }
-  bool string(string_t&) override { return value(); }
-  bool binary(binary_t&) override { return value(); }
-  bool start_object(std::size_t) override { return open(); }
-  bool key(string_t&) override { return true; }
-  bool end_object() override { return close(); }
-  bool start_array(std::size_t) override { return open(); }
-  bool end_array() override { return close(); }
-  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) override {
-    problem_ = fmt::format("is not valid JSON ({})", e.what());  // as parse_json says it
-    return false;
-  }
-
-  int64_t values() const { return values_; }
-  const std::string& failure() const { return problem_; }
-
- protected:
-  int depth_ = 0;
-  int64_t values_ = 0;
-  std::string problem_;
-
- private:
-  bool value() {
-    ++values_;
-    return true;
-  }
-  bool open() {
-    ++depth_;
-    return value();
-  }
-  bool close() {
-    --depth_;
-    return true;
-  }
-};
-
 }  // namespace
-
-Json parse_json(std::string_view text, int64_t max_values, std::string& problem) {
-  ValueCount count;
-  if (!count.run(text)) {
-    problem = count.failure();
-    return nullptr;
-  }
-  if (count.values() > max_values) {
-    problem =
-        fmt::format("holds {} JSON values, more than the {} it may", count.values(), max_values);
-    return nullptr;
-  }
-  return parse_json(text, problem);
-}
-
-Json parse_json(std::string_view text, std::string& problem) {
-  problem.clear();
-  if (nests_deeper_than(text, kMaxJsonDepth)) {
-    problem = fmt::format("nests deeper than {} levels", kMaxJsonDepth);
-    return nullptr;
-  }
-  try {
-    return Json::parse(text);
-  } catch (const Json::exception& e) {
-    problem = fmt::format("is not valid JSON ({})", e.what());
-  }
-  return nullptr;
-}
-
-std::string describe_json(const Json& value) {
-  std::string out;
-  render(value, kDescribedLevels, out);
-  return out;
-}
 
 const Array& SafetensorsFile::at(const std::string& name, const char* context) const {
   if (index.size() == tensors.size()) {
@@ -428,7 +270,7 @@ class HeaderReader : public ValueCount {
   bool number_float(number_float_t value, const string_t&) override { return scalar(value); }
   bool string(string_t& value) override {
     if (in_metadata_ && depth_ == 2) {
-      file_.metadata[key_] = std::move(value);
+      file_.metadata[metadata_key_] = std::move(value);
       return true;
     }
     return scalar(std::move(value));
@@ -439,11 +281,14 @@ class HeaderReader : public ValueCount {
   bool key(string_t& name) override {
     if (depth_ == 1) {
       name_ = std::move(name);
-    } else if (in_metadata_ && depth_ == 2 && ++metadata_ > kMaxMetadata) {
-      problem_ = fmt::format("has __metadata__ of more than {} members", kMaxMetadata);
-      return false;
+    } else if (in_metadata_ && depth_ == 2) {
+      if (++metadata_ > kMaxMetadata) {
+        problem_ = fmt::format("has __metadata__ of more than {} members", kMaxMetadata);
+        return false;
+      }
+      metadata_key_ = std::move(name);
     } else {
-      key_ = std::move(name);
+      entry_.key(std::move(name));
     }
     return true;
   }
@@ -454,67 +299,52 @@ class HeaderReader : public ValueCount {
   bool scalar(Json value) {
     if (depth_ == 1) {  // a root member that is no object
       if (name_ == "__metadata__") throw fail_("__metadata__ is not an object");
-      entry_ = std::move(value);
-      return finish();
+      return finish(std::move(value));
     }
-    if (in_metadata_) throw fail_(fmt::format("metadata {} is not a string", cut_quoted(key_)));
-    return add(std::move(value)) != nullptr;
+    if (in_metadata_) not_a_string();
+    return added(entry_.add(std::move(value), false));
   }
   bool open(Json container) {
     if (depth_ == 0) {  // the root (header_text saw its '{')
       depth_ = 1;
       return true;
     }
-    if (depth_ == 1) {
-      ++depth_;
-      if (name_ == "__metadata__") {
-        if (!container.is_object()) throw fail_("__metadata__ is not an object");
-        in_metadata_ = true;
-        return true;
-      }
-      entry_ = std::move(container);
-      path_.assign(1, &entry_);
-      values_ = 1;
-      return true;
+    if (depth_ == 1 && name_ == "__metadata__") {
+      if (!container.is_object()) throw fail_("__metadata__ is not an object");
+      in_metadata_ = true;
+    } else if (depth_ == 1) {
+      entry_.start(std::move(container));
+    } else if (in_metadata_) {
+      not_a_string();
+    } else if (!added(entry_.add(std::move(container), true))) {
+      return false;
     }
-    if (in_metadata_) throw fail_(fmt::format("metadata {} is not a string", cut_quoted(key_)));
-    Json* added = add(std::move(container));
-    if (added == nullptr) return false;
-    path_.push_back(added);
     ++depth_;
     return true;
   }
   bool close() {
-    --depth_;
-    if (depth_ != 1) {
-      if (depth_ > 1) path_.pop_back();
-      return true;
-    }
+    if (--depth_ < 1) return true;  // the root
     if (in_metadata_) {
-      in_metadata_ = false;
+      in_metadata_ = depth_ != 1;
       return true;
     }
-    return finish();
+    return entry_.close() ? finish(entry_.take()) : true;
   }
-  // Adds `value` to the innermost open container of the entry; null past kMaxEntryValues.
-  Json* add(Json value) {
-    if (++values_ > kMaxEntryValues) {
+  [[noreturn]] void not_a_string() const {
+    throw fail_(fmt::format("metadata {} is not a string", cut_quoted(metadata_key_)));
+  }
+  bool added(bool within) {
+    if (!within) {
       problem_ = fmt::format("has tensor {} of more than {} JSON values", cut_quoted(name_),
                              kMaxEntryValues);
-      return nullptr;
     }
-    Json& into = *path_.back();
-    if (into.is_object()) return &(into[key_] = std::move(value));
-    into.push_back(std::move(value));
-    return &into.back();
+    return within;
   }
-  bool finish() {
+  bool finish(const Json& entry) {
     std::pair<uint64_t, uint64_t> range;
     file_.tensors.emplace_back(
-        name_, parse_tensor(name_, entry_, data_, data_size_, range, claimed_, fail_));
+        name_, parse_tensor(name_, entry, data_, data_size_, range, claimed_, fail_));
     ranges_.push_back(range);
-    entry_ = nullptr;
-    path_.clear();
     return true;
   }
 
@@ -523,9 +353,8 @@ class HeaderReader : public ValueCount {
   const Fail& fail_;
   SafetensorsFile& file_;
   std::vector<std::pair<uint64_t, uint64_t>>& ranges_;
-  std::string name_, key_;  // the root member and the innermost object key being read
-  Json entry_;
-  std::vector<Json*> path_;  // the entry's open containers, outermost first
+  std::string name_, metadata_key_;  // the root member, the metadata member being read
+  ValueBuilder entry_{kMaxEntryValues};
   bool in_metadata_ = false;
   int64_t metadata_ = 0;
   uint64_t claimed_ = 0;  // data bytes the entries read so far take

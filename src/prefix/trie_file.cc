@@ -23,8 +23,8 @@ constexpr const char* kFormat = "kvsnap-prefix-cache";
 // Written as a string; files of other versions are refused. 2: the checksum covers every byte
 // of the file.
 constexpr int kVersion = 2;
-// Values a forged "layers" or "nodes" may hold beyond what the file's layers and nodes take, so
-// that a small forgery still gets the message that says what is wrong with it.
+// Values a forged "layers" or a node of "nodes" may hold beyond what they take, so that a small
+// forgery still gets the message that says what is wrong with it.
 constexpr int64_t kSpareValues = 64;
 
 // What a layer is, as recorded in the file and compared on load.
@@ -165,16 +165,19 @@ class TrieDecoder {
     if (edges.dtype() != DType::i32 || edges.ndim() != 1)
       throw fail("\"edges\" must be a 1-d I32 tensor");
     tokens_ = edges.to_ints();
-    // Each node: its object, parent, length, user, used and snapshots, and per layer a null or
-    // an object of kind, from and to. A node's edge takes a token at least, so there are at most
-    // as many nodes as edge tokens.
-    const auto per_node = 6 + 4 * static_cast<int64_t>(layers_.size());
-    const Json entries =
-        parse("nodes", 1 + per_node * static_cast<int64_t>(tokens_.size()) + kSpareValues);
-    if (!entries.is_array()) throw fail("\"nodes\" must be an array");
     LoadedTrie loaded;
     loaded.clock = clock_ = clock();
-    for (size_t n = 0; n < entries.size(); ++n) loaded.nodes.push_back(node(n, entries[n]));
+    // Node by node, each parsed alone (never the whole list as JSON values, which cost several
+    // times its length): its object, parent, length, user, used and snapshots, and per layer a
+    // null or an object of kind, from and to.
+    const int64_t per_node = 6 + 4 * static_cast<int64_t>(layers_.size()) + kSpareValues;
+    std::string problem;
+    const bool read = for_each_element(
+        meta("nodes"), per_node,
+        [&](const Json& entry) { loaded.nodes.push_back(node(loaded.nodes.size(), entry)); },
+        problem);
+    if (problem == "is not an array") throw fail("\"nodes\" must be an array");
+    if (!read) throw fail(fmt::format("metadata \"nodes\" {}", problem));
     if (position_ != tokens_.size())
       throw fail(fmt::format("{} edge tokens belong to no node", tokens_.size() - position_));
     if (claimed_ != file_.tensors.size())

@@ -1,0 +1,200 @@
+#include "persist/json_reading.h"
+
+#include <fmt/format.h>
+
+#include <functional>
+
+#include "persist/safetensors.h"
+
+namespace kvsnap::detail {
+namespace {
+
+using Json = nlohmann::json;
+
+// Error messages show this much of a value read from a file.
+constexpr size_t kDescribedChars = 120;
+constexpr size_t kDescribedStringBytes = 40;
+constexpr int kDescribedLevels = 3;
+
+// The deepest nesting of brackets outside strings: for valid JSON, the parser's depth.
+bool nests_deeper_than(std::string_view text, int limit) {
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  for (const char c : text) {
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > limit) return true;
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+std::string cut_quoted(const std::string& text) {
+  const bool cut = text.size() > kDescribedStringBytes;
+  const Json shown = cut ? text.substr(0, kDescribedStringBytes) : text;
+  std::string out = shown.dump(-1, ' ', false, Json::error_handler_t::replace);
+  if (cut) out.insert(out.size() - 1, "...");
+  return out;
+}
+
+namespace {
+
+// Appends `value` to `out`, containers `levels` deep, stopping once `out` is kDescribedChars long.
+void render(const Json& value, int levels, std::string& out) {
+  if (value.is_string()) {
+    out += cut_quoted(value.get_ref<const std::string&>());
+    return;
+  }
+  if (!value.is_structured()) {
+    out += value.dump();  // a number, a boolean or null: short
+    return;
+  }
+  const bool object = value.is_object();
+  if (levels == 0) {
+    const char* plural = value.size() == 1 ? "" : "s";
+    out += object ? fmt::format("{{{} member{}}}", value.size(), plural)
+                  : fmt::format("[{} element{}]", value.size(), plural);
+    return;
+  }
+  out += object ? '{' : '[';
+  for (auto it = value.begin(); it != value.end(); ++it) {
+    if (it != value.begin()) out += ',';
+    if (out.size() > kDescribedChars) {
+      out += "...";
+      break;
+    }
+    if (object) out += cut_quoted(it.key()) + ':';
+    render(*it, levels - 1, out);
+  }
+  out += object ? '}' : ']';
+}
+
+// A JSON array read element by element, each built alone and handed to `take` in order.
+class ElementReader : public ValueCount {
+ public:
+  ElementReader(int64_t most, const std::function<void(Json)>& take)
+      : most_(most), builder_(most), take_(take) {}
+
+  bool null() override { return scalar(nullptr); }
+  bool boolean(bool value) override { return scalar(value); }
+  bool number_integer(number_integer_t value) override { return scalar(value); }
+  bool number_unsigned(number_unsigned_t value) override { return scalar(value); }
+  bool number_float(number_float_t value, const string_t&) override { return scalar(value); }
+  bool string(string_t& value) override { return scalar(std::move(value)); }
+  bool binary(binary_t&) override { return scalar(nullptr); }  // not in JSON text
+  bool start_object(std::size_t) override { return open(Json::object()); }
+  bool start_array(std::size_t) override { return open(Json::array()); }
+  bool key(string_t& name) override {
+    builder_.key(std::move(name));
+    return true;
+  }
+  bool end_object() override { return close(); }
+  bool end_array() override { return close(); }
+
+ private:
+  bool scalar(Json value) {
+    if (depth_ == 0) return not_an_array();
+    if (depth_ == 1) {
+      take_(std::move(value));
+      return true;
+    }
+    return added(builder_.add(std::move(value), false));
+  }
+  bool open(Json container) {
+    if (depth_ == 0 && !container.is_array()) return not_an_array();
+    if (depth_ == 1) builder_.start(std::move(container));
+    if (depth_ >= 2 && !added(builder_.add(std::move(container), true))) return false;
+    ++depth_;
+    return true;
+  }
+  bool close() {
+    if (--depth_ >= 1 && builder_.close()) take_(builder_.take());
+    return true;
+  }
+  bool not_an_array() {
+    problem_ = "is not an array";
+    return false;
+  }
+  bool added(bool within) {
+    if (!within) problem_ = fmt::format("has an element of more than {} JSON values", most_);
+    return within;
+  }
+
+  int64_t most_;
+  ValueBuilder builder_;
+  const std::function<void(Json)>& take_;
+};
+
+}  // namespace
+
+bool ValueCount::run(std::string_view text) {
+  if (nests_deeper_than(text, kMaxJsonDepth)) {
+    problem_ = fmt::format("nests deeper than {} levels", kMaxJsonDepth);
+    return false;
+  }
+  if (!Json::sax_parse(text, this) && problem_.empty()) problem_ = "is not valid JSON";
+  return problem_.empty();
+}
+
+bool ValueCount::parse_error(std::size_t, const std::string&,
+                             const nlohmann::detail::exception& e) {
+  problem_ = fmt::format("is not valid JSON ({})", e.what());  // as parse_json says it
+  return false;
+}
+
+Json parse_json(std::string_view text, int64_t max_values, std::string& problem) {
+  ValueCount count;
+  if (!count.run(text)) {
+    problem = count.failure();
+    return nullptr;
+  }
+  if (count.values() > max_values) {
+    problem =
+        fmt::format("holds {} JSON values, more than the {} it may", count.values(), max_values);
+    return nullptr;
+  }
+  return parse_json(text, problem);
+}
+
+bool for_each_element(std::string_view text, int64_t max_values,
+                      const std::function<void(Json)>& take, std::string& problem) {
+  ElementReader reader(max_values, take);
+  const bool read = reader.run(text);
+  problem = reader.failure();
+  return read;
+}
+
+Json parse_json(std::string_view text, std::string& problem) {
+  problem.clear();
+  if (nests_deeper_than(text, kMaxJsonDepth)) {
+    problem = fmt::format("nests deeper than {} levels", kMaxJsonDepth);
+    return nullptr;
+  }
+  try {
+    return Json::parse(text);
+  } catch (const Json::exception& e) {
+    problem = fmt::format("is not valid JSON ({})", e.what());
+  }
+  return nullptr;
+}
+
+std::string describe_json(const Json& value) {
+  std::string out;
+  render(value, kDescribedLevels, out);
+  return out;
+}
+
+}  // namespace kvsnap::detail
