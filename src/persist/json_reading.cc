@@ -83,29 +83,17 @@ void render(const Json& value, int levels, std::string& out) {
 }
 
 // A JSON array read element by element, each built alone and handed to `take` in order.
-class ElementReader : public ValueCount {
+class ElementReader : public ValueEvents {
  public:
   ElementReader(int64_t most, const std::function<void(Json)>& take)
       : most_(most), builder_(most), take_(take) {}
 
-  bool null() override { return scalar(nullptr); }
-  bool boolean(bool value) override { return scalar(value); }
-  bool number_integer(number_integer_t value) override { return scalar(value); }
-  bool number_unsigned(number_unsigned_t value) override { return scalar(value); }
-  bool number_float(number_float_t value, const string_t&) override { return scalar(value); }
-  bool string(string_t& value) override { return scalar(std::move(value)); }
-  bool binary(binary_t&) override { return scalar(nullptr); }  // not in JSON text
-  bool start_object(std::size_t) override { return open(Json::object()); }
-  bool start_array(std::size_t) override { return open(Json::array()); }
-  bool key(string_t& name) override {
+ private:
+  bool member(std::string name) override {
     builder_.key(std::move(name));
     return true;
   }
-  bool end_object() override { return close(); }
-  bool end_array() override { return close(); }
-
- private:
-  bool scalar(Json value) {
+  bool scalar(Json value) override {
     if (depth_ == 0) return not_an_array();
     if (depth_ == 1) {
       take_(std::move(value));
@@ -113,14 +101,14 @@ class ElementReader : public ValueCount {
     }
     return added(builder_.add(std::move(value), false));
   }
-  bool open(Json container) {
+  bool open(Json container) override {
     if (depth_ == 0 && !container.is_array()) return not_an_array();
     if (depth_ == 1) builder_.start(std::move(container));
     if (depth_ >= 2 && !added(builder_.add(std::move(container), true))) return false;
     ++depth_;
     return true;
   }
-  bool close() {
+  bool close() override {
     if (--depth_ >= 1 && builder_.close()) take_(builder_.take());
     return true;
   }

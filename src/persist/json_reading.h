@@ -102,7 +102,31 @@ class ValueBuilder {
   nlohmann::json value_;
   std::vector<nlohmann::json*> path_;  // the open containers, outermost first (pointers stay valid:
                                        // only closed siblings move when a container grows)
-  std::string key_;  // the innermost object's key being read
+  std::string key_;                    // the innermost object's key being read
+};
+
+// The SAX events as four hooks, for readers that build values from them: a scalar, a container
+// opened (given empty), the innermost one closed, and an object's key.
+class ValueEvents : public ValueCount {
+ public:
+  bool null() override { return scalar(nullptr); }
+  bool boolean(bool value) override { return scalar(value); }
+  bool number_integer(number_integer_t value) override { return scalar(value); }
+  bool number_unsigned(number_unsigned_t value) override { return scalar(value); }
+  bool number_float(number_float_t value, const string_t&) override { return scalar(value); }
+  bool string(string_t& value) override { return scalar(std::move(value)); }
+  bool binary(binary_t&) override { return scalar(nullptr); }  // not in JSON text
+  bool start_object(std::size_t) override { return open(nlohmann::json::object()); }
+  bool start_array(std::size_t) override { return open(nlohmann::json::array()); }
+  bool key(string_t& name) override { return member(std::move(name)); }
+  bool end_object() override { return close(); }
+  bool end_array() override { return close(); }
+
+ protected:
+  virtual bool scalar(nlohmann::json value) = 0;
+  virtual bool open(nlohmann::json container) = 0;
+  virtual bool close() = 0;
+  virtual bool member(std::string name) = 0;
 };
 
 }  // namespace kvsnap::detail

@@ -251,7 +251,7 @@ void check_coverage(std::vector<std::pair<uint64_t, uint64_t>> ranges, uint64_t 
 // which costs several times its length (a forged 100 MiB header of `{}`s took 4 GB and 20 s):
 // each tensor entry is built alone, of at most kMaxEntryValues values, and read into its array
 // as soon as it closes; metadata strings go straight into the file, at most kMaxMetadata.
-class HeaderReader : public ValueCount {
+class HeaderReader : public ValueEvents {
  public:
   // Snapshot files hold a member for each of up to 2^20 layers.
   static constexpr int64_t kMaxMetadata = (int64_t(1) << 20) + 64;
@@ -263,22 +263,8 @@ class HeaderReader : public ValueCount {
                std::vector<std::pair<uint64_t, uint64_t>>& ranges)
       : data_(data), data_size_(data_size), fail_(fail), file_(file), ranges_(ranges) {}
 
-  bool null() override { return scalar(nullptr); }
-  bool boolean(bool value) override { return scalar(value); }
-  bool number_integer(number_integer_t value) override { return scalar(value); }
-  bool number_unsigned(number_unsigned_t value) override { return scalar(value); }
-  bool number_float(number_float_t value, const string_t&) override { return scalar(value); }
-  bool string(string_t& value) override {
-    if (in_metadata_ && depth_ == 2) {
-      file_.metadata[metadata_key_] = std::move(value);
-      return true;
-    }
-    return scalar(std::move(value));
-  }
-  bool binary(binary_t&) override { return scalar(nullptr); }  // not in JSON text
-  bool start_object(std::size_t) override { return open(Json::object()); }
-  bool start_array(std::size_t) override { return open(Json::array()); }
-  bool key(string_t& name) override {
+ private:
+  bool member(std::string name) override {
     if (depth_ == 1) {
       name_ = std::move(name);
     } else if (in_metadata_ && depth_ == 2) {
@@ -292,11 +278,11 @@ class HeaderReader : public ValueCount {
     }
     return true;
   }
-  bool end_object() override { return close(); }
-  bool end_array() override { return close(); }
-
- private:
-  bool scalar(Json value) {
+  bool scalar(Json value) override {
+    if (in_metadata_ && depth_ == 2 && value.is_string()) {
+      file_.metadata[metadata_key_] = std::move(value.get_ref<std::string&>());
+      return true;
+    }
     if (depth_ == 1) {  // a root member that is no object
       if (name_ == "__metadata__") throw fail_("__metadata__ is not an object");
       return finish(std::move(value));
@@ -304,7 +290,7 @@ class HeaderReader : public ValueCount {
     if (in_metadata_) not_a_string();
     return added(entry_.add(std::move(value), false));
   }
-  bool open(Json container) {
+  bool open(Json container) override {
     if (depth_ == 0) {  // the root (header_text saw its '{')
       depth_ = 1;
       return true;
@@ -322,7 +308,7 @@ class HeaderReader : public ValueCount {
     ++depth_;
     return true;
   }
-  bool close() {
+  bool close() override {
     if (--depth_ < 1) return true;  // the root
     if (in_metadata_) {
       in_metadata_ = depth_ != 1;
