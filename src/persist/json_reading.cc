@@ -113,7 +113,7 @@ class ElementReader : public ValueEvents {
     return true;
   }
   bool not_an_array() {
-    problem_ = "is not an array";
+    problem_ = kNotAnArray;
     return false;
   }
   bool added(bool within) {

@@ -218,8 +218,8 @@ Array parse_tensor(const std::string& name, const Json& entry, const char* data,
   // copies of it).
   if (expected > data_size - claimed) {
     throw fail(fmt::format(
-        "tensor {} data_offsets [{}, {}) overlap another tensor's: the tensors take more than "
-        "the {}-byte data section",
+        "with tensor {} (data_offsets [{}, {})) the tensors take more than the {}-byte data "
+        "section: some overlap",
         cut_quoted(name), begin, end, data_size));
   }
   claimed += expected;

@@ -61,10 +61,12 @@ nlohmann::json parse_json(std::string_view text, std::string& problem);
 // before it is parsed: counted in one pass that builds nothing, as JSON parsed into values takes
 // several times its length. `problem` then reads "holds N JSON values, more than the M it may".
 nlohmann::json parse_json(std::string_view text, int64_t max_values, std::string& problem);
+// The problem for_each_element reports for text that is valid JSON but no array.
+inline constexpr const char* kNotAnArray = "is not an array";
 // Hands each element of the JSON array `text` to `take`, in order, each parsed alone (at most
 // `max_values` values), never the whole text at once. Returns false with `problem` set when the
-// text is not valid JSON (as parse_json says it), "is not an array", or "has an element of more
-// than N JSON values"; what `take` throws passes through.
+// text is not valid JSON (as parse_json says it), kNotAnArray, or "has an element of more than N
+// JSON values"; what `take` throws passes through.
 bool for_each_element(std::string_view text, int64_t max_values,
                       const std::function<void(nlohmann::json)>& take, std::string& problem);
 // A short rendering of `value` for an error message, whatever its size: compact JSON, strings

@@ -176,7 +176,7 @@ class TrieDecoder {
         meta("nodes"), per_node,
         [&](const Json& entry) { loaded.nodes.push_back(node(loaded.nodes.size(), entry)); },
         problem);
-    if (problem == "is not an array") throw fail("\"nodes\" must be an array");
+    if (problem == kNotAnArray) throw fail("\"nodes\" must be an array");
     if (!read) throw fail(fmt::format("metadata \"nodes\" {}", problem));
     if (position_ != tokens_.size())
       throw fail(fmt::format("{} edge tokens belong to no node", tokens_.size() - position_));

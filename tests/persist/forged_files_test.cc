@@ -153,9 +153,9 @@ TEST(ForgedFiles, OverlappingEntriesAreRefusedBeforeTheirDataIsCopied) {
   header.back() = '}';
   const std::string bytes = with_header(header) + std::string(4 * kFloats, '\0');
   EXPECT_TRUE(throws_error([&] { (void)detail::decode_safetensors(bytes, "overlap"); },
-                           {"safetensors overlap: tensor \"a1\" data_offsets [0, 1048576) "
-                            "overlap another tensor's: the tensors take more than the "
-                            "1048576-byte data section"}));
+                           {"safetensors overlap: with tensor \"a1\" (data_offsets [0, "
+                            "1048576)) the tensors take more than the 1048576-byte data "
+                            "section: some overlap"}));
   const std::string long_name(100000, 'n');
   try {
     (void)detail::decode_safetensors(
