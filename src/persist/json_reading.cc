@@ -40,6 +40,23 @@ bool nests_deeper_than(std::string_view text, int limit) {
   return false;
 }
 
+// Sets `problem` when `text` nests deeper than kMaxJsonDepth (a linear scan, before any parse).
+bool too_deep(std::string_view text, std::string& problem) {
+  if (!nests_deeper_than(text, kMaxJsonDepth)) return false;
+  problem = fmt::format("nests deeper than {} levels", kMaxJsonDepth);
+  return true;
+}
+
+// Parses `text`, found no deeper than kMaxJsonDepth; null with `problem` set when it is invalid.
+Json parse_checked(std::string_view text, std::string& problem) {
+  try {
+    return Json::parse(text);
+  } catch (const Json::exception& e) {
+    problem = fmt::format("is not valid JSON ({})", e.what());
+  }
+  return nullptr;
+}
+
 }  // namespace
 
 std::string cut_quoted(const std::string& text) {
@@ -129,10 +146,7 @@ class ElementReader : public ValueEvents {
 }  // namespace
 
 bool ValueCount::run(std::string_view text) {
-  if (nests_deeper_than(text, kMaxJsonDepth)) {
-    problem_ = fmt::format("nests deeper than {} levels", kMaxJsonDepth);
-    return false;
-  }
+  if (too_deep(text, problem_)) return false;
   if (!Json::sax_parse(text, this) && problem_.empty()) problem_ = "is not valid JSON";
   return problem_.empty();
 }
@@ -154,7 +168,8 @@ Json parse_json(std::string_view text, int64_t max_values, std::string& problem)
         fmt::format("holds {} JSON values, more than the {} it may", count.values(), max_values);
     return nullptr;
   }
-  return parse_json(text, problem);
+  problem.clear();
+  return parse_checked(text, problem);  // its depth checked by run()
 }
 
 bool for_each_element(std::string_view text, int64_t max_values,
@@ -167,16 +182,7 @@ bool for_each_element(std::string_view text, int64_t max_values,
 
 Json parse_json(std::string_view text, std::string& problem) {
   problem.clear();
-  if (nests_deeper_than(text, kMaxJsonDepth)) {
-    problem = fmt::format("nests deeper than {} levels", kMaxJsonDepth);
-    return nullptr;
-  }
-  try {
-    return Json::parse(text);
-  } catch (const Json::exception& e) {
-    problem = fmt::format("is not valid JSON ({})", e.what());
-  }
-  return nullptr;
+  return too_deep(text, problem) ? nullptr : parse_checked(text, problem);
 }
 
 std::string describe_json(const Json& value) {
