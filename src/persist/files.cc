@@ -1,5 +1,6 @@
 #include "persist/files.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <pwd.h>
@@ -16,38 +17,52 @@
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <memory>
 #include <utility>
 #include <vector>
 
 namespace kvsnap::detail {
 
+namespace {
+
+// The pid of a temporary of `prefix` named "<prefix><pid>-<n>" (or "<prefix><pid>", as kvsnap
+// named them before), or 0 for any other name.
+pid_t temporary_owner(const std::string& name, const std::string& prefix) {
+  if (name.size() <= prefix.size() || name.compare(0, prefix.size(), prefix) != 0) return 0;
+  const std::string rest = name.substr(prefix.size());
+  const size_t dash = rest.find('-');
+  const std::string digits = rest.substr(0, dash);
+  const std::string number = dash == std::string::npos ? "" : rest.substr(dash + 1);
+  const auto all_digits = [](const std::string& text) {
+    return std::all_of(text.begin(), text.end(), [](unsigned char c) { return std::isdigit(c); });
+  };
+  if (digits.empty() || digits.size() > 9 || !all_digits(digits)) return 0;
+  if (dash != std::string::npos && (number.empty() || number.size() > 20 || !all_digits(number))) {
+    return 0;
+  }
+  return static_cast<pid_t>(std::stol(digits));
+}
+
+}  // namespace
+
 void remove_stale_temporaries(const std::string& path) {
   namespace fs = std::filesystem;
-  const fs::path target(path);
-  const std::string prefix = target.filename().string() + ".tmp-";
-  std::error_code error;
-  fs::directory_iterator entries(
-      target.parent_path().empty() ? fs::path(".") : target.parent_path(), error);
-  if (error) return;
-  for (const fs::directory_entry& entry : entries) {
-    const std::string name = entry.path().filename().string();
-    if (name.size() <= prefix.size() || name.compare(0, prefix.size(), prefix) != 0) continue;
-    // "<pid>-<n>" (or "<pid>", as kvsnap named them before): the pid is what matters.
-    const std::string rest = name.substr(prefix.size());
-    const size_t dash = rest.find('-');
-    const std::string digits = rest.substr(0, dash);
-    const std::string number = dash == std::string::npos ? "" : rest.substr(dash + 1);
-    const auto all_digits = [](const std::string& text) {
-      return std::all_of(text.begin(), text.end(), [](unsigned char c) { return std::isdigit(c); });
-    };
-    if (digits.empty() || digits.size() > 9 || !all_digits(digits)) continue;
-    if (dash != std::string::npos && (number.empty() || number.size() > 20 || !all_digits(number)))
-      continue;
-    const pid_t pid = static_cast<pid_t>(std::stol(digits));
-    // kill(pid, 0) probes without signalling: ESRCH means no such process (EPERM: one runs).
-    if (pid > 0 && pid != ::getpid() && ::kill(pid, 0) != 0 && errno == ESRCH) {
-      fs::remove(entry.path(), error);
+  // opendir and readdir, not std::filesystem's directory_iterator: libstdc++ allocates inside
+  // a noexcept constructor of it, so running out of memory there would terminate the process.
+  try {
+    const fs::path target(path);
+    const std::string prefix = target.filename().string() + ".tmp-";
+    const fs::path folder = target.parent_path().empty() ? fs::path(".") : target.parent_path();
+    const std::unique_ptr<DIR, int (*)(DIR*)> listing(::opendir(folder.c_str()), ::closedir);
+    if (listing == nullptr) return;  // best effort: an unreadable folder, or out of memory
+    while (const dirent* entry = ::readdir(listing.get())) {
+      const pid_t pid = temporary_owner(entry->d_name, prefix);
+      // kill(pid, 0) probes without signalling: ESRCH means no such process (EPERM: one runs).
+      if (pid > 0 && pid != ::getpid() && ::kill(pid, 0) != 0 && errno == ESRCH) {
+        (void)::unlink((folder / entry->d_name).c_str());  // best effort: the next one may go
+      }
     }
+  } catch (const std::exception&) {  // out of memory naming a path
   }
 }
 
