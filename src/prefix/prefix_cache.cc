@@ -149,20 +149,29 @@ void PrefixCache::load(const std::string& dir, const std::string& model_id,
   const Lock lock(impl_->mutex);
   if (impl_->any_open()) throw Error("PrefixCache::load: a session is open; close it first");
   const std::string path = trie_path(dir);
-  detail::LoadedTrie loaded;
+  // Everything is read and built aside first: a load that fails leaves the trie as it was.
+  std::unique_ptr<detail::Trie> fresh;
   try {
     const std::string bytes =
         detail::read_private_file(path, load_rule("PrefixCache::load", options));
     // Only now, the folder trusted: one refused is left as it is.
     detail::remove_stale_temporaries(path);
-    loaded = detail::decode_trie(bytes, path, impl_->trie.layers(), model_id);
+    fresh = detail::build_trie(impl_->trie.layers(),
+                               detail::decode_trie(bytes, path, impl_->trie.layers(), model_id));
   } catch (const std::bad_alloc&) {
     throw Error(fmt::format("PrefixCache::load: cannot load {}: out of memory", path));
   }
+  // The old nodes go before the live caches are reset, so their lazy snapshots of those caches
+  // are not copied out just to be freed.
+  impl_->trie.take_nodes(*fresh);
   for (const auto& slot : impl_->slots) slot->live().reset();
-  detail::install(impl_->trie, std::move(loaded));
   impl_->stats.loaded_nodes = impl_->trie.node_count();
-  impl_->evict(0, detail::Change::shared);  // a smaller budget than the saving cache's
+  try {
+    impl_->evict(0, detail::Change::shared);  // a smaller budget than the saving cache's
+  } catch (const std::bad_alloc&) {
+    // The load is done; a merge while evicting ran short (the trie stays consistent, see
+    // Trie::merge_into_child), and the next call's eviction goes on from here.
+  }
 }
 
 bool PrefixCache::saved_in(const std::string& dir) { return saved_in(dir, LoadOptions{}); }
@@ -189,7 +198,8 @@ int64_t PrefixCache::match(std::span<const int32_t> prompt) const {
   // A slot with nothing live: the first slot's planner with an empty view.
   const detail::Trie::Match found = impl_->trie.match(prompt);
   if (prompt.empty()) return 0;
-  const int64_t limit = std::min(found.length, static_cast<int64_t>(prompt.size()) - 1);
+  const int64_t limit = std::min(impl_->trie.restorable_length(found.path, found.length),
+                                 static_cast<int64_t>(prompt.size()) - 1);
   return detail::plan_restore(impl_->trie.layers(), found.path, limit, detail::LiveView{}).target;
 }
 int64_t PrefixCache::match(SeqId slot, std::span<const int32_t> prompt) const {

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <exception>
 
 #include "cache/state_snapshot.h"
 
@@ -18,28 +19,32 @@ Trie::Trie(std::vector<LayerInfo> layers) : layers_(std::move(layers)) {
   root_.snapshots.resize(layers_.size());
 }
 
-Trie::~Trie() {
-  // Snapshots unlink from their caches as they go; the hooks they hold point here, so clear
-  // them first in case a cache materializes something during teardown.
-  std::vector<Node*> stack{&root_};
-  while (!stack.empty()) {
-    Node* node = stack.back();
-    stack.pop_back();
-    for (SnapshotPtr& s : node->snapshots) {
-      if (s != nullptr) s->set_materialize_hook(nullptr);
-    }
-    for (auto& c : node->children) stack.push_back(c.get());
-  }
+// Snapshots unlink from their caches as they go; the hooks they hold point at the byte counter,
+// so clear() takes them off first in case a cache materializes something during teardown.
+Trie::~Trie() { clear(); }
+
+std::unique_ptr<Node> Trie::new_node() const {
+  auto node = std::make_unique<Node>();
+  node->snapshots.resize(layers_.size());
+  LeafOrder entry;
+  entry.insert({false, 0, node.get()});
+  node->order_entry = entry.extract(entry.begin());
+  return node;
 }
 
 void Trie::unindex(Node& node) {
   ++version_;
-  if (&node != &root_ && node.children.empty()) leaves_.erase({node.user, node.last_used, &node});
+  if (&node == &root_ || !node.children.empty()) return;
+  if (LeafOrder::node_type entry = leaves_.extract({node.user, node.last_used, &node})) {
+    node.order_entry = std::move(entry);
+  }
 }
 
 void Trie::index(Node& node) {
   ++version_;
-  if (&node != &root_ && node.children.empty()) leaves_.insert({node.user, node.last_used, &node});
+  if (&node == &root_ || !node.children.empty() || node.order_entry.empty()) return;
+  node.order_entry.value() = {node.user, node.last_used, &node};
+  leaves_.insert(std::move(node.order_entry));  // a node of its own: allocates nothing
 }
 
 void Trie::touch(Node& node) {
@@ -60,14 +65,15 @@ void Trie::attach(Node& node, size_t layer, SnapshotPtr snapshot) {
   ++version_;
   // The hook and the size at one instant: a forward on another thread may be copying the
   // snapshot out right now.
-  bytes_ += hook_and_size(*snapshot, [this](int64_t delta) { bytes_ += delta; });
+  *bytes_ +=
+      hook_and_size(*snapshot, [counter = bytes_.get()](int64_t delta) { *counter += delta; });
   node.snapshots[layer] = std::move(snapshot);
 }
 
 SnapshotPtr Trie::detach(Node& node, size_t layer) {
   SnapshotPtr snapshot = std::move(node.snapshots[layer]);
   ++version_;
-  if (snapshot != nullptr) bytes_ -= hook_and_size(*snapshot, nullptr);
+  if (snapshot != nullptr) *bytes_ -= hook_and_size(*snapshot, nullptr);
   return snapshot;
 }
 
@@ -99,20 +105,27 @@ Trie::Match Trie::match(std::span<const int32_t> tokens) {
 }
 
 Node& Trie::split(Node& node, int64_t at) {
-  auto upper = std::make_unique<Node>();
+  // Everything the new node needs is allocated before the trie changes.
+  std::unique_ptr<Node> upper = new_node();
   Node& u = *upper;
   const auto cut = static_cast<size_t>(at - node.start());
   u.edge.assign(node.edge.begin(), node.edge.begin() + static_cast<std::ptrdiff_t>(cut));
   u.end = at;
   u.parent = node.parent;
   u.last_used = node.last_used;
-  u.snapshots.resize(layers_.size());
+  u.children.reserve(1);
+  std::exception_ptr failure;
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (layers_[i].cache == nullptr) continue;
-    // KV ranges split in two; whole-state snapshots stay with the lower (later) half.
-    auto [before, after] = layers_[i].cache->split(detach(node, i), at);
-    attach(u, i, std::move(before));
-    attach(node, i, std::move(after));
+    // KV ranges split in two; whole-state snapshots stay with the lower (later) half. A split
+    // that fails has consumed the snapshot: the layer is left without one here (a gap).
+    try {
+      auto [before, after] = layers_[i].cache->split(detach(node, i), at);
+      attach(u, i, std::move(before));
+      attach(node, i, std::move(after));
+    } catch (...) {
+      if (!failure) failure = std::current_exception();
+    }
   }
   node.edge.erase(node.edge.begin(), node.edge.begin() + static_cast<std::ptrdiff_t>(cut));
   Node* parent = node.parent;
@@ -123,6 +136,7 @@ Node& Trie::split(Node& node, int64_t at) {
   u.children.push_back(std::move(lower));
   *slot = std::move(upper);
   ++node_count_;
+  if (failure) std::rethrow_exception(failure);
   return u;
 }
 
@@ -146,13 +160,18 @@ Node& Trie::insert(std::span<const int32_t> tokens, int64_t from, int64_t to,
                         "while inserting [{}, {})",
                         position, from, to));
       }
-      auto leaf = std::make_unique<Node>();
+      // Everything allocated, the ranges cut to the leaf's edge, before the leaf is attached:
+      // a failure here leaves the trie as it was.
+      std::unique_ptr<Node> leaf = new_node();
       leaf->edge.assign(tokens.begin() + position, tokens.begin() + to);
       leaf->end = to;
       leaf->parent = node;
-      leaf->snapshots.resize(layers_.size());
+      node->children.reserve(node->children.size() + 1);
       for (size_t i = 0; i < layers_.size(); ++i) {
-        if (layers_[i].ranged()) attach(*leaf, i, drop_front(i, std::move(ranged[i]), position));
+        if (layers_[i].ranged()) ranged[i] = drop_front(i, std::move(ranged[i]), position);
+      }
+      for (size_t i = 0; i < layers_.size(); ++i) {
+        if (layers_[i].ranged()) attach(*leaf, i, std::move(ranged[i]));
       }
       next = leaf.get();
       unindex(*node);
@@ -211,11 +230,19 @@ void Trie::merge_into_child(Node& node, const std::function<bool(const Node&)>& 
       return;
     }
   }
+  only.edge.reserve(node.edge.size() + only.edge.size());  // before anything changes
+  std::exception_ptr failure;
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (!layers_[i].ranged()) continue;
     SnapshotPtr parent_part = detach(node, i);
     SnapshotPtr child_part = detach(only, i);
-    attach(only, i, layers_[i].cache->merge(std::move(parent_part), std::move(child_part)));
+    // A merge that fails has consumed both parts: the joined node is left without the layer's
+    // range (a gap), and the join completes.
+    try {
+      attach(only, i, layers_[i].cache->merge(std::move(parent_part), std::move(child_part)));
+    } catch (...) {
+      if (!failure) failure = std::current_exception();
+    }
   }
   only.edge.insert(only.edge.begin(), node.edge.begin(), node.edge.end());
   unindex(only);
@@ -228,6 +255,7 @@ void Trie::merge_into_child(Node& node, const std::function<bool(const Node&)>& 
                            [&](const auto& c) { return c.get() == &node; });
   *slot = std::move(kept);  // destroys `node` (now without snapshots)
   --node_count_;
+  if (failure) std::rethrow_exception(failure);
 }
 
 void Trie::remove_leaf(Node& node, const std::function<bool(const Node&)>& keep) {
@@ -253,28 +281,42 @@ void Trie::preorder(std::vector<const Node*>& out) const {
   }
 }
 
-void Trie::clear() {
-  std::vector<Node*> stack{&root_};
-  while (!stack.empty()) {
-    Node* node = stack.back();
-    stack.pop_back();
-    for (size_t i = 0; i < layers_.size(); ++i) (void)detach(*node, i);
-    for (auto& c : node->children) stack.push_back(c.get());
+void Trie::clear() noexcept {
+  // Down to the last child of the last child ..., then back up, as ~Node walks (nothing is
+  // allocated: take_nodes calls this): each node's snapshots are detached on the way down (or as
+  // the leaf goes), the node itself goes once it has no children left.
+  const auto detach_all = [this](Node& node) {
+    for (size_t i = 0; i < node.snapshots.size(); ++i) (void)detach(node, i);
+  };
+  detach_all(root_);
+  Node* at = &root_;
+  while (true) {
+    if (!at->children.empty()) {
+      Node* last = at->children.back().get();
+      if (last != nullptr) detach_all(*last);
+      if (last == nullptr || last->children.empty()) {
+        at->children.pop_back();
+      } else {
+        at = last;
+      }
+      continue;
+    }
+    if (at == &root_) break;
+    at = at->parent;
   }
-  root_.children.clear();
   leaves_.clear();
   node_count_ = 0;
 }
 
 Node& Trie::add_child(Node& parent, std::vector<int32_t> edge, std::vector<SnapshotPtr> snapshots,
                       bool user, int64_t last_used) {
-  auto node = std::make_unique<Node>();
+  std::unique_ptr<Node> node = new_node();
   node->parent = &parent;
   node->end = parent.end + static_cast<int64_t>(edge.size());
   node->edge = std::move(edge);
   node->user = user;
   node->last_used = last_used;
-  node->snapshots.resize(layers_.size());
+  parent.children.reserve(parent.children.size() + 1);
   for (size_t i = 0; i < layers_.size() && i < snapshots.size(); ++i)
     attach(*node, i, std::move(snapshots[i]));
   Node& added = *node;
@@ -283,6 +325,29 @@ Node& Trie::add_child(Node& parent, std::vector<int32_t> edge, std::vector<Snaps
   index(added);
   ++node_count_;
   return added;
+}
+
+void Trie::take_nodes(Trie& fresh) noexcept {
+  clear();
+  root_.children = std::move(fresh.root_.children);
+  fresh.root_.children.clear();
+  for (auto& child : root_.children) child->parent = &root_;
+  leaves_.swap(fresh.leaves_);
+  bytes_.swap(fresh.bytes_);  // the moved snapshots' hooks point at it
+  std::swap(node_count_, fresh.node_count_);
+  clock_ = std::max(clock_, fresh.clock_);
+  ++version_;
+  ++fresh.version_;
+}
+
+int64_t Trie::restorable_length(const std::vector<Node*>& path, int64_t length) const {
+  for (const Node* node : path) {
+    if (node->start() >= length) break;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      if (layers_[i].ranged() && node->snapshots[i] == nullptr) return node->start();
+    }
+  }
+  return length;
 }
 
 int64_t Trie::recount_bytes() const {
@@ -399,14 +464,23 @@ std::string Trie::debug_string() const {
 
 Node::~Node() {
   snapshots.clear();  // before its children's, as the members' own order would have it
-  std::vector<std::unique_ptr<Node>> pending = std::move(children);
-  while (!pending.empty()) {
-    std::unique_ptr<Node> node = std::move(pending.back());
-    pending.pop_back();
-    if (node == nullptr) continue;  // moved out (a merge takes the only child before)
-    for (auto& child : node->children) pending.push_back(std::move(child));
-    node->children.clear();
-  }  // each node goes (its snapshots with it) once its children are pending
+  // Down to the last child of the last child ..., then back up: each node's snapshots go on
+  // the way down, the node itself once it has no children left.
+  Node* at = this;
+  while (true) {
+    if (!at->children.empty()) {
+      Node* last = at->children.back().get();
+      if (last == nullptr || last->children.empty()) {
+        at->children.pop_back();  // moved out (a merge takes the only child first), or a leaf
+      } else {
+        last->snapshots.clear();
+        at = last;
+      }
+      continue;
+    }
+    if (at == this) break;
+    at = at->parent;
+  }
 }
 
 }  // namespace kvsnap::detail

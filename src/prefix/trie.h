@@ -3,6 +3,10 @@
 // Invariants: sibling edges never share a first token; a node's KV snapshots span exactly its
 // edge [start, end); whole-state snapshots hold the state at its end; `bytes()` equals the sum
 // of `size()` over every snapshot held (materialize hooks keep it exact).
+//
+// A node may lack a KV snapshot: a split or merge that ran out of memory consumed it (see
+// Cache::split). Restores stop at such a gap (restorable_length), saves leave out what lies at
+// and below it, and an insert of the same tokens fills it again.
 #pragma once
 
 #include <atomic>
@@ -22,6 +26,10 @@ namespace kvsnap::detail {
 // Length of the longest common prefix of two token sequences.
 int64_t common_prefix(std::span<const int32_t> a, std::span<const int32_t> b);
 
+struct Node;
+// Leaves in eviction order: (user, last use, node).
+using LeafOrder = std::set<std::tuple<bool, int64_t, Node*>>;
+
 struct Node {
   Node* parent = nullptr;
   std::vector<int32_t> edge;  // tokens [start(), end)
@@ -30,13 +38,18 @@ struct Node {
   std::vector<SnapshotPtr> snapshots;  // one slot per layer
   int64_t last_used = 0;
   bool user = false;
+  // The node's entry in the eviction order, allocated with the node and held here while the
+  // node is not a leaf: entering and leaving the order never allocates, so no change to the
+  // trie fails halfway for lack of memory there. Empty for the root, which is never a leaf.
+  LeafOrder::node_type order_entry;
 
   Node() = default;
   Node(const Node&) = delete;
   Node& operator=(const Node&) = delete;
   // Frees the subtree without recursing (a trie may be a chain as deep as it has nodes: every
-  // restore point of a long conversation, or a file's): each node's snapshots before its
-  // children's, as a recursive destruction would.
+  // restore point of a long conversation, or a file's) and without allocating (it walks down
+  // and back up through the parent links): each node's snapshots before its children's, as a
+  // recursive destruction would.
   ~Node();
 
   int64_t start() const { return end - static_cast<int64_t>(edge.size()); }
@@ -62,7 +75,7 @@ class Trie {
   Node& root() { return root_; }
   const std::vector<LayerInfo>& layers() const { return layers_; }
   // Bytes the trie's snapshots own (materialize hooks add to it from any thread).
-  int64_t bytes() const { return bytes_.load(std::memory_order_relaxed); }
+  int64_t bytes() const { return bytes_->load(std::memory_order_relaxed); }
   int64_t recount_bytes() const;
   int64_t node_count() const { return node_count_; }
   // Changes whenever a node or a snapshot is added, removed, replaced or used.
@@ -77,6 +90,9 @@ class Trie {
     int64_t length = 0;       // tokens matched
   };
   Match match(std::span<const int32_t> tokens);
+  // How far a restore can go along `path` (a match's, from the root): up to `length`, cut at
+  // the start of the first node that lacks a KV snapshot.
+  int64_t restorable_length(const std::vector<Node*>& path, int64_t length) const;
 
   // Makes the path tokens[0, to) exist, splitting nodes where it diverges, and returns the node
   // ending at `to`. `ranged[i]` holds layer i's KV data for [from, to) (or null): it fills the
@@ -89,7 +105,9 @@ class Trie {
   void replace(Node& node, size_t layer, SnapshotPtr replacement);
 
   // Splits `node` at `at` (start < at < end); returns the new upper node, [start, at). `node`
-  // keeps [at, end), its children, user flag and whole-state snapshots.
+  // keeps [at, end), its children, user flag and whole-state snapshots. When splitting a
+  // layer's snapshot fails (it is consumed), the split still completes, without that layer's
+  // halves, and then the failure is rethrown.
   Node& split(Node& node, int64_t at);
 
   // Removes leaf `node` and its snapshots; merges its parent into a lone remaining child when
@@ -102,11 +120,14 @@ class Trie {
   // Every node but the root, parents before children.
   void preorder(std::vector<const Node*>& out) const;
 
-  // Removes every node (and its snapshots).
-  void clear();
+  // Removes every node (and its snapshots), allocating nothing.
+  void clear() noexcept;
   // Appends a child of `parent` as loaded from a file (no invariant checks beyond accounting).
   Node& add_child(Node& parent, std::vector<int32_t> edge, std::vector<SnapshotPtr> snapshots,
                   bool user, int64_t last_used);
+  // Replaces every node by `fresh`'s (a trie of the same layers, built aside), leaving it
+  // empty: nothing is allocated, so a load that fails while building leaves this trie whole.
+  void take_nodes(Trie& fresh) noexcept;
   int64_t clock() const { return clock_; }
   void set_clock(int64_t clock) { clock_ = clock; }
 
@@ -130,13 +151,17 @@ class Trie {
   void unindex(Node& node);
   void index(Node& node);
 
+  std::unique_ptr<Node> new_node() const;
+
   std::vector<LayerInfo> layers_;
   Node root_;
-  std::atomic<int64_t> bytes_{0};
+  // Its own allocation, which the snapshots' materialize hooks point at: take_nodes hands it
+  // over with the nodes instead of re-pointing every hook.
+  std::unique_ptr<std::atomic<int64_t>> bytes_ = std::make_unique<std::atomic<int64_t>>(0);
   int64_t node_count_ = 0;
   int64_t clock_ = 0;
   uint64_t version_ = 0;
-  std::set<std::tuple<bool, int64_t, Node*>> leaves_;  // (user, last_used, node)
+  LeafOrder leaves_;
 };
 
 }  // namespace kvsnap::detail

@@ -58,6 +58,13 @@ void record_model(SafetensorsFile& file, const std::string& model_id) {
   file.metadata["model"] = readable(model_id);
   if (file.metadata["model"] != model_id) file.metadata["model_hex"] = hex(model_id);
 }
+bool lacks_range(const Trie& trie, const Node& node) {
+  for (size_t i = 0; i < trie.layers().size(); ++i) {
+    if (trie.layers()[i].ranged() && node.snapshots[i] == nullptr) return true;
+  }
+  return false;
+}
+
 bool same_model(const SafetensorsFile& file, const std::string& model_id) {
   const auto bytes = file.metadata.find("model_hex");
   if (bytes != file.metadata.end()) return bytes->second == hex(model_id);
@@ -79,6 +86,10 @@ std::string encode_trie(const Trie& trie, const std::string& model_id) {
   std::vector<int32_t> edges;
   Json entries = Json::array();
   for (const Node* node : nodes) {
+    // A node without one of its KV ranges (a gap, trie.h) cannot be restored through, nor can
+    // anything below it: left out, as a loader would refuse it.
+    const bool below_gap = node->parent->parent != nullptr && !index.contains(node->parent);
+    if (below_gap || lacks_range(trie, *node)) continue;
     const auto id = static_cast<int64_t>(index.size());
     index[node] = id;
     Json snapshots = Json::array();
@@ -341,15 +352,17 @@ LoadedTrie decode_trie(const std::string& bytes, const std::string& source,
   return decoder.nodes();
 }
 
-void install(Trie& trie, LoadedTrie loaded) {
-  trie.clear();
+std::unique_ptr<Trie> build_trie(const std::vector<LayerInfo>& layers, LoadedTrie loaded) {
+  auto trie = std::make_unique<Trie>(layers);
   std::vector<Node*> made;
+  made.reserve(loaded.nodes.size());
   for (LoadedNode& node : loaded.nodes) {
-    Node& parent = node.parent < 0 ? trie.root() : *made[static_cast<size_t>(node.parent)];
-    made.push_back(&trie.add_child(parent, std::move(node.edge), std::move(node.snapshots),
-                                   node.user, node.last_used));
+    Node& parent = node.parent < 0 ? trie->root() : *made[static_cast<size_t>(node.parent)];
+    made.push_back(&trie->add_child(parent, std::move(node.edge), std::move(node.snapshots),
+                                    node.user, node.last_used));
   }
-  trie.set_clock(std::max(trie.clock(), loaded.clock));
+  trie->set_clock(loaded.clock);
+  return trie;
 }
 
 }  // namespace kvsnap::detail

@@ -2,6 +2,7 @@
 // snapshots in one safetensors file, with the layers' configuration to check on load.
 #pragma once
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -30,7 +31,7 @@ struct LoadedTrie {
 LoadedTrie decode_trie(const std::string& bytes, const std::string& source,
                        const std::vector<LayerInfo>& layers, const std::string& model_id);
 
-// Replaces the trie's nodes by `loaded`.
-void install(Trie& trie, LoadedTrie loaded);
+// A trie for `layers` holding `loaded`, built aside: Trie::take_nodes installs it.
+std::unique_ptr<Trie> build_trie(const std::vector<LayerInfo>& layers, LoadedTrie loaded);
 
 }  // namespace kvsnap::detail

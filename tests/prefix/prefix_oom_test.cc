@@ -1,0 +1,233 @@
+// Running out of memory inside every PrefixCache call, one allocation at a time: for each n, the
+// n-th allocation the calls make fails (std::bad_alloc), the run goes on, and the trie must stay
+// consistent and restore only state that equals recomputation; a load that fails while building
+// its trie must leave the one it would have replaced as it was. (Its own binary: the failing
+// operator new replaces the global one.)
+#include <gtest/gtest.h>
+#include <kvsnap/kvsnap.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iterator>
+#include <memory>
+#include <new>
+#include <optional>
+#include <string>
+
+#include "prefix/trie.h"
+#include "prefix/trie_file.h"
+#include "support/conversation.h"
+
+namespace {
+// While armed, allocations are counted, and the one numbered `fail_at` throws (once).
+std::atomic<bool> armed{false};
+std::atomic<int64_t> counted{0}, fail_at{0};
+
+void count_or_fail() {
+  if (!armed.load(std::memory_order_relaxed)) return;
+  if (counted.fetch_add(1, std::memory_order_relaxed) + 1 == fail_at.load()) {
+    armed = false;  // one failure per run: the rest of the run must cope with it
+    throw std::bad_alloc();
+  }
+}
+}  // namespace
+
+void* operator new(std::size_t size) {
+  count_or_fail();
+  if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
+  throw std::bad_alloc();
+}
+void* operator new[](std::size_t size) { return ::operator new(size); }
+void* operator new(std::size_t size, std::align_val_t align) {
+  count_or_fail();
+  const auto alignment = static_cast<std::size_t>(align);
+  if (void* p = std::aligned_alloc(alignment, (size + alignment - 1) / alignment * alignment)) {
+    return p;
+  }
+  throw std::bad_alloc();
+}
+void* operator new[](std::size_t size, std::align_val_t align) {
+  return ::operator new(size, align);
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+
+namespace kvsnap::prefix_oom_test {
+namespace {
+
+using testing::HybridStack;
+using testing::run_turn;
+using testing::Tokens;
+using testing::tokens;
+using testing::operator+;
+
+// Runs `call` with allocations counted (and the fail_at-th failing); true when it returned,
+// false when it threw std::bad_alloc or an Error for it.
+bool armed_call(const std::function<void()>& call) {
+  armed = fail_at.load() > counted.load();
+  try {
+    call();
+  } catch (const std::bad_alloc&) {
+    armed = false;
+    return false;
+  } catch (const Error& e) {
+    armed = false;
+    EXPECT_NE(std::string(e.what()).find("out of memory"), std::string::npos) << e.what();
+    return false;
+  }
+  armed = false;
+  return true;
+}
+
+// Starts a sweep run whose fail_at-th counted allocation fails.
+void start_run(int64_t n) {
+  counted = 0;
+  fail_at = n;
+}
+bool failed_in_run() { return counted.load() >= fail_at.load(); }
+
+// Prompts that share a system prompt and diverge inside each other's edges (splits), with a
+// budget small enough that serving them evicts leaves and joins nodes (merges).
+const Tokens kSystem = tokens(100, 12);
+const std::vector<Tokens> kPrompts = {
+    kSystem + tokens(200, 6),
+    kSystem + tokens(200, 3) + tokens(300, 4),  // splits the first one's edge
+    tokens(100, 7) + tokens(400, 5),            // splits the system prompt
+    kSystem + tokens(200, 6) + tokens(500, 4),  // continues the first
+    tokens(600, 9),
+};
+const Tokens kReply = tokens(900, 3);
+
+// One request with each PrefixCache call armed; the forwards (the test's reference model) are
+// not. A call that runs out ends the request, as a server would end it.
+void serve(PrefixCache& cache, HybridStack& stack, const Tokens& prompt) {
+  std::optional<PrefixCache::Session> session;
+  if (!armed_call([&] { session.emplace(cache.begin(prompt)); })) return;
+  ASSERT_TRUE(stack.forward_and_check(session->remaining(), prompt));
+  if (!armed_call([&] { session->prefill_done(); })) return;
+  Tokens sequence = prompt;
+  for (size_t i = 0; i < kReply.size(); ++i) {
+    if (!armed_call([&] { session->append_output(kReply[i]); })) return;
+    sequence.push_back(kReply[i]);
+    if (i + 1 < kReply.size()) {
+      ASSERT_TRUE(stack.forward_and_check(std::span(&kReply[i], 1), sequence));
+    }
+  }
+  (void)armed_call([&] { session->close(); });
+}
+
+// Whatever allocation fails, in whichever call, the trie stays consistent within its budget, what
+// it saves loads, and every later request restores state equal to recomputation (run_turn checks
+// every output). A split or merge that runs out leaves a node without a KV range: restores stop
+// there.
+TEST(PrefixCacheOutOfMemory, EveryFailedAllocationLeavesATrieThatRestoresRightly) {
+  int64_t runs = 0;
+  for (int64_t n = 1;; ++n, ++runs) {
+    SCOPED_TRACE("allocation " + std::to_string(n) + " fails");
+    HybridStack stack;
+    PrefixCache cache(stack.layers(), {.max_paged_out_bytes = 6000});
+    start_run(n);
+    for (const Tokens& prompt : kPrompts) {
+      serve(cache, stack, prompt);
+      ASSERT_EQ(cache.check_invariants(), "") << cache.debug_string();
+      ASSERT_EQ(cache.paged_out_bytes(), cache.recount_paged_out_bytes());
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+    const bool failed = failed_in_run();
+    armed = false;
+    // What it saves loads (a gap, and what lies below it, is left out of the file).
+    {
+      const auto dir = std::filesystem::temp_directory_path() /
+                       ("kvsnap_oom_sweep_" + std::to_string(::getpid()));
+      cache.save(dir.string());
+      HybridStack other;
+      PrefixCache loaded(other.layers());
+      loaded.load(dir.string());
+      std::filesystem::remove_all(dir);
+      ASSERT_EQ(loaded.check_invariants(), "");
+      run_turn(loaded, other, kPrompts.front(), kReply);
+    }
+    for (const Tokens& prompt : kPrompts) {
+      run_turn(cache, stack, prompt, kReply);
+      if (::testing::Test::HasFailure()) return;
+    }
+    if (!failed) break;  // n is past the calls' last allocation: every one has failed once
+  }
+  EXPECT_GT(runs, 100);
+}
+
+// The layers of `stack` as a trie describes them.
+std::vector<detail::LayerInfo> layer_infos(HybridStack& stack) {
+  std::vector<detail::LayerInfo> out;
+  for (Cache* cache : stack.layers()) {
+    out.push_back({cache, cache == nullptr ? RestoreRule{} : cache->restore_rule()});
+  }
+  return out;
+}
+
+// The file `run` saves: a cache over a stack of these layers, served by `run`.
+std::string saved_file(const std::function<void(PrefixCache&, HybridStack&)>& run) {
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("kvsnap_oom_load_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  HybridStack stack;
+  PrefixCache cache(stack.layers());
+  run(cache, stack);
+  cache.save(dir.string());
+  std::ifstream in(dir / "prefix_cache.safetensors", std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::filesystem::remove_all(dir);
+  return bytes;
+}
+
+// A load builds the loaded trie aside and then takes its nodes, which allocates nothing: one that
+// runs out of memory while building, wherever it does, leaves the trie it would have replaced as
+// it was. (The file's decoding, before, changes nothing either; it is not swept here because
+// nlohmann::json's destructors allocate, and a failure inside one terminates the process.)
+TEST(PrefixCacheOutOfMemory, ALoadThatFailsBuildingLeavesTheTrieAsItWas) {
+  const std::string loading = saved_file([](PrefixCache& c, HybridStack& s) { warm_up(c, s); });
+  const std::string holding = saved_file([](PrefixCache& c, HybridStack& s) {
+    for (const Tokens& prompt : kPrompts) run_turn(c, s, prompt, kReply);
+  });
+  HybridStack stack;
+  const std::vector<detail::LayerInfo> layers = layer_infos(stack);
+  const auto decode = [&](const std::string& bytes) {
+    return detail::decode_trie(bytes, "test", layers, "");
+  };
+  detail::Trie trie(layers);
+  trie.take_nodes(*detail::build_trie(layers, decode(holding)));
+  const std::string before = trie.debug_string();
+  const int64_t loaded_nodes = detail::build_trie(layers, decode(loading))->node_count();
+  int64_t failures = 0;
+  for (int64_t n = 1;; ++n) {
+    detail::LoadedTrie loaded = decode(loading);
+    start_run(n);
+    const bool done = armed_call([&] {
+      const std::unique_ptr<detail::Trie> fresh = detail::build_trie(layers, std::move(loaded));
+      trie.take_nodes(*fresh);
+      EXPECT_EQ(fresh->node_count(), 0);
+    });
+    ASSERT_EQ(trie.check_invariants(), "") << "allocation " << n << " failed";
+    if (done) {
+      ASSERT_FALSE(failed_in_run());  // building swallows no failure
+      break;
+    }
+    ++failures;
+    ASSERT_EQ(trie.debug_string(), before) << "allocation " << n << " failed";
+  }
+  EXPECT_GT(failures, 30);
+  EXPECT_EQ(trie.node_count(), loaded_nodes);
+}
+
+}  // namespace
+}  // namespace kvsnap::prefix_oom_test
