@@ -45,24 +45,32 @@ pid_t temporary_owner(const std::string& name, const std::string& prefix) {
 
 }  // namespace
 
+bool list_folder(const std::string& folder, const std::function<bool(const char* name)>& visit) {
+  const std::unique_ptr<DIR, int (*)(DIR*)> listing(::opendir(folder.c_str()), ::closedir);
+  if (listing == nullptr) return false;
+  while (const dirent* entry = ::readdir(listing.get())) {
+    if (std::strcmp(entry->d_name, ".") == 0 || std::strcmp(entry->d_name, "..") == 0) continue;
+    if (!visit(entry->d_name)) break;
+  }
+  return true;
+}
+
 void remove_stale_temporaries(const std::string& path) {
   namespace fs = std::filesystem;
-  // opendir and readdir, not std::filesystem's directory_iterator: libstdc++ allocates inside
-  // a noexcept constructor of it, so running out of memory there would terminate the process.
   try {
     const fs::path target(path);
     const std::string prefix = target.filename().string() + ".tmp-";
     const fs::path folder = target.parent_path().empty() ? fs::path(".") : target.parent_path();
-    const std::unique_ptr<DIR, int (*)(DIR*)> listing(::opendir(folder.c_str()), ::closedir);
-    if (listing == nullptr) return;  // best effort: an unreadable folder, or out of memory
-    while (const dirent* entry = ::readdir(listing.get())) {
-      const pid_t pid = temporary_owner(entry->d_name, prefix);
+    // Best effort: an unreadable folder is left as it is.
+    (void)list_folder(folder.string(), [&](const char* name) {
+      const pid_t pid = temporary_owner(name, prefix);
       // kill(pid, 0) probes without signalling: ESRCH means no such process (EPERM: one runs).
       if (pid > 0 && pid != ::getpid() && ::kill(pid, 0) != 0 && errno == ESRCH) {
-        (void)::unlink((folder / entry->d_name).c_str());  // best effort: the next one may go
+        (void)::unlink((folder / name).c_str());  // best effort: the next one may go
       }
-    }
-  } catch (const std::exception&) {  // out of memory naming a path
+      return true;
+    });
+  } catch (const std::exception&) {  // out of memory naming a path: best effort
   }
 }
 

@@ -2,6 +2,7 @@
 // the checksum kvsnap files carry.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <string>
 #include <string_view>
@@ -108,6 +109,12 @@ FileDescriptor create_private_file(const std::string& path, const std::string& c
 // (fchmod right after mkdir); folders that exist keep their modes (neither loosened nor
 // tightened). Returns the first error (ENOTDIR when a component is not a folder), else none.
 std::error_code make_private_folders(const std::string& path);
+
+// Calls visit(name) for each entry of `folder` but "." and "..", in the order the system lists
+// them, until visit returns false; false when the folder cannot be listed. opendir and readdir,
+// not std::filesystem's directory_iterator: libstdc++ allocates inside a noexcept constructor
+// of it, so running out of memory there would terminate the process.
+bool list_folder(const std::string& folder, const std::function<bool(const char* name)>& visit);
 
 // Removes `path`.tmp-<pid>-<n> (and `path`.tmp-<pid>, the older name) files left by writers that
 // died mid-save (a kill -9): only those of `path`, and only when no process <pid> runs (this

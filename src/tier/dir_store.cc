@@ -192,36 +192,37 @@ void DirStore::sweep(Deadline deadline, int64_t most) {
   const auto older_than = [&](const struct stat& status, std::chrono::seconds age) {
     return status.st_mtim.tv_sec < now.tv_sec - static_cast<time_t>(age.count());
   };
-  std::error_code error;
   // Entries before the current one that are still there: where the next sweep goes on when this
   // one runs out of time, so a folder too large for one sweep is swept all the same.
   int64_t position = 0, looked_at = 0;
-  for (fs::directory_iterator it(folder_, error), end; !error && it != end; it.increment(error)) {
+  bool cut_off = false;
+  (void)list_folder(folder_, [&](const char* entry) {
     if (position < sweep_resume_) {
       ++position;
-      continue;
+      return true;
     }
     if (looked_at++ >= most || Clock::now() >= deadline) {
-      sweep_resume_ = position;
-      return;
+      cut_off = true;
+      return false;
     }
     ++position;
-    const std::string file = it->path().string(), name = it->path().filename().string();
-    if (!swept_name(name)) continue;  // not this store's: left alone
+    const std::string name = entry, file = (fs::path(folder_) / name).string();
+    if (!swept_name(name)) return true;  // not this store's: left alone
     struct stat status {};
-    if (::lstat(file.c_str(), &status) != 0) continue;
-    if (own_files_only_ && status.st_uid != ::geteuid()) continue;  // another user's to sweep
+    if (::lstat(file.c_str(), &status) != 0) return true;
+    if (own_files_only_ && status.st_uid != ::geteuid()) return true;  // another user's to sweep
     const bool temporary = name.find(".tmp-") != std::string::npos;
     const bool expired = temporary ? older_than(status, kStaleTemporary)
                                    : ttl_.count() > 0 && older_than(status, ttl_);
-    if (!expired) continue;
+    if (!expired) return true;
     // An object, a temporary, or a link planted at a name; an index set. Once gone, the entries
     // after it move up (one that stays, e.g. an index cut off by the deadline, keeps its place).
     const bool removed = S_ISDIR(status.st_mode) ? !temporary && remove_index(file, deadline)
                                                  : ::unlink(file.c_str()) == 0;
     if (removed) --position;
-  }
-  sweep_resume_ = 0;
+    return true;
+  });
+  sweep_resume_ = cut_off ? position : 0;
 }
 
 std::string DirStore::path(const std::string& key) const {
@@ -242,12 +243,12 @@ void DirStore::probe(std::span<const std::string> sets, std::span<const std::str
     if (fs::is_directory(fs::symlink_status(path(sets[i]), error))) {
       // In use: its lifetime starts afresh (as EXPIRE after SMEMBERS).
       (void)::utimensat(AT_FDCWD, path(sets[i]).c_str(), nullptr, AT_SYMLINK_NOFOLLOW);
-      for (fs::directory_iterator it(path(sets[i]), error), end;
-           !error && it != end && static_cast<int64_t>(members[i].size()) < kMaximumIndexMembers;
-           it.increment(error)) {
+      (void)list_folder(path(sets[i]), [&](const char* name) {
+        if (static_cast<int64_t>(members[i].size()) >= kMaximumIndexMembers) return false;
         if (members[i].size() % 1024 == 1023) check_time(deadline);
-        members[i].push_back(it->path().filename().string());
-      }
+        members[i].emplace_back(name);
+        return true;
+      });
     }
     error.clear();
   }
