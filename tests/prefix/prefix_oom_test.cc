@@ -130,11 +130,14 @@ void serve(PrefixCache& cache, HybridStack& stack, const Tokens& prompt) {
 // it saves loads, and every later request restores state equal to recomputation (run_turn checks
 // every output). A split or merge that runs out leaves a node without a KV range: restores stop
 // there.
-TEST(PrefixCacheOutOfMemory, EveryFailedAllocationLeavesATrieThatRestoresRightly) {
+class PrefixCacheOutOfMemory : public ::testing::TestWithParam<bool> {};  // paged attention?
+
+TEST_P(PrefixCacheOutOfMemory, EveryFailedAllocationLeavesATrieThatRestoresRightly) {
+  const testing::StackOptions options{.paged = GetParam()};
   int64_t runs = 0;
   for (int64_t n = 1;; ++n, ++runs) {
     SCOPED_TRACE("allocation " + std::to_string(n) + " fails");
-    HybridStack stack;
+    HybridStack stack(options);
     PrefixCache cache(stack.layers(), {.max_paged_out_bytes = 6000});
     start_run(n);
     for (const Tokens& prompt : kPrompts) {
@@ -150,7 +153,7 @@ TEST(PrefixCacheOutOfMemory, EveryFailedAllocationLeavesATrieThatRestoresRightly
       const auto dir = std::filesystem::temp_directory_path() /
                        ("kvsnap_oom_sweep_" + std::to_string(::getpid()));
       cache.save(dir.string());
-      HybridStack other;
+      HybridStack other(options);
       PrefixCache loaded(other.layers());
       loaded.load(dir.string());
       std::filesystem::remove_all(dir);
@@ -165,6 +168,70 @@ TEST(PrefixCacheOutOfMemory, EveryFailedAllocationLeavesATrieThatRestoresRightly
   }
   EXPECT_GT(runs, 100);
 }
+
+// Two requests at once on two slots, each call armed: a call that runs out ends its own request,
+// and the other slot's goes on — its caches are not the failed call's to touch.
+void serve_pair(PrefixCache& cache, HybridStack& stack, const Tokens& first, const Tokens& second) {
+  std::optional<PrefixCache::Session> sessions[2];
+  Tokens sequences[2] = {first, second};
+  const auto each = [&](const std::function<void(SeqId)>& step) {
+    for (SeqId slot = 0; slot < 2; ++slot) {
+      if (sessions[slot].has_value()) step(slot);
+    }
+  };
+  for (SeqId slot = 0; slot < 2; ++slot) {
+    if (!armed_call([&] { sessions[slot].emplace(cache.begin(slot, sequences[slot])); })) {
+      sessions[slot].reset();
+    }
+  }
+  each([&](SeqId slot) {
+    ASSERT_TRUE(stack.forward_and_check(sessions[slot]->remaining(), sequences[slot], slot));
+  });
+  each([&](SeqId slot) {
+    if (!armed_call([&] { sessions[slot]->prefill_done(); })) sessions[slot].reset();
+  });
+  for (size_t i = 0; i < kReply.size(); ++i) {
+    each([&](SeqId slot) {
+      if (!armed_call([&] { sessions[slot]->append_output(kReply[i]); })) {
+        sessions[slot].reset();
+        return;
+      }
+      sequences[slot].push_back(kReply[i]);
+      if (i + 1 < kReply.size()) {
+        ASSERT_TRUE(stack.forward_and_check(std::span(&kReply[i], 1), sequences[slot], slot));
+      }
+    });
+  }
+  each([&](SeqId slot) { (void)armed_call([&] { sessions[slot]->close(); }); });
+}
+
+TEST_P(PrefixCacheOutOfMemory, TwoSlotsAtOnceKeepTheirStateWhenTheOtherRunsOut) {
+  const testing::StackOptions options{.paged = GetParam()};
+  int64_t runs = 0;
+  for (int64_t n = 1;; ++n, ++runs) {
+    SCOPED_TRACE("allocation " + std::to_string(n) + " fails");
+    HybridStack stack(options);
+    PrefixCache cache(stack.layers(), {.max_paged_out_bytes = 6000, .slots = 2});
+    start_run(n);
+    for (size_t i = 0; i + 1 < kPrompts.size(); ++i) {  // each prompt beside the next
+      serve_pair(cache, stack, kPrompts[i], kPrompts[i + 1]);
+      ASSERT_EQ(cache.check_invariants(), "") << cache.debug_string();
+      ASSERT_EQ(cache.paged_out_bytes(), cache.recount_paged_out_bytes());
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+    const bool failed = failed_in_run();
+    armed = false;
+    for (const Tokens& prompt : kPrompts) {
+      run_turn(cache, stack, prompt, kReply);
+      if (::testing::Test::HasFailure()) return;
+    }
+    if (!failed) break;
+  }
+  EXPECT_GT(runs, 100);
+}
+
+INSTANTIATE_TEST_SUITE_P(Attention, PrefixCacheOutOfMemory, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "Paged" : "Contiguous"; });
 
 // The layers of `stack` as a trie describes them.
 std::vector<detail::LayerInfo> layer_infos(HybridStack& stack) {
@@ -194,7 +261,7 @@ std::string saved_file(const std::function<void(PrefixCache&, HybridStack&)>& ru
 // runs out of memory while building, wherever it does, leaves the trie it would have replaced as
 // it was. (The file's decoding, before, changes nothing either; it is not swept here because
 // nlohmann::json's destructors allocate, and a failure inside one terminates the process.)
-TEST(PrefixCacheOutOfMemory, ALoadThatFailsBuildingLeavesTheTrieAsItWas) {
+TEST(PrefixCacheLoadOutOfMemory, ALoadThatFailsBuildingLeavesTheTrieAsItWas) {
   const std::string loading = saved_file([](PrefixCache& c, HybridStack& s) { warm_up(c, s); });
   const std::string holding = saved_file([](PrefixCache& c, HybridStack& s) {
     for (const Tokens& prompt : kPrompts) run_turn(c, s, prompt, kReply);
