@@ -45,6 +45,13 @@
 //
 // Thread-safe: calls (sessions' too) may come from any thread and run one at a time; the
 // layers lock themselves, so each slot's forward may run on its own thread.
+//
+// Out of memory (std::bad_alloc, or an Error saying so): a call that runs out ends its session,
+// and other slots' sessions go on. The trie stays consistent and within its budget. A node that
+// a split or merge of its snapshots ran out on loses that layer's range: restores stop at that
+// node, save leaves it (and what lies below it) out, and the next request over those tokens
+// inserts them again. Outputs still equal recomputation. A load that runs out leaves the trie
+// as it was.
 #pragma once
 
 #include <cstdint>

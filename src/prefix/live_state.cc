@@ -171,8 +171,8 @@ void evict_to_budget(Trie& trie, const std::vector<LiveState*>& live, int64_t bu
     while (over()) {
       Node* victim = trie.eviction_candidate(keep);
       if (victim == nullptr) break;  // only active paths are left
+      ++evicted_nodes;               // before: a merge that runs out still removed it
       trie.remove_leaf(*victim, keep);
-      ++evicted_nodes;
       refresh();
     }
   };

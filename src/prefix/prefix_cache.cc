@@ -207,7 +207,10 @@ int64_t PrefixCache::match(SeqId slot, std::span<const int32_t> prompt) const {
   return impl_->slot(slot, "PrefixCache::match").match(prompt);
 }
 SeqId PrefixCache::slots() const { return static_cast<SeqId>(impl_->slots.size()); }
-int64_t PrefixCache::paged_out_bytes() const { return impl_->trie.bytes(); }
+int64_t PrefixCache::paged_out_bytes() const {
+  const Lock lock(impl_->mutex);  // a load hands the trie another byte counter
+  return impl_->trie.bytes();
+}
 int64_t PrefixCache::recount_paged_out_bytes() const {
   const Lock lock(impl_->mutex);
   return impl_->trie.recount_bytes();

@@ -196,8 +196,10 @@ void Slot::append_output(int32_t token) {
   if (s.phase != SessionState::Phase::decode) {
     throw Error("Session::append_output: call prefill_done() after the prefill forward first");
   }
+  // The step copied out part of what was reserved; reserve the next. Before the token is
+  // recorded: a call that runs out records nothing, and the caller may call again.
+  evict_(Change::decode);
   s.tokens.push_back(token);
-  evict_(Change::decode);  // the step copied out part of what was reserved; reserve the next
 }
 
 void Slot::retract_outputs(int64_t count) {

@@ -433,6 +433,11 @@ std::string Trie::check_invariants() const {
   preorder(nodes);
   size_t leaves = 0;
   for (const Node* node : nodes) {
+    // An inner node holds its entry of the eviction order; a leaf's is in the order.
+    if (problem.empty() && node->order_entry.empty() == !node->children.empty()) {
+      problem = fmt::format("node [{}, {}) {} its eviction-order entry", node->start(), node->end,
+                            node->children.empty() ? "holds" : "lacks");
+    }
     if (!node->children.empty()) continue;
     ++leaves;
     if (problem.empty() &&

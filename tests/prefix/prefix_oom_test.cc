@@ -1,7 +1,7 @@
 // Running out of memory inside every PrefixCache call, one allocation at a time: for each n, the
 // n-th allocation the calls make fails (std::bad_alloc), the run goes on, and the trie must stay
-// consistent and restore only state that equals recomputation; a load that fails while building
-// its trie must leave the one it would have replaced as it was. (Its own binary: the failing
+// consistent and restore only state that equals recomputation; a load that fails must leave the
+// trie it would have replaced as it was. (Its own binary: the failing
 // operator new replaces the global one.)
 #include <gtest/gtest.h>
 #include <kvsnap/kvsnap.h>
@@ -13,6 +13,7 @@
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <limits>
 #include <memory>
 #include <new>
 #include <optional>
@@ -109,7 +110,8 @@ const std::vector<Tokens> kPrompts = {
 const Tokens kReply = tokens(900, 3);
 
 // One request with each PrefixCache call armed; the forwards (the test's reference model) are
-// not. A call that runs out ends the request, as a server would end it.
+// not. A begin, prefill_done or close that runs out ends the request (a session is closed when
+// its handle goes); an append_output that does is called again.
 void serve(PrefixCache& cache, HybridStack& stack, const Tokens& prompt) {
   std::optional<PrefixCache::Session> session;
   if (!armed_call([&] { session.emplace(cache.begin(prompt)); })) return;
@@ -117,7 +119,8 @@ void serve(PrefixCache& cache, HybridStack& stack, const Tokens& prompt) {
   if (!armed_call([&] { session->prefill_done(); })) return;
   Tokens sequence = prompt;
   for (size_t i = 0; i < kReply.size(); ++i) {
-    if (!armed_call([&] { session->append_output(kReply[i]); })) return;
+    // One that runs out recorded nothing: the server calls it again.
+    if (!armed_call([&] { session->append_output(kReply[i]); })) session->append_output(kReply[i]);
     sequence.push_back(kReply[i]);
     if (i + 1 < kReply.size()) {
       ASSERT_TRUE(stack.forward_and_check(std::span(&kReply[i], 1), sequence));
@@ -162,6 +165,10 @@ TEST_P(PrefixCacheOutOfMemory, EveryFailedAllocationLeavesATrieThatRestoresRight
     }
     for (const Tokens& prompt : kPrompts) {
       run_turn(cache, stack, prompt, kReply);
+      run_turn(cache, stack, prompt + kReply + tokens(950, 2), kReply);  // over what it paged out
+      // Served once more, the prompt is found whole: any gap on its path was filled again.
+      EXPECT_EQ(run_turn(cache, stack, prompt, kReply).cached,
+                static_cast<int64_t>(prompt.size()) - 1);
       if (::testing::Test::HasFailure()) return;
     }
     if (!failed) break;  // n is past the calls' last allocation: every one has failed once
@@ -242,58 +249,78 @@ std::vector<detail::LayerInfo> layer_infos(HybridStack& stack) {
   return out;
 }
 
-// The file `run` saves: a cache over a stack of these layers, served by `run`.
-std::string saved_file(const std::function<void(PrefixCache&, HybridStack&)>& run) {
+void serve_all(PrefixCache& cache, HybridStack& stack) {
+  for (const Tokens& prompt : kPrompts) run_turn(cache, stack, prompt, kReply);
+}
+
+// A load that runs out of memory once the file is decoded — building the loaded trie, taking its
+// nodes, resetting the live caches, evicting to the budget — leaves the trie as it was, or (out
+// in the eviction, after the nodes are taken) holds the loaded one. The sweep fails each of the
+// load's last B allocations, B being those of building the trie alone. Decoding comes before
+// them and is not swept: nlohmann::json's destructors allocate, and a failure inside one
+// terminates the process (decoding changes nothing either way).
+TEST(PrefixCacheLoadOutOfMemory, ALoadThatRunsOutLeavesTheTrieAsItWas) {
   const auto dir =
       std::filesystem::temp_directory_path() / ("kvsnap_oom_load_" + std::to_string(::getpid()));
   std::filesystem::remove_all(dir);
-  HybridStack stack;
-  PrefixCache cache(stack.layers());
-  run(cache, stack);
-  cache.save(dir.string());
-  std::ifstream in(dir / "prefix_cache.safetensors", std::ios::binary);
-  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  std::filesystem::remove_all(dir);
-  return bytes;
-}
-
-// A load builds the loaded trie aside and then takes its nodes, which allocates nothing: one that
-// runs out of memory while building, wherever it does, leaves the trie it would have replaced as
-// it was. (The file's decoding, before, changes nothing either; it is not swept here because
-// nlohmann::json's destructors allocate, and a failure inside one terminates the process.)
-TEST(PrefixCacheLoadOutOfMemory, ALoadThatFailsBuildingLeavesTheTrieAsItWas) {
-  const std::string loading = saved_file([](PrefixCache& c, HybridStack& s) { warm_up(c, s); });
-  const std::string holding = saved_file([](PrefixCache& c, HybridStack& s) {
-    for (const Tokens& prompt : kPrompts) run_turn(c, s, prompt, kReply);
-  });
-  HybridStack stack;
-  const std::vector<detail::LayerInfo> layers = layer_infos(stack);
-  const auto decode = [&](const std::string& bytes) {
-    return detail::decode_trie(bytes, "test", layers, "");
-  };
-  detail::Trie trie(layers);
-  trie.take_nodes(*detail::build_trie(layers, decode(holding)));
-  const std::string before = trie.debug_string();
-  const int64_t loaded_nodes = detail::build_trie(layers, decode(loading))->node_count();
-  int64_t failures = 0;
-  for (int64_t n = 1;; ++n) {
-    detail::LoadedTrie loaded = decode(loading);
-    start_run(n);
-    const bool done = armed_call([&] {
-      const std::unique_ptr<detail::Trie> fresh = detail::build_trie(layers, std::move(loaded));
-      trie.take_nodes(*fresh);
-      EXPECT_EQ(fresh->node_count(), 0);
-    });
-    ASSERT_EQ(trie.check_invariants(), "") << "allocation " << n << " failed";
-    if (done) {
-      ASSERT_FALSE(failed_in_run());  // building swallows no failure
-      break;
-    }
-    ++failures;
-    ASSERT_EQ(trie.debug_string(), before) << "allocation " << n << " failed";
+  int64_t saved_nodes = 0;
+  {
+    HybridStack stack;
+    PrefixCache cache(stack.layers());
+    testing::warm_up(cache, stack);
+    cache.save(dir.string());
+    saved_nodes = cache.node_count();
   }
-  EXPECT_GT(failures, 30);
-  EXPECT_EQ(trie.node_count(), loaded_nodes);
+  const auto load = [&](PrefixCache& cache) { cache.load(dir.string()); };
+  // The allocations of a load that does not run out, into a cache that has served kPrompts: the
+  // same every time once the first has set up what the process keeps (statics, scratch).
+  int64_t total = -1, building = 0;
+  for (int64_t last = -2; total != last;) {
+    last = total;
+    HybridStack stack;
+    PrefixCache cache(stack.layers());
+    serve_all(cache, stack);
+    start_run(std::numeric_limits<int64_t>::max());
+    ASSERT_TRUE(armed_call([&] { load(cache); }));
+    total = counted.load();
+  }
+  {
+    HybridStack stack;
+    const std::vector<detail::LayerInfo> layers = layer_infos(stack);
+    std::ifstream in(dir / "prefix_cache.safetensors", std::ios::binary);
+    const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    detail::LoadedTrie loaded = detail::decode_trie(bytes, "test", layers, "");
+    start_run(std::numeric_limits<int64_t>::max());
+    ASSERT_TRUE(armed_call([&] { (void)detail::build_trie(layers, std::move(loaded)); }));
+    building = counted.load();
+  }
+  ASSERT_GT(building, 30);
+  ASSERT_GT(total, building);
+  int64_t refused = 0;
+  for (int64_t k = 0; k < building; ++k) {
+    SCOPED_TRACE("allocation " + std::to_string(total - k) + " of " + std::to_string(total) +
+                 " fails");
+    HybridStack stack;
+    PrefixCache cache(stack.layers());
+    serve_all(cache, stack);
+    const std::string before = cache.debug_string();
+    start_run(total - k);
+    const bool loaded = armed_call([&] { load(cache); });
+    ASSERT_TRUE(failed_in_run());  // the load made the allocations measured above
+    ASSERT_EQ(cache.check_invariants(), "");
+    if (loaded) {
+      ASSERT_EQ(cache.node_count(), saved_nodes);
+    } else {
+      ++refused;
+      ASSERT_EQ(cache.debug_string(), before);
+    }
+    // Either way the cache serves; loaded, the warm conversation's first prompt is found whole.
+    const testing::Turn turn = run_turn(cache, stack, kSystem + tokens(200, 6), tokens(300, 4));
+    if (loaded) EXPECT_EQ(turn.cached, 17);
+    if (::testing::Test::HasFailure()) break;
+  }
+  EXPECT_GT(refused, building / 2);
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
