@@ -7,95 +7,31 @@
 #include <kvsnap/kvsnap.h>
 #include <unistd.h>
 
-#include <atomic>
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iterator>
 #include <limits>
 #include <memory>
-#include <new>
 #include <optional>
 #include <string>
 
 #include "prefix/trie.h"
 #include "prefix/trie_file.h"
 #include "support/conversation.h"
-
-namespace {
-// While armed, allocations are counted, and the one numbered `fail_at` throws (once).
-std::atomic<bool> armed{false};
-std::atomic<int64_t> counted{0}, fail_at{0};
-
-void count_or_fail() {
-  if (!armed.load(std::memory_order_relaxed)) return;
-  if (counted.fetch_add(1, std::memory_order_relaxed) + 1 == fail_at.load()) {
-    armed = false;  // one failure per run: the rest of the run must cope with it
-    throw std::bad_alloc();
-  }
-}
-}  // namespace
-
-void* operator new(std::size_t size) {
-  count_or_fail();
-  if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
-  throw std::bad_alloc();
-}
-void* operator new[](std::size_t size) { return ::operator new(size); }
-void* operator new(std::size_t size, std::align_val_t align) {
-  count_or_fail();
-  const auto alignment = static_cast<std::size_t>(align);
-  if (void* p = std::aligned_alloc(alignment, (size + alignment - 1) / alignment * alignment)) {
-    return p;
-  }
-  throw std::bad_alloc();
-}
-void* operator new[](std::size_t size, std::align_val_t align) {
-  return ::operator new(size, align);
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+#include "support/failing_allocation.h"
 
 namespace kvsnap::prefix_oom_test {
 namespace {
 
+using testing::armed_call;
+using testing::failed_in_run;
 using testing::HybridStack;
 using testing::run_turn;
+using testing::start_run;
 using testing::Tokens;
 using testing::tokens;
 using testing::operator+;
-
-// Runs `call` with allocations counted (and the fail_at-th failing); true when it returned,
-// false when it threw std::bad_alloc or an Error for it.
-bool armed_call(const std::function<void()>& call) {
-  armed = fail_at.load() > counted.load();
-  try {
-    call();
-  } catch (const std::bad_alloc&) {
-    armed = false;
-    return false;
-  } catch (const Error& e) {
-    armed = false;
-    EXPECT_NE(std::string(e.what()).find("out of memory"), std::string::npos) << e.what();
-    return false;
-  }
-  armed = false;
-  return true;
-}
-
-// Starts a sweep run whose fail_at-th counted allocation fails.
-void start_run(int64_t n) {
-  counted = 0;
-  fail_at = n;
-}
-bool failed_in_run() { return counted.load() >= fail_at.load(); }
 
 // Prompts that share a system prompt and diverge inside each other's edges (splits), with a
 // budget small enough that serving them evicts leaves and joins nodes (merges).
@@ -150,7 +86,7 @@ TEST_P(PrefixCacheOutOfMemory, EveryFailedAllocationLeavesATrieThatRestoresRight
       if (::testing::Test::HasFatalFailure()) return;
     }
     const bool failed = failed_in_run();
-    armed = false;
+    testing::disarm();
     // What it saves loads (a gap, and what lies below it, is left out of the file).
     {
       const auto dir = std::filesystem::temp_directory_path() /
@@ -227,7 +163,7 @@ TEST_P(PrefixCacheOutOfMemory, TwoSlotsAtOnceKeepTheirStateWhenTheOtherRunsOut) 
       if (::testing::Test::HasFatalFailure()) return;
     }
     const bool failed = failed_in_run();
-    armed = false;
+    testing::disarm();
     for (const Tokens& prompt : kPrompts) {
       run_turn(cache, stack, prompt, kReply);
       if (::testing::Test::HasFailure()) return;
@@ -282,7 +218,7 @@ TEST(PrefixCacheLoadOutOfMemory, ALoadThatRunsOutLeavesTheTrieAsItWas) {
     serve_all(cache, stack);
     start_run(std::numeric_limits<int64_t>::max());
     ASSERT_TRUE(armed_call([&] { load(cache); }));
-    total = counted.load();
+    total = testing::counted_allocations();
   }
   {
     HybridStack stack;
@@ -292,7 +228,7 @@ TEST(PrefixCacheLoadOutOfMemory, ALoadThatRunsOutLeavesTheTrieAsItWas) {
     detail::LoadedTrie loaded = detail::decode_trie(bytes, "test", layers, "");
     start_run(std::numeric_limits<int64_t>::max());
     ASSERT_TRUE(armed_call([&] { (void)detail::build_trie(layers, std::move(loaded)); }));
-    building = counted.load();
+    building = testing::counted_allocations();
   }
   ASSERT_GT(building, 30);
   ASSERT_GT(total, building);
@@ -316,7 +252,9 @@ TEST(PrefixCacheLoadOutOfMemory, ALoadThatRunsOutLeavesTheTrieAsItWas) {
     }
     // Either way the cache serves; loaded, the warm conversation's first prompt is found whole.
     const testing::Turn turn = run_turn(cache, stack, kSystem + tokens(200, 6), tokens(300, 4));
-    if (loaded) EXPECT_EQ(turn.cached, 17);
+    if (loaded) {
+      EXPECT_EQ(turn.cached, 17);
+    }
     if (::testing::Test::HasFailure()) break;
   }
   EXPECT_GT(refused, building / 2);

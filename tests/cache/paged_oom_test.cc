@@ -1,0 +1,64 @@
+// PagedKVCache running out of memory one allocation at a time (oom_test: see
+// support/failing_allocation.h).
+#include <gtest/gtest.h>
+#include <kvsnap/kvsnap.h>
+
+#include <string>
+#include <vector>
+
+#include "support/cache_support.h"
+#include "support/failing_allocation.h"
+
+namespace kvsnap::paged_oom_test {
+namespace {
+
+using testing::armed_call;
+using testing::id_range;
+using testing::TokenKV;
+
+void write(PagedKVCache& cache, const TokenKV& kv, int32_t seq, const std::vector<int64_t>& ids) {
+  Batch batch = Batch::uniform(1, static_cast<int64_t>(ids.size()), cache.offset(seq));
+  batch.seq_ids = {seq};
+  (void)cache.update(batch, kv.keys(ids), kv.values(ids));
+}
+
+// A range of sequence 0 that ends mid-block, then one of sequence 1 (other tokens) from there:
+// merged, they meet in a fresh block (BlockPool::meet). A merge that runs out of memory anywhere
+// — after that block was taken included — gives every block back: the pool then holds exactly
+// what the sequences hold.
+TEST(PagedOutOfMemory, AMergeThatRunsOutGivesItsBlocksBack) {
+  const TokenKV kv;
+  int64_t failures = 0;
+  for (int64_t n = 1;; ++n) {
+    SCOPED_TRACE("allocation " + std::to_string(n) + " fails");
+    PagedKVCache cache({.block_tokens = 4});
+    write(cache, kv, 0, id_range(0, 10));
+    write(cache, kv, 1, id_range(100, 10));
+    const int64_t held = cache.pool_stats().blocks_in_use;
+    SnapshotPtr parent = cache.split(cache.snapshot(0, 0), 6).first;
+    SnapshotPtr child = cache.snapshot(1, 6);
+    const int64_t copied = cache.pool_stats().blocks_copied;
+    SnapshotPtr joined;
+    testing::start_run(n);
+    const bool done =
+        armed_call([&] { joined = cache.merge(std::move(parent), std::move(child)); });
+    const bool failed = testing::failed_in_run();
+    if (!done) {
+      ++failures;
+      EXPECT_EQ(cache.pool_stats().blocks_in_use, held);
+      continue;
+    }
+    ASSERT_FALSE(failed);  // a merge swallows no failure
+    EXPECT_EQ(joined->from(), 0);
+    EXPECT_EQ(joined->to(), 10);
+    EXPECT_EQ(cache.pool_stats().blocks_copied, copied + 1);  // the fresh block where they meet
+    EXPECT_EQ(cache.pool_stats().blocks_in_use, held + 1);
+    joined.reset();
+    EXPECT_EQ(cache.pool_stats().blocks_in_use, held);
+    break;
+  }
+  EXPECT_GE(failures, 2);
+}
+
+}  // namespace
+}  // namespace kvsnap::paged_oom_test

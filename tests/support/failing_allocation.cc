@@ -1,0 +1,82 @@
+// The global operator new of the oom_test binary (failing_allocation.h): malloc underneath,
+// counted while armed, and failing once at the run's chosen count.
+#include "support/failing_allocation.h"
+
+#include <gtest/gtest.h>
+#include <kvsnap/error.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <new>
+#include <string>
+
+namespace {
+
+std::atomic<bool> armed{false};
+std::atomic<int64_t> counted{0}, fail_at{0};
+
+void count_or_fail() {
+  if (!armed.load(std::memory_order_relaxed)) return;
+  if (counted.fetch_add(1, std::memory_order_relaxed) + 1 == fail_at.load()) {
+    armed = false;  // one failure per run: the rest of the run must cope with it
+    throw std::bad_alloc();
+  }
+}
+
+}  // namespace
+
+void* operator new(std::size_t size) {
+  count_or_fail();
+  if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
+  throw std::bad_alloc();
+}
+void* operator new[](std::size_t size) { return ::operator new(size); }
+void* operator new(std::size_t size, std::align_val_t align) {
+  count_or_fail();
+  const auto alignment = static_cast<std::size_t>(align);
+  if (void* p = std::aligned_alloc(alignment, (size + alignment - 1) / alignment * alignment)) {
+    return p;
+  }
+  throw std::bad_alloc();
+}
+void* operator new[](std::size_t size, std::align_val_t align) {
+  return ::operator new(size, align);
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+
+namespace kvsnap::testing {
+
+void start_run(int64_t n) {
+  armed = false;
+  counted = 0;
+  fail_at = n;
+}
+
+bool armed_call(const std::function<void()>& call) {
+  armed = fail_at.load() > counted.load();
+  try {
+    call();
+  } catch (const std::bad_alloc&) {
+    armed = false;
+    return false;
+  } catch (const Error& e) {
+    armed = false;
+    EXPECT_NE(std::string(e.what()).find("out of memory"), std::string::npos) << e.what();
+    return false;
+  }
+  armed = false;
+  return true;
+}
+
+void disarm() { armed = false; }
+bool failed_in_run() { return counted.load() >= fail_at.load(); }
+int64_t counted_allocations() { return counted.load(); }
+
+}  // namespace kvsnap::testing

@@ -1,0 +1,26 @@
+// Running out of memory one allocation at a time, for the oom_test binary, whose
+// failing_allocation.cc replaces the global operator new: while armed, allocations are counted
+// and the one numbered `n` (start_run) throws std::bad_alloc — once, so the rest of the run must
+// cope with that one failure. A sweep runs the same operations for n = 1, 2, ... until a run
+// makes fewer than n allocations.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+
+namespace kvsnap::testing {
+
+// Starts a run whose n-th counted allocation fails.
+void start_run(int64_t n);
+// Runs `call` with allocations counted (the run's n-th failing); true when it returned, false
+// when it threw std::bad_alloc or a kvsnap::Error saying "out of memory" (another Error fails
+// the test).
+bool armed_call(const std::function<void()>& call);
+// Stops counting (and failing) until the next armed_call.
+void disarm();
+// Whether this run's allocation n has come (and failed).
+bool failed_in_run();
+// Allocations counted in this run so far.
+int64_t counted_allocations();
+
+}  // namespace kvsnap::testing
