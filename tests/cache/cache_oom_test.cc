@@ -1,0 +1,204 @@
+// Attention caches running out of memory one allocation at a time (oom_test: see
+// support/failing_allocation.h): a script of writes (one row and two at once), snapshots,
+// restores, splits, merges and scheduled captures over two sequences, each call armed. After a
+// call that runs out, every sequence holds what the contract allows (cache.h: a failed update
+// leaves each row as it was or, for a failure after the writes, written), the cache goes on
+// serving the rest of the script, every snapshot still restores what it captured, and once all
+// is dropped no block or byte is left behind.
+#include <gtest/gtest.h>
+#include <kvsnap/kvsnap.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "support/cache_support.h"
+#include "support/failing_allocation.h"
+
+namespace kvsnap::cache_oom_test {
+namespace {
+
+using testing::armed_call;
+using testing::column_ids;
+using testing::id_range;
+using testing::TokenKV;
+using Ids = std::vector<int64_t>;
+
+const TokenKV kv;
+
+Ids concat(Ids a, const Ids& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+// Keys or values [rows, H, L, D] of rows of the same length.
+Array stacked(const std::vector<Ids>& rows, bool keys) {
+  std::vector<float> data;
+  for (const Ids& ids : rows) {
+    const std::vector<float> row = (keys ? kv.keys(ids) : kv.values(ids)).to_floats();
+    data.insert(data.end(), row.begin(), row.end());
+  }
+  return Array::from_floats(data,
+                            {static_cast<int64_t>(rows.size()), kv.heads,
+                             static_cast<int64_t>(rows.front().size()), kv.depth},
+                            kv.dtype);
+}
+
+// The script's state: each sequence's ids, the snapshots and what each holds.
+struct Script {
+  Attention& cache;
+  std::map<int32_t, Ids> held;
+  std::map<std::string, std::pair<SnapshotPtr, Ids>> snapshots;  // name -> (snapshot, its ids)
+
+  Ids ids_of(int32_t seq) const {
+    if (cache.offset(seq) == 0) return {};
+    return column_ids(cache.view(Batch::rows({{seq, cache.offset(seq), {}}})));
+  }
+  void check() const {
+    for (const auto& [seq, ids] : held) EXPECT_EQ(ids_of(seq), ids) << "sequence " << seq;
+  }
+
+  // Writes `chunks[i]` to sequence seqs[i] in one update; a failed one leaves each row as it was
+  // or written.
+  void write(const std::vector<int32_t>& seqs, const std::vector<Ids>& chunks) {
+    std::vector<Batch::Chunk> rows;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      rows.push_back({seqs[i], cache.offset(seqs[i]), std::vector<int32_t>(chunks[i].size(), 0)});
+    }
+    const Batch batch = Batch::rows(rows);
+    const bool done = armed_call(
+        [&] { (void)cache.update(batch, stacked(chunks, true), stacked(chunks, false)); });
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      Ids& ids = held[seqs[i]];
+      const Ids written = concat(ids, chunks[i]);
+      if (done || ids_of(seqs[i]) == written) {
+        ids = written;
+      } else {
+        EXPECT_EQ(ids_of(seqs[i]), ids)
+            << "sequence " << seqs[i] << ": neither as it was nor written";
+      }
+    }
+    check();
+  }
+  void snapshot(const std::string& name, int32_t seq, int64_t from) {
+    if (static_cast<int64_t>(held[seq].size()) < from) return;  // an earlier write ran out
+    SnapshotPtr s;
+    if (armed_call([&] { s = cache.snapshot(seq, from); }) && s != nullptr) {
+      const Ids& ids = held[seq];
+      snapshots[name] = {std::move(s), Ids(ids.begin() + from, ids.end())};
+    }
+    check();
+  }
+  // Restores `name` (of [from, to)) into `seq` at `target`.
+  void restore(int32_t seq, const std::string& name, int64_t target) {
+    if (!snapshots.contains(name)) return;
+    auto& [s, ids] = snapshots[name];
+    const Ids before = held[seq];
+    if (static_cast<int64_t>(before.size()) < s->from() || target > s->to()) return;
+    Ids restored(before.begin(), before.begin() + s->from());
+    restored.insert(restored.end(), ids.begin(), ids.begin() + (target - s->from()));
+    bool fits = false;
+    if (armed_call([&] { fits = cache.restore(seq, s.get(), target); })) {
+      ASSERT_TRUE(fits);
+      held[seq] = restored;
+    } else {
+      // Consistent: as it was, restored, or rewound to where the snapshot begins.
+      const Ids now = ids_of(seq);
+      const Ids rewound(before.begin(), before.begin() + s->from());
+      EXPECT_TRUE(now == before || now == restored || now == rewound) << "sequence " << seq;
+      held[seq] = now;
+    }
+    check();
+  }
+  // Splits `name` at `at` and merges the halves back: a failure consumes it.
+  void split_and_merge(const std::string& name, int64_t at) {
+    if (!snapshots.contains(name)) return;
+    auto& [s, ids] = snapshots[name];
+    if (at <= s->from() || at >= s->to()) return;
+    std::pair<SnapshotPtr, SnapshotPtr> halves;
+    if (!armed_call([&] { halves = cache.split(std::move(s), at); }) ||
+        !armed_call([&] { s = cache.merge(std::move(halves.first), std::move(halves.second)); })) {
+      snapshots.erase(name);
+    }
+    check();
+  }
+  // Every snapshot restores what it captured, into a sequence of its own.
+  void check_snapshots(int32_t spare) {
+    for (auto& [name, entry] : snapshots) {
+      auto& [s, ids] = entry;
+      cache.reset(spare);
+      if (s->from() > 0) continue;  // a range from mid-sequence needs its head: checked above
+      ASSERT_TRUE(cache.restore(spare, s.get(), s->to())) << name;
+      EXPECT_EQ(ids_of(spare), ids) << name;
+    }
+    cache.reset(spare);
+  }
+};
+
+void run_script(Attention& cache) {
+  Script script{cache, {{0, {}}, {1, {}}}, {}};
+  script.write({0}, {id_range(0, 10)});
+  script.write({1}, {id_range(100, 7)});
+  script.snapshot("zero", 0, 0);
+  script.snapshot("tail", 0, 3);
+  script.write({0, 1}, {id_range(10, 2), id_range(107, 2)});  // both rows at once
+  script.split_and_merge("zero", 6);
+  script.restore(1, "zero", 8);
+  script.write({1}, {id_range(200, 3)});
+  // Captures scheduled inside a write.
+  const std::vector<int64_t> at{cache.offset(0) + 1};
+  if (armed_call([&] { cache.prepare_snapshots(0, at); })) {
+    script.write({0}, {id_range(20, 3)});
+    std::vector<SnapshotPtr> taken;
+    if (armed_call([&] { taken = cache.take_reached_snapshots(0); })) {
+      // A capture only where the write that reaches it went in (one that ran out while making
+      // the capture, after the rows, may have lost it: cache.h).
+      const bool reached = cache.offset(0) >= at.front();
+      ASSERT_LE(taken.size(), reached ? 1U : 0U);
+      if (!taken.empty()) {
+        EXPECT_EQ(taken.front()->to(), at.front());
+        script.snapshots["captured"] = {
+            std::move(taken.front()),
+            Ids(script.held[0].begin(), script.held[0].begin() + at.front())};
+      }
+    }
+    cache.cancel_snapshots(0);
+  }
+  script.check();
+  testing::disarm();
+  script.check_snapshots(7);
+}
+
+class CacheOutOfMemory : public ::testing::TestWithParam<bool> {};  // paged?
+
+TEST_P(CacheOutOfMemory, EveryFailedAllocationLeavesTheSequencesAsTheContractSays) {
+  int64_t runs = 0;
+  for (int64_t n = 1;; ++n, ++runs) {
+    SCOPED_TRACE("allocation " + std::to_string(n) + " fails");
+    std::unique_ptr<Attention> cache;
+    if (GetParam()) {
+      cache = std::make_unique<PagedKVCache>(PagedKVCache::Options{.block_tokens = 4});
+    } else {
+      cache = std::make_unique<KVCache>();
+    }
+    testing::start_run(n);
+    run_script(*cache);
+    const bool failed = testing::failed_in_run();
+    if (::testing::Test::HasFailure()) return;
+    if (auto* paged = dynamic_cast<PagedKVCache*>(cache.get())) {
+      paged->reset(0);
+      paged->reset(1);
+      EXPECT_EQ(paged->pool_stats().blocks_in_use, 0);  // the script's snapshots are gone too
+    }
+    if (!failed) break;
+  }
+  EXPECT_GT(runs, 80);
+}
+
+INSTANTIATE_TEST_SUITE_P(Kinds, CacheOutOfMemory, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "Paged" : "KVCache"; });
+
+}  // namespace
+}  // namespace kvsnap::cache_oom_test
