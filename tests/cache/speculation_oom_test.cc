@@ -1,0 +1,83 @@
+// Speculative rounds running out of memory one allocation at a time (oom_test: see
+// support/failing_allocation.h): begin and accept armed over a hybrid stack (attention, window,
+// recurrent). A round that runs out is cancelled; every layer must still agree on one offset
+// and hold the tokens at or before it, and the rounds after it must equal recomputation.
+#include <gtest/gtest.h>
+#include <kvsnap/kvsnap.h>
+
+#include <string>
+#include <vector>
+
+#include "support/conversation.h"
+#include "support/failing_allocation.h"
+
+namespace kvsnap::speculation_oom_test {
+namespace {
+
+using testing::armed_call;
+using testing::HybridStack;
+using testing::Tokens;
+using testing::tokens;
+using testing::operator+;
+
+// Each layer's offset (stateless layers left out).
+std::vector<int64_t> offsets(HybridStack& stack) {
+  std::vector<int64_t> out;
+  for (Cache* cache : stack.layers()) {
+    if (cache != nullptr) out.push_back(cache->offset(0));
+  }
+  return out;
+}
+
+TEST(SpeculationOutOfMemory, ARoundThatRunsOutLeavesTheLayersTogether) {
+  int64_t runs = 0, cut_short = 0;
+  for (int64_t n = 1;; ++n, ++runs) {
+    SCOPED_TRACE("allocation " + std::to_string(n) + " fails");
+    HybridStack stack;
+    Speculation round(stack.layers());
+    Tokens sequence = tokens(1, 12);  // past the window (8): the window layer must capture
+    ASSERT_TRUE(stack.forward_and_check(sequence, sequence));
+    testing::start_run(n);
+    for (int64_t r = 0; r < 4; ++r) {
+      const Tokens verify = tokens(static_cast<int32_t>(100 + 10 * r), 4);  // next + 3 drafts
+      const int64_t accepted = r % 4;
+      if (!armed_call([&] { round.begin(3); })) {
+        round.cancel();
+        ++cut_short;
+        EXPECT_EQ(offsets(stack), std::vector<int64_t>(offsets(stack).size(), stack.offset()));
+        continue;
+      }
+      ASSERT_TRUE(stack.forward_and_check(verify, sequence + verify));
+      const Tokens kept(verify.begin(), verify.begin() + accepted + 1);
+      if (armed_call([&] { round.accept(accepted); })) {
+        sequence = sequence + kept;
+        continue;
+      }
+      // Out of memory in accept: the round is cancelled, and the layers must agree on where
+      // they stand — the verified tokens, or what was accepted of them.
+      ++cut_short;
+      round.cancel();
+      const std::vector<int64_t> now = offsets(stack);
+      ASSERT_EQ(now, std::vector<int64_t>(now.size(), now.front())) << "layers apart";
+      const auto at = static_cast<int64_t>(sequence.size());
+      if (now.front() == at + static_cast<int64_t>(kept.size())) {
+        sequence = sequence + kept;
+      } else {
+        ASSERT_EQ(now.front(), at + static_cast<int64_t>(verify.size()));
+        sequence = sequence + verify;
+      }
+    }
+    testing::disarm();
+    const bool failed = testing::failed_in_run();
+    // The stack goes on from wherever the rounds left it, equal to recomputation.
+    const Tokens more = tokens(900, 3);
+    ASSERT_TRUE(stack.forward_and_check(more, sequence + more));
+    if (!failed) break;
+  }
+  // A round allocates only while its buffers grow (speculation.h): a handful in all.
+  EXPECT_GE(runs, 5);
+  EXPECT_GE(cut_short, 5);
+}
+
+}  // namespace
+}  // namespace kvsnap::speculation_oom_test
