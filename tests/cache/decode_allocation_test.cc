@@ -10,37 +10,14 @@
 #include <new>
 
 #include "support/cache_support.h"
+#include "support/replaced_new.h"
 
 namespace {
 std::atomic<int64_t> allocations{0};
 }  // namespace
 
-// Every form of global operator new is counted; delete matches (malloc/free underneath).
-void* operator new(std::size_t size) {
-  allocations.fetch_add(1, std::memory_order_relaxed);
-  if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
-  throw std::bad_alloc();
-}
-void* operator new[](std::size_t size) { return ::operator new(size); }
-void* operator new(std::size_t size, std::align_val_t align) {
-  allocations.fetch_add(1, std::memory_order_relaxed);
-  const auto alignment = static_cast<std::size_t>(align);
-  if (void* p = std::aligned_alloc(alignment, (size + alignment - 1) / alignment * alignment)) {
-    return p;
-  }
-  throw std::bad_alloc();
-}
-void* operator new[](std::size_t size, std::align_val_t align) {
-  return ::operator new(size, align);
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+// Every form of global operator new is counted (support/replaced_new.h).
+void kvsnap::testing::on_allocation() { allocations.fetch_add(1, std::memory_order_relaxed); }
 
 namespace kvsnap {
 namespace {

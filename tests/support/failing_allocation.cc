@@ -1,4 +1,4 @@
-// The global operator new of the oom_test binary (failing_allocation.h): malloc underneath,
+// The global operator new of the oom_test binary (failing_allocation.h, replaced_new.h):
 // counted while armed, and failing once at the run's chosen count.
 #include "support/failing_allocation.h"
 
@@ -6,50 +6,26 @@
 #include <kvsnap/error.h>
 
 #include <atomic>
-#include <cstdlib>
 #include <new>
 #include <string>
+
+#include "support/replaced_new.h"
 
 namespace {
 
 std::atomic<bool> armed{false};
 std::atomic<int64_t> counted{0}, fail_at{0};
 
-void count_or_fail() {
+}  // namespace
+
+// Every form of global operator new comes here (support/replaced_new.h).
+void kvsnap::testing::on_allocation() {
   if (!armed.load(std::memory_order_relaxed)) return;
   if (counted.fetch_add(1, std::memory_order_relaxed) + 1 == fail_at.load()) {
     armed = false;  // one failure per run: the rest of the run must cope with it
     throw std::bad_alloc();
   }
 }
-
-}  // namespace
-
-void* operator new(std::size_t size) {
-  count_or_fail();
-  if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
-  throw std::bad_alloc();
-}
-void* operator new[](std::size_t size) { return ::operator new(size); }
-void* operator new(std::size_t size, std::align_val_t align) {
-  count_or_fail();
-  const auto alignment = static_cast<std::size_t>(align);
-  if (void* p = std::aligned_alloc(alignment, (size + alignment - 1) / alignment * alignment)) {
-    return p;
-  }
-  throw std::bad_alloc();
-}
-void* operator new[](std::size_t size, std::align_val_t align) {
-  return ::operator new(size, align);
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
 
 namespace kvsnap::testing {
 
