@@ -46,12 +46,16 @@
 // Thread-safe: calls (sessions' too) may come from any thread and run one at a time; the
 // layers lock themselves, so each slot's forward may run on its own thread.
 //
-// Out of memory (std::bad_alloc, or an Error saying so): a call that runs out ends its session,
-// and other slots' sessions go on. The trie stays consistent and within its budget. A node that
-// a split or merge of its snapshots ran out on loses that layer's range: restores stop at that
-// node, save leaves it (and what lies below it) out, and the next request over those tokens
-// inserts them again. Outputs still equal recomputation. A load that runs out leaves the trie
-// as it was.
+// Out of memory (std::bad_alloc, or an Error saying so): a begin or close that runs out ends its
+// session (the slot is free again); after an append_output that runs out, which records nothing,
+// call it again; after a prefill_done or schedule_snapshots that runs out, close the session (its
+// captures may be lost). Other slots' sessions go on. The trie stays consistent, and over its
+// budget at most until the next call's eviction. A node that a split or merge of its snapshots
+// ran out on loses that layer's range: restores stop at that node, save leaves it (and what lies
+// below it) out, and the next request over those tokens inserts them again. Outputs still equal
+// recomputation. A load that runs out while building the loaded trie leaves the trie as it was;
+// one that runs out while decoding the file's JSON may end the process (nlohmann::json's
+// destructors allocate).
 #pragma once
 
 #include <cstdint>

@@ -190,11 +190,12 @@ void serve_all(PrefixCache& cache, HybridStack& stack) {
 }
 
 // A load that runs out of memory once the file is decoded — building the loaded trie, taking its
-// nodes, resetting the live caches, evicting to the budget — leaves the trie as it was, or (out
-// in the eviction, after the nodes are taken) holds the loaded one. The sweep fails each of the
-// load's last B allocations, B being those of building the trie alone. Decoding comes before
-// them and is not swept: nlohmann::json's destructors allocate, and a failure inside one
-// terminates the process (decoding changes nothing either way).
+// nodes, resetting the live caches, evicting to a budget smaller than the file's trie — leaves the
+// trie as it was, or (out in the eviction, after the nodes are taken) holds the loaded one, which
+// the next call's eviction brings within the budget. The sweep fails each of the load's last B
+// allocations, B being those of building the trie alone. Decoding comes before them and is not
+// swept: nlohmann::json's destructors allocate, and a failure inside one terminates the process
+// (decoding changes nothing either way).
 TEST(PrefixCacheLoadOutOfMemory, ALoadThatRunsOutLeavesTheTrieAsItWas) {
   const auto dir =
       std::filesystem::temp_directory_path() / ("kvsnap_oom_load_" + std::to_string(::getpid()));
@@ -208,13 +209,14 @@ TEST(PrefixCacheLoadOutOfMemory, ALoadThatRunsOutLeavesTheTrieAsItWas) {
     saved_nodes = cache.node_count();
   }
   const auto load = [&](PrefixCache& cache) { cache.load(dir.string()); };
+  const PrefixCache::Options small{.max_paged_out_bytes = 3000};
   // The allocations of a load that does not run out, into a cache that has served kPrompts: the
   // same every time once the first has set up what the process keeps (statics, scratch).
   int64_t total = -1, building = 0;
   for (int64_t last = -2; total != last;) {
     last = total;
     HybridStack stack;
-    PrefixCache cache(stack.layers());
+    PrefixCache cache(stack.layers(), small);
     serve_all(cache, stack);
     start_run(std::numeric_limits<int64_t>::max());
     ASSERT_TRUE(armed_call([&] { load(cache); }));
@@ -237,24 +239,23 @@ TEST(PrefixCacheLoadOutOfMemory, ALoadThatRunsOutLeavesTheTrieAsItWas) {
     SCOPED_TRACE("allocation " + std::to_string(total - k) + " of " + std::to_string(total) +
                  " fails");
     HybridStack stack;
-    PrefixCache cache(stack.layers());
+    PrefixCache cache(stack.layers(), small);
     serve_all(cache, stack);
     const std::string before = cache.debug_string();
     start_run(total - k);
     const bool loaded = armed_call([&] { load(cache); });
     ASSERT_TRUE(failed_in_run());  // the load made the allocations measured above
     ASSERT_EQ(cache.check_invariants(), "");
-    if (loaded) {
-      ASSERT_EQ(cache.node_count(), saved_nodes);
+    if (loaded) {  // the eviction ran out: the loaded trie, perhaps still over the budget
+      ASSERT_LE(cache.node_count(), saved_nodes);
+      ASSERT_GT(cache.node_count(), 0);
     } else {
       ++refused;
       ASSERT_EQ(cache.debug_string(), before);
     }
-    // Either way the cache serves; loaded, the warm conversation's first prompt is found whole.
-    const testing::Turn turn = run_turn(cache, stack, kSystem + tokens(200, 6), tokens(300, 4));
-    if (loaded) {
-      EXPECT_EQ(turn.cached, 17);
-    }
+    // Either way the cache serves, within its budget from its next call on.
+    run_turn(cache, stack, kSystem + tokens(200, 6), tokens(300, 4));
+    EXPECT_LE(cache.paged_out_bytes(), small.max_paged_out_bytes);
     if (::testing::Test::HasFailure()) break;
   }
   EXPECT_GT(refused, building / 2);
