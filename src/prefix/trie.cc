@@ -23,6 +23,17 @@ Trie::Trie(std::vector<LayerInfo> layers) : layers_(std::move(layers)) {
 // so clear() takes them off first in case a cache materializes something during teardown.
 Trie::~Trie() { clear(); }
 
+namespace {
+// Room for one more child, allocated before the trie changes: growing geometrically, as
+// push_back would (reserving one more each time would move every child on every add).
+void room_for_child(Node& node) {
+  std::vector<std::unique_ptr<Node>>& children = node.children;
+  if (children.size() == children.capacity()) {
+    children.reserve(std::max<size_t>(2, 2 * children.capacity()));
+  }
+}
+}  // namespace
+
 std::unique_ptr<Node> Trie::new_node() const {
   auto node = std::make_unique<Node>();
   node->snapshots.resize(layers_.size());
@@ -166,7 +177,7 @@ Node& Trie::insert(std::span<const int32_t> tokens, int64_t from, int64_t to,
       leaf->edge.assign(tokens.begin() + position, tokens.begin() + to);
       leaf->end = to;
       leaf->parent = node;
-      node->children.reserve(node->children.size() + 1);
+      room_for_child(*node);
       for (size_t i = 0; i < layers_.size(); ++i) {
         if (layers_[i].ranged()) ranged[i] = drop_front(i, std::move(ranged[i]), position);
       }
@@ -316,7 +327,7 @@ Node& Trie::add_child(Node& parent, std::vector<int32_t> edge, std::vector<Snaps
   node->edge = std::move(edge);
   node->user = user;
   node->last_used = last_used;
-  parent.children.reserve(parent.children.size() + 1);
+  room_for_child(parent);
   for (size_t i = 0; i < layers_.size() && i < snapshots.size(); ++i)
     attach(*node, i, std::move(snapshots[i]));
   Node& added = *node;
