@@ -198,8 +198,7 @@ int64_t PrefixCache::match(std::span<const int32_t> prompt) const {
   // A slot with nothing live: the first slot's planner with an empty view.
   const detail::Trie::Match found = impl_->trie.match(prompt);
   if (prompt.empty()) return 0;
-  const int64_t limit = std::min(impl_->trie.restorable_length(found.path, found.length),
-                                 static_cast<int64_t>(prompt.size()) - 1);
+  const int64_t limit = impl_->trie.restore_limit(found, static_cast<int64_t>(prompt.size()));
   return detail::plan_restore(impl_->trie.layers(), found.path, limit, detail::LiveView{}).target;
 }
 int64_t PrefixCache::match(SeqId slot, std::span<const int32_t> prompt) const {

@@ -12,8 +12,7 @@ namespace kvsnap::detail {
 int64_t Slot::match(std::span<const int32_t> prompt) const {
   if (prompt.empty()) return 0;
   const Trie::Match found = trie_.match(prompt);
-  const int64_t limit = std::min(trie_.restorable_length(found.path, found.length),
-                                 static_cast<int64_t>(prompt.size()) - 1);
+  const int64_t limit = trie_.restore_limit(found, static_cast<int64_t>(prompt.size()));
   LiveView live = view(prompt, limit);
   if (!live_.consistent()) live = LiveView{};
   return plan_restore(trie_.layers(), found.path, limit, live).target;
@@ -33,8 +32,7 @@ std::shared_ptr<SessionState> Slot::begin(std::span<const int32_t> prompt, Prefi
 
   const Trie::Match match = trie_.match(prompt);
   const auto length = static_cast<int64_t>(prompt.size());
-  // Leave one token to evaluate.
-  const int64_t limit = std::min(trie_.restorable_length(match.path, match.length), length - 1);
+  const int64_t limit = trie_.restore_limit(match, length);
   const LiveView live = view(prompt, limit);
   const Plan plan = plan_restore(trie_.layers(), match.path, limit, live);
   try {

@@ -24,6 +24,29 @@ Trie::Trie(std::vector<LayerInfo> layers) : layers_(std::move(layers)) {
 Trie::~Trie() { clear(); }
 
 namespace {
+// Frees `top`'s descendants without recursing and without allocating: down to the last child of
+// the last child ..., then back up through the parent links. `going(node)` runs on each before
+// its children (a node's snapshots go before its children's, as a recursive destruction would),
+// the node itself goes once it has no children left.
+template <class Going>
+void free_descendants(Node& top, Going&& going) noexcept {
+  Node* at = &top;
+  while (true) {
+    if (!at->children.empty()) {
+      Node* last = at->children.back().get();
+      if (last != nullptr) going(*last);  // null: moved out (a merge takes the only child first)
+      if (last == nullptr || last->children.empty()) {
+        at->children.pop_back();
+      } else {
+        at = last;
+      }
+      continue;
+    }
+    if (at == &top) return;
+    at = at->parent;
+  }
+}
+
 // Room for one more child, allocated before the trie changes: growing geometrically, as
 // push_back would (reserving one more each time would move every child on every add).
 void room_for_child(Node& node) {
@@ -293,28 +316,12 @@ void Trie::preorder(std::vector<const Node*>& out) const {
 }
 
 void Trie::clear() noexcept {
-  // Down to the last child of the last child ..., then back up, as ~Node walks (nothing is
-  // allocated: take_nodes calls this): each node's snapshots are detached on the way down (or as
-  // the leaf goes), the node itself goes once it has no children left.
+  // Each snapshot detached (its hook off, its bytes counted out) before its node goes.
   const auto detach_all = [this](Node& node) {
     for (size_t i = 0; i < node.snapshots.size(); ++i) (void)detach(node, i);
   };
   detach_all(root_);
-  Node* at = &root_;
-  while (true) {
-    if (!at->children.empty()) {
-      Node* last = at->children.back().get();
-      if (last != nullptr) detach_all(*last);
-      if (last == nullptr || last->children.empty()) {
-        at->children.pop_back();
-      } else {
-        at = last;
-      }
-      continue;
-    }
-    if (at == &root_) break;
-    at = at->parent;
-  }
+  free_descendants(root_, detach_all);
   leaves_.clear();
   node_count_ = 0;
 }
@@ -351,14 +358,20 @@ void Trie::take_nodes(Trie& fresh) noexcept {
   ++fresh.version_;
 }
 
-int64_t Trie::restorable_length(const std::vector<Node*>& path, int64_t length) const {
-  for (const Node* node : path) {
-    if (node->start() >= length) break;
-    for (size_t i = 0; i < layers_.size(); ++i) {
-      if (layers_[i].ranged() && node->snapshots[i] == nullptr) return node->start();
-    }
+bool Trie::lacks_range(const Node& node) const {
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (layers_[i].ranged() && node.snapshots[i] == nullptr) return true;
   }
-  return length;
+  return false;
+}
+
+int64_t Trie::restore_limit(const Match& found, int64_t prompt_length) const {
+  int64_t limit = std::min(found.length, prompt_length - 1);
+  for (const Node* node : found.path) {
+    if (node->start() >= limit) break;
+    if (lacks_range(*node)) return node->start();
+  }
+  return limit;
 }
 
 int64_t Trie::recount_bytes() const {
@@ -480,23 +493,7 @@ std::string Trie::debug_string() const {
 
 Node::~Node() {
   snapshots.clear();  // before its children's, as the members' own order would have it
-  // Down to the last child of the last child ..., then back up: each node's snapshots go on
-  // the way down, the node itself once it has no children left.
-  Node* at = this;
-  while (true) {
-    if (!at->children.empty()) {
-      Node* last = at->children.back().get();
-      if (last == nullptr || last->children.empty()) {
-        at->children.pop_back();  // moved out (a merge takes the only child first), or a leaf
-      } else {
-        last->snapshots.clear();
-        at = last;
-      }
-      continue;
-    }
-    if (at == this) break;
-    at = at->parent;
-  }
+  free_descendants(*this, [](Node& node) { node.snapshots.clear(); });
 }
 
 }  // namespace kvsnap::detail

@@ -5,7 +5,7 @@
 // of `size()` over every snapshot held (materialize hooks keep it exact).
 //
 // A node may lack a KV snapshot: a split or merge that ran out of memory consumed it (see
-// Cache::split). Restores stop at such a gap (restorable_length), saves leave out what lies at
+// Cache::split). Restores stop at such a gap (restore_limit), saves leave out what lies at
 // and below it, and an insert of the same tokens fills it again.
 #pragma once
 
@@ -90,9 +90,12 @@ class Trie {
     int64_t length = 0;       // tokens matched
   };
   Match match(std::span<const int32_t> tokens);
-  // How far a restore can go along `path` (a match's, from the root): up to `length`, cut at
-  // the start of the first node that lacks a KV snapshot.
-  int64_t restorable_length(const std::vector<Node*>& path, int64_t length) const;
+  // The deepest offset a restore for a prompt of `prompt_length` tokens may plan along `found`:
+  // within the match, before the first node that lacks a KV snapshot (a gap), and leaving one
+  // prompt token to evaluate.
+  int64_t restore_limit(const Match& found, int64_t prompt_length) const;
+  // Whether `node` lacks one of its KV snapshots (a gap).
+  bool lacks_range(const Node& node) const;
 
   // Makes the path tokens[0, to) exist, splitting nodes where it diverges, and returns the node
   // ending at `to`. `ranged[i]` holds layer i's KV data for [from, to) (or null): it fills the

@@ -58,13 +58,6 @@ void record_model(SafetensorsFile& file, const std::string& model_id) {
   file.metadata["model"] = readable(model_id);
   if (file.metadata["model"] != model_id) file.metadata["model_hex"] = hex(model_id);
 }
-bool lacks_range(const Trie& trie, const Node& node) {
-  for (size_t i = 0; i < trie.layers().size(); ++i) {
-    if (trie.layers()[i].ranged() && node.snapshots[i] == nullptr) return true;
-  }
-  return false;
-}
-
 bool same_model(const SafetensorsFile& file, const std::string& model_id) {
   const auto bytes = file.metadata.find("model_hex");
   if (bytes != file.metadata.end()) return bytes->second == hex(model_id);
@@ -89,7 +82,7 @@ std::string encode_trie(const Trie& trie, const std::string& model_id) {
     // A node without one of its KV ranges (a gap, trie.h) cannot be restored through, nor can
     // anything below it: left out, as a loader would refuse it.
     const bool below_gap = node->parent->parent != nullptr && !index.contains(node->parent);
-    if (below_gap || lacks_range(trie, *node)) continue;
+    if (below_gap || trie.lacks_range(*node)) continue;
     const auto id = static_cast<int64_t>(index.size());
     index[node] = id;
     Json snapshots = Json::array();

@@ -30,14 +30,12 @@ std::vector<int64_t> offsets(HybridStack& stack) {
 }
 
 TEST(SpeculationOutOfMemory, ARoundThatRunsOutLeavesTheLayersTogether) {
-  int64_t runs = 0, cut_short = 0;
-  for (int64_t n = 1;; ++n, ++runs) {
-    SCOPED_TRACE("allocation " + std::to_string(n) + " fails");
+  int64_t cut_short = 0;
+  const int64_t runs = testing::sweep([&] {
     HybridStack stack;
     Speculation round(stack.layers());
     Tokens sequence = tokens(1, 12);  // past the window (8): the window layer must capture
     ASSERT_TRUE(stack.forward_and_check(sequence, sequence));
-    testing::start_run(n);
     for (int64_t r = 0; r < 4; ++r) {
       const Tokens verify = tokens(static_cast<int32_t>(100 + 10 * r), 4);  // next + 3 drafts
       const int64_t accepted = r % 4;
@@ -68,12 +66,10 @@ TEST(SpeculationOutOfMemory, ARoundThatRunsOutLeavesTheLayersTogether) {
       }
     }
     testing::disarm();
-    const bool failed = testing::failed_in_run();
     // The stack goes on from wherever the rounds left it, equal to recomputation.
     const Tokens more = tokens(900, 3);
     ASSERT_TRUE(stack.forward_and_check(more, sequence + more));
-    if (!failed) break;
-  }
+  });
   // A round allocates only while its buffers grow (speculation.h): a handful in all.
   EXPECT_GE(runs, 5);
   EXPECT_GE(cut_short, 5);

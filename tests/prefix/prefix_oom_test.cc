@@ -73,19 +73,14 @@ class PrefixCacheOutOfMemory : public ::testing::TestWithParam<bool> {};  // pag
 
 TEST_P(PrefixCacheOutOfMemory, EveryFailedAllocationLeavesATrieThatRestoresRightly) {
   const testing::StackOptions options{.paged = GetParam()};
-  int64_t runs = 0;
-  for (int64_t n = 1;; ++n, ++runs) {
-    SCOPED_TRACE("allocation " + std::to_string(n) + " fails");
+  const int64_t runs = testing::sweep([&] {
     HybridStack stack(options);
     PrefixCache cache(stack.layers(), {.max_paged_out_bytes = 6000});
-    start_run(n);
     for (const Tokens& prompt : kPrompts) {
       serve(cache, stack, prompt);
       ASSERT_EQ(cache.check_invariants(), "") << cache.debug_string();
       ASSERT_EQ(cache.paged_out_bytes(), cache.recount_paged_out_bytes());
-      if (::testing::Test::HasFatalFailure()) return;
     }
-    const bool failed = failed_in_run();
     testing::disarm();
     // What it saves loads (a gap, and what lies below it, is left out of the file).
     {
@@ -107,8 +102,7 @@ TEST_P(PrefixCacheOutOfMemory, EveryFailedAllocationLeavesATrieThatRestoresRight
                 static_cast<int64_t>(prompt.size()) - 1);
       if (::testing::Test::HasFailure()) return;
     }
-    if (!failed) break;  // n is past the calls' last allocation: every one has failed once
-  }
+  });
   EXPECT_GT(runs, 100);
 }
 
@@ -150,26 +144,20 @@ void serve_pair(PrefixCache& cache, HybridStack& stack, const Tokens& first, con
 
 TEST_P(PrefixCacheOutOfMemory, TwoSlotsAtOnceKeepTheirStateWhenTheOtherRunsOut) {
   const testing::StackOptions options{.paged = GetParam()};
-  int64_t runs = 0;
-  for (int64_t n = 1;; ++n, ++runs) {
-    SCOPED_TRACE("allocation " + std::to_string(n) + " fails");
+  const int64_t runs = testing::sweep([&] {
     HybridStack stack(options);
     PrefixCache cache(stack.layers(), {.max_paged_out_bytes = 6000, .slots = 2});
-    start_run(n);
     for (size_t i = 0; i + 1 < kPrompts.size(); ++i) {  // each prompt beside the next
       serve_pair(cache, stack, kPrompts[i], kPrompts[i + 1]);
       ASSERT_EQ(cache.check_invariants(), "") << cache.debug_string();
       ASSERT_EQ(cache.paged_out_bytes(), cache.recount_paged_out_bytes());
-      if (::testing::Test::HasFatalFailure()) return;
     }
-    const bool failed = failed_in_run();
     testing::disarm();
     for (const Tokens& prompt : kPrompts) {
       run_turn(cache, stack, prompt, kReply);
       if (::testing::Test::HasFailure()) return;
     }
-    if (!failed) break;
-  }
+  });
   EXPECT_GT(runs, 100);
 }
 

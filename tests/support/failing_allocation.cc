@@ -55,4 +55,14 @@ void disarm() { armed = false; }
 bool failed_in_run() { return counted.load() >= fail_at.load(); }
 int64_t counted_allocations() { return counted.load(); }
 
+int64_t sweep(const std::function<void()>& run) {
+  for (int64_t n = 1;; ++n) {
+    SCOPED_TRACE("allocation " + std::to_string(n) + " fails");
+    start_run(n);
+    run();
+    disarm();
+    if (::testing::Test::HasFailure() || !failed_in_run()) return n;
+  }
+}
+
 }  // namespace kvsnap::testing

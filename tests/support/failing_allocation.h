@@ -1,8 +1,8 @@
 // Running out of memory one allocation at a time, for the oom_test binary, whose
 // failing_allocation.cc replaces the global operator new: while armed, allocations are counted
 // and the one numbered `n` (start_run) throws std::bad_alloc — once, so the rest of the run must
-// cope with that one failure. A sweep runs the same operations for n = 1, 2, ... until a run
-// makes fewer than n allocations.
+// cope with that one failure. A sweep (sweep()) runs the same operations for n = 1, 2, ...
+// until a run makes fewer than n allocations.
 #pragma once
 
 #include <cstdint>
@@ -22,5 +22,9 @@ void disarm();
 bool failed_in_run();
 // Allocations counted in this run so far.
 int64_t counted_allocations();
+// Runs `run` (which arms its own calls) for n = 1, 2, ..., each run's n-th counted allocation
+// failing, until a run makes fewer than n allocations — every one has failed once — or the test
+// has failed. Returns the runs made.
+int64_t sweep(const std::function<void()>& run);
 
 }  // namespace kvsnap::testing
