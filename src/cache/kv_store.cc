@@ -21,27 +21,29 @@ int64_t storage_bytes(const Piece& piece) {
 
 // Splits `piece` at token `cut` (0 < cut < tokens); returns the second half. Lazy tokens split
 // by arithmetic; owned tokens are copied into compact storage for each half, so each piece's
-// storage stays exactly its own (its size() is what it holds).
+// storage stays exactly its own (its size() is what it holds). Everything is allocated before
+// `piece` changes: running out of memory leaves it as it was (still in the lazy index).
 std::unique_ptr<Piece> cut_piece(Piece& piece, int64_t cut, KVStore* store, CopyStats& copies) {
   auto second = std::make_unique<Piece>();
   second->snapshot = piece.snapshot;
   second->tokens = piece.tokens - cut;
   second->column = piece.column + cut;
   second->owned = std::max<int64_t>(0, piece.owned - cut);
+  const int64_t kept = std::min(piece.owned, cut);
+  Piece first;  // the first half's storage, when it keeps owned tokens
+  const bool owns = !piece.keys.empty();
+  const KVLayout& layout = piece.snapshot->layout;
+  if (owns && second->owned > 0) allocate_storage(*second, layout, second->tokens);
+  if (owns && kept > 0) allocate_storage(first, layout, cut);
   if (piece.indexed) store->unlink(piece);
-  if (!piece.keys.empty()) {
-    const KVLayout& layout = piece.snapshot->layout;
+  if (owns) {
     const int64_t before = storage_bytes(piece);
     if (second->owned > 0) {
-      allocate_storage(*second, layout, second->tokens);
       second->keys.assign_slice(2, 0, piece.keys.slice(2, cut, cut + second->owned));
       second->values.assign_slice(2, 0, piece.values.slice(2, cut, cut + second->owned));
       copies.snapshot_bytes += second->owned * layout.token_bytes();
     }
-    const int64_t kept = std::min(piece.owned, cut);
     if (kept > 0) {
-      Piece first;
-      allocate_storage(first, layout, cut);
       first.keys.assign_slice(2, 0, piece.keys.slice(2, 0, kept));
       first.values.assign_slice(2, 0, piece.values.slice(2, 0, kept));
       copies.snapshot_bytes += kept * layout.token_bytes();
@@ -273,6 +275,8 @@ KVStateSnapshot::KVStateSnapshot(const KVStateSnapshot& like, int64_t from, int6
 
 std::unique_ptr<KVStateSnapshot> KVStateSnapshot::split_off(int64_t at, CopyStats& stats) {
   const int64_t cut = at - begin;
+  // Allocated first: running out of memory leaves this snapshot whole.
+  std::unique_ptr<KVStateSnapshot> after(new KVStateSnapshot(*this, at, end));
   // Make a piece end exactly at `cut`; the pieces after it move.
   Piece* last = &head_;
   int64_t first = 0;
@@ -285,7 +289,6 @@ std::unique_ptr<KVStateSnapshot> KVStateSnapshot::split_off(int64_t at, CopyStat
   }
   Piece* moved = last->next;
   last->next = nullptr;
-  std::unique_ptr<KVStateSnapshot> after(new KVStateSnapshot(*this, at, end));
   after->move_piece(*moved, after->head_, owner());
   after->head_.next = moved->next;
   delete moved;

@@ -3,6 +3,7 @@
 // the pool is warm.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <functional>
 #include <new>
@@ -71,6 +72,10 @@ inline StateSnapshot* as_state_snapshot(Snapshot* snapshot) {
   return dynamic_cast<StateSnapshot*>(snapshot);
 }
 
+// Whether Pooled objects are kept for reuse: true but in tests that fail allocations one at a
+// time (oom_test), where every object then comes from operator new, so that each can fail.
+inline std::atomic<bool> reuse_pooled_objects{true};
+
 // Class-level operator new/delete for a final class T, from a per-thread free list of bounded
 // length: captures in a decode loop reuse the objects of the snapshots released before them.
 template <class T>
@@ -78,7 +83,8 @@ class Pooled {
  public:
   static void* operator new(std::size_t size) {
     List& pool = list();
-    if (size == sizeof(T) && !pool.items.empty()) {
+    if (size == sizeof(T) && !pool.items.empty() &&
+        reuse_pooled_objects.load(std::memory_order_relaxed)) {
       void* object = pool.items.back();
       pool.items.pop_back();
       return object;
@@ -86,7 +92,7 @@ class Pooled {
     return ::operator new(size);
   }
   static void operator delete(void* object, std::size_t size) noexcept {
-    if (size == sizeof(T) && !dead()) {
+    if (size == sizeof(T) && !dead() && reuse_pooled_objects.load(std::memory_order_relaxed)) {
       List& pool = list();
       if (pool.items.size() < kKeep) {
         pool.items.push_back(object);  // capacity reserved up front: never allocates

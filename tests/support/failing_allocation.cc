@@ -6,9 +6,12 @@
 #include <kvsnap/error.h>
 
 #include <atomic>
+#include <csignal>
+#include <cstdlib>
 #include <new>
 #include <string>
 
+#include "cache/state_snapshot.h"
 #include "support/replaced_new.h"
 
 namespace {
@@ -23,6 +26,8 @@ void kvsnap::testing::on_allocation() {
   if (!armed.load(std::memory_order_relaxed)) return;
   if (counted.fetch_add(1, std::memory_order_relaxed) + 1 == fail_at.load()) {
     armed = false;  // one failure per run: the rest of the run must cope with it
+    const char* stop = std::getenv("KVSNAP_OOM_BREAK");  // failing_allocation.h
+    if (stop != nullptr && std::atoll(stop) == fail_at.load()) std::raise(SIGTRAP);
     throw std::bad_alloc();
   }
 }
@@ -30,6 +35,7 @@ void kvsnap::testing::on_allocation() {
 namespace kvsnap::testing {
 
 void start_run(int64_t n) {
+  detail::reuse_pooled_objects = false;  // every snapshot object from operator new: each can fail
   armed = false;
   counted = 0;
   fail_at = n;

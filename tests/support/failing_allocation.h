@@ -2,7 +2,11 @@
 // failing_allocation.cc replaces the global operator new: while armed, allocations are counted
 // and the one numbered `n` (start_run) throws std::bad_alloc — once, so the rest of the run must
 // cope with that one failure. A sweep (sweep()) runs the same operations for n = 1, 2, ...
-// until a run makes fewer than n allocations.
+// until a run makes fewer than n allocations. Snapshot objects are not reused from a thread's
+// free list meanwhile (detail::reuse_pooled_objects), so that each of them can fail too.
+//
+// To see where a failure reported as "allocation N fails" happens, run the test under a
+// debugger with KVSNAP_OOM_BREAK=N: that allocation raises SIGTRAP before it throws.
 #pragma once
 
 #include <cstdint>
