@@ -167,6 +167,9 @@ class KVSNAP_EXPORT PrefixCache {
 
 // One request's use of the prefix cache. Move-only; closes itself when destroyed. A session
 // that outlives its PrefixCache is detached: its calls throw Error, closing it does nothing.
+// One detached in prefill has its captures cancelled on the layers (which then serve their
+// callers as before it began), so no forward over its remaining() may still be running when
+// the PrefixCache goes; a schedule of the layers' own (a Speculation round's) stays.
 class KVSNAP_EXPORT PrefixCache::Session {
  public:
   Session(Session&&) noexcept;

@@ -56,14 +56,13 @@ class PrefixCacheImpl {
       live.push_back(&slots.back()->live());
     }
   }
-  // Open sessions outlive us detached: their calls throw, their destructors do nothing. (A call
-  // on a session in flight on another thread finishes first; one that starts as this runs is
-  // the caller's to order, as with any object destroyed while in use.)
+  // Open sessions outlive us detached: their calls throw, their destructors do nothing, and the
+  // captures they scheduled on the layers are cancelled (Slot::detach). (A call on a session in
+  // flight on another thread finishes first; one that starts as this runs is the caller's to
+  // order, as with any object destroyed while in use.)
   ~PrefixCacheImpl() {
     const std::lock_guard<std::mutex> lock(mutex);
-    for (const auto& slot : slots) {
-      if (slot->open()) slot->session()->owner = nullptr;
-    }
+    for (const auto& slot : slots) slot->detach();
   }
 
   static constexpr SeqId kMaxSlots = 4096;

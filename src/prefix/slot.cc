@@ -84,6 +84,26 @@ void Slot::abandon() noexcept {
   }
 }
 
+void Slot::detach() noexcept {
+  if (session_ == nullptr) return;
+  SessionState& s = *session_;
+  s.owner = nullptr;
+  if (s.phase != SessionState::Phase::prefill || s.scheduled.empty()) return;
+  // Only a schedule that is the session's own: after prefill_done the layers' schedules are
+  // their callers' (a Speculation round's), not the session's.
+  for (const LayerInfo& layer : trie_.layers()) {
+    if (layer.cache == nullptr) continue;
+    try {
+      const ScheduleState state = layer.cache->schedule_state(id_);
+      const bool own = state.known && state.pending &&
+                       state.count == static_cast<int64_t>(s.scheduled.size()) &&
+                       state.first == s.scheduled.front() && state.last == s.scheduled.back();
+      if (own) layer.cache->cancel_snapshots(id_);
+    } catch (...) {  // a layer that refuses keeps its schedule; the others are still cancelled
+    }
+  }
+}
+
 // Whether a node ends at `offset` on the matched path with every whole-state snapshot.
 bool Slot::complete_boundary(const std::vector<Node*>& path, int64_t offset) const {
   for (Node* node : path) {

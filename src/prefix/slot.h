@@ -74,6 +74,12 @@ class Slot {
   // Ends the session (also when that fails: then the slot's caches are reset and the error
   // rethrown).
   void close();
+  // The PrefixCache goes while this slot's session is open: the session is detached (its calls
+  // throw, closing it does nothing), and in prefill the captures it scheduled on the layers are
+  // cancelled, so the layers serve their callers as if no session had begun (restores and new
+  // schedules are refused while captures are scheduled). A layer's schedule that is not the
+  // session's (a Speculation round's, after prefill_done) stays; what the layers hold stays.
+  void detach() noexcept;
 
  private:
   void close_session();

@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 #include <kvsnap/prefix_cache.h>
+#include <kvsnap/speculation.h>
 #include <pthread.h>
 
 #include <functional>
@@ -325,6 +326,50 @@ TEST(PrefixCacheLifetime, ASessionMayOutliveItsPrefixCache) {
   session.close();  // a no-op, as is the destructor
   PrefixCache::Session moved = std::move(session);
   EXPECT_TRUE(throws_error([&] { (void)moved.cached(); }, {"destroyed"}));
+}
+
+// A PrefixCache destroyed while its session is in prefill (captures scheduled on every layer)
+// leaves no schedule behind: the layers rewind and take schedules of their own again, the
+// session's content stays.
+TEST(PrefixCacheLifetime, ADetachedSessionLeavesNoCapturesScheduledOnTheLayers) {
+  HybridStack stack;
+  auto cache = std::make_unique<PrefixCache>(stack.layers());
+  PrefixCache::Session session = cache->begin(kSystem + kUser1);  // captures at the message end
+  ASSERT_TRUE(stack.forward_and_check(session.remaining(), kSystem + kUser1));
+  const auto end = static_cast<int64_t>((kSystem + kUser1).size());
+  ASSERT_TRUE(stack.attention().schedule_state(0).pending);
+  cache.reset();
+  for (Cache* layer : stack.layers()) {
+    if (layer == nullptr) continue;
+    EXPECT_EQ(layer->offset(), end);
+    EXPECT_FALSE(layer->schedule_state(0).pending);
+    const std::vector<int64_t> at{end + 1};
+    EXPECT_NO_THROW(layer->prepare_snapshots(at));
+    layer->cancel_snapshots();
+  }
+  EXPECT_TRUE(stack.attention().restore(nullptr, 3));  // a rewind: refused while scheduled
+  session.close();
+}
+
+// After prefill_done the layers' schedules are their callers': a Speculation round open when
+// the PrefixCache goes keeps its captures and still rolls back.
+TEST(PrefixCacheLifetime, ADetachedSessionLeavesASpeculationRoundAlone) {
+  HybridStack stack;  // the window and recurrent layers capture in a round
+  auto cache = std::make_unique<PrefixCache>(stack.layers());
+  const Tokens prompt = tokens(100, 20);
+  PrefixCache::Session session = cache->begin(prompt);
+  ASSERT_TRUE(stack.forward_and_check(session.remaining(), prompt));
+  session.prefill_done();
+  session.append_output(7);
+  Speculation round(stack.layers());
+  round.begin(3);
+  const Tokens verify = Tokens{7} + tokens(900, 3);
+  ASSERT_TRUE(stack.forward_and_check(verify, prompt + verify));
+  cache.reset();
+  EXPECT_TRUE(stack.recurrent.schedule_state(0).pending);  // the round's, not the session's
+  EXPECT_NO_THROW(round.accept(1));
+  EXPECT_EQ(stack.offset(), 22);
+  ASSERT_TRUE(stack.forward_and_check(Tokens{901}, prompt + Tokens{7, 900, 901}));
 }
 
 // A session closed, then its PrefixCache destroyed, then used or destroyed: closed, not a
