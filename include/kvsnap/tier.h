@@ -78,6 +78,8 @@ struct TierOptions {
   int64_t write_queue_bytes = int64_t(1) << 30;
   // One line per event worth an operator's attention (trusted-store mode, rejected objects,
   // the store lost or back). Default: "kvsnap tier: ..." on stderr. Called from any thread.
+  // Control characters in a line (text the store sent) arrive written as \xNN; an exception
+  // it throws loses that line only.
   std::function<void(const std::string&)> log;
 };
 
@@ -92,7 +94,8 @@ struct TierStats {
   int64_t rejected = 0;         // objects damaged, truncated, foreign or unauthenticated
   int64_t unauthenticated = 0;  // of those, objects without a valid MAC
   int64_t objects_written = 0;  // objects the store accepted
-  int64_t dropped_batches = 0;  // write batches dropped: the queue was full or the store failed
+  int64_t dropped_batches = 0;  // write batches dropped: the queue was full, the store failed, or
+                                // writing them ran out of memory
   int64_t store_errors = 0;     // failed connections, round trips or refused writes
   // Time lookups and stores took on the callers' threads (what requests waited for the tier;
   // the writes themselves run on the tier's own thread).

@@ -9,7 +9,8 @@ namespace kvsnap::detail {
 std::string tier_layer_configuration(const std::vector<Cache*>& layers) {
   std::string out = "[";
   for (size_t i = 0; i < layers.size(); ++i) {
-    out += (i > 0 ? "," : "") + describe_layer(layers[i]);
+    if (i > 0) out += ',';
+    out += describe_layer(layers[i]);
   }
   return out + "]";
 }

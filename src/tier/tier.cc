@@ -13,6 +13,22 @@ namespace kvsnap {
 namespace detail {
 namespace {
 
+// `line` with its control characters written as \xNN: text the store sent (an object's key,
+// a server's error) cannot start a line of its own in the operator's log.
+std::string one_line(const std::string& line) {
+  std::string out;
+  out.reserve(line.size());
+  for (const char c : line) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (byte < 0x20 || byte == 0x7f) {
+      out += fmt::format("\\x{:02X}", byte);
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
 TierOptions checked(const std::vector<Cache*>& layers, TierOptions options) {
   const auto fail = [](const std::string& rule) { return Error("Tier::open: " + rule); };
   if (options.model_fingerprint.empty()) {
@@ -42,6 +58,12 @@ TierOptions checked(const std::vector<Cache*>& layers, TierOptions options) {
   if (!options.log) {
     options.log = [](const std::string& line) { fmt::print(stderr, "kvsnap tier: {}\n", line); };
   }
+  options.log = [log = std::move(options.log)](const std::string& line) {
+    try {
+      log(one_line(line));
+    } catch (...) {  // a log that fails (stderr closed, a throwing callback) loses its line only
+    }
+  };
   return options;
 }
 

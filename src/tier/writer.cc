@@ -104,7 +104,13 @@ void WriteBehind::run() {
     const int64_t bytes = object_bytes(batch);
     busy_ = true;
     lock.unlock();
-    send(batch);
+    try {
+      send(batch);
+    } catch (...) {
+      // Anything but the store's own failures (handled in send): out of memory while tagging
+      // the objects, a callback that threw. The batch is lost, not the process.
+      ++counters_.dropped_batches;
+    }
     batch = {};  // its memory goes before its bytes leave the count
     lock.lock();
     queued_bytes_ -= bytes;

@@ -202,6 +202,22 @@ TEST(TierContract, APrefixCacheRefusesATierOpenedForOtherLayers) {
                            {"PrefixCache", "opened for other layers"}));
 }
 
+// Every line reaches the log on one line (control characters in it, here from the folder's
+// name, written as \xNN), and a log that throws loses its line, not the call that logged.
+TEST(TierContract, LogLinesStayOneLineAndALogThatThrowsLosesOnlyItsLine) {
+  testing::FolderStore folder("log\nkvsnap tier: forged");
+  HybridStack stack;
+  TierOptions options = tier_options();  // no key: open says trusted-store mode
+  std::vector<std::string> lines;
+  options.log = [&lines](const std::string& line) { lines.push_back(line); };
+  (void)Tier::open(folder.address(), stack.layers(), options);
+  ASSERT_EQ(lines.size(), 1U);
+  EXPECT_EQ(lines[0].find('\n'), std::string::npos) << lines[0];
+  EXPECT_NE(lines[0].find("log\\x0Akvsnap tier: forged"), std::string::npos) << lines[0];
+  options.log = [](const std::string&) { throw std::runtime_error("the log is gone"); };
+  EXPECT_NO_THROW((void)Tier::open(folder.address(), stack.layers(), options));
+}
+
 }  // namespace
 }  // namespace kvsnap
 

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <mutex>
+#include <new>
 #include <thread>
 
 #include "tier/store.h"
@@ -37,11 +38,13 @@ class RecordingStore : public detail::Store {
     if (++attempts_ == fail_at) {
       throw detail::StoreFailure("connection lost", detail::StoreFailure::Reason::failed);
     }
+    if (attempts_ == out_of_memory_at) throw std::bad_alloc();
     writes_.push_back(batch);
     ++write_count_;
     return 0;
   }
   int fail_at = 0;                // the write that fails (1-based; 0: none)
+  int out_of_memory_at = 0;       // the write that runs out of memory (1-based; 0: none)
   std::atomic<bool> held{false};  // writes wait while set (a stalled store)
   std::vector<WriteBatch> writes() {
     const std::lock_guard<std::mutex> lock(mutex_);
@@ -187,6 +190,21 @@ TEST(TierWriteBehind, AFailureMidBatchDropsTheRestAndMarksNothingKnown) {
   EXPECT_EQ(w.counters.dropped_batches.load(), 1);
   // Nothing counts as stored: the next close writes (and indexes) these objects again.
   EXPECT_TRUE(w.known_keys().empty());
+}
+
+// Anything else thrown on the writer's thread (here out of memory) costs that batch, not the
+// process (an exception leaving a thread's function ends the process).
+TEST(TierWriteBehind, RunningOutOfMemoryDropsTheBatchAndTheWriterGoesOn) {
+  Writer w(50ms);
+  w.store->out_of_memory_at = 1;
+  ASSERT_TRUE(w.writer->push(batch_of(2, 10)));
+  ASSERT_TRUE(w.writer->flush(10s));
+  EXPECT_EQ(w.counters.dropped_batches.load(), 1);
+  EXPECT_TRUE(w.known_keys().empty());
+  ASSERT_TRUE(w.writer->push(batch_of(1, 10)));  // the next batch goes out
+  ASSERT_TRUE(w.writer->flush(10s));
+  EXPECT_EQ(w.store->write_count(), 1);
+  EXPECT_EQ(w.known_keys(), (std::vector<std::string>{"object0"}));
 }
 
 TEST(TierWriteBehind, ABatchWrittenWholeMarksEveryObjectKnownOnce) {
