@@ -278,6 +278,18 @@ class RedisStore::Reply {
   std::unique_ptr<redisReply, void (*)(void*)> reply_;
 };
 
+bool RedisStore::refused(std::string_view command, const Reply& reply) {
+  if (!reply.error()) return false;
+  const std::string_view text = reply.text();
+  if (text.starts_with("WRONGTYPE")) return true;
+  constexpr size_t kShown = 200;
+  const bool unknown = text.find("unknown command") != std::string_view::npos;
+  fail(fmt::format("{} refused: {}{}{}", command, text.substr(0, kShown),
+                   text.size() > kShown ? "..." : "",
+                   unknown ? " (the tier needs Redis 6.2 or later)" : ""),
+       false);
+}
+
 RedisStore::RedisStore(RedisAddress address, StoreOptions options)
     : address_(std::move(address)),
       options_(std::move(options)),
@@ -480,9 +492,10 @@ void RedisStore::probe(std::span<const std::string> sets, std::span<const std::s
   const std::vector<Reply> replies = round_trip(commands, deadline);
   members.assign(sets.size(), {});
   exists.assign(keys.size(), false);
+  for (size_t i = 0; i < replies.size(); ++i) (void)refused(commands[i][0], replies[i]);
   for (size_t i = 0; i < sets.size(); ++i) {
     const Reply& reply = replies[2 * i];
-    if (reply->type != REDIS_REPLY_ARRAY) continue;  // an error (e.g. another type): no members
+    if (reply->type != REDIS_REPLY_ARRAY) continue;  // a key of another type: no members
     for (size_t m = 0; m < reply->elements; ++m) {
       const redisReply* member = reply->element[m];
       if (member->type == REDIS_REPLY_STRING) members[i].emplace_back(member->str, member->len);
@@ -502,14 +515,13 @@ std::vector<std::optional<std::string>> RedisStore::fetch(std::span<const std::s
   for (const std::string& key : keys) commands.push_back({"GETEX", key, "EX", ttl});
   std::vector<std::optional<std::string>> values;
   for (const Reply& reply : round_trip(commands, deadline)) {
+    // A refusal (an unknown command: Redis before 6.2; NOAUTH...) is no missing object: no
+    // lookup could hit. Said (once per outage), not swallowed.
+    (void)refused("GETEX", reply);
     if (reply->type == REDIS_REPLY_STRING) {
       values.emplace_back(std::string(reply.text()));
-    } else if (reply.error() && reply.text().find("unknown command") != std::string_view::npos) {
-      // Not a missing object: no lookup could ever hit. Said (once per outage), not swallowed.
-      fail(fmt::format("GETEX refused: {} (the tier needs Redis 6.2 or later)", reply.text()),
-           false);
     } else {
-      values.emplace_back(std::nullopt);  // missing, or an error (another type): not usable
+      values.emplace_back(std::nullopt);  // missing, or a key of another type: not usable
     }
   }
   return values;
@@ -525,10 +537,13 @@ int64_t RedisStore::write(const WriteBatch& batch, Deadline deadline) {
     commands.push_back({"SADD", set, member});
     commands.push_back({"EXPIRE", set, ttl});
   }
-  int64_t refused = 0;
   const std::vector<Reply> replies = round_trip(commands, deadline);
-  for (size_t i = 0; i < batch.objects.size(); ++i) refused += replies[first + i].error() ? 1 : 0;
-  return refused;
+  int64_t wrong_type = 0;
+  for (size_t i = 0; i < replies.size(); ++i) {
+    const bool key_refused = refused(commands[i][0], replies[i]);
+    if (i >= first && i < first + batch.objects.size() && key_refused) ++wrong_type;
+  }
+  return wrong_type;
 }
 
 }  // namespace kvsnap::detail

@@ -60,6 +60,11 @@ class RedisStore final : public Store {
   // the deadline ran out.
   [[noreturn]] void fail_io(Deadline deadline);
   [[noreturn]] void fail(const std::string& why, bool timed_out);
+  // Fails as the store being unavailable when `reply` is an error that refuses the command
+  // itself (NOAUTH, NOPERM, READONLY, MISCONF, OOM, LOADING, an unknown command...): every
+  // other command would be refused too, so it is said (the health log) rather than read as a
+  // missing key. WRONGTYPE (one key of another type) is the key's alone: false, for the caller.
+  bool refused(std::string_view command, const Reply& reply);
 
   RedisAddress address_;
   StoreOptions options_;

@@ -74,7 +74,9 @@ class Store {
   virtual std::vector<std::optional<std::string>> fetch(std::span<const std::string> keys,
                                                         Deadline deadline) = 0;
   // Deletes the doomed keys, writes the objects, then adds the index members (each with the
-  // lifetime). Returns how many objects the store refused (e.g. out of memory with eviction off).
+  // lifetime). Returns how many objects the store refused one by one (a dir: store's object over
+  // its size limit); a store that refuses the commands themselves (Redis: NOAUTH, READONLY, out
+  // of memory with eviction off) throws StoreFailure, saying so.
   virtual int64_t write(const WriteBatch& batch, Deadline deadline) = 0;
 };
 

@@ -243,5 +243,18 @@ TEST(TierRedis, PasswordDatabaseAndTimeToLive) {
   EXPECT_GE(wrong.log.count("AUTH refused"), 1) << wrong.log.all();
 }
 
+// A server that refuses every command (here no password where one is needed: NOAUTH) is a
+// store that is unavailable, and the log says why — not a store where every key is missing and
+// every write silently refused.
+TEST(TierRedis, AServerThatRefusesEveryCommandIsUnavailableAndTheLogSaysWhy) {
+  RedisServer server({.password = "s3cret", .config = {}});
+  TierProcess process("redis://127.0.0.1:" + std::to_string(server.port()));
+  EXPECT_EQ(process.turn(talk.first, talk.reply, talk.ends).cached, 0);
+  EXPECT_GE(process.log.count("refused: NOAUTH"), 1) << process.log.all();
+  EXPECT_GE(process.log.count("is unavailable"), 1) << process.log.all();
+  EXPECT_EQ(process.tier->stats().objects_written, 0);
+  EXPECT_GE(process.tier->stats().store_errors, 1);
+}
+
 }  // namespace
 }  // namespace kvsnap
