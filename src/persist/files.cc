@@ -121,13 +121,27 @@ int write_all(int fd, std::string_view bytes) {
 
 void write_file_atomically(const std::string& path, const std::string& bytes, bool clean_stale) {
   if (clean_stale) remove_stale_temporaries(path);
-  const std::string temporary = temporary_path(path, temporaries_named.fetch_add(1));
+  // The temporary is created here (O_EXCL): a name already there — a temporary of a process
+  // with this pid in another PID namespace (containers sharing the folder) — is never written
+  // into; the next number is tried.
+  constexpr int kNames = 64;
+  const std::string call = fmt::format("writing {}", path);
+  std::string temporary;
+  FileDescriptor created;
+  for (int tried = 1; created.get() < 0; ++tried) {
+    temporary = temporary_path(path, temporaries_named.fetch_add(1));
+    created = create_private_file(temporary, call, /*exclusive=*/true);
+    if (created.get() < 0 && tried == kNames) {
+      throw Error(fmt::format("{}: the {} temporary names up to {} are all taken", call, kNames,
+                              temporary));
+    }
+  }
   // `error`: the errno of the step, read before anything else (close, unlink) can change it.
   const auto fail = [&](const char* step, int error) {
     ::unlink(temporary.c_str());
     return Error(fmt::format("writing {}: {} failed ({})", path, step, std::strerror(error)));
   };
-  const int fd = create_private_file(temporary, fmt::format("writing {}", path)).release();
+  const int fd = created.release();
   if (const int error = write_all(fd, bytes); error != 0) {
     ::close(fd);
     throw fail("write", error);
@@ -315,12 +329,15 @@ uint64_t loadable_bytes() {
   return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page);
 }
 
-FileDescriptor create_private_file(const std::string& path, const std::string& call) {
+FileDescriptor create_private_file(const std::string& path, const std::string& call,
+                                   bool exclusive) {
   // Not O_TRUNC: whatever is there is checked before anything in it changes. O_NONBLOCK: a FIFO
   // planted at the name would block the open until someone read it (now it fails, or opens and
   // is refused below as not a regular file); it changes nothing for a regular file.
-  FileDescriptor file(
-      ::open(path.c_str(), O_WRONLY | O_CREAT | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK, 0600));
+  FileDescriptor file(::open(
+      path.c_str(),
+      O_WRONLY | O_CREAT | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK | (exclusive ? O_EXCL : 0), 0600));
+  if (file.get() < 0 && exclusive && errno == EEXIST) return file;
   if (file.get() < 0) {
     throw Error(
         fmt::format("{}: cannot open {} for writing ({})", call, path, std::strerror(errno)));

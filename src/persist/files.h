@@ -16,10 +16,11 @@ namespace kvsnap::detail {
 // Writes `bytes` to `path` atomically: a temporary file in the same folder,
 // `path`.tmp-<pid>-<n> with n a count of this process's temporaries (so each call has its own:
 // saves of one path from several threads do not touch each other's, and the last rename wins,
-// one whole save), created mode 0600 whatever the umask (see create_private_file), fsync,
-// rename over `path`, fsync of the folder. On failure before the rename `path` is untouched and
-// Error is thrown; a failed fsync of the folder after it is an Error too (the new file is in
-// place, but a crash could undo the rename).
+// one whole save; a name already there — another PID namespace's process of this pid — is
+// skipped, never written into), created mode 0600 whatever the umask (see create_private_file),
+// fsync, rename over `path`, fsync of the folder. On failure before the rename `path` is
+// untouched and Error is thrown; a failed fsync of the folder after it is an Error too (the new
+// file is in place, but a crash could undo the rename).
 // Removes stale temporaries of `path` first (see below), unless `clean_stale` is false (a
 // folder of many files, shared across hosts, cleans its own: tier/dir_store.cc).
 void write_file_atomically(const std::string& path, const std::string& bytes,
@@ -102,8 +103,10 @@ std::string read_private_file(const std::string& path, const PrivacyRule& rule,
 // never through a symbolic link. An existing file that is not a regular file, that another user
 // owns or that has other names (hard links) is refused: writing into it could hand its contents
 // to someone else. Throws Error "<call>: cannot open <path> for writing (<why>)" or "<call>:
-// refusing to write into <path> (owner ..., mode ...): <why>".
-FileDescriptor create_private_file(const std::string& path, const std::string& call);
+// refusing to write into <path> (owner ..., mode ...): <why>". `exclusive`: only a file it
+// creates (O_EXCL); when something is already at `path`, returns no descriptor (get() < 0).
+FileDescriptor create_private_file(const std::string& path, const std::string& call,
+                                   bool exclusive = false);
 
 // Creates folder `path` and every missing folder above it, each mode 0700 whatever the umask
 // (fchmod right after mkdir); folders that exist keep their modes (neither loosened nor

@@ -332,42 +332,61 @@ TEST(PrivateFiles, ASecretMustNotBeReadableByOthers) {
   fs::remove_all(dir);
 }
 
-// Whatever sits at a save's temporary name — a link, another user's file, a second name of
-// another file — is not written through, and the saved file stays as it was.
+// Whatever sits at a save's temporary name — a link, a second name of another file, a file of
+// this user or another's (a temporary of a process of this pid in another PID namespace, whose
+// folder this is too) — is never written through: the save takes the next name, and what was
+// planted stays as it was.
 TEST(PrivateFiles, APlantedTemporaryIsNeverWrittenThrough) {
   const fs::path dir = private_scratch("planted");
   const std::string path = (dir / "s.safetensors").string();
   save_one(path);
   const std::string saved = contents(path);
-  // Each save has a temporary of its own: the name the next one uses.
-  std::string temporary = detail::next_temporary_path(path);
   { std::ofstream(dir / "victim") << "victim"; }
+  const auto save_past = [&](const std::string& temporary) {
+    EXPECT_NO_THROW(save_one(path)) << temporary;
+    EXPECT_TRUE(fs::exists(fs::symlink_status(temporary))) << temporary;
+    EXPECT_EQ(contents(dir / "victim"), "victim");
+    EXPECT_EQ(contents(path), saved);
+    fs::remove(temporary);
+  };
+  std::string temporary = detail::next_temporary_path(path);
   fs::create_symlink(dir / "victim", temporary);
-  EXPECT_TRUE(throws_error([&] { save_one(path); },
-                           {"writing", "cannot open", "for writing (Too many levels"}));
-  EXPECT_EQ(contents(dir / "victim"), "victim");
-  EXPECT_EQ(contents(path), saved);
-  fs::remove(temporary);
+  save_past(temporary);
   temporary = detail::next_temporary_path(path);
   fs::create_hard_link(dir / "victim", temporary);
-  EXPECT_TRUE(throws_error([&] { save_one(path); },
-                           {"refusing to write into", "it has other names (hard links)"}));
-  EXPECT_EQ(contents(dir / "victim"), "victim");
-  EXPECT_EQ(contents(path), saved);
-  fs::remove(temporary);
+  save_past(temporary);
+  temporary = detail::next_temporary_path(path);
+  { std::ofstream(temporary) << "planted"; }
+  save_past(temporary);
   std::string why;
   if (const std::optional<uid_t> nobody = nobody_uid(why)) {
     temporary = detail::next_temporary_path(path);
     { std::ofstream(temporary) << "planted"; }
     set_mode(temporary, 0666);
     give_to(temporary, *nobody);
-    const std::string owner =
-        "(owner " + user_phrase(*nobody) + ", mode 0666): another user owns it";
-    EXPECT_TRUE(throws_error([&] { save_one(path); }, {"refusing to write into", owner.c_str()}));
+    EXPECT_NO_THROW(save_one(path));
     EXPECT_EQ(contents(temporary), "planted");
     EXPECT_EQ(mode_of(temporary), 0666u);
-    EXPECT_EQ(contents(path), saved);
+    fs::remove(temporary);
   }
+  fs::remove_all(dir);
+}
+
+// When every name a save may take is already there, it fails saying so; the file stays.
+TEST(PrivateFiles, ASaveWhoseTemporaryNamesAreAllTakenFailsAndChangesNothing) {
+  const fs::path dir = private_scratch("taken");
+  const std::string path = (dir / "s.safetensors").string();
+  save_one(path);
+  const std::string saved = contents(path);
+  const std::string next = detail::next_temporary_path(path);
+  const std::string stem = next.substr(0, next.rfind('-') + 1);
+  const uint64_t first = std::stoull(next.substr(next.rfind('-') + 1));
+  for (uint64_t n = first; n < first + 64; ++n) {
+    std::ofstream(stem + std::to_string(n)) << "taken";
+  }
+  EXPECT_TRUE(throws_error([&] { save_one(path); }, {"writing", "temporary names", "all taken"}));
+  EXPECT_EQ(contents(path), saved);
+  EXPECT_NO_THROW(save_one(path));  // the next name is free
   fs::remove_all(dir);
 }
 
