@@ -8,6 +8,7 @@ import "C"
 
 import (
 	"fmt"
+	"math"
 	"runtime"
 	"sync"
 	"unsafe"
@@ -93,9 +94,22 @@ func Zeros(dtype DType, shape ...int64) (*Array, error) {
 	if err != nil {
 		return nil, err
 	}
+	cdtype, err := dtype.c("Zeros")
+	if err != nil {
+		return nil, err
+	}
 	var out *C.kvsnap_array
-	err = check(func() C.kvsnap_status { return C.kvsnap_array_zeros(C.kvsnap_dtype(dtype), ndim, dims, &out) })
+	err = check(func() C.kvsnap_status { return C.kvsnap_array_zeros(cdtype, ndim, dims, &out) })
 	return newArray(out), err
+}
+
+// c is d as the C API takes it; a value the C enum cannot hold (it would wrap to a valid one)
+// is refused here, the others by the library.
+func (d DType) c(call string) (C.kvsnap_dtype, error) {
+	if d < 0 || d > math.MaxInt32 {
+		return 0, invalid(call, "dtype %d is not F32, F16, BF16 or I32", int(d))
+	}
+	return C.kvsnap_dtype(d), nil
 }
 
 func fromData(call string, dtype DType, shape []int64, data unsafe.Pointer, count int) (*Array, error) {
@@ -111,9 +125,13 @@ func fromData(call string, dtype DType, shape []int64, data unsafe.Pointer, coun
 	if want := elements(shape); int64(count) != want {
 		return nil, invalid(call, "%d elements for shape %v, which holds %d", count, shape, want)
 	}
+	cdtype, err := dtype.c(call)
+	if err != nil {
+		return nil, err
+	}
 	var out *C.kvsnap_array
 	err = check(func() C.kvsnap_status {
-		return C.kvsnap_array_from_data(C.kvsnap_dtype(dtype), ndim, dims, data, &out)
+		return C.kvsnap_array_from_data(cdtype, ndim, dims, data, &out)
 	})
 	return newArray(out), err
 }

@@ -70,6 +70,10 @@ func TestArraysRefuseWrongData(t *testing.T) {
 	if _, err := Zeros(DType(9), 2); !errors.Is(err, ErrInvalidArgument) || !strings.HasPrefix(err.Error(), "kvsnap_array_zeros") {
 		t.Fatalf("unknown dtype: %v", err)
 	}
+	// Beyond the C enum's range: it would wrap to F32 (1<<32) or F16 (1<<32 | 1), not refused.
+	if _, err := Zeros(DType(1)<<32, 2); !errors.Is(err, ErrInvalidArgument) || !strings.Contains(err.Error(), "dtype") {
+		t.Fatalf("a dtype beyond int32: %v", err)
+	}
 	ints, err := FromInt32([]int64{3}, []int32{7, 8, 9})
 	if err != nil {
 		t.Fatal(err)

@@ -425,11 +425,15 @@ func (c *Cache) RecurrentGet(b *Batch, activation DType) (conv, delta *Array, er
 	if err != nil {
 		return nil, nil, err
 	}
+	cactivation, err := activation.c(call)
+	if err != nil {
+		return nil, nil, err
+	}
 	var cv, dl *C.kvsnap_array
 	err = c.use(call, func(p *C.kvsnap_cache) error {
 		return check(func() C.kvsnap_status {
 			return C.go_recurrent_get(p, cb.rows, cb.length, cb.ids, cb.offsets, cb.lens, cb.seqs,
-				C.kvsnap_dtype(activation), &cv, &dl)
+				cactivation, &cv, &dl)
 		})
 	})
 	return newArray(cv), newArray(dl), err

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math/rand"
 	"runtime"
+	"strings"
 	"sync"
 	"testing"
 )
@@ -337,6 +338,18 @@ func TestAPrefixCacheSurvivesARestart(t *testing.T) {
 	defer restarted.close(t)
 	if err := restarted.prefix.Load(dir, "another model"); !errors.Is(err, ErrContract) {
 		t.Fatalf("a trie saved for another model: %v", err)
+	}
+	// The C API reads a string up to a NUL byte: "toy\x00B" would reach it as "toy", the model
+	// saved. Refused, as are such paths.
+	if err := restarted.prefix.Load(dir, "toy\x00B"); !errors.Is(err, ErrInvalidArgument) ||
+		!strings.Contains(err.Error(), "NUL") {
+		t.Fatalf("a model id with a NUL byte: %v", err)
+	}
+	if err := restarted.prefix.Save(dir+"\x00x", "toy"); !errors.Is(err, ErrInvalidArgument) {
+		t.Fatalf("a folder with a NUL byte: %v", err)
+	}
+	if SavedIn(dir + "\x00x") {
+		t.Fatal("SavedIn is true for a folder name with a NUL byte")
 	}
 	if err := restarted.prefix.Load(dir, "toy"); err != nil {
 		t.Fatal(err)

@@ -29,6 +29,7 @@ import "C"
 import (
 	"fmt"
 	"runtime"
+	"strings"
 	"unsafe"
 )
 
@@ -103,6 +104,16 @@ func check(call func() C.kvsnap_status) error {
 
 func closedError(call, what string) error {
 	return &Error{Status: StatusClosed, Message: fmt.Sprintf("kvsnap.%s: the %s is closed", call, what)}
+}
+
+// cString is s for the C API, which reads a string up to its first NUL: one holding a NUL
+// (a model id of raw bytes, a path) would reach it cut short — a trie saved for one model
+// loading for another — so it is refused. The caller frees the result.
+func cString(call, what, s string) (*C.char, error) {
+	if strings.IndexByte(s, 0) >= 0 {
+		return nil, invalid(call, "the %s %q holds a NUL byte, which the C API cannot pass", what, s)
+	}
+	return C.CString(s), nil
 }
 
 func invalid(call, format string, args ...any) error {

@@ -190,7 +190,10 @@ func (p *PrefixCache) Check() error {
 
 // Save writes the trie and its snapshots to folder dir with modelID, atomically.
 func (p *PrefixCache) Save(dir, modelID string) error {
-	cdir, cmodel := C.CString(dir), C.CString(modelID)
+	cdir, cmodel, err := dirAndModel("PrefixCache.Save", dir, modelID)
+	if err != nil {
+		return err
+	}
 	defer C.free(unsafe.Pointer(cdir))
 	defer C.free(unsafe.Pointer(cmodel))
 	return p.use("PrefixCache.Save", func(ptr *C.kvsnap_prefix_cache) error {
@@ -201,7 +204,10 @@ func (p *PrefixCache) Save(dir, modelID string) error {
 // Load replaces the trie by the one saved in dir for the same layers and modelID. It refuses a
 // dir or file that is not private to this user.
 func (p *PrefixCache) Load(dir, modelID string) error {
-	cdir, cmodel := C.CString(dir), C.CString(modelID)
+	cdir, cmodel, err := dirAndModel("PrefixCache.Load", dir, modelID)
+	if err != nil {
+		return err
+	}
 	defer C.free(unsafe.Pointer(cdir))
 	defer C.free(unsafe.Pointer(cmodel))
 	return p.use("PrefixCache.Load", func(ptr *C.kvsnap_prefix_cache) error {
@@ -212,9 +218,27 @@ func (p *PrefixCache) Load(dir, modelID string) error {
 // SavedIn says whether dir holds a saved trie that Load would read (false too for one it would
 // refuse as not private; Load then says why).
 func SavedIn(dir string) bool {
-	cdir := C.CString(dir)
+	cdir, err := cString("SavedIn", "folder", dir)
+	if err != nil {
+		return false // no folder's name holds a NUL byte
+	}
 	defer C.free(unsafe.Pointer(cdir))
 	return bool(C.kvsnap_prefix_cache_saved_in(cdir))
+}
+
+// dirAndModel are Save's and Load's strings for the C API; a NUL byte in either is refused
+// (cString): a model id cut there could match another model's.
+func dirAndModel(call, dir, modelID string) (*C.char, *C.char, error) {
+	cdir, err := cString(call, "folder", dir)
+	if err != nil {
+		return nil, nil, err
+	}
+	cmodel, err := cString(call, "model id", modelID)
+	if err != nil {
+		C.free(unsafe.Pointer(cdir))
+		return nil, nil, err
+	}
+	return cdir, cmodel, nil
 }
 
 // Session is one request on a slot: Remaining tokens to prefill, then PrefillDone, an

@@ -122,7 +122,10 @@ func SaveSnapshots(path string, offset int64, snapshots []*Snapshot) error {
 		}
 		ptrs[i] = s.ptr
 	}
-	cpath := C.CString(path)
+	cpath, err := cString(call, "path", path)
+	if err != nil {
+		return err
+	}
 	defer C.free(unsafe.Pointer(cpath))
 	return check(func() C.kvsnap_status {
 		return C.kvsnap_save_snapshots(cpath, C.int64_t(offset), &ptrs[0], C.size_t(len(snapshots)))
@@ -133,7 +136,10 @@ func SaveSnapshots(path string, offset int64, snapshots []*Snapshot) error {
 // It refuses a file, or a folder holding it, that another user owns or that group or others
 // can write; a corrupt file is refused whole.
 func LoadSnapshots(path string) (int64, []*Snapshot, error) {
-	cpath := C.CString(path)
+	cpath, err := cString("LoadSnapshots", "path", path)
+	if err != nil {
+		return 0, nil, err
+	}
 	defer C.free(unsafe.Pointer(cpath))
 	var offset C.int64_t
 	var list *C.kvsnap_snapshot_list

@@ -140,6 +140,12 @@ const char* kvsnap_last_error(void) {
   return last_error_fallback != nullptr ? last_error_fallback : last_error.c_str();
 }
 
-int64_t kvsnap_live_bytes(void) { return kvsnap::live_bytes(); }
+int64_t kvsnap_live_bytes(void) {
+  try {
+    return kvsnap::live_bytes();
+  } catch (...) {  // out of memory making the allocator on first use: it has allocated nothing
+    return 0;
+  }
+}
 
 }  // extern "C"

@@ -170,6 +170,12 @@ kvsnap_status kvsnap_set_threads(int threads) {
   return guard([&] { set_threads(threads); });
 }
 
-int kvsnap_threads(void) { return threads(); }
+int kvsnap_threads(void) {
+  try {
+    return threads();
+  } catch (...) {  // out of memory making the pool on first use: none runs, the caller's only
+    return 1;
+  }
+}
 
 }  // extern "C"
