@@ -61,7 +61,7 @@ class KVSNAP_EXPORT Array {
   DType dtype() const { return dtype_; }
   int ndim() const { return static_cast<int>(shape_.size()); }
   // Extent of `axis`; a negative axis counts from the end. Throws when out of range.
-  int64_t dim(int axis) const;
+  int64_t dim(int axis) const { return shape_[normalize_axis(axis, "Array::dim")]; }
   const Shape& shape() const { return shape_; }
   // Element strides (not bytes), one per axis.
   const Shape& strides() const { return strides_; }
@@ -119,7 +119,16 @@ class KVSNAP_EXPORT Array {
 
  private:
   void* raw_data(std::size_t element_size) const;
-  int normalize_axis(int axis, const char* call) const;
+  // `axis` counted from the front; throws naming `call` when out of range (inline: the checks of
+  // every hot path ask it many times per token).
+  int normalize_axis(int axis, const char* call) const {
+    const int normalized = axis < 0 ? axis + ndim() : axis;
+    if (normalized < 0 || normalized >= ndim()) [[unlikely]] {
+      bad_axis(axis, call);
+    }
+    return normalized;
+  }
+  [[noreturn]] void bad_axis(int axis, const char* call) const;
 
   std::shared_ptr<detail::Storage> storage_;
   DType dtype_ = DType::f32;

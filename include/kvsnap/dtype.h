@@ -17,8 +17,18 @@ namespace kvsnap {
 
 enum class DType : uint8_t { f32, f16, bf16, i32 };
 
-// Bytes per element: 4, 2, 2, 4.
-KVSNAP_EXPORT int64_t dtype_size(DType);
+// Bytes per element: 4, 2, 2, 4. (Inline: every element access and copy asks it.)
+constexpr int64_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::f32:
+    case DType::i32:
+      return 4;
+    case DType::f16:
+    case DType::bf16:
+      return 2;
+  }
+  return 0;
+}
 // "f32", "f16", "bf16", "i32" — the names error messages and files use.
 KVSNAP_EXPORT std::string_view dtype_name(DType);
 

@@ -235,16 +235,10 @@ Array Array::wrap(void* data, DType dtype, Shape shape, Shape strides,
   return array;
 }
 
-int Array::normalize_axis(int axis, const char* call) const {
-  const int normalized = axis < 0 ? axis + ndim() : axis;
-  if (normalized < 0 || normalized >= ndim()) {
-    throw Error(
-        fmt::format("{}: axis {} out of range for {}-d array {}", call, axis, ndim(), describe()));
-  }
-  return normalized;
+void Array::bad_axis(int axis, const char* call) const {
+  throw Error(
+      fmt::format("{}: axis {} out of range for {}-d array {}", call, axis, ndim(), describe()));
 }
-
-int64_t Array::dim(int axis) const { return shape_[normalize_axis(axis, "Array::dim")]; }
 
 int64_t Array::size() const { return empty() ? 0 : element_count(shape_); }
 

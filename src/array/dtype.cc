@@ -4,18 +4,6 @@
 
 namespace kvsnap {
 
-int64_t dtype_size(DType dtype) {
-  switch (dtype) {
-    case DType::f32:
-    case DType::i32:
-      return 4;
-    case DType::f16:
-    case DType::bf16:
-      return 2;
-  }
-  return 0;
-}
-
 std::string_view dtype_name(DType dtype) {
   switch (dtype) {
     case DType::f32:
