@@ -309,7 +309,7 @@ void RedisStore::fail(const std::string& why, bool timed_out) {
     context_ = nullptr;
   }
   retry_after_ = Clock::now() + options_.retry_interval;
-  options_.health->failed(why);
+  options_.health->failed(why, /*lost=*/!timed_out);
   throw StoreFailure(why,
                      timed_out ? StoreFailure::Reason::timed_out : StoreFailure::Reason::failed);
 }

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "kvsnap/error.h"
 #include "tier/dir_store.h"
@@ -10,21 +11,24 @@
 
 namespace kvsnap::detail {
 
-void StoreHealth::failed(const std::string& why) {
+void StoreHealth::failed(const std::string& why, bool lost) {
   const std::lock_guard<std::mutex> lock(mutex_);
+  lost_ = lost_ || lost;
   if (down_) return;
   down_ = true;
   log_(fmt::format("{} is unavailable ({}); requests go on without it", address_, why));
 }
 
 void StoreHealth::answered() {
+  bool lost = false;
   {
     const std::lock_guard<std::mutex> lock(mutex_);
     if (!down_) return;
     down_ = false;
+    lost = std::exchange(lost_, false);
   }
   log_(fmt::format("{} answers again", address_));
-  back_();
+  if (lost) back_();
 }
 
 TierStats TierCounters::stats() const {

@@ -82,18 +82,20 @@ class Store {
 
 // Whether the store answers, shared by a tier's connections: logs once when it is lost and once
 // when it is back, so an outage is two lines, not one per request; `back` runs then too (the
-// store may have lost what it held).
+// store may have lost what it held) — unless every failure since was only an answer too late
+// (`lost` false: a slow store, which kept what it held; the writer's probes still notice what a
+// store lost).
 class StoreHealth {
  public:
   StoreHealth(std::string address, std::function<void(const std::string&)> log,
               std::function<void()> back)
       : address_(std::move(address)), log_(std::move(log)), back_(std::move(back)) {}
-  void failed(const std::string& why);
+  void failed(const std::string& why, bool lost = true);
   void answered();
 
  private:
   std::mutex mutex_;
-  bool down_ = false;
+  bool down_ = false, lost_ = false;
   std::string address_;
   std::function<void(const std::string&)> log_;
   std::function<void()> back_;

@@ -95,6 +95,27 @@ TEST(TierRedis, APausedServerDelaysARequestByNoMoreThanTheTimeout) {
   EXPECT_GE(again.turn(talk.second, tokens(500, 3)).cached, 31);
 }
 
+// A lookup that times out finds a slow store, not one that lost what it held: once it answers
+// again, the objects this process knows are stored are not written again.
+TEST(TierRedis, ALookupThatTimesOutDoesNotMakeTheWriterWriteEverythingAgain) {
+  RedisServer server;
+  TierOptions options = tier_options();
+  options.lookup_timeout = std::chrono::milliseconds(50);
+  TierProcess writer(server.address(), options);
+  (void)writer.turn(talk.first, talk.reply, talk.ends);
+  const int64_t written = writer.tier->stats().objects_written;
+  ASSERT_GT(written, 0);
+  server.pause();
+  { PrefixCache::Session miss = writer.cache.begin(tokens(6000, 30)); }  // asks the tier: late
+  server.resume();
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));            // past the retry interval
+  { PrefixCache::Session miss = writer.cache.begin(tokens(7000, 30)); }  // it answers again
+  EXPECT_GE(writer.tier->stats().timeouts, 1);
+  EXPECT_EQ(writer.log.count("answers again"), 1) << writer.log.all();
+  (void)writer.turn(talk.first, talk.reply);  // the same objects: all known
+  EXPECT_EQ(writer.tier->stats().objects_written, written);
+}
+
 // A store that answers, but a byte at a time: the lookup timeout bounds all of a lookup's round
 // trips together, not each read (the socket's timeout restarts with every byte).
 TEST(TierRedis, AStoreAnsweringAByteAtATimeDelaysARequestByNoMoreThanTheTimeout) {
