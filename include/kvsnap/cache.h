@@ -150,14 +150,16 @@ class KVSNAP_EXPORT Cache {
   [[nodiscard]] virtual bool restore(SeqId seq, Snapshot* snapshot, int64_t target);
   // The sequences that hold state (sequence 0 alone for a single-sequence cache).
   virtual std::vector<SeqId> sequences() const;
-  // How many bytes the snapshots taken so far of the sequence (scheduled captures already made
-  // included) may come to own through its writes alone (update, put): the lazy data a write
-  // may overwrite — a KV range beyond the offset, a window ring, a tail block others share. An
-  // upper bound: a write copies at most this much into them and lowers it by at least what it
-  // copied; captures the write makes add their own. Calls that move the sequence (rewinds,
-  // restores) or the snapshots (merge, split) may raise it. PrefixCache reserves it under its
-  // byte budget before a forward runs. 0 (the default) for a kind whose snapshots own all their
-  // bytes when taken, as RecurrentCache's do.
+  // How many bytes the snapshots taken so far of the sequence may come to own through its
+  // writes alone (update, put): the lazy data a write may overwrite — a KV range beyond the
+  // offset, a window ring, a tail block others share. An upper bound: a write copies at most
+  // this much into them and lowers it by at least what it copied. Captures of a schedule that
+  // nobody has taken yet are not counted (they are their taker's: a Speculation round's, a
+  // session's before prefill_done), except that a paged sequence's tail block counts whole while
+  // any snapshot shares it. Calls that move the sequence (rewinds, restores) or the snapshots
+  // (merge, split, taking captures) may raise it. PrefixCache reserves it under its byte budget
+  // before a forward runs. 0 (the default) for a kind whose snapshots own all their bytes when
+  // taken, as RecurrentCache's do.
   virtual int64_t exposed_bytes(SeqId seq) const;
   // The sequence's pending schedule, changing nothing (an absent sequence has none), so a caller
   // can tell whose captures a layer holds before taking or cancelling them (Speculation does).

@@ -36,6 +36,13 @@ class CaptureSchedule {
   std::vector<int64_t> interior(int64_t lo, int64_t hi) const;
   // Records the capture for next().
   void record(SnapshotPtr snapshot) { captured_.push_back(std::move(snapshot)); }
+  // Each capture recorded and not yet taken.
+  template <class Visit>
+  void for_each_captured(Visit visit) const {
+    for (const SnapshotPtr& s : captured_) {
+      if (s != nullptr) visit(*s);
+    }
+  }
 
   // Returns the captures and clears the schedule. Throws Error naming `call` (and keeps the
   // schedule) when an offset was not reached by `current`.

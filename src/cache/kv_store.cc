@@ -237,6 +237,14 @@ void KVStateSnapshot::move_piece(Piece& source, Piece& target, KVStore* store) {
   if (target.lazy()) store->link(target);
 }
 
+int64_t KVStateSnapshot::unbacked_tokens() const {
+  int64_t tokens = 0;
+  for_each_piece([&](const Piece& piece) {
+    if (piece.lazy() && piece.keys.empty()) tokens += piece.lazy_end() - piece.lazy_begin();
+  });
+  return tokens;
+}
+
 bool KVStateSnapshot::has_lazy_piece() const {
   bool lazy = false;
   for_each_piece([&](const Piece& piece) { lazy = lazy || piece.lazy(); });

@@ -96,6 +96,10 @@ class KVStateSnapshot final : public StateSnapshot, public Pooled<KVStateSnapsho
     return read();
   }
 
+  // Its lazy columns that have no storage yet: what KVStore::unbacked_bytes counts of it, in
+  // tokens.
+  int64_t unbacked_tokens() const;
+
   const KVLayout layout;
   int64_t begin, end;
   const int64_t window;  // rotating: the max_size of its cache

@@ -75,9 +75,17 @@ class RotatingSequence final : public KVKind {
   }
 
   // Writes may reach any column of the buffer (a ring wraps; a chunk relinearizes): all that
-  // lazy windows name is exposed. An upper bound: single-token writes to a full ring never
-  // reach columns beyond it that a long chunk left windows in.
-  int64_t exposed_bytes() const override { return store.unbacked_bytes(INT64_MIN); }
+  // lazy windows name is exposed — but the captures a schedule made and nobody took yet, which
+  // are their taker's (cache.h). An upper bound: single-token writes to a full ring never reach
+  // columns beyond it that a long chunk left windows in.
+  int64_t exposed_bytes() const override {
+    int64_t captured = 0;
+    schedule.for_each_captured([&](const Snapshot& s) {
+      const auto* window = dynamic_cast<const KVStateSnapshot*>(&s);
+      if (window != nullptr && window->owner() == &store) captured += window->unbacked_tokens();
+    });
+    return store.unbacked_bytes(INT64_MIN) - captured * store.token_bytes();
+  }
 
   // Captures are whole windows.
   void capture_reached() override {

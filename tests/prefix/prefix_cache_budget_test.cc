@@ -206,6 +206,42 @@ TEST(PrefixCacheBudget, AnotherSlotsSpeculationRoundReservesNothing) {
   EXPECT_GT(differed, 3);  // budgets small enough to evict
 }
 
+// The same once the round's verification forward has run: its captures (lazy windows of the
+// window layer's ring, whole states) are the round's, released when it ends, and reserve
+// nothing — the trie evicts as it would with the round already accepted.
+TEST(PrefixCacheBudget, AnotherSlotsVerifiedRoundsCapturesReserveNothing) {
+  const auto second_begin = [](bool round_open, int64_t budget) {
+    HybridStack stack;
+    PrefixCache cache(stack.layers(), {.max_paged_out_bytes = budget, .slots = 2});
+    const Tokens p = tokens(100, 30), r = tokens(2000, 30), q = tokens(700, 20);
+    for (const Tokens* prompt : {&r, &p}) {
+      PrefixCache::Session s = cache.begin(0, *prompt);
+      EXPECT_TRUE(stack.forward_and_check(s.remaining(), *prompt, 0));
+      s.prefill_done();
+    }
+    PrefixCache::Session decoding = cache.begin(1, q);
+    EXPECT_TRUE(stack.forward_and_check(decoding.remaining(), q, 1));
+    decoding.prefill_done();
+    decoding.append_output(5);
+    Speculation round(stack.layers(), 1);
+    round.begin(4);
+    const Tokens verify = Tokens{5} + tokens(3000, 4);
+    EXPECT_TRUE(stack.forward_and_check(verify, q + verify, 1));
+    if (!round_open) round.accept(4);  // the same layers, the captures released
+    PrefixCache::Session again = cache.begin(0, p + tokens(300, 4));
+    const std::vector<int64_t> out{cache.match(r + tokens(1, 1)), cache.stats().evicted_nodes,
+                                   cache.stats().dropped_snapshots, cache.paged_out_bytes()};
+    if (round_open) round.accept(4);
+    return out;
+  };
+  int64_t evicting = 0;
+  for (int64_t budget = 500; budget < 6000; budget += 250) {
+    EXPECT_EQ(second_begin(true, budget), second_begin(false, budget)) << "budget " << budget;
+    if (second_begin(false, budget)[1] > 0) ++evicting;
+  }
+  EXPECT_GT(evicting, 3);  // budgets small enough to evict
+}
+
 // A slot without a session is not written until its next begin (which evicts for it then), so
 // the lazy windows its ring holds are not reserved on other slots' calls.
 TEST(PrefixCacheBudget, IdleSlotsReserveNothing) {
