@@ -46,9 +46,21 @@ class PrefixCacheImpl {
           fmt::format("PrefixCache: slots {} must be in [1, {}]", options.slots, kMaxSlots));
     }
     if (options.tier != nullptr && options.tier->layers() != layers) {
+      const std::vector<Cache*>& theirs = options.tier->layers();
+      size_t differs = 0;  // the first layer that is not the same object (or the shorter count)
+      while (differs < std::min(theirs.size(), layers.size()) &&
+             theirs[differs] == layers[differs]) {
+        ++differs;
+      }
       throw Error(fmt::format(
-          "PrefixCache: the tier at {} was opened for other layers ({}) than this cache's ({})",
-          options.tier->address(), options.tier->layers().size(), layers.size()));
+          "PrefixCache: the tier at {} was opened for other layers than this cache's: {} (the "
+          "tier's {} layers, this cache's {}; a tier serves the very Cache objects it was "
+          "opened with)",
+          options.tier->address(),
+          differs < std::min(theirs.size(), layers.size())
+              ? fmt::format("layer {} is another Cache object", differs)
+              : fmt::format("layer {} is missing", differs),
+          theirs.size(), layers.size()));
     }
     for (SeqId id = 0; id < options.slots; ++id) {
       slots.push_back(std::make_unique<Slot>(

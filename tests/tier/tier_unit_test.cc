@@ -199,7 +199,8 @@ TEST(TierContract, APrefixCacheRefusesATierOpenedForOtherLayers) {
   HybridStack stack, other;
   const std::shared_ptr<Tier> tier = Tier::open(folder.address(), other.layers(), tier_options());
   EXPECT_TRUE(throws_error([&] { PrefixCache cache(stack.layers(), {.tier = tier}); },
-                           {"PrefixCache", "opened for other layers"}));
+                           {"PrefixCache", "opened for other layers",
+                            "layer 0 is another Cache object", "the tier's 4 layers"}));
 }
 
 // Every line reaches the log on one line (control characters in it, here from the folder's
