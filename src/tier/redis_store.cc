@@ -278,16 +278,15 @@ class RedisStore::Reply {
   std::unique_ptr<redisReply, void (*)(void*)> reply_;
 };
 
-bool RedisStore::refused(std::string_view command, const Reply& reply) {
-  if (!reply.error()) return false;
+std::string RedisStore::refusal(std::string_view command, const Reply& reply) {
+  if (!reply.error()) return {};
   const std::string_view text = reply.text();
-  if (text.starts_with("WRONGTYPE")) return true;
+  if (text.starts_with("WRONGTYPE")) return {};
   constexpr size_t kShown = 200;
   const bool unknown = text.find("unknown command") != std::string_view::npos;
-  fail(fmt::format("{} refused: {}{}{}", command, text.substr(0, kShown),
-                   text.size() > kShown ? "..." : "",
-                   unknown ? " (the tier needs Redis 6.2 or later)" : ""),
-       false);
+  return fmt::format("{} refused: {}{}{}", command, text.substr(0, kShown),
+                     text.size() > kShown ? "..." : "",
+                     unknown ? " (the tier needs Redis 6.2 or later)" : "");
 }
 
 RedisStore::RedisStore(RedisAddress address, StoreOptions options)
@@ -378,14 +377,14 @@ void RedisStore::connect(Deadline deadline) {
   if (setup.empty()) return;
   const std::vector<Reply> replies = round_trip(setup, deadline);
   for (size_t i = 0; i < replies.size(); ++i) {
-    if (replies[i].error()) {
+    if (replies[i].error()) {  // WRONGTYPE included: no AUTH or SELECT answers it
       fail(fmt::format("{} refused: {}", setup[i][0], replies[i].text()), false);
     }
   }
 }
 
 std::vector<RedisStore::Reply> RedisStore::round_trip(const std::vector<Command>& commands,
-                                                      Deadline deadline) {
+                                                      Deadline deadline, bool writing) {
   limits_->expect({});
   if (context_ != nullptr && answered_ && !idle()) {
     // Bytes nobody asked for (a server that closed the connection, or one out of step): every
@@ -429,8 +428,29 @@ std::vector<RedisStore::Reply> RedisStore::round_trip(const std::vector<Command>
   if (context_->reader->pos != context_->reader->len) {
     fail("the store sent more replies than there were commands", false);
   }
+  // Refusals of writes alone (out of memory with eviction off, a read-only replica, failed
+  // snapshots): lookups still work and keep what this process knows the store holds.
+  const auto writes_only = [](const Reply& reply) {
+    const std::string_view text = reply.text();
+    return text.starts_with("OOM") || text.starts_with("READONLY") || text.starts_with("MISCONF");
+  };
+  std::string refused_writes;
+  for (size_t i = 0; i < replies.size(); ++i) {
+    std::string why = refusal(commands[i][0], replies[i]);
+    if (why.empty()) continue;
+    // Before the store counts as answering: one that refuses every command is unavailable, not
+    // back and lost again on every round trip.
+    if (!writing || !writes_only(replies[i])) fail(why, false);
+    if (refused_writes.empty()) refused_writes = std::move(why);
+  }
   answered_ = true;
   options_.health->answered();
+  if (!writing) return replies;
+  if (!refused_writes.empty()) {  // the batch is dropped, said once
+    options_.health->writes_refused(refused_writes);
+    throw StoreFailure(refused_writes, StoreFailure::Reason::failed);
+  }
+  options_.health->writes_taken();
   return replies;
 }
 
@@ -492,7 +512,6 @@ void RedisStore::probe(std::span<const std::string> sets, std::span<const std::s
   const std::vector<Reply> replies = round_trip(commands, deadline);
   members.assign(sets.size(), {});
   exists.assign(keys.size(), false);
-  for (size_t i = 0; i < replies.size(); ++i) (void)refused(commands[i][0], replies[i]);
   for (size_t i = 0; i < sets.size(); ++i) {
     const Reply& reply = replies[2 * i];
     if (reply->type != REDIS_REPLY_ARRAY) continue;  // a key of another type: no members
@@ -515,9 +534,7 @@ std::vector<std::optional<std::string>> RedisStore::fetch(std::span<const std::s
   for (const std::string& key : keys) commands.push_back({"GETEX", key, "EX", ttl});
   std::vector<std::optional<std::string>> values;
   for (const Reply& reply : round_trip(commands, deadline)) {
-    // A refusal (an unknown command: Redis before 6.2; NOAUTH...) is no missing object: no
-    // lookup could hit. Said (once per outage), not swallowed.
-    (void)refused("GETEX", reply);
+    // (A refusal — an unknown command: Redis before 6.2; NOAUTH... — failed the round trip.)
     if (reply->type == REDIS_REPLY_STRING) {
       values.emplace_back(std::string(reply.text()));
     } else {
@@ -537,13 +554,10 @@ int64_t RedisStore::write(const WriteBatch& batch, Deadline deadline) {
     commands.push_back({"SADD", set, member});
     commands.push_back({"EXPIRE", set, ttl});
   }
-  const std::vector<Reply> replies = round_trip(commands, deadline);
-  int64_t wrong_type = 0;
-  for (size_t i = 0; i < replies.size(); ++i) {
-    const bool key_refused = refused(commands[i][0], replies[i]);
-    if (i >= first && i < first + batch.objects.size() && key_refused) ++wrong_type;
-  }
-  return wrong_type;
+  const std::vector<Reply> replies = round_trip(commands, deadline, /*writing=*/true);
+  int64_t refused = 0;  // objects refused one by one (a refusal of the command failed the trip)
+  for (size_t i = 0; i < batch.objects.size(); ++i) refused += replies[first + i].error() ? 1 : 0;
+  return refused;
 }
 
 }  // namespace kvsnap::detail

@@ -44,8 +44,12 @@ class RedisStore final : public Store {
 
  private:
   // Sends `commands` in one pipeline and returns their replies in order. Throws StoreFailure
-  // (dropping the connection) when the connection or a reply fails or the deadline passes.
-  std::vector<Reply> round_trip(const std::vector<Command>& commands, Deadline deadline);
+  // (dropping the connection) when the connection or a reply fails or the deadline passes, and
+  // when a reply refuses its command itself (refusal()): then a store that refuses a lookup's
+  // commands is unavailable, and one that refuses a write's (`writing`: out of memory with
+  // eviction off, a read-only replica) refuses writes (StoreHealth), its lookups unaffected.
+  std::vector<Reply> round_trip(const std::vector<Command>& commands, Deadline deadline,
+                                bool writing = false);
   // The replies to `commands`, sent: each bounded as it is parsed by what its command is answered
   // with (ReplyLimits), all of them by the sum.
   std::vector<Reply> read_replies(const std::vector<Command>& commands, Deadline deadline);
@@ -60,11 +64,11 @@ class RedisStore final : public Store {
   // the deadline ran out.
   [[noreturn]] void fail_io(Deadline deadline);
   [[noreturn]] void fail(const std::string& why, bool timed_out);
-  // Fails as the store being unavailable when `reply` is an error that refuses the command
-  // itself (NOAUTH, NOPERM, READONLY, MISCONF, OOM, LOADING, an unknown command...): every
-  // other command would be refused too, so it is said (the health log) rather than read as a
-  // missing key. WRONGTYPE (one key of another type) is the key's alone: false, for the caller.
-  bool refused(std::string_view command, const Reply& reply);
+  // Why `reply` refuses its command itself (NOAUTH, NOPERM, READONLY, MISCONF, OOM, LOADING, an
+  // unknown command...), which every other such command would be refused for too: said (the
+  // health log), not read as a missing key or one refused object. Empty for a reply that is no
+  // error, or an error of its key alone (WRONGTYPE: a key of another type).
+  static std::string refusal(std::string_view command, const Reply& reply);
 
   RedisAddress address_;
   StoreOptions options_;

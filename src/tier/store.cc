@@ -31,6 +31,21 @@ void StoreHealth::answered() {
   if (lost) back_();
 }
 
+void StoreHealth::writes_refused(const std::string& why) {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  if (std::exchange(refusing_writes_, true)) return;
+  log_(fmt::format("{} refuses writes ({}); sessions are not stored until it takes them again",
+                   address_, why));
+}
+
+void StoreHealth::writes_taken() {
+  {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    if (!std::exchange(refusing_writes_, false)) return;
+  }
+  log_(fmt::format("{} takes writes again", address_));
+}
+
 TierStats TierCounters::stats() const {
   TierStats s;
   s.lookups = lookups;

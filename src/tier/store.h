@@ -92,10 +92,14 @@ class StoreHealth {
       : address_(std::move(address)), log_(std::move(log)), back_(std::move(back)) {}
   void failed(const std::string& why, bool lost = true);
   void answered();
+  // The store answers but refuses writes (out of memory with eviction off, a read-only replica):
+  // logged once, and once when it takes them again.
+  void writes_refused(const std::string& why);
+  void writes_taken();
 
  private:
   std::mutex mutex_;
-  bool down_ = false, lost_ = false;
+  bool down_ = false, lost_ = false, refusing_writes_ = false;
   std::string address_;
   std::function<void(const std::string&)> log_;
   std::function<void()> back_;

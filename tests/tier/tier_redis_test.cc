@@ -270,11 +270,43 @@ TEST(TierRedis, PasswordDatabaseAndTimeToLive) {
 TEST(TierRedis, AServerThatRefusesEveryCommandIsUnavailableAndTheLogSaysWhy) {
   RedisServer server({.password = "s3cret", .config = {}});
   TierProcess process("redis://127.0.0.1:" + std::to_string(server.port()));
-  EXPECT_EQ(process.turn(talk.first, talk.reply, talk.ends).cached, 0);
+  for (int32_t turn = 0; turn < 4; ++turn) {  // each past the retry interval (20 ms)
+    (void)process.turn(talk.first + tokens(600 + 10 * turn, 3), talk.reply);
+    std::this_thread::sleep_for(std::chrono::milliseconds(40));
+  }
+  // One outage, said once: not "answers again" and lost on every round trip.
+  EXPECT_EQ(process.log.count("is unavailable"), 1) << process.log.all();
   EXPECT_GE(process.log.count("refused: NOAUTH"), 1) << process.log.all();
-  EXPECT_GE(process.log.count("is unavailable"), 1) << process.log.all();
+  EXPECT_EQ(process.log.count("answers again"), 0) << process.log.all();
   EXPECT_EQ(process.tier->stats().objects_written, 0);
   EXPECT_GE(process.tier->stats().store_errors, 1);
+}
+
+// A server out of memory with eviction off refuses writes but answers lookups: that is said
+// once (not as the store coming and going), lookups go on, and writes resume when it takes them.
+TEST(TierRedis, AServerThatRefusesOnlyWritesIsSaidOnceAndLookupsGoOn) {
+  RedisServer server({.password = "", .config = {"--maxmemory-policy", "noeviction"}});
+  {
+    TierProcess writer(server.address());
+    (void)writer.turn(talk.first, talk.reply, talk.ends);
+  }
+  const int64_t used = server.info("used_memory");
+  (void)server.command({"CONFIG", "SET", "maxmemory", std::to_string(used + 1024)});
+  TierProcess process(server.address());
+  // The first turn's prefix can only come from the store (this process's trie is empty).
+  EXPECT_GT(process.turn(talk.first + tokens(600, 40), talk.reply).cached, 0);
+  for (int32_t turn = 1; turn < 3; ++turn) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(40));
+    (void)process.turn(talk.first + tokens(600 + 10 * turn, 40), talk.reply);
+  }
+  EXPECT_EQ(process.log.count("refuses writes"), 1) << process.log.all();
+  EXPECT_GE(process.log.count("OOM"), 1) << process.log.all();
+  EXPECT_EQ(process.log.count("is unavailable"), 0) << process.log.all();
+  EXPECT_GE(process.tier->stats().dropped_batches, 1);
+  (void)server.command({"CONFIG", "SET", "maxmemory", "0"});
+  (void)process.turn(talk.first + tokens(700, 40), talk.reply);
+  EXPECT_EQ(process.log.count("takes writes again"), 1) << process.log.all();
+  EXPECT_GT(process.tier->stats().objects_written, 0);
 }
 
 }  // namespace
