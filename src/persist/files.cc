@@ -55,6 +55,14 @@ bool list_folder(const std::string& folder, const std::function<bool(const char*
   return true;
 }
 
+namespace {
+
+// When the library was loaded, in seconds since the epoch: every temporary this process
+// writes is younger (it writes them), so one of this pid that is older is an earlier process's.
+const int64_t loaded_at = static_cast<int64_t>(::time(nullptr));
+
+}  // namespace
+
 void remove_stale_temporaries(const std::string& path) {
   namespace fs = std::filesystem;
   try {
@@ -64,10 +72,16 @@ void remove_stale_temporaries(const std::string& path) {
     // Best effort: an unreadable folder is left as it is.
     (void)list_folder(folder.string(), [&](const char* name) {
       const pid_t pid = temporary_owner(name, prefix);
+      if (pid <= 0) return true;
+      const fs::path file = folder / name;
       // kill(pid, 0) probes without signalling: ESRCH means no such process (EPERM: one runs).
-      if (pid > 0 && pid != ::getpid() && ::kill(pid, 0) != 0 && errno == ESRCH) {
-        (void)::unlink((folder / name).c_str());  // best effort: the next one may go
-      }
+      // One of this pid older than this library in this process is an earlier process's (a
+      // container's engine is pid 1 on every start); this process's own may be in use.
+      struct stat status {};
+      const bool stale = pid != ::getpid() ? ::kill(pid, 0) != 0 && errno == ESRCH
+                                           : ::lstat(file.c_str(), &status) == 0 &&
+                                                 status.st_mtim.tv_sec < loaded_at;
+      if (stale) (void)::unlink(file.c_str());  // best effort: the next one may go
       return true;
     });
   } catch (const std::exception&) {  // out of memory naming a path: best effort

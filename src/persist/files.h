@@ -120,9 +120,10 @@ std::error_code make_private_folders(const std::string& path);
 bool list_folder(const std::string& folder, const std::function<bool(const char* name)>& visit);
 
 // Removes `path`.tmp-<pid>-<n> (and `path`.tmp-<pid>, the older name) files left by writers that
-// died mid-save (a kill -9): only those of `path`, and only when no process <pid> runs (this
-// process's own are never removed: another thread may be writing one). Errors are ignored (best
-// effort).
+// died mid-save (a kill -9): only those of `path`, and only when no process <pid> runs — or, of
+// this process's pid, when written before it started (an earlier process of the same pid: a
+// container's engine is pid 1 each time); this process's own are never removed (another thread
+// may be writing one). Errors are ignored (best effort).
 void remove_stale_temporaries(const std::string& path);
 
 // kvsnap files are sealed: metadata "checksum" holds the xxHash64, as 16 hex digits, of every

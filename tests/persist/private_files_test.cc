@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -369,6 +370,24 @@ TEST(PrivateFiles, APlantedTemporaryIsNeverWrittenThrough) {
     EXPECT_EQ(mode_of(temporary), 0666u);
     fs::remove(temporary);
   }
+  fs::remove_all(dir);
+}
+
+// A temporary of this pid older than this process — an earlier process's, as a container's
+// engine is pid 1 on every start, killed mid-save — is removed by the next save, as one of a
+// pid no process has; newer ones may be this process's own and stay.
+TEST(PrivateFiles, AnEarlierProcessOfTheSamePidLeavesNoTemporaryBehind) {
+  const fs::path dir = private_scratch("same_pid");
+  const std::string path = (dir / "s.safetensors").string();
+  const std::string earlier = detail::next_temporary_path(path);
+  { std::ofstream(earlier) << "an earlier run's half-written save"; }
+  fs::last_write_time(earlier, fs::file_time_type::clock::now() - std::chrono::hours(1));
+  save_one(path);
+  EXPECT_FALSE(fs::exists(earlier));
+  const std::string recent = detail::next_temporary_path(path);
+  { std::ofstream(recent) << "this process's"; }
+  save_one(path);
+  EXPECT_TRUE(fs::exists(recent));
   fs::remove_all(dir);
 }
 
