@@ -133,7 +133,9 @@ TEST_F(Pool, LargeBuffersAreBackedByHugePagesWhereTheKernelOffersThem) {
   }
   set_pool_options({.max_bytes = 0, .idle_seconds = 60, .huge_pages = false});
   const Array plain = Array::zeros(DType::f32, Shape{kHugePageBytes});
-  if (mode == "madvise") EXPECT_EQ(huge_kilobytes_at(plain.bytes()), 0);
+  if (mode == "madvise") {
+    EXPECT_EQ(huge_kilobytes_at(plain.bytes()), 0);
+  }
 }
 
 // Sizes no machine can map fail at once with bad_alloc, and shapes whose byte count would

@@ -22,29 +22,12 @@ namespace {
 
 using testing::armed_call;
 using testing::column_ids;
+using testing::concat_ids;
 using testing::id_range;
 using testing::TokenKV;
 using Ids = std::vector<int64_t>;
 
 const TokenKV kv;
-
-Ids concat(Ids a, const Ids& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
-
-// Keys or values [rows, H, L, D] of rows of the same length.
-Array stacked(const std::vector<Ids>& rows, bool keys) {
-  std::vector<float> data;
-  for (const Ids& ids : rows) {
-    const std::vector<float> row = (keys ? kv.keys(ids) : kv.values(ids)).to_floats();
-    data.insert(data.end(), row.begin(), row.end());
-  }
-  return Array::from_floats(data,
-                            {static_cast<int64_t>(rows.size()), kv.heads,
-                             static_cast<int64_t>(rows.front().size()), kv.depth},
-                            kv.dtype);
-}
 
 // The script's state: each sequence's ids, the snapshots and what each holds.
 struct Script {
@@ -68,11 +51,11 @@ struct Script {
       rows.push_back({seqs[i], cache.offset(seqs[i]), std::vector<int32_t>(chunks[i].size(), 0)});
     }
     const Batch batch = Batch::rows(rows);
-    const Array keys = stacked(chunks, true), values = stacked(chunks, false);
+    const Array keys = kv.stacked(chunks, true), values = kv.stacked(chunks, false);
     const bool done = armed_call([&] { (void)cache.update(batch, keys, values); });
     for (size_t i = 0; i < seqs.size(); ++i) {
       Ids& ids = held[seqs[i]];
-      const Ids written = concat(ids, chunks[i]);
+      const Ids written = concat_ids(ids, chunks[i]);
       if (done || ids_of(seqs[i]) == written) {
         ids = written;
       } else {
@@ -117,11 +100,7 @@ struct Script {
     if (!snapshots.contains(name)) return;
     auto& [s, ids] = snapshots[name];
     if (at <= s->from() || at >= s->to()) return;
-    std::pair<SnapshotPtr, SnapshotPtr> halves;
-    if (!armed_call([&] { halves = cache.split(std::move(s), at); }) ||
-        !armed_call([&] { s = cache.merge(std::move(halves.first), std::move(halves.second)); })) {
-      snapshots.erase(name);
-    }
+    if (!testing::split_and_merge_armed(cache, s, at)) snapshots.erase(name);
     check();
   }
   // Every snapshot restores what it captured, into a sequence of its own (one from
@@ -132,12 +111,12 @@ struct Script {
       cache.reset(spare);
       const Ids head = id_range(500, s->from());
       if (!head.empty()) {
-        const Array keys = stacked({head}, true), values = stacked({head}, false);
+        const Array keys = kv.stacked({head}, true), values = kv.stacked({head}, false);
         (void)cache.update(Batch::rows({{spare, 0, std::vector<int32_t>(head.size(), 0)}}), keys,
                            values);
       }
       ASSERT_TRUE(cache.restore(spare, s.get(), s->to())) << name;
-      EXPECT_EQ(ids_of(spare), concat(head, ids)) << name;
+      EXPECT_EQ(ids_of(spare), concat_ids(head, ids)) << name;
     }
     cache.reset(spare);
   }

@@ -24,16 +24,12 @@ namespace {
 
 using testing::all_close;
 using testing::armed_call;
+using testing::concat_ids;
 using testing::id_range;
 using testing::RecurrentLayer;
 using Ids = std::vector<int64_t>;
 
 const RecurrentLayer layer;
-
-Ids concat(Ids a, const Ids& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
 
 // Whether `seq` is at offset ids.size() with the state a forward of `ids` from zero reaches.
 bool holds(const RecurrentCache& cache, int32_t seq, const Ids& ids) {
@@ -65,7 +61,7 @@ struct Script {
   void settle(bool done, const std::vector<int32_t>& seqs, const std::vector<Ids>& chunks) {
     for (size_t i = 0; i < seqs.size(); ++i) {
       Ids& ids = held[seqs[i]];
-      const Ids written = concat(ids, chunks[i]);
+      const Ids written = concat_ids(ids, chunks[i]);
       if (done || holds(cache, seqs[i], written)) {
         ids = written;
       } else {
@@ -128,11 +124,7 @@ struct Script {
   void split_and_merge(const std::string& name, int64_t at) {
     if (!snapshots.contains(name)) return;
     auto& [s, ids] = snapshots[name];
-    std::pair<SnapshotPtr, SnapshotPtr> halves;
-    if (!armed_call([&] { halves = cache.split(std::move(s), at); }) ||
-        !armed_call([&] { s = cache.merge(std::move(halves.first), std::move(halves.second)); })) {
-      snapshots.erase(name);
-    }
+    if (!testing::split_and_merge_armed(cache, s, at)) snapshots.erase(name);
     check();
   }
   // Every snapshot restores its state into a sequence of its own.

@@ -22,6 +22,7 @@ namespace kvsnap::window_oom_test {
 namespace {
 
 using testing::armed_call;
+using testing::concat_ids;
 using testing::id_range;
 using testing::position_ids;
 using testing::TokenKV;
@@ -29,24 +30,6 @@ using Ids = std::vector<int64_t>;
 
 constexpr int64_t kWindow = 5;
 const TokenKV kv;
-
-Ids concat(Ids a, const Ids& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
-
-// Keys or values [rows, H, L, D] of rows of the same length.
-Array stacked(const std::vector<Ids>& rows, bool keys) {
-  std::vector<float> data;
-  for (const Ids& ids : rows) {
-    const std::vector<float> row = (keys ? kv.keys(ids) : kv.values(ids)).to_floats();
-    data.insert(data.end(), row.begin(), row.end());
-  }
-  return Array::from_floats(data,
-                            {static_cast<int64_t>(rows.size()), kv.heads,
-                             static_cast<int64_t>(rows.front().size()), kv.depth},
-                            kv.dtype);
-}
 
 // Whether `seq` is at offset ids.size() with a window of those tokens: every column the token at
 // its position, and at least the last max_size-1 positions there (what the next query needs).
@@ -84,11 +67,11 @@ struct Script {
       rows.push_back({seqs[i], cache.offset(seqs[i]), std::vector<int32_t>(chunks[i].size(), 0)});
     }
     const Batch batch = Batch::rows(rows);
-    const Array keys = stacked(chunks, true), values = stacked(chunks, false);
+    const Array keys = kv.stacked(chunks, true), values = kv.stacked(chunks, false);
     const bool done = armed_call([&] { (void)cache.update(batch, keys, values); });
     for (size_t i = 0; i < seqs.size(); ++i) {
       Ids& ids = held[seqs[i]];
-      const Ids written = concat(ids, chunks[i]);
+      const Ids written = concat_ids(ids, chunks[i]);
       if (done || holds(cache, seqs[i], written)) {
         ids = written;
       } else {
@@ -129,11 +112,7 @@ struct Script {
   void split_and_merge(const std::string& name, int64_t at) {
     if (!snapshots.contains(name)) return;
     auto& [s, ids] = snapshots[name];
-    std::pair<SnapshotPtr, SnapshotPtr> halves;
-    if (!armed_call([&] { halves = cache.split(std::move(s), at); }) ||
-        !armed_call([&] { s = cache.merge(std::move(halves.first), std::move(halves.second)); })) {
-      snapshots.erase(name);
-    }
+    if (!testing::split_and_merge_armed(cache, s, at)) snapshots.erase(name);
     check();
   }
   // Every snapshot restores its window into a sequence of its own.

@@ -174,72 +174,68 @@ TEST(PrefixCacheBudget, APartlyLiveTipIsSplitAndItsTailEvicted) {
   }
 }
 
-// What one slot's calls reserve does not depend on a Speculation round open on another slot:
-// its captures are released at accept and never reach the trie.
-TEST(PrefixCacheBudget, AnotherSlotsSpeculationRoundReservesNothing) {
-  const auto second_begin = [](bool round_open, int64_t budget) {
-    HybridStack stack;
-    PrefixCache cache(stack.layers(), {.max_paged_out_bytes = budget, .slots = 2});
-    const Tokens p = tokens(100, 30), r = tokens(2000, 30), q = tokens(700, 20);
-    for (const Tokens* prompt : {&r, &p}) {
-      PrefixCache::Session s = cache.begin(0, *prompt);
-      EXPECT_TRUE(stack.forward_and_check(s.remaining(), *prompt, 0));
-      s.prefill_done();
-    }
-    PrefixCache::Session decoding = cache.begin(1, q);
-    EXPECT_TRUE(stack.forward_and_check(decoding.remaining(), q, 1));
-    decoding.prefill_done();
-    decoding.append_output(5);
-    Speculation round(stack.layers(), 1);
-    if (round_open) round.begin(4);  // slot 1's verification forward would run now
-    PrefixCache::Session again = cache.begin(0, p + tokens(300, 4));
-    const std::vector<int64_t> out{cache.match(r + tokens(1, 1)), cache.stats().evicted_nodes,
-                                   cache.stats().dropped_snapshots, cache.paged_out_bytes()};
-    round.cancel();
-    return out;
-  };
-  int64_t differed = 0;
-  for (int64_t budget = 500; budget < 6000; budget += 250) {
-    EXPECT_EQ(second_begin(true, budget), second_begin(false, budget)) << "budget " << budget;
-    if (second_begin(false, budget)[1] > 0) ++differed;
+// How slot 1's Speculation round stands while slot 0 begins again over p (after serving r,
+// then p): opened or not, its verification forward run or not, accepted before or after.
+struct RoundAt {
+  bool open = false, verified = false, accepted_before = false;
+};
+
+// What the trie holds and evicted once slot 0 has begun again under `budget`, with slot 1
+// decoding q (and speculating as `round_at` says).
+std::vector<int64_t> second_begin(int64_t budget, RoundAt round_at) {
+  HybridStack stack;
+  PrefixCache cache(stack.layers(), {.max_paged_out_bytes = budget, .slots = 2});
+  const Tokens p = tokens(100, 30), r = tokens(2000, 30), q = tokens(700, 20);
+  for (const Tokens* prompt : {&r, &p}) {
+    PrefixCache::Session s = cache.begin(0, *prompt);
+    EXPECT_TRUE(stack.forward_and_check(s.remaining(), *prompt, 0));
+    s.prefill_done();
   }
-  EXPECT_GT(differed, 3);  // budgets small enough to evict
+  PrefixCache::Session decoding = cache.begin(1, q);
+  EXPECT_TRUE(stack.forward_and_check(decoding.remaining(), q, 1));
+  decoding.prefill_done();
+  decoding.append_output(5);
+  Speculation round(stack.layers(), 1);
+  if (round_at.open) round.begin(4);
+  const Tokens verify = Tokens{5} + tokens(3000, 4);
+  if (round_at.verified) {
+    EXPECT_TRUE(stack.forward_and_check(verify, q + verify, 1));
+  }
+  if (round_at.accepted_before) round.accept(4);  // the same layers, the captures released
+  PrefixCache::Session again = cache.begin(0, p + tokens(300, 4));
+  const std::vector<int64_t> out{cache.match(r + tokens(1, 1)), cache.stats().evicted_nodes,
+                                 cache.stats().dropped_snapshots, cache.paged_out_bytes()};
+  if (round_at.open && !round_at.accepted_before) {
+    round_at.verified ? round.accept(4) : round.cancel();
+  }
+  return out;
+}
+
+// A round another slot has open (its verification forward about to run) reserves nothing:
+// the trie evicts as it would without one.
+TEST(PrefixCacheBudget, AnotherSlotsSpeculationRoundReservesNothing) {
+  int64_t evicting = 0;
+  for (int64_t budget = 500; budget < 6000; budget += 250) {
+    EXPECT_EQ(second_begin(budget, {.open = true}), second_begin(budget, {}))
+        << "budget " << budget;
+    if (second_begin(budget, {})[1] > 0) ++evicting;
+  }
+  EXPECT_GT(evicting, 3);  // budgets small enough to evict
 }
 
 // The same once the round's verification forward has run: its captures (lazy windows of the
 // window layer's ring, whole states) are the round's, released when it ends, and reserve
 // nothing — the trie evicts as it would with the round already accepted.
 TEST(PrefixCacheBudget, AnotherSlotsVerifiedRoundsCapturesReserveNothing) {
-  const auto second_begin = [](bool round_open, int64_t budget) {
-    HybridStack stack;
-    PrefixCache cache(stack.layers(), {.max_paged_out_bytes = budget, .slots = 2});
-    const Tokens p = tokens(100, 30), r = tokens(2000, 30), q = tokens(700, 20);
-    for (const Tokens* prompt : {&r, &p}) {
-      PrefixCache::Session s = cache.begin(0, *prompt);
-      EXPECT_TRUE(stack.forward_and_check(s.remaining(), *prompt, 0));
-      s.prefill_done();
-    }
-    PrefixCache::Session decoding = cache.begin(1, q);
-    EXPECT_TRUE(stack.forward_and_check(decoding.remaining(), q, 1));
-    decoding.prefill_done();
-    decoding.append_output(5);
-    Speculation round(stack.layers(), 1);
-    round.begin(4);
-    const Tokens verify = Tokens{5} + tokens(3000, 4);
-    EXPECT_TRUE(stack.forward_and_check(verify, q + verify, 1));
-    if (!round_open) round.accept(4);  // the same layers, the captures released
-    PrefixCache::Session again = cache.begin(0, p + tokens(300, 4));
-    const std::vector<int64_t> out{cache.match(r + tokens(1, 1)), cache.stats().evicted_nodes,
-                                   cache.stats().dropped_snapshots, cache.paged_out_bytes()};
-    if (round_open) round.accept(4);
-    return out;
-  };
   int64_t evicting = 0;
   for (int64_t budget = 500; budget < 6000; budget += 250) {
-    EXPECT_EQ(second_begin(true, budget), second_begin(false, budget)) << "budget " << budget;
-    if (second_begin(false, budget)[1] > 0) ++evicting;
+    const RoundAt accepted{.open = true, .verified = true, .accepted_before = true};
+    EXPECT_EQ(second_begin(budget, {.open = true, .verified = true}),
+              second_begin(budget, accepted))
+        << "budget " << budget;
+    if (second_begin(budget, accepted)[1] > 0) ++evicting;
   }
-  EXPECT_GT(evicting, 3);  // budgets small enough to evict
+  EXPECT_GT(evicting, 3);
 }
 
 // A slot without a session is not written until its next begin (which evicts for it then), so

@@ -84,7 +84,9 @@ void race(bool paged, const std::string& tier_address = "") {
                          std::ref(failures), std::ref(reused));
   }
   for (std::thread& t : threads) t.join();
-  if (tier) EXPECT_TRUE(tier->flush(std::chrono::minutes(2)));  // all written, however slowly
+  if (tier) {
+    EXPECT_TRUE(tier->flush(std::chrono::minutes(2)));  // all written, however slowly
+  }
   EXPECT_EQ(failures.load(), 0);
   EXPECT_GT(reused.load(), 500);
   EXPECT_EQ(cache.check_invariants(), "") << cache.debug_string();

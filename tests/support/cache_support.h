@@ -45,7 +45,26 @@ struct TokenKV {
             data.push_back(is_key ? key(id, h, d) : value(id, h, d));
     return Array::from_floats(data, {rows, heads, length, depth}, dtype);
   }
+
+  // Keys (or values) [rows.size(), H, L, D], row b for tokens rows[b] (all of one length L).
+  Array stacked(const std::vector<std::vector<int64_t>>& rows, bool is_key) const {
+    std::vector<float> data;
+    for (const std::vector<int64_t>& ids : rows) {
+      const std::vector<float> row = make(ids, 1, is_key).to_floats();
+      data.insert(data.end(), row.begin(), row.end());
+    }
+    return Array::from_floats(data,
+                              {static_cast<int64_t>(rows.size()), heads,
+                               static_cast<int64_t>(rows.front().size()), depth},
+                              dtype);
+  }
 };
+
+// `a` followed by `b`.
+inline std::vector<int64_t> concat_ids(std::vector<int64_t> a, const std::vector<int64_t>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
 
 // The token id held by each column of a history (row 0, head 0), in column order.
 inline std::vector<int64_t> column_ids(const KVHistory& history) {

@@ -9,8 +9,11 @@
 // debugger with KVSNAP_OOM_BREAK=N: that allocation raises SIGTRAP before it throws.
 #pragma once
 
+#include <kvsnap/cache.h>
+
 #include <cstdint>
 #include <functional>
+#include <utility>
 
 namespace kvsnap::testing {
 
@@ -30,5 +33,15 @@ int64_t counted_allocations();
 // failing, until a run makes fewer than n allocations — every one has failed once — or the test
 // has failed. Returns the runs made.
 int64_t sweep(const std::function<void()>& run);
+
+// Splits `snapshot` at `at` and merges the halves back, each call armed: true when both returned
+// (`snapshot` is the merged one), false when one ran out (Cache::split and merge consume what
+// they are given even then: `snapshot` is gone).
+inline bool split_and_merge_armed(Cache& cache, SnapshotPtr& snapshot, int64_t at) {
+  std::pair<SnapshotPtr, SnapshotPtr> halves;
+  return armed_call([&] { halves = cache.split(std::move(snapshot), at); }) && armed_call([&] {
+           snapshot = cache.merge(std::move(halves.first), std::move(halves.second));
+         });
+}
 
 }  // namespace kvsnap::testing
