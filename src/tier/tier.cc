@@ -13,18 +13,30 @@ namespace kvsnap {
 namespace detail {
 namespace {
 
-// `line` with its control characters written as \xNN: text the store sent (an object's key,
-// a server's error) cannot start a line of its own in the operator's log.
+// `line` with its control characters written as \xNN, byte by byte: C0 and DEL, and the UTF-8
+// of C1 (U+0080..U+009F, NEL among them) and of U+2028 / U+2029, which some readers also end a
+// line at. Text the store sent (an object's key, a server's error) cannot start a line of its
+// own in the operator's log; other UTF-8 passes unchanged.
 std::string one_line(const std::string& line) {
   std::string out;
   out.reserve(line.size());
-  for (const char c : line) {
-    const auto byte = static_cast<unsigned char>(c);
-    if (byte < 0x20 || byte == 0x7f) {
-      out += fmt::format("\\x{:02X}", byte);
-    } else {
-      out += c;
+  const auto byte = [&](size_t i) {
+    return i < line.size() ? static_cast<unsigned char>(line[i]) : 0;
+  };
+  for (size_t i = 0; i < line.size(); ++i) {
+    const unsigned char c = byte(i);
+    size_t escaped = 0;  // bytes to write as \xNN from here
+    if (c < 0x20 || c == 0x7f) escaped = 1;
+    if (c == 0xc2 && byte(i + 1) >= 0x80 && byte(i + 1) <= 0x9f) escaped = 2;
+    if (c == 0xe2 && byte(i + 1) == 0x80 && (byte(i + 2) == 0xa8 || byte(i + 2) == 0xa9)) {
+      escaped = 3;
     }
+    if (escaped == 0) {
+      out += line[i];
+      continue;
+    }
+    for (size_t k = 0; k < escaped; ++k) out += fmt::format("\\x{:02X}", byte(i + k));
+    i += escaped - 1;
   }
   return out;
 }

@@ -159,7 +159,12 @@ void WriteBehind::send(WriteBatch& batch) {
   }
   // Known only once the whole batch is in, index included: a point whose index entry was lost
   // with a later slice must be written (and indexed) again, not skipped as known.
-  if (!refused && options_.written) options_.written(accepted);
+  if (!refused && options_.written) {
+    try {
+      options_.written(accepted);
+    } catch (...) {  // out of memory noting them: the batch is stored, only known less
+    }
+  }
 }
 
 bool WriteBehind::still_holds(const WriteBatch& batch, Deadline deadline) {

@@ -215,6 +215,13 @@ TEST(TierContract, LogLinesStayOneLineAndALogThatThrowsLosesOnlyItsLine) {
   ASSERT_EQ(lines.size(), 1U);
   EXPECT_EQ(lines[0].find('\n'), std::string::npos) << lines[0];
   EXPECT_NE(lines[0].find("log\\x0Akvsnap tier: forged"), std::string::npos) << lines[0];
+  // C1 controls (NEL) and U+2028 end lines for some readers too; other UTF-8 passes unchanged.
+  testing::FolderStore other("log\u0085\u2028 \u00e9\u2192");
+  lines.clear();
+  (void)Tier::open(other.address(), stack.layers(), options);
+  ASSERT_EQ(lines.size(), 1U);
+  EXPECT_NE(lines[0].find("log\\xC2\\x85\\xE2\\x80\\xA8 \u00e9\u2192"), std::string::npos)
+      << lines[0];
   options.log = [](const std::string&) { throw std::runtime_error("the log is gone"); };
   EXPECT_NO_THROW((void)Tier::open(folder.address(), stack.layers(), options));
 }

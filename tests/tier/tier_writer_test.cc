@@ -207,6 +207,18 @@ TEST(TierWriteBehind, RunningOutOfMemoryDropsTheBatchAndTheWriterGoesOn) {
   EXPECT_EQ(w.known_keys(), (std::vector<std::string>{"object0"}));
 }
 
+// A batch the store took is written, whatever happens noting it: not counted dropped too.
+TEST(TierWriteBehind, ABatchStoredStaysCountedWrittenWhenNotingItFails) {
+  detail::TierCounters counters;
+  WriteBehind::Options options;
+  options.written = [](const std::vector<std::string>&) { throw std::bad_alloc(); };
+  WriteBehind writer(std::make_unique<RecordingStore>(), options, counters);
+  ASSERT_TRUE(writer.push(batch_of(2, 10)));
+  ASSERT_TRUE(writer.flush(10s));
+  EXPECT_EQ(counters.objects_written.load(), 2);
+  EXPECT_EQ(counters.dropped_batches.load(), 0);
+}
+
 TEST(TierWriteBehind, ABatchWrittenWholeMarksEveryObjectKnownOnce) {
   Writer w(50ms);
   ASSERT_TRUE(w.writer->push(batch_of(3, static_cast<size_t>(WriteBehind::kSliceBytes))));
