@@ -132,24 +132,13 @@ void run_script(Attention& cache) {
   script.split_and_merge("zero", 6);
   script.restore(1, "zero", 8);
   script.write({1}, {id_range(200, 3)});
-  // Captures scheduled inside a write.
-  const std::vector<int64_t> at{cache.offset(0) + 1};
-  if (armed_call([&] { cache.prepare_snapshots(0, at); })) {
-    script.write({0}, {id_range(20, 3)});
-    std::vector<SnapshotPtr> taken;
-    if (armed_call([&] { taken = cache.take_reached_snapshots(0); })) {
-      // A capture only where the write that reaches it went in (one that ran out while making
-      // the capture, after the rows, may have lost it: cache.h).
-      const bool reached = cache.offset(0) >= at.front();
-      ASSERT_LE(taken.size(), reached ? 1U : 0U);
-      if (!taken.empty()) {
-        EXPECT_EQ(taken.front()->to(), at.front());
-        const Ids& ids = script.held[0];
-        Ids captured(ids.begin() + taken.front()->from(), ids.begin() + at.front());
-        script.snapshots["captured"] = {std::move(taken.front()), std::move(captured)};
-      }
-    }
-    cache.cancel_snapshots(0);
+  // A capture scheduled inside a write.
+  const int64_t at = cache.offset(0) + 1;
+  if (SnapshotPtr s =
+          testing::capture_inside(cache, 0, at, [&] { script.write({0}, {id_range(20, 3)}); })) {
+    const Ids& ids = script.held[0];
+    Ids captured(ids.begin() + s->from(), ids.begin() + at);
+    script.snapshots["captured"] = {std::move(s), std::move(captured)};
   }
   script.check();
   testing::disarm();

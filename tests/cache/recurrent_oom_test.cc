@@ -152,23 +152,12 @@ void run_script(RecurrentCache& cache) {
   script.forward(1, id_range(200, 4));
   script.restore(0, "one");
   script.forward(0, {300});
-  // Captures scheduled inside a forward.
-  const std::vector<int64_t> at{cache.offset(0) + 2};
-  if (armed_call([&] { cache.prepare_snapshots(0, at); })) {
-    script.forward(0, id_range(400, 3));
-    std::vector<SnapshotPtr> taken;
-    if (armed_call([&] { taken = cache.take_reached_snapshots(0); })) {
-      // A capture only where the forward that reaches it went in (one that ran out while making
-      // the capture, after the state, may have lost it: cache.h).
-      ASSERT_LE(taken.size(), cache.offset(0) >= at.front() ? 1U : 0U);
-      if (!taken.empty()) {
-        EXPECT_EQ(taken.front()->to(), at.front());
-        const Ids& ids = script.held[0];
-        script.snapshots["captured"] = {std::move(taken.front()),
-                                        Ids(ids.begin(), ids.begin() + at.front())};
-      }
-    }
-    cache.cancel_snapshots(0);
+  // A capture scheduled inside a forward.
+  const int64_t at = cache.offset(0) + 2;
+  if (SnapshotPtr s =
+          testing::capture_inside(cache, 0, at, [&] { script.forward(0, id_range(400, 3)); })) {
+    const Ids& ids = script.held[0];
+    script.snapshots["captured"] = {std::move(s), Ids(ids.begin(), ids.begin() + at)};
   }
   script.check();
   testing::disarm();

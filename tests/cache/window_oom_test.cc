@@ -144,23 +144,12 @@ void run_script(RotatingKVCache& cache) {
   script.write({0}, {{300}});
   script.restore(1, "wrapped");
   script.write({1}, {id_range(400, 4)});
-  // Captures scheduled inside a chunk.
-  const std::vector<int64_t> at{cache.offset(0) + 2};
-  if (armed_call([&] { cache.prepare_snapshots(0, at); })) {
-    script.write({0}, {id_range(500, 3)});
-    std::vector<SnapshotPtr> taken;
-    if (armed_call([&] { taken = cache.take_reached_snapshots(0); })) {
-      // A capture only where the write that reaches it went in (one that ran out while making
-      // the capture, after the rows, may have lost it: cache.h).
-      ASSERT_LE(taken.size(), cache.offset(0) >= at.front() ? 1U : 0U);
-      if (!taken.empty()) {
-        EXPECT_EQ(taken.front()->to(), at.front());
-        const Ids& ids = script.held[0];
-        script.snapshots["captured"] = {std::move(taken.front()),
-                                        Ids(ids.begin(), ids.begin() + at.front())};
-      }
-    }
-    cache.cancel_snapshots(0);
+  // A capture scheduled inside a chunk.
+  const int64_t at = cache.offset(0) + 2;
+  if (SnapshotPtr s =
+          testing::capture_inside(cache, 0, at, [&] { script.write({0}, {id_range(500, 3)}); })) {
+    const Ids& ids = script.held[0];
+    script.snapshots["captured"] = {std::move(s), Ids(ids.begin(), ids.begin() + at)};
   }
   script.check();
   testing::disarm();

@@ -9,11 +9,13 @@
 // debugger with KVSNAP_OOM_BREAK=N: that allocation raises SIGTRAP before it throws.
 #pragma once
 
+#include <gtest/gtest.h>
 #include <kvsnap/cache.h>
 
 #include <cstdint>
 #include <functional>
 #include <utility>
+#include <vector>
 
 namespace kvsnap::testing {
 
@@ -33,6 +35,25 @@ int64_t counted_allocations();
 // failing, until a run makes fewer than n allocations — every one has failed once — or the test
 // has failed. Returns the runs made.
 int64_t sweep(const std::function<void()>& run);
+
+// A capture of sequence `seq` at offset `at`, scheduled inside the write `write` runs (which arms
+// its own call), each call armed: the capture, or null when a call ran out — then the schedule
+// is cancelled. A capture comes only where the write that reaches it went in (one that ran out
+// while making the capture, after the rows, may have lost it: cache.h).
+template <class Write>
+SnapshotPtr capture_inside(Cache& cache, SeqId seq, int64_t at, Write write) {
+  const std::vector<int64_t> offsets{at};
+  if (!armed_call([&] { cache.prepare_snapshots(seq, offsets); })) return nullptr;
+  write();
+  std::vector<SnapshotPtr> taken;
+  const bool took = armed_call([&] { taken = cache.take_reached_snapshots(seq); });
+  cache.cancel_snapshots(seq);
+  if (!took) return nullptr;
+  EXPECT_LE(taken.size(), cache.offset(seq) >= at ? 1U : 0U);
+  if (taken.empty()) return nullptr;
+  EXPECT_EQ(taken.front()->to(), at);
+  return std::move(taken.front());
+}
 
 // Splits `snapshot` at `at` and merges the halves back, each call armed: true when both returned
 // (`snapshot` is the merged one), false when one ran out (Cache::split and merge consume what
