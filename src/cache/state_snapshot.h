@@ -94,8 +94,8 @@ class Pooled {
   static void operator delete(void* object, std::size_t size) noexcept {
     if (size == sizeof(T) && !dead() && reuse_pooled_objects.load(std::memory_order_relaxed)) {
       List& pool = list();
-      if (pool.items.size() < kKeep) {
-        pool.items.push_back(object);  // capacity reserved up front: never allocates
+      if (pool.items.size() < pool.items.capacity()) {
+        pool.items.push_back(object);  // within the capacity reserved up front: never allocates
         return;
       }
     }
@@ -105,7 +105,14 @@ class Pooled {
  private:
   static constexpr std::size_t kKeep = 1024;
   struct List {
-    List() { items.reserve(kKeep); }
+    // A thread's list may first be made by a delete, which must not throw: without memory for
+    // it the list keeps no objects (every delete goes to the heap).
+    List() noexcept {
+      try {
+        items.reserve(kKeep);
+      } catch (const std::bad_alloc&) {
+      }
+    }
     ~List() {
       for (void* object : items) ::operator delete(object);
       dead() = true;

@@ -12,8 +12,10 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "cache/state_snapshot.h"
 #include "support/cache_support.h"
 #include "support/failing_allocation.h"
 
@@ -167,6 +169,27 @@ TEST_P(CacheOutOfMemory, EveryFailedAllocationLeavesTheSequencesAsTheContractSay
     EXPECT_EQ(live_bytes(), bytes);  // no array outlives the cache and its snapshots
   });
   EXPECT_GE(runs, 20);  // the cache's own allocations (31 and 61 as written)
+}
+
+// A snapshot released on a thread that has never made or released one: that thread's free list
+// of snapshot objects is made by the delete, which must cope without memory for it (before, its
+// reserve threw inside a noexcept operator delete and ended the process).
+TEST(PooledObjects, ReleasedOnAFreshThreadWithoutMemory) {
+  KVCache cache;
+  const Ids ids = id_range(0, 6);
+  (void)cache.update(Batch::rows({{0, 0, std::vector<int32_t>(6, 0)}}), kv.keys(ids),
+                     kv.values(ids));
+  SnapshotPtr snapshot = cache.snapshot(0, 2);
+  ASSERT_NE(snapshot, nullptr);
+  testing::start_run(1);                // the first allocation fails
+  detail::reuse_pooled_objects = true;  // start_run turns reuse off; this test is about it
+  bool returned = false;
+  std::thread([&] { returned = armed_call([&] { snapshot.reset(); }); }).join();
+  detail::reuse_pooled_objects = false;
+  testing::disarm();
+  EXPECT_TRUE(returned);
+  EXPECT_TRUE(testing::failed_in_run());  // the list's reserve ran out, and was coped with
+  EXPECT_EQ(cache.offset(0), 6);
 }
 
 INSTANTIATE_TEST_SUITE_P(Kinds, CacheOutOfMemory, ::testing::Bool(),
