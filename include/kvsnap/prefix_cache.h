@@ -48,14 +48,15 @@
 //
 // Out of memory (std::bad_alloc, or an Error saying so): a begin or close that runs out ends its
 // session (the slot is free again); after an append_output that runs out, which records nothing,
-// call it again; after a prefill_done or schedule_snapshots that runs out, close the session (its
-// captures may be lost). Other slots' sessions go on. The trie stays consistent, and over its
-// budget at most until the next call's eviction. A node that a split or merge of its snapshots
-// ran out on loses that layer's range: restores stop at that node, save leaves it (and what lies
-// below it) out, and the next request over those tokens inserts them again. Outputs still equal
-// recomputation. A load that runs out while building the loaded trie leaves the trie as it was;
-// one that runs out while decoding the file's JSON may end the process (nlohmann::json's
-// destructors allocate).
+// call it again; a schedule_snapshots that runs out keeps the session's earlier schedule (or, when
+// even that cannot be made again, none: fewer restore points, outputs unchanged) and it goes on;
+// after a prefill_done that runs out, close the session (its captures may be lost). Other slots'
+// sessions go on. The trie stays consistent, and over its budget at most until the next call's
+// eviction. A node that a split or merge of its snapshots ran out on loses that layer's range:
+// restores stop at that node, save leaves it (and what lies below it) out, and the next request
+// over those tokens inserts them again. Outputs still equal recomputation. A load that runs out
+// while building the loaded trie leaves the trie as it was; one that runs out while decoding the
+// file's JSON may end the process (nlohmann::json's destructors allocate).
 #pragma once
 
 #include <cstdint>

@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "prefix/tier_link.h"
 
@@ -116,13 +117,34 @@ bool Slot::complete_boundary(const std::vector<Node*>& path, int64_t offset) con
   return false;
 }
 
-void Slot::prepare(const std::vector<int64_t>& offsets) {
-  for (const LayerInfo& layer : trie_.layers()) {
-    if (layer.cache == nullptr) continue;
-    layer.cache->cancel_snapshots(id_);
-    layer.cache->prepare_snapshots(id_, offsets);
+void Slot::prepare(std::vector<int64_t> offsets) {
+  const auto schedule = [&](const std::vector<int64_t>& chosen) {
+    for (const LayerInfo& layer : trie_.layers()) {
+      if (layer.cache == nullptr) continue;
+      layer.cache->cancel_snapshots(id_);
+      layer.cache->prepare_snapshots(id_, chosen);
+    }
+  };
+  try {
+    schedule(offsets);
+  } catch (...) {
+    // No write has come since the session's schedule was made (the caches stand where it
+    // began), so making it again captures the same.
+    std::vector<int64_t>& scheduled = session_->scheduled;
+    try {
+      schedule(scheduled);
+    } catch (...) {
+      for (const LayerInfo& layer : trie_.layers()) {
+        try {
+          if (layer.cache != nullptr) layer.cache->cancel_snapshots(id_);
+        } catch (...) {  // nothing is left of what it was asked to capture either way
+        }
+      }
+      scheduled.clear();
+    }
+    throw;
   }
-  session_->scheduled = offsets;
+  session_->scheduled = std::move(offsets);  // allocates nothing
 }
 
 std::vector<int64_t> Slot::schedule_for(const std::vector<Node*>& path) const {
@@ -155,10 +177,17 @@ void Slot::schedule_snapshots(std::span<const int64_t> offsets) {
                       o, fmt::join(offsets, ", "), s.cached, s.prompt_length));
     }
   }
-  s.user_offsets.insert(offsets.begin(), offsets.end());
-  // The match may be stale if evictions ran since begin; recompute it from the trie_.
-  const std::span<const int32_t> prompt(s.tokens.data(), static_cast<size_t>(s.prompt_length));
-  prepare(schedule_for(trie_.match(prompt).path));
+  // A call that runs out leaves the session as it was: its user offsets and its schedule.
+  std::set<int64_t> before = s.user_offsets;
+  try {
+    s.user_offsets.insert(offsets.begin(), offsets.end());
+    // The match may be stale if evictions ran since begin; recompute it from the trie_.
+    const std::span<const int32_t> prompt(s.tokens.data(), static_cast<size_t>(s.prompt_length));
+    prepare(schedule_for(trie_.match(prompt).path));
+  } catch (...) {
+    s.user_offsets = std::move(before);
+    throw;
+  }
 }
 
 void Slot::prefill_done() {

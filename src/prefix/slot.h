@@ -94,7 +94,11 @@ class Slot {
             common_prefix(live_.tokens(), prompt.subspan(0, static_cast<size_t>(limit)))};
   }
   bool complete_boundary(const std::vector<Node*>& path, int64_t offset) const;
-  void prepare(const std::vector<int64_t>& offsets);
+  // Schedules `offsets` on every layer (the session's schedule then). All or nothing: one that
+  // runs out puts the session's schedule back on every layer, or, when that runs out too,
+  // leaves none on any (a layer whose captures were not the others' would have them inserted
+  // at the wrong offsets), and rethrows.
+  void prepare(std::vector<int64_t> offsets);
   std::vector<int64_t> schedule_for(const std::vector<Node*>& path) const;
   void attach_captures(bool complete);
 

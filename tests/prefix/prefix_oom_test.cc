@@ -15,6 +15,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "prefix/trie.h"
 #include "prefix/trie_file.h"
@@ -51,6 +52,12 @@ const Tokens kReply = tokens(900, 3);
 void serve(PrefixCache& cache, HybridStack& stack, const Tokens& prompt) {
   std::optional<PrefixCache::Session> session;
   if (!armed_call([&] { session.emplace(cache.begin(prompt)); })) return;
+  // A restore point near the prompt's end; one that runs out leaves the session's schedule as
+  // it was, and the request goes on.
+  const std::vector<int64_t> mark{static_cast<int64_t>(prompt.size()) - 3};
+  if (mark.front() > session->cached()) {
+    (void)armed_call([&] { session->schedule_snapshots(mark); });
+  }
   ASSERT_TRUE(stack.forward_and_check(session->remaining(), prompt));
   if (!armed_call([&] { session->prefill_done(); })) return;
   Tokens sequence = prompt;
