@@ -16,8 +16,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 #include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -25,22 +30,47 @@ namespace kvsnap::detail {
 
 namespace {
 
-// The pid of a temporary of `prefix` named "<prefix><pid>-<n>" (or "<prefix><pid>", as kvsnap
-// named them before), or 0 for any other name.
-pid_t temporary_owner(const std::string& name, const std::string& prefix) {
-  if (name.size() <= prefix.size() || name.compare(0, prefix.size(), prefix) != 0) return 0;
-  const std::string rest = name.substr(prefix.size());
-  const size_t dash = rest.find('-');
-  const std::string digits = rest.substr(0, dash);
-  const std::string number = dash == std::string::npos ? "" : rest.substr(dash + 1);
-  const auto all_digits = [](const std::string& text) {
-    return std::all_of(text.begin(), text.end(), [](unsigned char c) { return std::isdigit(c); });
-  };
-  if (digits.empty() || digits.size() > 9 || !all_digits(digits)) return 0;
-  if (dash != std::string::npos && (number.empty() || number.size() > 20 || !all_digits(number))) {
-    return 0;
+// A temporary's name after `prefix`: "<pid>-<n>-<place>", or as older kvsnap named them,
+// "<pid>-<n>" or "<pid>" (place empty, number -1 where absent).
+struct TemporaryName {
+  pid_t pid = 0;  // 0: not a temporary's name
+  int64_t number = -1;
+  std::string place;
+};
+
+TemporaryName parse_temporary(const std::string& name, const std::string& prefix) {
+  if (name.size() <= prefix.size() || name.compare(0, prefix.size(), prefix) != 0) return {};
+  std::vector<std::string> parts;
+  for (size_t at = prefix.size();;) {
+    const size_t dash = name.find('-', at);
+    parts.push_back(name.substr(at, dash == std::string::npos ? dash : dash - at));
+    if (dash == std::string::npos) break;
+    at = dash + 1;
   }
-  return static_cast<pid_t>(std::stol(digits));
+  const auto made_of = [](const std::string& text, size_t most, auto is_digit) {
+    return !text.empty() && text.size() <= most &&
+           std::all_of(text.begin(), text.end(), [&](unsigned char c) { return is_digit(c); });
+  };
+  const auto decimal = [](unsigned char c) { return std::isdigit(c) != 0; };
+  const auto hex = [](unsigned char c) { return std::isdigit(c) != 0 || (c >= 'a' && c <= 'f'); };
+  if (parts.size() > 3 || !made_of(parts[0], 9, decimal)) return {};
+  if (parts.size() >= 2 && !made_of(parts[1], 19, decimal)) return {};
+  if (parts.size() == 3 && (parts[2].size() != 16 || !made_of(parts[2], 16, hex))) return {};
+  TemporaryName out;
+  out.pid = static_cast<pid_t>(std::stol(parts[0]));
+  if (parts.size() >= 2) out.number = std::stoll(parts[1]);
+  if (parts.size() == 3) out.place = parts[2];
+  return out;
+}
+
+// The numbers of this process's temporaries being written now: the only ones of its pid, named
+// from its place, that are not stale.
+std::mutex in_flight_mutex;
+std::set<int64_t> in_flight;
+
+bool writing(int64_t number) {
+  const std::lock_guard<std::mutex> lock(in_flight_mutex);
+  return in_flight.count(number) > 0;
 }
 
 }  // namespace
@@ -55,13 +85,21 @@ bool list_folder(const std::string& folder, const std::function<bool(const char*
   return true;
 }
 
-namespace {
-
-// When the library was loaded, in seconds since the epoch: every temporary this process
-// writes is younger (it writes them), so one of this pid that is older is an earlier process's.
-const int64_t loaded_at = static_cast<int64_t>(::time(nullptr));
-
-}  // namespace
+const std::string& writer_place() {
+  static const std::string place = [] {
+    std::string identity;
+    std::ifstream("/proc/sys/kernel/random/boot_id") >> identity;  // empty where there is none
+    struct stat ns {};
+    if (::stat("/proc/self/ns/pid", &ns) == 0) {
+      identity +=
+          fmt::format(" {} {}", static_cast<uint64_t>(ns.st_dev), static_cast<uint64_t>(ns.st_ino));
+    }
+    char host[256] = {};
+    if (::gethostname(host, sizeof(host) - 1) == 0) identity += fmt::format(" {}", host);
+    return fmt::format("{:016x}", XXH64(identity.data(), identity.size(), 0));
+  }();
+  return place;
+}
 
 void remove_stale_temporaries(const std::string& path) {
   namespace fs = std::filesystem;
@@ -69,18 +107,24 @@ void remove_stale_temporaries(const std::string& path) {
     const fs::path target(path);
     const std::string prefix = target.filename().string() + ".tmp-";
     const fs::path folder = target.parent_path().empty() ? fs::path(".") : target.parent_path();
+    const std::string& here = writer_place();
+    const time_t now = ::time(nullptr);
     // Best effort: an unreadable folder is left as it is.
     (void)list_folder(folder.string(), [&](const char* name) {
-      const pid_t pid = temporary_owner(name, prefix);
-      if (pid <= 0) return true;
+      const TemporaryName temporary = parse_temporary(name, prefix);
+      if (temporary.pid <= 0) return true;
       const fs::path file = folder / name;
-      // kill(pid, 0) probes without signalling: ESRCH means no such process (EPERM: one runs).
-      // One of this pid older than this library in this process is an earlier process's (a
-      // container's engine is pid 1 on every start); this process's own may be in use.
-      struct stat status {};
-      const bool stale = pid != ::getpid() ? ::kill(pid, 0) != 0 && errno == ESRCH
-                                           : ::lstat(file.c_str(), &status) == 0 &&
-                                                 status.st_mtim.tv_sec < loaded_at;
+      bool stale = false;
+      if (temporary.place != here) {
+        struct stat status {};
+        stale = ::lstat(file.c_str(), &status) == 0 &&
+                status.st_mtim.tv_sec < now - static_cast<time_t>(kStaleForeignTemporary);
+      } else if (temporary.pid != ::getpid()) {
+        // kill(pid, 0) probes without signalling: ESRCH means no such process (EPERM: one runs).
+        stale = ::kill(temporary.pid, 0) != 0 && errno == ESRCH;
+      } else {
+        stale = !writing(temporary.number);
+      }
       if (stale) (void)::unlink(file.c_str());  // best effort: the next one may go
       return true;
     });
@@ -95,8 +139,26 @@ namespace {
 std::atomic<uint64_t> temporaries_named{0};
 
 std::string temporary_path(const std::string& path, uint64_t number) {
-  return fmt::format("{}.tmp-{}-{}", path, ::getpid(), number);
+  return fmt::format("{}.tmp-{}-{}-{}", path, ::getpid(), number, writer_place());
 }
+
+// Marks a temporary's number as being written while it lives (see remove_stale_temporaries).
+class InFlight {
+ public:
+  explicit InFlight(int64_t number) : number_(number) {
+    const std::lock_guard<std::mutex> lock(in_flight_mutex);
+    in_flight.insert(number);
+  }
+  ~InFlight() {
+    const std::lock_guard<std::mutex> lock(in_flight_mutex);
+    in_flight.erase(number_);
+  }
+  InFlight(const InFlight&) = delete;
+  InFlight& operator=(const InFlight&) = delete;
+
+ private:
+  int64_t number_;
+};
 
 }  // namespace
 
@@ -142,8 +204,12 @@ void write_file_atomically(const std::string& path, const std::string& bytes, bo
   const std::string call = fmt::format("writing {}", path);
   std::string temporary;
   FileDescriptor created;
+  std::optional<InFlight> marked;
   for (int tried = 1; created.get() < 0; ++tried) {
-    temporary = temporary_path(path, temporaries_named.fetch_add(1));
+    const uint64_t number = temporaries_named.fetch_add(1);
+    temporary = temporary_path(path, number);
+    marked.reset();
+    marked.emplace(static_cast<int64_t>(number));  // before the file exists: never swept
     created = create_private_file(temporary, call, /*exclusive=*/true);
     if (created.get() < 0 && tried == kNames) {
       throw Error(fmt::format("{}: the {} temporary names up to {} are all taken", call, kNames,

@@ -14,10 +14,12 @@
 namespace kvsnap::detail {
 
 // Writes `bytes` to `path` atomically: a temporary file in the same folder,
-// `path`.tmp-<pid>-<n> with n a count of this process's temporaries (so each call has its own:
-// saves of one path from several threads do not touch each other's, and the last rename wins,
-// one whole save; a name already there — another PID namespace's process of this pid — is
-// skipped, never written into), created mode 0600 whatever the umask (see create_private_file),
+// `path`.tmp-<pid>-<n>-<place> with n a count of this process's temporaries (so each call has its
+// own: saves of one path from several threads do not touch each other's, and the last rename
+// wins, one whole save) and <place> 16 hex digits naming this boot of this host and this PID
+// namespace (writer_place(): writers of one pid in two containers, or on two hosts sharing the
+// folder, name theirs apart; a name already there is skipped all the same, never written into),
+// created mode 0600 whatever the umask (see create_private_file),
 // fsync, rename over `path`, fsync of the folder. On failure before the rename `path` is
 // untouched and Error is thrown; a failed fsync of the folder after it is an Error too (the new
 // file is in place, but a crash could undo the rename).
@@ -119,12 +121,19 @@ std::error_code make_private_folders(const std::string& path);
 // of it, so running out of memory there would terminate the process.
 bool list_folder(const std::string& folder, const std::function<bool(const char* name)>& visit);
 
-// Removes `path`.tmp-<pid>-<n> (and `path`.tmp-<pid>, the older name) files left by writers that
-// died mid-save (a kill -9): only those of `path`, and only when no process <pid> runs — or, of
-// this process's pid, when written before it started (an earlier process of the same pid: a
-// container's engine is pid 1 each time); this process's own are never removed (another thread
-// may be writing one). Errors are ignored (best effort).
+// Removes temporaries of `path` (and only of it) left by writers that died mid-save (a kill -9).
+// One named from this place (see write_file_atomically) is stale when no process <pid> runs here,
+// or, of this process's pid, when no write of this process uses it now (an earlier process of the
+// same pid: a container's engine is pid 1 each time). One named from another place — another
+// container or host, whose processes cannot be probed from here —, and the names older kvsnap
+// gave (`path`.tmp-<pid>-<n>, `path`.tmp-<pid>), are stale once unchanged for
+// kStaleForeignTemporary: no save takes that long. Errors are ignored (best effort).
 void remove_stale_temporaries(const std::string& path);
+inline constexpr int64_t kStaleForeignTemporary = 3600;  // seconds
+
+// This boot of this host and this process's PID namespace, as 16 hex digits (a hash of the
+// kernel's boot id, the namespace's inode and the host name).
+const std::string& writer_place();
 
 // kvsnap files are sealed: metadata "checksum" holds the xxHash64, as 16 hex digits, of every
 // byte of the file with those 16 digits written as '0' — so any damaged byte (data, header,

@@ -1,8 +1,10 @@
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <kvsnap/kvsnap.h>
 #include <signal.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -15,6 +17,7 @@
 #include <thread>
 
 #include "cache/snapshot_record.h"
+#include "persist/files.h"
 #include "persist/safetensors.h"
 #include "support/cache_support.h"
 #include "support/private_support.h"
@@ -285,30 +288,50 @@ TEST(SnapshotFile, SavingRemovesTemporariesOfDeadWritersOnly) {
   const pid_t dead = ::fork();
   if (dead == 0) ::_exit(0);
   ::waitpid(dead, nullptr, 0);  // reaped: no process has this pid now
-  // Temporaries are named <path>.tmp-<pid>-<n>; <path>.tmp-<pid> is how they were named before.
-  const std::string stale = path + ".tmp-" + std::to_string(dead) + "-7";
-  const std::string stale_old = path + ".tmp-" + std::to_string(dead);
-  const std::string live = path + ".tmp-" + std::to_string(::getppid()) + "-3";
-  const std::string live_old = path + ".tmp-" + std::to_string(::getppid());
-  const std::string mine = path + ".tmp-" + std::to_string(::getpid()) + "-999999";
-  const std::string other = scratch("other.safetensors").string() + ".tmp-" + std::to_string(dead);
-  const std::string not_ours = path + ".tmp-" + std::to_string(dead) + "-x";
-  for (const std::string& name : {stale, stale_old, live, live_old, mine, other, not_ours}) {
+  // Temporaries are named <path>.tmp-<pid>-<n>-<place>; <path>.tmp-<pid>-<n> and
+  // <path>.tmp-<pid> are how they were named before.
+  const std::string here = "-" + detail::writer_place();
+  const std::string elsewhere = "-0123456789abcdef";
+  const auto named = [&](pid_t pid, const std::string& rest) {
+    return path + ".tmp-" + std::to_string(pid) + rest;
+  };
+  const std::string stale = named(dead, "-7" + here);
+  const std::string live = named(::getppid(), "-3" + here);
+  const std::string mine = named(::getpid(), "-999999" + here);  // no write of ours uses it
+  // Another container's or host's (or an older kvsnap's): its writer cannot be probed from
+  // here, so only an old one goes.
+  const std::string foreign = named(dead, "-7" + elsewhere);
+  const std::string foreign_old = named(dead, "-8" + elsewhere);
+  const std::string legacy = named(dead, "-7");
+  const std::string legacy_old = named(dead, "");
+  const std::string other = scratch("other.safetensors").string() + ".tmp-" + std::to_string(dead) +
+                            "-1" + here;           // not a temporary of this file
+  const std::string not_ours = named(dead, "-x");  // not a name kvsnap gives
+  const std::string bad_place = named(dead, "-7-0123456789ABCDEF");
+  for (const std::string& name :
+       {stale, live, mine, foreign, foreign_old, legacy, legacy_old, other, not_ours, bad_place}) {
     std::ofstream(name) << "partial";
   }
+  const auto age = [](const std::string& name, int64_t seconds) {
+    const timespec times[2] = {{::time(nullptr) - seconds, 0}, {::time(nullptr) - seconds, 0}};
+    ASSERT_EQ(::utimensat(AT_FDCWD, name.c_str(), times, 0), 0) << name;
+  };
+  age(foreign_old, detail::kStaleForeignTemporary + 60);
+  age(legacy_old, detail::kStaleForeignTemporary + 60);
+  age(foreign, detail::kStaleForeignTemporary - 60);
+  age(live, detail::kStaleForeignTemporary + 60);  // a live writer's stays however old
   Fixture f;
   save_snapshots(path, 9, f.snapshots);
-  EXPECT_FALSE(std::filesystem::exists(stale));
-  EXPECT_FALSE(std::filesystem::exists(stale_old));
-  for (const std::string& name : {live, live_old, mine}) {
-    EXPECT_TRUE(std::filesystem::exists(name)) << name;  // its writer may still be running
+  for (const std::string& name : {stale, mine, foreign_old, legacy_old}) {
+    EXPECT_FALSE(std::filesystem::exists(name)) << name;
   }
-  EXPECT_TRUE(std::filesystem::exists(other));     // not a temporary of this file
-  EXPECT_TRUE(std::filesystem::exists(not_ours));  // not a name kvsnap gives
+  for (const std::string& name : {live, foreign, legacy, other, not_ours, bad_place}) {
+    EXPECT_TRUE(std::filesystem::exists(name)) << name;
+  }
   std::ofstream(stale) << "partial";
   (void)load_snapshots(path);
   EXPECT_FALSE(std::filesystem::exists(stale));
-  for (const std::string& name : {live, live_old, mine, other, not_ours}) {
+  for (const std::string& name : {live, foreign, legacy, other, not_ours, bad_place}) {
     std::filesystem::remove(name);
   }
 }

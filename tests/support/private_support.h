@@ -13,6 +13,8 @@
 #include <optional>
 #include <string>
 
+#include "persist/files.h"
+
 namespace kvsnap::testing {
 
 // `name` in this process's private scratch folder for `tag` (TMPDIR/kvsnap_<tag>_<pid>, created
@@ -99,7 +101,8 @@ inline std::string dead_writers_temporary(const std::string& path) {
   const pid_t dead = ::fork();
   if (dead == 0) ::_exit(0);
   ::waitpid(dead, nullptr, 0);
-  const std::string name = path + ".tmp-" + std::to_string(dead) + "-1";
+  const std::string name =
+      path + ".tmp-" + std::to_string(dead) + "-1-" + detail::writer_place();  // files.h
   std::FILE* file = std::fopen(name.c_str(), "w");
   EXPECT_NE(file, nullptr) << name;
   if (file != nullptr) std::fclose(file);
