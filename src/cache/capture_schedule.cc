@@ -8,9 +8,12 @@ namespace kvsnap::detail {
 void CaptureSchedule::prepare(std::span<const int64_t> offsets, int64_t current, const char* call) {
   check(offsets, current, call);
   if (offsets.empty()) return;
-  offsets_.assign(offsets.begin(), offsets.end());
+  // Each allocates (only when its capacity is short) before it changes anything: one that runs
+  // out leaves no schedule at all.
   captured_.clear();
-  captured_.reserve(offsets_.size());
+  captured_.reserve(offsets.size());
+  offsets_.assign(offsets.begin(), offsets.end());
+  lost_ = false;
   start_ = current;
   active_ = true;
 }
@@ -60,27 +63,35 @@ void CaptureSchedule::require_idle(const char* call) const {
 
 std::vector<int64_t> CaptureSchedule::interior(int64_t lo, int64_t hi) const {
   std::vector<int64_t> out;
+  if (lost_) return out;
   for (size_t i = captured_.size(); i < offsets_.size(); ++i) {
     if (offsets_[i] > lo && offsets_[i] < hi) out.push_back(offsets_[i] - lo);
   }
   return out;
 }
 
-std::vector<SnapshotPtr> CaptureSchedule::take(int64_t current, const char* call) {
+void CaptureSchedule::check_complete(int64_t current, const char* call) const {
+  if (lost_) {
+    throw Error(fmt::format(
+        "{}: the capture at offset {} was lost (out of memory when a write reached it); "
+        "take_reached_snapshots() gives the {} before it",
+        call, offsets_[captured_.size()], captured_.size()));
+  }
   if (captured_.size() < offsets_.size()) {
     throw Error(fmt::format("{}: scheduled offset {} not reached (cache offset {})", call,
                             offsets_[captured_.size()], current));
   }
+}
+
+std::vector<SnapshotPtr> CaptureSchedule::take(int64_t current, const char* call) {
+  check_complete(current, call);
   std::vector<SnapshotPtr> out = std::move(captured_);
   clear();
   return out;
 }
 
 void CaptureSchedule::take_into(std::vector<SnapshotPtr>& into, int64_t current, const char* call) {
-  if (captured_.size() < offsets_.size()) {
-    throw Error(fmt::format("{}: scheduled offset {} not reached (cache offset {})", call,
-                            offsets_[captured_.size()], current));
-  }
+  check_complete(current, call);
   into.clear();
   into.swap(captured_);
   clear();
@@ -88,6 +99,7 @@ void CaptureSchedule::take_into(std::vector<SnapshotPtr>& into, int64_t current,
 
 size_t CaptureSchedule::interior_count(int64_t lo, int64_t hi) const {
   size_t count = 0;
+  if (lost_) return count;
   for (size_t i = captured_.size(); i < offsets_.size(); ++i) {
     if (offsets_[i] > lo && offsets_[i] < hi) ++count;
   }
@@ -102,6 +114,7 @@ std::vector<SnapshotPtr> CaptureSchedule::take_reached() {
 
 void CaptureSchedule::clear() {
   active_ = false;
+  lost_ = false;
   offsets_.clear();
   captured_.clear();
   start_ = 0;

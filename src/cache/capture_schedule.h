@@ -25,10 +25,18 @@ class CaptureSchedule {
   // Throws Error naming `call` while a schedule is pending (the cache may not move backwards).
   void require_idle(const char* call) const;
 
-  // The next offset still to capture, or -1.
+  // The next offset still to capture, or -1 (also once a capture was lost).
   int64_t next() const {
-    return captured_.size() < offsets_.size() ? offsets_[captured_.size()] : -1;
+    return !lost_ && captured_.size() < offsets_.size() ? offsets_[captured_.size()] : -1;
   }
+  // The capture for next() could not be made when its write reached it (out of memory). A
+  // window's or a state's capture made by a later write would hold a later one, so the schedule
+  // stops there: nothing more is captured, take() throws saying so, and take_reached() gives
+  // the captures before it.
+  void lose() { lost_ = true; }
+  // Drops the last `count` captures recorded (a write that records captures, then fails before
+  // it changes anything, takes them back).
+  void unrecord(size_t count) { captured_.resize(captured_.size() - count); }
   // Where the edge of the next capture begins: the last captured offset, else the offset at
   // prepare time.
   int64_t edge_start() const { return captured_.empty() ? start_ : offsets_[captured_.size() - 1]; }
@@ -58,7 +66,11 @@ class CaptureSchedule {
   void clear();
 
  private:
+  // Throws the Error take(current, call) throws when it cannot give every capture.
+  void check_complete(int64_t current, const char* call) const;
+
   bool active_ = false;
+  bool lost_ = false;
   int64_t start_ = 0;
   std::vector<int64_t> offsets_;
   std::vector<SnapshotPtr> captured_;

@@ -41,7 +41,14 @@ struct RecurrentSequence {
   }
   void capture_reached() {
     while (schedule.active() && schedule.next() >= 0 && schedule.next() <= offset) {
-      schedule.record(capture());
+      SnapshotPtr state;
+      try {
+        state = capture();
+      } catch (...) {
+        schedule.lose();  // a later write would capture a later state for this offset
+        throw;
+      }
+      schedule.record(std::move(state));
     }
   }
   void reset() {
@@ -147,11 +154,17 @@ class RecurrentCacheImpl {
     // The scheduled offsets inside (offset, offset + length), in order: no vector (a
     // speculation round's put allocates nothing).
     const int64_t end = sequence.offset + length;
-    for (size_t i = 0; sequence.schedule.active() && sequence.schedule.next() > sequence.offset &&
-                       sequence.schedule.next() < end;
-         ++i) {
-      sequence.schedule.record(
-          std::make_unique<RecurrentSnapshot>(conv[i], delta[i], sequence.schedule.next()));
+    size_t recorded = 0;
+    try {
+      for (; sequence.schedule.active() && sequence.schedule.next() > sequence.offset &&
+             sequence.schedule.next() < end;
+           ++recorded) {
+        sequence.schedule.record(std::make_unique<RecurrentSnapshot>(
+            conv[recorded], delta[recorded], sequence.schedule.next()));
+      }
+    } catch (...) {
+      sequence.schedule.unrecord(recorded);  // the row is as it was: its schedule too
+      throw;
     }
     sequence.conv = conv.back();
     sequence.delta = delta.back();
@@ -361,7 +374,12 @@ void RecurrentCache::prepare_snapshots(SeqId seq, std::span<const int64_t> offse
   if (offsets.empty()) return;  // schedules nothing: no sequence is made for it
   impl_->sequences.change(seq, call, [&](detail::RecurrentSequence& sequence) {
     sequence.schedule.prepare(offsets, sequence.offset, call);
-    sequence.capture_reached();
+    try {
+      sequence.capture_reached();  // an offset at the sequence's own is captured now
+    } catch (...) {
+      sequence.schedule.clear();  // a prepare that runs out schedules nothing
+      throw;
+    }
   });
 }
 

@@ -90,7 +90,14 @@ class RotatingSequence final : public KVKind {
   // Captures are whole windows.
   void capture_reached() override {
     while (schedule.active() && schedule.next() >= 0 && schedule.next() <= offset) {
-      schedule.record(capture_window(schedule.next()));
+      SnapshotPtr window;
+      try {
+        window = capture_window(schedule.next());
+      } catch (...) {
+        schedule.lose();  // a later write would capture a later window for this offset
+        throw;
+      }
+      schedule.record(std::move(window));
     }
   }
 
@@ -163,6 +170,7 @@ class RotatingSequence final : public KVKind {
         store.stats.growth_bytes += kept * store.token_bytes();
       }
       start = 0;
+      length = kept;  // what the columns hold now, should the write below run out
     } else {
       // Fresh linear buffer with room for the window to keep growing by another window.
       relinearize(kept, round_up(std::max(need + std::min(need, max_size), max_size),

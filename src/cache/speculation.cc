@@ -156,8 +156,8 @@ void Speculation::check_layer(const Layer& layer, int64_t target) const {
     if (is_round_schedule(s, start_, drafts_) && s.reached == s.count) return;
     throw Error(fmt::format(
         "Speculation::accept: the round's captures of sequence {} at offsets {} to {} on layer "
-        "{} were taken or replaced (its schedule now: {}): the round cannot return there; "
-        "cancel it",
+        "{} were taken, replaced or lost (out of memory while the verify forward made them; its "
+        "schedule now: {}): the round cannot return there; cancel it",
         seq_, start_ + 1, start_ + drafts_, layer.index, describe(s)));
   }
   if (s.pending) {

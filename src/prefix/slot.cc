@@ -202,15 +202,16 @@ void Slot::prefill_done() {
                     "remaining() ({} tokens from offset {}) first",
                     offset, s.prompt_length - s.cached, s.cached));
   }
-  attach_captures(/*complete=*/true);
+  attach_captures();
   live_.set_tokens(std::span(s.tokens).subspan(0, static_cast<size_t>(s.prompt_length)));
   s.phase = SessionState::Phase::decode;
   evict_(Change::shared);  // the inserted nodes may have split others, lazy in other slots' caches
 }
 
-// Takes the layers' captures of the session's schedule — all of them, or (a prefill cut
-// short) those the evaluated tokens reached — and inserts them as trie nodes.
-void Slot::attach_captures(bool complete) {
+// Takes the layers' captures of the session's schedule that the evaluated tokens reached — all of
+// them after a whole prefill, but one a write lost running out of memory (and those after it) —
+// and inserts them as trie nodes.
+void Slot::attach_captures() {
   SessionState& s = *session_;
   const size_t layers = trie_.layers().size();
   std::vector<std::vector<SnapshotPtr>> captures(layers);
@@ -218,7 +219,7 @@ void Slot::attach_captures(bool complete) {
   for (size_t i = 0; i < layers; ++i) {
     Cache* cache = trie_.layers()[i].cache;
     if (cache == nullptr) continue;
-    captures[i] = complete ? cache->take_snapshots(id_) : cache->take_reached_snapshots(id_);
+    captures[i] = cache->take_reached_snapshots(id_);
     reached = std::min(reached, captures[i].size());
   }
   int64_t edge_start = s.cached;
@@ -290,7 +291,7 @@ void Slot::close_session() {
       prefill_done();
     } else if (offset >= s.cached && offset < s.prompt_length) {
       // A prefill cut short: keep the captures it passed, as restore points.
-      attach_captures(/*complete=*/false);
+      attach_captures();
     } else {
       for (const LayerInfo& layer : trie_.layers()) {
         if (layer.cache != nullptr) layer.cache->cancel_snapshots(id_);

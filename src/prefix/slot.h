@@ -100,7 +100,7 @@ class Slot {
   // at the wrong offsets), and rethrows.
   void prepare(std::vector<int64_t> offsets);
   std::vector<int64_t> schedule_for(const std::vector<Node*>& path) const;
-  void attach_captures(bool complete);
+  void attach_captures();
 
   Trie& trie_;
   const SeqId id_;

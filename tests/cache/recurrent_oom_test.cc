@@ -160,6 +160,26 @@ void run_script(RecurrentCache& cache) {
     script.snapshots["captured"] = {std::move(s), Ids(ids.begin(), ids.begin() + at)};
   }
   script.check();
+  // Two captures, inside a forward and at its end, then another forward: a put that runs out
+  // recording the inside one leaves the schedule as it was; one that runs out capturing at the
+  // end (the state moved) loses the rest of the schedule (a state captured later would be a
+  // later one); the reached ones come.
+  const std::vector<int64_t> marks{cache.offset(1) + 2, cache.offset(1) + 4};
+  if (armed_call([&] { cache.prepare_snapshots(1, marks); })) {
+    script.forward(1, id_range(500, 4));
+    script.forward(1, id_range(600, 3));
+    std::vector<SnapshotPtr> taken;
+    if (armed_call([&] { taken = cache.take_reached_snapshots(1); })) {
+      const Ids& ids = script.held[1];
+      for (size_t i = 0; i < taken.size(); ++i) {
+        EXPECT_EQ(taken[i]->to(), marks[i]);
+        script.snapshots["mark " + std::to_string(i)] = {std::move(taken[i]),
+                                                         Ids(ids.begin(), ids.begin() + marks[i])};
+      }
+    }
+    cache.cancel_snapshots(1);
+  }
+  script.check();
   testing::disarm();
   script.check_snapshots(7);
 }

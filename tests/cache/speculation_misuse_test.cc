@@ -175,7 +175,7 @@ void round_losing_its_captures(bool paged, int64_t window, Interference how, boo
   }
   const CopyStats copies = stack.recurrent.copy_stats();
   for (int attempt = 0; attempt < 2; ++attempt) {
-    expect_error([&] { round.accept(1); }, "were taken or replaced");
+    expect_error([&] { round.accept(1); }, "were taken, replaced or lost");
   }
   EXPECT_TRUE(round.open());
   expect_offsets(stack.layers(), 14);

@@ -152,6 +152,32 @@ void run_script(RotatingKVCache& cache) {
     script.snapshots["captured"] = {std::move(s), Ids(ids.begin(), ids.begin() + at)};
   }
   script.check();
+  // A chunk with no room after the window moves the kept tokens to column 0 and writes after
+  // them, over columns a lazy window names (copied out first, which may run out).
+  script.held[2] = {};
+  script.write({2}, {id_range(600, 12)});   // a fresh 256-column buffer
+  script.snapshot("moved over", 2);         // lazy: columns 8 to 11
+  script.write({2}, {id_range(700, 238)});  // in place: the window begins at column 8
+  script.write({2}, {id_range(1000, 10)});  // no room: the kept 4 move to column 0
+  // Two captures inside a chunk, then ring writes: one that runs out while capturing loses the
+  // rest of the schedule (the ring writes evict what its window held: one captured later would
+  // be a later one); the reached ones come.
+  const std::vector<int64_t> marks{cache.offset(2) + 2, cache.offset(2) + 4};
+  if (armed_call([&] { cache.prepare_snapshots(2, marks); })) {
+    script.write({2}, {id_range(1100, 6)});  // reaches both, inside the chunk
+    for (int64_t i = 0; i < 2; ++i) script.write({2}, {{1200 + i}});
+    std::vector<SnapshotPtr> taken;
+    if (armed_call([&] { taken = cache.take_reached_snapshots(2); })) {
+      const Ids& ids = script.held[2];
+      for (size_t i = 0; i < taken.size(); ++i) {
+        EXPECT_EQ(taken[i]->to(), marks[i]);
+        script.snapshots["mark " + std::to_string(i)] = {std::move(taken[i]),
+                                                         Ids(ids.begin(), ids.begin() + marks[i])};
+      }
+    }
+    cache.cancel_snapshots(2);
+  }
+  script.check();
   testing::disarm();
   script.check_snapshots(7);
 }

@@ -102,7 +102,7 @@ def test_a_round_refuses_a_layer_someone_else_scheduled():
     write(attention, 10, 14)
     write(window, 10, 14)
     window.cancel_snapshots()  # the round's captures, dropped by another call
-    with pytest.raises(kvsnap.Error, match=r"^Speculation::accept: the round's captures .* were taken or replaced"):
+    with pytest.raises(kvsnap.Error, match=r"^Speculation::accept: the round's captures .* were taken, replaced or lost"):
         round_.accept(0)
     assert round_.open and attention.offset == 14 and window.offset == 14  # nothing moved
     round_.cancel()
