@@ -92,6 +92,12 @@ std::string encode_trie(const Trie& trie, const std::string& model_id) {
         snapshots.push_back(nullptr);
         continue;
       }
+      if (layers[i]["kind"] == "other") {  // a load could not give it back to that layer
+        throw Error(fmt::format(
+            "PrefixCache::save: layer {} is a cache kind kvsnap does not know ({}): its "
+            "snapshots cannot be restored from a file, so the trie cannot be saved",
+            i, layers[i].dump()));
+      }
       const std::optional<RecordToWrite> write = record_to_write(*s);
       if (!write) {
         throw Error(fmt::format(
@@ -283,6 +289,10 @@ class TrieDecoder {
   SnapshotPtr snapshot(size_t n, size_t i, const Json& s, int64_t start, int64_t end) {
     const std::string expected =
         layers_[i].cache == nullptr ? "none" : describe(layers_[i])["kind"].get<std::string>();
+    if (expected == "other") {  // no snapshot kvsnap builds is that cache's own (save refuses)
+      throw fail(fmt::format(
+          "node {} layer {}: a snapshot on a layer of a cache kind kvsnap does not know", n, i));
+    }
     if (!s.is_object() || !s.contains("kind") || s["kind"] != expected || !s.contains("from") ||
         !s.contains("to") || !int64_number(s["from"]) || !int64_number(s["to"])) {
       throw fail(fmt::format("node {} layer {}: snapshot {} does not fit a {} layer", n, i,

@@ -14,6 +14,7 @@
 #include "persist/files.h"
 #include "persist/safetensors.h"
 #include "support/conversation.h"
+#include "support/delegating_cache.h"
 
 namespace kvsnap {
 namespace {
@@ -212,6 +213,34 @@ TEST_F(ForgedTrie, AFileTooLargeToLoadIsRefusedBeforeItIsRead) {
   ASSERT_EQ(::ftruncate(fd, off_t(1) << 40), 0);
   ::close(fd);
   expect_rejected({"PrefixCache::load", "prefix_cache.safetensors", "1099511627776 bytes"});
+}
+
+// A layer of a cache kind kvsnap does not know (restored as a whole state, by its own rules): a
+// trie holding its snapshots cannot be saved, as no load could give them back to it, and a file
+// that claims such a layer's snapshots is refused.
+TEST_F(ForgedTrie, ALayerOfAnUnknownKindIsNeitherSavedNorLoaded) {
+  HybridStack stack;
+  testing::DelegatingCache unknown(stack.recurrent);
+  std::vector<Cache*> layers = stack.layers();
+  layers[3] = &unknown;
+  {
+    PrefixCache cache(layers);
+    warm_up(cache, stack);
+    EXPECT_TRUE(throws_error([&] { cache.save(dir_ + "/unknown", "m"); },
+                             {"PrefixCache::save", "layer 3", "does not know", "cannot be saved"}));
+    EXPECT_FALSE(PrefixCache::saved_in(dir_ + "/unknown"));
+  }
+  Json described = Json::parse(file_.metadata.at("layers"));
+  described[3] = {{"kind", "other"}};
+  file_.metadata["layers"] = described.dump();
+  for (Json& node : nodes_) {
+    if (!node["snapshots"][3].is_null()) node["snapshots"][3]["kind"] = "other";
+  }
+  rewrite();
+  PrefixCache cache(layers);
+  EXPECT_TRUE(throws_error([&] { cache.load(dir_, "m"); },
+                           {"prefix_cache.safetensors", "layer 3", "does not know"}));
+  EXPECT_EQ(cache.node_count(), 0);
 }
 
 }  // namespace
