@@ -453,6 +453,16 @@ std::error_code make_private_folders(const std::string& path) {
       if (folder.get() < 0 || ::fchmod(folder.get(), 0700) != 0) {
         return {errno, std::generic_category()};
       }
+      // Its entry in the folder above is durable only once that folder is synced too (else a
+      // crash could take the new folder, and the file saved in it, away). A folder that cannot
+      // be opened for reading (EACCES) or synced (EINVAL) is no failure, as for a file's rename.
+      const std::filesystem::path above = built.parent_path();
+      const FileDescriptor parent(
+          ::open(above.empty() ? "." : above.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+      const int error = parent.get() < 0 ? errno : ::fsync(parent.get()) != 0 ? errno : 0;
+      if (error != 0 && error != EACCES && error != EINVAL) {
+        return {error, std::generic_category()};
+      }
       continue;
     }
     if (errno != EEXIST) return {errno, std::generic_category()};

@@ -112,7 +112,8 @@ FileDescriptor create_private_file(const std::string& path, const std::string& c
 
 // Creates folder `path` and every missing folder above it, each mode 0700 whatever the umask
 // (fchmod right after mkdir); folders that exist keep their modes (neither loosened nor
-// tightened). Returns the first error (ENOTDIR when a component is not a folder), else none.
+// tightened); the folder above each one made is synced, so its entry survives a crash. Returns
+// the first error (ENOTDIR when a component is not a folder), else none.
 std::error_code make_private_folders(const std::string& path);
 
 // Calls visit(name) for each entry of `folder` but "." and "..", in the order the system lists
