@@ -140,7 +140,8 @@ Array copy_dlpack(const DLTensor& tensor) {
 // under a kvsnap lock. Negative strides: a copy (the capsule then goes at once).
 PyArray array_from_dlpack(py::object producer) {
   py::capsule capsule = producer.attr("__dlpack__")();
-  if (std::string(capsule.name()) != "dltensor") {
+  const char* name = capsule.name();
+  if (name == nullptr || std::string(name) != "dltensor") {
     throw Error("Array.from_dlpack: __dlpack__ returned a capsule that is not a \"dltensor\"");
   }
   const DLTensor& tensor = static_cast<DLManagedTensor*>(capsule.get_pointer())->dl_tensor;
@@ -237,10 +238,19 @@ exports a copy of a read-only array (DLPack cannot mark a tensor read-only).)")
       .def(
           "__array__",
           [](const PyArray& self, py::object dtype) {
-            py::object view = to_numpy(self.array, !self.read_only);
-            return dtype.is_none() ? view : view.attr("astype")(dtype);
+            if (dtype.is_none()) return to_numpy(self.array, !self.read_only);
+            // bf16 is viewed as its uint16 bits: another dtype converts the values, not the
+            // bits (through float32, which holds every bf16 value exactly); uint16 keeps them.
+            const py::dtype wanted = py::dtype::from_args(dtype);
+            if (self.array.dtype() == DType::bf16 && !wanted.is(py::dtype::of<uint16_t>()) &&
+                !wanted.equal(py::dtype::of<uint16_t>())) {
+              return to_numpy(self.array.astype(DType::f32), true).attr("astype")(wanted);
+            }
+            return to_numpy(self.array, !self.read_only).attr("astype")(wanted);
           },
-          py::arg("dtype") = py::none())
+          py::arg("dtype") = py::none(),
+          "This array as numpy (a view when dtype is None; bf16 views its uint16 bits), or "
+          "converted to `dtype` (bf16 by value).")
       .def_property_readonly("shape",
                              [](const PyArray& self) { return to_tuple(self.array.shape()); })
       .def_property_readonly(

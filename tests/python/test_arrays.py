@@ -56,6 +56,25 @@ def test_bf16_crosses_as_uint16_bits():
     wrapped = kvsnap.Array(bits)
     assert wrapped.dtype == "bf16"
     assert np.asarray(wrapped).dtype == np.uint16
+    # Another dtype converts the values the bits stand for, not the bits as integers.
+    np.testing.assert_array_equal(np.asarray(wrapped, dtype=np.float32), [1.0, 2.0])
+    np.testing.assert_array_equal(np.asarray(wrapped, dtype=np.float64), [1.0, 2.0])
+    np.testing.assert_array_equal(np.asarray(wrapped, dtype=np.uint16), bits)
+
+
+def test_a_capsule_without_a_name_is_refused():
+    import ctypes
+
+    new_capsule = ctypes.pythonapi.PyCapsule_New
+    new_capsule.restype = ctypes.py_object
+    new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+
+    class Unnamed:
+        def __dlpack__(self, stream=None):
+            return new_capsule(1, None, None)
+
+    with pytest.raises(kvsnap.Error, match='not a "dltensor"'):
+        kvsnap.Array.from_dlpack(Unnamed())
 
 
 def test_unsupported_arrays_raise_kvsnap_error():
