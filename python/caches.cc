@@ -20,7 +20,8 @@ Snapshot& PySnapshot::get(const char* call) const {
 }
 
 PySnapshot::~PySnapshot() {
-  snapshot_.reset();  // may take its cache's lock (GIL held: the GIL is always taken first)
+  // May wait for its cache's lock (another thread's update) or copy: without the GIL.
+  let_go_without_gil([&] { snapshot_.reset(); });
   release_deferred_in_destructor();
 }
 

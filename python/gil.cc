@@ -76,6 +76,21 @@ GilReleased::~GilReleased() noexcept(false) {
   PyEval_RestoreThread(state_);
 }
 
+PyThreadState* release_gil_in_destructor() noexcept {
+  if (finalizing() || !PyGILState_Check()) return nullptr;
+  calls_in_flight.fetch_add(1);
+  return PyEval_SaveThread();
+}
+
+void restore_gil_in_destructor(PyThreadState* state) noexcept {
+  if (state == nullptr) return;
+  calls_in_flight.fetch_sub(1);
+  while (finalizing() && PyThread_get_thread_ident() != main_thread) {
+    std::this_thread::sleep_for(std::chrono::hours(1));
+  }
+  PyEval_RestoreThread(state);
+}
+
 void defer_decref(PyObject* object) noexcept {
   Deferred& queue = deferred();
   bool nudge = false;

@@ -94,6 +94,24 @@ auto without_gil(Call&& call) {
   return std::forward<Call>(call)();
 }
 
+// For destructors (noexcept): the GIL released by release_gil_in_destructor (null where this
+// thread does not hold it, or the interpreter finalizes: then nothing is released) and taken back
+// by restore_gil_in_destructor, as GilReleased does (a thread other than the main one that
+// would take it back from a finalizing interpreter waits for the process to end instead).
+PyThreadState* release_gil_in_destructor() noexcept;
+void restore_gil_in_destructor(PyThreadState* state) noexcept;
+
+// For destructors: runs `let_go` — kvsnap state going away, which may wait for a cache's lock
+// (another thread's long update) or copy what lazy snapshots name — with the GIL released where
+// this thread holds it, so the other Python threads run meanwhile. `let_go` must not touch a
+// Python object, nor throw.
+template <class LetGo>
+void let_go_without_gil(LetGo&& let_go) noexcept {
+  PyThreadState* const state = release_gil_in_destructor();
+  std::forward<LetGo>(let_go)();
+  restore_gil_in_destructor(state);
+}
+
 // For bindings whose arguments and results are plain C++ values (no Python object touched inside):
 // runs the call with the GIL released, then gives back what kvsnap let go of meanwhile.
 using Released = py::call_guard<ReleaseDeferredAtExit, GilReleased>;

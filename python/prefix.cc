@@ -14,6 +14,11 @@ namespace {
 // The prefix cache and the Python caches it drives, kept alive as long as it is. Thread-safe
 // itself: its calls run with the GIL released.
 struct PyPrefixCache {
+  // The trie goes (its snapshots may wait for the layers' locks) without the GIL.
+  ~PyPrefixCache() {
+    let_go_without_gil([&] { prefix.reset(); });
+  }
+
   ReleaseDeferredLast release_last;     // gives back what the two below let go of
   py::tuple layers;                     // destroyed after `prefix` (declared first)
   std::unique_ptr<PrefixCache> prefix;  // drives the layers' offsets from now on
@@ -23,6 +28,16 @@ struct PyPrefixCache {
 // reference to it). `mutex` makes the session's calls from several threads run one at a time
 // (taken with the GIL released).
 struct PySession {
+  // A session dropped open is closed (it pages out under the prefix cache's lock) without the GIL.
+  ~PySession() {
+    let_go_without_gil([&] {
+      try {
+        session.close();
+      } catch (...) {  // as ~Session: close() left the cache consistent
+      }
+    });
+  }
+
   ReleaseDeferredLast release_last;
   py::object owner;
   std::mutex mutex;

@@ -14,6 +14,11 @@ namespace {
 // its calls from several threads run one at a time (taken with the GIL released: they wait for
 // the layers' locks).
 struct PySpeculation {
+  // Cancelling an open round waits for the layers' locks: without the GIL.
+  ~PySpeculation() {
+    let_go_without_gil([&] { speculation.reset(); });
+  }
+
   ReleaseDeferredLast release_last;  // gives back what the members let go of
   py::tuple layers;                  // destroyed after `speculation` (declared first)
   std::mutex mutex;

@@ -147,6 +147,48 @@ def test_other_python_threads_run_while_a_long_kernel_works():
     assert len(inside) >= 5 and longest_gap < (end - start) / 2, (end - start, len(inside))
 
 
+def test_other_python_threads_run_while_a_dropped_snapshot_waits_for_its_cache():
+    # A lazy snapshot's release takes its cache's lock. While another thread's long update holds
+    # it, the drop waits with the GIL released: a ticking Python thread goes on meanwhile.
+    heads, depth, length = 8, 64, 1 << 16  # a write of 2 x 128 MiB into a fresh buffer
+    big = np.ones((1, heads, length, depth), np.float32)
+    small = np.zeros((1, heads, 4, depth), np.float32)
+    waited = 0
+    for _ in range(5):
+        cache = kvsnap.KVCache()
+        cache.update(kvsnap.Batch.uniform(1, 4, 0), small, small)
+        snapshot = cache.snapshot(0)  # lazy: it names the cache's columns
+        writing = threading.Event()
+
+        def write():
+            writing.set()
+            cache.update(kvsnap.Batch.uniform(1, length, 4), big, big)
+
+        writer = threading.Thread(target=write)
+        ticks, stop = [], threading.Event()
+
+        def tick():
+            while not stop.is_set():
+                ticks.append(time.perf_counter())
+                time.sleep(0.0005)
+
+        ticker = threading.Thread(target=tick)
+        ticker.start()
+        writer.start()
+        writing.wait()
+        time.sleep(0.002)  # the writer is inside its update (it holds the cache's lock)
+        start = time.perf_counter()
+        del snapshot
+        end = time.perf_counter()
+        writer.join()
+        stop.set()
+        ticker.join()
+        if end - start > 0.01:  # the drop waited for the lock
+            waited += 1
+            assert [t for t in ticks if start < t < end], (end - start, "no tick while it waited")
+    assert waited > 0, "no drop waited for the writer: the test proved nothing"
+
+
 def test_memory_a_call_lets_go_of_is_given_back_when_it_returns():
     cache = kvsnap.RecurrentCache(0, 1, 1, 1, 1)
     batch = kvsnap.Batch.uniform(1, 1, 0)
