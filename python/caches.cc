@@ -174,7 +174,8 @@ void bind_cache_state(py::class_<Cache>& cache) {
           py::kw_only(), py::arg("seq") = py::none(),
           "The live state arrays (of sequence `seq`, default 0) as read-only numpy views (none "
           "before the first write): views of the cache's buffers, valid until its next write to "
-          "that sequence, which may change them (copy them to keep them).")
+          "that sequence, which may change them (copy them to keep them) — a PagedKVCache "
+          "gives copies gathered from its blocks.")
       .def(
           "reset", [](Cache& c, std::optional<SeqId> seq) { seq ? c.reset(*seq) : c.reset(); },
           py::kw_only(), py::arg("seq") = py::none(), Released(),
@@ -245,7 +246,8 @@ void bind_cache(py::module_& m) {
   py::class_<Cache> cache(m, "Cache", R"(One layer's inference state: the contract every kind keeps.
 
 Offsets count tokens written so far. Every mutating call either succeeds or raises kvsnap.Error
-and changes nothing. A cache locks itself: its calls may come from several threads (they run
+and changes nothing — but merge and split, which consume the snapshots they are given whatever
+happens. A cache locks itself: its calls may come from several threads (they run
 one at a time, the GIL released while they wait and work).)");
   bind_cache_state(cache);
   bind_cache_snapshots(cache);

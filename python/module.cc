@@ -11,7 +11,8 @@ PYBIND11_MODULE(kvsnap, m) {
 
 Caches take numpy arrays (keys and values [B, H, L, D], recurrent states) without copying where
 the layout allows, and hand their buffers back as read-only numpy views. Every contract
-violation raises kvsnap.Error with kvsnap's message; the object is then unchanged.
+violation raises kvsnap.Error with kvsnap's message; the object is then unchanged (merge and
+split consume their snapshots whatever happens).
 
 Threads: calls that work or wait for a cache's lock (cache, prefix cache, session, speculation
 calls, the kernels, snapshot files) release the GIL, so Python threads overlap them. Caches and
