@@ -122,12 +122,18 @@ class KVSNAP_EXPORT PrefixCache {
   // (e.g. the model's config and weights hash; any bytes: one that is not UTF-8 is kept exactly,
   // and load compares the same bytes). The file is mode 0600 and the folders save
   // creates 0700, whatever the umask; an existing `dir` keeps its mode. Throws Error when it
-  // cannot be written.
+  // cannot be written, or when a layer of a cache kind kvsnap does not know holds snapshots.
   void save(const std::string& dir, const std::string& model_id = "") const;
   // Replaces the trie by the one saved in `dir`, for the same layer configuration and model_id
-  // (else a clear Error and nothing changes). The live caches are reset: the next request
-  // restores from the loaded snapshots. Throws while any session is open. Refuses a `dir` or
-  // file that is not private to this user (see LoadOptions) unless options.allow_shared.
+  // (else a clear Error and nothing changes). The layers' kinds, windows and recurrent shapes
+  // are checked, and every KV layer's snapshots must be of one layout (dtype, heads, depths) —
+  // the one this trie's snapshots have, when it holds any. A reset attention cache takes any
+  // layout, so a fresh trie cannot check its caches' against the file's: let `model_id` name
+  // whatever shapes the state (the KV dtype, the heads a tensor-parallel rank holds), else a
+  // file of another layout loads and the model's first write after a restore from it throws.
+  // The live caches are reset: the next request restores from the loaded snapshots. Throws
+  // while any session is open. Refuses a `dir` or file that is not private to this user (see
+  // LoadOptions) unless options.allow_shared.
   void load(const std::string& dir, const std::string& model_id = "");
   void load(const std::string& dir, const std::string& model_id, const LoadOptions& options);
   // Whether `dir` holds a saved trie. When it does, `dir` and the file are checked as load

@@ -4,6 +4,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cache/block_pool.h"
 #include "cache/kv_store.h"
 #include "cache/state_snapshot.h"
 #include "kvsnap/recurrent_cache.h"
@@ -105,6 +106,27 @@ std::string describe_layer(const Cache* layer) {
   }
   if (layer->restore_rule().kind == RestoreRule::Kind::ranges) return Json{{"kind", "kv"}}.dump();
   return Json{{"kind", "other"}}.dump();
+}
+
+namespace {
+
+std::string layout_signature(const KVLayout& layout) {
+  return fmt::format("keys {}[{}, {}, *, {}] values {}[{}, {}, *, {}]",
+                     dtype_name(layout.key_dtype), layout.rows, layout.heads, layout.key_depth,
+                     dtype_name(layout.value_dtype), layout.rows, layout.heads, layout.value_depth);
+}
+
+}  // namespace
+
+std::string held_signature(const Snapshot& snapshot, const Cache* layer) {
+  if (const auto* kv = dynamic_cast<const KVStateSnapshot*>(&snapshot)) {
+    return layout_signature(kv->layout);
+  }
+  if (const auto* paged = dynamic_cast<const PagedSnapshot*>(&snapshot)) {
+    return layout_signature(paged->pool()->layout);
+  }
+  const StateSnapshot* state = as_state_snapshot(&snapshot);
+  return state == nullptr ? "" : snapshot_signature(state->record(), layer);  // whole states
 }
 
 std::string snapshot_signature(const SnapshotRecord& record, const Cache* layer) {

@@ -51,6 +51,9 @@ std::string describe_layer(const Cache* layer);
 // snapshot of one layer has the same signature); empty when a recurrent record does not have
 // `layer`'s configured shapes.
 std::string snapshot_signature(const SnapshotRecord& record, const Cache* layer);
+// The signature snapshot_signature gives `snapshot`'s record, read from its layout without
+// gathering its data; empty for a snapshot of a kind kvsnap does not know.
+std::string held_signature(const Snapshot& snapshot, const Cache* layer);
 
 // Owned snapshots of each kind, defined next to each snapshot class.
 SnapshotPtr make_kv_snapshot(Array keys, Array values, int64_t from);

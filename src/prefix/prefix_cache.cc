@@ -167,8 +167,10 @@ void PrefixCache::load(const std::string& dir, const std::string& model_id,
         detail::read_private_file(path, load_rule("PrefixCache::load", options));
     // Only now, the folder trusted: one refused is left as it is.
     detail::remove_stale_temporaries(path);
+    // The layouts the trie holds are the ones the caches serve: the file's must be the same.
     fresh = detail::build_trie(impl_->trie.layers(),
-                               detail::decode_trie(bytes, path, impl_->trie.layers(), model_id));
+                               detail::decode_trie(bytes, path, impl_->trie.layers(), model_id,
+                                                   detail::held_signatures(impl_->trie)));
   } catch (const std::bad_alloc&) {
     throw Error(fmt::format("PrefixCache::load: cannot load {}: out of memory", path));
   }

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string_view>
+#include <utility>
 
 #include "cache/snapshot_record.h"
 #include "cache/state_snapshot.h"
@@ -133,8 +134,8 @@ namespace {
 class TrieDecoder {
  public:
   TrieDecoder(const SafetensorsFile& file, const std::string& source,
-              const std::vector<LayerInfo>& layers)
-      : file_(file), source_(source), layers_(layers) {}
+              const std::vector<LayerInfo>& layers, std::vector<std::string> serving)
+      : file_(file), source_(source), layers_(layers), serving_(std::move(serving)) {}
 
   Error fail(const std::string& what) const { return Error(fmt::format("{}: {}", source_, what)); }
   const std::string& meta(const char* key) const {
@@ -324,6 +325,12 @@ class TrieDecoder {
           "node {} layer {}: recurrent snapshot {} / {} does not have the layer's shapes {}", n, i,
           record.first.describe(), record.second.describe(), describe(layers_[i]).dump()));
     }
+    if (i < serving_.size() && !serving_[i].empty() && serving_[i] != shapes) {
+      throw fail(fmt::format(
+          "node {} layer {}: snapshot {} does not fit what this cache's trie holds for the layer "
+          "({}): saved from caches of another dtype, head count or depth",
+          n, i, shapes, serving_[i]));
+    }
     auto [first, inserted] = layer_shapes_.emplace(i, shapes);
     if (!inserted && first->second != shapes) {
       throw fail(
@@ -343,16 +350,33 @@ class TrieDecoder {
   std::vector<int64_t> ends_;    // per node read: the offset its edge ends at
   std::map<std::pair<int64_t, int32_t>, size_t> first_tokens_;  // (parent, first token) -> node
   std::map<size_t, std::string> layer_shapes_;  // layer -> signature of its first snapshot
+  std::vector<std::string> serving_;            // decode_trie's `serving`
 };
 
 }  // namespace
 
 LoadedTrie decode_trie(const std::string& bytes, const std::string& source,
-                       const std::vector<LayerInfo>& layers, const std::string& model_id) {
+                       const std::vector<LayerInfo>& layers, const std::string& model_id,
+                       const std::vector<std::string>& serving) {
   const SafetensorsFile file = decode_safetensors(bytes, source);
-  TrieDecoder decoder(file, source, layers);
+  TrieDecoder decoder(file, source, layers, serving);
   decoder.check_header(bytes, model_id);
   return decoder.nodes();
+}
+
+std::vector<std::string> held_signatures(const Trie& trie) {
+  std::vector<std::string> out(trie.layers().size());
+  std::vector<const Node*> nodes;
+  trie.preorder(nodes);
+  for (size_t i = 0; i < out.size(); ++i) {
+    for (const Node* node : nodes) {
+      const SnapshotPtr& s = node->snapshots[i];
+      if (s == nullptr) continue;
+      out[i] = held_signature(*s, trie.layers()[i].cache);
+      break;
+    }
+  }
+  return out;
 }
 
 std::unique_ptr<Trie> build_trie(const std::vector<LayerInfo>& layers, LoadedTrie loaded) {

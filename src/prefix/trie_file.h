@@ -28,8 +28,14 @@ struct LoadedTrie {
 // Parses and validates everything (format, version, checksum, model id, the layers'
 // configuration against `layers`, node structure, snapshot shapes and ranges); throws Error
 // naming `source` on the first problem.
+// `serving[i]`, when not empty, is the signature (snapshot_signature) of the snapshots the
+// trie being replaced holds for layer i: the file's must be the same (the caches serve that
+// layout).
 LoadedTrie decode_trie(const std::string& bytes, const std::string& source,
-                       const std::vector<LayerInfo>& layers, const std::string& model_id);
+                       const std::vector<LayerInfo>& layers, const std::string& model_id,
+                       const std::vector<std::string>& serving = {});
+// Per layer, the signature of the snapshots `trie` holds for it (empty where it holds none).
+std::vector<std::string> held_signatures(const Trie& trie);
 
 // A trie for `layers` holding `loaded`, built aside: Trie::take_nodes installs it.
 std::unique_ptr<Trie> build_trie(const std::vector<LayerInfo>& layers, LoadedTrie loaded);

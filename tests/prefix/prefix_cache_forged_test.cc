@@ -215,6 +215,34 @@ TEST_F(ForgedTrie, AFileTooLargeToLoadIsRefusedBeforeItIsRead) {
   expect_rejected({"PrefixCache::load", "prefix_cache.safetensors", "1099511627776 bytes"});
 }
 
+// A file whose KV snapshots are of another layout (here one head, not two: saved from caches of
+// another dtype, head count or depth under the same model id) is refused by a cache whose trie
+// holds the layout its caches serve. (A fresh one has none to compare: the model id must name
+// what shapes the state.)
+TEST_F(ForgedTrie, SnapshotsOfAnotherLayoutThanTheTrieHoldsAreRejected) {
+  for (auto& [name, tensor] : file_.tensors) {
+    if (name.find(".layer.0.") != std::string::npos) tensor = tensor.slice(1, 0, 1).contiguous();
+  }
+  rewrite();
+  expect_rejected({"prefix_cache.safetensors", "layer 0", "f32[1, 1, *, 4]",
+                   "does not fit what this cache's trie holds", "f32[1, 2, *, 4]"});
+  HybridStack stack;
+  PrefixCache fresh(stack.layers());
+  EXPECT_NO_THROW(fresh.load(dir_, "m"));
+}
+
+// The check above reads the layouts a warm trie holds: of contiguous and paged KV snapshots,
+// windows and recurrent states alike, they are the file's when the caches are the same.
+TEST_F(ForgedTrie, AWarmCacheLoadsAFileOfItsLayout) {
+  for (const bool paged : {false, true}) {
+    HybridStack stack(testing::StackOptions{.paged = paged});
+    PrefixCache cache(stack.layers());
+    warm_up(cache, stack);
+    EXPECT_NO_THROW(cache.load(dir_, "m")) << (paged ? "paged" : "contiguous");
+    EXPECT_GT(cache.node_count(), 0);
+  }
+}
+
 // A layer of a cache kind kvsnap does not know (restored as a whole state, by its own rules): a
 // trie holding its snapshots cannot be saved, as no load could give them back to it, and a file
 // that claims such a layer's snapshots is refused.
