@@ -274,7 +274,7 @@ std::vector<std::optional<std::string>> DirStore::fetch(std::span<const std::str
   return values;
 }
 
-int64_t DirStore::write(const WriteBatch& batch, Deadline deadline) {
+Store::Refused DirStore::write(const WriteBatch& batch, Deadline deadline) {
   if (const auto now = Clock::now(); now >= next_sweep_) {
     next_sweep_ = now + sweep_interval();
     sweep(now + (deadline - now) / 2);  // the other half for the batch
@@ -283,11 +283,12 @@ int64_t DirStore::write(const WriteBatch& batch, Deadline deadline) {
     check_time(deadline);
     (void)::unlink(path(key).c_str());  // a name gone already, or never there: nothing to do
   }
-  int64_t refused = 0;
+  Refused refused;
   for (const auto& [key, value] : batch.objects) {
     check_time(deadline);
     if (static_cast<int64_t>(value.size()) > kMaximumObjectBytes) {
-      ++refused;  // never read back (as Redis refuses values over its limit)
+      ++refused.objects;  // never read back (as Redis refuses values over its limit)
+      refused.bytes += static_cast<int64_t>(value.size());
       continue;
     }
     try {

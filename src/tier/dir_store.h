@@ -47,7 +47,7 @@ class DirStore final : public Store {
   // anything but a folder) is left alone and its entries are skipped (probe lists nothing
   // there), and a member's file is created only when its name is free (O_EXCL|O_NOFOLLOW).
   // Sweeps first when sweep_interval() has passed since the last sweep.
-  int64_t write(const WriteBatch& batch, Deadline deadline) override;
+  Refused write(const WriteBatch& batch, Deadline deadline) override;
 
   // Lifetimes, as Redis's TTLs: writing an object or an index entry, fetching an object or
   // finding it in probe, and probing an index set start them afresh (their modification times).

@@ -539,7 +539,7 @@ std::vector<std::optional<std::string>> RedisStore::fetch(std::span<const std::s
   return values;
 }
 
-int64_t RedisStore::write(const WriteBatch& batch, Deadline deadline) {
+Store::Refused RedisStore::write(const WriteBatch& batch, Deadline deadline) {
   const std::string ttl = std::to_string(options_.ttl.count());
   std::vector<Command> commands;
   for (const std::string& key : batch.doomed) commands.push_back({"DEL", key});
@@ -550,8 +550,12 @@ int64_t RedisStore::write(const WriteBatch& batch, Deadline deadline) {
     commands.push_back({"EXPIRE", set, ttl});
   }
   const std::vector<Reply> replies = round_trip(commands, deadline, /*writing=*/true);
-  int64_t refused = 0;  // objects refused one by one (a refusal of the command failed the trip)
-  for (size_t i = 0; i < batch.objects.size(); ++i) refused += replies[first + i].error() ? 1 : 0;
+  Refused refused;  // objects refused one by one (a refusal of the command failed the trip)
+  for (size_t i = 0; i < batch.objects.size(); ++i) {
+    if (!replies[first + i].error()) continue;
+    ++refused.objects;
+    refused.bytes += static_cast<int64_t>(batch.objects[i].second.size());
+  }
   return refused;
 }
 

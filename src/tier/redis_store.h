@@ -37,7 +37,7 @@ class RedisStore final : public Store {
              std::vector<bool>& exists) override;
   std::vector<std::optional<std::string>> fetch(std::span<const std::string> keys,
                                                 Deadline deadline) override;
-  int64_t write(const WriteBatch& batch, Deadline deadline) override;
+  Refused write(const WriteBatch& batch, Deadline deadline) override;
 
   class Reply;
   using Command = std::vector<std::string_view>;

@@ -74,10 +74,15 @@ class Store {
   virtual std::vector<std::optional<std::string>> fetch(std::span<const std::string> keys,
                                                         Deadline deadline) = 0;
   // Deletes the doomed keys, writes the objects, then adds the index members (each with the
-  // lifetime). Returns how many objects the store refused one by one (a dir: store's object over
-  // its size limit); a store that refuses the commands themselves (Redis: NOAUTH, READONLY, out
-  // of memory with eviction off) throws StoreFailure, saying so.
-  virtual int64_t write(const WriteBatch& batch, Deadline deadline) = 0;
+  // lifetime). Returns the objects the store refused one by one (a dir: store's object over its
+  // size limit, a Redis value over its proto-max-bulk-len); a store that refuses the commands
+  // themselves (Redis: NOAUTH, READONLY, out of memory with eviction off) throws StoreFailure,
+  // saying so.
+  struct Refused {
+    int64_t objects = 0;
+    int64_t bytes = 0;  // their values' bytes
+  };
+  virtual Refused write(const WriteBatch& batch, Deadline deadline) = 0;
 };
 
 // Whether the store answers, shared by a tier's connections: logs once when it is lost and once

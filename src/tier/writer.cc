@@ -191,11 +191,11 @@ bool WriteBehind::still_holds(const WriteBatch& batch, Deadline deadline) {
 
 std::optional<int64_t> WriteBehind::send_slice(const WriteBatch& slice, Deadline deadline) {
   try {
-    const int64_t refused = store_->write(slice, deadline);
-    counters_.store_errors += refused;
-    counters_.objects_written += static_cast<int64_t>(slice.objects.size()) - refused;
-    counters_.bytes_written += slice.bytes();
-    return refused;
+    const Store::Refused refused = store_->write(slice, deadline);
+    counters_.store_errors += refused.objects;
+    counters_.objects_written += static_cast<int64_t>(slice.objects.size()) - refused.objects;
+    counters_.bytes_written += slice.bytes() - refused.bytes;
+    return refused.objects;
   } catch (const StoreFailure& failure) {
     if (failure.reason != StoreFailure::Reason::waiting) ++counters_.store_errors;
     ++counters_.dropped_batches;

@@ -152,7 +152,9 @@ TEST_F(DirStoreTest, AnObjectOverTheMaximumSizeIsRefusedWhenWritten) {
   detail::WriteBatch batch;
   batch.objects = {{"kvsnap:c:small", "fits"},
                    {"kvsnap:c:huge", std::string(DirStore::kMaximumObjectBytes + 1, 'x')}};
-  EXPECT_EQ(store.write(batch, Clock::now() + 60s), 1);
+  const detail::Store::Refused refused = store.write(batch, Clock::now() + 60s);
+  EXPECT_EQ(refused.objects, 1);
+  EXPECT_EQ(refused.bytes, DirStore::kMaximumObjectBytes + 1);
   EXPECT_TRUE(exists(store, "kvsnap:c:small"));
   EXPECT_FALSE(fs::exists(file("kvsnap:c:huge")));
 }

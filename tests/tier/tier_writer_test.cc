@@ -29,7 +29,7 @@ class RecordingStore : public detail::Store {
                                                 detail::Deadline) override {
     return {};
   }
-  int64_t write(const WriteBatch& batch, detail::Deadline deadline) override {
+  Refused write(const WriteBatch& batch, detail::Deadline deadline) override {
     while (held && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(1ms);
     const std::lock_guard<std::mutex> lock(mutex_);
     if (std::chrono::steady_clock::now() >= deadline) {  // as the real backends do
@@ -41,11 +41,18 @@ class RecordingStore : public detail::Store {
     if (attempts_ == out_of_memory_at) throw std::bad_alloc();
     writes_.push_back(batch);
     ++write_count_;
-    return 0;
+    Refused refused;
+    for (const auto& [key, value] : batch.objects) {
+      if (static_cast<int64_t>(value.size()) <= refuse_over) continue;
+      ++refused.objects;
+      refused.bytes += static_cast<int64_t>(value.size());
+    }
+    return refused;
   }
-  int fail_at = 0;                // the write that fails (1-based; 0: none)
-  int out_of_memory_at = 0;       // the write that runs out of memory (1-based; 0: none)
-  std::atomic<bool> held{false};  // writes wait while set (a stalled store)
+  int64_t refuse_over = INT64_MAX;  // objects larger are refused one by one
+  int fail_at = 0;                  // the write that fails (1-based; 0: none)
+  int out_of_memory_at = 0;         // the write that runs out of memory (1-based; 0: none)
+  std::atomic<bool> held{false};    // writes wait while set (a stalled store)
   std::vector<WriteBatch> writes() {
     const std::lock_guard<std::mutex> lock(mutex_);
     return writes_;
@@ -116,6 +123,19 @@ TEST(TierWriteBehind, ABatchGoesOutInSlicesWithTheIndexAfterEveryObject) {
   EXPECT_EQ(next, 5);
   EXPECT_EQ(w.counters.objects_written.load(), 5);
   EXPECT_EQ(w.counters.bytes_written.load(), 5 * static_cast<int64_t>(object_bytes));
+}
+
+// Objects the store refuses one by one count as errors, neither written nor in bytes_written.
+TEST(TierWriteBehind, RefusedObjectsAreNotCountedWritten) {
+  Writer w(50ms);
+  w.store->refuse_over = 100;
+  WriteBatch batch;
+  batch.objects = {{"small", std::string(10, 'x')}, {"large", std::string(1000, 'x')}};
+  ASSERT_TRUE(w.writer->push(batch));
+  ASSERT_TRUE(w.writer->flush(10s));
+  EXPECT_EQ(w.counters.objects_written.load(), 1);
+  EXPECT_EQ(w.counters.bytes_written.load(), 10);
+  EXPECT_EQ(w.counters.store_errors.load(), 1);
 }
 
 // A stalled store: what waits for it (queued, and the batch in flight) is held to
