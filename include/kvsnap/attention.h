@@ -97,7 +97,11 @@ class KVSNAP_EXPORT KVHistory {
   // keys [B, H, K, D] and values [B, H, K, Dv] of the same B, H and K.
   KVHistory(Array keys, Array values, int64_t first_position = 0, int64_t oldest_column = 0,
             int64_t window = 0);
-  // A paged history of one sequence, its columns in position order.
+  // A paged history of one sequence, its columns in position order. Throws Error unless
+  // blocks_per_chunk and block_tokens are >= 1, length fits the table's blocks, every chunk is
+  // [1, H, blocks_per_chunk * T, D] with one shape, dtype and strides per side (H the same for
+  // keys and values), every block id names a block of the chunks, and first_position and window
+  // are >= 0. It serves one batch row (sdpa refuses it for several: give KVHistory::of_rows).
   explicit KVHistory(PagedColumns paged, int64_t first_position = 0, int64_t window = 0);
   // One history per batch row (each of one row).
   [[nodiscard]] static KVHistory of_rows(std::vector<KVHistory> rows);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <string>
 
 #include "attention/paged_gather.h"
 #include "kvsnap/attention.h"
@@ -68,13 +69,62 @@ Array PagedColumns::value_block(size_t i) const {
                                                                            first + block_tokens);
 }
 
+namespace {
+
+// Why `paged` cannot be read as its header describes (empty when it can): every chunk
+// [1, H, blocks_per_chunk * T, D] with one shape, dtype and strides per side and the heads of
+// both sides equal, and every block id within the chunks.
+std::string paged_problem(const PagedColumns& paged) {
+  if (paged.block_tokens < 1 || paged.blocks_per_chunk < 1 ||
+      paged.blocks_per_chunk > std::numeric_limits<int64_t>::max() / paged.block_tokens) {
+    return fmt::format("blocks_per_chunk {} and block_tokens {} must be >= 1",
+                       paged.blocks_per_chunk, paged.block_tokens);
+  }
+  if (paged.length < 0 ||
+      paged.length > static_cast<int64_t>(paged.table.size()) * paged.block_tokens) {
+    return fmt::format("{} columns do not fit its {} blocks of {} tokens", paged.length,
+                       paged.table.size(), paged.block_tokens);
+  }
+  if (paged.key_chunks.size() != paged.value_chunks.size()) {
+    return fmt::format("{} key chunks and {} value chunks", paged.key_chunks.size(),
+                       paged.value_chunks.size());
+  }
+  const int64_t columns = paged.blocks_per_chunk * paged.block_tokens;
+  for (const std::vector<Array>* side : {&paged.key_chunks, &paged.value_chunks}) {
+    for (const Array& chunk : *side) {
+      const Array& first = side->front();
+      if (chunk.ndim() != 4 || chunk.dim(0) != 1 || chunk.dim(2) != columns ||
+          chunk.dim(1) != paged.key_chunks.front().dim(1) || chunk.shape() != first.shape() ||
+          chunk.dtype() != first.dtype() || chunk.strides() != first.strides()) {
+        return fmt::format(
+            "chunk {} does not fit [1, H, {} * {}, D] with the first chunk's shape {}, dtype "
+            "and strides (and the keys' heads)",
+            chunk.describe(), paged.blocks_per_chunk, paged.block_tokens, first.describe());
+      }
+    }
+  }
+  const auto blocks = static_cast<int64_t>(paged.key_chunks.size()) * paged.blocks_per_chunk;
+  for (const int32_t block : paged.table) {
+    if (block < 0 || block >= blocks) {
+      return fmt::format("block {} is outside the chunks' [0, {})", block, blocks);
+    }
+  }
+  return "";
+}
+
+}  // namespace
+
 KVHistory::KVHistory(PagedColumns paged, int64_t first_position, int64_t window)
     : first_position_(first_position), window_(window) {
-  if (paged.block_tokens < 1 || paged.length < 0 ||
-      paged.length > static_cast<int64_t>(paged.table.size()) * paged.block_tokens ||
-      paged.key_chunks.size() != paged.value_chunks.size()) {
-    throw Error(fmt::format("KVHistory: a paged history of {} columns in {} blocks of {} tokens",
-                            paged.length, paged.table.size(), paged.block_tokens));
+  if (first_position < 0 || window < 0) {
+    throw Error(
+        fmt::format("KVHistory: a paged history's first position {} and window {} must be "
+                    "non-negative",
+                    first_position, window));
+  }
+  if (const std::string problem = paged_problem(paged); !problem.empty()) {
+    throw Error(fmt::format("KVHistory: a paged history of {} columns in {} blocks: {}",
+                            paged.length, paged.table.size(), problem));
   }
   paged_ = std::make_shared<const PagedColumns>(std::move(paged));
 }

@@ -52,6 +52,12 @@ void check_inputs(const Batch& batch, const Array& q, const KVHistory& history, 
     detail::require_float(keys, kCall, "keys");
     detail::require_float(values, kCall, "values");
     if (!row.paged() && !history.ragged()) detail::require_extent(keys, 0, q.dim(0), kCall, "keys");
+    if (row.paged() && !history.ragged() && q.dim(0) != 1) {
+      throw Error(fmt::format(
+          "sdpa: a paged history holds one sequence, q {} has {} rows (give one history per row: "
+          "KVHistory::of_rows)",
+          q.describe(), q.dim(0)));
+    }
     detail::require_extent(keys, 3, q.dim(3), kCall, "keys");
     if (keys.dim(1) == 0 || q.dim(1) % keys.dim(1) != 0) {
       throw Error(fmt::format("sdpa: {} query heads is not a multiple of {} key/value heads (GQA)",

@@ -66,9 +66,12 @@ std::vector<Row> decode_rows(const Batch& batch, const Array& q, const KVHistory
     }
     const PagedColumns& p = h.paged_columns();
     if (first == nullptr) first = &p;
+    // One set of strides serves every row (DecodeAttention reads them from row 0's chunks).
     if (p.block_tokens != first->block_tokens ||
         p.key_chunks.front().dim(1) != first->key_chunks.front().dim(1) ||
-        p.value_chunks.front().dim(3) != first->value_chunks.front().dim(3)) {
+        p.value_chunks.front().dim(3) != first->value_chunks.front().dim(3) ||
+        p.key_chunks.front().strides() != first->key_chunks.front().strides() ||
+        p.value_chunks.front().strides() != first->value_chunks.front().strides()) {
       return {};
     }
     const Batch row = batch.row(b);

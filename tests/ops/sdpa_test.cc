@@ -3,6 +3,8 @@
 
 #include <cmath>
 #include <limits>
+#include <utility>
+#include <vector>
 
 #include "support/test_support.h"
 
@@ -252,6 +254,99 @@ TEST(SdpaErrors, ShapesHeadsDtypesAndBatch) {
                    std::numeric_limits<float>::infinity());
       },
       {"sdpa", "scale"}));
+}
+
+// A paged history's columns as one contiguous [1, H, length, D] array, for the reference.
+Array gather_paged(const std::vector<Array>& chunks, int64_t blocks_per_chunk, int64_t tokens,
+                   const std::vector<int32_t>& table, int64_t length) {
+  const Array& any = chunks.front();
+  Array out = Array::zeros(DType::f32, {1, any.dim(1), length, any.dim(3)});
+  for (int64_t column = 0; column < length; ++column) {
+    const int32_t block = table[static_cast<size_t>(column / tokens)];
+    const int64_t at = block % blocks_per_chunk * tokens + column % tokens;
+    out.slice(2, column, column + 1)
+        .assign(chunks[static_cast<size_t>(block / blocks_per_chunk)].slice(2, at, at + 1));
+  }
+  return out;
+}
+
+// A hand-built paged history is checked whole when made: nothing it names lies outside its
+// chunks, and the chunks have the shape its header gives them.
+TEST(PagedHistory, AHandBuiltOneIsCheckedWhenMade) {
+  std::mt19937 rng(5);
+  const int64_t heads = 2, tokens = 2, per_chunk = 4, depth = 8;
+  const auto chunk = [&](int64_t h, int64_t columns) {
+    return random_array({1, h, columns, depth}, rng);
+  };
+  const int64_t columns = per_chunk * tokens;
+  const auto paged = [&](std::vector<int32_t> table, int64_t length) {
+    return PagedColumns{std::vector<Array>{chunk(heads, columns)},
+                        std::vector<Array>{chunk(heads, columns)},
+                        per_chunk,
+                        tokens,
+                        std::move(table),
+                        length};
+  };
+  const auto refused = [](PagedColumns columns, std::initializer_list<const char*> what,
+                          int64_t first_position = 0) {
+    return throws_error([&] { (void)KVHistory(std::move(columns), first_position); }, what);
+  };
+  EXPECT_NO_THROW((void)KVHistory(paged({3, 0}, 3)));
+  PagedColumns no_blocks = paged({0}, 2);
+  no_blocks.blocks_per_chunk = 0;  // the struct's default: once a division by zero
+  EXPECT_TRUE(refused(no_blocks, {"KVHistory", "blocks_per_chunk 0"}));
+  EXPECT_TRUE(refused(paged({0, 4}, 3), {"KVHistory", "block 4", "[0, 4)"}));
+  EXPECT_TRUE(refused(paged({-1}, 1), {"KVHistory", "block -1"}));
+  EXPECT_TRUE(refused(paged({0}, 3), {"KVHistory", "3 columns", "1 blocks of 2 tokens"}));
+  EXPECT_TRUE(refused(paged({0}, 1), {"KVHistory", "first position -5"}, -5));
+  PagedColumns fewer_value_heads = paged({0}, 1);
+  fewer_value_heads.value_chunks = {chunk(1, columns)};
+  EXPECT_TRUE(refused(fewer_value_heads, {"KVHistory", "chunk f32[1, 1, 8, 8]"}));
+  PagedColumns uneven = paged({0, 4}, 3);
+  uneven.key_chunks.push_back(chunk(heads, tokens));  // a second chunk of one block
+  uneven.value_chunks.push_back(chunk(heads, columns));
+  EXPECT_TRUE(refused(uneven, {"KVHistory", "chunk f32[1, 2, 2, 8]"}));
+}
+
+// A paged history is one sequence's: a batch of several rows needs one history per row.
+TEST(PagedHistory, OneSequenceServesOneRow) {
+  std::mt19937 rng(6);
+  const Array keys = random_array({1, 2, 8, 8}, rng), values = random_array({1, 2, 8, 8}, rng);
+  const KVHistory history(PagedColumns{{keys}, {values}, 4, 2, {0, 1}, 3});
+  EXPECT_TRUE(throws_error(
+      [&] {
+        (void)sdpa(Batch::uniform(2, 1, 3), random_array({2, 4, 1, 8}, rng), history,
+                   AttentionMask::causal(), 0.3f);
+      },
+      {"sdpa", "a paged history holds one sequence", "2 rows"}));
+}
+
+// Rows whose blocks lie in pools of other geometries (their chunks' head strides differ) decode
+// each over its own keys.
+TEST(PagedHistory, RowsOfPoolsWithOtherStridesDecodeOverTheirOwnKeys) {
+  std::mt19937 rng(7);
+  const int64_t heads = 2, tokens = 4, depth = 32;
+  const auto chunk = [&](int64_t per_chunk) {
+    return random_array({1, heads, per_chunk * tokens, depth}, rng);
+  };
+  const Array wide_k = chunk(16), wide_v = chunk(16), narrow_k = chunk(2), narrow_v = chunk(2);
+  const std::vector<int32_t> wide_table{5, 2, 9}, narrow_table{1, 0};
+  const KVHistory rows = KVHistory::of_rows(
+      {KVHistory(PagedColumns{{wide_k}, {wide_v}, 16, tokens, wide_table, 11}),
+       KVHistory(PagedColumns{{narrow_k}, {narrow_v}, 2, tokens, narrow_table, 7})});
+  const Array q = random_array({2, 4, 1, depth}, rng);
+  const Batch batch = Batch::rows({{0, 10, {0}}, {1, 6, {0}}});
+  const Array out = sdpa(batch, q, rows, AttentionMask::causal(), 0.2f);
+  const std::pair<Array, Array> own[2] = {{gather_paged({wide_k}, 16, tokens, wide_table, 11),
+                                           gather_paged({wide_v}, 16, tokens, wide_table, 11)},
+                                          {gather_paged({narrow_k}, 2, tokens, narrow_table, 7),
+                                           gather_paged({narrow_v}, 2, tokens, narrow_table, 7)}};
+  for (int64_t b = 0; b < 2; ++b) {
+    const auto& [k, v] = own[b];
+    const Array expected = sdpa(Batch::uniform(1, 1, k.dim(2) - 1), q.slice(0, b, b + 1),
+                                KVHistory(k, v), AttentionMask::causal(), 0.2f);
+    EXPECT_TRUE(all_close(out.slice(0, b, b + 1), expected, 1e-5f)) << "row " << b;
+  }
 }
 
 }  // namespace
