@@ -264,6 +264,16 @@ Plan plan(const ModelConfig& c, std::span<const Model::Chunk> chunks,
       lengths.push_back(length);
     }
   }
+  // Each sequence once: the groups below are checked each on its own, and one sequence's chunk
+  // in two groups would move the first layers before the next group's rows are refused.
+  std::vector<int32_t> seqs;
+  for (const Batch::Chunk& row : rows) seqs.push_back(row.seq);
+  std::sort(seqs.begin(), seqs.end());
+  if (const auto twice = std::adjacent_find(seqs.begin(), seqs.end()); twice != seqs.end()) {
+    throw Error(fmt::format(
+        "Model::forward: sequence {} is given two chunks; a forward evaluates one per sequence",
+        *twice));
+  }
   Plan p;
   p.first.resize(chunks.size());
   for (int64_t length : lengths) {

@@ -325,6 +325,13 @@ TEST(Model, BatchedForwardRejectsBadChunksAndChangesNothing) {
         (void)model.forward(std::vector<Model::Chunk>{{0, b}, {0, b}}, pointers);
       },
       {"Model::forward", "sequence 0"}));
+  // Of two lengths (two groups of rows): refused before the first group moves any layer.
+  EXPECT_TRUE(throws_error(
+      [&] {
+        (void)model.forward(std::vector<Model::Chunk>{{0, a}, {0, b}}, pointers);
+      },
+      {"Model::forward", "sequence 0 is given two chunks"}));
+  EXPECT_TRUE(unchanged());
   EXPECT_TRUE(throws_error(
       [&] {
         (void)model.forward(std::vector<Model::Chunk>{{0, b}, {1, {}}}, pointers);
