@@ -56,16 +56,19 @@ Batch to_batch(const kvsnap_batch* description, const char* call) {
                                       b.batch_size, b.length));
   }
   if (b.length > INT32_MAX) {  // a row's query length is an int32
-    throw InvalidArgument(fmt::format("{}: batch of {} columns; at most {}", call, b.length,
-                                      INT32_MAX));
+    throw InvalidArgument(
+        fmt::format("{}: batch of {} columns; at most {}", call, b.length, INT32_MAX));
   }
   const auto rows = static_cast<size_t>(b.batch_size);
   if (rows > 0) require(b.seq_offsets, call, "batch->seq_offsets");
   Batch batch;
+  // Without ids, placeholder zeros: one element behind every index (zero strides), so a batch
+  // of many columns costs nothing (kvsnap reads ids only from batches that carry them).
+  alignas(16) static int32_t zero = 0;
   batch.input_ids = b.input_ids != nullptr
                         ? Array::from_ints({b.input_ids, rows * static_cast<size_t>(b.length)},
                                            {b.batch_size, b.length})
-                        : Array::zeros(DType::i32, {b.batch_size, b.length});
+                        : Array::wrap(&zero, DType::i32, {b.batch_size, b.length}, {0, 0});
   batch.seq_offsets.assign(b.seq_offsets, b.seq_offsets + rows);
   if (b.seq_query_lens != nullptr) {
     batch.seq_query_lens.assign(b.seq_query_lens, b.seq_query_lens + rows);

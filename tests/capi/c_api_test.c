@@ -148,6 +148,20 @@ static void test_kv_cache(void) {
   const kvsnap_batch huge = {.batch_size = 1, .length = (int64_t)1 << 32, .seq_offsets = start};
   CHECK_FAILS(kvsnap_cache_view(cache, &huge, &history), KVSNAP_INVALID_ARGUMENT,
               "kvsnap_cache_view: batch of 4294967296 columns; at most 2147483647");
+  /* Without input ids, a batch of many columns makes no placeholder ids (here 64 rows of 2^31 - 1
+   * columns: 512 GiB of zeros, which once failed the call or the process). */
+  const int64_t live = kvsnap_live_bytes();
+  int32_t offsets[64] = {0}, lengths[64] = {0}, seqs[64];
+  for (int32_t row = 0; row < 64; ++row) seqs[row] = row;
+  const kvsnap_batch wide = {.batch_size = 64,
+                             .length = 2147483647,
+                             .seq_offsets = offsets,
+                             .seq_query_lens = lengths,
+                             .seq_ids = seqs};
+  kvsnap_history* rows = NULL;
+  CHECK_OK(kvsnap_cache_view_history(cache, &wide, &rows));
+  kvsnap_history_destroy(rows);
+  CHECK(kvsnap_live_bytes() == live);
   append(cache, 10, 0, &history);
   kvsnap_array_info keys;
   CHECK_OK(kvsnap_array_get_info(history.keys, &keys));
