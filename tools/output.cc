@@ -116,6 +116,21 @@ void check_writable(const std::string& path, const std::string& option) {
   };
   std::error_code error;
   if (std::filesystem::is_directory(path, error)) throw fail("it is a folder");
+  // The file is replaced (a temporary renamed over it): only a regular file can be, or a device
+  // (/dev/null), a pipe or a link would be replaced by the output.
+  struct stat there {};
+  if (::lstat(path.c_str(), &there) == 0) {
+    if (!S_ISREG(there.st_mode)) {
+      throw fail("it is not a regular file (a device, pipe, socket or link): give a file's path");
+    }
+    const std::string parent = std::filesystem::path(path).parent_path().string();
+    struct stat folder {};
+    if (there.st_uid != ::geteuid() && ::geteuid() != 0 &&
+        ::stat(parent.empty() ? "." : parent.c_str(), &folder) == 0 &&
+        (folder.st_mode & S_ISVTX) != 0 && folder.st_uid != ::geteuid()) {
+      throw fail("another user owns it, in a sticky folder: it cannot be replaced");
+    }
+  }
   const std::string probe = path + pid_suffix();
   const auto create = [&] {
     return ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);

@@ -475,6 +475,16 @@ TEST(Output, AChartIsCheckedThenReplacedAtomically) {
   EXPECT_TRUE(throws_error([&] { check_writable((dir / "no" / "c.svg").string(), "--chart"); },
                            {missing.c_str(), "No such file or directory"}));
   EXPECT_TRUE(throws_error([&] { check_writable(dir.string(), "--chart"); }, {"it is a folder"}));
+  // Only a regular file is replaced: a device, a pipe or a link would be replaced by the chart.
+  EXPECT_TRUE(throws_error([] { check_writable("/dev/null", "--chart"); },
+                           {"--chart /dev/null", "not a regular file"}));
+  const std::string pipe = (dir / "pipe.svg").string(), link = (dir / "link.svg").string();
+  ASSERT_EQ(::mkfifo(pipe.c_str(), 0600), 0);
+  std::filesystem::create_symlink(path, link);
+  for (const std::string& special : {pipe, link}) {
+    EXPECT_TRUE(throws_error([&] { check_writable(special, "--chart"); }, {"not a regular file"}))
+        << special;
+  }
   std::filesystem::remove_all(dir);
 }
 
