@@ -128,9 +128,8 @@ void write_chart(const std::string& path, const tools::RunResult& cached,
 // results (exit 3, or 1 for runs that disagree).
 int finish(const ReplayArguments& args, int verdict, const tools::RunResult& cached,
            const tools::RunResult& uncached) {
-  std::cout.flush();
   std::vector<std::function<void()>> steps{
-      [&] { write_chart(args.chart, cached, uncached, args.json); }};
+      tools::check_stdout, [&] { write_chart(args.chart, cached, uncached, args.json); }};
   if (cached.save_cache) {
     steps.emplace_back([&] {
       if (verdict == 0) return cached.save_cache();
@@ -285,7 +284,7 @@ int run_bench(const BenchArguments& args, bool& runs_started) {
     tools::write_replacing(args.chart, bench::figures_chart(figures), "--chart");
     if (!args.json) std::cout << fmt::format("chart: {}\n", args.chart) << std::flush;
   };
-  return tools::finish_run(bench::figures_status(figures), {chart}, std::cerr);
+  return tools::finish_run(bench::figures_status(figures), {tools::check_stdout, chart}, std::cerr);
 }
 
 // A whole number from 0 to 2^64 - 1, digits only: CLI11 converts "-1" to 2^64 - 1 and a number

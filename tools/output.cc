@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <iostream>
 #include <new>
 #include <ostream>
 
@@ -43,6 +44,13 @@ std::string failure_message(const std::exception_ptr& failure) {
     return e.what();
   } catch (...) {
     return "an unknown exception";
+  }
+}
+
+void check_stdout() {
+  std::cout.flush();
+  if (!std::cout) {
+    throw Error("writing the results to standard output failed (a full disk, or a closed pipe)");
   }
 }
 

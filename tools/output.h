@@ -37,6 +37,9 @@ std::string failure_message(const std::exception_ptr& failure);
 // `verdict` (0 the runs agree, 1 they disagree) unless a step failed after runs that agree: 3.
 // A disagreement stays 1: it is the result the caller asked for.
 int finish_run(int verdict, const std::vector<std::function<void()>>& steps, std::ostream& errors);
+// Flushes standard output; throws Error when what was written there did not get out (a full
+// disk, a closed pipe): the first of finish_run's steps, so the run exits 3.
+void check_stdout();
 
 // `text` for an SVG's text and attributes: & < > " ' escaped, and what XML 1.0 cannot hold at
 // all, even escaped (control characters other than tab, newline and carriage return; bytes
