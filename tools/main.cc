@@ -9,6 +9,7 @@
 
 #include <CLI/CLI.hpp>
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -370,7 +371,13 @@ void add_speculate_options(CLI::App& replay_command, ReplayArguments& replay) {
       .add_option("--draft-noise", replay.draft_noise,
                   "with --speculate: replace each draft by another token with probability P "
                   "(lowers acceptance, to measure speed and rollback below 1)")
-      ->check(CLI::Range(0.0, 1.0))
+      ->check(CLI::Validator(
+                  [](std::string& value) -> std::string {
+                    const double p = std::strtod(value.c_str(), nullptr);
+                    return std::isnan(p) ? fmt::format("{} is not a number", value) : "";
+                  },
+                  "", "not NaN") &
+              CLI::Range(0.0, 1.0))
       ->needs("--speculate");
 }
 
