@@ -97,10 +97,13 @@ void prefill_figures(std::vector<Figure>& out, const Shape& shape) {
   out.push_back({"prefill 128k in 512-token chunks", "bytes copied / written", copied, "ratio",
                  copied, "bytes moved per byte written", "<= 2.0", copied <= 2.0,
                  fmt::format("{:.0f} MiB written", static_cast<double>(final_bytes) / kMiB)});
-  const double limit = memcpy_fresh_ns(final_bytes);
+  // The faster of two prefills: the second one's buffers come warm from the allocator's pool,
+  // as a serving engine's do after its first request. So the limit is a memcpy of the final
+  // size into warm memory too (one into fresh memory pays page faults this prefill does not).
+  const double limit = memcpy_ns(final_bytes);
   out.push_back({"prefill 128k in 512-token chunks", "time", ns / 1e6, "ms", ns / limit,
                  "x one memcpy of the final size", "<= 2.5", ns / limit <= 2.5,
-                 fmt::format("memcpy of {:.0f} MiB into new memory: {:.1f} ms",
+                 fmt::format("memcpy of {:.0f} MiB into warm memory: {:.1f} ms",
                              static_cast<double>(final_bytes) / kMiB, limit / 1e6)});
 }
 

@@ -13,9 +13,6 @@ constexpr double kMiB = 1024.0 * 1024.0;
 
 // memcpy of `bytes` into a warm destination (the bandwidth limit for copies into live buffers).
 double memcpy_ns(int64_t bytes);
-// memcpy of `bytes` into freshly mapped memory (the limit for copies that must fault new pages
-// in: first touch is part of the job).
-double memcpy_fresh_ns(int64_t bytes);
 
 // cache_figures.cc
 void decode_figures(std::vector<Figure>& out, const Shape& shape);

@@ -1,7 +1,6 @@
 #include "figures.h"
 
 #include <fmt/format.h>
-#include <sys/mman.h>
 
 #include <algorithm>
 #include <cmath>
@@ -43,19 +42,6 @@ void machine_figures(std::vector<Figure>& out) {
 double memcpy_ns(int64_t bytes) {
   CopyBuffers buffers(bytes);
   return time_ns([&] { buffers.copy(); });
-}
-
-double memcpy_fresh_ns(int64_t bytes) {
-  std::vector<char> source(static_cast<size_t>(bytes), 1);
-  return time_ns(
-      [&] {
-        void* fresh = ::mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE,
-                             MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-        if (fresh == MAP_FAILED) throw std::bad_alloc();  // kvsnap: out of memory, exit 3
-        std::memcpy(fresh, source.data(), source.size());
-        ::munmap(fresh, static_cast<size_t>(bytes));
-      },
-      0.05, 3);
 }
 
 std::vector<Figure> run_figures(const BenchOptions& options) {
