@@ -260,8 +260,13 @@ func NewPagedKVCache(blockTokens int64) (*Cache, error) {
 	})
 }
 
-// Kind is the cache's kind.
-func (c *Cache) Kind() Kind { return c.kind }
+// Kind is the cache's kind; Kind(-1), which names none, for a nil Cache.
+func (c *Cache) Kind() Kind {
+	if c == nil {
+		return -1
+	}
+	return c.kind
+}
 
 func (c *Cache) destroy() {
 	c.mu.Lock()

@@ -383,6 +383,10 @@ func TestBorrowedCachesCannotBeClosed(t *testing.T) {
 	if _, err := NewPrefixCache([]*Cache{c}, nil); !errors.Is(err, ErrClosed) {
 		t.Fatalf("a prefix cache over a closed cache: %v", err)
 	}
+	var none *Cache
+	if none.Kind() != Kind(-1) || none.Close() != nil {
+		t.Fatalf("a nil Cache: kind %v", none.Kind())
+	}
 }
 
 // Values a batch holds as int32 that do not fit: the batch is refused by every call, naming the

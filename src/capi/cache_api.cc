@@ -103,7 +103,7 @@ void write_histories(kvsnap_kv_history* rows, size_t count, const Batch* batch, 
       if (batch->seq_id(b) != batch->seq_id(0)) {
         throw InvalidArgument(
             fmt::format("{}: rows 0 and {} are sequences {} and {}: one history per row needs "
-                        "kvsnap_cache_update_rows",
+                        "kvsnap_cache_update_rows (a write) or kvsnap_cache_view_history (a view)",
                         call, b, batch->seq_id(0), batch->seq_id(b)));
       }
     }

@@ -127,8 +127,10 @@ kvsnap_status kvsnap_session_remaining(const kvsnap_session* session, const int3
   constexpr const char* call = "kvsnap_session_remaining";
   return guard([&] {
     const std::span<const int32_t> remaining = session_of(session, call).remaining();
-    require(tokens, call, "tokens") = remaining.data();
-    require(count, call, "count") = remaining.size();
+    const int32_t*& first = require(tokens, call, "tokens");
+    size_t& size = require(count, call, "count");  // both checked before either is written
+    first = remaining.data();
+    size = remaining.size();
   });
 }
 

@@ -386,6 +386,9 @@ static void serve(kvsnap_prefix_cache* prefix, kvsnap_cache* layer, const int32_
   CHECK_OK(kvsnap_session_cached(session, cached));
   const int32_t* remaining = NULL;
   size_t count = 0;
+  /* A call refused (count is required) writes no out-parameter. */
+  CHECK(kvsnap_session_remaining(session, &remaining, NULL) == KVSNAP_INVALID_ARGUMENT);
+  CHECK(remaining == NULL);
   CHECK_OK(kvsnap_session_remaining(session, &remaining, &count));
   CHECK(remaining != NULL && (int64_t)count == (int64_t)length - *cached);
   if (*cached <= 4) {
