@@ -31,7 +31,8 @@ namespace kvsnap {
 
 namespace detail {
 class PagedKVCacheImpl;
-}
+struct PagedCacheAccess;
+}  // namespace detail
 
 class KVSNAP_EXPORT PagedKVCache final : public Attention {
  public:
@@ -99,6 +100,7 @@ class KVSNAP_EXPORT PagedKVCache final : public Attention {
   RestoreRule restore_rule() const override;
 
  private:
+  friend struct detail::PagedCacheAccess;
   std::unique_ptr<detail::PagedKVCacheImpl> impl_;
 };
 

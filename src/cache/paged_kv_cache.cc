@@ -7,6 +7,7 @@
 #include <optional>
 
 #include "cache/block_pool.h"
+#include "cache/cache_access.h"
 #include "cache/capture_schedule.h"
 #include "cache/kv_kind.h"
 #include "cache/kv_store.h"
@@ -580,5 +581,13 @@ CopyStats PagedKVCache::copy_stats() const {
 }
 
 RestoreRule PagedKVCache::restore_rule() const { return {RestoreRule::Kind::ranges, 0}; }
+
+namespace detail {
+
+std::recursive_mutex& PagedCacheAccess::lock(const PagedKVCache& cache) {
+  return cache.impl_->pool->lock;
+}
+
+}  // namespace detail
 
 }  // namespace kvsnap

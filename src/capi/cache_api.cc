@@ -1,5 +1,6 @@
 // The C API for caches: the four kinds, their writes and histories, and their live state.
 #include "attention/paged_gather.h"
+#include "cache/cache_access.h"
 #include "capi/handles.h"
 
 using namespace kvsnap;
@@ -95,9 +96,12 @@ struct HistoryHandles {
 
 // Hands the history `write` returns out through `rows` (one per batch row, or NULL). Given a
 // `batch`, `rows` is one history: the batch must be one sequence's (checked before writing).
-// `paged` is the write when it goes to a paged cache (its copies are reserved first).
+// `paged` is the write when it goes to a paged cache (its copies are reserved first). A paged
+// cache's `layer` stays locked from the call to the end of the copies: another thread's write
+// of the sequence waits for them.
 void write_histories(kvsnap_kv_history* rows, size_t count, const Batch* batch, const char* call,
-                     const std::function<KVHistory()>& write, const KVWrite* paged = nullptr) {
+                     const std::function<KVHistory()>& write, const Attention& layer,
+                     const KVWrite* paged = nullptr) {
   if (rows != nullptr && batch != nullptr) {
     for (int64_t b = 1; b < batch->batch_size(); ++b) {
       if (batch->seq_id(b) != batch->seq_id(0)) {
@@ -111,6 +115,10 @@ void write_histories(kvsnap_kv_history* rows, size_t count, const Batch* batch, 
   std::vector<HistoryHandles> handles(rows != nullptr ? count : 0);
   for (size_t b = 0; paged != nullptr && b < handles.size(); ++b) {
     handles[b].reserve_copy(*paged, static_cast<int64_t>(b));
+  }
+  std::unique_lock<std::recursive_mutex> held;
+  if (const auto* pages = dynamic_cast<const PagedKVCache*>(&layer)) {
+    held = std::unique_lock(detail::PagedCacheAccess::lock(*pages));
   }
   const KVHistory history = write();
   if (handles.empty()) return;
@@ -243,7 +251,8 @@ kvsnap_status kvsnap_cache_update(kvsnap_cache* cache, const kvsnap_batch* batch
   constexpr const char* call = "kvsnap_cache_update";
   return guard([&] {
     const KVWrite write = to_kv_write(cache, batch, keys, values, call);
-    write_histories(out, 1, &write.batch, call, std::cref(write), paged_write(cache, write));
+    write_histories(out, 1, &write.batch, call, std::cref(write), write.layer,
+                    paged_write(cache, write));
   });
 }
 
@@ -254,7 +263,7 @@ kvsnap_status kvsnap_cache_update_rows(kvsnap_cache* cache, const kvsnap_batch* 
   return guard([&] {
     const KVWrite write = to_kv_write(cache, batch, keys, values, call);
     write_histories(rows, static_cast<size_t>(write.batch.batch_size()), nullptr, call,
-                    std::cref(write), paged_write(cache, write));
+                    std::cref(write), write.layer, paged_write(cache, write));
   });
 }
 
@@ -265,7 +274,8 @@ kvsnap_status kvsnap_cache_view(const kvsnap_cache* cache, const kvsnap_batch* b
   return guard([&] {
     const Attention& layer = attention(cache, call);
     const Batch b = to_batch(batch, call);
-    write_histories(out, 1, &b, call, [&] { return layer.view(b); });
+    write_histories(
+        out, 1, &b, call, [&] { return layer.view(b); }, layer);
   });
 }
 

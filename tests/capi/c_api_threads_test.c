@@ -1,7 +1,9 @@
 /* The C API from several threads at once, as kvsnap_c.h allows: four threads each serve
  * requests on their own slot of one prefix cache over shared paged and window caches (begin,
  * write, check the history against the tokens, close), and query the prefix cache (match,
- * stats) while the others write. Run under ThreadSanitizer in CI (`make tsan`). */
+ * stats) while the others write; then one thread rewinds and rewrites a paged sequence in place
+ * while another views it (each view's copy is made under the cache's lock). Run under
+ * ThreadSanitizer in CI (`make tsan`). */
 #include <kvsnap/kvsnap_c.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -89,6 +91,40 @@ static void* serve(void* argument) {
   return NULL;
 }
 
+/* One paged sequence, rewound and rewritten in place by `rewrite` while `view` copies it. */
+static kvsnap_cache* rewritten;
+static atomic_int rewriting = 1;
+
+static void* rewrite(void* unused) {
+  (void)unused;
+  int32_t tokens[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+  for (int round = 0; round < 200; ++round) {
+    bool restored = false;
+    T_OK(kvsnap_cache_restore_seq(rewritten, 9, NULL, 2, &restored));
+    T_CHECK(restored);
+    for (int i = 2; i < 8; ++i) tokens[i] = 50 + (round + i) % 5;
+    write_and_check(rewritten, 9, tokens, 2, 8);
+  }
+  atomic_store(&rewriting, 0);
+  return NULL;
+}
+
+static void* view(void* unused) {
+  (void)unused;
+  const int32_t offsets[1] = {8}, lengths[1] = {0}, seqs[1] = {9};
+  const kvsnap_batch batch = {.batch_size = 1,
+                              .length = 1,
+                              .seq_offsets = offsets,
+                              .seq_query_lens = lengths,
+                              .seq_ids = seqs};
+  while (atomic_load(&rewriting)) {
+    kvsnap_kv_history history = {0};
+    (void)kvsnap_cache_view(rewritten, &batch, &history); /* refused while the sequence is at 2 */
+    kvsnap_kv_history_clear(&history);
+  }
+  return NULL;
+}
+
 int main(void) {
   if (kvsnap_paged_kv_cache_create(4, &layers[0]) != KVSNAP_OK ||
       kvsnap_rotating_kv_cache_create(6, &layers[1]) != KVSNAP_OK) {
@@ -111,6 +147,14 @@ int main(void) {
   kvsnap_prefix_cache_destroy(prefix);
   kvsnap_cache_destroy(layers[0]);
   kvsnap_cache_destroy(layers[1]);
+  T_OK(kvsnap_paged_kv_cache_create(4, &rewritten));
+  const int32_t first[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+  write_and_check(rewritten, 9, first, 0, 8);
+  pthread_t pair[2];
+  pthread_create(&pair[0], NULL, rewrite, NULL);
+  pthread_create(&pair[1], NULL, view, NULL);
+  for (int t = 0; t < 2; ++t) pthread_join(pair[t], NULL);
+  kvsnap_cache_destroy(rewritten);
   if (atomic_load(&failures) > 0) {
     fprintf(stderr, "%d check(s) failed\n", atomic_load(&failures));
     return 1;

@@ -31,7 +31,7 @@ INTERFACES = {
     "attention": ["attention/paged_gather.h"],
     "ops": ["ops/vector_isa.h", "ops/parallel.h", "ops/activations.h", "ops/kernel_report.h",
             "ops/decode_kernels.h"],
-    "cache": ["cache/snapshot_record.h", "cache/state_snapshot.h"],
+    "cache": ["cache/snapshot_record.h", "cache/state_snapshot.h", "cache/cache_access.h"],
     "persist": ["persist/files.h", "persist/safetensors.h", "persist/record_tensors.h"],
 }
 INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.MULTILINE)
