@@ -50,7 +50,7 @@ std::string failure_message(const std::exception_ptr& failure) {
 void check_stdout() {
   std::cout.flush();
   if (!std::cout) {
-    throw Error("writing the results to standard output failed (a full disk, or a closed pipe)");
+    throw Error("writing the results to standard output failed (is the disk full?)");
   }
 }
 

@@ -54,7 +54,7 @@ TemporaryName parse_temporary(const std::string& name, const std::string& prefix
   const auto decimal = [](unsigned char c) { return std::isdigit(c) != 0; };
   const auto hex = [](unsigned char c) { return std::isdigit(c) != 0 || (c >= 'a' && c <= 'f'); };
   if (parts.size() > 3 || !made_of(parts[0], 9, decimal)) return {};
-  if (parts.size() >= 2 && !made_of(parts[1], 19, decimal)) return {};
+  if (parts.size() >= 2 && !made_of(parts[1], 18, decimal)) return {};  // fits an int64
   if (parts.size() == 3 && (parts[2].size() != 16 || !made_of(parts[2], 16, hex))) return {};
   TemporaryName out;
   out.pid = static_cast<pid_t>(std::stol(parts[0]));
@@ -64,13 +64,61 @@ TemporaryName parse_temporary(const std::string& name, const std::string& prefix
 }
 
 // The numbers of this process's temporaries being written now: the only ones of its pid, named
-// from its place, that are not stale.
-std::mutex in_flight_mutex;
-std::set<int64_t> in_flight;
+// from its place, that are not stale. Never destroyed: a writer thread may save during the
+// process's exit, after static objects would have gone.
+struct InFlightSet {
+  std::mutex mutex;
+  std::set<int64_t> numbers;
+};
+InFlightSet& in_flight() {
+  static InFlightSet* const set = new InFlightSet;
+  return *set;
+}
 
 bool writing(int64_t number) {
-  const std::lock_guard<std::mutex> lock(in_flight_mutex);
-  return in_flight.count(number) > 0;
+  InFlightSet& set = in_flight();
+  const std::lock_guard<std::mutex> lock(set.mutex);
+  return set.numbers.count(number) > 0;
+}
+
+// Where this process runs, and whether that tells this host's boot and PID namespace apart from
+// others' (without /proc, only the host name: other containers may share it).
+struct Place {
+  std::string hex;
+  bool probeable = false;
+};
+const Place& place() {
+  static const Place* const here = [] {  // never destroyed, as in_flight()
+    std::string boot;
+    std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;  // empty where there is none
+    std::string identity = boot;
+    struct stat ns {};
+    const bool namespaced = ::stat("/proc/self/ns/pid", &ns) == 0;
+    if (namespaced) {
+      identity +=
+          fmt::format(" {} {}", static_cast<uint64_t>(ns.st_dev), static_cast<uint64_t>(ns.st_ino));
+    }
+    char host[256] = {};
+    if (::gethostname(host, sizeof(host) - 1) == 0) identity += fmt::format(" {}", host);
+    return new Place{fmt::format("{:016x}", XXH64(identity.data(), identity.size(), 0)),
+                     !boot.empty() && namespaced};
+  }();
+  return *here;
+}
+
+// The time by the clock that stamps files in `folder` (a shared folder's server may run on
+// another clock than this host): the modification time of a file made there now, or this
+// host's time when none can be made.
+time_t folder_now(const std::string& folder) {
+  time_t now = ::time(nullptr);
+  std::string name = (std::filesystem::path(folder) / "kvsnap-clock-XXXXXX").string();
+  const int fd = ::mkstemp(name.data());
+  if (fd < 0) return now;
+  struct stat status {};
+  if (::fstat(fd, &status) == 0) now = status.st_mtim.tv_sec;
+  ::close(fd);
+  ::unlink(name.c_str());
+  return now;
 }
 
 }  // namespace
@@ -85,21 +133,7 @@ bool list_folder(const std::string& folder, const std::function<bool(const char*
   return true;
 }
 
-const std::string& writer_place() {
-  static const std::string place = [] {
-    std::string identity;
-    std::ifstream("/proc/sys/kernel/random/boot_id") >> identity;  // empty where there is none
-    struct stat ns {};
-    if (::stat("/proc/self/ns/pid", &ns) == 0) {
-      identity +=
-          fmt::format(" {} {}", static_cast<uint64_t>(ns.st_dev), static_cast<uint64_t>(ns.st_ino));
-    }
-    char host[256] = {};
-    if (::gethostname(host, sizeof(host) - 1) == 0) identity += fmt::format(" {}", host);
-    return fmt::format("{:016x}", XXH64(identity.data(), identity.size(), 0));
-  }();
-  return place;
-}
+const std::string& writer_place() { return place().hex; }
 
 void remove_stale_temporaries(const std::string& path) {
   namespace fs = std::filesystem;
@@ -107,18 +141,19 @@ void remove_stale_temporaries(const std::string& path) {
     const fs::path target(path);
     const std::string prefix = target.filename().string() + ".tmp-";
     const fs::path folder = target.parent_path().empty() ? fs::path(".") : target.parent_path();
-    const std::string& here = writer_place();
-    const time_t now = ::time(nullptr);
+    const Place& here = place();
+    std::optional<time_t> now;  // the folder's clock, read once there is an age to judge
     // Best effort: an unreadable folder is left as it is.
     (void)list_folder(folder.string(), [&](const char* name) {
       const TemporaryName temporary = parse_temporary(name, prefix);
       if (temporary.pid <= 0) return true;
       const fs::path file = folder / name;
       bool stale = false;
-      if (temporary.place != here) {
+      if (temporary.place != here.hex || !here.probeable) {
         struct stat status {};
+        if (!now) now = folder_now(folder.string());
         stale = ::lstat(file.c_str(), &status) == 0 &&
-                status.st_mtim.tv_sec < now - static_cast<time_t>(kStaleForeignTemporary);
+                status.st_mtim.tv_sec < *now - static_cast<time_t>(kStaleForeignTemporary);
       } else if (temporary.pid != ::getpid()) {
         // kill(pid, 0) probes without signalling: ESRCH means no such process (EPERM: one runs).
         stale = ::kill(temporary.pid, 0) != 0 && errno == ESRCH;
@@ -146,12 +181,14 @@ std::string temporary_path(const std::string& path, uint64_t number) {
 class InFlight {
  public:
   explicit InFlight(int64_t number) : number_(number) {
-    const std::lock_guard<std::mutex> lock(in_flight_mutex);
-    in_flight.insert(number);
+    InFlightSet& set = in_flight();
+    const std::lock_guard<std::mutex> lock(set.mutex);
+    set.numbers.insert(number);
   }
   ~InFlight() {
-    const std::lock_guard<std::mutex> lock(in_flight_mutex);
-    in_flight.erase(number_);
+    InFlightSet& set = in_flight();
+    const std::lock_guard<std::mutex> lock(set.mutex);
+    set.numbers.erase(number_);
   }
   InFlight(const InFlight&) = delete;
   InFlight& operator=(const InFlight&) = delete;

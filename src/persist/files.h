@@ -126,9 +126,11 @@ bool list_folder(const std::string& folder, const std::function<bool(const char*
 // One named from this place (see write_file_atomically) is stale when no process <pid> runs here,
 // or, of this process's pid, when no write of this process uses it now (an earlier process of the
 // same pid: a container's engine is pid 1 each time). One named from another place — another
-// container or host, whose processes cannot be probed from here —, and the names older kvsnap
-// gave (`path`.tmp-<pid>-<n>, `path`.tmp-<pid>), are stale once unchanged for
-// kStaleForeignTemporary: no save takes that long. Errors are ignored (best effort).
+// container or host, whose processes cannot be probed from here —, the names older kvsnap gave
+// (`path`.tmp-<pid>-<n>, `path`.tmp-<pid>), and every one where the place cannot tell
+// containers apart (no /proc: only the host name) are stale once unchanged for
+// kStaleForeignTemporary by the folder's clock (a file made there: a shared folder's server may
+// keep another time than this host): no save takes that long. Errors are ignored (best effort).
 void remove_stale_temporaries(const std::string& path);
 inline constexpr int64_t kStaleForeignTemporary = 3600;  // seconds
 

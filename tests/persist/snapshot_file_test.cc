@@ -308,6 +308,7 @@ TEST(SnapshotFile, SavingRemovesTemporariesOfDeadWritersOnly) {
                             "-1" + here;           // not a temporary of this file
   const std::string not_ours = named(dead, "-x");  // not a name kvsnap gives
   const std::string bad_place = named(dead, "-7-0123456789ABCDEF");
+  const std::string past_int64 = named(dead, "-9999999999999999999" + here);  // left, not fatal
   for (const std::string& name :
        {stale, live, mine, foreign, foreign_old, legacy, legacy_old, other, not_ours, bad_place}) {
     std::ofstream(name) << "partial";
