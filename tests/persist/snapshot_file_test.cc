@@ -309,8 +309,8 @@ TEST(SnapshotFile, SavingRemovesTemporariesOfDeadWritersOnly) {
   const std::string not_ours = named(dead, "-x");  // not a name kvsnap gives
   const std::string bad_place = named(dead, "-7-0123456789ABCDEF");
   const std::string past_int64 = named(dead, "-9999999999999999999" + here);  // left, not fatal
-  for (const std::string& name :
-       {stale, live, mine, foreign, foreign_old, legacy, legacy_old, other, not_ours, bad_place}) {
+  for (const std::string& name : {stale, live, mine, foreign, foreign_old, legacy, legacy_old,
+                                  other, not_ours, bad_place, past_int64}) {
     std::ofstream(name) << "partial";
   }
   const auto age = [](const std::string& name, int64_t seconds) {
@@ -326,13 +326,13 @@ TEST(SnapshotFile, SavingRemovesTemporariesOfDeadWritersOnly) {
   for (const std::string& name : {stale, mine, foreign_old, legacy_old}) {
     EXPECT_FALSE(std::filesystem::exists(name)) << name;
   }
-  for (const std::string& name : {live, foreign, legacy, other, not_ours, bad_place}) {
+  for (const std::string& name : {live, foreign, legacy, other, not_ours, bad_place, past_int64}) {
     EXPECT_TRUE(std::filesystem::exists(name)) << name;
   }
   std::ofstream(stale) << "partial";
   (void)load_snapshots(path);
   EXPECT_FALSE(std::filesystem::exists(stale));
-  for (const std::string& name : {live, foreign, legacy, other, not_ours, bad_place}) {
+  for (const std::string& name : {live, foreign, legacy, other, not_ours, bad_place, past_int64}) {
     std::filesystem::remove(name);
   }
 }
