@@ -168,16 +168,7 @@ void run_script(RecurrentCache& cache) {
   if (armed_call([&] { cache.prepare_snapshots(1, marks); })) {
     script.forward(1, id_range(500, 4));
     script.forward(1, id_range(600, 3));
-    std::vector<SnapshotPtr> taken;
-    if (armed_call([&] { taken = cache.take_reached_snapshots(1); })) {
-      const Ids& ids = script.held[1];
-      for (size_t i = 0; i < taken.size(); ++i) {
-        EXPECT_EQ(taken[i]->to(), marks[i]);
-        script.snapshots["mark " + std::to_string(i)] = {std::move(taken[i]),
-                                                         Ids(ids.begin(), ids.begin() + marks[i])};
-      }
-    }
-    cache.cancel_snapshots(1);
+    testing::keep_reached(cache, 1, marks, script.held[1], script.snapshots);
   }
   script.check();
   testing::disarm();

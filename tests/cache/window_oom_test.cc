@@ -166,16 +166,7 @@ void run_script(RotatingKVCache& cache) {
   if (armed_call([&] { cache.prepare_snapshots(2, marks); })) {
     script.write({2}, {id_range(1100, 6)});  // reaches both, inside the chunk
     for (int64_t i = 0; i < 2; ++i) script.write({2}, {{1200 + i}});
-    std::vector<SnapshotPtr> taken;
-    if (armed_call([&] { taken = cache.take_reached_snapshots(2); })) {
-      const Ids& ids = script.held[2];
-      for (size_t i = 0; i < taken.size(); ++i) {
-        EXPECT_EQ(taken[i]->to(), marks[i]);
-        script.snapshots["mark " + std::to_string(i)] = {std::move(taken[i]),
-                                                         Ids(ids.begin(), ids.begin() + marks[i])};
-      }
-    }
-    cache.cancel_snapshots(2);
+    testing::keep_reached(cache, 2, marks, script.held[2], script.snapshots);
   }
   script.check();
   testing::disarm();

@@ -14,6 +14,8 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -53,6 +55,22 @@ SnapshotPtr capture_inside(Cache& cache, SeqId seq, int64_t at, Write write) {
   if (taken.empty()) return nullptr;
   EXPECT_EQ(taken.front()->to(), at);
   return std::move(taken.front());
+}
+
+// Takes the captures of `marks` that sequence `seq` reached (armed; each must end at its mark)
+// into `snapshots` as "mark <i>", with `ids` up to its offset; then cancels the rest.
+inline void keep_reached(
+    Cache& cache, SeqId seq, const std::vector<int64_t>& marks, const std::vector<int64_t>& ids,
+    std::map<std::string, std::pair<SnapshotPtr, std::vector<int64_t>>>& snapshots) {
+  std::vector<SnapshotPtr> taken;
+  if (armed_call([&] { taken = cache.take_reached_snapshots(seq); })) {
+    for (size_t i = 0; i < taken.size(); ++i) {
+      EXPECT_EQ(taken[i]->to(), marks[i]);
+      std::vector<int64_t> before(ids.begin(), ids.begin() + marks[i]);
+      snapshots["mark " + std::to_string(i)] = {std::move(taken[i]), std::move(before)};
+    }
+  }
+  cache.cancel_snapshots(seq);
 }
 
 // Splits `snapshot` at `at` and merges the halves back, each call armed: true when both returned
