@@ -242,8 +242,7 @@ exports a copy of a read-only array (DLPack cannot mark a tensor read-only).)")
             // bf16 is viewed as its uint16 bits: another dtype converts the values, not the
             // bits (through float32, which holds every bf16 value exactly); uint16 keeps them.
             const py::dtype wanted = py::dtype::from_args(dtype);
-            if (self.array.dtype() == DType::bf16 && !wanted.is(py::dtype::of<uint16_t>()) &&
-                !wanted.equal(py::dtype::of<uint16_t>())) {
+            if (self.array.dtype() == DType::bf16 && !wanted.equal(py::dtype::of<uint16_t>())) {
               return to_numpy(self.array.astype(DType::f32), true).attr("astype")(wanted);
             }
             return to_numpy(self.array, !self.read_only).attr("astype")(wanted);

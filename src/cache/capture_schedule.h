@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "kvsnap/cache.h"
@@ -15,6 +16,19 @@ class CaptureSchedule {
   // are ascending, unique, >= current, and the previous schedule was taken. No offsets install
   // nothing: the schedule stays inactive (nothing to take, nothing to wait for).
   void prepare(std::span<const int64_t> offsets, int64_t current, const char* call);
+  // The same, then `capture_now()` (an offset at `current` is captured at once): a prepare that
+  // runs out there schedules nothing (cleared) and rethrows.
+  template <class CaptureNow>
+  void prepare(std::span<const int64_t> offsets, int64_t current, const char* call,
+               CaptureNow&& capture_now) {
+    prepare(offsets, current, call);
+    try {
+      capture_now();
+    } catch (...) {
+      clear();
+      throw;
+    }
+  }
   // Throws the Error prepare(offsets, current, call) would; changes nothing.
   void check(std::span<const int64_t> offsets, int64_t current, const char* call) const;
 
@@ -29,11 +43,21 @@ class CaptureSchedule {
   int64_t next() const {
     return !lost_ && captured_.size() < offsets_.size() ? offsets_[captured_.size()] : -1;
   }
-  // The capture for next() could not be made when its write reached it (out of memory). A
-  // window's or a state's capture made by a later write would hold a later one, so the schedule
-  // stops there: nothing more is captured, take() throws saying so, and take_reached() gives
-  // the captures before it.
-  void lose() { lost_ = true; }
+  // Records the capture `make()` makes for next(). For kinds whose capture a later write could
+  // not make (a window's or a state's would hold a later one): when making it throws (out of
+  // memory) the schedule is lost there and the exception rethrown — nothing more is captured,
+  // take() throws saying so, and take_reached() gives the captures before it.
+  template <class Make>
+  void record_or_lose(Make&& make) {
+    SnapshotPtr made;
+    try {
+      made = make();
+    } catch (...) {
+      lost_ = true;
+      throw;
+    }
+    record(std::move(made));
+  }
   // Drops the last `count` captures recorded (a write that records captures, then fails before
   // it changes anything, takes them back).
   void unrecord(size_t count) { captured_.resize(captured_.size() - count); }

@@ -51,13 +51,7 @@ void KVKind::check_snapshot_from(int64_t from_offset) const {
 }
 
 void KVKind::prepare(std::span<const int64_t> offsets) {
-  schedule.prepare(offsets, offset, calls_.prepare.c_str());
-  try {
-    capture_reached();  // an offset at the cache's own is captured now
-  } catch (...) {
-    schedule.clear();  // a prepare that runs out schedules nothing
-    throw;
-  }
+  schedule.prepare(offsets, offset, calls_.prepare.c_str(), [&] { capture_reached(); });
 }
 
 std::vector<SnapshotPtr> KVKind::take() { return schedule.take(offset, calls_.take.c_str()); }

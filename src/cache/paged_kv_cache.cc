@@ -408,13 +408,7 @@ void PagedKVCache::prepare_snapshots(SeqId seq, std::span<const int64_t> offsets
   current.schedule.check(offsets, current.offset, call);
   if (offsets.empty()) return;  // schedules nothing: no sequence is made for it
   impl_->sequences.change(seq, call, [&](detail::PagedSequence& sequence) {
-    sequence.schedule.prepare(offsets, sequence.offset, call);
-    try {
-      sequence.capture_reached();  // an offset at the sequence's own is captured now
-    } catch (...) {
-      sequence.schedule.clear();  // a prepare that runs out schedules nothing
-      throw;
-    }
+    sequence.schedule.prepare(offsets, sequence.offset, call, [&] { sequence.capture_reached(); });
   });
 }
 std::vector<SnapshotPtr> PagedKVCache::take_snapshots() { return take_snapshots(0); }

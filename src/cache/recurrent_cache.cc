@@ -41,14 +41,7 @@ struct RecurrentSequence {
   }
   void capture_reached() {
     while (schedule.active() && schedule.next() >= 0 && schedule.next() <= offset) {
-      SnapshotPtr state;
-      try {
-        state = capture();
-      } catch (...) {
-        schedule.lose();  // a later write would capture a later state for this offset
-        throw;
-      }
-      schedule.record(std::move(state));
+      schedule.record_or_lose([&] { return capture(); });
     }
   }
   void reset() {
@@ -373,13 +366,7 @@ void RecurrentCache::prepare_snapshots(SeqId seq, std::span<const int64_t> offse
   current.schedule.check(offsets, current.offset, call);
   if (offsets.empty()) return;  // schedules nothing: no sequence is made for it
   impl_->sequences.change(seq, call, [&](detail::RecurrentSequence& sequence) {
-    sequence.schedule.prepare(offsets, sequence.offset, call);
-    try {
-      sequence.capture_reached();  // an offset at the sequence's own is captured now
-    } catch (...) {
-      sequence.schedule.clear();  // a prepare that runs out schedules nothing
-      throw;
-    }
+    sequence.schedule.prepare(offsets, sequence.offset, call, [&] { sequence.capture_reached(); });
   });
 }
 

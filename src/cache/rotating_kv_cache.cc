@@ -90,14 +90,7 @@ class RotatingSequence final : public KVKind {
   // Captures are whole windows.
   void capture_reached() override {
     while (schedule.active() && schedule.next() >= 0 && schedule.next() <= offset) {
-      SnapshotPtr window;
-      try {
-        window = capture_window(schedule.next());
-      } catch (...) {
-        schedule.lose();  // a later write would capture a later window for this offset
-        throw;
-      }
-      schedule.record(std::move(window));
+      schedule.record_or_lose([&] { return capture_window(schedule.next()); });
     }
   }
 

@@ -106,22 +106,30 @@ const Place& place() {
   return *here;
 }
 
-// The time by the clock that stamps files in `folder` (a shared folder's server may run on
-// another clock than this host): the modification time of a file made there now, or this
-// host's time when none can be made.
-time_t folder_now(const std::string& folder) {
-  time_t now = ::time(nullptr);
+// The errno of syncing `folder` (0 when done): a folder this process cannot open for reading
+// (EACCES) or a file system that cannot sync folders (EINVAL) is no failure (0) — there is
+// nothing more a writer can do there.
+int sync_folder_error(const std::string& folder) {
+  const FileDescriptor dir(
+      ::open(folder.empty() ? "." : folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  const int error = dir.get() < 0 ? errno : ::fsync(dir.get()) != 0 ? errno : 0;
+  return error == EACCES || error == EINVAL ? 0 : error;
+}
+
+}  // namespace
+
+timespec folder_now(const std::string& folder) {
+  timespec now{};
+  ::clock_gettime(CLOCK_REALTIME, &now);
   std::string name = (std::filesystem::path(folder) / "kvsnap-clock-XXXXXX").string();
   const int fd = ::mkstemp(name.data());
   if (fd < 0) return now;
   struct stat status {};
-  if (::fstat(fd, &status) == 0) now = status.st_mtim.tv_sec;
+  if (::fstat(fd, &status) == 0) now = status.st_mtim;
   ::close(fd);
   ::unlink(name.c_str());
   return now;
 }
-
-}  // namespace
 
 bool list_folder(const std::string& folder, const std::function<bool(const char* name)>& visit) {
   const std::unique_ptr<DIR, int (*)(DIR*)> listing(::opendir(folder.c_str()), ::closedir);
@@ -151,7 +159,7 @@ void remove_stale_temporaries(const std::string& path) {
       bool stale = false;
       if (temporary.place != here.hex || !here.probeable) {
         struct stat status {};
-        if (!now) now = folder_now(folder.string());
+        if (!now) now = folder_now(folder.string()).tv_sec;
         stale = ::lstat(file.c_str(), &status) == 0 &&
                 status.st_mtim.tv_sec < *now - static_cast<time_t>(kStaleForeignTemporary);
       } else if (temporary.pid != ::getpid()) {
@@ -206,14 +214,11 @@ std::string next_temporary_path(const std::string& path) {
 namespace {
 
 // The rename of `path` into its folder is durable only once the folder is synced too. Throws
-// when that fails; a folder this process cannot open for reading (EACCES) or a file system that
-// cannot sync folders (EINVAL) is no failure: there is nothing more a save can do there.
+// when that fails (sync_folder_error).
 void sync_folder(const std::string& path) {
   const std::string folder = std::filesystem::path(path).parent_path().string();
-  const FileDescriptor dir(
-      ::open(folder.empty() ? "." : folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  const int error = dir.get() < 0 ? errno : ::fsync(dir.get()) != 0 ? errno : 0;
-  if (error == 0 || error == EACCES || error == EINVAL) return;
+  const int error = sync_folder_error(folder);
+  if (error == 0) return;
   throw Error(
       fmt::format("writing {}: syncing its folder {} after the rename failed ({}): the new "
                   "file is in place but may not survive a crash",
@@ -491,13 +496,8 @@ std::error_code make_private_folders(const std::string& path) {
         return {errno, std::generic_category()};
       }
       // Its entry in the folder above is durable only once that folder is synced too (else a
-      // crash could take the new folder, and the file saved in it, away). A folder that cannot
-      // be opened for reading (EACCES) or synced (EINVAL) is no failure, as for a file's rename.
-      const std::filesystem::path above = built.parent_path();
-      const FileDescriptor parent(
-          ::open(above.empty() ? "." : above.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-      const int error = parent.get() < 0 ? errno : ::fsync(parent.get()) != 0 ? errno : 0;
-      if (error != 0 && error != EACCES && error != EINVAL) {
+      // crash could take the new folder, and the file saved in it, away).
+      if (const int error = sync_folder_error(built.parent_path().string()); error != 0) {
         return {error, std::generic_category()};
       }
       continue;

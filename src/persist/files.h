@@ -2,6 +2,7 @@
 // the checksum kvsnap files carry.
 #pragma once
 
+#include <ctime>
 #include <functional>
 #include <map>
 #include <string>
@@ -133,6 +134,11 @@ bool list_folder(const std::string& folder, const std::function<bool(const char*
 // keep another time than this host): no save takes that long. Errors are ignored (best effort).
 void remove_stale_temporaries(const std::string& path);
 inline constexpr int64_t kStaleForeignTemporary = 3600;  // seconds
+
+// The time by the clock that stamps files in `folder` (a shared folder's server may keep another
+// time than this host): the modification time of a file made there now, or this host's time
+// when none can be made.
+timespec folder_now(const std::string& folder);
 
 // This boot of this host and this process's PID namespace, as 16 hex digits (a hash of the
 // kernel's boot id, the namespace's inode and the host name).

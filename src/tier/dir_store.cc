@@ -174,21 +174,8 @@ std::chrono::seconds DirStore::sweep_interval() const {
 // it, not this host's clock, which may differ from a file server's (NFS) by more than the ages
 // compared, and a sweep would then remove live temporaries and objects of other hosts. This
 // host's clock when no file can be made.
-timespec DirStore::folder_now() const {
-  timespec now{};
-  ::clock_gettime(CLOCK_REALTIME, &now);
-  std::string name = (fs::path(folder_) / "kvsnap-clock-XXXXXX").string();
-  const int fd = ::mkstemp(name.data());
-  if (fd < 0) return now;
-  struct stat status {};
-  if (::fstat(fd, &status) == 0) now = status.st_mtim;
-  ::close(fd);
-  ::unlink(name.c_str());
-  return now;
-}
-
 void DirStore::sweep(Deadline deadline, int64_t most) {
-  const timespec now = folder_now();
+  const timespec now = folder_now(folder_);
   const auto older_than = [&](const struct stat& status, std::chrono::seconds age) {
     return status.st_mtim.tv_sec < now.tv_sec - static_cast<time_t>(age.count());
   };

@@ -60,7 +60,6 @@ class DirStore final : public Store {
   void sweep(Deadline deadline, int64_t most = std::numeric_limits<int64_t>::max());
 
  private:
-  timespec folder_now() const;
   // The file of key `key` ("kvsnap:c:..." -> "<folder>/kvsnap-c-...").
   std::string path(const std::string& key) const;
 

@@ -1,6 +1,7 @@
 """Threads: kvsnap's calls release the GIL while they work or wait for a cache's lock, and the
 memory kvsnap lets go of under its locks is given back to Python outside them — no deadlock
 between the GIL and a cache's lock, and Python threads overlap kvsnap's work."""
+import contextlib
 import os
 import subprocess
 import sys
@@ -121,27 +122,37 @@ def test_a_child_forked_while_another_thread_is_in_a_call_exits():
     assert done.returncode == 0, done.stderr + done.stdout
 
 
+@contextlib.contextmanager
+def ticking(interval):
+    """A Python thread noting the time every `interval` seconds while the block runs: the list of
+    those times (a thread that cannot get the GIL notes none)."""
+    ticks, stop = [], threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(interval)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        yield ticks
+    finally:
+        stop.set()
+        ticker.join()
+
+
 def test_other_python_threads_run_while_a_long_kernel_works():
     length = 1024
     rng = np.random.default_rng(0)
     keys = rng.standard_normal((1, 8, length, 64)).astype(np.float32)
     batch = kvsnap.Batch.uniform(1, length, 0)
     history = kvsnap.KVCache().update(batch, keys, keys)
-    ticks, stop = [], threading.Event()
-
-    def tick():
-        while not stop.is_set():
-            ticks.append(time.perf_counter())
-            time.sleep(0.001)
-
-    ticker = threading.Thread(target=tick)
-    ticker.start()
-    time.sleep(0.02)
-    start = time.perf_counter()
-    kvsnap.sdpa(batch, keys, history, kvsnap.AttentionMask.causal(), 0.125)
-    end = time.perf_counter()
-    stop.set()
-    ticker.join()
+    with ticking(0.001) as ticks:
+        time.sleep(0.02)
+        start = time.perf_counter()
+        kvsnap.sdpa(batch, keys, history, kvsnap.AttentionMask.causal(), 0.125)
+        end = time.perf_counter()
     inside = [t for t in ticks if start < t < end]
     longest_gap = max(np.diff([start] + inside + [end]))
     assert len(inside) >= 5 and longest_gap < (end - start) / 2, (end - start, len(inside))
@@ -165,24 +176,14 @@ def test_other_python_threads_run_while_a_dropped_snapshot_waits_for_its_cache()
             cache.update(kvsnap.Batch.uniform(1, length, 4), big, big)
 
         writer = threading.Thread(target=write)
-        ticks, stop = [], threading.Event()
-
-        def tick():
-            while not stop.is_set():
-                ticks.append(time.perf_counter())
-                time.sleep(0.0005)
-
-        ticker = threading.Thread(target=tick)
-        ticker.start()
-        writer.start()
-        writing.wait()
-        time.sleep(0.002)  # the writer is inside its update (it holds the cache's lock)
-        start = time.perf_counter()
-        del snapshot
-        end = time.perf_counter()
-        writer.join()
-        stop.set()
-        ticker.join()
+        with ticking(0.0005) as ticks:
+            writer.start()
+            writing.wait()
+            time.sleep(0.002)  # the writer is inside its update (it holds the cache's lock)
+            start = time.perf_counter()
+            del snapshot
+            end = time.perf_counter()
+            writer.join()
         if end - start > 0.01:  # the drop waited for the lock
             waited += 1
             assert [t for t in ticks if start < t < end], (end - start, "no tick while it waited")
