@@ -106,6 +106,9 @@ func UniformBatch(rows, length, offset int64) *Batch {
 	if rows < 0 {
 		return b // refused by every call (rows must be >= 0)
 	}
+	if b.fit("row count", rows); b.unfit != "" {
+		return b // each row is its own sequence, whose id is an int32: refused by every call
+	}
 	b.Offsets = make([]int32, rows)
 	for i := range b.Offsets {
 		b.Offsets[i] = b.fit("offset", offset)

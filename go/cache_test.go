@@ -400,10 +400,10 @@ func TestBatchValuesThatDoNotFitInt32AreRefused(t *testing.T) {
 	keys := kv(t, []int32{1}, 0, 1)
 	defer keys.Close()
 	for _, b := range []*Batch{SingleBatch([]int32{1}, 1<<32), UniformBatch(1, 1, -1<<33),
-		RowsBatch(Row{Seq: 0, Offset: 1 << 40, Tokens: []int32{1}})} {
+		RowsBatch(Row{Seq: 0, Offset: 1 << 40, Tokens: []int32{1}}), UniformBatch(1<<40, 1, 0)} {
 		err := c.Append(b, keys, keys)
 		if !errors.Is(err, ErrInvalidArgument) || !strings.Contains(err.Error(), "does not fit a batch's int32") {
-			t.Fatalf("a batch whose offset does not fit int32: %v", err)
+			t.Fatalf("a batch whose offset or row count does not fit int32: %v", err)
 		}
 	}
 	if offset, _ := c.Offset(); offset != 0 {

@@ -166,7 +166,13 @@ py::capsule export_dlpack(const PyArray& self, std::optional<bool> copy) {
   }
   const Array exported =
       self.read_only || copy.value_or(false) ? self.array.contiguous() : self.array;
-  return py::capsule(to_dlpack(exported), "dltensor", &delete_unused_dltensor);
+  // Owned until the capsule holds it: a capsule that cannot be made must not leak the tensor
+  // (and the buffer it keeps alive).
+  std::unique_ptr<DLManagedTensor, void (*)(DLManagedTensor*)> tensor(
+      to_dlpack(exported), [](DLManagedTensor* t) { t->deleter(t); });
+  py::capsule capsule(tensor.get(), "dltensor", &delete_unused_dltensor);
+  (void)tensor.release();
+  return capsule;
 }
 
 py::tuple to_tuple(const Shape& extents) {
@@ -237,19 +243,28 @@ exports a copy of a read-only array (DLPack cannot mark a tensor read-only).)")
           "A numpy view of this array (no copy); read-only for views of a cache's buffers.")
       .def(
           "__array__",
-          [](const PyArray& self, py::object dtype) {
-            if (dtype.is_none()) return to_numpy(self.array, !self.read_only);
+          [](const PyArray& self, py::object dtype, std::optional<bool> copy) {
+            py::object view = to_numpy(self.array, !self.read_only);
+            const py::dtype wanted = dtype.is_none() ? view.attr("dtype").cast<py::dtype>()
+                                                     : py::dtype::from_args(dtype);
             // bf16 is viewed as its uint16 bits: another dtype converts the values, not the
             // bits (through float32, which holds every bf16 value exactly); uint16 keeps them.
-            const py::dtype wanted = py::dtype::from_args(dtype);
-            if (self.array.dtype() == DType::bf16 && !wanted.equal(py::dtype::of<uint16_t>())) {
-              return to_numpy(self.array.astype(DType::f32), true).attr("astype")(wanted);
+            const bool by_value =
+                self.array.dtype() == DType::bf16 && !wanted.equal(py::dtype::of<uint16_t>());
+            const bool converts = by_value || !wanted.equal(view.attr("dtype"));
+            if (copy == false && converts) {  // numpy 2's protocol: ValueError
+              throw py::value_error(fmt::format(
+                  "Array.__array__: copy=False, but converting {} to {} needs a copy",
+                  dtype_name(self.array.dtype()), wanted.attr("name").cast<std::string>()));
             }
-            return to_numpy(self.array, !self.read_only).attr("astype")(wanted);
+            if (by_value) view = to_numpy(self.array.astype(DType::f32), true);
+            if (!converts && !copy.value_or(false)) return view;
+            return view.attr("astype")(wanted);  // a new array
           },
-          py::arg("dtype") = py::none(),
+          py::arg("dtype") = py::none(), py::kw_only(), py::arg("copy") = py::none(),
           "This array as numpy (a view when dtype is None; bf16 views its uint16 bits), or "
-          "converted to `dtype` (bf16 by value).")
+          "converted to `dtype` (bf16 by value); copy=True always copies, copy=False raises "
+          "ValueError where a conversion needs a copy (numpy 2's protocol).")
       .def_property_readonly("shape",
                              [](const PyArray& self) { return to_tuple(self.array.shape()); })
       .def_property_readonly(

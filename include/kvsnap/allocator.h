@@ -60,7 +60,8 @@ struct PoolOptions {
   // Most bytes the pool keeps (the buffers released longest ago go first). The environment
   // variable KVSNAP_POOL_BYTES sets the starting value; 0 turns pooling off.
   int64_t max_bytes = int64_t(512) << 20;
-  // A buffer unused for this long is returned to the system at the next allocation or release.
+  // A buffer unused for this long is returned to the system at the next allocation or release
+  // (infinity: never).
   double idle_seconds = 2.0;
   // Buffers of kHugePageBytes and more are aligned to it and backed by transparent huge pages
   // where the kernel offers them (madvise; nothing changes where it does not): a decode step
@@ -71,6 +72,8 @@ struct PoolOptions {
 };
 // Buffers at least this large are backed by huge pages when PoolOptions::huge_pages is set.
 inline constexpr int64_t kHugePageBytes = int64_t(2) << 20;
+// Throws kvsnap::Error, changing nothing, for a negative max_bytes or a negative or NaN
+// idle_seconds.
 KVSNAP_EXPORT void set_pool_options(const PoolOptions&);
 KVSNAP_EXPORT PoolOptions pool_options();
 // Bytes the default allocator's pool holds for reuse.

@@ -42,7 +42,8 @@ class KVSNAP_EXPORT Array {
   // A compact array whose contents are unspecified: for buffers about to be overwritten, where
   // zeroing would be a wasted pass over memory.
   [[nodiscard]] static Array uninitialized(DType, Shape, Allocator& = default_allocator());
-  // A compact array holding `values` (row-major) converted to `dtype`; sizes must agree.
+  // A compact array holding `values` (row-major) converted to `dtype` (a float dtype: i32 is
+  // refused, as by astype; from_ints makes one); sizes must agree.
   [[nodiscard]] static Array from_floats(std::span<const float> values, Shape,
                                          DType dtype = DType::f32);
   // A compact i32 array holding `values` (row-major); sizes must agree.

@@ -1,17 +1,21 @@
 #include "kvsnap/allocator.h"
 
+#include <fmt/format.h>
 #include <sys/mman.h>
 
 #include <algorithm>
 #include <bit>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <map>
 #include <mutex>
 #include <new>
 #include <string_view>
 #include <vector>
+
+#include "kvsnap/error.h"
 
 namespace kvsnap {
 namespace {
@@ -242,7 +246,16 @@ int64_t live_bytes() { return default_allocator().live_bytes(); }
 int64_t allocation_count() { return default_allocator().allocation_count(); }
 int64_t pool_bytes() { return heap().pooled(); }
 void trim_pool() { heap().trim(); }
-void set_pool_options(const PoolOptions& options) { heap().configure(options); }
+void set_pool_options(const PoolOptions& options) {
+  if (options.max_bytes < 0 || std::isnan(options.idle_seconds) || options.idle_seconds < 0) {
+    throw Error(fmt::format("set_pool_options: max_bytes {} and idle_seconds {}: both must be >= 0",
+                            options.max_bytes, options.idle_seconds));
+  }
+  PoolOptions kept = options;
+  // Longer than ~30 years (infinity included) is never: the clock's ticks must hold it.
+  kept.idle_seconds = std::min(kept.idle_seconds, 1e9);
+  heap().configure(kept);
+}
 PoolOptions pool_options() { return heap().options(); }
 
 }  // namespace kvsnap

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "array/strided_copy.h"
@@ -69,15 +70,18 @@ void check_shape(const Shape& shape, const char* call) {
       throw Error(fmt::format("{}: shape {} has a negative extent", call, shape_string(shape)));
     }
   }
-  // Byte counts stay far from overflow: at most 2^60 elements (of at most 8 bytes).
+  // Byte counts and strides stay far from overflow: at most 2^60 elements (of at most 8 bytes)
+  // in the shape's non-zero extents. An empty array counts them too: its row-major strides
+  // are their products all the same.
   constexpr int64_t kMaxElements = int64_t{1} << 60;
   int64_t count = 1;
   for (int64_t extent : shape) {
-    if (extent == 0) return;
-    if (__builtin_mul_overflow(count, extent, &count) || count > kMaxElements) count = -1;
-    if (count < 0) {
-      throw Error(fmt::format("{}: shape {} holds more than 2^60 elements, the most supported",
-                              call, shape_string(shape)));
+    if (extent == 0) continue;
+    if (__builtin_mul_overflow(count, extent, &count) || count > kMaxElements) {
+      throw Error(fmt::format(
+          "{}: shape {} holds more than 2^60 elements{}, the most supported", call,
+          shape_string(shape),
+          std::ranges::find(shape, 0) != shape.end() ? " in its non-zero extents" : ""));
     }
   }
 }
@@ -178,6 +182,9 @@ Array Array::zeros(DType dtype, Shape shape, Allocator& allocator) {
 
 Array Array::from_floats(std::span<const float> values, Shape shape, DType dtype) {
   check_shape(shape, "Array::from_floats");
+  if (dtype == DType::i32) {  // float -> int has no single right rounding (as astype)
+    throw Error("Array::from_floats: dtype i32 is not supported (use from_ints)");
+  }
   if (element_count(shape) != static_cast<int64_t>(values.size())) {
     throw Error(fmt::format("Array::from_floats: {} values do not fill shape {} ({} elements)",
                             values.size(), shape_string(shape), element_count(shape)));
@@ -366,7 +373,9 @@ void Array::assign_slice(int axis, int64_t start, const Array& source) const {
   const int a = normalize_axis(axis, "Array::assign_slice");
   bool fits = !source.empty() && source.dtype_ == dtype_ && source.ndim() == ndim() && start >= 0;
   for (int i = 0; fits && i < ndim(); ++i) {
-    fits = i == a ? start + source.shape_[i] <= shape_[i] : source.shape_[i] == shape_[i];
+    // start <= extent - length: start + length could overflow for a start near INT64_MAX.
+    fits = i == a ? source.shape_[i] <= shape_[i] && start <= shape_[i] - source.shape_[i]
+                  : source.shape_[i] == shape_[i];
   }
   if (!fits) {
     throw Error(

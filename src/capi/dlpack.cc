@@ -2,7 +2,9 @@
 
 #include <dlpack/dlpack.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
+#include <algorithm>
 #include <memory>
 
 namespace kvsnap {
@@ -58,9 +60,17 @@ Array from_dlpack(DLManagedTensor* tensor) {
     throw Error(fmt::format("from_dlpack: the tensor has {} axes; at most {} are supported", t.ndim,
                             Array::kMaxDims));
   }
+  if (t.ndim > 0 && t.shape == nullptr) {
+    throw Error(fmt::format("from_dlpack: the tensor has {} axes and a null shape", t.ndim));
+  }
   const Shape shape(t.shape, t.shape + t.ndim);
   const Shape strides = t.strides != nullptr ? Shape(t.strides, t.strides + t.ndim) : Shape();
-  void* data = static_cast<char*>(t.data) + t.byte_offset;
+  // Null data is refused before the offset is added (null + offset would pass wrap's check).
+  if (t.data == nullptr && std::ranges::find(shape, 0) == shape.end()) {
+    throw Error(
+        fmt::format("from_dlpack: the tensor of shape [{}] has null data", fmt::join(shape, ", ")));
+  }
+  void* data = t.data == nullptr ? nullptr : static_cast<char*>(t.data) + t.byte_offset;
   return Array::wrap(data, dtype, shape, strides, [tensor] {
     if (tensor->deleter != nullptr) tensor->deleter(tensor);
   });

@@ -71,6 +71,22 @@ TEST_F(Pool, ThePoolNeverHoldsMoreThanItsBound) {
   EXPECT_EQ(pool_bytes(), 0);  // pooling off
 }
 
+// A negative or NaN setting is refused, changing nothing; an infinite idle time means never
+// (converting it to the clock's ticks overflowed).
+TEST_F(Pool, OptionsAreChecked) {
+  set_pool_options({.max_bytes = 3 << 20, .idle_seconds = 60});
+  for (const PoolOptions& bad : {PoolOptions{.max_bytes = -1}, PoolOptions{.idle_seconds = -1},
+                                 PoolOptions{.idle_seconds = std::nan("")}}) {
+    EXPECT_TRUE(testing::throws_error([&] { set_pool_options(bad); },
+                                      {"set_pool_options", "must be >= 0"}));
+  }
+  EXPECT_EQ(pool_options().max_bytes, 3 << 20);
+  set_pool_options({.max_bytes = 64 << 20, .idle_seconds = HUGE_VAL});
+  { const Array a = Array::uninitialized(DType::f32, kMiB); }
+  { const Array b = Array::uninitialized(DType::f32, Shape{512 << 10}); }  // trims nothing
+  EXPECT_EQ(pool_bytes(), 3 << 20);
+}
+
 TEST_F(Pool, IdleBuffersAreReturnedToTheSystem) {
   set_pool_options({.max_bytes = 64 << 20, .idle_seconds = 0.05});
   { const Array a = Array::uninitialized(DType::f32, kMiB); }
@@ -150,7 +166,14 @@ TEST_F(Pool, ImpossibleSizesFailInsteadOfHanging) {
     EXPECT_TRUE(testing::throws_error([&] { (void)Array::zeros(DType::f32, shape); },
                                       {"Array::", "more than 2^60 elements"}));
   }
-  EXPECT_NO_THROW((void)Array::zeros(DType::f32, {0, int64_t{1} << 62, int64_t{1} << 62}));
+  // An empty array's strides are its non-zero extents' products: they are held to 2^60 too.
+  EXPECT_TRUE(testing::throws_error(
+      [&] {
+        (void)Array::zeros(DType::f32, {0, int64_t{1} << 40, int64_t{1} << 40});
+      },
+      {"Array::zeros", "more than 2^60 elements in its non-zero extents"}));
+  const Array empty = Array::zeros(DType::f32, {0, int64_t{1} << 30, int64_t{1} << 30});
+  EXPECT_EQ(empty.strides(), (Shape{int64_t{1} << 60, int64_t{1} << 30, 1}));
   EXPECT_EQ(live_bytes(), live);
 }
 

@@ -1,6 +1,8 @@
 #include <gtest/gtest.h>
 #include <kvsnap/array.h>
 
+#include <cmath>
+#include <limits>
 #include <numeric>
 
 #include "array/strided_copy.h"
@@ -127,6 +129,22 @@ TEST(Array, AssignSliceWritesARangeWithoutAllocating) {
       testing::throws_error([&] { a.assign_slice(1, 4, part); }, {"Array::assign_slice", "at 4"}));
   EXPECT_TRUE(testing::throws_error([&] { a.assign_slice(0, 0, part.astype(DType::f16)); },
                                     {"Array::assign_slice"}));
+  // A start near INT64_MAX: start + length overflows, which must not pass the check (it wrote
+  // before the buffer).
+  const int64_t far = std::numeric_limits<int64_t>::max();
+  EXPECT_TRUE(testing::throws_error([&] { a.assign_slice(1, far, part); },
+                                    {"Array::assign_slice", "at 9223372036854775807"}));
+  EXPECT_TRUE(
+      testing::throws_error([&] { a.assign_slice(1, far - 1, part); }, {"Array::assign_slice"}));
+  EXPECT_EQ(a.to_floats(), (std::vector<float>{0, 0, 0, 1, 2, 0, 0, 0, 3, 4}));
+}
+
+// Floats have no single right rounding to integers: from_floats refuses i32, as astype does
+// (NaN or 3e9 converted to int32 was undefined behaviour).
+TEST(Array, FromFloatsRefusesI32) {
+  const std::vector<float> values{std::nanf(""), 3e9F};
+  EXPECT_TRUE(testing::throws_error([&] { (void)Array::from_floats(values, {2}, DType::i32); },
+                                    {"Array::from_floats", "i32", "from_ints"}));
 }
 
 TEST(Array, OverlappingShiftInsideOneBufferIsExact) {

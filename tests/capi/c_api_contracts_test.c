@@ -76,6 +76,16 @@ static void test_dlpack_import_failures_leave_the_tensor_to_the_caller(void) {
   tensor = strided_tensor();
   tensor.dl_tensor.byte_offset = 2; /* not a whole f32 */
   CHECK_FAILS(kvsnap_array_from_dlpack(&tensor, &array), KVSNAP_ERROR, "Array::wrap: data ");
+  /* Null data with an offset was a non-null address (0x40) that wrap accepted. */
+  tensor = strided_tensor();
+  tensor.dl_tensor.data = NULL;
+  tensor.dl_tensor.byte_offset = 64;
+  CHECK_FAILS(kvsnap_array_from_dlpack(&tensor, &array), KVSNAP_ERROR,
+              "from_dlpack: the tensor of shape [2, 3] has null data");
+  tensor = strided_tensor();
+  tensor.dl_tensor.shape = NULL;
+  CHECK_FAILS(kvsnap_array_from_dlpack(&tensor, &array), KVSNAP_ERROR,
+              "from_dlpack: the tensor has 2 axes and a null shape");
   CHECK(array == NULL);
   CHECK(deleted == 0);
 }

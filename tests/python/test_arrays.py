@@ -62,6 +62,23 @@ def test_bf16_crosses_as_uint16_bits():
     np.testing.assert_array_equal(np.asarray(wrapped, dtype=np.uint16), bits)
 
 
+def test_array_protocol_copy_keyword():
+    # numpy 2 passes copy= to __array__: True always copies, False refuses a conversion.
+    source = np.arange(4, dtype=np.float32)
+    wrapped = kvsnap.Array(source)
+    assert np.shares_memory(wrapped.__array__(copy=False), source)
+    assert np.shares_memory(wrapped.__array__(np.float32, copy=None), source)
+    copied = wrapped.__array__(copy=True)
+    assert not np.shares_memory(copied, source)
+    np.testing.assert_array_equal(copied, source)
+    with pytest.raises(ValueError, match="copy=False"):
+        wrapped.__array__(np.float64, copy=False)
+    bf16 = kvsnap.Array(np.array([0x3F80], dtype=np.uint16))
+    with pytest.raises(ValueError, match="bf16 to float32 needs a copy"):
+        bf16.__array__(np.float32, copy=False)
+    np.testing.assert_array_equal(bf16.__array__(np.float32, copy=True), [1.0])
+
+
 def test_a_capsule_without_a_name_is_refused():
     import ctypes
 
