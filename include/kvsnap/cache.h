@@ -166,6 +166,12 @@ class KVSNAP_EXPORT Cache {
   // before a forward runs. 0 (the default) for a kind whose snapshots own all their bytes when
   // taken, as RecurrentCache's do.
   virtual int64_t exposed_bytes(SeqId seq) const;
+  // What the snapshots taken so far may come to own once the sequence is rewound to `offset`
+  // (at most its offset) and written from there: exposed_bytes as it would then be, plus what
+  // the rewind itself hands them (a paged sequence's blocks they share). An upper bound, read
+  // before the rewind: PrefixCache reserves it before a restore that rewinds a slot. The
+  // default is exposed_bytes(seq), right for kinds whose rewinds give snapshots nothing.
+  virtual int64_t exposed_bytes_after_rewind(SeqId seq, int64_t offset) const;
   // The sequence's pending schedule, changing nothing (an absent sequence has none), so a caller
   // can tell whose captures a layer holds before taking or cancelling them (Speculation does).
   // The default reports known = false; the built-in kinds report theirs.

@@ -83,6 +83,7 @@ class KVSNAP_EXPORT KVCache final : public Attention {
   [[nodiscard]] bool restore(SeqId seq, Snapshot* snapshot, int64_t target) override;
   std::vector<SeqId> sequences() const override;
   int64_t exposed_bytes(SeqId seq) const override;
+  int64_t exposed_bytes_after_rewind(SeqId seq, int64_t offset) const override;
   ScheduleState schedule_state(SeqId seq) const override;
 
   CopyStats copy_stats() const override;

@@ -143,6 +143,11 @@ class KVSNAP_EXPORT PrefixCache {
 
   // Bytes owned by snapshots in the trie (lazy snapshots count once they materialize).
   int64_t paged_out_bytes() const;
+  // The most paged_out_bytes() has been at any instant since the cache was made or
+  // reset_peak_paged_out_bytes() last ran, counted as snapshots enter the trie and as lazy ones
+  // materialize (inside calls, and during forwards on any thread): what the budget bounds.
+  int64_t peak_paged_out_bytes() const;
+  void reset_peak_paged_out_bytes();
   // The same total recomputed from every node's snapshots: a consistency check, O(nodes).
   int64_t recount_paged_out_bytes() const;
   // Nodes in the trie, the root excluded.

@@ -59,6 +59,7 @@ bool Cache::restore(SeqId seq, Snapshot* snapshot, int64_t target) {
 }
 std::vector<SeqId> Cache::sequences() const { return {0}; }
 int64_t Cache::exposed_bytes(SeqId) const { return 0; }
+int64_t Cache::exposed_bytes_after_rewind(SeqId seq, int64_t) const { return exposed_bytes(seq); }
 ScheduleState Cache::schedule_state(SeqId) const { return ScheduleState{.known = false}; }
 
 }  // namespace kvsnap

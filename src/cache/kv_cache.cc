@@ -58,6 +58,11 @@ class KVSequence final : public KVKind {
 
   // Writes land at the offset and beyond: only what lazy snapshots name there is exposed.
   int64_t exposed_bytes() const override { return store.unbacked_bytes(offset); }
+  // A rewind moves nothing: the columns past it stay where the snapshots name them, until
+  // written.
+  int64_t exposed_bytes_after_rewind(int64_t to) const override {
+    return store.unbacked_bytes(std::clamp<int64_t>(to, 0, offset));
+  }
 
   KVHistory history() const override {
     if (!store.has_layout) return KVHistory();
@@ -169,6 +174,9 @@ int64_t KVCache::offset() const { return impl_->offset(0); }
 int64_t KVCache::offset(SeqId seq) const { return impl_->offset(seq); }
 std::vector<SeqId> KVCache::sequences() const { return impl_->ids(); }
 int64_t KVCache::exposed_bytes(SeqId seq) const { return impl_->exposed_bytes(seq); }
+int64_t KVCache::exposed_bytes_after_rewind(SeqId seq, int64_t offset) const {
+  return impl_->exposed_bytes_after_rewind(seq, offset);
+}
 ScheduleState KVCache::schedule_state(SeqId seq) const { return impl_->schedule_state(seq); }
 
 SnapshotPtr KVCache::snapshot(int64_t from_offset) { return snapshot(0, from_offset); }

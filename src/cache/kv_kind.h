@@ -54,8 +54,9 @@ class KVKind {
   void require_idle() const { schedule.require_idle(calls_.restore.c_str()); }
 
   virtual KVHistory history() const = 0;
-  // Cache::exposed_bytes of this sequence.
+  // Cache::exposed_bytes of this sequence, and Cache::exposed_bytes_after_rewind.
   virtual int64_t exposed_bytes() const = 0;
+  virtual int64_t exposed_bytes_after_rewind(int64_t) const { return exposed_bytes(); }
 
   KVStore store;  // before `schedule`: captured snapshots unlink from it
   int64_t offset = 0;
@@ -231,6 +232,11 @@ class KVCacheCore {
     const Guard guard(lock);
     const Seq* sequence = find(seq);
     return sequence == nullptr ? 0 : sequence->exposed_bytes();
+  }
+  int64_t exposed_bytes_after_rewind(SeqId seq, int64_t to) const {
+    const Guard guard(lock);
+    const Seq* sequence = find(seq);
+    return sequence == nullptr ? 0 : sequence->exposed_bytes_after_rewind(to);
   }
   ScheduleState schedule_state(SeqId seq) const {
     const Guard guard(lock);

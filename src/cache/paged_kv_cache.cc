@@ -151,7 +151,14 @@ class PagedSequence {
     const bool tail = offset % pool_->block_tokens != 0 && pool_->shared(blocks.back());
     return tail && pool_->has_layout ? pool_->block_bytes() : 0;
   }
-
+  // A rewind to `to` lets go of the blocks past it (a snapshot sharing one may be left its only
+  // holder) and makes the one it ends in the tail: every shared block from there on counts.
+  int64_t exposed_bytes_after_rewind(int64_t to) const {
+    if (to >= offset || !pool_->has_layout) return exposed_bytes();
+    const auto first = blocks.begin() + std::max<int64_t>(to, 0) / pool_->block_tokens;
+    return std::count_if(first, blocks.end(), [&](int32_t b) { return pool_->shared(b); }) *
+           pool_->block_bytes();
+  }
   // References to the blocks of [from, to) (from < to <= offset).
   std::unique_ptr<PagedSnapshot> capture(int64_t from, int64_t to) const {
     const int64_t first = from / pool_->block_tokens;
@@ -369,6 +376,12 @@ int64_t PagedKVCache::exposed_bytes(SeqId seq) const {
   const Guard guard(impl_->pool->lock);
   const detail::PagedSequence* sequence = impl_->sequences.find(seq, "PagedKVCache::exposed_bytes");
   return sequence == nullptr ? 0 : sequence->exposed_bytes();
+}
+
+int64_t PagedKVCache::exposed_bytes_after_rewind(SeqId seq, int64_t offset) const {
+  const Guard guard(impl_->pool->lock);
+  const auto* sequence = impl_->sequences.find(seq, "PagedKVCache::exposed_bytes_after_rewind");
+  return sequence == nullptr ? 0 : sequence->exposed_bytes_after_rewind(offset);
 }
 
 ScheduleState PagedKVCache::schedule_state(SeqId seq) const {

@@ -14,8 +14,13 @@ void LiveState::set_tokens(std::span<const int32_t> tokens) {
 
 void LiveState::find_tip() {
   tip_ = &trie_.root();
-  for (Node* node : trie_.match(tokens_).path) {
-    if (node->start() < static_cast<int64_t>(tokens_.size())) tip_ = node;
+  const auto live = static_cast<int64_t>(tokens_.size());
+  const Trie::Match match = trie_.match(tokens_);
+  for (Node* node : match.path) {
+    // A node the tokens follow to its end or to theirs: the last one entered may be left
+    // midway, where the tokens diverge (a prompt whose own nodes were never inserted, its
+    // captures lost): the live caches hold other tokens there, so it is not on the path.
+    if (node->start() < live && match.length >= std::min(node->end, live)) tip_ = node;
   }
 }
 
@@ -28,8 +33,22 @@ void LiveState::refresh_exposure() {
   exposure_ = 0;
   if (!writable_) return;
   for (const LayerInfo& layer : trie_.layers()) {
-    if (layer.cache != nullptr) exposure_ += layer.cache->exposed_bytes(slot_);
+    if (layer.cache == nullptr) continue;
+    exposure_ += layer.ranged() && rewind_to_
+                     ? layer.cache->exposed_bytes_after_rewind(slot_, *rewind_to_)
+                     : layer.cache->exposed_bytes(slot_);
   }
+}
+
+void LiveState::begin_switch(Node* tip, int64_t shared) {
+  switching_to_ = tip;
+  rewind_to_ = shared;
+  writable_ = true;
+}
+
+void LiveState::end_switch() {
+  switching_to_ = nullptr;
+  rewind_to_.reset();
 }
 
 void LiveState::repoint_ranges() {
@@ -79,10 +98,14 @@ void LiveState::reset() {
   }
   tokens_.clear();
   tip_ = &trie_.root();
+  end_switch();
 }
 
 bool LiveState::on_active_path(const Node& node) const {
-  for (const Node* n = tip_; n != nullptr; n = n->parent) {
+  // During a switch, the path the caches are about to stand on: the old one's nodes past what
+  // the two share are about to be overwritten, and may be evicted to make room for that.
+  for (const Node* n = switching_to_ != nullptr ? switching_to_ : tip_; n != nullptr;
+       n = n->parent) {
     if (n == &node) return true;
   }
   return false;

@@ -34,6 +34,13 @@ class LiveState {
   // its store) may raise it, so those refresh every slot.
   int64_t exposure() const { return exposure_; }
   void refresh_exposure();
+  // Before a restore that moves the caches to another path: pins that path's nodes up to
+  // `tip` (instead of the active path's: what the caches hold past the part the two paths share
+  // is about to be overwritten) and counts, from now on, what the switch itself may give the
+  // trie — KV layers as rewound to `shared` (Cache::exposed_bytes_after_rewind) — in the
+  // exposure, so an eviction makes room for it before anything is copied. end_switch ends both.
+  void begin_switch(Node* tip, int64_t shared);
+  void end_switch();
   // Points the KV snapshots of the active path's nodes at the live caches that hold them (in
   // decode too), lazily: what they owned, or named in another slot's caches, is given back. A
   // tip only partly live is split first at the recorded tokens' end, so the live caches hold
@@ -48,7 +55,8 @@ class LiveState {
   // Resets every layer and forgets the live tokens.
   void reset();
 
-  // `node` and its ancestors are pinned while the live caches stand on them.
+  // `node` and its ancestors are pinned while the live caches stand on them (during a switch:
+  // while it is about to move them there).
   bool on_active_path(const Node& node) const;
   // The active path, deepest node first (root excluded).
   std::vector<Node*> active_path() const;
@@ -60,7 +68,8 @@ class LiveState {
  private:
   // KV layer: rewind to what the live state shares, then write the path's ranges up to target.
   bool page_in_ranges(size_t layer, const std::vector<Node*>& path, int64_t target, int64_t shared);
-  // Finds the active path's tip for the recorded tokens (the trie may have changed since).
+  // Finds the active path's tip for the recorded tokens (the trie may have changed since): the
+  // deepest node holding a live token whose edge the tokens follow to its end or to theirs.
   void find_tip();
   // After a restore put a node's data back into the live cache, the node can hold a lazy view
   // of it instead and give its bytes back.
@@ -69,7 +78,9 @@ class LiveState {
   Trie& trie_;
   const SeqId slot_;
   std::vector<int32_t> tokens_;
-  Node* tip_;  // the deepest node holding a live token
+  Node* tip_;                         // the deepest node holding a live token
+  Node* switching_to_ = nullptr;      // begin_switch's tip
+  std::optional<int64_t> rewind_to_;  // begin_switch's shared
   bool writable_ = false;
   int64_t exposure_ = 0;
 };

@@ -223,6 +223,14 @@ int64_t PrefixCache::paged_out_bytes() const {
   const Lock lock(impl_->mutex);  // a load hands the trie another byte counter
   return impl_->trie.bytes();
 }
+int64_t PrefixCache::peak_paged_out_bytes() const {
+  const Lock lock(impl_->mutex);
+  return impl_->trie.peak_bytes();
+}
+void PrefixCache::reset_peak_paged_out_bytes() {
+  const Lock lock(impl_->mutex);
+  impl_->trie.reset_peak();
+}
 int64_t PrefixCache::recount_paged_out_bytes() const {
   const Lock lock(impl_->mutex);
   return impl_->trie.recount_bytes();

@@ -31,18 +31,39 @@ std::shared_ptr<SessionState> Slot::begin(std::span<const int32_t> prompt, Prefi
   if (!live_.consistent()) live_.reset();  // the caches were moved behind our back
   evict_(Change::own);
 
-  const Trie::Match match = trie_.match(prompt);
   const auto length = static_cast<int64_t>(prompt.size());
-  const int64_t limit = trie_.restore_limit(match, length);
-  const LiveView live = view(prompt, limit);
-  const Plan plan = plan_restore(trie_.layers(), match.path, limit, live);
+  Trie::Match match;
+  LiveView live;
+  Plan plan;
+  const auto make_plan = [&] {
+    match = trie_.match(prompt);
+    const int64_t limit = trie_.restore_limit(match, length);
+    live = view(prompt, limit);
+    plan = plan_restore(trie_.layers(), match.path, limit, live);
+  };
+  make_plan();
   try {
+    // The switch rewinds the caches to what they share with the prompt and writes the path's
+    // ranges and states over what they held: the trie's lazy snapshots of the old path there
+    // are copied out (KV) or left the only holders of their blocks (paged). Reserve that first,
+    // with the new path pinned, so the eviction makes room (the old path's nodes past the
+    // shared part may go) before anything is copied.
+    Node* tip = &trie_.root();
+    for (Node* node : match.path) {
+      if (node->start() < plan.target) tip = node;
+    }
+    const uint64_t version = trie_.version();
+    live_.begin_switch(tip, live.shared);
+    evict_(Change::own);
+    if (trie_.version() != version) make_plan();  // nodes split or whole states dropped
     live_.switch_to(match.path, plan, live.shared);
+    // Inside: a record that runs out would leave the old path's tokens over the moved caches.
+    live_.set_tokens(prompt.subspan(0, static_cast<size_t>(plan.target)));
+    live_.end_switch();
   } catch (...) {
     abandon();  // the caches reset, and the trie back within its budget (their copies out)
     throw;
   }
-  live_.set_tokens(prompt.subspan(0, static_cast<size_t>(plan.target)));
   for (Node* node : match.path) trie_.touch(*node);
 
   auto state = std::make_shared<SessionState>();
@@ -55,7 +76,6 @@ std::shared_ptr<SessionState> Slot::begin(std::span<const int32_t> prompt, Prefi
   state->cached = plan.target;
   session_ = state;
   try {
-    live_.set_writable(true);
     prepare(schedule_for(match.path));
     // The switch may have shared what other slots' caches hold: every exposure is refreshed.
     evict_(Change::shared);

@@ -99,15 +99,15 @@ void Trie::attach(Node& node, size_t layer, SnapshotPtr snapshot) {
   ++version_;
   // The hook and the size at one instant: a forward on another thread may be copying the
   // snapshot out right now.
-  *bytes_ +=
-      hook_and_size(*snapshot, [counter = bytes_.get()](int64_t delta) { *counter += delta; });
+  bytes_->add(
+      hook_and_size(*snapshot, [counter = bytes_.get()](int64_t delta) { counter->add(delta); }));
   node.snapshots[layer] = std::move(snapshot);
 }
 
 SnapshotPtr Trie::detach(Node& node, size_t layer) {
   SnapshotPtr snapshot = std::move(node.snapshots[layer]);
   ++version_;
-  if (snapshot != nullptr) *bytes_ -= hook_and_size(*snapshot, nullptr);
+  if (snapshot != nullptr) bytes_->add(-hook_and_size(*snapshot, nullptr));
   return snapshot;
 }
 
@@ -351,7 +351,10 @@ void Trie::take_nodes(Trie& fresh) noexcept {
   fresh.root_.children.clear();
   for (auto& child : root_.children) child->parent = &root_;
   leaves_.swap(fresh.leaves_);
-  bytes_.swap(fresh.bytes_);  // the moved snapshots' hooks point at it
+  // The moved snapshots' hooks point at it; the peak is the larger of the two tries'.
+  const int64_t peak = peak_bytes();
+  bytes_.swap(fresh.bytes_);
+  if (peak > peak_bytes()) bytes_->peak.store(peak, std::memory_order_relaxed);
   std::swap(node_count_, fresh.node_count_);
   clock_ = std::max(clock_, fresh.clock_);
   ++version_;

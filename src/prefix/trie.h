@@ -26,6 +26,19 @@ namespace kvsnap::detail {
 // Length of the longest common prefix of two token sequences.
 int64_t common_prefix(std::span<const int32_t> a, std::span<const int32_t> b);
 
+// The bytes a trie's snapshots own and the most they have been since the last reset_peak:
+// materialize hooks add to both from any thread.
+struct ByteCount {
+  std::atomic<int64_t> bytes{0};
+  std::atomic<int64_t> peak{0};
+  void add(int64_t delta) noexcept {
+    const int64_t now = bytes.fetch_add(delta, std::memory_order_relaxed) + delta;
+    int64_t seen = peak.load(std::memory_order_relaxed);
+    while (now > seen && !peak.compare_exchange_weak(seen, now, std::memory_order_relaxed)) {
+    }
+  }
+};
+
 struct Node;
 // Leaves in eviction order: (user, last use, node).
 using LeafOrder = std::set<std::tuple<bool, int64_t, Node*>>;
@@ -75,7 +88,10 @@ class Trie {
   Node& root() { return root_; }
   const std::vector<LayerInfo>& layers() const { return layers_; }
   // Bytes the trie's snapshots own (materialize hooks add to it from any thread).
-  int64_t bytes() const { return bytes_->load(std::memory_order_relaxed); }
+  int64_t bytes() const { return bytes_->bytes.load(std::memory_order_relaxed); }
+  // The most bytes() has been since the trie was made or reset_peak() last ran.
+  int64_t peak_bytes() const { return bytes_->peak.load(std::memory_order_relaxed); }
+  void reset_peak() { bytes_->peak.store(bytes(), std::memory_order_relaxed); }
   int64_t recount_bytes() const;
   int64_t node_count() const { return node_count_; }
   // Changes whenever a node or a snapshot is added, removed, replaced or used.
@@ -160,7 +176,7 @@ class Trie {
   Node root_;
   // Its own allocation, which the snapshots' materialize hooks point at: take_nodes hands it
   // over with the nodes instead of re-pointing every hook.
-  std::unique_ptr<std::atomic<int64_t>> bytes_ = std::make_unique<std::atomic<int64_t>>(0);
+  std::unique_ptr<ByteCount> bytes_ = std::make_unique<ByteCount>();
   int64_t node_count_ = 0;
   int64_t clock_ = 0;
   uint64_t version_ = 0;

@@ -218,7 +218,7 @@ TYPED_TEST(CacheContract, ExposedBytesBoundWhatWritesAddToSnapshots) {
     for (const SnapshotPtr& s : held) total += s == nullptr ? 0 : s->size();
     return total;
   };
-  int64_t grew = 0, exposed = 0;
+  int64_t grew = 0, exposed = 0, rewinds_exposed = 0;
   this->write(3);
   for (int round = 0; round < 400; ++round) {
     const int64_t offset = this->cache->offset();
@@ -231,9 +231,19 @@ TYPED_TEST(CacheContract, ExposedBytesBoundWhatWritesAddToSnapshots) {
       case 1:
         if (!held.empty()) held.erase(held.begin() + rng() % held.size());
         break;
-      case 2:  // a live rewind where the kind allows one
-        (void)this->cache->restore(nullptr, offset - rng() % 6 % (offset + 1));
+      case 2: {  // a live rewind where the kind allows one
+        // exposed_bytes_after_rewind, read before, bounds what the rewind gives the snapshots
+        // and what the writes after it may.
+        const int64_t to = offset - rng() % 6 % (offset + 1);
+        const int64_t reserved = this->cache->exposed_bytes_after_rewind(0, to);
+        const int64_t before = held_bytes(), exposure = this->cache->exposed_bytes(0);
+        if (this->cache->restore(nullptr, to)) {
+          ASSERT_LE(held_bytes() - before + this->cache->exposed_bytes(0), reserved)
+              << "round " << round;
+          if (reserved > exposure) ++rewinds_exposed;
+        }
         break;
+      }
       case 3:  // back to a snapshot held
         if (!held.empty() && held.back() != nullptr) {
           (void)this->cache->restore(held.back().get(), held.back()->to());
@@ -264,6 +274,9 @@ TYPED_TEST(CacheContract, ExposedBytesBoundWhatWritesAddToSnapshots) {
   } else {
     EXPECT_GT(grew, 10);  // writes did copy into snapshots, within what was exposed
     EXPECT_GT(exposed, 20);
+  }
+  if (std::is_same_v<TypeParam, KVKind> || std::is_same_v<TypeParam, PagedKind>) {
+    EXPECT_GT(rewinds_exposed, 5);  // rewinds that exposed more than the offset before them
   }
 }
 

@@ -174,6 +174,42 @@ TEST(PrefixCacheBudget, APartlyLiveTipIsSplitAndItsTailEvicted) {
   }
 }
 
+// Slot 0 holds a long prompt whose nodes are lazy in its caches; its next request follows
+// another prompt, which slot 1's caches hold, from an early token on. Restoring it writes over
+// slot 0's columns of the first prompt, which the trie's nodes name: begin makes room for
+// what that copies out before it copies (the first prompt's nodes are evicted first, and
+// nothing is copied), instead of copying the whole path into the trie and evicting it after.
+TEST(PrefixCacheBudget, ARestoreOverTheSlotsOwnLazyPathReservesBeforeCopying) {
+  for (const bool paged : {false, true}) {
+    SCOPED_TRACE(paged ? "paged" : "contiguous");
+    HybridStack stack(StackOptions{.with_recurrent = false, .paged = paged});
+    const int64_t budget = 10 * stack.token_bytes();
+    PrefixCache cache(stack.layers(), {.max_paged_out_bytes = budget, .slots = 2});
+    const Tokens p = tokens(100, 5) + tokens(200, 60);
+    const Tokens q = tokens(100, 5) + tokens(300, 60);
+    const auto prefill = [&](SeqId slot, const Tokens& prompt) {
+      PrefixCache::Session s = cache.begin(slot, prompt);
+      EXPECT_TRUE(stack.forward_and_check(s.remaining(), prompt, slot));
+      s.prefill_done();
+      return s;
+    };
+    prefill(0, p).close();
+    PrefixCache::Session standing = prefill(1, q);  // q's nodes: lazy in slot 1's caches
+    cache.reset_peak_paged_out_bytes();
+    const int64_t copied = stack.attention().copy_stats().materialized_bytes;
+    {
+      PrefixCache::Session next = cache.begin(0, q + tokens(400, 3));
+      EXPECT_GE(next.cached(), 60);
+      EXPECT_TRUE(stack.forward_and_check(next.remaining(), q + tokens(400, 3), 0));
+      next.prefill_done();
+    }
+    // One snapshot over at most (the window's restore point holds 7 tokens).
+    EXPECT_LE(cache.peak_paged_out_bytes(), budget + 8 * stack.token_bytes());
+    EXPECT_LT(stack.attention().copy_stats().materialized_bytes - copied, 10 * stack.token_bytes());
+    EXPECT_EQ(cache.check_invariants(), "");
+  }
+}
+
 // How slot 1's Speculation round stands while slot 0 begins again over p (after serving r,
 // then p): opened or not, its verification forward run or not, accepted before or after.
 struct RoundAt {
