@@ -99,6 +99,7 @@ void LiveState::reset() {
   tokens_.clear();
   tip_ = &trie_.root();
   end_switch();
+  incoming_ = 0;
 }
 
 bool LiveState::on_active_path(const Node& node) const {

@@ -32,8 +32,11 @@ class LiveState {
   // what of it is the trie's; other slots' calls that change the trie or what the caches share
   // (begin, prefill_done, close: trie splits can give a half-copied piece's columns back to
   // its store) may raise it, so those refresh every slot.
-  int64_t exposure() const { return exposure_; }
+  int64_t exposure() const { return exposure_ + incoming_; }
   void refresh_exposure();
+  // Bytes about to enter the trie from this slot (captures taken, not yet inserted), reserved
+  // with the exposure until set back to 0.
+  void set_incoming(int64_t bytes) { incoming_ = bytes; }
   // Before a restore that moves the caches to another path: pins that path's nodes up to
   // `tip` (instead of the active path's: what the caches hold past the part the two paths share
   // is about to be overwritten) and counts, from now on, what the switch itself may give the
@@ -83,6 +86,7 @@ class LiveState {
   std::optional<int64_t> rewind_to_;  // begin_switch's shared
   bool writable_ = false;
   int64_t exposure_ = 0;
+  int64_t incoming_ = 0;
 };
 
 // Evicts least recently used leaves (user nodes last, any slot's active path never) until the

@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <new>
 #include <utility>
 
 #include "prefix/tier_link.h"
@@ -241,6 +242,22 @@ void Slot::attach_captures() {
     if (cache == nullptr) continue;
     captures[i] = cache->take_reached_snapshots(id_);
     reached = std::min(reached, captures[i].size());
+  }
+  // What the captures own enters the trie with them: make room for it first (the session's
+  // path is pinned), rather than insert it all past the budget and evict after.
+  int64_t incoming = 0;
+  for (size_t i = 0; i < layers; ++i) {
+    for (size_t j = 0; j < std::min(reached, captures[i].size()); ++j) {
+      if (captures[i][j] != nullptr && s.scheduled[j] > 0) incoming += captures[i][j]->size();
+    }
+  }
+  if (incoming > 0) {
+    live_.set_incoming(incoming);
+    try {
+      evict_(Change::own);
+    } catch (const std::bad_alloc&) {  // a merge ran short: the eviction after the insert goes on
+    }
+    live_.set_incoming(0);
   }
   int64_t edge_start = s.cached;
   for (size_t j = 0; j < reached; ++j) {

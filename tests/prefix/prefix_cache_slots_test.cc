@@ -180,7 +180,7 @@ class Interleaving {
       }
       if (!rows_.empty()) {
         ASSERT_TRUE(stack_.forward_rows_and_check(rows_));
-        check_budget();
+        check_budget(/*strict=*/true);
       }
       if (rows_.size() > 1) ++batched_steps_;
       for (Slot* slot : finishing_) finish_prefill(*slot);
@@ -199,8 +199,17 @@ class Interleaving {
   };
 
   // The trie stays within its budget after every PrefixCache call and every forward: each call
-  // reserved what the slots' writes could copy out before the next.
-  void check_budget() const { ASSERT_LE(cache_.paged_out_bytes(), budget_); }
+  // reserved what the slots' writes could copy out before the next. And at every instant in
+  // between (the peak since the last check): strictly through forwards, decode steps and
+  // prefill_done (which makes room for its captures before inserting them); begin and close by
+  // one snapshot at most — a whole state close takes, or what a restore into the window's ring
+  // copies past the window layer's exposure (a few tokens). Before begin reserved its restore,
+  // it copied the slot's whole old path into the trie first (tens of tokens here).
+  void check_budget(bool strict) {
+    ASSERT_LE(cache_.paged_out_bytes(), budget_);
+    ASSERT_LE(cache_.peak_paged_out_bytes(), budget_ + (strict ? 0 : 12 * stack_.token_bytes()));
+    cache_.reset_peak_paged_out_bytes();
+  }
 
   Tokens next_prompt() {
     Tokens prompt = done_.empty() || rng_() % 3 == 0 ? tokens(100, 10 + rng_() % 10)
@@ -216,7 +225,7 @@ class Interleaving {
     if (!slot.session) {  // a new request
       const Tokens prompt = next_prompt();
       slot.session.emplace(cache_.begin(id, prompt));
-      check_budget();
+      check_budget(/*strict=*/false);
       slot.sequence = prompt;
       const auto remaining = slot.session->remaining();
       // A chunked prefill: the first chunk now, the rest as one more step.
@@ -244,7 +253,7 @@ class Interleaving {
     }
     const int32_t token = next_++;
     slot.session->append_output(token);
-    check_budget();
+    check_budget(/*strict=*/true);
     slot.sequence.push_back(token);
     --slot.decode_left;
     if (slot.decode_left > 0) rows_.push_back({id, Tokens{token}, slot.sequence});
@@ -252,14 +261,14 @@ class Interleaving {
 
   void finish_prefill(Slot& slot) {
     slot.session->prefill_done();
-    check_budget();
+    check_budget(/*strict=*/true);
     slot.prefilled = true;
     slot.decode_left = 1 + static_cast<int64_t>(rng_() % 4);
   }
 
   void close(Slot& slot) {
     slot.session->close();
-    check_budget();
+    check_budget(/*strict=*/false);
     slot.session.reset();
     done_.push_back(slot.sequence);
     slot.prefilled = false;
