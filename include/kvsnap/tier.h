@@ -61,7 +61,8 @@ struct TierOptions {
   std::string key;
   // Tokens per KV chunk object. Part of the key root: processes must agree to share.
   int64_t chunk_tokens = 256;
-  // The most a lookup waits for the store, all round trips together.
+  // The most a lookup waits for the store, all round trips together. This, write_timeout and
+  // retry_interval must be in [0, 24 h] (open refuses others).
   std::chrono::milliseconds lookup_timeout{50};
   // How long one write batch may take before the writer gives up on it.
   std::chrono::milliseconds write_timeout{2000};
@@ -87,7 +88,8 @@ struct TierOptions {
 struct TierStats {
   int64_t lookups = 0;          // lookups that asked the store
   int64_t hits = 0;             // lookups that returned a restore point
-  int64_t restored_tokens = 0;  // sum of the offsets returned
+  // Tokens the restore points returned add to what their callers held (offset - better_than).
+  int64_t restored_tokens = 0;
   int64_t bytes_read = 0;
   int64_t bytes_written = 0;
   int64_t timeouts = 0;         // lookups cut short by lookup_timeout
@@ -149,7 +151,8 @@ class KVSNAP_EXPORT Tier {
   // store; a full queue drops the batch (counted).
   void store(std::span<const int32_t> tokens, std::span<const Snapshot* const> ranges,
              std::span<const TierPoint> points);
-  // Waits until every queued write has been tried (or `timeout` passes); true when drained.
+  // Waits until every queued write has been tried (or `timeout` passes: longer than a year
+  // counts as a year); true when drained.
   bool flush(std::chrono::milliseconds timeout = std::chrono::seconds(10));
 
   TierStats stats() const;

@@ -424,10 +424,14 @@ std::vector<RedisStore::Reply> RedisStore::round_trip(const std::vector<Command>
     fail("the store sent more replies than there were commands", false);
   }
   // Refusals of writes alone (out of memory with eviction off, a read-only replica, failed
-  // snapshots): lookups still work and keep what this process knows the store holds.
+  // snapshots): lookups still work and keep what this process knows the store holds. A
+  // lookup's GETEX ... EX and EXPIRE are writes too: refused, the lookup reads only.
   const auto writes_only = [](const Reply& reply) {
     const std::string_view text = reply.text();
     return text.starts_with("OOM") || text.starts_with("READONLY") || text.starts_with("MISCONF");
+  };
+  const auto refreshes = [](const Command& command) {
+    return command[0] == "GETEX" || command[0] == "EXPIRE";
   };
   std::string refused_writes;
   for (size_t i = 0; i < replies.size(); ++i) {
@@ -435,17 +439,22 @@ std::vector<RedisStore::Reply> RedisStore::round_trip(const std::vector<Command>
     if (why.empty()) continue;
     // Before the store counts as answering: one that refuses every command is unavailable, not
     // back and lost again on every round trip.
-    if (!writing || !writes_only(replies[i])) fail(why, false);
+    if (!writes_only(replies[i]) || !(writing || refreshes(commands[i]))) fail(why, false);
     if (refused_writes.empty()) refused_writes = std::move(why);
   }
   answered_ = true;
   options_.health->answered();
-  if (!writing) return replies;
+  if (!writing) {
+    if (refused_writes.empty()) return replies;
+    options_.health->writes_refused(refused_writes);
+    throw RefreshRefused{};
+  }
   if (!refused_writes.empty()) {  // the batch is dropped, said once
     options_.health->writes_refused(refused_writes);
     throw StoreFailure(refused_writes, StoreFailure::Reason::failed);
   }
   options_.health->writes_taken();
+  refresh_on_read_ = true;
   return replies;
 }
 
@@ -457,7 +466,9 @@ std::vector<RedisStore::Reply> RedisStore::read_replies(const std::vector<Comman
   std::vector<ReplyCeiling> ceilings;
   for (const Command& command : commands) {
     ReplyCeiling ceiling;
-    if (command[0] == "GETEX") ceiling.string_bytes = options_.max_object_bytes;
+    if (command[0] == "GETEX" || command[0] == "GET") {
+      ceiling.string_bytes = options_.max_object_bytes;
+    }
     if (command[0] == "SMEMBERS") ceiling.members = options_.max_index_members;
     ceilings.push_back(ceiling);
   }
@@ -493,18 +504,29 @@ void RedisStore::probe(std::span<const std::string> sets, std::span<const std::s
                        Deadline deadline, std::vector<std::vector<std::string>>& members,
                        std::vector<bool>& exists) {
   // EXPIRE after each SMEMBERS: an index set in use lives as long as the points it names,
-  // whose lifetimes GETEX refreshes.
+  // whose lifetimes GETEX refreshes. EXPIRE rather than EXISTS: it answers the same (1 when the
+  // key is there) and refreshes its lifetime — an object asked after is in use (a prefix the
+  // asking process holds itself, one its writer skips as stored) and must not expire while it
+  // is. EXISTS where the store refuses writes (refresh_on_read_).
   const std::string ttl = std::to_string(options_.ttl.count());
-  std::vector<Command> commands;
-  for (const std::string& set : sets) {
-    commands.push_back({"SMEMBERS", set});
-    commands.push_back({"EXPIRE", set, ttl});
+  std::vector<Reply> replies;
+  for (bool sent = false; !sent;) {
+    const auto check = [&](const std::string& key) {
+      return refresh_on_read_ ? Command{"EXPIRE", key, ttl} : Command{"EXISTS", key};
+    };
+    std::vector<Command> commands;
+    for (const std::string& set : sets) {
+      commands.push_back({"SMEMBERS", set});
+      commands.push_back(check(set));
+    }
+    for (const std::string& key : keys) commands.push_back(check(key));
+    try {
+      replies = round_trip(commands, deadline);
+      sent = true;
+    } catch (const RefreshRefused&) {
+      refresh_on_read_ = false;
+    }
   }
-  // EXPIRE rather than EXISTS: it answers the same (1 when the key is there) and refreshes its
-  // lifetime — an object asked after is in use (a prefix the asking process holds itself, one
-  // its writer skips as stored) and must not expire while it is.
-  for (const std::string& key : keys) commands.push_back({"EXPIRE", key, ttl});
-  const std::vector<Reply> replies = round_trip(commands, deadline);
   members.assign(sets.size(), {});
   exists.assign(keys.size(), false);
   for (size_t i = 0; i < sets.size(); ++i) {
@@ -523,12 +545,24 @@ void RedisStore::probe(std::span<const std::string> sets, std::span<const std::s
 
 std::vector<std::optional<std::string>> RedisStore::fetch(std::span<const std::string> keys,
                                                           Deadline deadline) {
-  // GETEX refreshes the lifetime of what is used (Redis >= 6.2).
+  // GETEX refreshes the lifetime of what is used (Redis >= 6.2); GET where the store refuses
+  // writes (refresh_on_read_).
   const std::string ttl = std::to_string(options_.ttl.count());
-  std::vector<Command> commands;
-  for (const std::string& key : keys) commands.push_back({"GETEX", key, "EX", ttl});
+  std::vector<Reply> replies;
+  for (bool sent = false; !sent;) {
+    std::vector<Command> commands;
+    for (const std::string& key : keys) {
+      commands.push_back(refresh_on_read_ ? Command{"GETEX", key, "EX", ttl} : Command{"GET", key});
+    }
+    try {
+      replies = round_trip(commands, deadline);
+      sent = true;
+    } catch (const RefreshRefused&) {
+      refresh_on_read_ = false;
+    }
+  }
   std::vector<std::optional<std::string>> values;
-  for (const Reply& reply : round_trip(commands, deadline)) {
+  for (const Reply& reply : replies) {
     // (A refusal — an unknown command: Redis before 6.2; NOAUTH... — failed the round trip.)
     if (reply->type == REDIS_REPLY_STRING) {
       values.emplace_back(std::string(reply.text()));

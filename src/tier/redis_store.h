@@ -57,6 +57,13 @@ class RedisStore final : public Store {
   // on the socket (nor a hang-up).
   bool idle() const;
   bool answered_ = false;  // the connection has completed a round trip
+  // Whether lookups refresh the lifetimes of what they read (GETEX ... EX, EXPIRE), or read
+  // only (GET, EXISTS): a store that refuses writes (a read-only replica, MISCONF) refuses those
+  // too. Off when it did; on again once a write is taken.
+  bool refresh_on_read_ = true;
+  // Thrown by round_trip when a lookup's only refusals are of its refreshes as writes: every
+  // reply was read (the connection is in step), and the lookup is sent again, reading only.
+  struct RefreshRefused {};
   void connect(Deadline deadline);
   // Waits until the socket is ready for `events` (poll), failing at the deadline.
   void await(short events, Deadline deadline);

@@ -58,9 +58,17 @@ TierOptions checked(const std::vector<Cache*>& layers, TierOptions options) {
   if (options.write_queue < 1) {
     throw fail(fmt::format("write_queue {} must be >= 1", options.write_queue));
   }
-  if (options.lookup_timeout.count() < 0 || options.write_timeout.count() < 0 ||
-      options.retry_interval.count() < 0 || options.ttl.count() < 1) {
-    throw fail("timeouts and the retry interval must be >= 0, the ttl >= 1 s");
+  // At most a day: deadlines are now + timeout on the steady clock, where milliseconds::max()
+  // (a "no limit") overflowed into a deadline long past.
+  constexpr std::chrono::milliseconds kDay = std::chrono::hours(24);
+  const auto in_range = [&](std::chrono::milliseconds t) { return t.count() >= 0 && t <= kDay; };
+  if (!in_range(options.lookup_timeout) || !in_range(options.write_timeout) ||
+      !in_range(options.retry_interval) || options.ttl.count() < 1) {
+    throw fail(fmt::format(
+        "lookup_timeout {} ms, write_timeout {} ms, retry_interval {} ms, ttl {} s: timeouts and "
+        "the retry interval must be in [0, 24 h], the ttl >= 1 s",
+        options.lookup_timeout.count(), options.write_timeout.count(),
+        options.retry_interval.count(), options.ttl.count()));
   }
   for (size_t i = 0; i < layers.size(); ++i) {
     if (describe_layer(layers[i]) == R"({"kind":"other"})") {

@@ -141,18 +141,22 @@ class TierImpl::Finder {
 
   // Throws ObjectRejected unless each snapshot has the shapes of its layer's other snapshots
   // (those this process stored, or else the first one of this lookup).
+  // A rejected object teaches nothing: the shapes it would have set are kept only when all of
+  // it fits.
   void fits(const std::vector<SnapshotPtr>& snapshots) {
+    std::vector<std::string> signatures = signatures_;
     for (size_t i = 0; i < snapshots.size(); ++i) {
       if (snapshots[i] == nullptr) continue;
       const std::string shapes =
           snapshot_signature(*snapshot_record(*snapshots[i]), tier_.layers_[i]);
-      if (signatures_[i].empty()) signatures_[i] = shapes;
-      if (shapes != signatures_[i]) {
+      if (signatures[i].empty()) signatures[i] = shapes;
+      if (shapes != signatures[i]) {
         throw ObjectRejected(fmt::format("layer {} holds {}, this layer's snapshots have {}", i,
-                                         shapes, signatures_[i]),
+                                         shapes, signatures[i]),
                              false);
       }
     }
+    signatures_ = std::move(signatures);
   }
 
   TierMatch assemble(int64_t t) {
@@ -204,7 +208,7 @@ TierMatch TierImpl::lookup(std::span<const int32_t> tokens, int64_t limit, int64
     TierMatch match = Finder(*this, tokens, limit, better_than, deadline).run();
     if (match.offset > 0) {
       ++counters_.hits;
-      counters_.restored_tokens += match.offset;
+      counters_.restored_tokens += match.offset - better_than;
     }
     return match;
   } catch (const StoreFailure& failure) {

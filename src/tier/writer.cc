@@ -87,6 +87,8 @@ bool WriteBehind::push(WriteBatch batch) {
 }
 
 bool WriteBehind::flush(std::chrono::milliseconds timeout) {
+  // A year stands for any longer wait: now + milliseconds::max() overflows the clock.
+  timeout = std::min<std::chrono::milliseconds>(timeout, std::chrono::hours(24 * 365));
   std::unique_lock<std::mutex> lock(mutex_);
   return idle_.wait_for(lock, timeout, [this] { return queue_.empty() && !busy_; });
 }

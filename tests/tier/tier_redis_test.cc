@@ -309,5 +309,25 @@ TEST(TierRedis, AServerThatRefusesOnlyWritesIsSaidOnceAndLookupsGoOn) {
   EXPECT_GT(process.tier->stats().objects_written, 0);
 }
 
+// A read-only replica (here a server made the replica of an unreachable one, which keeps
+// serving what it holds) refuses GETEX and EXPIRE, which refresh lifetimes: lookups read with
+// GET and EXISTS instead and still find what it holds, and the store is not unavailable.
+TEST(TierRedis, AReadOnlyReplicaServesLookups) {
+  RedisServer server;
+  {
+    TierProcess writer(server.address());
+    (void)writer.turn(talk.first, talk.reply, talk.ends);
+  }
+  (void)server.command({"REPLICAOF", "127.0.0.1", "1"});
+  TierProcess process(server.address());
+  EXPECT_GT(process.turn(talk.first + tokens(600, 40), talk.reply).cached, 0) << process.log.all();
+  std::this_thread::sleep_for(std::chrono::milliseconds(40));  // past the retry interval
+  EXPECT_GT(process.turn(talk.first + tokens(700, 40), talk.reply).cached, 0) << process.log.all();
+  EXPECT_EQ(process.log.count("is unavailable"), 0) << process.log.all();
+  EXPECT_EQ(process.log.count("refuses writes"), 1) << process.log.all();
+  EXPECT_EQ(process.log.count("READONLY"), 1) << process.log.all();
+  EXPECT_EQ(process.tier->stats().objects_written, 0);
+}
+
 }  // namespace
 }  // namespace kvsnap

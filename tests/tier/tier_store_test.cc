@@ -44,6 +44,10 @@ TEST_P(TierStore, AnotherProcessContinuesWhereOneStopped) {
   EXPECT_EQ(stats.restored_tokens, 31);
   EXPECT_GT(stats.bytes_read, 0);
   EXPECT_EQ(stats.rejected, 0);
+  // A caller that holds 26 tokens already: a point past it adds what lies between.
+  const TierMatch more = next.tier->lookup(talk.second, 40, 26);
+  EXPECT_GT(more.offset, 26);
+  EXPECT_EQ(next.tier->stats().restored_tokens, 31 + (more.offset - 26));
 }
 
 TEST_P(TierStore, ChunksAreStoredOnceForEveryPromptThatSharesThem) {

@@ -151,6 +151,15 @@ TEST(TierContract, OpenRefusesWhatCannotWork) {
   options.chunk_tokens = 0;
   EXPECT_TRUE(throws_error([&] { (void)Tier::open("dir:/tmp/x", stack.layers(), options); },
                            {"chunk_tokens 0"}));
+  // milliseconds::max() as "no limit" overflowed now + timeout into a deadline long past.
+  options = tier_options();
+  options.lookup_timeout = std::chrono::milliseconds::max();
+  EXPECT_TRUE(throws_error([&] { (void)Tier::open("dir:/tmp/x", stack.layers(), options); },
+                           {"Tier::open", "must be in [0, 24 h]"}));
+  options = tier_options();
+  options.retry_interval = std::chrono::milliseconds(-1);
+  EXPECT_TRUE(throws_error([&] { (void)Tier::open("dir:/tmp/x", stack.layers(), options); },
+                           {"Tier::open", "retry_interval -1 ms"}));
   EXPECT_TRUE(
       throws_error([&] { (void)Tier::open("dir:/proc/self/x", stack.layers(), tier_options()); },
                    {"tier folder /proc/self/x"}));
