@@ -13,10 +13,35 @@ namespace kvsnap {
 namespace detail {
 namespace {
 
-// `line` with its control characters written as \xNN, byte by byte: C0 and DEL, and the UTF-8
-// of C1 (U+0080..U+009F, NEL among them) and of U+2028 / U+2029, which some readers also end a
-// line at. Text the store sent (an object's key, a server's error) cannot start a line of its
-// own in the operator's log; other UTF-8 passes unchanged.
+// The length of the well-formed UTF-8 sequence at line[i] (no overlong forms, surrogates or
+// code points past U+10FFFF), or 0.
+size_t utf8_length(const std::string& line, size_t i) {
+  const auto byte = [&](size_t k) {
+    return i + k < line.size() ? static_cast<unsigned char>(line[i + k]) : 0;
+  };
+  const unsigned char lead = byte(0);
+  if (lead < 0x80) return 1;
+  size_t length = 0;
+  unsigned char low = 0x80, high = 0xbf;  // the second byte's range
+  if (lead >= 0xc2 && lead <= 0xdf) length = 2;
+  if (lead >= 0xe0 && lead <= 0xef) length = 3;
+  if (lead >= 0xf0 && lead <= 0xf4) length = 4;
+  if (lead == 0xe0) low = 0xa0;
+  if (lead == 0xed) high = 0x9f;
+  if (lead == 0xf0) low = 0x90;
+  if (lead == 0xf4) high = 0x8f;
+  if (length == 0 || byte(1) < low || byte(1) > high) return 0;
+  for (size_t k = 2; k < length; ++k) {
+    if (byte(k) < 0x80 || byte(k) > 0xbf) return 0;
+  }
+  return length;
+}
+
+// `line` with its control characters written as \xNN, byte by byte: C0 and DEL, the UTF-8 of
+// C1 (U+0080..U+009F, NEL among them) and of U+2028 / U+2029, which some readers also end a
+// line at, and every byte that is not part of well-formed UTF-8 (a lone 0x9B is CSI to a
+// terminal reading 8-bit controls). Text the store sent (an object's key, a server's error)
+// cannot start a line of its own or steer the terminal; other UTF-8 passes unchanged.
 std::string one_line(const std::string& line) {
   std::string out;
   out.reserve(line.size());
@@ -26,13 +51,15 @@ std::string one_line(const std::string& line) {
   for (size_t i = 0; i < line.size(); ++i) {
     const unsigned char c = byte(i);
     size_t escaped = 0;  // bytes to write as \xNN from here
-    if (c < 0x20 || c == 0x7f) escaped = 1;
+    if (c < 0x20 || c == 0x7f || utf8_length(line, i) == 0) escaped = 1;
     if (c == 0xc2 && byte(i + 1) >= 0x80 && byte(i + 1) <= 0x9f) escaped = 2;
     if (c == 0xe2 && byte(i + 1) == 0x80 && (byte(i + 2) == 0xa8 || byte(i + 2) == 0xa9)) {
       escaped = 3;
     }
-    if (escaped == 0) {
-      out += line[i];
+    if (escaped == 0) {  // a well-formed sequence, whole
+      const size_t length = utf8_length(line, i);
+      out.append(line, i, length);
+      i += length - 1;
       continue;
     }
     for (size_t k = 0; k < escaped; ++k) out += fmt::format("\\x{:02X}", byte(i + k));

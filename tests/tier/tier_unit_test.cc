@@ -231,6 +231,15 @@ TEST(TierContract, LogLinesStayOneLineAndALogThatThrowsLosesOnlyItsLine) {
   ASSERT_EQ(lines.size(), 1U);
   EXPECT_NE(lines[0].find("log\\xC2\\x85\\xE2\\x80\\xA8 \u00e9\u2192"), std::string::npos)
       << lines[0];
+  // Bytes outside well-formed UTF-8: a lone 0x9B (CSI to a terminal reading 8-bit controls), an
+  // overlong form, a truncated sequence.
+  testing::FolderStore raw(
+      "log\x9B"
+      "2J\xC0\x80 \xE2\x82");
+  lines.clear();
+  (void)Tier::open(raw.address(), stack.layers(), options);
+  ASSERT_EQ(lines.size(), 1U);
+  EXPECT_NE(lines[0].find("log\\x9B2J\\xC0\\x80 \\xE2\\x82"), std::string::npos) << lines[0];
   options.log = [](const std::string&) { throw std::runtime_error("the log is gone"); };
   EXPECT_NO_THROW((void)Tier::open(folder.address(), stack.layers(), options));
 }
