@@ -93,11 +93,15 @@ void add_member(const std::string& folder, const std::string& member) {
         ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
     if (index.get() < 0) {
       if (errno == ELOOP || errno == ENOTDIR) return;  // not a folder, or a link to one
+      // Another user's folder at the name (a shared sticky folder): that index loses the entry;
+      // the rest of the batch is written.
+      if (errno == EACCES || errno == EPERM) return;
       if (errno == ENOENT) continue;
       throw failed(folder);
     }
     const int fd = ::openat(index.get(), member.c_str(),
                             O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0 && (errno == EACCES || errno == EPERM)) return;  // as above
     if (fd < 0 && errno == ENOENT) continue;
     if (fd < 0 && errno != EEXIST) throw failed((fs::path(folder) / member).string());
     if (fd >= 0) {
@@ -107,6 +111,12 @@ void add_member(const std::string& folder, const std::string& member) {
     }
     return;
   }
+}
+
+// Whether `file` is another user's (not this one's, nor root's).
+bool others(const std::string& file) {
+  struct stat status {};
+  return ::lstat(file.c_str(), &status) == 0 && status.st_uid != ::geteuid() && status.st_uid != 0;
 }
 
 // Removes the index folder `folder` (its entries: files or links, never followed; then it),
@@ -141,8 +151,12 @@ bool swept_name(const std::string& name) {
 
 }  // namespace
 
-DirStore::DirStore(std::string folder, bool own_files_only, std::chrono::seconds ttl)
-    : folder_(std::move(folder)), own_files_only_(own_files_only), ttl_(ttl) {
+DirStore::DirStore(std::string folder, bool own_files_only, std::chrono::seconds ttl,
+                   std::shared_ptr<StoreHealth> health)
+    : folder_(std::move(folder)),
+      own_files_only_(own_files_only),
+      ttl_(ttl),
+      health_(std::move(health)) {
   std::error_code error;
   const fs::file_status status = fs::status(folder_, error);
   if (fs::exists(status) && !fs::is_directory(status)) {
@@ -244,7 +258,8 @@ void DirStore::probe(std::span<const std::string> sets, std::span<const std::str
     // What fetch would read: a regular file, not a link to one, of at most the largest object.
     const std::string file = path(keys[i]);
     exists[i] = fs::is_regular_file(fs::symlink_status(file, error)) &&
-                fs::file_size(file, error) <= static_cast<uintmax_t>(kMaximumObjectBytes) && !error;
+                fs::file_size(file, error) <= static_cast<uintmax_t>(kMaximumObjectBytes) &&
+                !error && !(own_files_only_ && others(file));  // as fetch reads it
     // Asked after: in use (a prefix the asking process holds itself, an object its writer skips
     // as stored), so its lifetime starts afresh, as EXPIRE's does on Redis.
     if (exists[i]) (void)::utimensat(AT_FDCWD, file.c_str(), nullptr, AT_SYMLINK_NOFOLLOW);
@@ -254,14 +269,36 @@ void DirStore::probe(std::span<const std::string> sets, std::span<const std::str
 std::vector<std::optional<std::string>> DirStore::fetch(std::span<const std::string> keys,
                                                         Deadline deadline) {
   std::vector<std::optional<std::string>> values;
-  for (const std::string& key : keys) {
-    check_time(deadline);
-    values.push_back(read_object(path(key), deadline, own_files_only_));
+  try {
+    for (const std::string& key : keys) {
+      check_time(deadline);
+      values.push_back(read_object(path(key), deadline, own_files_only_));
+    }
+  } catch (const StoreFailure& failure) {  // a file there that cannot be read: said once
+    if (health_ != nullptr && failure.reason == StoreFailure::Reason::failed) {
+      health_->failed(failure.what(), /*lost=*/false);
+    }
+    throw;
   }
+  if (health_ != nullptr) health_->answered();
   return values;
 }
 
 Store::Refused DirStore::write(const WriteBatch& batch, Deadline deadline) {
+  Refused refused;
+  try {
+    refused = write_batch(batch, deadline);
+  } catch (const StoreFailure& failure) {  // full, read-only, gone: said once
+    if (health_ != nullptr && failure.reason == StoreFailure::Reason::failed) {
+      health_->writes_refused(failure.what());
+    }
+    throw;
+  }
+  if (health_ != nullptr) health_->writes_taken();
+  return refused;
+}
+
+Store::Refused DirStore::write_batch(const WriteBatch& batch, Deadline deadline) {
   if (const auto now = Clock::now(); now >= next_sweep_) {
     next_sweep_ = now + sweep_interval();
     sweep(now + (deadline - now) / 2);  // the other half for the batch
@@ -273,8 +310,11 @@ Store::Refused DirStore::write(const WriteBatch& batch, Deadline deadline) {
   Refused refused;
   for (const auto& [key, value] : batch.objects) {
     check_time(deadline);
-    if (static_cast<int64_t>(value.size()) > kMaximumObjectBytes) {
-      ++refused.objects;  // never read back (as Redis refuses values over its limit)
+    // Never read back (as Redis refuses values over its limit); or the name holds another
+    // user's file, which a shared sticky folder would not let this one replace (and which, in
+    // a keyed store, is the same object if it is any): refused alone, not the batch.
+    if (static_cast<int64_t>(value.size()) > kMaximumObjectBytes || others(path(key))) {
+      ++refused.objects;
       refused.bytes += static_cast<int64_t>(value.size());
       continue;
     }

@@ -21,9 +21,12 @@ class DirStore final : public Store {
   // With `own_files_only` (no MAC key: ownership is all that says who wrote an object) the
   // folder must be private — this user's or root's, not writable by group or others unless
   // sticky — else Error naming it; and a file another user owns reads as missing (and is never
-  // swept). `ttl`: how long an object or index set lives unused (0: for ever).
+  // swept). `ttl`: how long an object or index set lives unused (0: for ever). `health` (may be
+  // null) is told of reads that fail and writes the folder refuses (full, read-only, gone), and
+  // of their recovery, as a Redis store's is.
   explicit DirStore(std::string folder, bool own_files_only = false,
-                    std::chrono::seconds ttl = std::chrono::seconds(0));
+                    std::chrono::seconds ttl = std::chrono::seconds(0),
+                    std::shared_ptr<StoreHealth> health = nullptr);
 
   // A write's temporary this old is a dead writer's: no live write takes this long (the write
   // timeout bounds a batch). By age, not by process id: the folder may be shared by hosts or
@@ -60,12 +63,14 @@ class DirStore final : public Store {
   void sweep(Deadline deadline, int64_t most = std::numeric_limits<int64_t>::max());
 
  private:
+  Refused write_batch(const WriteBatch& batch, Deadline deadline);
   // The file of key `key` ("kvsnap:c:..." -> "<folder>/kvsnap-c-...").
   std::string path(const std::string& key) const;
 
   std::string folder_;
   bool own_files_only_;
   std::chrono::seconds ttl_;
+  std::shared_ptr<StoreHealth> health_;
   std::chrono::steady_clock::time_point next_sweep_{};  // the first write sweeps
   int64_t sweep_resume_ = 0;  // entries of the folder the next sweep skips (the last stopped)
 };

@@ -106,7 +106,7 @@ std::unique_ptr<Store> open_store(const std::string& address, const StoreOptions
   check_store_address(address);
   if (address.rfind(kDir, 0) == 0) {
     return std::make_unique<DirStore>(address.substr(kDir.size()), options.own_files_only,
-                                      options.ttl);
+                                      options.ttl, options.health);
   }
   return std::make_unique<RedisStore>(parse_redis_address(address), options);
 }
