@@ -61,6 +61,12 @@ struct TierOptions {
   std::string key;
   // Tokens per KV chunk object. Part of the key root: processes must agree to share.
   int64_t chunk_tokens = 256;
+  // The largest object written, in [1, 512 MiB] (Redis's default proto-max-bulk-len, the most
+  // either store reads back; lower it to a server's smaller setting). A chunk larger than this
+  // is not written, nor anything after it in its session (its restore points need it); a
+  // larger restore point alone is left out. Said once in the log, counted in store_errors:
+  // lower chunk_tokens.
+  int64_t max_object_bytes = int64_t(512) << 20;
   // The most a lookup waits for the store, all round trips together. This, write_timeout and
   // retry_interval must be in [0, 24 h] (open refuses others).
   std::chrono::milliseconds lookup_timeout{50};
@@ -86,8 +92,8 @@ struct TierOptions {
 
 // Counters since open. bytes_* count object bytes (values) moved.
 struct TierStats {
-  int64_t lookups = 0;          // lookups that asked the store
-  int64_t hits = 0;             // lookups that returned a restore point
+  int64_t lookups = 0;  // lookups that asked the store
+  int64_t hits = 0;     // lookups that returned a restore point
   // Tokens the restore points returned add to what their callers held (offset - better_than).
   int64_t restored_tokens = 0;
   int64_t bytes_read = 0;

@@ -82,6 +82,10 @@ TierOptions checked(const std::vector<Cache*>& layers, TierOptions options) {
   if (options.write_queue_bytes < 1) {
     throw fail(fmt::format("write_queue_bytes {} must be >= 1", options.write_queue_bytes));
   }
+  if (options.max_object_bytes < 1 || options.max_object_bytes > Store::kMaximumObjectBytes) {
+    throw fail(fmt::format("max_object_bytes {} must be in [1, {}]", options.max_object_bytes,
+                           Store::kMaximumObjectBytes));
+  }
   if (options.write_queue < 1) {
     throw fail(fmt::format("write_queue {} must be >= 1", options.write_queue));
   }

@@ -97,6 +97,7 @@ class TierImpl {
   TierCounters counters_;
   KnownKeys known_;
   std::atomic<int64_t> logged_rejections_{0};
+  std::atomic<bool> said_too_large_{false};  // objects over max_object_bytes: said once
   std::atomic<bool> logged_loss_{false};
   mutable std::mutex signatures_mutex_;
   std::vector<std::string> signatures_;

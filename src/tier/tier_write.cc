@@ -89,15 +89,34 @@ std::optional<WriteBatch> TierImpl::encode(std::span<const int32_t> tokens,
   const std::vector<Digest> chain = keys_.chain(tokens, end / chunk);
   WriteBatch batch;
   std::vector<std::optional<ObjectPart>> parts(layers_.size());
-  // Each object is copied only when the write queue has room for it and those before it.
+  // Each object is copied only when the write queue has room for it and those before it, and
+  // written only when the store can take it (max_object_bytes): the data, plus at most its
+  // header (the MAC tag within it), checked before encoding, the encoded size after.
   int64_t bytes = 0;
+  enum class Added { yes, no_room, too_large };
   const auto add = [&](const std::string& key, const ObjectSpec& spec) {
+    int64_t data = 0;
     for (const std::optional<ObjectPart>& part : parts) {
-      if (part) bytes += part->record.first.nbytes() + part->record.second.nbytes();
+      if (part) data += part->record.first.nbytes() + part->record.second.nbytes();
     }
-    if (!writer_->has_room(bytes)) return false;
-    batch.objects.emplace_back(key, encode_object(key, keys_.root_hex(), spec, parts));
-    return true;
+    const auto too_large = [&](int64_t size) {
+      if (size <= options_.max_object_bytes) return false;
+      ++counters_.store_errors;
+      if (!said_too_large_.exchange(true)) {
+        options_.log(
+            fmt::format("objects of {} bytes and more are not written (max_object_bytes {}): lower "
+                        "chunk_tokens ({})",
+                        size, options_.max_object_bytes, chunk));
+      }
+      return true;
+    };
+    if (too_large(data)) return Added::too_large;
+    bytes += data;
+    if (!writer_->has_room(bytes)) return Added::no_room;
+    std::string value = encode_object(key, keys_.root_hex(), spec, parts);
+    if (too_large(static_cast<int64_t>(value.size()))) return Added::too_large;
+    batch.objects.emplace_back(key, std::move(value));
+    return Added::yes;
   };
   const bool any_kv =
       std::any_of(kv.begin(), kv.end(), [](const auto& r) { return r.has_value(); });
@@ -111,7 +130,9 @@ std::optional<WriteBatch> TierImpl::encode(std::span<const int32_t> tokens,
       parts[i] =
           kv[i] ? std::optional(slice_part(*kv[i], j * chunk, (j + 1) * chunk)) : std::nullopt;
     }
-    if (!add(key, {ObjectSpec::Kind::chunk, j * chunk, (j + 1) * chunk})) return std::nullopt;
+    const Added added = add(key, {ObjectSpec::Kind::chunk, j * chunk, (j + 1) * chunk});
+    if (added == Added::no_room) return std::nullopt;
+    if (added == Added::too_large) return batch;  // what came before it; its points need it
   }
   for (const TierPoint& point : points) {
     const int64_t base = point.offset / chunk;
@@ -136,7 +157,9 @@ std::optional<WriteBatch> TierImpl::encode(std::span<const int32_t> tokens,
       parts[i] = object_part(*point.states[i]);  // a built-in kind: checked by store()
       learn_signature(i, parts[i]->record);
     }
-    if (!add(key, spec)) return std::nullopt;
+    const Added added = add(key, spec);
+    if (added == Added::no_room) return std::nullopt;
+    if (added == Added::too_large) continue;
     batch.index.emplace_back(TierKeys::index_key(digest), std::to_string(point.offset));
   }
   return batch;

@@ -185,6 +185,50 @@ TEST_P(TierStore, TheTrieIsAskedFirstAndTheTierOnlyBeyondIt) {
   EXPECT_EQ(reader.tier->stats().lookups, lookups);
 }
 
+// An object larger than max_object_bytes (a store's limit: Redis closes the connection on a
+// value past its proto-max-bulk-len) is not written: the session's other objects still are
+// (those before a chunk too large), said once, counted as store errors.
+TEST_P(TierStore, ObjectsOverMaxObjectBytesAreNotWritten) {
+  store_first_turn();
+  size_t largest_chunk = 0, largest = 0, smallest_chunk = SIZE_MAX;
+  for (const std::string& key : store->keys("kvsnap:")) {
+    if (key.starts_with("kvsnap:i:")) continue;  // index sets
+    const size_t size = store->get(key).size();
+    largest = std::max(largest, size);
+    if (key.starts_with("kvsnap:c:")) {
+      largest_chunk = std::max(largest_chunk, size);
+      smallest_chunk = std::min(smallest_chunk, size);
+    }
+  }
+  ASSERT_GT(largest_chunk, 0u);
+  ASSERT_GT(largest, largest_chunk);  // a restore point's object is larger than any chunk
+  const auto run = [&](int64_t max_object_bytes) {
+    auto other = testing::make_store(GetParam(), "max_" + std::to_string(max_object_bytes));
+    TierOptions limited = tier_options();
+    limited.max_object_bytes = max_object_bytes;
+    TierProcess writer(other->address(), limited);
+    (void)writer.turn(talk.first, talk.reply, talk.ends);
+    size_t biggest = 0;
+    for (const std::string& key : other->keys("kvsnap:")) {
+      if (!key.starts_with("kvsnap:i:")) biggest = std::max(biggest, other->get(key).size());
+    }
+    EXPECT_LE(biggest, static_cast<size_t>(max_object_bytes));
+    const TierStats stats = writer.tier->stats();
+    const bool all = static_cast<size_t>(max_object_bytes) >= largest;
+    EXPECT_EQ(stats.store_errors > 0, !all) << max_object_bytes;
+    EXPECT_EQ(writer.log.count("are not written (max_object_bytes"), all ? 0 : 1)
+        << writer.log.all();
+    return std::pair(stats.objects_written, other->keys("kvsnap:c:").size());
+  };
+  const auto [everything, chunks] = run(static_cast<int64_t>(largest));
+  const auto [fewer, same_chunks] = run(static_cast<int64_t>(largest) - 1);  // chunks fit
+  EXPECT_LT(fewer, everything);
+  EXPECT_EQ(same_chunks, chunks);  // only restore points were too large
+  const auto [none, no_chunks] = run(static_cast<int64_t>(smallest_chunk) - 1);
+  EXPECT_EQ(none, 0);
+  EXPECT_EQ(no_chunks, 0u);
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, TierStore, ::testing::Values("dir", "redis"),
                          [](const auto& info) { return info.param; });
 

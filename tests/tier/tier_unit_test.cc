@@ -157,6 +157,10 @@ TEST(TierContract, OpenRefusesWhatCannotWork) {
   EXPECT_TRUE(throws_error([&] { (void)Tier::open("dir:/tmp/x", stack.layers(), options); },
                            {"Tier::open", "must be in [0, 24 h]"}));
   options = tier_options();
+  options.max_object_bytes = (int64_t{512} << 20) + 1;
+  EXPECT_TRUE(throws_error([&] { (void)Tier::open("dir:/tmp/x", stack.layers(), options); },
+                           {"Tier::open", "max_object_bytes 536870913 must be in [1, 536870912]"}));
+  options = tier_options();
   options.retry_interval = std::chrono::milliseconds(-1);
   EXPECT_TRUE(throws_error([&] { (void)Tier::open("dir:/tmp/x", stack.layers(), options); },
                            {"Tier::open", "retry_interval -1 ms"}));
