@@ -157,8 +157,11 @@ class KVSNAP_EXPORT Cache {
   virtual std::vector<SeqId> sequences() const;
   // How many bytes the snapshots taken so far of the sequence may come to own through its
   // writes alone (update, put): the lazy data a write may overwrite — a KV range beyond the
-  // offset, a window ring, a tail block others share. An upper bound: a write copies at most
-  // this much into them and lowers it by at least what it copied. Captures of a schedule that
+  // offset, a window ring, a tail block others share. An upper bound on what they come to own:
+  // a write adds at most this much to their size() and lowers it by at least what it added.
+  // (Not on the bytes copied, CopyStats::materialized_bytes: a snapshot's storage comes for a
+  // whole run of columns when the first of them is copied, and the rest are copied into it
+  // later, counted again there.) Captures of a schedule that
   // nobody has taken yet are not counted (they are their taker's: a Speculation round's, a
   // session's before prefill_done), except that a paged sequence's tail block counts whole while
   // any snapshot shares it. Calls that move the sequence (rewinds, restores) or the snapshots

@@ -39,12 +39,14 @@ class KVSNAP_EXPORT KVCache final : public Attention {
   // Makes room for `tokens` tokens in every sequence without further growth: at once for the
   // sequences written so far, and at its first write for every other. Never shrinks. When
   // growing a sequence throws (std::bad_alloc), the reservation is not raised: sequences grown
-  // before keep their room, later ones are not held to the failed size.
+  // before keep their room, later ones are not held to the failed size. `tokens` must be in
+  // [0, 2^31 - 1] (positions are int32).
   void reserve(int64_t tokens);
   // Tokens sequence 0's buffers hold room for.
   int64_t capacity() const;
   // Bytes that lazy snapshots name in slots [from, to): what writing those positions would copy
-  // out first (a slot named by two snapshots is copied for each). 0 when nothing would be lost.
+  // out first (a slot named by two snapshots is copied for each). 0 when nothing would be lost
+  // (or to <= from).
   int64_t lazy_bytes(int64_t from, int64_t to) const;
   int64_t lazy_bytes(SeqId seq, int64_t from, int64_t to) const;
 

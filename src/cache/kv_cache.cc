@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <limits>
 
 #include "cache/block_pool.h"
 #include "cache/kv_kind.h"
@@ -128,7 +129,12 @@ KVCache::KVCache() : impl_(std::make_unique<detail::KVCacheImpl>()) {}
 KVCache::~KVCache() { impl_->reset_all(); }
 
 void KVCache::reserve(int64_t tokens) {
-  if (tokens < 0) throw Error(fmt::format("KVCache::reserve: tokens {} must be >= 0", tokens));
+  // Positions are int32 (Batch): room past them could never be written, and growth rounding
+  // it up would overflow.
+  constexpr int64_t kMost = std::numeric_limits<int32_t>::max();
+  if (tokens < 0 || tokens > kMost) {
+    throw Error(fmt::format("KVCache::reserve: tokens {} must be in [0, {}]", tokens, kMost));
+  }
   const Guard guard(impl_->lock);
   // Every sequence grows before the reservation is raised: when growing one throws
   // (std::bad_alloc), later sequences' first updates do not retry the failed size.

@@ -405,7 +405,7 @@ void KVStore::preserve(int64_t from, int64_t to) {
 }
 
 int64_t KVStore::lazy_bytes(int64_t from, int64_t to) const {
-  if (index.end() <= from) return 0;
+  if (index.end() <= from || to <= from) return 0;
   std::vector<Piece*> pieces;
   index.overlapping(from, to, pieces);
   int64_t columns = 0;

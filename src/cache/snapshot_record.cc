@@ -50,7 +50,8 @@ SnapshotPtr make_snapshot(SnapshotRecord record, const std::string& context) {
         throw fail("B, H, D and Dv must be >= 1");
       }
       if (record.kind == SnapshotRecord::Kind::kv) {
-        if (record.from < 0 || a.dim(2) == 0 || record.to - record.from != a.dim(2)) {
+        if (record.from < 0 || a.dim(2) == 0 || record.to < record.from ||
+            record.to - record.from != a.dim(2)) {
           throw fail(fmt::format("range [{}, {}) does not hold {} tokens (> 0)", record.from,
                                  record.to, a.dim(2)));
         }

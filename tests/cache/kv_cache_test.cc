@@ -583,6 +583,27 @@ TEST(KVCacheErrors, ZeroHeadsOrDepthsAreRefused) {
   }
 }
 
+// A record's range from an untrusted file: `to` far below `from` (to - from overflowed) is refused.
+TEST(KVCacheErrors, ARecordWhoseRangeRunsBackwardsIsRefused) {
+  const Array keys = kv.keys(id_range(0, 2)), values = kv.values(id_range(0, 2));
+  EXPECT_TRUE(throws_error(
+      [&] {
+        (void)detail::make_snapshot({detail::SnapshotRecord::Kind::kv, keys, values, 1,
+                                     std::numeric_limits<int64_t>::min()},
+                                    "load");
+      },
+      {"load", "does not hold 2 tokens"}));
+}
+
+// lazy_bytes of an empty or backwards range is 0, not a negative count.
+TEST(KVCacheErrors, LazyBytesOfABackwardsRangeIsZero) {
+  KVCache cache;
+  write(cache, kv, id_range(0, 6));
+  const SnapshotPtr s = cache.snapshot(0);
+  EXPECT_GT(cache.lazy_bytes(0, 6), 0);
+  EXPECT_EQ(cache.lazy_bytes(5, 1), 0);
+}
+
 TEST(KVCacheErrors, MisusedSnapshotsThrow) {
   KVCache cache;
   write(cache, kv, id_range(0, 6));
@@ -697,28 +718,32 @@ TEST(KVCache, RowsOfABatchWithoutIdsKeepTheBatchsColumns) {
 
 // ---- running out of memory ----------------------------------------------------------------
 
-// A reservation that fails to grow a sequence (std::bad_alloc: 2^55 tokens of 2^5 key bytes is
-// a size no machine maps) raises nothing: later sequences' first updates are not held to it.
-TEST(KVCacheMemory, FailedReserveRaisesNothing) {
-  if (kAddressSanitizer) GTEST_SKIP() << "AddressSanitizer aborts on the impossible size";
-  KVCache cache;
-  write(cache, kv, id_range(0, 3));
-  EXPECT_THROW(cache.reserve(int64_t(1) << 55), std::bad_alloc);
-  EXPECT_EQ(cache.capacity(), KVCache::kStep);
-  EXPECT_EQ(held(cache), id_range(0, 3));
-  const auto ids = id_range(10, 2);
-  EXPECT_NO_THROW((void)cache.update(Batch::rows({{1, 0, {1, 1}}}), kv.keys(ids), kv.values(ids)));
-  EXPECT_EQ(cache.offset(1), 2);
-  cache.reserve(600);  // a reservation that fits still holds, at once and for new sequences
-  EXPECT_EQ(cache.capacity(), 768);
-  (void)cache.update(Batch::rows({{2, 0, {1, 1}}}), kv.keys(ids), kv.values(ids));
-  (void)cache.restore(2, nullptr, 0);
-  EXPECT_EQ(cache.sequences(), (std::vector<SeqId>{0, 1, 2}));
-}
-
 // Wide tokens (16 heads x 256 f32 keys and values: 32 KiB a token), so growing a sequence or a
 // pool maps megabytes while the rest of a test's allocations fit in far less.
 const TokenKV wide{.heads = 16, .depth = 256};
+
+// A reservation past the positions a batch can address is refused (rounding it up for growth
+// overflowed). One that fails to grow a sequence (std::bad_alloc: 2^31 tokens of 32 KiB is a
+// size no machine maps) raises nothing: later sequences' first updates are not held to it.
+TEST(KVCacheMemory, FailedReserveRaisesNothing) {
+  KVCache cache;
+  write(cache, wide, id_range(0, 3));
+  EXPECT_TRUE(throws_error([&] { cache.reserve(std::numeric_limits<int64_t>::max()); },
+                           {"KVCache::reserve", "must be in [0, 2147483647]"}));
+  if (kAddressSanitizer) GTEST_SKIP() << "AddressSanitizer aborts on the impossible size";
+  EXPECT_THROW(cache.reserve(std::numeric_limits<int32_t>::max()), std::bad_alloc);
+  EXPECT_EQ(cache.capacity(), KVCache::kStep);
+  EXPECT_EQ(held(cache), id_range(0, 3));
+  const auto ids = id_range(10, 2);
+  EXPECT_NO_THROW(
+      (void)cache.update(Batch::rows({{1, 0, {1, 1}}}), wide.keys(ids), wide.values(ids)));
+  EXPECT_EQ(cache.offset(1), 2);
+  cache.reserve(600);  // a reservation that fits still holds, at once and for new sequences
+  EXPECT_EQ(cache.capacity(), 768);
+  (void)cache.update(Batch::rows({{2, 0, {1, 1}}}), wide.keys(ids), wide.values(ids));
+  (void)cache.restore(2, nullptr, 0);
+  EXPECT_EQ(cache.sequences(), (std::vector<SeqId>{0, 1, 2}));
+}
 
 // A two-row update whose second row cannot get its memory writes neither row: every row's
 // room (buffer growth, lazy data the write overwrites) is allocated before any row is written.
