@@ -40,9 +40,9 @@ void LiveState::refresh_exposure() {
   }
 }
 
-void LiveState::begin_switch(Node* tip, int64_t shared) {
+void LiveState::begin_switch(Node* tip, int64_t rewind_to) {
   switching_to_ = tip;
-  rewind_to_ = shared;
+  rewind_to_ = rewind_to;
   writable_ = true;
 }
 

@@ -40,9 +40,9 @@ class LiveState {
   // Before a restore that moves the caches to another path: pins that path's nodes up to
   // `tip` (instead of the active path's: what the caches hold past the part the two paths share
   // is about to be overwritten) and counts, from now on, what the switch itself may give the
-  // trie — KV layers as rewound to `shared` (Cache::exposed_bytes_after_rewind) — in the
+  // trie — KV layers as rewound to `rewind_to` (Cache::exposed_bytes_after_rewind) — in the
   // exposure, so an eviction makes room for it before anything is copied. end_switch ends both.
-  void begin_switch(Node* tip, int64_t shared);
+  void begin_switch(Node* tip, int64_t rewind_to);
   void end_switch();
   // Points the KV snapshots of the active path's nodes at the live caches that hold them (in
   // decode too), lazily: what they owned, or named in another slot's caches, is given back. A
@@ -83,7 +83,7 @@ class LiveState {
   std::vector<int32_t> tokens_;
   Node* tip_;                         // the deepest node holding a live token
   Node* switching_to_ = nullptr;      // begin_switch's tip
-  std::optional<int64_t> rewind_to_;  // begin_switch's shared
+  std::optional<int64_t> rewind_to_;  // begin_switch's rewind_to
   bool writable_ = false;
   int64_t exposure_ = 0;
   int64_t incoming_ = 0;

@@ -54,7 +54,7 @@ std::shared_ptr<SessionState> Slot::begin(std::span<const int32_t> prompt, Prefi
       if (node->start() < plan.target) tip = node;
     }
     const uint64_t version = trie_.version();
-    live_.begin_switch(tip, live.shared);
+    live_.begin_switch(tip, std::min(live.shared, plan.target));  // where the KV layers rewind
     evict_(Change::own);
     if (trie_.version() != version) make_plan();  // nodes split or whole states dropped
     live_.switch_to(match.path, plan, live.shared);
