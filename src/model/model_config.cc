@@ -1,10 +1,34 @@
 #include <fmt/format.h>
 
+#include <cmath>
+#include <cstdint>
+#include <limits>
 #include <nlohmann/json.hpp>
+#include <utility>
 
 #include "model/model.h"
 
 namespace kvsnap {
+namespace {
+
+// The parameter count in 128 bits: validate holds every size to 2^20 first, so no product of
+// four of them overflows.
+using Wide = __int128;
+Wide parameters(const ModelConfig& c) {
+  const Wide h = c.hidden, q = Wide(c.query_heads) * c.head_dim, kv = Wide(c.kv_heads) * c.head_dim;
+  const Wide conv =
+      2 * Wide(c.delta_key_heads) * c.delta_head_dim + Wide(c.delta_value_heads) * c.delta_head_dim;
+  const Wide recurrent = h * conv + conv * c.conv_kernel + 2 * h * c.delta_value_heads +
+                         c.delta_value_heads + Wide(c.delta_value_heads) * c.delta_head_dim * h;
+  const Wide attention = 2 * h * q + 2 * h * kv;
+  Wide total = Wide(c.vocab_size) * h + h;
+  for (char kind : c.pattern) {
+    total += 2 * h + 3 * h * c.mlp_hidden + (kind == 'R' ? recurrent : attention);
+  }
+  return total;
+}
+
+}  // namespace
 
 void ModelConfig::validate() const {
   const auto require = [](bool ok, const char* field, int64_t value, const char* rule) {
@@ -25,12 +49,38 @@ void ModelConfig::validate() const {
   require(delta_value_heads >= 1 && delta_value_heads % delta_key_heads == 0, "delta_value_heads",
           delta_value_heads, "need a positive multiple of delta_key_heads");
   require(delta_head_dim >= 1, "delta_head_dim", delta_head_dim, "need >= 1");
-  require(context_length >= 1, "context_length", context_length, "need >= 1");
+  require(context_length >= 1 && context_length <= std::numeric_limits<int32_t>::max(),
+          "context_length", context_length, "need 1 <= context_length <= 2^31 - 1 (positions)");
+  // Each size at most 2^20, and the parameters at most 2^40 (4 TiB of f32): products of sizes
+  // (q = query_heads * head_dim, the weights' element counts) then stay far from overflow.
+  constexpr int64_t kMostSize = int64_t(1) << 20;
+  for (const auto& [field, value] : {std::pair{"hidden", hidden},
+                                     {"mlp_hidden", mlp_hidden},
+                                     {"query_heads", query_heads},
+                                     {"kv_heads", kv_heads},
+                                     {"head_dim", head_dim},
+                                     {"window", window},
+                                     {"conv_kernel", conv_kernel},
+                                     {"delta_key_heads", delta_key_heads},
+                                     {"delta_value_heads", delta_value_heads},
+                                     {"delta_head_dim", delta_head_dim}}) {
+    require(value <= kMostSize, field, value, "need <= 2^20");
+  }
+  require(static_cast<int64_t>(pattern.size()) <= kMostSize, "layers",
+          static_cast<int64_t>(pattern.size()), "need <= 2^20");
   if (pattern.empty() || pattern.find_first_not_of("ASR") != std::string::npos) {
     throw Error(
         fmt::format("ModelConfig: pattern \"{}\": need one or more of 'A' (attention), "
                     "'S' (sliding window), 'R' (recurrent)",
                     pattern));
+  }
+  {
+    if (parameters(*this) > (Wide(1) << 40)) {
+      throw Error(fmt::format(
+          "ModelConfig: {} layers of hidden {} (query_heads {}, head_dim {}, mlp_hidden {}): "
+          "more than 2^40 parameters",
+          pattern.size(), hidden, query_heads, head_dim, mlp_hidden));
+    }
   }
   if (!(rope_theta > 0.0f) || !(rms_eps > 0.0f)) {
     throw Error(fmt::format("ModelConfig: rope_theta {} and rms_eps {} must be positive",
@@ -48,39 +98,61 @@ ModelConfig ModelConfig::from_json(const std::string& text) {
   if (!json.is_object()) throw Error("ModelConfig: the config must be a JSON object");
   ModelConfig config;
   for (const auto& [key, value] : json.items()) {
+    // Whole numbers for sizes (4096.9 is not silently 4096, nor 1e300 undefined), finite
+    // numbers for the floats (1e39 as a float is infinity), a non-negative seed.
+    const auto integer = [&, &key = key, &value = value](int64_t& field) {
+      if (!value.is_number_integer() ||
+          (value.is_number_unsigned() && value.get<uint64_t>() > uint64_t(INT64_MAX))) {
+        throw Error(
+            fmt::format("ModelConfig: field \"{}\" must be an integer ({})", key, value.dump()));
+      }
+      field = value.get<int64_t>();
+    };
+    const auto finite = [&, &key = key, &value = value](float& field) {
+      if (!value.is_number() || !std::isfinite(value.get<double>()) ||
+          !std::isfinite(value.get<float>())) {
+        throw Error(fmt::format("ModelConfig: field \"{}\" must be a finite number ({})", key,
+                                value.dump()));
+      }
+      field = value.get<float>();
+    };
     try {
       if (key == "vocab_size")
-        config.vocab_size = value.get<int64_t>();
+        integer(config.vocab_size);
       else if (key == "hidden")
-        config.hidden = value.get<int64_t>();
+        integer(config.hidden);
       else if (key == "mlp_hidden")
-        config.mlp_hidden = value.get<int64_t>();
+        integer(config.mlp_hidden);
       else if (key == "query_heads")
-        config.query_heads = value.get<int64_t>();
+        integer(config.query_heads);
       else if (key == "kv_heads")
-        config.kv_heads = value.get<int64_t>();
+        integer(config.kv_heads);
       else if (key == "head_dim")
-        config.head_dim = value.get<int64_t>();
+        integer(config.head_dim);
       else if (key == "window")
-        config.window = value.get<int64_t>();
+        integer(config.window);
       else if (key == "pattern")
         config.pattern = value.get<std::string>();
       else if (key == "conv_kernel")
-        config.conv_kernel = value.get<int64_t>();
+        integer(config.conv_kernel);
       else if (key == "delta_key_heads")
-        config.delta_key_heads = value.get<int64_t>();
+        integer(config.delta_key_heads);
       else if (key == "delta_value_heads")
-        config.delta_value_heads = value.get<int64_t>();
+        integer(config.delta_value_heads);
       else if (key == "delta_head_dim")
-        config.delta_head_dim = value.get<int64_t>();
+        integer(config.delta_head_dim);
       else if (key == "rope_theta")
-        config.rope_theta = value.get<float>();
+        finite(config.rope_theta);
       else if (key == "rms_eps")
-        config.rms_eps = value.get<float>();
-      else if (key == "seed")
+        finite(config.rms_eps);
+      else if (key == "seed") {
+        if (!value.is_number_unsigned()) {
+          throw Error(fmt::format("ModelConfig: field \"seed\" must be an integer >= 0 ({})",
+                                  value.dump()));
+        }
         config.seed = value.get<uint64_t>();
-      else if (key == "context_length")
-        config.context_length = value.get<int64_t>();
+      } else if (key == "context_length")
+        integer(config.context_length);
       else
         throw Error(fmt::format("ModelConfig: unknown field \"{}\"", key));
     } catch (const nlohmann::json::exception&) {
@@ -112,17 +184,6 @@ std::string ModelConfig::to_json() const {
   return json.dump(2);
 }
 
-int64_t ModelConfig::parameter_count() const {
-  const int64_t attention = hidden * query_heads * head_dim * 2 + hidden * kv_heads * head_dim * 2;
-  const int64_t conv_dim =
-      2 * delta_key_heads * delta_head_dim + delta_value_heads * delta_head_dim;
-  const int64_t recurrent = hidden * conv_dim + conv_dim * conv_kernel +
-                            2 * hidden * delta_value_heads + delta_value_heads +
-                            delta_value_heads * delta_head_dim * hidden;
-  const int64_t mlp = 3 * hidden * mlp_hidden;
-  int64_t total = vocab_size * hidden + hidden;
-  for (char kind : pattern) total += 2 * hidden + mlp + (kind == 'R' ? recurrent : attention);
-  return total;
-}
+int64_t ModelConfig::parameter_count() const { return static_cast<int64_t>(parameters(*this)); }
 
 }  // namespace kvsnap

@@ -162,10 +162,37 @@ TEST(ModelConfig, JsonRoundTripAndErrors) {
   EXPECT_TRUE(throws_error([] { (void)ModelConfig::from_json("{\"query_heads\": 3}"); },
                            {"query_heads = 3", "multiple of kv_heads"}));
   EXPECT_TRUE(throws_error([] { (void)ModelConfig::from_json("{\"context_length\": 0}"); },
-                           {"context_length = 0", "need >= 1"}));
+                           {"context_length = 0", "need 1 <= context_length"}));
   EXPECT_TRUE(throws_error([] { (void)ModelConfig::from_json("{\"hidden\": \"big\"}"); },
-                           {"\"hidden\"", "wrong type"}));
+                           {"\"hidden\"", "must be an integer"}));
   EXPECT_TRUE(throws_error([] { (void)ModelConfig::from_json("[1, 2"); }, {"not valid JSON"}));
+  // Sizes are whole numbers (not truncated, and 1e300 is not an undefined conversion), floats
+  // finite (1e39 is infinity as a float), the seed non-negative.
+  for (const char* text : {"{\"context_length\": 4096.9}", "{\"hidden\": 1e300}"}) {
+    EXPECT_TRUE(throws_error([&] { (void)ModelConfig::from_json(text); }, {"must be an integer"}))
+        << text;
+  }
+  for (const char* text : {"{\"rms_eps\": 1e39}", "{\"rms_eps\": true}"}) {
+    EXPECT_TRUE(throws_error([&] { (void)ModelConfig::from_json(text); },
+                             {"\"rms_eps\" must be a finite number"}))
+        << text;
+  }
+  EXPECT_TRUE(throws_error([] { (void)ModelConfig::from_json("{\"seed\": -1}"); },
+                           {"\"seed\" must be an integer >= 0"}));
+  // Sizes whose products overflowed (q = query_heads * head_dim wrapped to 0): each is at most
+  // 2^20, and the parameters at most 2^40.
+  EXPECT_TRUE(throws_error(
+      [] {
+        (void)ModelConfig::from_json(
+            R"({"query_heads": 4294967296, "kv_heads": 4294967296, "head_dim": 4294967296})");
+      },
+      {"query_heads = 4294967296", "need <= 2^20"}));
+  EXPECT_TRUE(throws_error(
+      [] { (void)ModelConfig::from_json(R"({"hidden": 1048576, "mlp_hidden": 1048576})"); },
+      {"more than 2^40 parameters"}));
+  EXPECT_TRUE(
+      throws_error([] { (void)ModelConfig::from_json(R"({"context_length": 4294967296})"); },
+                   {"context_length = 4294967296", "2^31 - 1"}));
 }
 
 TEST(Model, ForwardRejectsBadInput) {
