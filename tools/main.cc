@@ -18,6 +18,7 @@
 #include <limits>
 #include <new>
 #include <optional>
+#include <utility>
 
 #include "figures.h"
 #include "model/model.h"
@@ -32,6 +33,14 @@ namespace {
 
 using namespace kvsnap;
 
+// A line for the person watching, on stderr, best-effort: a stderr that cannot be written
+// (2>/dev/full, a closed terminal) must not end the run (fmt::print throws there).
+template <class... Args>
+void note(fmt::format_string<Args...> format, Args&&... args) {
+  const std::string text = fmt::format(format, std::forward<Args>(args)...);
+  (void)std::fwrite(text.data(), 1, text.size(), stderr);
+}
+
 // A progress bar on stderr: redrawn in place on a terminal, a line per quarter otherwise.
 class Progress {
  public:
@@ -41,11 +50,11 @@ class Progress {
     if (!enabled_) return;
     const size_t width = 30, filled = total == 0 ? width : done * width / total;
     if (tty_) {
-      fmt::print(stderr, "\r{:<22} [{}{}] {}/{}", label_, std::string(filled, '#'),
-                 std::string(width - filled, '.'), done, total);
-      if (done == total) fmt::print(stderr, "\n");
+      note("\r{:<22} [{}{}] {}/{}", label_, std::string(filled, '#'),
+           std::string(width - filled, '.'), done, total);
+      if (done == total) note("\n");
     } else if (done == total || done * 4 / total != (done - 1) * 4 / total) {
-      fmt::print(stderr, "{}: {}/{} requests\n", label_, done, total);
+      note("{}: {}/{} requests\n", label_, done, total);
     }
   }
 
@@ -134,8 +143,7 @@ int finish(const ReplayArguments& args, int verdict, const tools::RunResult& cac
   if (cached.save_cache) {
     steps.emplace_back([&] {
       if (verdict == 0) return cached.save_cache();
-      fmt::print(stderr, "kvsnap: the runs disagree: the prefix cache is not saved to {}\n",
-                 args.cache_dir);
+      note("kvsnap: the runs disagree: the prefix cache is not saved to {}\n", args.cache_dir);
     });
   }
   return tools::finish_run(verdict, steps, std::cerr);
@@ -215,11 +223,10 @@ int run_replay(const ReplayArguments& args, bool& runs_started) {
     const std::string weights = args.weights.empty()
                                     ? fmt::format("weights generated from seed {}", config.seed)
                                     : "weights " + args.weights;
-    fmt::print(stderr,
-               "model: {} layers \"{}\", {:.1f}M parameters, {}; workload {}: {} requests\n",
-               model.config().pattern.size(), model.config().pattern,
-               static_cast<double>(model.config().parameter_count()) / 1e6, weights, workload.name,
-               workload.requests.size());
+    note("model: {} layers \"{}\", {:.1f}M parameters, {}; workload {}: {} requests\n",
+         model.config().pattern.size(), model.config().pattern,
+         static_cast<double>(model.config().parameter_count()) / 1e6, weights, workload.name,
+         workload.requests.size());
   }
   // The saved trie and the tier's entries are only valid for this exact model: its config
   // (with the seed) and the weights' bytes, wherever the weights file lies.
@@ -275,8 +282,7 @@ int run_bench(const BenchArguments& args, bool& runs_started) {
   runs_started = true;
   bench::BenchOptions options;
   options.end_to_end = !args.quick;
-  if (!args.quiet)
-    options.progress = [](const std::string& step) { fmt::print(stderr, "bench: {}\n", step); };
+  if (!args.quiet) options.progress = [](const std::string& step) { note("bench: {}\n", step); };
   const std::vector<bench::Figure> figures = bench::run_figures(options);
   std::cout << (args.json ? bench::figures_json(figures) : bench::format_figures(figures))
             << std::flush;
@@ -341,8 +347,9 @@ void add_parallel_options(CLI::App& replay_command, ReplayArguments& replay) {
           ->check(CLI::Range(int64_t{1}, int64_t{1024}));
   replay_command
       .add_option("--prefill-chunk", replay.prefill_chunk,
-                  "with --parallel: prompt tokens per step, over all prefilling sequences")
-      ->check(CLI::Range(int64_t{1}, std::numeric_limits<int64_t>::max()))
+                  "with --parallel: prompt tokens per step, over all prefilling sequences, at "
+                  "most 65536 (a step's activations grow with it)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 16))
       ->needs(parallel)
       ->capture_default_str();
   // The pools grow 64 blocks at a time: at most 64 x 1024 = 65536 tokens per chunk (32 MiB per
@@ -487,7 +494,7 @@ int run(int argc, char** argv) {
     if (*replay_command) return run_replay(replay, runs_started);
     if (*bench_command) return run_bench(bench_args, runs_started);
   } catch (...) {
-    fmt::print(stderr, "kvsnap: {}\n", tools::failure_message(std::current_exception()));
+    note("kvsnap: {}\n", tools::failure_message(std::current_exception()));
     return tools::failure_status(std::current_exception(), runs_started);
   }
   return 0;
@@ -500,7 +507,7 @@ int main(int argc, char** argv) {
   try {
     return run(argc, argv);
   } catch (...) {
-    fmt::print(stderr, "kvsnap: {}\n", tools::failure_message(std::current_exception()));
+    note("kvsnap: {}\n", tools::failure_message(std::current_exception()));
   }
   return 3;
 }

@@ -153,17 +153,23 @@ void check_writable(const std::string& path, const std::string& option) {
 }
 
 void write_replacing(const std::string& path, const std::string& text, const std::string& option) {
-  const std::string temporary = path + pid_suffix();
+  // A temporary of our own, created here (O_EXCL): a file someone else made at the name (in a
+  // shared folder, during the run) is passed over, never written into and renamed into place.
+  std::string temporary;
+  int fd = -1;
+  for (int attempt = 0; fd < 0 && attempt < 100; ++attempt) {
+    temporary = path + pid_suffix() + (attempt == 0 ? "" : fmt::format("-{}", attempt));
+    fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
+    if (fd < 0 && errno != EEXIST) break;
+  }
+  if (fd < 0) {
+    throw Error(fmt::format("{} {}: cannot write it ({})", option, path, std::strerror(errno)));
+  }
   const auto fail = [&](const char* step) {
     const std::string reason = std::strerror(errno);
     ::unlink(temporary.c_str());
     return Error(fmt::format("{} {}: cannot write it ({} failed: {})", option, path, step, reason));
   };
-  const int fd =
-      ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0666);
-  if (fd < 0) {
-    throw Error(fmt::format("{} {}: cannot write it ({})", option, path, std::strerror(errno)));
-  }
   if (const int error = detail::write_all(fd, text); error != 0) {
     ::close(fd);
     errno = error;

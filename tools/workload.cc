@@ -175,9 +175,15 @@ Workload load_workload(const std::string& path) {
     text.reserve(static_cast<size_t>(info.st_size));
   }
   char buffer[1 << 16];
+  // A workload is text of at most 1 GiB: `kvsnap replay /dev/zero` (or a pipe that never ends)
+  // is refused instead of read until memory runs out.
+  constexpr size_t kMost = size_t(1) << 30;
   for (;;) {
     const ssize_t count = ::read(file.descriptor, buffer, sizeof buffer);
     if (count == 0) break;
+    if (count > 0 && text.size() + static_cast<size_t>(count) > kMost) {
+      throw Error(fmt::format("{}: larger than 1 GiB, the most a workload may hold", path));
+    }
     if (count < 0) {
       if (errno == EINTR) continue;
       throw fail(errno);

@@ -471,6 +471,15 @@ TEST(Output, AChartIsCheckedThenReplacedAtomically) {
   EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), "<svg/>");
   EXPECT_EQ(kvsnap::testing::mode_of(path), 0644u);
   EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir), {}), 1);  // no temporary
+  // A file someone made at the temporary's name during the run is neither written into nor
+  // renamed over the chart.
+  const std::string planted = path + ".tmp-" + std::to_string(::getpid());
+  { std::ofstream(planted) << "planted"; }
+  write_replacing(path, "<svg>2</svg>", "--chart");
+  std::ifstream again(path), left(planted);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(again), {}), "<svg>2</svg>");
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(left), {}), "planted");
+  std::filesystem::remove(planted);
   const std::string missing = "--chart " + (dir / "no" / "c.svg").string() + ": cannot write it";
   EXPECT_TRUE(throws_error([&] { check_writable((dir / "no" / "c.svg").string(), "--chart"); },
                            {missing.c_str(), "No such file or directory"}));
