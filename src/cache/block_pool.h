@@ -30,6 +30,8 @@ class BlockPool {
       : block_tokens(block_tokens), blocks_per_chunk(blocks_per_chunk) {}
 
   int64_t block_bytes() const { return layout.token_bytes() * block_tokens; }
+  // Blocks that hold `tokens` tokens from a block's start.
+  int64_t blocks_for(int64_t tokens) const { return (tokens + block_tokens - 1) / block_tokens; }
   // A free block (the pool grows by a chunk when none is left), not yet referenced.
   int32_t allocate();
   // Grows the pool until at least `count` blocks are free, so the next `count` allocate() calls

@@ -76,12 +76,26 @@ class KVSequence final : public KVKind {
 
   // Writes the snapshot's tokens [from, target) that are not already in their columns: owned
   // parts, and parts lazy in another cache.
+  // What the parts overwrite is copied out of other snapshots first, all of it: the writes then
+  // allocate nothing, and one that ran out cannot leave a part written over the history and
+  // the rest as it was.
   void write_back(const KVStateSnapshot& s, int64_t target) {
     ensure_capacity(target);
+    const auto moved = [&](int64_t position, int64_t lazy_column) {
+      return !(s.owner() == &store && lazy_column == position);  // else in place
+    };
+    std::vector<std::pair<int64_t, int64_t>> ranges;
+    s.for_each_part(target - s.begin,
+                    [&](int64_t first, const Array& k, const Array&, int64_t lazy_column) {
+                      const int64_t position = s.begin + first;
+                      if (moved(position, lazy_column))
+                        ranges.emplace_back(position, position + k.dim(2));
+                    });
+    for (const auto& [from, to] : ranges) store.preserve(from, to);
     s.for_each_part(target - s.begin,
                     [&](int64_t first, const Array& k, const Array& v, int64_t lazy_column) {
                       const int64_t position = s.begin + first;
-                      if (s.owner() == &store && lazy_column == position) return;  // in place
+                      if (!moved(position, lazy_column)) return;
                       store.write(position, k, v);
                       store.stats.restored_bytes += k.dim(2) * store.token_bytes();
                     });
@@ -96,6 +110,7 @@ class KVSequence final : public KVKind {
     if (target > s.from()) {
       if (!store.has_layout) store.adopt_layout(s.pool()->layout);
       ensure_capacity(target);
+      store.preserve(s.from(), target);  // as write_back: the writes then allocate nothing
       s.for_each_part(target - s.from(), [&](int64_t first, const Array& k, const Array& v) {
         store.write(s.from() + first, k, v);
         store.stats.restored_bytes += k.dim(2) * store.token_bytes();

@@ -20,10 +20,6 @@ namespace {
 constexpr const char* kUpdate = "PagedKVCache::update";
 constexpr const char* kRestore = "PagedKVCache::restore";
 
-int64_t blocks_for(int64_t tokens, int64_t block_tokens) {
-  return (tokens + block_tokens - 1) / block_tokens;
-}
-
 }  // namespace
 
 // One sequence: its blocks (blocks.size() == ceil(offset / T)), offset and capture schedule.
@@ -82,7 +78,7 @@ class PagedSequence {
 
   // Keeps positions [0, target).
   void rewind(int64_t target) {
-    const auto keep = static_cast<size_t>(blocks_for(target, pool_->block_tokens));
+    const auto keep = static_cast<size_t>(pool_->blocks_for(target));
     while (blocks.size() > keep) {
       pool_->release(blocks.back());
       blocks.pop_back();
@@ -94,14 +90,13 @@ class PagedSequence {
   // the tail block when it is partly written and shared.
   int64_t blocks_to_write(int64_t tokens) const {
     if (tokens <= 0) return 0;
-    const int64_t fresh =
-        blocks_for(offset + tokens, pool_->block_tokens) - static_cast<int64_t>(blocks.size());
+    const int64_t fresh = pool_->blocks_for(offset + tokens) - static_cast<int64_t>(blocks.size());
     const bool copy = offset % pool_->block_tokens != 0 && pool_->shared(blocks.back());
     return fresh + (copy ? 1 : 0);
   }
   // Room in `blocks` for writing `tokens` tokens (the pool's blocks: BlockPool::reserve).
   void make_room(int64_t tokens) {
-    blocks.reserve(static_cast<size_t>(blocks_for(offset + tokens, pool_->block_tokens)));
+    blocks.reserve(static_cast<size_t>(pool_->blocks_for(offset + tokens)));
   }
 
   // Block `index` of the sequence, ready to be written from slot `slot` on: appended when new,
@@ -162,8 +157,7 @@ class PagedSequence {
   // References to the blocks of [from, to) (from < to <= offset).
   std::unique_ptr<PagedSnapshot> capture(int64_t from, int64_t to) const {
     const int64_t first = from / pool_->block_tokens;
-    std::vector<int32_t> refs(blocks.begin() + first,
-                              blocks.begin() + blocks_for(to, pool_->block_tokens));
+    std::vector<int32_t> refs(blocks.begin() + first, blocks.begin() + pool_->blocks_for(to));
     return std::make_unique<PagedSnapshot>(pool_, std::move(refs), from, to);
   }
 
@@ -181,7 +175,8 @@ class PagedSequence {
     const int64_t block_tokens = pool_->block_tokens, from = s.from();
     // Room for the references first: acquiring a block and then failing to list it would keep
     // it forever.
-    blocks.reserve(static_cast<size_t>(blocks_for(target, block_tokens)));
+    blocks.reserve(static_cast<size_t>(pool_->blocks_for(target)));
+    if (from % block_tokens != 0) pool_->reserve(1);  // a join meet() may make: before the rewind
     rewind(from);
     size_t next = 0;  // the snapshot's next block to splice
     const int64_t slot = from % block_tokens;
@@ -196,7 +191,7 @@ class PagedSequence {
       }
       next = 1;
     }
-    const auto needed = static_cast<size_t>(blocks_for(target, block_tokens));
+    const auto needed = static_cast<size_t>(pool_->blocks_for(target));
     for (; blocks.size() < needed; ++next) {
       pool_->acquire(s.blocks()[next]);
       blocks.push_back(s.blocks()[next]);
@@ -207,6 +202,10 @@ class PagedSequence {
   // Restores [from, target) of a snapshot held elsewhere (a KVCache's, another pool's) by
   // writing its tokens. The caller holds the snapshot's lock with ours (SnapshotLocks).
   void copy_in(const Snapshot& s, int64_t target) {
+    // The blocks (and a shared tail's copy) before the rewind: no write then runs out midway.
+    const int64_t need = pool_->blocks_for(target);
+    blocks.reserve(static_cast<size_t>(need));
+    pool_->reserve(need - pool_->blocks_for(s.from()) + 1);
     rewind(s.from());
     const auto write_part = [&](const Array& k, const Array& v) {
       write(k, v);

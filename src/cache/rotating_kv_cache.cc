@@ -193,6 +193,9 @@ class RotatingSequence final : public KVKind {
             round_up(std::max<int64_t>(tokens, 1), RotatingKVCache::kStep));
         store.replace(std::move(k), std::move(v));
       }
+      // Every lazy window over the columns written is copied out first: the writes then
+      // allocate nothing, and one that ran out cannot leave the ring half rewritten.
+      store.preserve(0, tokens);
       s.for_each_part(tokens, [&](int64_t first, const Array& k, const Array& v, int64_t) {
         store.write(first, k, v);
         store.stats.restored_bytes += k.dim(2) * store.token_bytes();
