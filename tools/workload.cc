@@ -171,19 +171,21 @@ Workload load_workload(const std::string& path) {
   if (file.descriptor < 0) throw fail(errno);
   std::string text;
   struct stat info {};
+  // A workload is text of at most 1 GiB: `kvsnap replay /dev/zero` (or a pipe that never ends)
+  // is refused instead of read until memory runs out; a larger file before any of it is read.
+  constexpr size_t kMost = size_t(1) << 30;
+  const auto too_large = [&] {
+    return Error(fmt::format("{}: larger than 1 GiB, the most a workload may hold", path));
+  };
   if (::fstat(file.descriptor, &info) == 0 && S_ISREG(info.st_mode)) {
+    if (static_cast<uint64_t>(info.st_size) > kMost) throw too_large();
     text.reserve(static_cast<size_t>(info.st_size));
   }
   char buffer[1 << 16];
-  // A workload is text of at most 1 GiB: `kvsnap replay /dev/zero` (or a pipe that never ends)
-  // is refused instead of read until memory runs out.
-  constexpr size_t kMost = size_t(1) << 30;
   for (;;) {
     const ssize_t count = ::read(file.descriptor, buffer, sizeof buffer);
     if (count == 0) break;
-    if (count > 0 && text.size() + static_cast<size_t>(count) > kMost) {
-      throw Error(fmt::format("{}: larger than 1 GiB, the most a workload may hold", path));
-    }
+    if (count > 0 && text.size() + static_cast<size_t>(count) > kMost) throw too_large();
     if (count < 0) {
       if (errno == EINTR) continue;
       throw fail(errno);

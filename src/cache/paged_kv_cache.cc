@@ -202,11 +202,12 @@ class PagedSequence {
   // Restores [from, target) of a snapshot held elsewhere (a KVCache's, another pool's) by
   // writing its tokens. The caller holds the snapshot's lock with ours (SnapshotLocks).
   void copy_in(const Snapshot& s, int64_t target) {
-    // The blocks (and a shared tail's copy) before the rewind: no write then runs out midway.
+    // Rewound (what a failure may leave), then every block the parts need and a shared tail's
+    // copy: no write runs out midway, leaving the sequence part restored.
+    rewind(s.from());
     const int64_t need = pool_->blocks_for(target);
     blocks.reserve(static_cast<size_t>(need));
-    pool_->reserve(need - pool_->blocks_for(s.from()) + 1);
-    rewind(s.from());
+    pool_->reserve(need - static_cast<int64_t>(blocks.size()) + 1);
     const auto write_part = [&](const Array& k, const Array& v) {
       write(k, v);
       pool_->stats.restored_bytes += k.dim(2) * pool_->layout.token_bytes();

@@ -91,15 +91,16 @@ std::optional<int64_t> LiveState::offset() const {
 }
 
 void LiveState::reset() {
+  // The record first: a layer that throws below must not leave a pin or a reservation behind.
+  tokens_.clear();
+  tip_ = &trie_.root();
+  end_switch();
+  incoming_ = 0;
   for (const LayerInfo& layer : trie_.layers()) {
     if (layer.cache == nullptr) continue;
     layer.cache->cancel_snapshots(slot_);
     layer.cache->reset(slot_);
   }
-  tokens_.clear();
-  tip_ = &trie_.root();
-  end_switch();
-  incoming_ = 0;
 }
 
 bool LiveState::on_active_path(const Node& node) const {
@@ -114,6 +115,9 @@ bool LiveState::on_active_path(const Node& node) const {
 
 std::vector<Node*> LiveState::active_path() const {
   std::vector<Node*> path;
+  // During a switch, none: the old path's restore points are being left (their nodes are
+  // evictable), and the new path's are what the switch restores from.
+  if (switching_to_ != nullptr) return path;
   for (Node* n = tip_; n != nullptr && n != &trie_.root(); n = n->parent) path.push_back(n);
   return path;
 }

@@ -61,7 +61,8 @@ class LiveState {
   // `node` and its ancestors are pinned while the live caches stand on them (during a switch:
   // while it is about to move them there).
   bool on_active_path(const Node& node) const;
-  // The active path, deepest node first (root excluded).
+  // The active path, deepest node first (root excluded); empty during a switch (whose pinned
+  // path on_active_path covers).
   std::vector<Node*> active_path() const;
 
   // Moves every layer to `plan.target` on `path` (see planner.h). Throws Error when a layer

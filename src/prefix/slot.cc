@@ -49,14 +49,22 @@ std::shared_ptr<SessionState> Slot::begin(std::span<const int32_t> prompt, Prefi
     // are copied out (KV) or left the only holders of their blocks (paged). Reserve that first,
     // with the new path pinned, so the eviction makes room (the old path's nodes past the
     // shared part may go) before anything is copied.
-    Node* tip = &trie_.root();
-    for (Node* node : match.path) {
-      if (node->start() < plan.target) tip = node;
+    // Again with a new plan when the eviction changed the trie (splits, whole states dropped):
+    // its rewind may lie lower. A few rounds at most; the plan is always the trie's latest.
+    for (int round = 0; round < 3; ++round) {
+      // Pinned: the path up to the target and every node a whole-state step restores from.
+      Node* tip = &trie_.root();
+      for (Node* node : match.path) {
+        const bool step = std::any_of(plan.steps.begin(), plan.steps.end(),
+                                      [&](const WholeStateStep& s) { return s.node == node; });
+        if (node->start() < plan.target || step) tip = node;
+      }
+      const uint64_t version = trie_.version();
+      live_.begin_switch(tip, std::min(live.shared, plan.target));  // where the KV layers rewind
+      evict_(Change::own);
+      if (trie_.version() == version) break;
+      make_plan();
     }
-    const uint64_t version = trie_.version();
-    live_.begin_switch(tip, std::min(live.shared, plan.target));  // where the KV layers rewind
-    evict_(Change::own);
-    if (trie_.version() != version) make_plan();  // nodes split or whole states dropped
     live_.switch_to(match.path, plan, live.shared);
     // Inside: a record that runs out would leave the old path's tokens over the moved caches.
     live_.set_tokens(prompt.subspan(0, static_cast<size_t>(plan.target)));
@@ -256,6 +264,9 @@ void Slot::attach_captures() {
     try {
       evict_(Change::own);
     } catch (const std::bad_alloc&) {  // a merge ran short: the eviction after the insert goes on
+    } catch (...) {
+      live_.set_incoming(0);
+      throw;
     }
     live_.set_incoming(0);
   }

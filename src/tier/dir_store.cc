@@ -268,19 +268,13 @@ void DirStore::probe(std::span<const std::string> sets, std::span<const std::str
 
 std::vector<std::optional<std::string>> DirStore::fetch(std::span<const std::string> keys,
                                                         Deadline deadline) {
+  // (A file that cannot be read is one object's failure, counted, not the folder's: the health
+  // log is for writes the folder refuses.)
   std::vector<std::optional<std::string>> values;
-  try {
-    for (const std::string& key : keys) {
-      check_time(deadline);
-      values.push_back(read_object(path(key), deadline, own_files_only_));
-    }
-  } catch (const StoreFailure& failure) {  // a file there that cannot be read: said once
-    if (health_ != nullptr && failure.reason == StoreFailure::Reason::failed) {
-      health_->failed(failure.what(), /*lost=*/false);
-    }
-    throw;
+  for (const std::string& key : keys) {
+    check_time(deadline);
+    values.push_back(read_object(path(key), deadline, own_files_only_));
   }
-  if (health_ != nullptr) health_->answered();
   return values;
 }
 

@@ -22,8 +22,7 @@ class DirStore final : public Store {
   // folder must be private — this user's or root's, not writable by group or others unless
   // sticky — else Error naming it; and a file another user owns reads as missing (and is never
   // swept). `ttl`: how long an object or index set lives unused (0: for ever). `health` (may be
-  // null) is told of reads that fail and writes the folder refuses (full, read-only, gone), and
-  // of their recovery, as a Redis store's is.
+  // null) is told of writes the folder refuses (full, read-only, gone), and of their recovery.
   explicit DirStore(std::string folder, bool own_files_only = false,
                     std::chrono::seconds ttl = std::chrono::seconds(0),
                     std::shared_ptr<StoreHealth> health = nullptr);

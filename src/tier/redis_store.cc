@@ -509,6 +509,7 @@ void RedisStore::probe(std::span<const std::string> sets, std::span<const std::s
   // asking process holds itself, one its writer skips as stored) and must not expire while it
   // is. EXISTS where the store refuses writes (refresh_on_read_).
   const std::string ttl = std::to_string(options_.ttl.count());
+  if (!refresh_on_read_ && Clock::now() >= refresh_again_) refresh_on_read_ = true;
   std::vector<Reply> replies;
   for (bool sent = false; !sent;) {
     const auto check = [&](const std::string& key) {
@@ -525,6 +526,7 @@ void RedisStore::probe(std::span<const std::string> sets, std::span<const std::s
       sent = true;
     } catch (const RefreshRefused&) {
       refresh_on_read_ = false;
+      refresh_again_ = Clock::now() + options_.retry_interval;
     }
   }
   members.assign(sets.size(), {});
@@ -548,6 +550,7 @@ std::vector<std::optional<std::string>> RedisStore::fetch(std::span<const std::s
   // GETEX refreshes the lifetime of what is used (Redis >= 6.2); GET where the store refuses
   // writes (refresh_on_read_).
   const std::string ttl = std::to_string(options_.ttl.count());
+  if (!refresh_on_read_ && Clock::now() >= refresh_again_) refresh_on_read_ = true;
   std::vector<Reply> replies;
   for (bool sent = false; !sent;) {
     std::vector<Command> commands;
@@ -559,6 +562,7 @@ std::vector<std::optional<std::string>> RedisStore::fetch(std::span<const std::s
       sent = true;
     } catch (const RefreshRefused&) {
       refresh_on_read_ = false;
+      refresh_again_ = Clock::now() + options_.retry_interval;
     }
   }
   std::vector<std::optional<std::string>> values;

@@ -59,8 +59,9 @@ class RedisStore final : public Store {
   bool answered_ = false;  // the connection has completed a round trip
   // Whether lookups refresh the lifetimes of what they read (GETEX ... EX, EXPIRE), or read
   // only (GET, EXISTS): a store that refuses writes (a read-only replica, MISCONF) refuses those
-  // too. Off when it did; on again once a write is taken.
+  // too. Off when it did, until a write is taken or the retry interval has passed.
   bool refresh_on_read_ = true;
+  std::chrono::steady_clock::time_point refresh_again_{};
   // Thrown by round_trip when a lookup's only refusals are of its refreshes as writes: every
   // reply was read (the connection is in step), and the lookup is sent again, reading only.
   struct RefreshRefused {};

@@ -111,10 +111,10 @@ std::optional<WriteBatch> TierImpl::encode(std::span<const int32_t> tokens,
       return true;
     };
     if (too_large(data)) return Added::too_large;
-    bytes += data;
-    if (!writer_->has_room(bytes)) return Added::no_room;
+    if (!writer_->has_room(bytes + data)) return Added::no_room;
     std::string value = encode_object(key, keys_.root_hex(), spec, parts);
     if (too_large(static_cast<int64_t>(value.size()))) return Added::too_large;
+    bytes += data;  // only what goes: a refused object takes no room from the next
     batch.objects.emplace_back(key, std::move(value));
     return Added::yes;
   };

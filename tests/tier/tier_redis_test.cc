@@ -327,6 +327,19 @@ TEST(TierRedis, AReadOnlyReplicaServesLookups) {
   EXPECT_EQ(process.log.count("refuses writes"), 1) << process.log.all();
   EXPECT_EQ(process.log.count("READONLY"), 1) << process.log.all();
   EXPECT_EQ(process.tier->stats().objects_written, 0);
+  // Writable again: past the retry interval, lookups refresh what they read again.
+  (void)server.command({"REPLICAOF", "NO", "ONE"});
+  const std::vector<std::string> chunks = server.keys("kvsnap:c:*");
+  ASSERT_FALSE(chunks.empty());
+  for (const std::string& key : chunks) (void)server.command({"EXPIRE", key, "1000"});
+  std::this_thread::sleep_for(std::chrono::milliseconds(40));
+  const int64_t limit = static_cast<int64_t>(talk.first.size()) - 1;
+  EXPECT_GT(process.tier->lookup(talk.first, limit).offset, 0) << process.log.all();
+  int64_t refreshed = 0;
+  for (const std::string& key : chunks) {
+    refreshed += std::stoll(server.command({"TTL", key})) > 1000 ? 1 : 0;
+  }
+  EXPECT_GT(refreshed, 0);
 }
 
 }  // namespace
