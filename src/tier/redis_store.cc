@@ -458,6 +458,18 @@ std::vector<RedisStore::Reply> RedisStore::round_trip(const std::vector<Command>
   return replies;
 }
 
+std::vector<RedisStore::Reply> RedisStore::lookup_round_trip(
+    const std::function<std::vector<Command>(bool refresh)>& commands, Deadline deadline) {
+  if (!refresh_on_read_ && Clock::now() >= refresh_again_) refresh_on_read_ = true;
+  try {
+    return round_trip(commands(refresh_on_read_), deadline);
+  } catch (const RefreshRefused&) {
+    refresh_on_read_ = false;
+    refresh_again_ = Clock::now() + options_.retry_interval;
+  }
+  return round_trip(commands(false), deadline);  // a plain read is never RefreshRefused
+}
+
 std::vector<RedisStore::Reply> RedisStore::read_replies(const std::vector<Command>& commands,
                                                         Deadline deadline) {
   // What each reply may hold, by its command. A read happens only while the reply being parsed
@@ -509,26 +521,20 @@ void RedisStore::probe(std::span<const std::string> sets, std::span<const std::s
   // asking process holds itself, one its writer skips as stored) and must not expire while it
   // is. EXISTS where the store refuses writes (refresh_on_read_).
   const std::string ttl = std::to_string(options_.ttl.count());
-  if (!refresh_on_read_ && Clock::now() >= refresh_again_) refresh_on_read_ = true;
-  std::vector<Reply> replies;
-  for (bool sent = false; !sent;) {
-    const auto check = [&](const std::string& key) {
-      return refresh_on_read_ ? Command{"EXPIRE", key, ttl} : Command{"EXISTS", key};
-    };
-    std::vector<Command> commands;
-    for (const std::string& set : sets) {
-      commands.push_back({"SMEMBERS", set});
-      commands.push_back(check(set));
-    }
-    for (const std::string& key : keys) commands.push_back(check(key));
-    try {
-      replies = round_trip(commands, deadline);
-      sent = true;
-    } catch (const RefreshRefused&) {
-      refresh_on_read_ = false;
-      refresh_again_ = Clock::now() + options_.retry_interval;
-    }
-  }
+  const std::vector<Reply> replies = lookup_round_trip(
+      [&](bool refresh) {
+        const auto check = [&](const std::string& key) {
+          return refresh ? Command{"EXPIRE", key, ttl} : Command{"EXISTS", key};
+        };
+        std::vector<Command> commands;
+        for (const std::string& set : sets) {
+          commands.push_back({"SMEMBERS", set});
+          commands.push_back(check(set));
+        }
+        for (const std::string& key : keys) commands.push_back(check(key));
+        return commands;
+      },
+      deadline);
   members.assign(sets.size(), {});
   exists.assign(keys.size(), false);
   for (size_t i = 0; i < sets.size(); ++i) {
@@ -550,21 +556,15 @@ std::vector<std::optional<std::string>> RedisStore::fetch(std::span<const std::s
   // GETEX refreshes the lifetime of what is used (Redis >= 6.2); GET where the store refuses
   // writes (refresh_on_read_).
   const std::string ttl = std::to_string(options_.ttl.count());
-  if (!refresh_on_read_ && Clock::now() >= refresh_again_) refresh_on_read_ = true;
-  std::vector<Reply> replies;
-  for (bool sent = false; !sent;) {
-    std::vector<Command> commands;
-    for (const std::string& key : keys) {
-      commands.push_back(refresh_on_read_ ? Command{"GETEX", key, "EX", ttl} : Command{"GET", key});
-    }
-    try {
-      replies = round_trip(commands, deadline);
-      sent = true;
-    } catch (const RefreshRefused&) {
-      refresh_on_read_ = false;
-      refresh_again_ = Clock::now() + options_.retry_interval;
-    }
-  }
+  const std::vector<Reply> replies = lookup_round_trip(
+      [&](bool refresh) {
+        std::vector<Command> commands;
+        for (const std::string& key : keys) {
+          commands.push_back(refresh ? Command{"GETEX", key, "EX", ttl} : Command{"GET", key});
+        }
+        return commands;
+      },
+      deadline);
   std::vector<std::optional<std::string>> values;
   for (const Reply& reply : replies) {
     // (A refusal — an unknown command: Redis before 6.2; NOAUTH... — failed the round trip.)

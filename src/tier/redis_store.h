@@ -3,8 +3,10 @@
 // socket timeouts; after a failure nothing is tried for the retry interval.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "tier/host_resolver.h"
 #include "tier/store.h"
@@ -50,6 +52,10 @@ class RedisStore final : public Store {
   // eviction off, a read-only replica) refuses writes (StoreHealth), its lookups unaffected.
   std::vector<Reply> round_trip(const std::vector<Command>& commands, Deadline deadline,
                                 bool writing = false);
+  // A lookup's round trip: commands(refresh_on_read_), sent again as commands(false) (reading
+  // only) when the store refuses the refreshes as writes (RefreshRefused).
+  std::vector<Reply> lookup_round_trip(
+      const std::function<std::vector<Command>(bool refresh)>& commands, Deadline deadline);
   // The replies to `commands`, sent: each bounded as it is parsed by what its command is answered
   // with (ReplyLimits), all of them by the sum.
   std::vector<Reply> read_replies(const std::vector<Command>& commands, Deadline deadline);
