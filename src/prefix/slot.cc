@@ -48,9 +48,9 @@ std::shared_ptr<SessionState> Slot::begin(std::span<const int32_t> prompt, Prefi
     // ranges and states over what they held: the trie's lazy snapshots of the old path there
     // are copied out (KV) or left the only holders of their blocks (paged). Reserve that first,
     // with the new path pinned, so the eviction makes room (the old path's nodes past the
-    // shared part may go) before anything is copied.
-    // Again with a new plan when the eviction changed the trie (splits, whole states dropped):
-    // its rewind may lie lower. A few rounds at most; the plan is always the trie's latest.
+    // shared part may go) before anything is copied — again with a new plan when the eviction
+    // changed the trie (its rewind may lie lower): a few rounds at most, and the plan used is
+    // always the trie's latest.
     for (int round = 0; round < 3; ++round) {
       // Pinned: the path up to the target and every node a whole-state step restores from.
       Node* tip = &trie_.root();
