@@ -31,7 +31,7 @@ type Speculation struct {
 
 // NewSpeculation drives rounds over sequence seq of the layers (a nil entry is a stateless
 // layer; a cache listed twice is one state, rolled back once), which cannot be closed until the
-// speculation is.
+// speculation is. It fails for seq outside [0, 2^20).
 func NewSpeculation(layers []*Cache, seq int32) (*Speculation, error) {
 	ptrs, release, err := borrow("NewSpeculation", layers)
 	if err != nil {
@@ -110,7 +110,8 @@ func (s *Speculation) Cancel() error {
 	})
 }
 
-// Round says whether a round is open, and its start offset and draft count.
+// Round says whether a round is open, and its start offset and draft count (once it closed,
+// the last round's; 0 before any).
 func (s *Speculation) Round() (open bool, start, drafts int64, err error) {
 	var o C.bool
 	var st, d C.int64_t

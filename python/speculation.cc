@@ -62,8 +62,9 @@ and retract_outputs() the rejected ones.)")
           },
           py::arg("drafts"),
           "Opens a round before the verify forward of 1 + `drafts` tokens. Raises Error, "
-          "changing nothing, for drafts < 0, an open round, layers that disagree on their "
-          "offset, or a layer of any kind with captures already scheduled for the sequence.")
+          "changing nothing, for drafts < 0 or > 2^20, a round ending past position 2^31 - 1, "
+          "an open round, layers that disagree on their offset, or a layer of any kind with "
+          "captures already scheduled for the sequence.")
       .def(
           "accept",
           [](PySpeculation& s, int64_t accepted) {
@@ -92,13 +93,13 @@ and retract_outputs() the rejected ones.)")
           [](PySpeculation& s) {
             return on_round(s, [](Speculation& round) { return round.start(); });
           },
-          "The open round's start offset.")
+          "The open round's start offset (once it closed, the last round's; 0 before any).")
       .def_property_readonly(
           "drafts",
           [](PySpeculation& s) {
             return on_round(s, [](Speculation& round) { return round.drafts(); });
           },
-          "The open round's draft count.")
+          "The open round's draft count (once it closed, the last round's; 0 before any).")
       .def_property_readonly(
           "capturing_layers",
           [](PySpeculation& s) {

@@ -563,8 +563,8 @@ typedef struct kvsnap_speculation_stats {
   int64_t rewinds;  /* layer offset rewinds */
 } kvsnap_speculation_stats;
 
-/* Rounds over sequence `seq` of `count` layers, borrowed: they must outlive it (a NULL entry is
- * a stateless layer; a cache listed twice is one state, rolled back once). */
+/* Rounds over sequence `seq` (in [0, 2^20)) of `count` layers, borrowed: they must outlive it
+ * (a NULL entry is a stateless layer; a cache listed twice is one state, rolled back once). */
 KVSNAP_EXPORT kvsnap_status kvsnap_speculation_create(kvsnap_cache* const* layers, size_t count,
                                                       int32_t seq, kvsnap_speculation** out);
 /* Cancels an open round (its captures dropped, the layers left where they are), then frees. */
@@ -575,18 +575,18 @@ KVSNAP_EXPORT void kvsnap_speculation_destroy(kvsnap_speculation* speculation);
  * sequence. */
 KVSNAP_EXPORT kvsnap_status kvsnap_speculation_begin(kvsnap_speculation* speculation,
                                                      int64_t drafts);
-/* Closes the round: the first `accepted` drafts were confirmed. Every layer is checked before
- * any moves: fails, the round left open and nothing changed, unless 0 <= accepted <= drafts,
- * every layer stands at the verify forward's end, and every layer that must move can — one that
- * rewinds has no schedule (someone else's: take or cancel it, then accept again), a capturing
- * one still holds the round's captures (taken or replaced by another call on the sequence,
- * they are gone: only cancel ends the round then). */
+/* Closes the round: the first `accepted` drafts were confirmed (see Speculation::accept). Every
+ * layer is checked before any moves: fails, the round left open and nothing changed, unless
+ * 0 <= accepted <= drafts, every layer stands at the verify forward's end, and every layer that
+ * must move can — one that rewinds has no schedule (someone else's: take or cancel it, then
+ * accept again), a capturing one still holds the round's captures (taken or replaced by another
+ * call on the sequence, they are gone: only cancel ends the round then). */
 KVSNAP_EXPORT kvsnap_status kvsnap_speculation_accept(kvsnap_speculation* speculation,
                                                       int64_t accepted);
 /* Drops an open round's captures without moving any layer (nothing to do without a round); a
  * schedule that replaced the round's on a layer is someone else's and stays. */
 KVSNAP_EXPORT kvsnap_status kvsnap_speculation_cancel(kvsnap_speculation* speculation);
-/* Whether a round is open, and its start offset and draft count (any output may be NULL). */
+/* Whether a round is open, its start and drafts (the last round's once closed); NULL: skipped */
 KVSNAP_EXPORT kvsnap_status kvsnap_speculation_get_round(const kvsnap_speculation* speculation,
                                                          bool* open, int64_t* start,
                                                          int64_t* drafts);

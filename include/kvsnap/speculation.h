@@ -35,7 +35,8 @@ class KVSNAP_EXPORT Speculation {
  public:
   // Rounds over sequence `seq` of `layers` (not owned; a null entry is a stateless layer). A
   // cache listed more than once (shared by several model layers) is one state: it is rolled
-  // back once, and errors name the first position it has in `layers`.
+  // back once, and errors name the first position it has in `layers`. Throws Error for `seq`
+  // outside [0, 2^20), the ids caches hold.
   explicit Speculation(std::vector<Cache*> layers, SeqId seq = 0);
   // Cancels an open round (its captures are dropped, the layers stay where they are).
   ~Speculation();
@@ -47,7 +48,9 @@ class KVSNAP_EXPORT Speculation {
   // there. Throws Error (nothing changed) for drafts < 0 or > kMaxDrafts, a round that would
   // end past the positions a batch holds (start + drafts + 1 > 2^31 - 1), an open round, layers
   // that disagree on their offset, or a layer, of any kind, with captures already scheduled for
-  // the sequence (Cache::schedule_state).
+  // the sequence (Cache::schedule_state). A begin that fails later (a layer's prepare out of
+  // memory) cancels what it scheduled; a layer that held nothing of the sequence may then list
+  // it, empty (Cache::sequences; offset 0).
   void begin(int64_t drafts);
   // The most drafts one round verifies (its offsets are held in memory: 8 MB at most).
   static constexpr int64_t kMaxDrafts = int64_t{1} << 20;
@@ -58,14 +61,21 @@ class KVSNAP_EXPORT Speculation {
   // start + drafts + 1, and every layer that must move can — a layer that rewinds has no
   // schedule (someone else's: take or cancel it, then accept again), a capturing layer still
   // holds the round's captures (taken or replaced by another call on the sequence, they are
-  // gone: only cancel() ends the round then).
+  // gone: only cancel() ends the round then). Accepting every draft moves no layer and needs
+  // no capture: it succeeds even when one was lost (out of memory while the verify forward made
+  // it). Otherwise only the capture at the accepted offset is kept: the others are released
+  // before any layer moves (an accept of another count after a failed one is refused), and the
+  // whole-state layers restore before the others rewind. A layer of a kind that does not report
+  // its schedule (ScheduleState::known false) is trusted to hold no one else's: the rewind
+  // refuses one, after the whole-state layers moved.
   void accept(int64_t accepted);
   // Drops an open round's captures without moving any layer (no-op without a round). A schedule
   // that replaced the round's on a layer belongs to someone else and is left alone.
   void cancel();
 
   bool open() const { return open_; }
-  // The open round's start offset and draft count.
+  // The open round's start offset and draft count (once it closed, the last round's; 0 before
+  // any).
   int64_t start() const { return start_; }
   int64_t drafts() const { return drafts_; }
   // Layers that capture in the open round (whole-state layers that cannot rewind there).

@@ -6,6 +6,8 @@
 #include <climits>
 #include <string>
 
+#include "cache/sequences.h"
+
 namespace kvsnap {
 namespace {
 
@@ -28,6 +30,10 @@ std::string describe(const ScheduleState& s) {
 }  // namespace
 
 Speculation::Speculation(std::vector<Cache*> layers, SeqId seq) : seq_(seq) {
+  if (seq < 0 || seq >= detail::kMaxSequences) {
+    throw Error(fmt::format("Speculation: sequence id {} outside [0, {}) (the ids caches hold)",
+                            seq, detail::kMaxSequences));
+  }
   layers_.reserve(layers.size());
   for (size_t i = 0; i < layers.size(); ++i) {
     Cache* cache = layers[i];
@@ -111,7 +117,9 @@ void Speculation::begin(int64_t drafts) {
     }
   } catch (...) {
     for (size_t i = 0; i < layers_.size(); ++i) {
-      if (i < prepared && layers_[i].capture) layers_[i].cache->cancel_snapshots(seq_);
+      if (i < prepared && layers_[i].capture) {
+        layers_[i].cache->cancel_snapshots(seq_);
+      }
       layers_[i].capture = false;
     }
     throw;
@@ -185,34 +193,49 @@ void Speculation::accept(int64_t accepted) {
   }
   // Everything is checked before any layer moves, so a refusal leaves every layer as it was.
   for (const Layer& layer : layers_) check_layer(layer, target);
-  for (Layer& layer : layers_) {
-    // A schedule that replaced the round's is left to its owner (only possible when no layer
-    // moves: check_layer refused it otherwise).
-    if (!layer.capture || layer.taken || !holds_round_schedule(layer)) continue;
-    layer.cache->take_snapshots_into(seq_, layer.snapshots);
-    layer.taken = true;
-    if (target < end) check_captures(layer);  // a kind that does not report its schedule
-  }
-  for (Layer& layer : layers_) {
-    bool ok = true;
-    if (layer.capture) {
-      if (target < end) {
-        // The capture at draft offset start + 1 + j is snapshots[j]; the cache's own capture,
-        // so the restore moves the offset or adopts the shared state: nothing is copied.
-        ok = layer.cache->restore(seq_, layer.snapshots[static_cast<size_t>(accepted)].get(),
-                                  target);
-        ++stats_.restores;
+  if (target == end) {
+    // Every draft confirmed: no layer moves, and the captures are only released — dropped with
+    // their schedule, not taken (taking refuses a capture lost out of memory, which nothing
+    // needs now).
+    for (Layer& layer : layers_) {
+      if (layer.capture && !layer.taken && holds_round_schedule(layer)) {
+        layer.cache->cancel_snapshots(seq_);
       }
-      layer.snapshots.clear();  // released before the next write can make them copy out
-    } else if (target < end) {
-      ok = layer.cache->restore(seq_, nullptr, target);
-      ++stats_.rewinds;
+      layer.snapshots.clear();
+      layer.capture = layer.taken = false;
     }
-    if (!ok) {
-      throw Error(fmt::format(
-          "Speculation::accept: internal error: a layer could not return to offset {}", target));
+  } else {
+    for (Layer& layer : layers_) {
+      if (!layer.capture || layer.taken) continue;
+      layer.cache->take_snapshots_into(seq_, layer.snapshots);
+      layer.taken = true;
+      check_captures(layer);  // a kind that does not report its schedule
     }
-    layer.capture = layer.taken = false;
+    // Only the capture at the accepted offset is restored; the others go first, so no restore
+    // copies out their views of the columns it writes (a window's restore of its own capture
+    // then allocates nothing). The whole-state restores run before the rewinds, which cannot
+    // fail: a first restore that throws leaves every layer at the verify forward's end.
+    for (Layer& layer : layers_) {
+      for (size_t j = 0; j < layer.snapshots.size(); ++j) {
+        if (j != static_cast<size_t>(accepted)) layer.snapshots[j].reset();
+      }
+    }
+    for (const bool whole_state : {true, false}) {
+      for (Layer& layer : layers_) {
+        if (layer.capture != whole_state) continue;
+        Snapshot* capture =
+            whole_state ? layer.snapshots[static_cast<size_t>(accepted)].get() : nullptr;
+        // The layer's own capture: the restore moves the offset or adopts the shared state.
+        if (!layer.cache->restore(seq_, capture, target)) {
+          throw Error(fmt::format(
+              "Speculation::accept: internal error: layer {} could not return to offset {}",
+              layer.index, target));
+        }
+        ++(whole_state ? stats_.restores : stats_.rewinds);
+        layer.snapshots.clear();  // released before the next write can make it copy out
+      }
+    }
+    for (Layer& layer : layers_) layer.capture = layer.taken = false;
   }
   open_ = false;
   ++stats_.rounds;

@@ -9,6 +9,7 @@
 #include <memory>
 #include <random>
 
+#include "support/cache_support.h"
 #include "support/hybrid_stack.h"
 
 namespace kvsnap {
@@ -101,6 +102,51 @@ TEST(SpeculationEdges, VerifyForwardInSeveralWrites) {
           }
         }
       }
+    }
+  }
+}
+
+// A verify forward of single-token steps over a wrapped ring leaves captures that are views of
+// the ring's columns, partly copied out as later steps overwrote them. accept releases the
+// captures it does not return to before restoring: the restore then copies out nothing but the
+// one it returns to (it rewrites the ring), and the window holds exactly the accepted tokens.
+TEST(SpeculationEdges, AcceptOverAWrappedRingCopiesOutOnlyTheCaptureItReturnsTo) {
+  const testing::TokenKV kv;
+  constexpr int64_t kWindow = 4, kTokenBytes = 2 * 2 * 4 * 4;  // keys and values, f32
+  for (int64_t accepted = 0; accepted <= 3; ++accepted) {
+    SCOPED_TRACE(::testing::Message() << "accepted " << accepted);
+    RotatingKVCache window(kWindow);
+    std::vector<int64_t> written;
+    const auto step = [&](int64_t id) {
+      (void)testing::write(window, kv, std::vector<int64_t>{id});
+      written.push_back(id);
+    };
+    for (int64_t id = 0; id < 10; ++id) step(id);  // single steps: the ring wraps
+    Speculation round({&window});
+    round.begin(3);
+    ASSERT_EQ(round.capturing_layers(), 1);
+    for (int64_t id = 100; id < 104; ++id)
+      (void)testing::write(window, kv, std::vector<int64_t>{id});
+    const CopyStats before = window.copy_stats();
+    round.accept(accepted);
+    EXPECT_LE(window.copy_stats().materialized_bytes - before.materialized_bytes,
+              (kWindow - 1) * kTokenBytes);
+    for (int64_t i = 0; i <= accepted; ++i) written.push_back(100 + i);
+    // The window's positions are the newest ones written, each holding its token.
+    const auto expect_window = [&] {
+      const auto held = testing::position_ids(window.view(Batch::uniform(1, 0, window.offset())));
+      const auto n = static_cast<int64_t>(written.size());
+      ASSERT_GE(static_cast<int64_t>(held.size()), kWindow - 1);
+      for (size_t i = 0; i < held.size(); ++i) {
+        EXPECT_EQ(held[i].first, n - static_cast<int64_t>(held.size() - i));
+        EXPECT_EQ(held[i].second, written[static_cast<size_t>(held[i].first)]);
+      }
+    };
+    EXPECT_EQ(window.offset(), static_cast<int64_t>(written.size()));
+    expect_window();
+    for (int64_t id = 200; id < 206; ++id) {  // the ring goes on from the restored one
+      step(id);
+      expect_window();
     }
   }
 }

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <kvsnap/speculation.h>
 
+#include <span>
 #include <string>
 #include <tuple>
 
@@ -274,6 +275,40 @@ TEST(Speculation, AKindThatDoesNotReportItsScheduleIsCheckedOnItsCaptures) {
   expect_offsets(stack.layers(), 15);
   const Tokens next = {7};
   ASSERT_TRUE(stack.forward_and_check(next, concat(concat(so_far, {40}), next)));
+}
+
+TEST(Speculation, ASequenceIdOutsideTheCachesRangeIsRefused) {
+  HybridStack stack;
+  for (const SeqId seq : {-1, SeqId{1} << 20}) {
+    expect_error([&] { Speculation round(stack.layers(), seq); },
+                 "Speculation: sequence id " + std::to_string(seq) + " outside [0, 1048576)");
+  }
+  Speculation last(stack.layers(), (SeqId{1} << 20) - 1);  // the last id caches hold
+  EXPECT_FALSE(last.open());
+}
+
+// A layer whose prepare fails after earlier layers scheduled their captures: the failed begin
+// cancels them, and every layer stays where it was.
+class FailingPrepare final : public testing::DelegatingCache {
+ public:
+  using DelegatingCache::DelegatingCache;
+  void prepare_snapshots(std::span<const int64_t>) override {
+    throw Error("FailingPrepare: refused");
+  }
+};
+
+TEST(Speculation, AFailedBeginCancelsWhatItScheduled) {
+  HybridStack stack(StackOptions{.window = 2});
+  const Tokens prompt = range(1, 5);
+  ASSERT_TRUE(stack.forward_and_check(prompt, prompt));
+  FailingPrepare failing(stack.recurrent);  // a whole-state layer: it captures, after the window
+  Speculation round({&stack.attention(), &stack.window, &failing});
+  expect_error([&] { round.begin(4); }, "FailingPrepare: refused");
+  EXPECT_FALSE(round.open());
+  EXPECT_FALSE(stack.window.schedule_state(0).pending);
+  expect_offsets(stack.layers(), 5);
+  const Tokens next = {7, 8};
+  ASSERT_TRUE(stack.forward_and_check(next, concat(prompt, next)));
 }
 
 INSTANTIATE_TEST_SUITE_P(Kinds, EveryKind,

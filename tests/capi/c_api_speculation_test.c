@@ -150,6 +150,9 @@ static void test_misuse(void) {
               "kvsnap_speculation_get_round: speculation is NULL");
   CHECK_FAILS(kvsnap_session_retract_outputs(NULL, 1), KVSNAP_INVALID_ARGUMENT,
               "kvsnap_session_retract_outputs: session is NULL");
+  CHECK_FAILS(kvsnap_speculation_create(NULL, 0, -1, &round), KVSNAP_ERROR,
+              "Speculation: sequence id -1 outside [0, 1048576)");
+  CHECK(round == NULL);
   /* A round over no layers works, and stats need somewhere to go. */
   CHECK_OK(kvsnap_speculation_create(NULL, 0, 0, &round));
   CHECK_FAILS(kvsnap_speculation_get_stats(round, NULL), KVSNAP_INVALID_ARGUMENT,
