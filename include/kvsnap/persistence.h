@@ -11,10 +11,12 @@
 // offsets and (rotating) window, and `checksum`: the xxHash64, as 16 hex digits, of every byte
 // of the file with those 16 digits written as '0'. Any damaged byte — data, header, padding,
 // length — fails the check, and the file is rejected whole with a kvsnap::Error. Writes are
-// atomic (temporary file `<path>.tmp-<pid>-<n>`, one per save, fsync, rename): a crash
+// atomic (temporary file `<path>.tmp-<pid>-<n>-<place>`, one per save, fsync, rename): a crash
 // mid-save leaves the previous file loadable, saves of one path from several threads each
 // succeed (the file is the last one renamed, whole), and the next save or load of `path` removes
-// temporaries of writers that no longer run.
+// temporaries of writers that no longer run (a load only in the folder it checked: not in a
+// link's folder). A save refuses, writing nothing, what a load would refuse: an offset past 2^40,
+// more than 2^20 layers, a header over the 100 MB safetensors readers accept.
 //
 // Files are private: created mode 0600 whatever the umask. Loading refuses (Error naming the
 // path, its owner and mode, and LoadOptions::allow_shared) a file, or the folder holding it,

@@ -175,6 +175,21 @@ void remove_stale_temporaries(const std::string& path) {
   }
 }
 
+void remove_stale_temporaries_after_load(const std::string& path, const PrivacyRule& rule) {
+  if (!rule.allow_shared) {
+    const std::filesystem::path given(path);
+    const std::string folder = given.parent_path().empty() ? "." : given.parent_path().string();
+    char* const file = ::realpath(path.c_str(), nullptr);
+    char* const named = ::realpath(folder.c_str(), nullptr);
+    const bool same = file != nullptr && named != nullptr &&
+                      std::filesystem::path(file).parent_path() == std::filesystem::path(named);
+    std::free(file);
+    std::free(named);
+    if (!same) return;  // the folder named was not the one checked: left as it is
+  }
+  remove_stale_temporaries(path);
+}
+
 namespace {
 
 // How many temporaries this process has named: each save's own, so saves of one path from
@@ -376,7 +391,8 @@ void check_private_folder(const std::string& path, const PrivacyRule& rule) {
 
 FileDescriptor open_private_file(const std::string& path, const PrivacyRule& rule) {
   const auto cannot_open = [&](int error) {
-    return Error(fmt::format("cannot open {} for reading ({})", path, std::strerror(error)));
+    return Error(
+        fmt::format("{}: cannot open {} for reading ({})", rule.call, path, std::strerror(error)));
   };
   if (rule.allow_shared) {
     // Links are followed, as below, but nothing blocks (a FIFO is not waited on) and only a
@@ -387,7 +403,8 @@ FileDescriptor open_private_file(const std::string& path, const PrivacyRule& rul
     if (::fstat(file.get(), &status) != 0) throw cannot_open(errno);
     if (S_ISDIR(status.st_mode)) throw cannot_open(EISDIR);
     if (!S_ISREG(status.st_mode)) {
-      throw Error(fmt::format("cannot open {} for reading (it is not a regular file)", path));
+      throw Error(fmt::format("{}: cannot open {} for reading (it is not a regular file)",
+                              rule.call, path));
     }
     return file;
   }
@@ -436,7 +453,7 @@ std::string read_private_file(const std::string& path, const PrivacyRule& rule,
     if (n == 0) return bytes;
     if (n < 0) {
       if (errno == EINTR) continue;
-      throw Error(fmt::format("error reading {} ({})", path, std::strerror(errno)));
+      throw Error(fmt::format("{}: error reading {} ({})", rule.call, path, std::strerror(errno)));
     }
     if (static_cast<uint64_t>(n) > max_bytes - bytes.size()) {
       throw too_large(bytes.size() + static_cast<uint64_t>(n), "at least ");

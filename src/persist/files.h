@@ -87,8 +87,8 @@ void check_private_folder(const std::string& path, const PrivacyRule& rule);
 // opened and checked (check_private_folder), then the file is opened relative to that folder
 // descriptor, not following a link, without blocking (a FIFO is refused, not waited on), and
 // checked (check_private). Under rule.allow_shared `path` is opened (links followed) without
-// blocking and checked for nothing but being a regular file. Throws Error "cannot open <path>
-// for reading (<why>)" or the checks' Error.
+// blocking and checked for nothing but being a regular file. Throws Error "<rule.call>: cannot
+// open <path> for reading (<why>)" or the checks' Error.
 FileDescriptor open_private_file(const std::string& path, const PrivacyRule& rule);
 // The most bytes a file can hold and be loaded: the machine's memory (a loader holds the file and
 // what it decodes at once).
@@ -96,9 +96,9 @@ uint64_t loadable_bytes();
 // The whole file, read through open_private_file's descriptor. A regular file of more than
 // `max_bytes` is refused before any of it is reserved or read, and reading stops once more
 // arrived (a file that grows, or is not a regular one): Error "<rule.call>: cannot load <path>:
-// it holds ... bytes, more than ...". Throws open_private_file's Errors, or "error reading <path>
-// (<why>)"; std::bad_alloc when a file within the limit does not fit in memory (callers turn it
-// into an Error).
+// it holds ... bytes, more than ...". Throws open_private_file's Errors, or "<rule.call>: error
+// reading <path> (<why>)"; std::bad_alloc when a file within the limit does not fit in memory
+// (callers turn it into an Error).
 std::string read_private_file(const std::string& path, const PrivacyRule& rule,
                               uint64_t max_bytes = loadable_bytes());
 
@@ -133,6 +133,10 @@ bool list_folder(const std::string& folder, const std::function<bool(const char*
 // kStaleForeignTemporary by the folder's clock (a file made there: a shared folder's server may
 // keep another time than this host): no save takes that long. Errors are ignored (best effort).
 void remove_stale_temporaries(const std::string& path);
+// After a load read `path` (by `rule`): removes its stale temporaries when the folder they lie in
+// is one the load trusted — the folder `path` names is the one open_private_file checked (no
+// link on the way leads elsewhere), or rule.allow_shared trusts any. Best effort, as above.
+void remove_stale_temporaries_after_load(const std::string& path, const PrivacyRule& rule);
 inline constexpr int64_t kStaleForeignTemporary = 3600;  // seconds
 
 // The time by the clock that stamps files in `folder` (a shared folder's server may keep another

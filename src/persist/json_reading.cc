@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <functional>
+#include <limits>
 
 #include "persist/safetensors.h"
 
@@ -58,6 +59,12 @@ Json parse_checked(std::string_view text, std::string& problem) {
 }
 
 }  // namespace
+
+bool int64_number(const Json& v) {
+  return v.is_number_integer() &&
+         !(v.is_number_unsigned() &&
+           v.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()));
+}
 
 std::string cut_quoted(const std::string& text) {
   const bool cut = text.size() > kDescribedStringBytes;

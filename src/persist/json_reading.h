@@ -14,9 +14,6 @@
 
 namespace kvsnap::detail {
 
-// `text` as a JSON string for an error message, cut to 40 bytes; bytes that are not UTF-8 (a
-// cut may split a character) show as U+FFFD.
-std::string cut_quoted(const std::string& text);
 
 // Counts the values (scalars, arrays and objects) of JSON text in one pass that builds nothing
 // (nlohmann's SAX interface): text parsed into values takes several times its length (a forged

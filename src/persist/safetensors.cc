@@ -83,7 +83,8 @@ const Array& SafetensorsFile::at(const std::string& name, const char* context) c
   throw Error(fmt::format("{}: tensor \"{}\" is missing", context, name));
 }
 
-std::string encode_safetensors(const SafetensorsFile& file, const TensorWriter& write) {
+std::string encode_safetensors(const SafetensorsFile& file, const TensorWriter& write,
+                               uint64_t max_header) {
   Json header = Json::object();
   uint64_t offset = 0;
   for (const auto& [name, array] : file.tensors) {
@@ -96,6 +97,13 @@ std::string encode_safetensors(const SafetensorsFile& file, const TensorWriter& 
   if (!file.metadata.empty()) header["__metadata__"] = file.metadata;
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // align the data to 8 bytes
+  if (text.size() > max_header) {
+    throw HeaderTooLong(fmt::format(
+        "the file's header would take {} bytes for its {} tensors, more than the {} a "
+        "safetensors reader accepts: nothing was written (hold fewer snapshots, e.g. under a "
+        "smaller budget)",
+        text.size(), file.tensors.size(), max_header));
+  }
   std::string out(8, '\0');
   uint64_t length = text.size();
   for (int i = 0; i < 8; ++i)

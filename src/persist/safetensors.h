@@ -38,9 +38,18 @@ struct SafetensorsFile {
 // For tensors that view buffers another thread may write: the writer copies under their lock.
 using TensorWriter = std::function<bool(size_t index, Array& place)>;
 
+// The longest JSON header encode_safetensors writes: what the format's reference reader accepts
+// (100 MB), so any reader (decode_safetensors included) can read what was written.
+inline constexpr uint64_t kMaxWrittenSafetensorsHeader = 100'000'000;
+// What encode_safetensors throws, before anything is written anywhere, for a file whose header
+// would be longer than that; its callers name themselves in front of the message.
+struct HeaderTooLong : Error {
+  using Error::Error;
+};
 // Serializes tensors (any layout; written compact) and metadata to bytes, each tensor's data
-// through `write` when given.
-std::string encode_safetensors(const SafetensorsFile&, const TensorWriter& write = nullptr);
+// through `write` when given. Throws HeaderTooLong for a header over `max_header` bytes.
+std::string encode_safetensors(const SafetensorsFile&, const TensorWriter& write = nullptr,
+                               uint64_t max_header = kMaxWrittenSafetensorsHeader);
 // The longest JSON header decode_safetensors reads by default (the format's own limit).
 inline constexpr uint64_t kMaxSafetensorsHeader = uint64_t(100) << 20;
 // Parses and validates bytes (every rule above); throws Error naming `source` and the rule
@@ -73,6 +82,12 @@ bool for_each_element(std::string_view text, int64_t max_values,
 // cut to 40 bytes, containers below the third level as their size, the whole cut to about 120
 // characters; always valid UTF-8 (never throws for a string's bytes).
 std::string describe_json(const nlohmann::json& value);
+// `text` as a JSON string for an error message, cut to 40 bytes; bytes that are not UTF-8 (a
+// cut may split a character) show as U+FFFD.
+std::string cut_quoted(const std::string& text);
+// Whether `v` is an integer JSON number an int64_t holds (nlohmann's get<int64_t> would wrap a
+// larger unsigned one: 2^64 - 1 read as -1).
+bool int64_number(const nlohmann::json& v);
 
 // Whole-file helpers; read errors and decode errors throw Error.
 std::string read_file(const std::string& path);

@@ -25,6 +25,9 @@ constexpr int kVersion = 2;
 // Values a layer's metadata entry may hold: its object, a kind and three integers take 5; the
 // rest is room for a small forgery to get the message that says what is wrong with it.
 constexpr int64_t kMaxLayerValues = 64;
+// The largest offset and layer count a file holds.
+constexpr int64_t kMaxOffset = int64_t{1} << 40;
+constexpr int64_t kMaxLayers = int64_t{1} << 20;
 
 // Metadata value `key` as an integer in [low, high]; throws through `fail`.
 template <class Fail>
@@ -65,7 +68,14 @@ std::string offset_problem(const SnapshotRecord& record, int64_t offset) {
 }  // namespace
 
 std::string encode_snapshots(int64_t offset, std::span<const Snapshot* const> snapshots) {
-  if (offset < 0) throw Error(fmt::format("save_snapshots: offset {} must be >= 0", offset));
+  // What a load accepts (decode below), so that nothing is saved that cannot be loaded.
+  if (offset < 0 || offset > kMaxOffset) {
+    throw Error(fmt::format("save_snapshots: offset {} must be in [0, 2^40]", offset));
+  }
+  if (snapshots.size() > static_cast<size_t>(kMaxLayers)) {
+    throw Error(fmt::format("save_snapshots: {} layers, more than the 2^20 a file holds",
+                            snapshots.size()));
+  }
   detail::SafetensorsFile file;
   file.metadata["format"] = kSnapshotsFormat;
   file.metadata["version"] = std::to_string(kVersion);
@@ -105,7 +115,11 @@ std::string encode_snapshots(int64_t offset, std::span<const Snapshot* const> sn
                 fmt::format("{}.{}", layer, recurrent ? "delta" : "values"), *record,
                 write->source);
   }
-  return records.encode_sealed(std::move(file));
+  try {
+    return records.encode_sealed(std::move(file));
+  } catch (const detail::HeaderTooLong& e) {
+    throw Error(fmt::format("save_snapshots: {}", e.what()));
+  }
 }
 
 namespace {
@@ -121,16 +135,17 @@ LoadedSnapshots decode(const std::string& bytes, const std::string& source) {
     return it->second;
   };
   if (meta("format") != kSnapshotsFormat) {
-    throw fail(fmt::format("format \"{}\" is not {}", meta("format"), kSnapshotsFormat));
+    throw fail(
+        fmt::format("format {} is not {}", detail::cut_quoted(meta("format")), kSnapshotsFormat));
   }
   if (meta("version") != std::to_string(kVersion)) {
-    throw fail(fmt::format("version \"{}\" is unknown (this build reads version {})",
-                           meta("version"), kVersion));
+    throw fail(fmt::format("version {} is unknown (this build reads version {})",
+                           detail::cut_quoted(meta("version")), kVersion));
   }
   detail::check_seal(bytes, file, source);
   LoadedSnapshots loaded;
-  loaded.offset = integer(file.metadata, "offset", 0, int64_t(1) << 40, fail);
-  const int64_t layers = integer(file.metadata, "layers", 0, 1 << 20, fail);
+  loaded.offset = integer(file.metadata, "offset", 0, kMaxOffset, fail);
+  const int64_t layers = integer(file.metadata, "layers", 0, kMaxLayers, fail);
   size_t claimed = 0;
   const auto tensor = [&](const std::string& name) {
     ++claimed;
@@ -143,7 +158,7 @@ LoadedSnapshots decode(const std::string& bytes, const std::string& source) {
     const Json entry = detail::parse_json(meta(layer), kMaxLayerValues, problem);
     if (!problem.empty()) throw fail(fmt::format("metadata \"{}\" {}", layer, problem));
     const auto number = [&](const char* key) {
-      if (!entry.contains(key) || !entry[key].is_number_integer()) {
+      if (!entry.contains(key) || !detail::int64_number(entry[key])) {
         throw fail(fmt::format("{} needs an integer \"{}\"", layer, key));
       }
       return entry[key].get<int64_t>();
@@ -170,7 +185,7 @@ LoadedSnapshots decode(const std::string& bytes, const std::string& source) {
       record = {SnapshotRecord::Kind::recurrent, tensor(fmt::format("{}.conv", layer)),
                 tensor(fmt::format("{}.delta", layer)), number("offset"), number("offset")};
     } else {
-      throw fail(fmt::format("{} has unknown kind \"{}\"", layer, kind));
+      throw fail(fmt::format("{} has unknown kind {}", layer, detail::cut_quoted(kind)));
     }
     if (const std::string problem = offset_problem(record, loaded.offset); !problem.empty()) {
       throw fail(fmt::format("{}: {}", layer, problem));
@@ -221,7 +236,7 @@ LoadedSnapshots load_snapshots(const std::string& path, const LoadOptions& optio
   try {
     const std::string bytes = detail::read_private_file(path, rule);
     // Only now, the folder trusted: one refused is left as it is.
-    detail::remove_stale_temporaries(path);
+    detail::remove_stale_temporaries_after_load(path, rule);
     return decode_snapshots(bytes, path);
   } catch (const std::bad_alloc&) {
     throw Error(fmt::format("load_snapshots: cannot load {}: out of memory", path));

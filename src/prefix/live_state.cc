@@ -46,7 +46,7 @@ void LiveState::begin_switch(Node* tip, int64_t rewind_to) {
   writable_ = true;
 }
 
-void LiveState::end_switch() {
+void LiveState::end_switch() noexcept {
   switching_to_ = nullptr;
   rewind_to_.reset();
 }
@@ -90,12 +90,15 @@ std::optional<int64_t> LiveState::offset() const {
   return common ? common : static_cast<int64_t>(tokens_.size());
 }
 
-void LiveState::reset() {
-  // The record first: a layer that throws below must not leave a pin or a reservation behind.
+void LiveState::forget() noexcept {
   tokens_.clear();
   tip_ = &trie_.root();
   end_switch();
   incoming_ = 0;
+}
+
+void LiveState::reset() {
+  forget();  // the record first: a layer that throws below must not leave a pin behind
   for (const LayerInfo& layer : trie_.layers()) {
     if (layer.cache == nullptr) continue;
     layer.cache->cancel_snapshots(slot_);

@@ -43,7 +43,7 @@ class LiveState {
   // trie — KV layers as rewound to `rewind_to` (Cache::exposed_bytes_after_rewind) — in the
   // exposure, so an eviction makes room for it before anything is copied. end_switch ends both.
   void begin_switch(Node* tip, int64_t rewind_to);
-  void end_switch();
+  void end_switch() noexcept;
   // Points the KV snapshots of the active path's nodes at the live caches that hold them (in
   // decode too), lazily: what they owned, or named in another slot's caches, is given back. A
   // tip only partly live is split first at the recorded tokens' end, so the live caches hold
@@ -55,7 +55,10 @@ class LiveState {
   std::optional<int64_t> offset() const;
   // Whether the caches still hold what we recorded (nobody moved them behind our back).
   bool consistent() const { return offset() == static_cast<int64_t>(tokens_.size()); }
-  // Resets every layer and forgets the live tokens.
+  // Forgets the live tokens (the record: no node is pinned or named any more), leaving the
+  // layers as they are.
+  void forget() noexcept;
+  // Forgets the live tokens, then resets every layer.
   void reset();
 
   // `node` and its ancestors are pinned while the live caches stand on them (during a switch:

@@ -148,7 +148,13 @@ void PrefixCache::save(const std::string& dir, const std::string& model_id) cons
   const std::error_code error = detail::make_private_folders(dir);
   if (error)
     throw Error(fmt::format("PrefixCache::save: cannot create {} ({})", dir, error.message()));
-  detail::write_file_atomically(trie_path(dir), detail::encode_trie(impl_->trie, model_id));
+  std::string bytes;
+  try {
+    bytes = detail::encode_trie(impl_->trie, model_id);
+  } catch (const detail::HeaderTooLong& e) {
+    throw Error(fmt::format("PrefixCache::save: {}", e.what()));
+  }
+  detail::write_file_atomically(trie_path(dir), bytes);
 }
 
 void PrefixCache::load(const std::string& dir, const std::string& model_id) {
@@ -163,10 +169,10 @@ void PrefixCache::load(const std::string& dir, const std::string& model_id,
   // Everything is read and built aside first: a load that fails leaves the trie as it was.
   std::unique_ptr<detail::Trie> fresh;
   try {
-    const std::string bytes =
-        detail::read_private_file(path, load_rule("PrefixCache::load", options));
+    const detail::PrivacyRule rule = load_rule("PrefixCache::load", options);
+    const std::string bytes = detail::read_private_file(path, rule);
     // Only now, the folder trusted: one refused is left as it is.
-    detail::remove_stale_temporaries(path);
+    detail::remove_stale_temporaries_after_load(path, rule);
     // The layouts the trie holds are the ones the caches serve: the file's must be the same.
     fresh = detail::build_trie(impl_->trie.layers(),
                                detail::decode_trie(bytes, path, impl_->trie.layers(), model_id,
@@ -174,10 +180,19 @@ void PrefixCache::load(const std::string& dir, const std::string& model_id,
   } catch (const std::bad_alloc&) {
     throw Error(fmt::format("PrefixCache::load: cannot load {}: out of memory", path));
   }
-  // The old nodes go before the live caches are reset, so their lazy snapshots of those caches
-  // are not copied out just to be freed.
+  // No slot's record may name an old node once they are gone; then the old nodes go before the
+  // live caches are reset, so their lazy snapshots of those caches are not copied out just to
+  // be freed.
+  for (const auto& slot : impl_->slots) slot->live().forget();
   impl_->trie.take_nodes(*fresh);
-  for (const auto& slot : impl_->slots) slot->live().reset();
+  std::exception_ptr failed;  // a layer's reset that threw: said once the load is done
+  for (const auto& slot : impl_->slots) {
+    try {
+      slot->live().reset();
+    } catch (...) {
+      if (!failed) failed = std::current_exception();
+    }
+  }
   impl_->stats.loaded_nodes = impl_->trie.node_count();
   try {
     impl_->evict(0, detail::Change::shared);  // a smaller budget than the saving cache's
@@ -185,6 +200,7 @@ void PrefixCache::load(const std::string& dir, const std::string& model_id,
     // The load is done; a merge while evicting ran short (the trie stays consistent, see
     // Trie::merge_into_child), and the next call's eviction goes on from here.
   }
+  if (failed) std::rethrow_exception(failed);
 }
 
 bool PrefixCache::saved_in(const std::string& dir) { return saved_in(dir, LoadOptions{}); }
@@ -192,7 +208,9 @@ bool PrefixCache::saved_in(const std::string& dir) { return saved_in(dir, LoadOp
 bool PrefixCache::saved_in(const std::string& dir, const LoadOptions& options) {
   const std::string path = trie_path(dir);
   std::error_code error;
-  if (!std::filesystem::exists(path, error)) return false;
+  // Only a path that surely names nothing is "not saved": one that cannot be looked at (a folder
+  // it cannot search) is opened below, which says why.
+  if (!std::filesystem::exists(path, error) && !error) return false;
   // Opening it runs load's checks on the folder and the file.
   (void)detail::open_private_file(path, load_rule("PrefixCache::saved_in", options));
   return true;

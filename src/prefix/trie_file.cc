@@ -147,15 +147,15 @@ class TrieDecoder {
   // Format, version, checksum, model and the layers' configuration.
   void check_header(const std::string& bytes, const std::string& model_id) const {
     if (meta("format") != kFormat)
-      throw fail(fmt::format("format \"{}\" is not {}", meta("format"), kFormat));
+      throw fail(fmt::format("format {} is not {}", cut_quoted(meta("format")), kFormat));
     if (meta("version") != std::to_string(kVersion)) {
-      throw fail(fmt::format("version \"{}\" is unknown (this build reads version {})",
-                             meta("version"), kVersion));
+      throw fail(fmt::format("version {} is unknown (this build reads version {})",
+                             cut_quoted(meta("version")), kVersion));
     }
     check_seal(bytes, file_, source_);
     if (!same_model(file_, model_id)) {
-      throw fail(fmt::format("it was saved for model \"{}\", this cache serves \"{}\"",
-                             meta("model"), readable(model_id)));
+      throw fail(fmt::format("it was saved for model {}, this cache serves {}",
+                             cut_quoted(meta("model")), cut_quoted(readable(model_id))));
     }
     // Each layer's description: an object of its kind and at most six numbers.
     const Json saved = parse("layers", 1 + 8 * static_cast<int64_t>(layers_.size()) + kSpareValues);
@@ -216,14 +216,6 @@ class TrieDecoder {
     Json value = parse_json(meta(key), max_values, problem);
     if (!problem.empty()) throw fail(fmt::format("metadata \"{}\" {}", key, problem));
     return value;
-  }
-
-  // An integer JSON number an int64_t holds (nlohmann's get<int64_t> would wrap a larger
-  // unsigned one: 2^64 - 1 read as -1).
-  static bool int64_number(const Json& v) {
-    return v.is_number_integer() &&
-           !(v.is_number_unsigned() &&
-             v.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()));
   }
 
   LoadedNode node(size_t n, const Json& e) {

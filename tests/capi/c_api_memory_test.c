@@ -133,7 +133,7 @@ static void test_paged_writes_that_run_out_of_memory_change_nothing(void) {
 
 int main(void) {
 #if defined(__SANITIZE_ADDRESS__)
-  (void)test_paged_writes_that_run_out_of_memory_change_nothing;  /* built, not run */
+  (void)test_paged_writes_that_run_out_of_memory_change_nothing; /* built, not run */
   printf("c_api_memory: skipped (AddressSanitizer ignores RLIMIT_AS)\n");
   return 0;
 #else

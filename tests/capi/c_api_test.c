@@ -369,7 +369,8 @@ static void test_persistence(void) {
   CHECK_OK(kvsnap_cache_restore(fresh, first, 5, &restored));
   CHECK(restored);
   path_in_work_dir(path, sizeof path, "missing.safetensors");
-  CHECK_FAILS(kvsnap_load_snapshots(path, &offset, &loaded), KVSNAP_ERROR, "cannot open ");
+  CHECK_FAILS(kvsnap_load_snapshots(path, &offset, &loaded), KVSNAP_ERROR,
+              "load_snapshots: cannot open ");
   CHECK(strstr(kvsnap_last_error(), "missing.safetensors for reading") != NULL);
   kvsnap_snapshot_list_destroy(loaded);
   kvsnap_snapshot_destroy(first);

@@ -288,8 +288,8 @@ TEST(PrivateFiles, ASharedFileThatIsNotARegularFileIsRefusedWithoutBlocking) {
   ASSERT_EQ(::mkfifo((dir / "s.safetensors").c_str(), 0600), 0);
   ASSERT_EQ(::mkfifo((dir / "prefix_cache.safetensors").c_str(), 0600), 0);
   ::alarm(10);  // a load that waits for a writer would wait forever: end the test instead
-  const std::string fifo =
-      "cannot open " + (dir / "s.safetensors").string() + " for reading (it is not a regular file)";
+  const std::string fifo = "load_snapshots: cannot open " + (dir / "s.safetensors").string() +
+                           " for reading (it is not a regular file)";
   EXPECT_TRUE(throws_error([&] { (void)load_snapshots((dir / "s.safetensors").string(), kShared); },
                            {fifo.c_str()}));
   EXPECT_TRUE(throws_error([&] { (void)PrefixCache::saved_in(dir.string(), kShared); },

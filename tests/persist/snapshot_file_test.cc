@@ -337,6 +337,56 @@ TEST(SnapshotFile, SavingRemovesTemporariesOfDeadWritersOnly) {
   }
 }
 
+// A load through a link reads the file from the folder that really holds it, which it checks;
+// the link's own folder was not checked, so its temporaries are left alone.
+TEST(SnapshotFile, ALoadThroughALinkLeavesTheLinksFolderAlone) {
+  const auto real = scratch("linked.safetensors").string();
+  const auto link = testing::private_scratch("persist_links") / "linked.safetensors";
+  std::filesystem::remove(link);
+  std::filesystem::create_symlink(real, link);
+  Fixture f;
+  save_snapshots(real, 9, f.snapshots);
+  const pid_t dead = ::fork();
+  if (dead == 0) ::_exit(0);
+  ::waitpid(dead, nullptr, 0);
+  const std::string stale =
+      link.string() + ".tmp-" + std::to_string(dead) + "-7-" + detail::writer_place();
+  std::ofstream(stale) << "partial";
+  EXPECT_EQ(load_snapshots(link.string()).offset, 9);
+  EXPECT_TRUE(std::filesystem::exists(stale));
+  std::filesystem::remove(stale);
+  std::filesystem::remove(link);
+}
+
+// A save refuses what a load would: an offset past 2^40, before anything is written.
+TEST(SnapshotFile, AnOffsetNoLoadAcceptsIsNotSaved) {
+  const auto path = scratch("far.safetensors").string();
+  std::filesystem::remove(path);
+  EXPECT_TRUE(throws_error(
+      [&] { save_snapshots(path, (int64_t{1} << 40) + 1, std::vector<SnapshotPtr>{}); },
+      {"save_snapshots: offset 1099511627777 must be in [0, 2^40]"}));
+  EXPECT_FALSE(std::filesystem::exists(path));
+  save_snapshots(path, int64_t{1} << 40, std::vector<SnapshotPtr>{});
+  EXPECT_EQ(load_snapshots(path).offset, int64_t{1} << 40);
+}
+
+// A header longer than safetensors readers accept is refused by the encoder, naming the size and
+// the tensors (a trie of ~12k nodes over 32 layers would have come to one).
+TEST(Safetensors, AHeaderOverTheReadersLimitIsNotEncoded) {
+  detail::SafetensorsFile file;
+  for (int i = 0; i < 40; ++i) {
+    file.tensors.emplace_back("tensor." + std::to_string(i), Array::zeros(DType::f32, {2}));
+  }
+  const std::string whole = detail::encode_safetensors(file);
+  EXPECT_TRUE(throws_error([&] { (void)detail::encode_safetensors(file, nullptr, 1000); },
+                           {"the file's header would take ",
+                            " bytes for its 40 tensors, more "
+                            "than the 1000 a safetensors reader "
+                            "accepts: nothing was written"}));
+  EXPECT_EQ(detail::encode_safetensors(file, nullptr, whole.size()), whole);
+  EXPECT_EQ(detail::kMaxWrittenSafetensorsHeader, 100'000'000U);
+}
+
 // Saves of one path from several threads each use a temporary of their own: every one
 // succeeds, and the file is always one whole save (the last renamed), with nothing left behind.
 TEST(SnapshotFile, SavesFromSeveralThreadsToOnePathAllSucceed) {

@@ -80,6 +80,7 @@ TEST(PrefixCachePersist, ALoadUnderASmallerBudgetSaysWhatItLoadedAndEvicted) {
   EXPECT_EQ(cache.stats().loaded_nodes, nodes);
   EXPECT_GT(cache.stats().evicted_nodes, 0);
   EXPECT_LT(cache.node_count(), nodes);
+  EXPECT_LE(cache.paged_out_bytes(), 1);
   std::filesystem::remove_all(dir);
 }
 

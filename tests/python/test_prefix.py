@@ -118,7 +118,7 @@ def test_snapshot_files_round_trip(tmp_path, rng):
     fresh = kvsnap.KVCache()
     assert fresh.restore(snapshots[0], 6)
     np.testing.assert_array_equal(fresh.state()[0][:, :, :6], keys)
-    with pytest.raises(kvsnap.Error, match=r"^cannot open .*missing\.safetensors for reading"):
+    with pytest.raises(kvsnap.Error, match=r"^load_snapshots: cannot open .*missing\.safetensors for reading"):
         kvsnap.load_snapshots(str(tmp_path / "missing.safetensors"))
 
 
