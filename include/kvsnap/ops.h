@@ -24,7 +24,9 @@ namespace kvsnap {
 // by output rows, columns or heads, never inside a sum, so results are bitwise the same for every
 // count. One parallel region runs at a time: calls from several threads at once are correct,
 // those that find the workers busy run on their own thread. Throws Error outside [1, 256] or
-// when called from inside a kernel's task. Attention's products go through BLAS: with a
+// when called from inside a task the workers run (a region run on the calling thread alone —
+// one task, one thread, or the workers busy — holds nothing, and does not refuse it).
+// Attention's products go through BLAS: with a
 // multithreaded OpenBLAS, give it one thread (OPENBLAS_NUM_THREADS=1) so the two do not
 // multiply.
 KVSNAP_EXPORT void set_threads(int threads);

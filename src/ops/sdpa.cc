@@ -38,6 +38,7 @@ void check_inputs(const Batch& batch, const Array& q, const KVHistory& history, 
   if (history.ragged() && history.rows() != q.dim(0)) {
     throw Error(fmt::format("sdpa: a history of {} rows for q {}", history.rows(), q.describe()));
   }
+  int64_t value_depth = 0;
   for (int64_t b = 0; b < (history.ragged() ? history.rows() : 1); ++b) {
     const KVHistory& row = history.row(b);
     const Array keys = row.paged() ? row.paged_columns().key_chunks.empty()
@@ -63,13 +64,33 @@ void check_inputs(const Batch& batch, const Array& q, const KVHistory& history, 
       throw Error(fmt::format("sdpa: {} query heads is not a multiple of {} key/value heads (GQA)",
                               q.dim(1), keys.dim(1)));
     }
+    // The rows' outputs go into one array: every row's values are as deep.
+    if (b > 0 && values.dim(3) != value_depth) {
+      throw Error(fmt::format(
+          "sdpa: row {} of the history has values {} deep, row 0's are {} (one output array)", b,
+          values.dim(3), value_depth));
+    }
+    if (b == 0) value_depth = values.dim(3);
   }
 }
 
-// f32 views whose rows (the last axis) are unit-strided are read in place; anything else is
-// converted once.
+// Explicit mask arrays serve the whole batch (a first axis of 1) or one slice per row.
+void check_mask_rows(const Batch& batch, const AttentionMask& logical) {
+  for (const Array& array : logical.arrays()) {
+    if (array.ndim() >= 1 && array.dim(0) != 1 && array.dim(0) != batch.batch_size()) {
+      throw Error(fmt::format("sdpa: mask {} has {} rows; the batch has {} (one, or one per row)",
+                              array.describe(), array.dim(0), batch.batch_size()));
+    }
+  }
+}
+
+// f32 views whose rows (the last axis) are unit-strided and lie apart (a row stride of at least
+// their length, as a BLAS leading dimension must be: not a broadcast column of stride 0) are
+// read in place; anything else is converted once.
 Array rows_f32(const Array& a) {
-  return a.dtype() == DType::f32 && a.strides()[3] == 1 ? a : a.astype(DType::f32);
+  const bool in_place = a.dtype() == DType::f32 && a.strides()[3] == 1 &&
+                        a.strides()[2] >= std::max<int64_t>(a.dim(3), 1);
+  return in_place ? a : a.astype(DType::f32);
 }
 
 // A run of consecutive key columns [first, first + count) of one (row, key head): `count` key
@@ -312,9 +333,9 @@ class Attend {
       if (from >= to) return;
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m),
                   static_cast<int>(to - from), static_cast<int>(depth_), scale_, lhs,
-                  static_cast<int>(depth_), run.keys + (from - run.first) * run.key_stride,
-                  static_cast<int>(run.key_stride), 0.0f, scores + (from - lo),
-                  static_cast<int>(width));
+                  detail::blas_ld(depth_), run.keys + (from - run.first) * run.key_stride,
+                  detail::blas_ld(run.key_stride), 0.0f, scores + (from - lo),
+                  detail::blas_ld(width));
     });
   }
 
@@ -344,8 +365,8 @@ class Attend {
       cblas_sgemm(
           CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(m),
           static_cast<int>(value_depth_), static_cast<int>(to - from), 1.0f, scores + (from - lo),
-          static_cast<int>(width), run.values + (from - run.first) * run.value_stride,
-          static_cast<int>(run.value_stride), beta, weighed, static_cast<int>(value_depth_));
+          detail::blas_ld(width), run.values + (from - run.first) * run.value_stride,
+          detail::blas_ld(run.value_stride), beta, weighed, detail::blas_ld(value_depth_));
       beta = 1.0f;
     });
     return beta != 0.0f;
@@ -381,6 +402,7 @@ Array attend(const Batch& batch, const Array& q, const KVHistory& history,
 Array sdpa(const Batch& batch, const Array& q, const KVHistory& history,
            const AttentionMask& logical, float scale) {
   check_inputs(batch, q, history, scale);
+  check_mask_rows(batch, logical);
   if (batch.length() == 1) {
     if (std::optional<Array> out = detail::attend_decode(batch, q, history, logical, scale)) {
       return std::move(*out);

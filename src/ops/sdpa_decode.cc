@@ -301,8 +301,8 @@ class DecodeAttention {
       s.product.resize(static_cast<size_t>(m * count));
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m),
                   static_cast<int>(count), static_cast<int>(depth_), scale_, s.lhs.data(),
-                  static_cast<int>(depth_), segment.keys + g * key_head_,
-                  static_cast<int>(key_stride_), 0.0f, s.product.data(), static_cast<int>(count));
+                  blas_ld(depth_), segment.keys + g * key_head_, blas_ld(key_stride_), 0.0f,
+                  s.product.data(), blas_ld(count));
       for (size_t n = 0; n < job.rows.size(); ++n) {
         const Row& r = rows_[static_cast<size_t>(job.rows[n])];
         const int64_t from = std::max(r.lo, first), to = std::min(r.hi, first + count);
@@ -333,9 +333,9 @@ class DecodeAttention {
       }
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(m),
                   static_cast<int>(value_depth_), static_cast<int>(count), 1.0f, s.lhs.data(),
-                  static_cast<int>(count), segment.values + g * value_head_,
-                  static_cast<int>(value_stride_), 0.0f, s.product.data(),
-                  static_cast<int>(value_depth_));
+                  blas_ld(count), segment.values + g * value_head_,
+                  blas_ld(value_stride_), 0.0f, s.product.data(),
+                  blas_ld(value_depth_));
       for (size_t n = 0; n < job.rows.size(); ++n) {
         for (int64_t j = 0; j < group_; ++j) {
           const float* add =

@@ -31,4 +31,8 @@ Scratch& scratch_for(size_t floats, Scratch& once) {
 std::optional<Array> attend_decode(const Batch& batch, const Array& q, const KVHistory& history,
                                    const AttentionMask& logical, float scale);
 
+// A BLAS leading dimension for rows of `n` floats: BLAS refuses one below 1 (and leaves its
+// output unwritten), even where no element is read (a depth of 0).
+inline int blas_ld(int64_t n) { return static_cast<int>(n < 1 ? 1 : n); }
+
 }  // namespace kvsnap::detail

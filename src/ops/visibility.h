@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -74,7 +75,14 @@ class Visibility {
     }
     const float* bias =
         bias_.data() + ((b * mask_heads_ + (mask_heads_ == 1 ? 0 : h)) * queries_ + l) * columns_;
-    for (int64_t k = 0; k < width; ++k) row[k] = std::max(row[k] + bias[lo + k], kMasked);
+    // A column the mask hides is hidden whatever its score (a NaN or infinite key's included:
+    // NaN + -inf stays NaN, and would reach every output of the row).
+    for (int64_t k = 0; k < width; ++k) {
+      const float biased = row[k] + bias[lo + k];
+      row[k] = bias[lo + k] == -std::numeric_limits<float>::infinity() || biased < kMasked
+                   ? kMasked
+                   : biased;
+    }
     return {0, width};
   }
 

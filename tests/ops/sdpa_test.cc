@@ -3,9 +3,11 @@
 
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <utility>
 #include <vector>
 
+#include "ops/decode_kernels.h"
 #include "support/test_support.h"
 
 namespace kvsnap {
@@ -185,6 +187,71 @@ TEST(Sdpa, StridedHistoryViewsGiveTheSameResult) {
       batch, in.q, KVHistory(in.k.slice(2, 0, 8).contiguous(), in.v.slice(2, 0, 8).contiguous()),
       AttentionMask::causal(), 0.3f);
   EXPECT_TRUE(all_close(view, compact, 0.0f));
+}
+
+// Keys and values whose columns all view one row (a stride of 0 along the tokens: numpy's
+// broadcast, torch's expand) read as the copies they stand for, on the decode kernels and on
+// BLAS (which refuses a leading dimension below a row's length and writes nothing).
+TEST(Sdpa, BroadcastColumnsGiveTheResultOfTheirCopies) {
+  const auto in = make_inputs(1, 2, 2, 2, 1, 8, 8, 11);
+  std::vector<float> key_rows = in.k.to_floats(), value_rows = in.v.to_floats();
+  const Array k = Array::wrap(key_rows.data(), DType::f32, {1, 2, 5, 8}, {16, 8, 0, 1});
+  const Array v = Array::wrap(value_rows.data(), DType::f32, {1, 2, 5, 8}, {16, 8, 0, 1});
+  const auto batch = Batch::uniform(1, 2, 3);
+  for (const bool kernels : {true, false}) {
+    std::optional<detail::DecodeKernelsOff> off;
+    if (!kernels) off.emplace();
+    const auto broadcast = sdpa(batch, in.q, KVHistory(k, v), AttentionMask::causal(), 0.3f);
+    const auto copied =
+        sdpa(batch, in.q, KVHistory(k.contiguous(), v.contiguous()), AttentionMask::causal(), 0.3f);
+    EXPECT_TRUE(all_close(broadcast, copied, 0.0f)) << "decode kernels " << kernels;
+  }
+}
+
+// A key the explicit mask hides is hidden whatever it holds: an infinite or NaN key's score
+// reaches no output (NaN + -inf is NaN, which a max with the masked score kept).
+TEST(Sdpa, AHiddenNonFiniteKeyReachesNoOutput) {
+  auto in = make_inputs(1, 1, 1, 1, 3, 4, 4, 12);
+  const std::vector<float> keys = in.k.to_floats();
+  for (const float bad :
+       {std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
+    std::vector<float> forged = keys;
+    for (int d = 0; d < 4; ++d) forged[2 * 4 + d] = bad;  // column 2
+    const Array k = Array::from_floats(forged, {1, 1, 3, 4});
+    const auto hide =
+        AttentionMask::from_array(Array::from_ints(std::vector<int32_t>{1, 1, 0}, {1, 1, 1, 3}));
+    const auto out = sdpa(Batch::uniform(1, 1, 2), in.q, KVHistory(k, in.v), hide, 0.5f);
+    const auto two =
+        sdpa(Batch::uniform(1, 1, 2), in.q,
+             KVHistory(in.k.slice(2, 0, 2).contiguous(), in.v.slice(2, 0, 2).contiguous()),
+             AttentionMask::none(), 0.5f);
+    EXPECT_TRUE(all_close(out, two, 1e-6f)) << bad;
+  }
+}
+
+// Rows with histories of their own (ragged): an explicit mask has one slice for all rows or one
+// per row, and every row's values are as deep (one output array) — refused up front, naming sdpa.
+TEST(SdpaErrors, RaggedRowsAndTheirMask) {
+  const auto a = make_inputs(1, 2, 2, 1, 4, 8, 8, 13), b = make_inputs(1, 2, 2, 1, 6, 8, 8, 14);
+  const Array q = Array::zeros(DType::f32, {2, 2, 1, 8});
+  const KVHistory rows =
+      KVHistory::of_rows({KVHistory(a.k, a.v), KVHistory(b.k.slice(2, 0, 4), b.v.slice(2, 0, 4))});
+  const Batch batch = Batch::uniform(2, 1, 4);
+  for (const int64_t mask_rows : {int64_t{3}, int64_t{5}}) {
+    const auto mask = AttentionMask::from_array(Array::from_ints(
+        std::vector<int32_t>(static_cast<size_t>(mask_rows) * 4, 1), {mask_rows, 1, 1, 4}));
+    EXPECT_TRUE(throws_error([&] { (void)sdpa(batch, q, rows, mask, 0.5f); },
+                             {"sdpa: mask", "rows; the batch has 2 (one, or one per row)"}));
+  }
+  for (const int64_t mask_rows : {int64_t{1}, int64_t{2}}) {
+    const auto mask = AttentionMask::from_array(Array::from_ints(
+        std::vector<int32_t>(static_cast<size_t>(mask_rows) * 4, 1), {mask_rows, 1, 1, 4}));
+    EXPECT_EQ(sdpa(batch, q, rows, mask, 0.5f).shape(), (Shape{2, 2, 1, 8}));
+  }
+  const auto deep = make_inputs(1, 2, 2, 1, 4, 8, 6, 15);
+  const KVHistory mixed = KVHistory::of_rows({KVHistory(a.k, a.v), KVHistory(deep.k, deep.v)});
+  EXPECT_TRUE(throws_error([&] { (void)sdpa(batch, q, mixed, AttentionMask::none(), 0.5f); },
+                           {"sdpa: row 1 of the history has values 6 deep, row 0's are 8"}));
 }
 
 TEST(Sdpa, PaddingQueriesReturnZeros) {
