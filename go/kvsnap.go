@@ -8,7 +8,9 @@
 // an in-tree build sets CGO_CFLAGS to its include folders and CGO_LDFLAGS to -L of libkvsnap.so).
 //
 // Every call that can fail returns an error of type *Error, whose message is the library's
-// (what call, what values, what rule); on failure the objects involved are unchanged, as in C.
+// (what call, what values, what rule); on failure the objects involved are unchanged, as in C
+// (with C's exceptions: a session's begin or close that runs out of memory ends it; after a
+// failed PrefillDone, close it).
 // Objects hold C memory: Close them when done (a finalizer frees what is forgotten, later).
 //
 // Goroutines: caches and prefix caches may be used from several goroutines at once (the library

@@ -108,7 +108,9 @@ func unborrow(layers []*Cache) {
 }
 
 // Close frees the prefix cache, after the calls in flight on it and its sessions; its open
-// sessions are detached (their calls then fail with ErrContract). Safe to call twice.
+// sessions are detached (their calls then fail with ErrContract). Safe to call twice. No
+// forward over an open session's Remaining may still run (Cache calls are not waited for, and
+// detaching cancels the session's captures on the layers).
 func (p *PrefixCache) Close() {
 	if p == nil {
 		return

@@ -95,7 +95,8 @@ tokens out into the trie.)")
           [](PySession& s, const std::vector<int64_t>& offsets) {
             on_session(s, [&](auto& session) { session.schedule_snapshots(offsets); });
           },
-          py::arg("offsets"), "Extra restore points in [cached, prompt size], before prefill.")
+          py::arg("offsets").noconvert(),
+          "Extra restore points in [cached, prompt size], before prefill.")
       .def(
           "prefill_done",
           [](PySession& s) { on_session(s, [](auto& session) { session.prefill_done(); }); },
@@ -105,13 +106,13 @@ tokens out into the trie.)")
           [](PySession& s, int32_t token) {
             on_session(s, [&](auto& session) { session.append_output(token); });
           },
-          py::arg("token"), "A generated token.")
+          py::arg("token").noconvert(), "A generated token (an int: not a float, taken whole).")
       .def(
           "retract_outputs",
           [](PySession& s, int64_t count) {
             on_session(s, [&](auto& session) { session.retract_outputs(count); });
           },
-          py::arg("count"),
+          py::arg("count").noconvert(),
           "Takes back the last `count` generated tokens (drafts the verification rejected; "
           "never paged out). Raises Error, changing nothing, unless decoding, 0 <= count <= "
           "the tokens generated so far, and the layers stand at or past the prompt's end.")
@@ -140,15 +141,16 @@ in order (None for a stateless layer); the prefix cache drives their offsets fro
             PrefixCache::Session session = without_gil([&] { return prefix.begin(slot, prompt); });
             return std::unique_ptr<PySession>(new PySession{{}, self, {}, std::move(session)});
           },
-          py::arg("prompt"), py::kw_only(), py::arg("slot") = 0,
-          "Starts a request on `slot` (one session per slot at a time).")
+          py::arg("prompt").noconvert(), py::kw_only(), py::arg("slot") = 0,
+          "Starts a request on `slot` (one session per slot at a time). Token ids are ints (a "
+          "list, or a numpy array of an integer dtype); anything else raises TypeError.")
       .def(
           "match",
           [](const PyPrefixCache& c, const std::vector<int32_t>& prompt,
              std::optional<SeqId> slot) {
             return slot ? c.prefix->match(*slot, prompt) : c.prefix->match(prompt);
           },
-          py::arg("prompt"), py::kw_only(), py::arg("slot") = py::none(), Released(),
+          py::arg("prompt").noconvert(), py::kw_only(), py::arg("slot") = py::none(), Released(),
           "Prompt tokens begin would restore (from the trie alone, or on `slot` as it stands); "
           "changes nothing.")
       .def_property_readonly("slots", [](const PyPrefixCache& c) { return c.prefix->slots(); })
@@ -197,7 +199,10 @@ in order (None for a stateless layer); the prefix cache drives their offsets fro
       .def_readonly("matched_tokens", &PrefixCache::Stats::matched_tokens)
       .def_readonly("reused_tokens", &PrefixCache::Stats::reused_tokens)
       .def_readonly("evicted_nodes", &PrefixCache::Stats::evicted_nodes)
-      .def_readonly("dropped_snapshots", &PrefixCache::Stats::dropped_snapshots);
+      .def_readonly("dropped_snapshots", &PrefixCache::Stats::dropped_snapshots)
+      .def_readonly("loaded_nodes", &PrefixCache::Stats::loaded_nodes)
+      .def_readonly("paged_out_bytes", &PrefixCache::Stats::paged_out_bytes)
+      .def_readonly("nodes", &PrefixCache::Stats::nodes);
 }
 
 // Item `i` of save_snapshots' list: a snapshot, or null for None.

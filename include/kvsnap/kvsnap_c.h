@@ -3,8 +3,9 @@
  *
  * Every call that can fail returns a kvsnap_status; on failure kvsnap_last_error() holds the
  * message (for KVSNAP_ERROR, exactly the C++ kvsnap::Error text) and the objects involved are
- * unchanged (merge and split consume their snapshots either way). No exception crosses this
- * API. Every handle a call hands out has a destroy call (NULL is ignored). Pointers passed in
+ * unchanged (merge and split consume their snapshots either way; a session's begin or close
+ * that runs out of memory ends it, and after a failed prefill_done it must be closed, as
+ * prefix_cache.h says). No exception crosses this API. Every handle a call hands out has a destroy call (NULL is ignored). Pointers passed in
  * are read during the call only, except where a call says it keeps them (a prefix cache's
  * layers; wrapped memory, which lives until its release callback).
  *
@@ -491,7 +492,8 @@ typedef struct kvsnap_prefix_stats {
 KVSNAP_EXPORT kvsnap_status kvsnap_prefix_cache_create(kvsnap_cache* const* layers, size_t count,
                                                        const kvsnap_prefix_options* options,
                                                        kvsnap_prefix_cache** out);
-/* Open sessions are detached: their calls then fail, destroying them is fine. */
+/* Open sessions are detached (their calls fail; destroying them is fine): no forward over one's
+ * remaining() may still run. */
 KVSNAP_EXPORT void kvsnap_prefix_cache_destroy(kvsnap_prefix_cache* prefix);
 /* Starts a request for `prompt` (at least one token); one session at a time. */
 KVSNAP_EXPORT kvsnap_status kvsnap_prefix_cache_begin(kvsnap_prefix_cache* prefix,
@@ -575,12 +577,9 @@ KVSNAP_EXPORT void kvsnap_speculation_destroy(kvsnap_speculation* speculation);
  * sequence. */
 KVSNAP_EXPORT kvsnap_status kvsnap_speculation_begin(kvsnap_speculation* speculation,
                                                      int64_t drafts);
-/* Closes the round: the first `accepted` drafts were confirmed (see Speculation::accept). Every
- * layer is checked before any moves: fails, the round left open and nothing changed, unless
- * 0 <= accepted <= drafts, every layer stands at the verify forward's end, and every layer that
- * must move can — one that rewinds has no schedule (someone else's: take or cancel it, then
- * accept again), a capturing one still holds the round's captures (taken or replaced by another
- * call on the sequence, they are gone: only cancel ends the round then). */
+/* Closes the round: the first `accepted` drafts were confirmed. Fails, the round left open and
+ * no layer moved, as Speculation::accept says (speculation.h): unless 0 <= accepted <= drafts,
+ * every layer stands at the verify forward's end and every layer that must move can. */
 KVSNAP_EXPORT kvsnap_status kvsnap_speculation_accept(kvsnap_speculation* speculation,
                                                       int64_t accepted);
 /* Drops an open round's captures without moving any layer (nothing to do without a round); a

@@ -163,6 +163,10 @@ class KVSNAP_EXPORT PrefixCache {
     // Nodes the last load installed, before the budget evicted any (evicted_nodes counts
     // those it did); 0 before any load.
     int64_t loaded_nodes = 0;
+    // Now, read with the counters above (at the same instant, under one lock):
+    // paged_out_bytes() and node_count().
+    int64_t paged_out_bytes = 0;
+    int64_t nodes = 0;
   };
   Stats stats() const;
 

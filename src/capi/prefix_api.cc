@@ -79,10 +79,10 @@ kvsnap_status kvsnap_prefix_cache_get_stats(const kvsnap_prefix_cache* prefix,
   constexpr const char* call = "kvsnap_prefix_cache_get_stats";
   return guard([&] {
     const PrefixCache& cache = prefix_of(prefix, call);
-    const PrefixCache::Stats stats = cache.stats();
+    const PrefixCache::Stats stats = cache.stats();  // one instant: the counters and the trie
     require(out, call, "out") = {
-        stats.lookups,           stats.matched_tokens,    stats.reused_tokens, stats.evicted_nodes,
-        stats.dropped_snapshots, cache.paged_out_bytes(), cache.node_count()};
+        stats.lookups,           stats.matched_tokens,  stats.reused_tokens, stats.evicted_nodes,
+        stats.dropped_snapshots, stats.paged_out_bytes, stats.nodes};
   });
 }
 

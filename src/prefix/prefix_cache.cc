@@ -259,7 +259,10 @@ int64_t PrefixCache::node_count() const {
 }
 PrefixCache::Stats PrefixCache::stats() const {
   const Lock lock(impl_->mutex);
-  return impl_->stats;
+  Stats stats = impl_->stats;
+  stats.paged_out_bytes = impl_->trie.bytes();
+  stats.nodes = impl_->trie.node_count();
+  return stats;
 }
 std::string PrefixCache::debug_string() const {
   const Lock lock(impl_->mutex);

@@ -57,6 +57,49 @@ def test_one_session_at_a_time(rng):
         session.prefill_done()
 
 
+def test_token_ids_are_whole_numbers(rng):
+    cache = kvsnap.KVCache()
+    prefix = kvsnap.PrefixCache([cache])
+    # A float would be cut to an int (1.5 -> 1): refused, whatever its type.
+    for prompt in (np.array([1.5, 2.7], np.float32), [1, np.float32(2.0)]):
+        with pytest.raises(TypeError):
+            prefix.begin(prompt)
+        with pytest.raises(TypeError):
+            prefix.match(prompt)
+    assert prefix.stats().lookups == 0
+    with prefix.begin(np.array([1, 2, 3], np.int64)) as session:  # integer dtypes are ids
+        remaining = session.remaining()
+        cache.update(kvsnap.Batch.single(remaining, 0), kv(rng, 3), kv(rng, 3))
+        session.prefill_done()
+        with pytest.raises(TypeError):
+            session.append_output(np.float32(7))
+        session.append_output(np.int32(7))
+    assert prefix.match([1, 2, 3, 7]) == 3
+
+
+def test_stats_hold_the_trie_at_the_same_instant(rng, tmp_path):
+    cache = kvsnap.KVCache()
+    prefix = kvsnap.PrefixCache([cache])
+    serve(prefix, cache, list(range(10)), rng)
+    stats = prefix.stats()
+    assert stats.nodes == prefix.node_count and stats.nodes > 0
+    assert stats.paged_out_bytes == prefix.paged_out_bytes
+    assert stats.loaded_nodes == 0
+    prefix.save(str(tmp_path), "m")
+    restarted = kvsnap.PrefixCache([kvsnap.KVCache()])
+    restarted.load(str(tmp_path), "m")
+    assert restarted.stats().loaded_nodes == prefix.node_count
+
+
+def test_a_dropped_open_session_frees_its_slot(rng):
+    cache = kvsnap.KVCache()
+    prefix = kvsnap.PrefixCache([cache])
+    session = prefix.begin([1, 2, 3])
+    del session  # closed with its last reference: the slot takes the next request
+    with prefix.begin([1, 2, 3]) as again:
+        assert again.cached == 0
+
+
 def test_the_prefix_cache_keeps_its_layers_alive(rng):
     prefix = kvsnap.PrefixCache([kvsnap.KVCache()])  # no other reference to the cache
     with prefix.begin([1, 2]) as session:
