@@ -153,6 +153,7 @@ class Scheduler {
     r.session->schedule_snapshots(restore_points(i, r, boundaries));
     r.remaining = r.session->remaining();
     r.result.id = request.id;
+    r.result.logits = LogitRows(tape_);
     r.result.prompt_tokens = static_cast<int64_t>(r.prompt.size());
     r.result.evaluated = static_cast<int64_t>(r.remaining.size());
     r.result.reused = r.result.prompt_tokens - r.result.evaluated;
@@ -229,7 +230,7 @@ class Scheduler {
 
   // Greedy decoding of one token from `row`; finishes the request at its end.
   void sample(SeqId slot, Running& r, const float* row, int64_t vocab) {
-    r.result.logits.emplace_back(row, row + vocab);
+    r.result.logits.push_back({row, static_cast<size_t>(vocab)});
     const int32_t token = argmax(row, vocab);
     r.result.reply.push_back(token);
     r.session->append_output(token);
@@ -286,6 +287,7 @@ class Scheduler {
   std::vector<SeqId> admission_;            // slots in the order their requests came in
   std::map<std::string, Clock::time_point> finished_;
   std::vector<RequestResult> results_;
+  const std::shared_ptr<LogitsTape> tape_ = std::make_shared<LogitsTape>();  // replies' logits
   std::vector<std::vector<int32_t>> prompts_;
   std::vector<bool> admitted_;
   size_t done_ = 0;

@@ -165,7 +165,7 @@ void run_request(const Request& request, const std::vector<int32_t>& prompt,
   if (session) session->prefill_done();
   for (int64_t step = 0; step < request.max_tokens; ++step) {
     const float* row = logits.data<float>();
-    result.logits.emplace_back(row, row + vocab);
+    result.logits.push_back({row, static_cast<size_t>(vocab)});
     const int32_t token = argmax(row, vocab);
     result.reply.push_back(token);
     if (session) session->append_output(token);
@@ -192,6 +192,7 @@ struct CachedState {
 void run_requests(const Workload& workload, const Model& model, const std::vector<Cache*>& layers,
                   PrefixCache* prefix, const ReplayOptions& options, RunResult& run) {
   PromptBuilder builder;
+  const auto tape = std::make_shared<LogitsTape>();  // the run's reply logits, on disk
   std::vector<std::vector<int32_t>> prompts;
   std::map<std::string, double> finished;  // by id: seconds into the run
   const auto start = Clock::now();
@@ -206,6 +207,7 @@ void run_requests(const Workload& workload, const Model& model, const std::vecto
     check_prompt_fits(workload, request, prompt_tokens, model.config().context_length);
     RequestResult result;
     result.id = request.id;
+    result.logits = LogitRows(tape);
     result.prompt_tokens = prompt_tokens;
     result.waited_seconds = now() - could_start;
     run_request(request, prompt, boundaries, model, layers, prefix, result);
@@ -286,10 +288,13 @@ Comparison compare(const RunResult& cached, const RunResult& uncached, double to
       c.same_tokens = false;
       c.first_difference = fmt::format("request {} ({}): the replies differ", i + 1, a.id);
     }
+    std::vector<float> row_a, row_b;  // one row of each at a time, read back from the tapes
     for (size_t t = 0; t < a.logits.size() && t < b.logits.size(); ++t) {
-      for (size_t k = 0; k < a.logits[t].size(); ++k) {
-        const double diff = std::fabs(a.logits[t][k] - b.logits[t][k]) /
-                            std::max(1.0, std::fabs(static_cast<double>(b.logits[t][k])));
+      a.logits.read(t, row_a);
+      b.logits.read(t, row_b);
+      for (size_t k = 0; k < row_a.size() && k < row_b.size(); ++k) {
+        const double diff = std::fabs(row_a[k] - row_b[k]) /
+                            std::max(1.0, std::fabs(static_cast<double>(row_b[k])));
         // A NaN on either side is kept as the difference (std::max would drop it).
         if (std::isnan(diff) || diff > c.max_logit_difference) c.max_logit_difference = diff;
       }

@@ -10,6 +10,7 @@
 
 #include "kvsnap/prefix_cache.h"
 #include "kvsnap/tier.h"
+#include "logits.h"
 #include "model/model.h"
 #include "output.h"
 #include "workload.h"
@@ -30,7 +31,7 @@ struct RequestResult {
   // sequential run serves one at a time; --parallel: until a slot took it).
   double waited_seconds = 0;
   std::vector<int32_t> reply;
-  std::vector<std::vector<float>> logits;  // per reply token, the logits it was chosen from
+  LogitRows logits;  // per reply token, the logits it was chosen from (on its run's tape)
 };
 
 struct RunResult {

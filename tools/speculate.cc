@@ -76,7 +76,7 @@ void SpeculativeDecoder::decode(PrefixCache::Session* session, std::vector<int32
   const int64_t vocab = model_.config().vocab_size;
   const auto start = Clock::now();
   const auto choose = [&](const float* row) {
-    result.logits.emplace_back(row, row + vocab);
+    result.logits.push_back({row, static_cast<size_t>(vocab)});
     const int32_t token = argmax(row, vocab);
     result.reply.push_back(token);
     context.push_back(token);
@@ -144,6 +144,7 @@ SpeculativeRun replay_speculative(const Workload& workload, const Model& model,
   SpeculativeDecoder decoder(model, layers, options.speculate, options.draft_noise);
   PromptBuilder builder;
   std::vector<std::vector<int32_t>> prompts;
+  const auto tape = std::make_shared<LogitsTape>();  // the run's reply logits, on disk
   const auto start = Clock::now();
   for (size_t index = 0; index < workload.requests.size(); ++index) {
     const Request& request = workload.requests[index];
@@ -151,6 +152,7 @@ SpeculativeRun replay_speculative(const Workload& workload, const Model& model,
     const std::vector<int32_t> prompt = builder.prompt(request, &boundaries);
     RequestResult result;
     result.id = request.id;
+    result.logits = LogitRows(tape);
     result.prompt_tokens = static_cast<int64_t>(prompt.size());
     check_prompt_fits(workload, request, result.prompt_tokens, context_length);
     const auto request_start = Clock::now();

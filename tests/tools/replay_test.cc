@@ -523,18 +523,19 @@ TEST(Compare, RunsAgreeOnRepliesAndLogitsWithinTheTolerance) {
   RequestResult r;
   r.id = "a";
   r.reply = {5, 6};
-  r.logits = {{0.5f, 20.0f}, {-3.0f, 0.0f}};
+  r.logits = LogitRows::of({{0.5f, 20.0f}, {-3.0f, 0.0f}});
   a.requests = {r};
   RunResult b = a;
   EXPECT_TRUE(compare(a, b, 1e-4).first_difference.empty());
-  b.requests[0].logits[0][1] = 20.001f;  // 5e-5 of 20
+  b.requests[0].logits = LogitRows::of({{0.5f, 20.001f}, {-3.0f, 0.0f}});  // 5e-5 of 20
   EXPECT_TRUE(compare(a, b, 1e-4).first_difference.empty());
-  b.requests[0].logits[0][0] = 0.5002f;  // 2e-4 of a logit below 1
+  b.requests[0].logits = LogitRows::of({{0.5002f, 20.0f}, {-3.0f, 0.0f}});  // 2e-4 of 0.5 (< 1)
   Comparison c = compare(a, b, 1e-4);
   EXPECT_TRUE(c.same_tokens);
   EXPECT_NE(c.first_difference.find("logits differ"), std::string::npos) << c.first_difference;
   b = a;
-  b.requests[0].logits[1][0] = std::numeric_limits<float>::quiet_NaN();
+  b.requests[0].logits =
+      LogitRows::of({{0.5f, 20.0f}, {std::numeric_limits<float>::quiet_NaN(), 0.0f}});
   c = compare(a, b, 1e-4);
   EXPECT_NE(c.first_difference.find("logits differ"), std::string::npos) << c.first_difference;
   b = a;

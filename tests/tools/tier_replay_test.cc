@@ -83,7 +83,7 @@ Json to_json(const RunResult& run) {
                         {"prompt_tokens", r.prompt_tokens},
                         {"evaluated", r.evaluated},
                         {"reply", r.reply},
-                        {"logits", r.logits}});
+                        {"logits", r.logits.all()}});
   }
   return {{"requests", requests},
           {"hits", run.tier.hits},
@@ -100,7 +100,7 @@ RunResult from_json(const Json& json) {
     result.prompt_tokens = r.at("prompt_tokens");
     result.evaluated = r.at("evaluated");
     result.reply = r.at("reply").get<std::vector<int32_t>>();
-    result.logits = r.at("logits").get<std::vector<std::vector<float>>>();
+    result.logits = LogitRows::of(r.at("logits").get<std::vector<std::vector<float>>>());
     run.requests.push_back(std::move(result));
   }
   run.with_tier = true;
