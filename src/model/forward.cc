@@ -7,6 +7,8 @@
 #include <cmath>
 
 #include "kvsnap/ops.h"
+#include "kvsnap/recurrent_cache.h"
+#include "kvsnap/rotating_kv_cache.h"
 #include "model/model.h"
 #include "model/weights.h"
 #include "ops/activations.h"
@@ -290,6 +292,49 @@ Plan plan(const ModelConfig& c, std::span<const Model::Chunk> chunks,
   return p;
 }
 
+// Throws Error unless each layer has a cache of its own of the kind and shape it needs: a
+// RecurrentCache of the layer's state sizes, a RotatingKVCache of the model's window on a
+// sliding-window layer, a full-attention cache (not a window) on an attention layer. Refused
+// here, before any layer moves, rather than by a later layer's cache after earlier layers
+// were written.
+void check_caches(const detail::ModelWeights& w, std::span<Cache* const> caches) {
+  const ModelConfig& c = w.config;
+  for (size_t i = 0; i < w.layers.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      if (caches[j] == caches[i]) {
+        throw Error(fmt::format(
+            "Model::forward: layers {} and {} are given one cache; each layer holds its own state",
+            j, i));
+      }
+    }
+    const char kind = w.layers[i].kind;
+    const auto* recurrent = dynamic_cast<const RecurrentCache*>(caches[i]);
+    const auto* window = dynamic_cast<const RotatingKVCache*>(caches[i]);
+    const bool attention = dynamic_cast<const Attention*>(caches[i]) != nullptr;
+    std::string needs;
+    if (kind == 'R' && recurrent == nullptr) needs = "a RecurrentCache";
+    if (kind == 'R' && recurrent != nullptr &&
+        (recurrent->conv_tail() != c.conv_kernel - 1 || recurrent->conv_dim() != w.conv_dim() ||
+         recurrent->num_v_heads() != c.delta_value_heads ||
+         recurrent->head_v_dim() != c.delta_head_dim ||
+         recurrent->head_k_dim() != c.delta_head_dim)) {
+      needs = fmt::format(
+          "a RecurrentCache of conv tail {}, conv dim {}, {} value heads of {}x{} (this one: {}, "
+          "{}, {} of {}x{})",
+          c.conv_kernel - 1, w.conv_dim(), c.delta_value_heads, c.delta_head_dim, c.delta_head_dim,
+          recurrent->conv_tail(), recurrent->conv_dim(), recurrent->num_v_heads(),
+          recurrent->head_v_dim(), recurrent->head_k_dim());
+    }
+    if (kind == 'S' && (window == nullptr || window->max_size() != c.window)) {
+      needs = fmt::format("a RotatingKVCache of the model's window, {} tokens", c.window);
+    }
+    if (kind == 'A' && (!attention || window != nullptr)) {
+      needs = "a full-attention cache (KVCache or PagedKVCache), not a window";
+    }
+    if (!needs.empty()) throw Error(fmt::format("Model::forward: layer {} needs {}", i, needs));
+  }
+}
+
 }  // namespace
 
 Array Model::forward(std::span<const Chunk> chunks, std::span<Cache* const> caches,
@@ -297,14 +342,7 @@ Array Model::forward(std::span<const Chunk> chunks, std::span<Cache* const> cach
   const detail::ModelWeights& w = *weights_;
   const ModelConfig& c = w.config;
   const Plan p = plan(c, chunks, caches, w.layers.size());
-  for (size_t i = 0; i < w.layers.size(); ++i) {
-    const bool recurrent = w.layers[i].kind == 'R';
-    if (recurrent ? dynamic_cast<RecurrentCache*>(caches[i]) == nullptr
-                  : dynamic_cast<Attention*>(caches[i]) == nullptr) {
-      throw Error(fmt::format("Model::forward: layer {} needs {}", i,
-                              recurrent ? "a RecurrentCache" : "an attention cache"));
-    }
-  }
+  check_caches(w, caches);
   const int64_t hidden = c.hidden;
   detail::Floats x(static_cast<size_t>(p.tokens * hidden));
   for (size_t i = 0; i < chunks.size(); ++i) {

@@ -12,6 +12,7 @@
 #include "kvsnap/recurrent_cache.h"
 #include "kvsnap/rotating_kv_cache.h"
 #include "model/weights.h"
+#include "persist/files.h"
 #include "persist/safetensors.h"
 
 namespace kvsnap {
@@ -26,6 +27,11 @@ int64_t element_count(const Shape& shape) {
 
 }  // namespace
 }  // namespace detail
+
+namespace {
+// The metadata "format" of the weights Model::save writes (and load requires).
+constexpr const char* kModelFormat = "kvsnap-model";
+}  // namespace
 
 Model::Model(ModelConfig config) : weights_(std::make_unique<detail::ModelWeights>()) {
   config.validate();
@@ -76,14 +82,18 @@ void Model::save(const std::string& config_path, const std::string& weights_path
       file.tensors.emplace_back(fmt::format("layers.{}.conv", i), weights_->layers[i].conv);
     }
   }
-  file.metadata["format"] = "kvsnap-model";
+  file.metadata["format"] = kModelFormat;
+  // Each file whole or not at all (written aside, synced, renamed over the old one: a full disk
+  // is an Error, not a truncated file), the weights first: a failure leaves the old config.
   const auto write = [](const std::string& path, const std::string& bytes) {
-    std::ofstream out(path, std::ios::binary | std::ios::trunc);
-    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    if (!out) throw Error(fmt::format("Model::save: cannot write {}", path));
+    try {
+      detail::write_file_atomically(path, bytes);
+    } catch (const Error& e) {
+      throw Error(fmt::format("Model::save: {}", e.what()));
+    }
   };
-  write(config_path, weights_->config.to_json());
   write(weights_path, detail::encode_safetensors(file));
+  write(config_path, weights_->config.to_json());
 }
 
 Model Model::load(const std::string& config_path, const std::string& weights_path) {
@@ -91,8 +101,20 @@ Model Model::load(const std::string& config_path, const std::string& weights_pat
   const detail::SafetensorsFile file = detail::read_safetensors(weights_path);
   Model model(config);
   const std::string context = fmt::format("Model::load {}", weights_path);
+  const auto format = file.metadata.find("format");
+  if (format == file.metadata.end() || format->second != kModelFormat) {
+    throw Error(fmt::format(
+        "{}: metadata \"format\" is {}, not \"{}\" (weights Model::save "
+        "wrote)",
+        context, format == file.metadata.end() ? "missing" : detail::cut_quoted(format->second),
+        kModelFormat));
+  }
   const auto take = [&](const std::string& name, const Shape& shape) {
     const Array& array = file.at(name, context.c_str());
+    if (array.dtype() != DType::f32) {
+      throw Error(fmt::format("{}: tensor \"{}\" is {}; the model's weights are f32", context, name,
+                              array.describe()));
+    }
     if (array.shape() != shape) {
       throw Error(fmt::format("{}: tensor \"{}\" is {}, the config needs {}", context, name,
                               array.describe(), shape_string(shape)));

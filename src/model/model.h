@@ -60,13 +60,16 @@ class Model {
  public:
   // Weights generated deterministically from config.seed.
   explicit Model(ModelConfig config);
-  // Loads a JSON config and safetensors weights (as written by save); throws Error on a
-  // missing tensor or a shape that disagrees with the config.
+  // Loads a JSON config and safetensors weights (as written by save); throws Error for weights
+  // save did not write (metadata "format" other than "kvsnap-model"), a missing tensor, one
+  // that is not f32, or a shape that disagrees with the config.
   static Model load(const std::string& config_path, const std::string& weights_path);
   Model(Model&&) noexcept;
   Model& operator=(Model&&) noexcept;
   ~Model();
 
+  // Writes the weights, then the config, each atomically (a temporary, synced, renamed over the
+  // file: mode 0600, as every file kvsnap writes); throws Error naming the file that failed.
   void save(const std::string& config_path, const std::string& weights_path) const;
   const ModelConfig& config() const;
 
@@ -94,7 +97,11 @@ class Model {
   // layer's cache call. Returns f32 logits for each chunk's last token [chunks, vocab], or
   // with `all_positions` for all tokens [total tokens, vocab], chunk after chunk. Throws Error
   // (nothing evaluated) for an empty chunk, a token outside the vocabulary, a sequence twice,
-  // or a sequence whose layers disagree on its offset.
+  // a sequence whose layers disagree on its offset, or caches that do not fit the layers (one
+  // cache for two layers, another kind, a recurrent state of other sizes, a window of another
+  // size). A failure once layers run — out of memory, or an attention cache whose keys another
+  // model's heads set — leaves the chunks' sequences at different offsets in different layers:
+  // reset them (or restore them) before the next forward.
   Array forward(std::span<const Chunk> chunks, std::span<Cache* const> caches,
                 bool all_positions = false) const;
 

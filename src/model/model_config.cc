@@ -49,8 +49,9 @@ void ModelConfig::validate() const {
   require(delta_value_heads >= 1 && delta_value_heads % delta_key_heads == 0, "delta_value_heads",
           delta_value_heads, "need a positive multiple of delta_key_heads");
   require(delta_head_dim >= 1, "delta_head_dim", delta_head_dim, "need >= 1");
-  require(context_length >= 1 && context_length <= std::numeric_limits<int32_t>::max(),
-          "context_length", context_length, "need 1 <= context_length <= 2^31 - 1 (positions)");
+  // RoPE turns positions into f32 angles: exact up to 2^24.
+  require(context_length >= 1 && context_length <= (int64_t(1) << 24), "context_length",
+          context_length, "need 1 <= context_length <= 2^24 (positions exact in f32)");
   // Each size at most 2^20, and the parameters at most 2^40 (4 TiB of f32): products of sizes
   // (q = query_heads * head_dim, the weights' element counts) then stay far from overflow.
   constexpr int64_t kMostSize = int64_t(1) << 20;
@@ -82,8 +83,22 @@ void ModelConfig::validate() const {
           pattern.size(), hidden, query_heads, head_dim, mlp_hidden));
     }
   }
-  if (!(rope_theta > 0.0f) || !(rms_eps > 0.0f)) {
-    throw Error(fmt::format("ModelConfig: rope_theta {} and rms_eps {} must be positive",
+  // What a recurrent layer holds per sequence: the conv tail's channels (RecurrentCache takes an
+  // int) and the delta state, at most 2^28 floats (1 GiB) per sequence and layer.
+  const Wide conv = (2 * Wide(delta_key_heads) + delta_value_heads) * delta_head_dim;
+  const Wide state = Wide(delta_value_heads) * delta_head_dim * delta_head_dim;
+  if (conv > std::numeric_limits<int32_t>::max() || state > (Wide(1) << 28)) {
+    throw Error(fmt::format(
+        "ModelConfig: delta_key_heads {}, delta_value_heads {}, delta_head_dim {}: a recurrent "
+        "layer's state of {} floats per sequence (at most 2^28) and {} conv channels (at most "
+        "2^31 - 1)",
+        delta_key_heads, delta_value_heads, delta_head_dim, static_cast<int64_t>(state),
+        static_cast<int64_t>(conv)));
+  }
+  // rope_theta >= 1 keeps every inverse frequency, and so every angle, finite (1e-45 made them
+  // infinite: every logit NaN).
+  if (!(rope_theta >= 1.0f) || !(rms_eps > 0.0f)) {
+    throw Error(fmt::format("ModelConfig: rope_theta {} must be >= 1 and rms_eps {} positive",
                             rope_theta, rms_eps));
   }
 }

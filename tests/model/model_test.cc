@@ -8,6 +8,7 @@
 #include <fstream>
 #include <random>
 
+#include "persist/safetensors.h"
 #include "support/test_support.h"
 
 namespace kvsnap {
@@ -145,6 +146,26 @@ TEST(Model, LoadRejectsWeightsThatDisagreeWithTheConfig) {
         (void)Model::load((dir / "deeper.json").string(), (dir / "model.safetensors").string());
       },
       {"layers.4", "missing"}));
+  // Weights save did not write: no format tag, or a tensor in another dtype (converted before).
+  const auto forged = [&](bool tagged, DType dtype) {
+    detail::SafetensorsFile file = detail::read_safetensors((dir / "model.safetensors").string());
+    if (!tagged) file.metadata.erase("format");
+    for (auto& [name, array] : file.tensors) {
+      if (name == "embed") array = array.astype(dtype);
+    }
+    const std::string path = (dir / "forged.safetensors").string();
+    { std::ofstream(path, std::ios::binary) << detail::encode_safetensors(file); }
+    return path;
+  };
+  const std::string config = (dir / "config.json").string();
+  EXPECT_TRUE(throws_error([&] { (void)Model::load(config, forged(false, DType::f32)); },
+                           {"metadata \"format\" is missing, not \"kvsnap-model\""}));
+  EXPECT_TRUE(throws_error([&] { (void)Model::load(config, forged(true, DType::f16)); },
+                           {"tensor \"embed\" is f16[64, 32]; the model's weights are f32"}));
+  EXPECT_EQ(Model::load(config, forged(true, DType::f32)).config().hidden, 32);
+  EXPECT_TRUE(
+      throws_error([&] { model.save(config, (dir / "missing" / "model.safetensors").string()); },
+                   {"Model::save: writing", "missing/model.safetensors"}));
   std::filesystem::remove_all(dir);
 }
 
@@ -192,7 +213,45 @@ TEST(ModelConfig, JsonRoundTripAndErrors) {
       {"more than 2^40 parameters"}));
   EXPECT_TRUE(
       throws_error([] { (void)ModelConfig::from_json(R"({"context_length": 4294967296})"); },
-                   {"context_length = 4294967296", "2^31 - 1"}));
+                   {"context_length = 4294967296", "2^24"}));
+  // 18M parameters, but a 16 GiB delta state per sequence: refused for what it would hold.
+  EXPECT_TRUE(throws_error(
+      [] {
+        (void)ModelConfig::from_json(
+            R"({"hidden": 64, "mlp_hidden": 64, "pattern": "R", "delta_key_heads": 1,
+                "delta_value_heads": 1, "delta_head_dim": 65536})");
+      },
+      {"a recurrent layer's state of 4294967296 floats per sequence (at most 2^28)"}));
+  EXPECT_TRUE(throws_error([] { (void)ModelConfig::from_json(R"({"rope_theta": 1e-30})"); },
+                           {"rope_theta 1e-30 must be >= 1"}));
+}
+
+// Caches that do not fit the layers are refused before any layer moves: one cache for two
+// layers, another kind, a recurrent state of other sizes, a window of another size.
+TEST(Model, ForwardRefusesCachesThatDoNotFitTheLayers) {
+  const Model model(small_config());  // RSAR, window 6
+  const std::vector<int32_t> ok{1, 2};
+  const auto refused = [&](std::vector<Cache*> layers, const char* text) {
+    const std::vector<int64_t> before = [&] {
+      std::vector<int64_t> offsets;
+      for (Cache* c : layers) offsets.push_back(c->offset());
+      return offsets;
+    }();
+    EXPECT_TRUE(throws_error([&] { (void)model.forward(ok, layers); }, {text})) << text;
+    for (size_t i = 0; i < layers.size(); ++i) EXPECT_EQ(layers[i]->offset(), before[i]);
+  };
+  auto caches = model.make_caches();
+  std::vector<Cache*> layers = cache_pointers(caches);
+  refused({layers[0], layers[1], layers[2], layers[0]},
+          "layers 0 and 3 are given one cache; each layer holds its own state");
+  RecurrentCache other_sizes(3, 40, 2, 8, 8);
+  refused({&other_sizes, layers[1], layers[2], layers[3]}, "layer 0 needs a RecurrentCache of");
+  RotatingKVCache wider(7);
+  refused({layers[0], &wider, layers[2], layers[3]},
+          "layer 1 needs a RotatingKVCache of the model's window, 6 tokens");
+  RotatingKVCache window(6);
+  refused({layers[0], layers[1], &window, layers[3]}, "layer 2 needs a full-attention cache");
+  (void)model.forward(ok, layers);  // the model's own caches serve
 }
 
 TEST(Model, ForwardRejectsBadInput) {
