@@ -669,7 +669,8 @@ func (s Sequence) Restore(snapshot *Snapshot, target int64) (bool, error) {
 }
 
 // State is the sequence's live state: views of keys and values, or of conv and delta state
-// (none before its first write). Read-only.
+// (none before its first write; a paged cache's are copies). Read-only; views show the cache
+// until its next update, restore or reset.
 func (s Sequence) State() ([]*Array, error) {
 	var out []*Array
 	err := s.cache.use("Sequence.State", func(p *C.kvsnap_cache) error {

@@ -53,10 +53,12 @@ func (f HistoryForm) String() string {
 // SDPA attends over any form; Contiguous gives plain arrays (a copy of a paged history). A
 // History may be read from several goroutines at once; Close waits for them.
 type History struct {
-	Form          HistoryForm
-	Keys, Values  *Array // the Contiguous form's keys and values (views); nil for the others, and when the cache has no layout yet (nothing written)
-	Length        int64  // key columns (Ragged: the longest row's)
-	Rows          int64  // Ragged: the batch's rows; otherwise 1
+	Form         HistoryForm
+	Keys, Values *Array // the Contiguous form's keys and values (views); nil for the others, and when the cache has no layout yet (nothing written)
+	Length       int64  // key columns (Ragged: the longest row's)
+	Rows         int64  // Ragged: the batch's rows; otherwise 1
+	// FirstPosition, OldestColumn and Window describe one sequence's columns: 0 for the Ragged
+	// form, whose rows each have their own (SDPA applies them; do not build a mask from these).
 	FirstPosition int64
 	OldestColumn  int64
 	Window        int64

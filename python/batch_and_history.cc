@@ -172,7 +172,13 @@ position(c).)")
             return h.oldest_column();
           },
           "The column holding first_position (columns wrap in a rotating window's ring).")
-      .def_property_readonly("window", &KVHistory::window, "The cache's lookback window, or 0.")
+      .def_property_readonly(
+          "window",
+          [](const KVHistory& h) {
+            require_columns(h, "KVHistory.window");  // a ragged history's rows have their own
+            return h.window();
+          },
+          "The cache's lookback window, or 0.")
       .def(
           "position",
           [](const KVHistory& h, int64_t column) {

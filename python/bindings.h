@@ -59,6 +59,21 @@ class PySnapshot {
   mutable int users_ = 0;  // Uses alive (changed with the GIL held)
 };
 
+// Deletes a cache as other kvsnap objects go (PySnapshot): with the GIL released — a cache's
+// destructor waits for its lock and copies out every lazy snapshot of it, which may take long —
+// then gives back what it let go of.
+struct DeleteWithoutGil {
+  template <class T>
+  void operator()(T* object) const noexcept {
+    let_go_without_gil([&] { delete object; });
+    release_deferred_in_destructor();
+  }
+};
+// The binding of a cache class: held through DeleteWithoutGil (every class of the hierarchy,
+// as pybind11 requires one holder kind throughout).
+template <class T, class... Bases>
+using CacheClass = py::class_<T, Bases..., std::unique_ptr<T, DeleteWithoutGil>>;
+
 // A Python value for a snapshot a call returned: a kvsnap.Snapshot, or None for a null one.
 std::unique_ptr<PySnapshot> wrap_snapshot(SnapshotPtr snapshot);
 

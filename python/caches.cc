@@ -151,7 +151,7 @@ py::tuple split(Cache& cache, PySnapshot* snapshot, int64_t at) {
 
 // The calls on a cache's state and offsets. Every call waits for the cache's lock with the GIL
 // released (Released, or without_gil around the kvsnap part).
-void bind_cache_state(py::class_<Cache>& cache) {
+void bind_cache_state(CacheClass<Cache>& cache) {
   cache
       .def_property_readonly(
           "offset", [](const Cache& c) { return without_gil([&] { return c.offset(); }); },
@@ -195,7 +195,7 @@ void bind_cache_state(py::class_<Cache>& cache) {
 }
 
 // The calls that make, schedule and combine snapshots.
-void bind_cache_snapshots(py::class_<Cache>& cache) {
+void bind_cache_snapshots(CacheClass<Cache>& cache) {
   cache
       .def(
           "snapshot",
@@ -243,7 +243,7 @@ void bind_cache_snapshots(py::class_<Cache>& cache) {
 }
 
 void bind_cache(py::module_& m) {
-  py::class_<Cache> cache(m, "Cache", R"(One layer's inference state: the contract every kind keeps.
+  CacheClass<Cache> cache(m, "Cache", R"(One layer's inference state: the contract every kind keeps.
 
 Offsets count tokens written so far. Every mutating call either succeeds or raises kvsnap.Error
 and changes nothing — but merge and split, which consume the snapshots they are given whatever
@@ -254,7 +254,7 @@ one at a time, the GIL released while they wait and work).)");
 }
 
 void bind_attention_caches(py::module_& m) {
-  py::class_<Attention, Cache>(m, "Attention", "A cache of attention keys and values.")
+  CacheClass<Attention, Cache>(m, "Attention", "A cache of attention keys and values.")
       .def(
           "update",
           [](Attention& c, const Batch& batch, py::object keys, py::object values) {
@@ -268,7 +268,7 @@ void bind_attention_caches(py::module_& m) {
       .def("view", &Attention::view, py::arg("batch"), Released(),
            "The current history, without writing.");
 
-  py::class_<KVCache, Attention>(m, "KVCache",
+  CacheClass<KVCache, Attention>(m, "KVCache",
                                  "An append-only attention cache with lazy snapshots.")
       .def(py::init<>())
       .def("reserve", &KVCache::reserve, py::arg("tokens"), Released(),
@@ -279,7 +279,7 @@ void bind_attention_caches(py::module_& m) {
            py::arg("from_offset"), py::arg("to_offset"), Released(),
            "Bytes lazy snapshots name in slots [from_offset, to_offset).");
 
-  py::class_<RotatingKVCache, Attention>(m, "RotatingKVCache",
+  CacheClass<RotatingKVCache, Attention>(m, "RotatingKVCache",
                                          "A sliding-window attention cache of max_size tokens.")
       .def(py::init<int64_t>(), py::arg("max_size"))
       .def_property_readonly("max_size", &RotatingKVCache::max_size);
@@ -297,14 +297,14 @@ void bind_paged_cache(py::module_& m) {
                     "Used by sequences (a block shared by several counts once).")
       .def_readonly("live_bytes", &PagedKVCache::PoolStats::live_bytes);
 
-  py::class_<PagedKVCache, Attention>(m, "PagedKVCache", R"(A paged attention cache.
+  CacheClass<PagedKVCache, Attention>(m, "PagedKVCache", R"(A paged attention cache.
 
 Each sequence is a list of blocks of block_tokens tokens; full blocks are shared by reference
 count between sequences and snapshots, a write into a shared block copies that block only, and
 a restore splices block references. Rows of a batch address sequences by seq_ids.)")
       .def(py::init([](int64_t block_tokens, int64_t blocks_per_chunk) {
-             return std::make_unique<PagedKVCache>(PagedKVCache::Options{
-                 .block_tokens = block_tokens, .blocks_per_chunk = blocks_per_chunk});
+             return new PagedKVCache(PagedKVCache::Options{.block_tokens = block_tokens,
+                                                           .blocks_per_chunk = blocks_per_chunk});
            }),
            py::arg("block_tokens") = 16, py::arg("blocks_per_chunk") = 64)
       .def_property_readonly("block_tokens", &PagedKVCache::block_tokens)
@@ -343,7 +343,7 @@ RecurrentStates row_states(py::handle row, size_t b) {
 }
 
 void bind_recurrent_cache(py::module_& m) {
-  py::class_<RecurrentCache, Cache>(m, "RecurrentCache", R"(A recurrent layer's state.
+  CacheClass<RecurrentCache, Cache>(m, "RecurrentCache", R"(A recurrent layer's state.
 
 Conv tail [B, conv_tail, conv_dim] in the activation dtype, delta state [B, num_v_heads,
 head_v_dim, head_k_dim] float32. Snapshots are whole states at exact offsets.)")

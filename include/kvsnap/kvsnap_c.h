@@ -193,8 +193,9 @@ KVSNAP_EXPORT kvsnap_status kvsnap_cache_offset(const kvsnap_cache* cache, int64
 /* Drops all state and any schedule; offset becomes 0. Never fails for lack of memory (lazy
  * snapshots keep buffers they cannot copy, as at kvsnap_cache_destroy). */
 KVSNAP_EXPORT kvsnap_status kvsnap_cache_reset(kvsnap_cache* cache);
-/* The live state arrays (views, read-only): keys and values, or conv and delta state; none
- * before the first write. Sets *count to their number; fails if it exceeds `capacity`. */
+/* The live state arrays (read-only views; a paged cache's are copies): keys and values, or conv
+ * and delta state; none before the first write. Views show the cache until its next update,
+ * restore or reset. Sets *count to their number; fails if it exceeds `capacity`. */
 KVSNAP_EXPORT kvsnap_status kvsnap_cache_state(const kvsnap_cache* cache, kvsnap_array** arrays,
                                                size_t capacity, size_t* count);
 
@@ -240,8 +241,8 @@ KVSNAP_EXPORT void kvsnap_kv_history_clear(kvsnap_kv_history* history);
  * block table over its pool's chunks, or one history per row of a batch whose rows are
  * different sequences. kvsnap_sdpa attends over any of them; an engine with its own paged
  * attention reads the block table (kvsnap_history_get_paged). A history shows the cache as it
- * was at the call: read it before the next write to that cache (a write may reuse a block or
- * wrap a window's ring). It keeps the buffers it names alive, also past the cache's destroy.
+ * was at the call: read it before the next update, restore or reset of that cache (each may
+ * rewrite columns, reuse a block or wrap a window's ring). It keeps the buffers it names alive, also past the cache's destroy.
  *
  *   kvsnap_history* h = NULL;
  *   kvsnap_cache_update_history(cache, &batch, keys, values, &h);

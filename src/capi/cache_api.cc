@@ -113,12 +113,15 @@ void write_histories(kvsnap_kv_history* rows, size_t count, const Batch* batch, 
     }
   }
   std::vector<HistoryHandles> handles(rows != nullptr ? count : 0);
-  for (size_t b = 0; paged != nullptr && b < handles.size(); ++b) {
-    handles[b].reserve_copy(*paged, static_cast<int64_t>(b));
-  }
+  // Locked before the reservations read the sequences' offsets: another thread's write between
+  // the two would leave a copy unreserved, allocated after this write (out of memory then
+  // reported for a write that happened).
   std::unique_lock<std::recursive_mutex> held;
   if (const auto* pages = dynamic_cast<const PagedKVCache*>(&layer)) {
     held = std::unique_lock(detail::PagedCacheAccess::lock(*pages));
+  }
+  for (size_t b = 0; paged != nullptr && b < handles.size(); ++b) {
+    handles[b].reserve_copy(*paged, static_cast<int64_t>(b));
   }
   const KVHistory history = write();
   if (handles.empty()) return;

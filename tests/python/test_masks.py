@@ -106,6 +106,6 @@ def test_a_ragged_history_has_no_positions_of_its_own(rng):
     history = cache.update(batch, step, step)
     assert history.ragged and history.row(1).length == 1 and history.row(0).position(1) == 1
     for read in (lambda: history.position(1), lambda: history.first_position,
-                 lambda: history.oldest_column):
+                 lambda: history.oldest_column, lambda: history.window):
         with pytest.raises(kvsnap.Error, match=r"this history is ragged \(2 rows .* row\(b\)"):
             read()

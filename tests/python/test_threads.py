@@ -190,6 +190,28 @@ def test_other_python_threads_run_while_a_dropped_snapshot_waits_for_its_cache()
     assert waited > 0, "no drop waited for the writer: the test proved nothing"
 
 
+def test_other_python_threads_run_while_a_dropped_cache_copies_out_its_snapshots():
+    # A cache's destructor copies out every lazy snapshot of it (here 2 x 64 MiB): with the GIL
+    # released, as reset() does, so a ticking Python thread goes on meanwhile.
+    heads, depth, length = 8, 64, 1 << 15
+    big = np.ones((1, heads, length, depth), np.float32)
+    slow = 0
+    for _ in range(5):
+        cache = kvsnap.KVCache()
+        cache.update(kvsnap.Batch.uniform(1, length, 0), big, big)
+        snapshot = cache.snapshot(0)  # lazy: the cache's destructor copies it out
+        with ticking(0.0005) as ticks:
+            time.sleep(0.002)
+            start = time.perf_counter()
+            del cache
+            end = time.perf_counter()
+        assert not snapshot.is_lazy and snapshot.size == 2 * heads * length * depth * 4
+        if end - start > 0.01:  # long enough for a tick to be due
+            slow += 1
+            assert [t for t in ticks if start < t < end], (end - start, "no tick while it copied")
+    assert slow > 0, "no destruction took long enough: the test proved nothing"
+
+
 def test_memory_a_call_lets_go_of_is_given_back_when_it_returns():
     cache = kvsnap.RecurrentCache(0, 1, 1, 1, 1)
     batch = kvsnap.Batch.uniform(1, 1, 0)
