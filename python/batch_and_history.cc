@@ -28,6 +28,24 @@ const char* mask_kind_name(AttentionMask::Kind kind) {
   return "?";
 }
 
+// input_ids as the int32 array Batch holds: another integer dtype (a list of Python ints comes
+// as int64) is converted when every value fits, else Error; anything else goes as it is (and
+// to_array says what it cannot take).
+py::object input_ids_int32(py::object ids) {
+  if (ids.is_none()) return ids;
+  const py::module_ numpy = py::module_::import("numpy");
+  py::object array = numpy.attr("asarray")(ids);
+  const py::object dtype = array.attr("dtype");
+  const auto kind = py::str(dtype.attr("kind")).cast<std::string>();
+  if ((kind != "i" && kind != "u") || dtype.equal(numpy.attr("dtype")("int32"))) return array;
+  py::object narrowed = array.attr("astype")(numpy.attr("int32"));
+  if (!numpy.attr("array_equal")(narrowed, array).cast<bool>()) {
+    throw Error(fmt::format("Batch.input_ids: {} values outside int32 (token ids are int32)",
+                            py::str(dtype).cast<std::string>()));
+  }
+  return narrowed;
+}
+
 void bind_batch(py::module_& m) {
   py::class_<Batch>(m, "Batch", R"(What one forward step processes: B rows of L columns.
 
@@ -36,7 +54,8 @@ seq_offsets[b].)")
       .def(py::init([](py::object input_ids, std::vector<int32_t> seq_offsets,
                        std::vector<int32_t> seq_query_lens, std::vector<SeqId> seq_ids) {
              Batch batch;
-             batch.input_ids = to_array(input_ids, "Batch.input_ids", /*allow_none=*/true);
+             batch.input_ids =
+                 to_array(input_ids_int32(input_ids), "Batch.input_ids", /*allow_none=*/true);
              batch.seq_offsets = std::move(seq_offsets);
              batch.seq_query_lens = std::move(seq_query_lens);
              batch.seq_ids = std::move(seq_ids);
@@ -45,7 +64,8 @@ seq_offsets[b].)")
            py::arg("input_ids") = py::none(), py::arg("seq_offsets") = std::vector<int32_t>{},
            py::arg("seq_query_lens") = std::vector<int32_t>{},
            py::arg("seq_ids") = std::vector<SeqId>{}, ReleaseAfter(),
-           "input_ids: int32 [B, L] (or None); one offset and one query length per row; "
+           "input_ids: int32 [B, L] (or None; other integer arrays and lists of ints are "
+           "converted when every id fits int32); one offset and one query length per row; "
            "seq_ids: the sequence of each row (empty: row b is sequence b).")
       .def_static(
           "rows",

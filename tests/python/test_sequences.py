@@ -164,6 +164,14 @@ def test_batch_factories_refuse_offsets_outside_int32():
     assert kvsnap.Batch.single([1], 2**31 - 1).seq_offsets == [2**31 - 1]
 
 
+def test_batch_input_ids_take_any_integer_array_whose_ids_fit_int32():
+    for ids in ([[1, 2, 3]], np.array([[1, 2, 3]], np.int64), np.array([[1, 2, 3]], np.uint8)):
+        batch = kvsnap.Batch(ids, [0], [3])
+        assert batch.input_ids.dtype == np.int32 and batch.input_ids.tolist() == [[1, 2, 3]]
+    with pytest.raises(kvsnap.Error, match=r"^Batch.input_ids: int64 values outside int32"):
+        kvsnap.Batch(np.array([[1, 2**31]], np.int64), [0], [2])  # would wrap to -2^31
+
+
 def recurrent_step(history, inputs, weight):
     """One row's forward through the reference kernels: its end conv tail and delta state."""
     x, q, v, g = inputs
