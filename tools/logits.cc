@@ -38,6 +38,7 @@ std::string logits_folder() {
 }
 
 LogitsTape::LogitsTape() {
+  buffer_.reserve(kBufferBytes);  // before the file: nothing to close should it throw
   const std::string folder = logits_folder();
   fd_ = unnamed_file(folder);
   if (fd_ < 0) {
@@ -46,7 +47,6 @@ LogitsTape::LogitsTape() {
                     "writable folder",
                     folder, std::strerror(errno)));
   }
-  buffer_.reserve(kBufferBytes);
 }
 
 LogitsTape::~LogitsTape() {

@@ -211,6 +211,8 @@ int run_replay(const ReplayArguments& args, bool& runs_started) {
   const std::string address = tier_address(args);
   TierOptions tier = tier_options(args, address);
   if (!args.chart.empty()) tools::check_writable(args.chart, "--chart");
+  // Both runs' reply logits (three with --speculate) are kept on disk for the agreement check.
+  tools::check_logits_room(workload, config.vocab_size, args.speculate > 0 ? 3 : 2);
   tools::CacheDirLock lock;  // held until the saved cache is written, after the runs
   if (!args.cache_dir.empty()) {
     tools::check_cache_dir(args.cache_dir, args.shared_cache_dir);
@@ -231,8 +233,6 @@ int run_replay(const ReplayArguments& args, bool& runs_started) {
   // The saved trie and the tier's entries are only valid for this exact model: its config
   // (with the seed) and the weights' bytes, wherever the weights file lies.
   const std::string model_id = model_fingerprint(args, model);
-  // Both runs' reply logits (three with --speculate) are kept on disk for the agreement check.
-  tools::check_logits_room(workload, model.config().vocab_size, args.speculate > 0 ? 3 : 2);
   runs_started = true;
   if (args.parallel > 0) return run_parallel(args, workload, model, model_id);
   if (args.speculate > 0) {

@@ -131,8 +131,9 @@ class KVSNAP_EXPORT PrefixCache {
   // layout, so a fresh trie cannot check its caches' against the file's: let `model_id` name
   // whatever shapes the state (the KV dtype, the heads a tensor-parallel rank holds), else a
   // file of another layout loads and the model's first write after a restore from it throws.
-  // The live caches are reset: the next request restores from the loaded snapshots. Throws
-  // while any session is open. Refuses a `dir` or file that is not private to this user (see
+  // The live caches are reset: the next request restores from the loaded snapshots (a layer
+  // whose reset throws — a custom kind — gets an Error saying the trie was loaded and which
+  // slot to reset). Throws while any session is open. Refuses a `dir` or file that is not private to this user (see
   // LoadOptions) unless options.allow_shared.
   void load(const std::string& dir, const std::string& model_id = "");
   void load(const std::string& dir, const std::string& model_id, const LoadOptions& options);

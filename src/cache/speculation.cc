@@ -139,8 +139,8 @@ void Speculation::check_captures(const Layer& layer) const {
   if (ours) return;
   throw Error(fmt::format(
       "Speculation::accept: layer {} gave {} captures for sequence {}, not the round's {} at "
-      "offsets {} to {} (its schedule was taken or replaced): the round cannot return there; "
-      "cancel it",
+      "offsets {} to {} (its schedule was taken or replaced, or an accept that failed released "
+      "them): the round cannot return there; cancel it",
       layer.index, captures.size(), seq_, drafts_, start_ + 1, start_ + drafts_));
 }
 

@@ -92,7 +92,13 @@ void Model::save(const std::string& config_path, const std::string& weights_path
       throw Error(fmt::format("Model::save: {}", e.what()));
     }
   };
-  write(weights_path, detail::encode_safetensors(file));
+  std::string weights;
+  try {
+    weights = detail::encode_safetensors(file);
+  } catch (const detail::HeaderTooLong& e) {
+    throw Error(fmt::format("Model::save: {} layers: {}", weights_->layers.size(), e.what()));
+  }
+  write(weights_path, weights);
   write(config_path, weights_->config.to_json());
 }
 

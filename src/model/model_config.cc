@@ -87,7 +87,8 @@ void ModelConfig::validate() const {
   // int) and the delta state, at most 2^28 floats (1 GiB) per sequence and layer.
   const Wide conv = (2 * Wide(delta_key_heads) + delta_value_heads) * delta_head_dim;
   const Wide state = Wide(delta_value_heads) * delta_head_dim * delta_head_dim;
-  if (conv > std::numeric_limits<int32_t>::max() || state > (Wide(1) << 28)) {
+  const bool recurrent = pattern.find('R') != std::string::npos;
+  if (recurrent && (conv > std::numeric_limits<int32_t>::max() || state > (Wide(1) << 28))) {
     throw Error(fmt::format(
         "ModelConfig: delta_key_heads {}, delta_value_heads {}, delta_head_dim {}: a recurrent "
         "layer's state of {} floats per sequence (at most 2^28) and {} conv channels (at most "

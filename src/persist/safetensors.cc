@@ -100,8 +100,8 @@ std::string encode_safetensors(const SafetensorsFile& file, const TensorWriter& 
   if (text.size() > max_header) {
     throw HeaderTooLong(fmt::format(
         "the file's header would take {} bytes for its {} tensors, more than the {} a "
-        "safetensors reader accepts: nothing was written (hold fewer snapshots, e.g. under a "
-        "smaller budget)",
+        "safetensors reader accepts: nothing was written (fewer tensors: for a prefix cache, "
+        "fewer snapshots, e.g. under a smaller budget)",
         text.size(), file.tensors.size(), max_header));
   }
   std::string out(8, '\0');

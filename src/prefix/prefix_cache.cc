@@ -185,12 +185,17 @@ void PrefixCache::load(const std::string& dir, const std::string& model_id,
   // be freed.
   for (const auto& slot : impl_->slots) slot->live().forget();
   impl_->trie.take_nodes(*fresh);
-  std::exception_ptr failed;  // a layer's reset that threw: said once the load is done
-  for (const auto& slot : impl_->slots) {
+  std::string failed;  // a layer's reset that threw: said once the load is done
+  for (size_t s = 0; s < impl_->slots.size(); ++s) {
     try {
-      slot->live().reset();
-    } catch (...) {
-      if (!failed) failed = std::current_exception();
+      impl_->slots[s]->live().reset();
+    } catch (const std::exception& e) {
+      if (failed.empty()) {
+        failed = fmt::format(
+            "PrefixCache::load: loaded {}, but resetting slot {}'s layers failed "
+            "({}): reset them before its next session",
+            path, s, e.what());
+      }
     }
   }
   impl_->stats.loaded_nodes = impl_->trie.node_count();
@@ -200,7 +205,7 @@ void PrefixCache::load(const std::string& dir, const std::string& model_id,
     // The load is done; a merge while evicting ran short (the trie stays consistent, see
     // Trie::merge_into_child), and the next call's eviction goes on from here.
   }
-  if (failed) std::rethrow_exception(failed);
+  if (!failed.empty()) throw Error(failed);
 }
 
 bool PrefixCache::saved_in(const std::string& dir) { return saved_in(dir, LoadOptions{}); }

@@ -222,6 +222,8 @@ TEST(ModelConfig, JsonRoundTripAndErrors) {
                 "delta_value_heads": 1, "delta_head_dim": 65536})");
       },
       {"a recurrent layer's state of 4294967296 floats per sequence (at most 2^28)"}));
+  // No recurrent layer: the delta sizes describe nothing held.
+  EXPECT_EQ(ModelConfig::from_json(R"({"pattern": "AS", "delta_head_dim": 65536})").pattern, "AS");
   EXPECT_TRUE(throws_error([] { (void)ModelConfig::from_json(R"({"rope_theta": 1e-30})"); },
                            {"rope_theta 1e-30 must be >= 1"}));
 }

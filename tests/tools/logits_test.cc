@@ -83,6 +83,7 @@ TEST(LogitsTape, LivesUnnamedInTmpdir) {
                       target.find("(deleted)") != std::string::npos);
   }
   EXPECT_TRUE(found);
+  std::filesystem::remove_all(folder);
 }
 
 TEST(LogitsTape, AWorkloadWhoseLogitsDoNotFitIsRefusedUpFront) {
@@ -108,9 +109,13 @@ TEST(LogitsTape, AWorkloadWhoseLogitsDoNotFitIsRefusedUpFront) {
               std::string::npos)
         << message;
   }
-  check_logits_room(workload, 1, 3);  // 492 MB
-  const TmpdirScope missing("/nonexistent/kvsnap");
-  EXPECT_THROW(check_logits_room(workload, 1, 3), InputError);
+  workload.requests.resize(10);
+  check_logits_room(workload, 1, 3);  // 492 KB
+  {
+    const TmpdirScope missing("/nonexistent/kvsnap");
+    EXPECT_THROW(check_logits_room(workload, 1, 3), InputError);
+  }
+  std::filesystem::remove_all(folder);
 }
 
 }  // namespace
