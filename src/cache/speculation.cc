@@ -117,9 +117,7 @@ void Speculation::begin(int64_t drafts) {
     }
   } catch (...) {
     for (size_t i = 0; i < layers_.size(); ++i) {
-      if (i < prepared && layers_[i].capture) {
-        layers_[i].cache->cancel_snapshots(seq_);
-      }
+      if (i < prepared && layers_[i].capture) layers_[i].cache->cancel_snapshots(seq_);
       layers_[i].capture = false;
     }
     throw;
@@ -212,8 +210,8 @@ void Speculation::accept(int64_t accepted) {
       check_captures(layer);  // a kind that does not report its schedule
     }
     // Only the capture at the accepted offset is restored; the others go first, so no restore
-    // copies out their views of the columns it writes (a window's restore of its own capture
-    // then allocates nothing). The whole-state restores run before the rewinds, which cannot
+    // copies out their views of the columns it writes (a wrapped window's own capture is still
+    // copied to rewrite the ring). The whole-state restores run before the rewinds, which cannot
     // fail: a first restore that throws leaves every layer at the verify forward's end.
     for (Layer& layer : layers_) {
       for (size_t j = 0; j < layer.snapshots.size(); ++j) {
