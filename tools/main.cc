@@ -5,7 +5,6 @@
 #include <kvsnap/kvsnap.h>
 #include <malloc.h>
 #include <unistd.h>
-#include <xxhash.h>
 
 #include <CLI/CLI.hpp>
 #include <cerrno>
@@ -117,13 +116,10 @@ TierOptions tier_options(const ReplayArguments& args, const std::string& address
   return options;
 }
 
-// What makes state valid for a model: its config (with the seed) and the weights' bytes.
-std::string model_fingerprint(const ReplayArguments& args, const Model& model) {
-  if (args.weights.empty()) return model.config().to_json();
-  const std::string weights = detail::read_file(args.weights);
-  const XXH128_hash_t hash = XXH3_128bits(weights.data(), weights.size());
-  return fmt::format("{} weights {:016x}{:016x}", model.config().to_json(), hash.high64,
-                     hash.low64);
+// What makes state valid for a model: its config and its weights' values, whether loaded or
+// generated from the seed (another standard library's normal distribution draws other ones).
+std::string model_fingerprint(const Model& model) {
+  return fmt::format("{} weights {}", model.config().to_json(), model.weights_digest());
 }
 
 void write_chart(const std::string& path, const tools::RunResult& cached,
@@ -232,7 +228,7 @@ int run_replay(const ReplayArguments& args, bool& runs_started) {
   }
   // The saved trie and the tier's entries are only valid for this exact model: its config
   // (with the seed) and the weights' bytes, wherever the weights file lies.
-  const std::string model_id = model_fingerprint(args, model);
+  const std::string model_id = model_fingerprint(model);
   runs_started = true;
   if (args.parallel > 0) return run_parallel(args, workload, model, model_id);
   if (args.speculate > 0) {

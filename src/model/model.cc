@@ -1,6 +1,7 @@
 #include "model/model.h"
 
 #include <fmt/format.h>
+#include <xxhash.h>
 
 #include <cmath>
 #include <fstream>
@@ -33,7 +34,7 @@ namespace {
 constexpr const char* kModelFormat = "kvsnap-model";
 }  // namespace
 
-Model::Model(ModelConfig config) : weights_(std::make_unique<detail::ModelWeights>()) {
+Model::Model(ModelConfig config, Unfilled) : weights_(std::make_unique<detail::ModelWeights>()) {
   config.validate();
   weights_->config = config;
   for (char kind : config.pattern) {
@@ -41,7 +42,10 @@ Model::Model(ModelConfig config) : weights_(std::make_unique<detail::ModelWeight
     layer.kind = kind;
     weights_->layers.push_back(std::move(layer));
   }
-  std::mt19937_64 rng(config.seed);
+}
+
+Model::Model(ModelConfig config) : Model(std::move(config), Unfilled{}) {
+  std::mt19937_64 rng(weights_->config.seed);
   weights_->for_each(
       [&](const std::string&, detail::Floats& tensor, const Shape& shape, float scale) {
         tensor.resize(static_cast<size_t>(detail::element_count(shape)));
@@ -56,11 +60,11 @@ Model::Model(ModelConfig config) : weights_(std::make_unique<detail::ModelWeight
       });
   for (detail::LayerWeights& l : weights_->layers) {
     if (l.kind != 'R') continue;
-    std::vector<float> conv(static_cast<size_t>(weights_->conv_dim() * config.conv_kernel));
-    std::normal_distribution<float> normal(
-        0.0f, 1.0f / std::sqrt(static_cast<float>(config.conv_kernel)));
+    const int64_t kernel = weights_->config.conv_kernel;
+    std::vector<float> conv(static_cast<size_t>(weights_->conv_dim() * kernel));
+    std::normal_distribution<float> normal(0.0f, 1.0f / std::sqrt(static_cast<float>(kernel)));
     for (float& value : conv) value = normal(rng);
-    l.conv = Array::from_floats(conv, {weights_->conv_dim(), config.conv_kernel});
+    l.conv = Array::from_floats(conv, {weights_->conv_dim(), kernel});
   }
   weights_->derive();
 }
@@ -70,6 +74,26 @@ Model& Model::operator=(Model&&) noexcept = default;
 Model::~Model() = default;
 
 const ModelConfig& Model::config() const { return weights_->config; }
+
+std::string Model::weights_digest() const {
+  XXH3_state_t* const state = XXH3_createState();
+  if (state == nullptr) throw std::bad_alloc();
+  const std::unique_ptr<XXH3_state_t, XXH_errorcode (*)(XXH3_state_t*)> owner(state,
+                                                                              XXH3_freeState);
+  XXH3_128bits_reset(state);
+  const auto add = [&](const void* data, size_t bytes) { XXH3_128bits_update(state, data, bytes); };
+  weights_->for_each([&](const std::string& name, detail::Floats& tensor, const Shape&, float) {
+    add(name.data(), name.size() + 1);  // with its NUL: names and values cannot run together
+    add(tensor.data(), tensor.size() * sizeof(float));
+  });
+  for (const detail::LayerWeights& l : weights_->layers) {
+    if (l.kind != 'R') continue;
+    const std::vector<float> conv = l.conv.to_floats();  // small: conv_dim x kernel
+    add(conv.data(), conv.size() * sizeof(float));
+  }
+  const XXH128_hash_t hash = XXH3_128bits_digest(state);
+  return fmt::format("{:016x}{:016x}", hash.high64, hash.low64);
+}
 
 void Model::save(const std::string& config_path, const std::string& weights_path) const {
   detail::SafetensorsFile file;
@@ -105,7 +129,7 @@ void Model::save(const std::string& config_path, const std::string& weights_path
 Model Model::load(const std::string& config_path, const std::string& weights_path) {
   const ModelConfig config = ModelConfig::from_json(detail::read_file(config_path));
   const detail::SafetensorsFile file = detail::read_safetensors(weights_path);
-  Model model(config);
+  Model model(config, Unfilled{});  // every tensor comes from the file (nothing generated)
   const std::string context = fmt::format("Model::load {}", weights_path);
   const auto format = file.metadata.find("format");
   if (format == file.metadata.end() || format->second != kModelFormat) {

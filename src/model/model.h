@@ -72,6 +72,10 @@ class Model {
   // file: mode 0600, as every file kvsnap writes); throws Error naming the file that failed.
   void save(const std::string& config_path, const std::string& weights_path) const;
   const ModelConfig& config() const;
+  // 32 hex digits: an XXH3-128 digest of every weight's bytes, in a fixed order. What makes
+  // saved state valid for this model besides its config: weights generated from one seed differ
+  // where another standard library or libm draws other values.
+  std::string weights_digest() const;
 
   struct CacheOptions {
     bool paged = false;         // full-attention layers in a PagedKVCache (else a KVCache)
@@ -106,6 +110,9 @@ class Model {
                 bool all_positions = false) const;
 
  private:
+  struct Unfilled {};
+  // The config checked and the layers listed, their tensors empty (load fills them).
+  Model(ModelConfig config, Unfilled);
   std::unique_ptr<detail::ModelWeights> weights_;
 };
 

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <kvsnap/kvsnap.h>
 
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -122,6 +123,40 @@ TEST(Model, SaveAndLoadRoundTripExactly) {
   auto c1 = model.make_caches(), c2 = loaded.make_caches();
   EXPECT_TRUE(all_close(model.forward(prompt, cache_pointers(c1), true),
                         loaded.forward(prompt, cache_pointers(c2), true), 0.0f));
+  std::filesystem::remove_all(dir);
+}
+
+// The digest keys saved state to the weights' values: equal for equal weights however they
+// came (a seed, a file), other for any one value changed, a conv weight's included.
+TEST(Model, WeightsDigestNamesTheWeightsValues) {
+  ModelConfig config = small_config();
+  const Model model(config), same(config);
+  const std::string digest = model.weights_digest();
+  EXPECT_EQ(digest.size(), 32U);
+  EXPECT_EQ(same.weights_digest(), digest);
+  config.seed = 7;
+  EXPECT_NE(Model(config).weights_digest(), digest);
+  const auto dir = std::filesystem::temp_directory_path() / "kvsnap_model_digest";
+  std::filesystem::create_directories(dir);
+  const std::string config_path = (dir / "config.json").string();
+  const std::string weights_path = (dir / "model.safetensors").string();
+  model.save(config_path, weights_path);
+  EXPECT_EQ(Model::load(config_path, weights_path).weights_digest(), digest);
+  for (const std::string changed : {"embed", "layers.2.wq", "layers.0.conv", "layers.3.conv"}) {
+    detail::SafetensorsFile file = detail::read_safetensors(weights_path);
+    bool found = false;
+    for (auto& [name, array] : file.tensors) {
+      if (name != changed) continue;
+      found = true;
+      std::vector<float> values = array.to_floats();
+      values.back() = std::nextafter(values.back(), 1e30f);  // one ulp of one value
+      array = Array::from_floats(values, array.shape());
+    }
+    ASSERT_TRUE(found) << changed;
+    const std::string path = (dir / "changed.safetensors").string();
+    { std::ofstream(path, std::ios::binary) << detail::encode_safetensors(file); }
+    EXPECT_NE(Model::load(config_path, path).weights_digest(), digest) << changed;
+  }
   std::filesystem::remove_all(dir);
 }
 
