@@ -3,20 +3,48 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstring>
 #include <random>
 
 #include "figure_parts.h"
 
 namespace kvsnap::bench {
 
+namespace {
+
+// The physical limit of one decode append into a buffer of `tokens` slots: the token's rows
+// (keys and values of every head, depth x dtype bytes each) memcpy'd into a plain buffer of the
+// cache's layout ([H, tokens, D] keys, then values), one slot further each call, so the writes
+// land where a cache's would — over a large buffer, in memory the CPU caches do not hold.
+double strided_append_ns(const Shape& shape, int64_t tokens) {
+  const auto run = static_cast<size_t>(shape.depth * dtype_size(shape.dtype));
+  const int64_t rows = 2 * shape.heads;
+  const Array buffer = Array::zeros(DType::i32, {rows * tokens * static_cast<int64_t>(run) / 4});
+  const Array token = Array::zeros(DType::i32, {rows * static_cast<int64_t>(run) / 4});
+  char* const to = reinterpret_cast<char*>(buffer.mutable_data<int32_t>());
+  const char* const from = reinterpret_cast<const char*>(token.data<int32_t>());
+  int64_t slot = 0;
+  return time_ns([&] {
+    for (int64_t r = 0; r < rows; ++r) {
+      std::memcpy(to + (r * tokens + slot) * static_cast<int64_t>(run), from + r * run, run);
+    }
+    if (++slot == tokens) slot = 0;
+    keep(to);
+  });
+}
+
+}  // namespace
+
 void decode_figures(std::vector<Figure>& out, const Shape& shape) {
   const Chunk token(shape, 1);
-  const double limit = memcpy_ns(shape.token_bytes());
-  const auto add = [&](const char* name, double ns) {
+  const auto add = [&](const char* name, double ns, int64_t tokens) {
+    const double limit = strided_append_ns(shape, tokens);
     const bool pass = ns <= 3 * limit + 200;
-    out.push_back({"decode append", name, ns, "ns/token", ns / limit, "x memcpy of the token",
-                   "<= 3x memcpy + 200 ns", pass,
-                   fmt::format("memcpy of {} B: {:.0f} ns", shape.token_bytes(), limit)});
+    out.push_back(
+        {"decode append", name, ns, "ns/token", ns / limit, "x memcpy of the token's rows",
+         "<= 3x memcpy + 200 ns", pass,
+         fmt::format("memcpy of the token's {} rows ({} B) into a {}-slot buffer: {:.0f} ns",
+                     2 * shape.heads, shape.token_bytes(), tokens, limit)});
   };
   {
     KVCache cache;
@@ -31,7 +59,8 @@ void decode_figures(std::vector<Figure>& out, const Shape& shape) {
     add("KVCache, 32k-token buffer", time_ns([&] {
           if (cache.offset() == (1 << 15)) (void)cache.restore(nullptr, 0);
           keep(writer.write(cache, token));
-        }));
+        }),
+        1 << 15);
   }
   {
     // The same over a 256-token buffer that stays in the CPU caches: the fixed cost alone.
@@ -41,13 +70,14 @@ void decode_figures(std::vector<Figure>& out, const Shape& shape) {
     add("KVCache, 256-token buffer (cache-hot)", time_ns([&] {
           if (cache.offset() == 256) (void)cache.restore(nullptr, 0);
           keep(writer.write(cache, token));
-        }));
+        }),
+        256);
   }
   {
     RotatingKVCache cache(4096);
     Writer writer(1);
     for (int i = 0; i < 5000; ++i) writer.write(cache, token);  // a wrapped ring
-    add("RotatingKVCache (4096)", time_ns([&] { keep(writer.write(cache, token)); }));
+    add("RotatingKVCache (4096)", time_ns([&] { keep(writer.write(cache, token)); }), 4096);
   }
 }
 
@@ -83,6 +113,14 @@ void prefill_figures(std::vector<Figure>& out, const Shape& shape) {
   constexpr int64_t kTokens = 128 * 1024, kChunk = 512;
   const Chunk chunk(shape, kChunk);
   const int64_t final_bytes = kTokens * shape.token_bytes();
+  // The pool sized for a 128k context's buffers (keys and values, every growth step: under 4x
+  // the final bytes), as an engine serving such contexts would set it: the default 512 MiB keeps
+  // only the last two buffers, so the second prefill's smaller ones would come fresh from the
+  // system again, page faults and all.
+  const PoolOptions pool = pool_options();
+  PoolOptions larger = pool;
+  larger.max_bytes = std::max(pool.max_bytes, 4 * final_bytes);
+  set_pool_options(larger);
   CopyStats stats;
   const double ns = time_ns(
       [&] {
@@ -92,6 +130,7 @@ void prefill_figures(std::vector<Figure>& out, const Shape& shape) {
         stats = cache.copy_stats();
       },
       0.0, 2);
+  set_pool_options(pool);
   const double copied = static_cast<double>(stats.appended_bytes + stats.growth_bytes) /
                         static_cast<double>(stats.appended_bytes);
   out.push_back({"prefill 128k in 512-token chunks", "bytes copied / written", copied, "ratio",
@@ -100,6 +139,7 @@ void prefill_figures(std::vector<Figure>& out, const Shape& shape) {
   // The faster of two prefills: the second one's buffers come warm from the allocator's pool,
   // as a serving engine's do after its first request. So the limit is a memcpy of the final
   // size into warm memory too (one into fresh memory pays page faults this prefill does not).
+  // The growth copies are the prefill's own cost: 2x the bytes written move (the figure above).
   const double limit = memcpy_ns(final_bytes);
   out.push_back({"prefill 128k in 512-token chunks", "time", ns / 1e6, "ms", ns / limit,
                  "x one memcpy of the final size", "<= 2.5", ns / limit <= 2.5,
@@ -112,13 +152,23 @@ void capture_figures(std::vector<Figure>& out, const Shape& shape) {
   const Chunk chunk(shape, 1024);
   Writer writer(1024);
   for (int i = 0; i < 101; ++i) writer.write(cache, chunk);
-  for (int64_t range : {int64_t(1), int64_t(1000), int64_t(100000)}) {
-    const int64_t bytes = live_bytes();
-    const double ns = time_ns([&] { keep(cache.snapshot(cache.offset() - range)); });
-    const bool allocated_nothing = live_bytes() == bytes;
-    out.push_back({"lazy capture", fmt::format("snapshot of {} tokens", range), ns, "ns",
-                   ns / 1000.0, "x 1 us", "< 1 us, 0 bytes", ns < 1000 && allocated_nothing,
-                   allocated_nothing ? "0 array bytes allocated" : "ALLOCATED ARRAY BYTES"});
+  const int64_t ranges[] = {1, 1000, 100000};
+  double times[3];
+  bool allocated_nothing[3];
+  for (size_t i = 0; i < 3; ++i) {
+    const int64_t count = allocation_count();
+    times[i] = time_ns([&] { keep(cache.snapshot(cache.offset() - ranges[i])); });
+    allocated_nothing[i] = allocation_count() == count;
+  }
+  // Flat: the largest range's capture costs what the smallest one's does (within 2x).
+  const bool flat = times[2] <= 2 * times[0];
+  for (size_t i = 0; i < 3; ++i) {
+    out.push_back(
+        {"lazy capture", fmt::format("snapshot of {} tokens", ranges[i]), times[i], "ns",
+         times[i] / 1000.0, "x 1 us", "< 1 us, 0 arrays, flat",
+         times[i] < 1000 && allocated_nothing[i] && flat,
+         fmt::format("{}; {}", allocated_nothing[i] ? "no array allocated" : "ALLOCATED ARRAYS",
+                     flat ? "flat in size" : "NOT FLAT: 100k vs 1 token over 2x")});
   }
   // Scheduled captures inside one batched write: the write with 64 captures minus without, on
   // a one-head, one-dim layout so the copy does not drown the captures' cost.
@@ -136,7 +186,7 @@ void capture_figures(std::vector<Figure>& out, const Shape& shape) {
         keep(prefill_writer.write(small, prefill));
       },
       0.1, 5);
-  const int64_t bytes = live_bytes();
+  const int64_t count = allocation_count();
   const double scheduled = time_ns(
       [&] {
         (void)small.restore(nullptr, 512);
@@ -145,12 +195,13 @@ void capture_figures(std::vector<Figure>& out, const Shape& shape) {
         keep(small.take_snapshots());
       },
       0.1, 5);
-  const bool allocated_nothing = live_bytes() == bytes;
+  const bool none_allocated = allocation_count() == count;
   const double per_capture = std::max(0.0, scheduled - plain) / 64;
   out.push_back({"lazy capture", "scheduled, 64 inside one 512-token write", per_capture,
-                 "ns/capture", per_capture / 1000.0, "x 1 us", "< 1 us, 0 bytes",
-                 per_capture < 1000 && allocated_nothing,
-                 "prepare + write + take, minus the write"});
+                 "ns/capture", per_capture / 1000.0, "x 1 us", "< 1 us, 0 arrays",
+                 per_capture < 1000 && none_allocated,
+                 fmt::format("prepare + write + take, minus the write; {}",
+                             none_allocated ? "no array allocated" : "ALLOCATED ARRAYS")});
 }
 
 void copy_figures(std::vector<Figure>& out, const Shape& shape) {
@@ -174,25 +225,46 @@ void copy_figures(std::vector<Figure>& out, const Shape& shape) {
           overwrite();
         },
         0.1, 3);
-    const double materialize = std::max(1.0, with_copy - plain);
-    // Restore of an owned snapshot into a live cache whose buffer exists.
+    // The figure holds only if the write copied the snapshot out, every byte of it, and the
+    // difference is measurable at all (noise can make it 0 or less: no speed, a FAIL).
+    const CopyStats before = cache.copy_stats();
+    bool copied_out = false;
+    {
+      SnapshotPtr all = cache.snapshot(0);
+      overwrite();
+      copied_out = all->size() == bytes &&
+                   cache.copy_stats().materialized_bytes - before.materialized_bytes == bytes;
+    }
+    const double materialize = with_copy - plain;
+    // Restore of an owned snapshot into a live cache whose buffer exists; every call must write
+    // the snapshot's bytes back.
     SnapshotPtr owned = cache.snapshot(0);
     overwrite();
+    bool restored = owned->size() == bytes;
+    int64_t restores = 0;
+    const int64_t restored_before = cache.copy_stats().restored_bytes;
     const double restore = time_ns(
         [&] {
           (void)cache.restore(nullptr, 0);
-          (void)cache.restore(owned.get(), tokens);
+          restored = cache.restore(owned.get(), tokens) && restored;
+          ++restores;
         },
         0.1, 3);
+    restored = restored && cache.copy_stats().restored_bytes - restored_before == restores * bytes;
     const double limit = memcpy_ns(bytes);
     const auto gbps = [&](double ns) { return static_cast<double>(bytes) / ns; };
     const std::string size = fmt::format("{:.0f} MiB", static_cast<double>(bytes) / kMiB);
+    const bool measured = copied_out && materialize > 0;
     out.push_back({"materialize lazy snapshot", fmt::format("{}k tokens", tokens / 1024),
-                   gbps(materialize), "GB/s", limit / materialize, "x memcpy speed (warm memory)",
-                   ">= 0.8", limit / materialize >= 0.8, size});
+                   measured ? gbps(materialize) : 0, "GB/s", measured ? limit / materialize : 0,
+                   "x memcpy speed (warm memory)", ">= 0.8", measured && limit / materialize >= 0.8,
+                   !copied_out ? size + "; THE WRITE DID NOT COPY THE SNAPSHOT OUT"
+                   : !measured ? size + "; no time left after subtracting the write (noise)"
+                               : size});
     out.push_back({"restore owned snapshot", fmt::format("{}k tokens", tokens / 1024),
                    gbps(restore), "GB/s", limit / restore, "x memcpy speed (warm memory)", ">= 0.8",
-                   limit / restore >= 0.8, size});
+                   restored && limit / restore >= 0.8,
+                   restored ? size : size + "; A RESTORE DID NOT WRITE THE SNAPSHOT BACK"});
   }
 }
 
@@ -201,16 +273,25 @@ void merge_split_figures(std::vector<Figure>& out, const Shape& shape) {
   const Chunk chunk(shape, 1024);
   Writer writer(1024);
   for (int i = 0; i < 101; ++i) writer.write(cache, chunk);
-  for (int64_t range : {int64_t(1000), int64_t(100000)}) {
-    const int64_t bytes = live_bytes();
-    const double ns = time_ns([&] {
+  const int64_t ranges[] = {1000, 100000};
+  double times[2];
+  bool nothing[2];
+  for (size_t i = 0; i < 2; ++i) {
+    const int64_t range = ranges[i], count = allocation_count();
+    times[i] = time_ns([&] {
       auto [a, b] = cache.split(cache.snapshot(cache.offset() - range), cache.offset() - range / 2);
       keep(cache.merge(std::move(a), std::move(b)));
     });
-    const bool nothing = live_bytes() == bytes;
-    out.push_back({"merge + split of lazy snapshots", fmt::format("{} tokens", range), ns, "ns",
-                   ns / 1000.0, "x 1 us", "flat in size, < 1 us", ns < 1000 && nothing,
-                   "includes creating the snapshot"});
+    nothing[i] = allocation_count() == count;
+  }
+  const bool flat = times[1] <= 2 * times[0];  // 100x the tokens, within 2x the time
+  for (size_t i = 0; i < 2; ++i) {
+    out.push_back({"merge + split of lazy snapshots", fmt::format("{} tokens", ranges[i]), times[i],
+                   "ns", times[i] / 1000.0, "x 1 us", "flat in size, < 1 us, 0 arrays",
+                   times[i] < 1000 && nothing[i] && flat,
+                   fmt::format("includes creating the snapshot; {}; {}",
+                               nothing[i] ? "no array allocated" : "ALLOCATED ARRAYS",
+                               flat ? "flat in size" : "NOT FLAT: 100k vs 1k over 2x")});
   }
 }
 
@@ -231,24 +312,27 @@ void recurrent_figures(std::vector<Figure>& out) {
   const Array g = filled({1, 1, kValueHeads}, 0.9f), beta = filled({1, 1, kValueHeads}, 0.5f);
   const Array tail = filled({1, 3, kChannels}, 0.0f);
   const Array state = filled({1, kValueHeads, kDepth, kDepth}, 0.0f);
-  const double kernel = time_ns(
-      [&] {
-        keep(causal_conv1d(x, weight, tail));
-        keep(gated_delta(q, k, v, g, beta, state));
-      },
-      0.2, 5);
+  const auto kernels = [&] {
+    keep(causal_conv1d(x, weight, tail));
+    keep(gated_delta(q, k, v, g, beta, state));
+  };
   Batch batch = Batch::uniform(1, 1, 0);
-  const double step = time_ns(
-      [&] {
-        batch.seq_offsets[0] = static_cast<int32_t>(cache.offset());
-        const RecurrentHistory history = cache.get(batch, DType::f32);
-        const std::vector<int64_t> splits = cache.snapshot_splits(1);
-        const Conv1dResult conv = causal_conv1d(x, weight, history.conv_state(), splits);
-        const GatedDeltaResult delta = gated_delta(q, k, v, g, beta, history.delta_state(), splits);
-        cache.put(batch, conv.tails, delta.states);
-        keep(cache.snapshot(0));
-      },
-      0.2, 5);
+  const auto through_cache = [&] {
+    batch.seq_offsets[0] = static_cast<int32_t>(cache.offset());
+    const RecurrentHistory history = cache.get(batch, DType::f32);
+    const std::vector<int64_t> splits = cache.snapshot_splits(1);
+    const Conv1dResult conv = causal_conv1d(x, weight, history.conv_state(), splits);
+    const GatedDeltaResult delta = gated_delta(q, k, v, g, beta, history.delta_state(), splits);
+    cache.put(batch, conv.tails, delta.states);
+    keep(cache.snapshot(0));
+  };
+  // Alternating rounds, the best of each: the machine's drift between two measurements taken
+  // one after the other is larger than the 5% the target allows.
+  double kernel = 1e300, step = 1e300;
+  for (int round = 0; round < 4; ++round) {
+    kernel = std::min(kernel, time_ns(kernels, 0.05, 2));
+    step = std::min(step, time_ns(through_cache, 0.05, 2));
+  }
   out.push_back({"recurrent decode step", "get + kernels + put + capture", step / 1e3, "us",
                  step / kernel, "x the kernels alone", "<= 1.05", step / kernel <= 1.05,
                  fmt::format("kernels alone {:.1f} us; the 2 MiB state is shared, not copied",
