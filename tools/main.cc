@@ -7,8 +7,10 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <atomic>
 #include <cerrno>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -40,6 +42,14 @@ void note(fmt::format_string<Args...> format, Args&&... args) {
   (void)std::fwrite(text.data(), 1, text.size(), stderr);
 }
 
+// Whether a progress bar's line on the terminal is left open (not yet ended by its last
+// redraw): a message written then starts on a line of its own (end_progress_line).
+std::atomic<bool> progress_line_open{false};
+
+void end_progress_line() {
+  if (progress_line_open.exchange(false)) note("\n");
+}
+
 // A progress bar on stderr: redrawn in place on a terminal, a line per quarter otherwise.
 class Progress {
  public:
@@ -51,7 +61,8 @@ class Progress {
     if (tty_) {
       note("\r{:<22} [{}{}] {}/{}", label_, std::string(filled, '#'),
            std::string(width - filled, '.'), done, total);
-      if (done == total) note("\n");
+      progress_line_open = true;
+      if (done == total) end_progress_line();
     } else if (done == total || done * 4 / total != (done - 1) * 4 / total) {
       note("{}: {}/{} requests\n", label_, done, total);
     }
@@ -83,6 +94,25 @@ struct ReplayArguments {
   int64_t speculate = 0;
   double draft_noise = 0;
 };
+
+// A whole number in [lo, hi], in decimal digits only, rewritten without leading zeros: CLI11
+// reads "010" as octal 8 and "0x10" as 16, converts "-1" to 2^64 - 1, and saturates a number past
+// its type's range, all silently.
+CLI::Validator whole_number(uint64_t lo, uint64_t hi) {
+  return {[lo, hi](std::string& value) -> std::string {
+            const bool digits =
+                !value.empty() && value.find_first_not_of("0123456789") == std::string::npos;
+            errno = 0;
+            const uint64_t number = digits ? std::strtoull(value.c_str(), nullptr, 10) : 0;
+            if (!digits || errno == ERANGE || number < lo || number > hi) {
+              return fmt::format("{} is not a whole number from {} to {} (decimal digits)", value,
+                                 lo, hi);
+            }
+            value = std::to_string(number);
+            return {};
+          },
+          fmt::format("INT in [{} - {}]", lo, hi)};
+}
 
 // The tier's address: --tier's, or with --tier @PATH the one in PATH (a private file, like the
 // key file: a Redis password stays off the command line, which other users can read).
@@ -185,7 +215,7 @@ void add_tier_options(CLI::App& command, ReplayArguments& args) {
   command
       .add_option("--tier-timeout-ms", args.tier_timeout_ms,
                   "with --tier: the most a lookup waits for the store")
-      ->check(CLI::Range(int64_t{0}, int64_t{60000}))
+      ->transform(whole_number(0, 60000))
       ->needs("--tier")
       ->capture_default_str();
 }
@@ -292,23 +322,6 @@ int run_bench(const BenchArguments& args, bool& runs_started) {
   return tools::finish_run(bench::figures_status(figures), {tools::check_stdout, chart}, std::cerr);
 }
 
-// A whole number from 0 to 2^64 - 1, digits only: CLI11 converts "-1" to 2^64 - 1 and a number
-// past 2^64 to its largest value silently.
-CLI::Validator unsigned_64() {
-  return {[](std::string& value) -> std::string {
-            const bool digits =
-                !value.empty() && value.find_first_not_of("0123456789") == std::string::npos;
-            errno = 0;
-            if (digits) (void)std::strtoull(value.c_str(), nullptr, 10);
-            if (!digits || errno == ERANGE) {
-              return fmt::format("{} is not a whole number from 0 to {}", value,
-                                 std::numeric_limits<uint64_t>::max());
-            }
-            return {};
-          },
-          "UINT64"};
-}
-
 // The model: its weights and the threads its kernels use.
 void add_model_options(CLI::App& command, ReplayArguments& args) {
   CLI::Option* config =
@@ -325,13 +338,13 @@ void add_model_options(CLI::App& command, ReplayArguments& args) {
       .add_option("--seed", args.seed,
                   "seed of the generated weights (default: the --model-config's \"seed\", "
                   "else 42)")
-      ->check(unsigned_64())
+      ->transform(whole_number(0, std::numeric_limits<uint64_t>::max()))
       ->excludes(weights);
   command
       .add_option("--threads", args.threads,
                   "threads for the model's kernels (matrix products, attention), this one "
                   "included; every count gives bitwise the same results")
-      ->check(CLI::Range(1, 256))
+      ->transform(whole_number(1, 256))
       ->capture_default_str();
 }
 
@@ -342,12 +355,12 @@ void add_parallel_options(CLI::App& replay_command, ReplayArguments& replay) {
           .add_option("--parallel", replay.parallel,
                       "serve N sequences at once: continuous batching over one prefix cache "
                       "with paged attention, compared with the sequential run without cache")
-          ->check(CLI::Range(int64_t{1}, int64_t{1024}));
+          ->transform(whole_number(1, 1024));
   replay_command
       .add_option("--prefill-chunk", replay.prefill_chunk,
                   "with --parallel: prompt tokens per step, over all prefilling sequences, at "
                   "most 65536 (a step's activations grow with it)")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 16))
+      ->transform(whole_number(1, uint64_t{1} << 16))
       ->needs(parallel)
       ->capture_default_str();
   // The pools grow 64 blocks at a time: at most 64 x 1024 = 65536 tokens per chunk (32 MiB per
@@ -358,7 +371,7 @@ void add_parallel_options(CLI::App& replay_command, ReplayArguments& replay) {
                   "1024 (a pool grows by 64 blocks: a chunk then holds at most 65536 tokens, "
                   "32 MiB per attention layer of the default model; larger blocks only leave "
                   "more of the last block of every sequence unused)")
-      ->check(CLI::Range(int64_t{1}, int64_t{1024}))
+      ->transform(whole_number(1, 1024))
       ->needs(parallel)
       ->capture_default_str();
 }
@@ -369,7 +382,7 @@ void add_speculate_options(CLI::App& replay_command, ReplayArguments& replay) {
       .add_option("--speculate", replay.speculate,
                   "greedy decoding with speculation: prompt-lookup drafts of up to K tokens per "
                   "round, compared with plain greedy decoding")
-      ->check(CLI::Range(int64_t{1}, int64_t{64}))
+      ->transform(whole_number(1, 64))
       ->excludes("--parallel")
       ->excludes("--cache-dir");
   replay_command
@@ -395,6 +408,10 @@ void tune_process() {
   // large on every step, and each first touch of a page faults. Keep freed memory in the heap.
   (void)::mallopt(M_MMAP_THRESHOLD, 32 << 20);
   (void)::mallopt(M_TRIM_THRESHOLD, 512 << 20);
+  // A reader that closed the pipe (`kvsnap replay | head -1`) makes a write fail with EPIPE, which
+  // check_stdout reports (exit 3) once the run's other finish steps (the chart, the cache dir's
+  // save) have run, instead of a SIGPIPE ending the process in the middle of them.
+  (void)std::signal(SIGPIPE, SIG_IGN);
 }
 
 // `kvsnap bench` and its options.
@@ -450,7 +467,7 @@ int run(int argc, char** argv) {
                    "SVG chart file ('' for none): checked before the runs, replaced atomically")
       ->capture_default_str();
   replay_command->add_option("--budget", replay.budget, "prefix cache budget in bytes")
-      ->check(CLI::Range(int64_t{1}, std::numeric_limits<int64_t>::max()))
+      ->transform(whole_number(1, std::numeric_limits<int64_t>::max()))
       ->capture_default_str();
   CLI::Option* cache_dir = replay_command->add_option(
       "--cache-dir", replay.cache_dir,
@@ -492,6 +509,7 @@ int run(int argc, char** argv) {
     if (*replay_command) return run_replay(replay, runs_started);
     if (*bench_command) return run_bench(bench_args, runs_started);
   } catch (...) {
+    end_progress_line();
     note("kvsnap: {}\n", tools::failure_message(std::current_exception()));
     return tools::failure_status(std::current_exception(), runs_started);
   }

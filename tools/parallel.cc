@@ -168,8 +168,9 @@ class Scheduler {
   }
 
   // The message ends past what the session restored, and where the prompts of requests waiting
-  // to start leave this one (at most kLookahead of them): a request sharing more of this
-  // prompt than the cache holds waits for this prefill, then restores exactly there.
+  // to start leave this one (the first kLookahead of them: each costs building its prompt, so
+  // every one looked at counts, sharing or not): a request sharing more of this prompt than the
+  // cache holds waits for this prefill, then restores exactly there.
   std::vector<int64_t> restore_points(size_t admitted, const Running& r,
                                       const std::vector<int64_t>& boundaries) const {
     constexpr size_t kLookahead = 16;
@@ -181,8 +182,9 @@ class Scheduler {
     size_t looked = 0;
     for (size_t j = 0; j < workload_.requests.size() && looked < kLookahead; ++j) {
       if (admitted_[j] || j == admitted || !arrival(j)) continue;
+      ++looked;
       const int64_t shared = restorable(builder_.prompt(workload_.requests[j], nullptr), r.prompt);
-      if (shared > cached && shared < length) points.insert(shared), ++looked;
+      if (shared > cached && shared < length) points.insert(shared);
     }
     return {points.begin(), points.end()};
   }
@@ -429,7 +431,10 @@ std::string format_parallel_json(const ParallelRun& parallel, const RunResult& u
       {"evaluated_cached", a.evaluated},
       {"evaluated_uncached", b.evaluated},
       {"ideal", a.ideal},
-      {"gap", {{"seen_not_evaluated", a.seen_not_evaluated}, {"restore_points", a.restore_points}}},
+      {"gap", parallel.run.loaded_nodes >= 0  // a warm start: as replay's (format_json)
+                  ? nlohmann::json(nullptr)
+                  : nlohmann::json{{"seen_not_evaluated", a.seen_not_evaluated},
+                                   {"restore_points", a.restore_points}}},
       {"loaded_nodes", parallel.run.loaded_nodes},
       {"load_evicted_nodes", parallel.run.load_evicted_nodes},
       {"reply_tokens", a.reply_tokens},

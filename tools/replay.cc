@@ -284,9 +284,25 @@ Comparison compare(const RunResult& cached, const RunResult& uncached, double to
   for (size_t i = 0; i < cached.requests.size() && i < uncached.requests.size(); ++i) {
     const RequestResult& a = cached.requests[i];
     const RequestResult& b = uncached.requests[i];
-    if (a.reply != b.reply && c.first_difference.empty()) {
+    const auto differ = [&](const std::string& what) {
+      if (c.first_difference.empty()) c.first_difference = fmt::format("request {} ", i + 1) + what;
+    };
+    if (a.id != b.id) {
       c.same_tokens = false;
-      c.first_difference = fmt::format("request {} ({}): the replies differ", i + 1, a.id);
+      differ(fmt::format("is {} in one run and {} in the other", a.id, b.id));
+    }
+    if (a.reply != b.reply) {
+      c.same_tokens = false;
+      differ(fmt::format("({}): the replies differ", a.id));
+    }
+    // A row of logits for every reply token, as wide in both runs: a run that kept fewer (or
+    // none) is not checked, so it does not agree.
+    if (a.logits.size() != a.reply.size() || b.logits.size() != b.reply.size() ||
+        a.logits.width() != b.logits.width()) {
+      differ(fmt::format(
+          "({}): {} and {} logits rows of {} and {} values for replies of {} and {} tokens", a.id,
+          a.logits.size(), b.logits.size(), a.logits.width(), b.logits.width(), a.reply.size(),
+          b.reply.size()));
     }
     std::vector<float> row_a, row_b;  // one row of each at a time, read back from the tapes
     for (size_t t = 0; t < a.logits.size() && t < b.logits.size(); ++t) {
@@ -417,6 +433,10 @@ std::string ideal_gap_lines(int64_t evaluated, int64_t ideal, int64_t seen_not_e
   return out;
 }
 
+bool restored_from_before(const Summary& s) {
+  return s.loaded_nodes >= 0 || (s.with_tier && s.tier.hits > 0);
+}
+
 std::string format_table(const Summary& s, const Comparison& c, const std::string& workload) {
   const auto row = [](const std::string& name, const std::string& a, const std::string& b) {
     return fmt::format("  {:<30} {:>14} {:>14}\n", name, a, b);
@@ -439,9 +459,8 @@ std::string format_table(const Summary& s, const Comparison& c, const std::strin
   out += row("evicted trie nodes", std::to_string(s.evicted_nodes), "");
   out += row("trie nodes", std::to_string(s.trie_nodes), "");
   if (s.with_tier) out += tier_rows(s.tier);
-  out +=
-      ideal_gap_lines(s.evaluated_cached, s.ideal, s.gap_seen_not_evaluated, s.gap_restore_points,
-                      s.loaded_nodes >= 0 || (s.with_tier && s.tier.hits > 0));
+  out += ideal_gap_lines(s.evaluated_cached, s.ideal, s.gap_seen_not_evaluated,
+                         s.gap_restore_points, restored_from_before(s));
   out +=
       fmt::format("  speed-up of time to first token (median): {:.1f}x\n",
                   s.ttft_median_cached > 0 ? s.ttft_median_uncached / s.ttft_median_cached : 0.0);
@@ -468,6 +487,9 @@ std::string format_json(const Summary& s, const Comparison& c, const RunResult& 
                         {"ttft_ms_uncached", b.ttft_seconds * 1e3},
                         {"reply_tokens", a.reply.size()}});
   }
+  // After a warm start or tier hits the cached run evaluates fewer tokens than the ideal (which
+  // counts tokens new to this run): the gap over it has no parts to tell.
+  const bool warm = restored_from_before(s);
   const nlohmann::json json = {
       {"workload", workload},
       {"requests", s.requests},
@@ -475,9 +497,9 @@ std::string format_json(const Summary& s, const Comparison& c, const RunResult& 
       {"evaluated_cached", s.evaluated_cached},
       {"evaluated_uncached", s.evaluated_uncached},
       {"ideal", s.ideal},
-      {"gap",
-       {{"seen_not_evaluated", s.gap_seen_not_evaluated},
-        {"restore_points", s.gap_restore_points}}},
+      {"gap", warm ? nlohmann::json(nullptr)
+                   : nlohmann::json{{"seen_not_evaluated", s.gap_seen_not_evaluated},
+                                    {"restore_points", s.gap_restore_points}}},
       {"ttft_ms",
        {{"cached", {{"median", s.ttft_median_cached * 1e3}, {"p90", s.ttft_p90_cached * 1e3}}},
         {"uncached",

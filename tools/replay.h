@@ -145,6 +145,8 @@ struct Summary {
 };
 Summary summarize(const RunResult& cached, const RunResult& uncached);
 
+// Whether the cached run restored state earlier runs saved: a warm start, or tier hits.
+bool restored_from_before(const Summary&);
 std::string format_table(const Summary&, const Comparison&, const std::string& workload);
 // The tables' lines on a warm start (none when `loaded` < 0): how many nodes were loaded and how
 // many of them the budget evicted at once.

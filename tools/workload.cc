@@ -127,7 +127,10 @@ Workload parse_workload(const std::string& text, const std::string& source) {
   workload.name = source;
   std::set<std::string> known;
   int64_t number = 0;
-  for (size_t begin = 0; begin < text.size();) {
+  // A UTF-8 byte order mark (editors on some systems write one) is not part of line 1, whether a
+  // comment or a request follows it.
+  const size_t start = text.starts_with("\xEF\xBB\xBF") ? 3 : 0;
+  for (size_t begin = start; begin < text.size();) {
     const size_t end = std::min(text.find('\n', begin), text.size());
     const std::string_view line(text.data() + begin, end - begin);
     begin = end + 1;

@@ -303,6 +303,9 @@ TEST(ParallelReplay, AWarmStartIsReportedLikeTheSequentialRuns) {
   json = nlohmann::json::parse(format_parallel_json(warm, uncached, c, "w"));
   EXPECT_EQ(json.at("loaded_nodes"), cold.run.trie_nodes);
   EXPECT_EQ(json.at("load_evicted_nodes"), 0);
+  // Below the ideal: no parts of a gap over it (they read negative).
+  EXPECT_LT(json.at("evaluated_cached").get<int64_t>(), json.at("ideal").get<int64_t>());
+  EXPECT_TRUE(json.at("gap").is_null());
   const std::string table = format_parallel_table(warm, uncached, c, "w");
   EXPECT_NE(table.find("warm start: " + std::to_string(cold.run.trie_nodes) + " trie nodes"),
             std::string::npos);

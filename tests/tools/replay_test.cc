@@ -51,6 +51,16 @@ TEST(Workload, ParsesEveryKindOfRequest) {
   EXPECT_EQ(w.requests[3].line, 6);
 }
 
+// A byte order mark at the start of the file is skipped before a comment as before a request.
+TEST(Workload, AByteOrderMarkBeforeTheFirstLineIsSkipped) {
+  const std::string bom = "\xEF\xBB\xBF";
+  const std::string request = R"({"id": "a", "messages": [{"role": "user", "content": "hi"}]})";
+  EXPECT_EQ(parse_workload(bom + "# a comment\n" + request + "\n", "test").requests.at(0).line, 2);
+  EXPECT_EQ(parse_workload(bom + request + "\n", "test").requests.at(0).id, "a");
+  EXPECT_TRUE(throws_error([&] { (void)parse_workload(request + "\n" + bom + request, "test"); },
+                           {"test line 2"}));  // only at the start of the file
+}
+
 TEST(Workload, TheEmbeddedWorkloadParses) {
   const Workload w = embedded_workload();
   EXPECT_GE(w.requests.size(), 20u);
@@ -366,6 +376,11 @@ TEST(Replay, AWarmStartUnderASmallerBudgetSaysWhatItLoadedAndEvicted) {
   EXPECT_NE(format_table(s, c, "test").find(loaded), std::string::npos) << format_table(s, c, "t");
   const nlohmann::json json = nlohmann::json::parse(format_json(s, c, second, uncached, "test"));
   EXPECT_EQ(json.at("loaded_nodes"), first.trie_nodes);
+  EXPECT_TRUE(json.at("gap").is_null());  // its parts would read negative
+  EXPECT_TRUE(
+      nlohmann::json::parse(format_json(summarize(first, uncached), c, first, uncached, "test"))
+          .at("gap")
+          .is_object());
   EXPECT_EQ(json.at("load_evicted_nodes"), second.load_evicted_nodes);
   std::filesystem::remove_all(dir);
 }
@@ -543,6 +558,25 @@ TEST(Compare, RunsAgreeOnRepliesAndLogitsWithinTheTolerance) {
   c = compare(a, b, 1e-4);
   EXPECT_FALSE(c.same_tokens);
   EXPECT_NE(c.first_difference.find("request 1 (a)"), std::string::npos) << c.first_difference;
+  // Logits rows missing on one side, or of another width, or another request: no agreement
+  // (the rows compared were only those both runs had).
+  b = a;
+  b.requests[0].logits = LogitRows::of({{0.5f, 20.0f}});
+  c = compare(a, b, 1e-4);
+  EXPECT_NE(c.first_difference.find("request 1 (a): 2 and 1 logits rows"), std::string::npos)
+      << c.first_difference;
+  b.requests[0].logits = LogitRows();
+  EXPECT_FALSE(compare(b, a, 1e-4).first_difference.empty());
+  b.requests[0].logits = LogitRows::of({{0.5f, 20.0f, 1.0f}, {-3.0f, 0.0f, 1.0f}});
+  c = compare(a, b, 1e-4);
+  EXPECT_NE(c.first_difference.find("of 2 and 3 values"), std::string::npos) << c.first_difference;
+  b = a;
+  b.requests[0].id = "b";
+  c = compare(a, b, 1e-4);
+  EXPECT_FALSE(c.same_tokens);
+  EXPECT_NE(c.first_difference.find("request 1 is a in one run and b in the other"),
+            std::string::npos)
+      << c.first_difference;
   b = a;
   b.requests.push_back(r);
   c = compare(a, b, 1e-4);
