@@ -45,17 +45,23 @@ std::optional<std::string> read_object(const std::string& file, Deadline deadlin
     throw cannot_read(file);
   }
   if (!S_ISREG(status.st_mode) || status.st_size > kMaximum) return std::nullopt;
+  const auto foreign = [&] {
+    return own_files_only && status.st_uid != ::geteuid() && status.st_uid != 0;
+  };
+  if (foreign()) return std::nullopt;  // not even opened (below: swapped for one since)
   // Swapped for a link, a FIFO or a device since: O_NOFOLLOW fails, O_NONBLOCK does not wait,
-  // and fstat below sees what was opened.
+  // and fstat below sees what was opened. A file this user may not read (another user's, mode
+  // 0600, at a name one of ours had) is missing, as another user's file is: it does not fail
+  // the lookup of everything else.
   const FileDescriptor object(
       ::open(file.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC));
   if (object.get() < 0) {
-    if (errno == ENOENT || errno == ELOOP || errno == ENXIO) return std::nullopt;
+    if (errno == ENOENT || errno == ELOOP || errno == ENXIO || errno == EACCES || errno == EPERM)
+      return std::nullopt;
     throw cannot_read(file);
   }
   if (::fstat(object.get(), &status) != 0) throw cannot_read(file);
-  if (!S_ISREG(status.st_mode) || status.st_size > kMaximum) return std::nullopt;
-  if (own_files_only && status.st_uid != ::geteuid() && status.st_uid != 0) return std::nullopt;
+  if (!S_ISREG(status.st_mode) || status.st_size > kMaximum || foreign()) return std::nullopt;
   std::string bytes;
   bytes.reserve(static_cast<size_t>(status.st_size));
   std::string buffer(size_t(1) << 20, '\0');
@@ -259,7 +265,8 @@ void DirStore::probe(std::span<const std::string> sets, std::span<const std::str
     const std::string file = path(keys[i]);
     exists[i] = fs::is_regular_file(fs::symlink_status(file, error)) &&
                 fs::file_size(file, error) <= static_cast<uintmax_t>(kMaximumObjectBytes) &&
-                !error && !(own_files_only_ && others(file));  // as fetch reads it
+                !error && !(own_files_only_ && others(file)) &&              // as fetch reads it:
+                ::faccessat(AT_FDCWD, file.c_str(), R_OK, AT_EACCESS) == 0;  // one it can read
     // Asked after: in use (a prefix the asking process holds itself, an object its writer skips
     // as stored), so its lifetime starts afresh, as EXPIRE's does on Redis.
     if (exists[i]) (void)::utimensat(AT_FDCWD, file.c_str(), nullptr, AT_SYMLINK_NOFOLLOW);

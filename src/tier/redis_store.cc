@@ -33,9 +33,9 @@ int parse_number(const std::string& address, std::string_view text, int low, int
   const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
   if (text.empty() || error != std::errc() || end != text.data() + text.size() || value < low ||
       value > high) {
-    // A port that is not digits is not shown: it may be a password written without its '@'.
+    // A port or database that is not digits is not shown: it may be (part of) a password
+    // written without its '@'.
     const bool shown =
-        std::string_view(what) != "port" ||
         std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; });
     throw bad_address(address,
                       fmt::format("{} {} is not a number in [{}, {}]", what,

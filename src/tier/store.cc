@@ -83,16 +83,25 @@ std::string redact_address(const std::string& address) {
   const size_t at = address.rfind('@');
   if (at == std::string::npos) {
     // No '@': a password written without it stands where the port would ("redis://:secret",
-    // "redis://user:secret"); anything after the host's ':' but digits is hidden.
+    // "redis://user:secret"), and where the database would from a '/' in it ("redis://user:
+    // se/cret"): whatever is not digits after the host's ':' is hidden from there to the end,
+    // and so is a database that is not digits.
+    const auto digits = [](std::string_view text) {
+      return std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; });
+    };
     const size_t start = scheme == std::string::npos ? 0 : scheme + 3;
-    const size_t end = std::min(address.find('/', start), address.size());
-    const size_t colon = address.rfind(':', end);
-    if (colon == std::string::npos || colon < start || colon + 1 >= end) return address;
-    const std::string_view port(address.data() + colon + 1, end - colon - 1);
-    if (std::all_of(port.begin(), port.end(), [](char c) { return c >= '0' && c <= '9'; })) {
-      return address;
+    const size_t slash = std::min(address.find('/', start), address.size());
+    const size_t colon = address.rfind(':', slash == address.size() ? slash : slash - 1);
+    const size_t bracket = address.rfind(']', slash == address.size() ? slash : slash - 1);
+    const bool port = colon != std::string::npos && colon >= start &&
+                      (bracket == std::string::npos || bracket < start || colon > bracket);
+    if (port && !digits(std::string_view(address).substr(colon + 1, slash - colon - 1))) {
+      return address.substr(0, colon + 1) + "***";
     }
-    return address.substr(0, colon + 1) + "***" + address.substr(end);
+    if (slash < address.size() && !digits(std::string_view(address).substr(slash + 1))) {
+      return address.substr(0, slash + 1) + "***";
+    }
+    return address;
   }
   // Whatever stands between the scheme (any, or none) and the last '@' may be a password: only
   // a user name before a ':' stays.

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 
+#include "kvsnap/rotating_kv_cache.h"
 #include "tier/object.h"
 #include "tier/tier_impl.h"
 
@@ -50,6 +51,14 @@ void TierImpl::store(std::span<const int32_t> tokens, std::span<const Snapshot* 
     if (record.kind != kind) {
       throw fail(fmt::format("layer {} at offset {}: a {} snapshot, where the layer takes {} ones",
                              i, offset, record_kind_name(record.kind), record_kind_name(kind)));
+    }
+    // A window's snapshot holds what a window of its own size keeps: of another size, every
+    // reader would find other token counts and reject (and delete) the object.
+    const auto* window = dynamic_cast<const RotatingKVCache*>(layers_[i]);
+    if (window != nullptr && record.window != window->max_size()) {
+      throw fail(fmt::format(
+          "layer {} at offset {}: a snapshot of a window of {} tokens, where the layer's is {}", i,
+          offset, record.window, window->max_size()));
     }
     if (shapes.empty() || (!learned[i].empty() && shapes != learned[i])) {
       throw fail(fmt::format(
@@ -113,7 +122,9 @@ std::optional<WriteBatch> TierImpl::encode(std::span<const int32_t> tokens,
     if (too_large(data)) return Added::too_large;
     if (!writer_->has_room(bytes + data)) return Added::no_room;
     std::string value = encode_object(key, keys_.root_hex(), spec, parts);
-    if (too_large(static_cast<int64_t>(value.size()))) return Added::too_large;
+    // As it goes out: the writer appends the MAC tag to an authenticated tier's objects.
+    const int64_t tag = authenticated() ? static_cast<int64_t>(std::tuple_size_v<Digest>) : 0;
+    if (too_large(static_cast<int64_t>(value.size()) + tag)) return Added::too_large;
     bytes += data;  // only what goes: a refused object takes no room from the next
     batch.objects.emplace_back(key, std::move(value));
     return Added::yes;

@@ -8,6 +8,7 @@
 #include <pwd.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -368,6 +369,47 @@ TEST_F(DirStoreTest, WithoutAKeyOnlyThisUsersFilesInAPrivateFolderAreTrusted) {
   EXPECT_EQ(refused.objects, 1);
   EXPECT_EQ(DirStore(folder.string()).fetch(keys, Clock::now() + 2s).at(0), "planted");
   EXPECT_TRUE(exists(store, "kvsnap:p:mine"));
+}
+
+// A file this user may not read (another user's object, mode 0600, in a folder both share) is
+// missing, in fetch and probe alike: it failed the whole lookup, the objects that would have hit
+// included. Run as user nobody in a child (root reads every file).
+TEST_F(DirStoreTest, AnObjectThisUserMayNotReadIsMissing) {
+  const passwd* nobody = ::getpwnam("nobody");
+  if (nobody == nullptr || ::geteuid() != 0) GTEST_SKIP() << "needs root, to become nobody";
+  fs::create_directories(folder);
+  fs::permissions(folder, fs::perms::all | fs::perms::sticky_bit);  // 1777, like /tmp
+  detail::WriteBatch batch;
+  batch.objects = {{"kvsnap:p:roots", "root's"}};
+  (void)DirStore(folder.string()).write(batch, Clock::now() + 2s);  // mode 0600, root's
+  const uid_t uid = nobody->pw_uid;
+  const gid_t gid = nobody->pw_gid;
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    if (::setgid(gid) != 0 || ::setuid(uid) != 0) ::_exit(10);
+    try {
+      DirStore store(folder.string());  // keyed: other users' objects are read when they can be
+      detail::WriteBatch mine;
+      mine.objects = {{"kvsnap:p:nobodys", "nobody's"}};
+      (void)store.write(mine, Clock::now() + 2s);
+      const std::vector<std::string> keys{"kvsnap:p:roots", "kvsnap:p:nobodys"};
+      const auto values = store.fetch(keys, Clock::now() + 2s);
+      if (values.at(0) != std::nullopt) ::_exit(11);
+      if (values.at(1) != "nobody's") ::_exit(12);
+      std::vector<std::vector<std::string>> members;
+      std::vector<bool> found;
+      store.probe({}, keys, Clock::now() + 2s, members, found);
+      ::_exit(found.at(0) ? 13 : found.at(1) ? 0 : 14);
+    } catch (...) {
+      ::_exit(15);  // the lookup failed
+    }
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "10 could not become nobody, 11 read root's file, 12 lost "
+                                       "its own, 13 probe found root's, 14 not its own, 15 threw";
 }
 
 // A folder that refuses writes (here its name taken by a file: the store's folder gone) is said

@@ -202,9 +202,10 @@ TEST_P(TierStore, ObjectsOverMaxObjectBytesAreNotWritten) {
   }
   ASSERT_GT(largest_chunk, 0u);
   ASSERT_GT(largest, largest_chunk);  // a restore point's object is larger than any chunk
-  const auto run = [&](int64_t max_object_bytes) {
-    auto other = testing::make_store(GetParam(), "max_" + std::to_string(max_object_bytes));
-    TierOptions limited = tier_options();
+  const auto run = [&](int64_t max_object_bytes, const std::string& key = "") {
+    auto other = testing::make_store(
+        GetParam(), "max_" + std::to_string(max_object_bytes) + (key.empty() ? "" : "_keyed"));
+    TierOptions limited = tier_options("", key);
     limited.max_object_bytes = max_object_bytes;
     TierProcess writer(other->address(), limited);
     (void)writer.turn(talk.first, talk.reply, talk.ends);
@@ -214,7 +215,8 @@ TEST_P(TierStore, ObjectsOverMaxObjectBytesAreNotWritten) {
     }
     EXPECT_LE(biggest, static_cast<size_t>(max_object_bytes));
     const TierStats stats = writer.tier->stats();
-    const bool all = static_cast<size_t>(max_object_bytes) >= largest;
+    const size_t tag = key.empty() ? 0 : 32;  // an authenticated tier's MAC, appended
+    const bool all = static_cast<size_t>(max_object_bytes) >= largest + tag;
     EXPECT_EQ(stats.store_errors > 0, !all) << max_object_bytes;
     EXPECT_EQ(writer.log.count("are not written (max_object_bytes"), all ? 0 : 1)
         << writer.log.all();
@@ -227,6 +229,11 @@ TEST_P(TierStore, ObjectsOverMaxObjectBytesAreNotWritten) {
   const auto [none, no_chunks] = run(static_cast<int64_t>(smallest_chunk) - 1);
   EXPECT_EQ(none, 0);
   EXPECT_EQ(no_chunks, 0u);
+  // With a key every object goes out 32 bytes longer: the limit counts them (the largest object
+  // went out over it).
+  const std::string key = "0123456789abcdef0123456789abcdef";
+  EXPECT_LT(run(static_cast<int64_t>(largest), key).first, everything);
+  EXPECT_EQ(run(static_cast<int64_t>(largest) + 32, key).first, everything);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, TierStore, ::testing::Values("dir", "redis"),

@@ -56,7 +56,9 @@ TEST(TierAddress, MalformedAddressesAreRefusedWithoutShowingThePassword) {
   };
   EXPECT_TRUE(refused("http://host:1", "does not start with redis://"));
   EXPECT_TRUE(refused("redis://host:99999", "port \"99999\""));
-  EXPECT_TRUE(refused("redis://host:6379/x", "database \"x\""));
+  // A database that is not digits is not shown: it may be the rest of a password with a '/'.
+  EXPECT_TRUE(refused("redis://host:6379/x", "database (not shown) is not a number"));
+  EXPECT_TRUE(refused("redis://host:6379/99999999", "database \"99999999\""));
   EXPECT_TRUE(refused("redis://:6379", "the host is empty"));
   EXPECT_TRUE(refused("redis://:@host:1", "password after ':' is empty"));
   EXPECT_TRUE(refused("dir:", "folder after dir: is empty"));
@@ -80,7 +82,9 @@ TEST(TierAddress, MalformedAddressesAreRefusedWithoutShowingThePassword) {
     }
   }
   // Without an '@', a password stands where the port would: only digits are shown there.
-  for (const std::string address : {"redis://:hunter2", "redis://default:hunter2/1"}) {
+  // So does one with a '/' in it, where the database would (before the '/' or after it).
+  for (const std::string address : {"redis://:hunter2", "redis://default:hunter2/1",
+                                    "redis://alice:pw/hunter2", "redis://alice:123/hunter2"}) {
     try {
       Tier::check_address(address);
       ADD_FAILURE() << address << " was accepted";
@@ -89,6 +93,10 @@ TEST(TierAddress, MalformedAddressesAreRefusedWithoutShowingThePassword) {
     }
   }
   EXPECT_EQ(detail::redact_address("redis://host:6379/2"), "redis://host:6379/2");
+  EXPECT_EQ(detail::redact_address("redis://[::1]:6379/2"), "redis://[::1]:6379/2");
+  EXPECT_EQ(detail::redact_address("redis://[::1]/2"), "redis://[::1]/2");
+  EXPECT_EQ(detail::redact_address("redis://alice:pw/secret"), "redis://alice:***");
+  EXPECT_EQ(detail::redact_address("redis://alice:123/secret"), "redis://alice:123/***");
   EXPECT_EQ(detail::redact_address("dir:/srv/me@corp/tier"), "dir:/srv/me@corp/tier");  // a path
 }
 
@@ -203,6 +211,27 @@ TEST(TierContract, StoreRefusesDataThatDoesNotFitNamingTheRule) {
   const TierPoint outside{11, std::vector<const Snapshot*>(4)};
   EXPECT_TRUE(throws_error([&] { tier->store(prompt, ranges, std::span(&outside, 1)); },
                            {"offset 11", "outside [1, 10]"}));
+  EXPECT_TRUE(tier->flush());
+  EXPECT_TRUE(folder.keys("kvsnap:").empty());  // nothing was written
+}
+
+// A sliding-window layer's state from a window of another size is refused before anything is
+// written: every reader would find other token counts in it, reject it and delete it.
+TEST(TierContract, StoreRefusesAWindowStateOfAnotherSize) {
+  testing::FolderStore folder("window");
+  HybridStack stack;  // a window of 8
+  const std::shared_ptr<Tier> tier = Tier::open(folder.address(), stack.layers(), tier_options());
+  HybridStack wider(true, 16);
+  const auto prompt = tokens(1, 40);  // past both windows: each has let tokens go
+  ASSERT_TRUE(wider.forward_and_check(prompt, prompt));
+  const SnapshotPtr kv = wider.attention().snapshot(0, 0);
+  const SnapshotPtr window = wider.window.snapshot(0, 0);
+  const SnapshotPtr state = wider.recurrent.snapshot(0, 0);
+  const std::vector<const Snapshot*> ranges{kv.get(), nullptr, nullptr, nullptr};
+  const TierPoint point{40, {nullptr, window.get(), nullptr, state.get()}};
+  EXPECT_TRUE(throws_error([&] { tier->store(prompt, ranges, std::span(&point, 1)); },
+                           {"Tier::store: layer 1 at offset 40: a snapshot of a window of 16 "
+                            "tokens, where the layer's is 8"}));
   EXPECT_TRUE(tier->flush());
   EXPECT_TRUE(folder.keys("kvsnap:").empty());  // nothing was written
 }
