@@ -375,7 +375,11 @@ func (c *Cache) Update(b *Batch, keys, values *Array) (*History, error) {
 	if err != nil {
 		return nil, err
 	}
-	return newHistory(call, h)
+	history, err := newHistory(call, h)
+	if err != nil {
+		return nil, applied(err, "kvsnap.Cache.Update: the batch was written")
+	}
+	return history, nil
 }
 
 // write runs a write of keys and values: the batch checked, the arrays and the cache locked.
@@ -402,7 +406,11 @@ func (c *Cache) UpdateRows(b *Batch, keys, values *Array) ([]*History, error) {
 	if err != nil {
 		return nil, err
 	}
-	return h.split("Cache.UpdateRows")
+	rows, err := h.split("Cache.UpdateRows")
+	if err != nil {
+		return nil, applied(err, "kvsnap.Cache.UpdateRows: the batch was written")
+	}
+	return rows, nil
 }
 
 // View is the history the batch's queries would attend to, without writing.
@@ -643,7 +651,11 @@ func (s Sequence) take(call string, f func(*C.kvsnap_cache, **C.kvsnap_snapshot_
 	if err != nil {
 		return nil, err
 	}
-	return takeList(list)
+	snapshots, err := takeList(list)
+	if err != nil {
+		return nil, applied(err, "kvsnap."+call+": the captures were taken from the cache and are lost")
+	}
+	return snapshots, nil
 }
 
 // CancelSnapshots drops the schedule and what it captured.

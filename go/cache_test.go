@@ -464,3 +464,27 @@ func TestEmptyHistoriesRowsOfStateAndSelfMerges(t *testing.T) {
 		t.Fatalf("the snapshot after Merge(s, s): %v, want consumed", err)
 	}
 }
+
+// An error from handing a call's result to Go after its change took place is marked Applied
+// (do not repeat the call) and still matches its status.
+func TestAppliedErrorsKeepTheirStatusAndSayWhatTookPlace(t *testing.T) {
+	err := applied(&Error{Status: StatusOutOfMemory, Message: "kvsnap_history_arrays: out of memory"},
+		"kvsnap.Cache.Update: the batch was written")
+	var e *Error
+	if !errors.As(err, &e) || !e.Applied || !errors.Is(err, ErrOutOfMemory) {
+		t.Fatalf("applied error %#v", err)
+	}
+	if want := "kvsnap_history_arrays: out of memory (kvsnap.Cache.Update: the batch was written)"; e.Message != want {
+		t.Fatalf("message %q, want %q", e.Message, want)
+	}
+	// A failure before the change is not Applied.
+	cache, err := NewKVCache()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cache.Close()
+	_, err = cache.Update(nil, nil, nil)
+	if !errors.As(err, &e) || e.Applied {
+		t.Fatalf("a refused Update: %#v", err)
+	}
+}

@@ -10,7 +10,9 @@
 // Every call that can fail returns an error of type *Error, whose message is the library's
 // (what call, what values, what rule); on failure the objects involved are unchanged, as in C
 // (with C's exceptions: a session's begin or close that runs out of memory ends it; after a
-// failed PrefillDone, close it).
+// failed PrefillDone, close it), unless the error's Applied is true: the call's change took
+// place and only handing its result to Go failed (out of memory) — Update and UpdateRows wrote
+// the batch, TakeSnapshots and TakeReachedSnapshots took the captures, which are lost.
 // Objects hold C memory: Close them when done (a finalizer frees what is forgotten, later).
 //
 // Goroutines: caches and prefix caches may be used from several goroutines at once (the library
@@ -74,6 +76,9 @@ func (s Status) String() string {
 type Error struct {
 	Status  Status
 	Message string
+	// Applied: the call changed what it was to change before it failed (see the package doc);
+	// do not repeat it.
+	Applied bool
 }
 
 func (e *Error) Error() string { return e.Message }
@@ -102,6 +107,16 @@ func check(call func() C.kvsnap_status) error {
 		return &Error{Status: Status(status), Message: C.GoString(C.kvsnap_last_error())}
 	}
 	return nil
+}
+
+// applied marks err (from handing a call's result to Go) as failing after the call's change
+// took place, saying what took place.
+func applied(err error, what string) error {
+	e, ok := err.(*Error)
+	if !ok {
+		return err
+	}
+	return &Error{Status: e.Status, Message: e.Message + " (" + what + ")", Applied: true}
 }
 
 func closedError(call, what string) error {

@@ -25,9 +25,9 @@
  *
  * Ranges are half-open [from, to). Offsets count tokens. Threads: caches and prefix caches may
  * be called from several threads at once (the library locks them; calls on one cache run one
- * at a time, sessions on different slots side by side), and a history read from several (it
- * never changes); arrays, snapshots, snapshot lists, sessions and speculations from one thread
- * at a time. Destroying a handle while another thread
+ * at a time, sessions on different slots side by side), and a history or an array read from
+ * several (neither changes; every call takes arrays const); snapshots, snapshot lists, sessions
+ * and speculations from one thread at a time. Destroying a handle while another thread
  * is in a call on it, or on one of its sessions, is the caller's to prevent. The last-error
  * message is per thread.
  */

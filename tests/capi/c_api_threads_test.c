@@ -2,7 +2,8 @@
  * requests on their own slot of one prefix cache over shared paged and window caches (begin,
  * write, check the history against the tokens, close), and query the prefix cache (match,
  * stats) while the others write; then one thread rewinds and rewrites a paged sequence in place
- * while another views it (each view's copy is made under the cache's lock). Run under
+ * while another views it (each view's copy is made under the cache's lock); then four threads
+ * read one array at once (describe, slice, copy, write it into caches of their own). Run under
  * ThreadSanitizer in CI (`make tsan`). */
 #include <kvsnap/kvsnap_c.h>
 #include <pthread.h>
@@ -125,6 +126,39 @@ static void* view(void* unused) {
   return NULL;
 }
 
+/* One array read by several threads at once (every call takes arrays const): each describes,
+ * slices and copies it, and writes it into a cache of its own as keys and values. */
+static kvsnap_array* shared_keys;
+
+static void* read_shared(void* unused) {
+  (void)unused;
+  kvsnap_cache* own = NULL;
+  T_OK(kvsnap_kv_cache_create(&own));
+  float copy[kHeads * 4 * kDepth];
+  for (int round = 0; round < 50; ++round) {
+    kvsnap_array_info info;
+    T_OK(kvsnap_array_get_info(shared_keys, &info));
+    T_CHECK(info.ndim == 4 && info.shape[2] == 4);
+    kvsnap_array* slice = NULL;
+    T_OK(kvsnap_array_slice(shared_keys, 2, 1, 3, &slice));
+    T_CHECK(kvsnap_array_shares_storage(slice, shared_keys));
+    kvsnap_array_destroy(slice);
+    T_OK(kvsnap_array_copy_to(shared_keys, copy, sizeof(copy)));
+    T_CHECK(copy[kDepth] == key(7, 1, 0, 0));
+    const int32_t offsets[1] = {round * 4}, seqs[1] = {0};
+    const kvsnap_batch batch = {
+        .batch_size = 1, .length = 4, .seq_offsets = offsets, .seq_ids = seqs};
+    kvsnap_kv_history history = {0};
+    T_OK(kvsnap_cache_update(own, &batch, shared_keys, shared_keys, &history));
+    kvsnap_kv_history_clear(&history);
+  }
+  int64_t offset = 0;
+  T_OK(kvsnap_cache_offset_seq(own, 0, &offset));
+  T_CHECK(offset == 200);
+  kvsnap_cache_destroy(own);
+  return NULL;
+}
+
 int main(void) {
   if (kvsnap_paged_kv_cache_create(4, &layers[0]) != KVSNAP_OK ||
       kvsnap_rotating_kv_cache_create(6, &layers[1]) != KVSNAP_OK) {
@@ -155,6 +189,17 @@ int main(void) {
   pthread_create(&pair[1], NULL, view, NULL);
   for (int t = 0; t < 2; ++t) pthread_join(pair[t], NULL);
   kvsnap_cache_destroy(rewritten);
+  float data[kHeads * 4 * kDepth];
+  const int64_t shape[4] = {1, kHeads, 4, kDepth};
+  for (int h = 0; h < kHeads; ++h) {
+    for (int c = 0; c < 4; ++c) {
+      for (int d = 0; d < kDepth; ++d) data[(h * 4 + c) * kDepth + d] = key(7, c, h, d);
+    }
+  }
+  T_OK(kvsnap_array_from_data(KVSNAP_F32, 4, shape, data, &shared_keys));
+  for (intptr_t t = 0; t < kThreads; ++t) pthread_create(&threads[t], NULL, read_shared, NULL);
+  for (int t = 0; t < kThreads; ++t) pthread_join(threads[t], NULL);
+  kvsnap_array_destroy(shared_keys);
   if (atomic_load(&failures) > 0) {
     fprintf(stderr, "%d check(s) failed\n", atomic_load(&failures));
     return 1;
