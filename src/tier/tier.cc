@@ -193,11 +193,7 @@ void TierImpl::reject(const std::string& key, size_t bytes, const std::string& w
   ++counters_.rejected;
   if (unauthenticated) ++counters_.unauthenticated;
   known_.erase(key);
-  if (doom) {
-    WriteBatch doomed;
-    doomed.doomed.push_back(key);
-    (void)writer_->push(std::move(doomed));
-  }
+  if (doom) writer_->doom(key);
   constexpr int64_t kMaximumLines = 100;
   const int64_t line = ++logged_rejections_;
   if (line <= kMaximumLines) {

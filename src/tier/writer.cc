@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <iterator>
+#include <new>
 #include <optional>
 
 #include "tier/object.h"
@@ -53,6 +55,7 @@ WriteBehind::~WriteBehind() {
     counters_.dropped_batches += static_cast<int64_t>(queue_.size());
     for (const WriteBatch& batch : queue_) queued_bytes_ -= object_bytes(batch);
     queue_.clear();  // the store is too slow: what is left would hold up the exit
+    doomed_.clear();
     stopping_ = true;
   }
   wake_.notify_all();
@@ -86,11 +89,24 @@ bool WriteBehind::push(WriteBatch batch) {
   return true;
 }
 
+void WriteBehind::doom(std::string key) {
+  {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    if (doomed_.size() >= kMaxDoomedKeys ||
+        std::find(doomed_.begin(), doomed_.end(), key) != doomed_.end()) {
+      return;
+    }
+    doomed_.push_back(std::move(key));
+  }
+  wake_.notify_one();
+}
+
 bool WriteBehind::flush(std::chrono::milliseconds timeout) {
   // A year stands for any longer wait: now + milliseconds::max() overflows the clock.
   timeout = std::min<std::chrono::milliseconds>(timeout, std::chrono::hours(24 * 365));
   std::unique_lock<std::mutex> lock(mutex_);
-  return idle_.wait_for(lock, timeout, [this] { return queue_.empty() && !busy_; });
+  return idle_.wait_for(lock, timeout,
+                        [this] { return queue_.empty() && doomed_.empty() && !busy_; });
 }
 
 void WriteBehind::run() {
@@ -99,10 +115,25 @@ void WriteBehind::run() {
   (void)::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), 10);
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
-    wake_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
-    if (queue_.empty()) return;  // stopping, and everything was sent
-    WriteBatch batch = std::move(queue_.front());
-    queue_.pop_front();
+    wake_.wait(lock, [this] { return stopping_ || !queue_.empty() || !doomed_.empty(); });
+    if (queue_.empty() && (stopping_ || doomed_.empty())) return;  // stopping: all was sent
+    WriteBatch batch;
+    if (!queue_.empty()) {
+      batch = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    // The doomed keys go with it (deleted first, before its objects are written); out of
+    // memory joining them, they are forgotten (a reader dooms them again).
+    try {
+      if (batch.doomed.empty()) {
+        batch.doomed.swap(doomed_);
+      } else {
+        batch.doomed.insert(batch.doomed.end(), std::make_move_iterator(doomed_.begin()),
+                            std::make_move_iterator(doomed_.end()));
+      }
+    } catch (const std::bad_alloc&) {
+    }
+    doomed_.clear();
     const int64_t bytes = object_bytes(batch);
     busy_ = true;
     lock.unlock();
@@ -117,7 +148,7 @@ void WriteBehind::run() {
     lock.lock();
     queued_bytes_ -= bytes;
     busy_ = false;
-    if (queue_.empty()) idle_.notify_all();
+    if (queue_.empty() && doomed_.empty()) idle_.notify_all();
   }
 }
 

@@ -78,6 +78,12 @@ class WriteBehind {
   // batches, or its objects would pass capacity_bytes (unless nothing else is queued or being
   // written: one batch of any size goes).
   bool push(WriteBatch batch);
+  // Deletes `key` from the store (an object every reader rejects) with the next batch written,
+  // or on its own when none waits. Doomed keys wait apart from the queue, at most
+  // kMaxDoomedKeys of them (more are forgotten: the next reader rejects and dooms them again),
+  // so a lookup that rejects many objects never fills the queue the sessions' writes need.
+  static constexpr size_t kMaxDoomedKeys = 1024;
+  void doom(std::string key);
   // Whether a batch of `bytes` of objects would be queued now (a caller asks before copying
   // them; push decides).
   bool has_room(int64_t bytes);
@@ -106,7 +112,8 @@ class WriteBehind {
   std::condition_variable wake_;  // a batch was queued, or stopping
   std::condition_variable idle_;  // the queue emptied and nothing is in flight
   std::deque<WriteBatch> queue_;
-  int64_t queued_bytes_ = 0;  // objects' bytes in queue_ and in flight
+  std::vector<std::string> doomed_;  // keys to delete with the next batch (doom)
+  int64_t queued_bytes_ = 0;         // objects' bytes in queue_ and in flight
   bool busy_ = false;
   bool stopping_ = false;
   std::thread thread_;  // last: starts once everything above exists

@@ -30,6 +30,7 @@ class RecordingStore : public detail::Store {
     return {};
   }
   Refused write(const WriteBatch& batch, detail::Deadline deadline) override {
+    ++entered;
     while (held && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(1ms);
     const std::lock_guard<std::mutex> lock(mutex_);
     if (std::chrono::steady_clock::now() >= deadline) {  // as the real backends do
@@ -53,6 +54,7 @@ class RecordingStore : public detail::Store {
   int fail_at = 0;                  // the write that fails (1-based; 0: none)
   int out_of_memory_at = 0;         // the write that runs out of memory (1-based; 0: none)
   std::atomic<bool> held{false};    // writes wait while set (a stalled store)
+  std::atomic<int> entered{0};      // writes begun
   std::vector<WriteBatch> writes() {
     const std::lock_guard<std::mutex> lock(mutex_);
     return writes_;
@@ -126,6 +128,35 @@ TEST(TierWriteBehind, ABatchGoesOutInSlicesWithTheIndexAfterEveryObject) {
 }
 
 // Objects the store refuses one by one count as errors, neither written nor in bytes_written.
+// Keys doomed while the store is stalled wait apart from the queue (at most kMaxDoomedKeys,
+// each once), so they never take the room the sessions' batches need, and go out with the next
+// batch, deleted before its objects are written.
+TEST(TierWriteBehind, DoomedKeysWaitApartAndGoWithTheNextBatch) {
+  Writer w(50ms);
+  w.store->held = true;
+  ASSERT_TRUE(w.writer->push(batch_of(1, 10)));  // in flight, stalled
+  while (w.store->entered == 0) std::this_thread::sleep_for(1ms);
+  for (size_t i = 0; i < WriteBehind::kMaxDoomedKeys + 100; ++i) {
+    w.writer->doom("doomed" + std::to_string(i % (WriteBehind::kMaxDoomedKeys + 50)));
+  }
+  for (int i = 0; i < 10; ++i) EXPECT_TRUE(w.writer->push(batch_of(1, 10))) << i;
+  EXPECT_EQ(w.counters.dropped_batches.load(), 0);
+  w.store->held = false;
+  ASSERT_TRUE(w.writer->flush(10s));
+  const std::vector<WriteBatch> writes = w.store->writes();
+  ASSERT_EQ(writes.size(), 11u);  // the doomed keys joined a batch rather than one each
+  size_t doomed = 0;
+  for (const WriteBatch& batch : writes) doomed += batch.doomed.size();
+  EXPECT_EQ(doomed, WriteBehind::kMaxDoomedKeys);
+  EXPECT_EQ(writes[1].doomed.size(), WriteBehind::kMaxDoomedKeys);
+  EXPECT_EQ(writes[1].objects.size(), 1u);
+  // Alone, with nothing queued: they go on their own.
+  w.writer->doom("late");
+  ASSERT_TRUE(w.writer->flush(10s));
+  ASSERT_EQ(w.store->writes().size(), 12u);
+  EXPECT_EQ(w.store->writes().back().doomed, std::vector<std::string>{"late"});
+}
+
 TEST(TierWriteBehind, RefusedObjectsAreNotCountedWritten) {
   Writer w(50ms);
   w.store->refuse_over = 100;
