@@ -58,9 +58,12 @@ inline constexpr int64_t kPooledBytes = int64_t(64) << 10;
 
 struct PoolOptions {
   // Most bytes the pool keeps (the buffers released longest ago go first). The environment
-  // variable KVSNAP_POOL_BYTES sets the starting value; 0 turns pooling off.
+  // variable KVSNAP_POOL_BYTES sets the starting value (digits, then optionally K, M or G:
+  // "256M"; another value is said on stderr and ignored); 0 turns pooling off.
   int64_t max_bytes = int64_t(512) << 20;
-  // A buffer unused for this long is returned to the system at the next allocation or release
+  // A buffer unused for this long is returned to the system at the next allocation or release of
+  // a pooled size (kPooledBytes and up; looked at most every 100 ms), or by trim_pool(): a server
+  // that goes on allocating only small arrays keeps what is pooled (at most max_bytes) until then
   // (infinity: never).
   double idle_seconds = 2.0;
   // Buffers of kHugePageBytes and more are aligned to it and backed by transparent huge pages
@@ -73,7 +76,8 @@ struct PoolOptions {
 // Buffers at least this large are backed by huge pages when PoolOptions::huge_pages is set.
 inline constexpr int64_t kHugePageBytes = int64_t(2) << 20;
 // Throws kvsnap::Error, changing nothing, for a negative max_bytes or a negative or NaN
-// idle_seconds.
+// idle_seconds. The new limits apply to what the pool holds at once: buffers go until it is
+// within max_bytes (the oldest first), and those idle past idle_seconds.
 KVSNAP_EXPORT void set_pool_options(const PoolOptions&);
 KVSNAP_EXPORT PoolOptions pool_options();
 // Bytes the default allocator's pool holds for reuse.

@@ -135,7 +135,9 @@ class KVSNAP_EXPORT KVHistory {
 
   // The physical mask for `batch`'s queries over this history's columns: `logical` intersected
   // with the history's lookback window, padding queries seeing nothing. Returns none() when every
-  // key is visible to every query, otherwise an f32 additive array [B, 1|Hq, L, K].
+  // key is visible to every query, otherwise an f32 additive array [B, 1|Hq, L, K]. The batch has
+  // a row per row of the history, or any rows over a history of one (each over its columns);
+  // mask arrays have 1 or B rows. Throws Error otherwise.
   AttentionMask apply_mask(const Batch&, const AttentionMask& logical) const;
 
  private:

@@ -5,16 +5,24 @@
 
 #include <algorithm>
 #include <bit>
+#include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <new>
+#include <optional>
+#include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
+#include "array/sanitizers.h"
 #include "kvsnap/error.h"
 
 namespace kvsnap {
@@ -24,7 +32,7 @@ using Clock = std::chrono::steady_clock;
 
 // Under AddressSanitizer every buffer comes from operator new, so the sanitizer sees (and puts
 // red zones around) each one.
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(KVSNAP_ADDRESS_SANITIZER)
 constexpr bool kPooling = false;
 #else
 constexpr bool kPooling = true;
@@ -38,6 +46,27 @@ int64_t size_class(int64_t bytes) {
   const auto power = static_cast<int64_t>(std::bit_floor(static_cast<uint64_t>(bytes)));
   const int64_t quarter = std::max<int64_t>(power / 4, 1);
   return (bytes + quarter - 1) / quarter * quarter;
+}
+
+// KVSNAP_POOL_BYTES: decimal digits, then optionally K, M or G (powers of 1024; "KiB", "MB"
+// and the like read the same); nullopt for anything else or past int64.
+std::optional<int64_t> byte_count(std::string_view text) {
+  size_t digits = 0;
+  while (digits < text.size() && text[digits] >= '0' && text[digits] <= '9') ++digits;
+  if (digits == 0 || digits > 18) return std::nullopt;
+  int64_t value = 0;
+  for (size_t i = 0; i < digits; ++i) value = value * 10 + (text[i] - '0');
+  std::string unit(text.substr(digits));
+  for (char& c : unit) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  for (const char* suffix : {"IB", "B"}) {
+    if (unit.size() > 1 && unit.ends_with(suffix)) {
+      unit.resize(unit.size() - std::strlen(suffix));
+      break;
+    }
+  }
+  const int shift = unit.empty() ? 0 : unit == "K" ? 10 : unit == "M" ? 20 : unit == "G" ? 30 : -1;
+  if (shift < 0 || value > (std::numeric_limits<int64_t>::max() >> shift)) return std::nullopt;
+  return value << shift;
 }
 
 // `size` bytes (a multiple of the page size) from the kernel, pre-faulted.
@@ -96,7 +125,15 @@ class PooledHeapAllocator final : public Allocator {
  public:
   PooledHeapAllocator() {
     if (const char* limit = std::getenv("KVSNAP_POOL_BYTES")) {
-      options_.max_bytes = std::max<int64_t>(0, std::atoll(limit));
+      if (const std::optional<int64_t> bytes = byte_count(limit)) {
+        options_.max_bytes = *bytes;
+      } else {  // at startup, nobody to throw to: said once, the default kept
+        const std::string line = fmt::format(
+            "kvsnap: KVSNAP_POOL_BYTES=\"{}\" is not a byte count (digits, then optionally K, M "
+            "or G); the pool keeps at most {} bytes\n",
+            std::string_view(limit).substr(0, 64), options_.max_bytes);
+        (void)std::fwrite(line.data(), 1, line.size(), stderr);
+      }
     }
     if (const char* huge = std::getenv("KVSNAP_HUGE_PAGES")) {
       options_.huge_pages = std::string_view(huge) != "0";
@@ -108,13 +145,19 @@ class PooledHeapAllocator final : public Allocator {
     return pooled_bytes_;
   }
   void trim() {
+    Released released;  // unmapped once the lock is let go
     std::lock_guard lock(mutex_);
-    release_older_than(Clock::now() + std::chrono::hours(1));
+    release_older_than(Clock::now() + std::chrono::hours(1), released);
   }
+  // New limits apply to what the pool holds: the oldest buffers go until it is within the new
+  // max_bytes, and those idle for longer than the new idle_seconds (none when they rise).
   void configure(const PoolOptions& options) {
+    Released released;
     std::lock_guard lock(mutex_);
     options_ = options;
-    release_older_than(Clock::now() + std::chrono::hours(1));
+    while (pooled_bytes_ > options_.max_bytes) release_oldest(released);
+    last_trim_ = {};
+    trim_idle(released);
   }
   PoolOptions options() const {
     std::lock_guard lock(mutex_);
@@ -127,8 +170,9 @@ class PooledHeapAllocator final : public Allocator {
     const int64_t size = size_class(bytes);
     bool huge = false;
     {
+      Released released;
       std::lock_guard lock(mutex_);
-      trim_idle();
+      trim_idle(released);
       auto it = free_.find(size);
       if (it != free_.end() && !it->second.empty()) {
         void* buffer = it->second.back().pointer;
@@ -147,19 +191,20 @@ class PooledHeapAllocator final : public Allocator {
       return;
     }
     const int64_t size = size_class(bytes);
+    Released released;
     std::lock_guard lock(mutex_);
-    trim_idle();
+    trim_idle(released);
     if (size > options_.max_bytes) {
-      ::munmap(pointer, static_cast<size_t>(size));
+      released.add(pointer, size);
       return;
     }
     // Room is made by releasing the buffers that waited longest.
-    while (pooled_bytes_ + size > options_.max_bytes) release_oldest();
+    while (pooled_bytes_ + size > options_.max_bytes) release_oldest(released);
     try {
       free_[size].push_back({pointer, Clock::now()});
       pooled_bytes_ += size;
     } catch (...) {  // no memory for the bookkeeping: give the buffer back instead
-      ::munmap(pointer, static_cast<size_t>(size));
+      released.add(pointer, size);
     }
   }
 
@@ -175,27 +220,51 @@ class PooledHeapAllocator final : public Allocator {
                            std::align_val_t{kAlignment});
   }
 
-  // Buffers idle in the pool for longer than options_.idle_seconds go back to the system.
-  void trim_idle() {
+  // Buffers taken out of the pool under its lock, unmapped when this goes (after the lock is let
+  // go: unmapping hundreds of MB of pages would hold up every other thread's large allocation).
+  class Released {
+   public:
+    Released() = default;
+    Released(const Released&) = delete;
+    Released& operator=(const Released&) = delete;
+    ~Released() {
+      for (const auto& [pointer, size] : buffers_) ::munmap(pointer, size);
+    }
+    void add(void* pointer, int64_t size) noexcept {
+      try {
+        buffers_.emplace_back(pointer, static_cast<size_t>(size));
+      } catch (...) {  // no memory to note it: unmapped now, under the lock
+        ::munmap(pointer, static_cast<size_t>(size));
+      }
+    }
+
+   private:
+    std::vector<std::pair<void*, size_t>> buffers_;
+  };
+
+  // Buffers idle in the pool for longer than options_.idle_seconds go back to the system
+  // (looked at most every 100 ms).
+  void trim_idle(Released& released) {
     const auto now = Clock::now();
     if (now - last_trim_ < std::chrono::milliseconds(100)) return;
     last_trim_ = now;
     release_older_than(now - std::chrono::duration_cast<Clock::duration>(
-                                 std::chrono::duration<double>(options_.idle_seconds)));
+                                 std::chrono::duration<double>(options_.idle_seconds)),
+                       released);
   }
-  void release_older_than(Clock::time_point cutoff) {
+  void release_older_than(Clock::time_point cutoff, Released& released) {
     for (auto& [size, entries] : free_) {
       // Entries are pushed in release order: the oldest are at the front.
       auto end = entries.begin();
       while (end != entries.end() && end->released < cutoff) {
-        ::munmap(end->pointer, static_cast<size_t>(size));
+        released.add(end->pointer, size);
         pooled_bytes_ -= size;
         ++end;
       }
       entries.erase(entries.begin(), end);
     }
   }
-  void release_oldest() {
+  void release_oldest(Released& released) {
     std::vector<Entry>* oldest = nullptr;
     int64_t oldest_size = 0;
     for (auto& [size, entries] : free_) {
@@ -206,7 +275,7 @@ class PooledHeapAllocator final : public Allocator {
       }
     }
     if (oldest == nullptr) return;
-    ::munmap(oldest->front().pointer, static_cast<size_t>(oldest_size));
+    released.add(oldest->front().pointer, oldest_size);
     oldest->erase(oldest->begin());
     pooled_bytes_ -= oldest_size;
   }

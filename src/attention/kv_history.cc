@@ -180,6 +180,13 @@ AttentionMask KVHistory::apply_ragged_mask(const Batch& batch, const AttentionMa
     throw Error(fmt::format("KVHistory::apply_mask: a batch of {} rows for a history of {}", rows,
                             this->rows()));
   }
+  for (const Array& array : logical.arrays()) {  // each row takes its own slice, or the one
+    if (array.dim(0) != 1 && array.dim(0) != rows) {
+      throw Error(fmt::format(
+          "KVHistory::apply_mask: mask array {} does not fit a batch of {} rows (need [1|{}, ...])",
+          array.describe(), rows, rows));
+    }
+  }
   std::vector<Array> masks;
   int64_t heads = 1;
   for (int64_t b = 0; b < rows; ++b) {
@@ -207,6 +214,12 @@ AttentionMask KVHistory::apply_ragged_mask(const Batch& batch, const AttentionMa
 AttentionMask KVHistory::apply_mask(const Batch& batch, const AttentionMask& logical) const {
   batch.validate("KVHistory::apply_mask");
   if (rows_ != nullptr) return apply_ragged_mask(batch, logical);
+  // One row of the batch per row of keys, or any rows over one row of keys (each row's queries
+  // over the same columns).
+  if (rows() != 1 && batch.batch_size() != rows()) {
+    throw Error(fmt::format("KVHistory::apply_mask: a batch of {} rows for a history of {}",
+                            batch.batch_size(), rows()));
+  }
   const AttentionMask effective =
       window_ > 0 ? logical.intersect(AttentionMask::lookback(window_)) : logical;
   const int64_t rows = batch.batch_size();

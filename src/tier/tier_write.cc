@@ -99,9 +99,10 @@ std::optional<WriteBatch> TierImpl::encode(std::span<const int32_t> tokens,
   WriteBatch batch;
   std::vector<std::optional<ObjectPart>> parts(layers_.size());
   // Each object is copied only when the write queue has room for it and those before it, and
-  // written only when the store can take it (max_object_bytes): the data, plus at most its
-  // header (the MAC tag within it), checked before encoding, the encoded size after.
+  // written only when the store can take it (max_object_bytes): the data, checked before
+  // encoding, and after it the encoded size with the MAC tag the writer appends to it.
   int64_t bytes = 0;
+  const int64_t tag = authenticated() ? static_cast<int64_t>(std::tuple_size_v<Digest>) : 0;
   enum class Added { yes, no_room, too_large };
   const auto add = [&](const std::string& key, const ObjectSpec& spec) {
     int64_t data = 0;
@@ -122,15 +123,12 @@ std::optional<WriteBatch> TierImpl::encode(std::span<const int32_t> tokens,
     if (too_large(data)) return Added::too_large;
     if (!writer_->has_room(bytes + data)) return Added::no_room;
     std::string value = encode_object(key, keys_.root_hex(), spec, parts);
-    // As it goes out: the writer appends the MAC tag to an authenticated tier's objects.
-    const int64_t tag = authenticated() ? static_cast<int64_t>(std::tuple_size_v<Digest>) : 0;
     if (too_large(static_cast<int64_t>(value.size()) + tag)) return Added::too_large;
     bytes += data;  // only what goes: a refused object takes no room from the next
     batch.objects.emplace_back(key, std::move(value));
     return Added::yes;
   };
-  const bool any_kv =
-      std::any_of(kv.begin(), kv.end(), [](const auto& r) { return r.has_value(); });
+  const bool any_kv = std::ranges::any_of(kv, [](const auto& r) { return r.has_value(); });
   for (int64_t j = 0; any_kv && j < end / chunk; ++j) {
     const std::string key = TierKeys::chunk_key(chain[static_cast<size_t>(j + 1)]);
     if (known_.contains(key)) {

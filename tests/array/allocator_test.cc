@@ -10,12 +10,13 @@
 #include <string>
 #include <thread>
 
+#include "array/sanitizers.h"
 #include "support/test_support.h"
 
 namespace kvsnap {
 namespace {
 
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(KVSNAP_ADDRESS_SANITIZER)
 constexpr bool kPooling = false;
 #else
 constexpr bool kPooling = true;
@@ -69,6 +70,20 @@ TEST_F(Pool, ThePoolNeverHoldsMoreThanItsBound) {
   EXPECT_EQ(pool_bytes(), 0);  // a lower bound applies at once
   { const Array a = Array::uninitialized(DType::f32, kMiB); }
   EXPECT_EQ(pool_bytes(), 0);  // pooling off
+}
+
+// New limits apply to what the pool holds: a higher bound keeps every buffer (it emptied the
+// pool), a shorter idle time returns the buffers idle past it.
+TEST_F(Pool, NewLimitsApplyToWhatThePoolHolds) {
+  set_pool_options({.max_bytes = 4 << 20, .idle_seconds = 60});
+  { const Array a = Array::uninitialized(DType::f32, kMiB); }
+  set_pool_options({.max_bytes = 64 << 20, .idle_seconds = 60});
+  EXPECT_EQ(pool_bytes(), 1 << 20);
+  std::this_thread::sleep_for(std::chrono::milliseconds(150));
+  { const Array b = Array::uninitialized(DType::f32, Shape{512 << 10}); }  // released just now
+  EXPECT_EQ(pool_bytes(), 3 << 20);
+  set_pool_options({.max_bytes = 64 << 20, .idle_seconds = 0.1});
+  EXPECT_EQ(pool_bytes(), 2 << 20);  // the 1 MiB buffer was idle for 150 ms
 }
 
 // A negative or NaN setting is refused, changing nothing; an infinite idle time means never

@@ -139,6 +139,26 @@ TEST(AttentionMask, PaddingQueriesSeeNothing) {
                                                           1, 1, 1, 0, 0, 0, 0, 0, 0}));
 }
 
+// A batch has a row per row of the history (or any rows over one row of keys), and a mask array
+// 1 or B rows, ragged histories included: a 5-row mask over 2 rows was sliced as if it fit.
+TEST(AttentionMaskErrors, BatchAndMaskRowsMustFitTheHistorys) {
+  const KVHistory two(Array::zeros(DType::f32, {2, 1, 3, 2}),
+                      Array::zeros(DType::f32, {2, 1, 3, 2}), 0, 0, 0);
+  EXPECT_TRUE(
+      throws_error([&] { (void)two.apply_mask(Batch::uniform(3, 1, 2), AttentionMask::causal()); },
+                   {"KVHistory::apply_mask: a batch of 3 rows for a history of 2"}));
+  EXPECT_NO_THROW((void)two.apply_mask(Batch::uniform(2, 1, 2), AttentionMask::causal()));
+  const KVHistory ragged = KVHistory::of_rows({history_of(3), history_of(2)});
+  const auto rows_of = [](int64_t rows) {
+    return AttentionMask::from_array(Array::zeros(DType::f32, {rows, 1, 1, 4}));
+  };
+  EXPECT_TRUE(throws_error([&] { (void)ragged.apply_mask(Batch::uniform(2, 1, 2), rows_of(5)); },
+                           {"KVHistory::apply_mask: mask array f32[5, 1, 1, 4] does not fit a "
+                            "batch of 2 rows"}));
+  EXPECT_NO_THROW((void)ragged.apply_mask(Batch::uniform(2, 1, 2), rows_of(2)));
+  EXPECT_NO_THROW((void)ragged.apply_mask(Batch::uniform(2, 1, 2), rows_of(1)));
+}
+
 TEST(AttentionMaskErrors, BadWindowAndArrays) {
   EXPECT_TRUE(throws_error([] { (void)AttentionMask::sliding_window(0); },
                            {"AttentionMask::sliding_window", "window 0"}));

@@ -12,14 +12,16 @@
 #include <fstream>
 #include <functional>
 
+#include "array/sanitizers.h"
+
 namespace kvsnap::testing {
 
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(KVSNAP_ADDRESS_SANITIZER)
 constexpr bool kAddressSanitizer = true;  // it aborts on impossible sizes and ignores RLIMIT_AS
 #else
 constexpr bool kAddressSanitizer = false;
 #endif
-#if defined(__SANITIZE_THREAD__)
+#if defined(KVSNAP_THREAD_SANITIZER)
 constexpr bool kThreadSanitizer = true;  // its own allocations fail under RLIMIT_AS
 #else
 constexpr bool kThreadSanitizer = false;
