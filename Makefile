@@ -46,7 +46,7 @@ fuzz: deps
 	mkdir -p build/fuzz/corpus
 	KVSNAP_FUZZ_SEED=build/fuzz/corpus ./build/fuzz/fuzz_snapshot_loader
 	./build/fuzz/fuzz_snapshot_loader -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=4096 \
-	    -max_len=65536 build/fuzz/corpus
+	    -max_len=65536 -timeout=10 build/fuzz/corpus
 
 # The Python module, for an interpreter named explicitly (not the first python3 on PATH):
 # build/release/python/kvsnap*.so; python-install puts it, its stub and libkvsnap into that
@@ -62,7 +62,7 @@ python-install: python
 bench: release
 	./build/release/tools/kvsnap bench
 
-format:
+format: deps
 	clang-format -i $$(git ls-files '*.h' '*.cc')
 
 clean:

@@ -7,7 +7,7 @@ packages=(
   cmake ninja-build g++ make pkg-config lld
   libgtest-dev libgmock-dev libbenchmark-dev
   libfmt-dev nlohmann-json3-dev libcli11-dev libopenblas-dev libxxhash-dev
-  clang libclang-rt-14-dev python3
+  clang libclang-rt-dev clang-format python3
   libdlpack-dev python3-dev python3-numpy python3-pytest pybind11-dev
   libhiredis-dev libsodium-dev redis-server
   golang-go
@@ -26,7 +26,13 @@ fi
 
 echo "install-deps: installing ${missing[*]}"
 sudo_cmd=()
-if [ "$(id -u)" -ne 0 ]; then sudo_cmd=(sudo); fi
+if [ "$(id -u)" -ne 0 ]; then
+  if ! command -v sudo >/dev/null; then
+    echo "install-deps: installing packages needs root: run this as root, or install sudo" >&2
+    exit 1
+  fi
+  sudo_cmd=(sudo)
+fi
 export DEBIAN_FRONTEND=noninteractive
 "${sudo_cmd[@]}" apt-get update -qq
 "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"

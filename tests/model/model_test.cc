@@ -10,6 +10,7 @@
 #include <random>
 
 #include "persist/safetensors.h"
+#include "support/private_support.h"
 #include "support/test_support.h"
 
 namespace kvsnap {
@@ -114,7 +115,7 @@ TEST(Model, SameSeedSameWeightsOtherSeedOtherWeights) {
 
 TEST(Model, SaveAndLoadRoundTripExactly) {
   const Model model(small_config());
-  const auto dir = std::filesystem::temp_directory_path() / "kvsnap_model_test";
+  const auto dir = kvsnap::testing::private_scratch("kvsnap_model_test");
   std::filesystem::create_directories(dir);
   model.save((dir / "config.json").string(), (dir / "model.safetensors").string());
   const Model loaded =
@@ -136,7 +137,7 @@ TEST(Model, WeightsDigestNamesTheWeightsValues) {
   EXPECT_EQ(same.weights_digest(), digest);
   config.seed = 7;
   EXPECT_NE(Model(config).weights_digest(), digest);
-  const auto dir = std::filesystem::temp_directory_path() / "kvsnap_model_digest";
+  const auto dir = kvsnap::testing::private_scratch("kvsnap_model_digest");
   std::filesystem::create_directories(dir);
   const std::string config_path = (dir / "config.json").string();
   const std::string weights_path = (dir / "model.safetensors").string();
@@ -162,7 +163,7 @@ TEST(Model, WeightsDigestNamesTheWeightsValues) {
 
 TEST(Model, LoadRejectsWeightsThatDisagreeWithTheConfig) {
   const Model model(small_config());
-  const auto dir = std::filesystem::temp_directory_path() / "kvsnap_model_bad";
+  const auto dir = kvsnap::testing::private_scratch("kvsnap_model_bad");
   std::filesystem::create_directories(dir);
   model.save((dir / "config.json").string(), (dir / "model.safetensors").string());
   ModelConfig wider = small_config();
