@@ -547,13 +547,12 @@ std::string seal_of(std::string_view bytes, size_t at) {
   return fmt::format("{:016x}", hash);
 }
 
+}  // namespace
+
 // Where the value of the one "checksum" entry starts in `bytes`' header, or npos when the header
 // holds it other than exactly once.
 size_t checksum_position(std::string_view bytes, const std::string& value) {
-  uint64_t length = 0;
-  for (size_t i = 0; i < 8 && i < bytes.size(); ++i) {
-    length |= static_cast<uint64_t>(static_cast<unsigned char>(bytes[i])) << (8 * i);
-  }
+  const uint64_t length = header_length(bytes);
   if (bytes.size() < 8 || length > bytes.size() - 8) return std::string_view::npos;
   const std::string_view header = bytes.substr(8, length);
   const std::string entry = checksum_entry(value);
@@ -563,8 +562,6 @@ size_t checksum_position(std::string_view bytes, const std::string& value) {
   }
   return 8 + found + entry.size() - value.size() - 1;
 }
-
-}  // namespace
 
 std::string encode_sealed(SafetensorsFile file, const TensorWriter& write) {
   file.metadata["checksum"] = kChecksumPlaceholder;

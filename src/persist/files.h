@@ -159,5 +159,27 @@ std::string encode_sealed(SafetensorsFile file, const TensorWriter& write = null
 // Throws Error naming `source` unless metadata "checksum" of `file` (decoded from `bytes`) is
 // the seal of `bytes`.
 void check_seal(const std::string& bytes, const SafetensorsFile& file, const std::string& source);
+// Where the checksum `value` stands in the header `bytes` begins with (npos unless just once).
+size_t checksum_position(std::string_view bytes, const std::string& value);
+
+// A sealed file read in parts (sealed_file.cc): decoded as decode_safetensors decodes it, its
+// tensors read straight into their arrays, and the seal of every byte (`actual`: 16 hex digits,
+// empty when the header holds no one checksum entry of that length), checked by check_seal.
+struct SealedFile {
+  SafetensorsFile file;
+  std::string actual;
+};
+// Up to `n` bytes into `into`; 0 at the end. Throws Error on a failed read.
+using ByteReader = std::function<size_t(char* into, size_t n)>;
+// Reads a file of `size` bytes from `read`: Error naming `source` as decode_safetensors does, or
+// when it ends before `size` bytes or goes on past them.
+SealedFile read_sealed(const ByteReader& read, uint64_t size, const std::string& source);
+SealedFile read_sealed(const std::string& bytes, const std::string& source);
+// The file through open_private_file's descriptor, refused as read_private_file refuses it (more
+// than `max_bytes`) and as read_sealed does; std::bad_alloc when its tensors do not fit in memory.
+SealedFile read_sealed_file(const std::string& path, const PrivacyRule& rule,
+                            uint64_t max_bytes = loadable_bytes());
+// Throws check_seal's Error unless the seal read is the file's "checksum".
+void check_seal(const SealedFile& sealed, const std::string& source);
 
 }  // namespace kvsnap::detail

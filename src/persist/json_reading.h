@@ -14,7 +14,6 @@
 
 namespace kvsnap::detail {
 
-
 // Counts the values (scalars, arrays and objects) of JSON text in one pass that builds nothing
 // (nlohmann's SAX interface): text parsed into values takes several times its length (a forged
 // 100 MiB safetensors header of `{}`s took 4 GB and 20 s), so what would hold more values than

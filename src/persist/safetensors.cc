@@ -142,17 +142,15 @@ namespace {
 using Fail = std::function<Error(const std::string&)>;
 
 // The JSON header's text in `bytes` (after its 8-byte little-endian length).
-std::string_view header_text(const std::string& bytes, uint64_t max_header, const Fail& fail) {
-  if (bytes.size() < 8)
-    throw fail(fmt::format("{} bytes is shorter than the 8-byte header length", bytes.size()));
-  uint64_t length = 0;
-  for (int i = 0; i < 8; ++i) {
-    length |= static_cast<uint64_t>(static_cast<unsigned char>(bytes[static_cast<size_t>(i)]))
-              << (8 * i);
-  }
-  if (length > bytes.size() - 8) {
-    throw fail(fmt::format("header length {} exceeds the {} bytes that follow it", length,
-                           bytes.size() - 8));
+// The header of a file of `size` bytes that starts with `bytes` (at least its 8-byte length and
+// the header, when the length fits the file).
+std::string_view header_text(std::string_view bytes, uint64_t size, uint64_t max_header,
+                             const Fail& fail) {
+  if (size < 8) throw fail(fmt::format("{} bytes is shorter than the 8-byte header length", size));
+  const uint64_t length = header_length(bytes);
+  if (length > size - 8) {
+    throw fail(
+        fmt::format("header length {} exceeds the {} bytes that follow it", length, size - 8));
   }
   if (length > max_header) {
     throw fail(fmt::format("header length {} is over the {} bytes a header may have here", length,
@@ -233,7 +231,7 @@ Array parse_tensor(const std::string& name, const Json& entry, const char* data,
   claimed += expected;
   range = {begin, end};
   Array array = Array::uninitialized(dtype, shape);
-  if (expected > 0) std::memcpy(array.mutable_bytes(), data + begin, expected);
+  if (expected > 0 && data != nullptr) std::memcpy(array.mutable_bytes(), data + begin, expected);
   return array;
 }
 
@@ -356,15 +354,27 @@ class HeaderReader : public ValueEvents {
 
 }  // namespace
 
-SafetensorsFile decode_safetensors(const std::string& bytes, const std::string& source,
-                                   uint64_t max_header) {
+uint64_t header_length(std::string_view bytes) {
+  uint64_t length = 0;
+  for (size_t i = 0; i < 8 && i < bytes.size(); ++i) {
+    length |= static_cast<uint64_t>(static_cast<unsigned char>(bytes[i])) << (8 * i);
+  }
+  return length;
+}
+
+namespace {
+
+// decode_safetensors over the file's first bytes (`bytes`, of a file of `size`): the data too
+// when `with_data` (then `bytes` is the whole file), else the arrays are left to be filled.
+SafetensorsFile decode(std::string_view bytes, uint64_t size, bool with_data,
+                       const std::string& source, uint64_t max_header) {
   const Fail fail = [&](const std::string& rule) {
     return Error(fmt::format("safetensors {}: {}", source, rule));
   };
-  const std::string_view text = header_text(bytes, max_header, fail);
+  const std::string_view text = header_text(bytes, size, max_header, fail);
   SafetensorsFile file;
-  const uint64_t data_size = bytes.size() - 8 - text.size();
-  const char* data = text.data() + text.size();
+  const uint64_t data_size = size - 8 - text.size();
+  const char* data = with_data ? text.data() + text.size() : nullptr;
   std::vector<std::pair<uint64_t, uint64_t>> ranges;
   HeaderReader reader(data, data_size, fail, file, ranges);
   if (!reader.run(text)) throw fail("the header " + reader.failure());
@@ -383,6 +393,18 @@ SafetensorsFile decode_safetensors(const std::string& bytes, const std::string& 
       throw fail(fmt::format("tensor {} appears twice", cut_quoted(file.tensors[i].first)));
   }
   return file;
+}
+
+}  // namespace
+
+SafetensorsFile decode_safetensors(const std::string& bytes, const std::string& source,
+                                   uint64_t max_header) {
+  return decode(bytes, bytes.size(), true, source, max_header);
+}
+
+SafetensorsFile decode_safetensors_header(std::string_view head, uint64_t size,
+                                          const std::string& source, uint64_t max_header) {
+  return decode(head, size, false, source, max_header);
 }
 
 std::string read_file(const std::string& path) {

@@ -57,6 +57,14 @@ inline constexpr uint64_t kMaxSafetensorsHeader = uint64_t(100) << 20;
 // it is parsed (parsing one costs several times its length in memory: ~2-4 GB for 100 MiB).
 SafetensorsFile decode_safetensors(const std::string& bytes, const std::string& source,
                                    uint64_t max_header = kMaxSafetensorsHeader);
+// The header length a file starting with `bytes` gives (its first 8 bytes, little-endian).
+uint64_t header_length(std::string_view bytes);
+// decode_safetensors for a file of `size` bytes read in parts: `head` holds its first 8 +
+// header_length bytes. The tensors' arrays are allocated, not filled: together they cover the
+// data section (the file after `head`) exactly once, in the order of `tensors`.
+SafetensorsFile decode_safetensors_header(std::string_view head, uint64_t size,
+                                          const std::string& source,
+                                          uint64_t max_header = kMaxSafetensorsHeader);
 
 // --- JSON read from files (which may be damaged or forged) ---
 

@@ -170,12 +170,13 @@ void PrefixCache::load(const std::string& dir, const std::string& model_id,
   std::unique_ptr<detail::Trie> fresh;
   try {
     const detail::PrivacyRule rule = load_rule("PrefixCache::load", options);
-    const std::string bytes = detail::read_private_file(path, rule);
+    // Read a tensor at a time: the load holds what it decodes, not the file's bytes as well.
+    const detail::SealedFile sealed = detail::read_sealed_file(path, rule);
     // Only now, the folder trusted: one refused is left as it is.
     detail::remove_stale_temporaries_after_load(path, rule);
     // The layouts the trie holds are the ones the caches serve: the file's must be the same.
     fresh = detail::build_trie(impl_->trie.layers(),
-                               detail::decode_trie(bytes, path, impl_->trie.layers(), model_id,
+                               detail::decode_trie(sealed, path, impl_->trie.layers(), model_id,
                                                    detail::held_signatures(impl_->trie)));
   } catch (const std::bad_alloc&) {
     throw Error(fmt::format("PrefixCache::load: cannot load {}: out of memory", path));

@@ -145,14 +145,14 @@ class TrieDecoder {
   }
 
   // Format, version, checksum, model and the layers' configuration.
-  void check_header(const std::string& bytes, const std::string& model_id) const {
+  void check_header(const SealedFile& sealed, const std::string& model_id) const {
     if (meta("format") != kFormat)
       throw fail(fmt::format("format {} is not {}", cut_quoted(meta("format")), kFormat));
     if (meta("version") != std::to_string(kVersion)) {
       throw fail(fmt::format("version {} is unknown (this build reads version {})",
                              cut_quoted(meta("version")), kVersion));
     }
-    check_seal(bytes, file_, source_);
+    check_seal(sealed, source_);
     if (!same_model(file_, model_id)) {
       throw fail(fmt::format("it was saved for model {}, this cache serves {}",
                              cut_quoted(meta("model")), cut_quoted(readable(model_id))));
@@ -347,13 +347,18 @@ class TrieDecoder {
 
 }  // namespace
 
+LoadedTrie decode_trie(const SealedFile& sealed, const std::string& source,
+                       const std::vector<LayerInfo>& layers, const std::string& model_id,
+                       const std::vector<std::string>& serving) {
+  TrieDecoder decoder(sealed.file, source, layers, serving);
+  decoder.check_header(sealed, model_id);
+  return decoder.nodes();
+}
+
 LoadedTrie decode_trie(const std::string& bytes, const std::string& source,
                        const std::vector<LayerInfo>& layers, const std::string& model_id,
                        const std::vector<std::string>& serving) {
-  const SafetensorsFile file = decode_safetensors(bytes, source);
-  TrieDecoder decoder(file, source, layers, serving);
-  decoder.check_header(bytes, model_id);
-  return decoder.nodes();
+  return decode_trie(read_sealed(bytes, source), source, layers, model_id, serving);
 }
 
 std::vector<std::string> held_signatures(const Trie& trie) {

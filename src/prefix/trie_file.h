@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "persist/files.h"
 #include "prefix/trie.h"
 
 namespace kvsnap::detail {
@@ -32,6 +33,11 @@ struct LoadedTrie {
 // trie being replaced holds for layer i: the file's must be the same (the caches serve that
 // layout).
 LoadedTrie decode_trie(const std::string& bytes, const std::string& source,
+                       const std::vector<LayerInfo>& layers, const std::string& model_id,
+                       const std::vector<std::string>& serving = {});
+// The same for a file read in parts (read_sealed_file: the load holds its tensors, not the file's
+// bytes as well).
+LoadedTrie decode_trie(const SealedFile& sealed, const std::string& source,
                        const std::vector<LayerInfo>& layers, const std::string& model_id,
                        const std::vector<std::string>& serving = {});
 // Per layer, the signature of the snapshots `trie` holds for it (empty where it holds none).

@@ -7,6 +7,7 @@
 #include <kvsnap/kvsnap.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -270,6 +271,42 @@ TEST(ForgedFiles, AnOffsetALayerCannotRestoreIsRefused) {
                            {"forged",
                             "metadata \"layer.0\" holds 100006 JSON values, more than "
                             "the 64 it may"}));
+}
+
+// A sealed file read in parts (read_sealed: what PrefixCache::load reads a tensor at a time)
+// decodes as the whole bytes do, its seal checked over every byte; a source that ends before the
+// size it was opened with, or goes on past it, is refused.
+TEST(SealedFile, ReadInPartsAsWholeAndRefusedWhenItChangesSize) {
+  detail::SafetensorsFile file;
+  file.tensors.emplace_back("a", Array::from_floats(std::vector<float>{1, 2, 3}, {3}));
+  file.tensors.emplace_back("b", Array::from_ints(std::vector<int32_t>{4, 5}, {2}));
+  file.metadata["format"] = "test";
+  std::string bytes = detail::encode_sealed(file);
+  const detail::SealedFile sealed = detail::read_sealed(bytes, "t");
+  EXPECT_NO_THROW(detail::check_seal(sealed, "t"));
+  EXPECT_EQ(sealed.file.metadata.at("format"), "test");
+  EXPECT_EQ(sealed.file.at("a", "t").to_floats(), (std::vector<float>{1, 2, 3}));
+  EXPECT_EQ(sealed.file.at("b", "t").to_ints(), (std::vector<int32_t>{4, 5}));
+  // One bit of the data flipped: decoded, and refused by its seal.
+  std::string damaged = bytes;
+  damaged[damaged.size() - 1] ^= 0x01;
+  EXPECT_TRUE(throws_error([&] { detail::check_seal(detail::read_sealed(damaged, "t"), "t"); },
+                           {"t: checksum", "does not match the contents", "the file is damaged"}));
+  // Sources of another length than the size they were opened with.
+  const auto reader = [](const std::string& source) {
+    return [&source, at = size_t{0}](char* into, size_t n) mutable {
+      n = std::min(n, source.size() - at);
+      std::memcpy(into, source.data() + at, n);
+      at += n;
+      return n;
+    };
+  };
+  const std::string shorter = bytes.substr(0, bytes.size() - 4);
+  EXPECT_TRUE(throws_error([&] { (void)detail::read_sealed(reader(shorter), bytes.size(), "t"); },
+                           {"safetensors t: it ends at byte", "before the"}));
+  const std::string longer = bytes + "more";
+  EXPECT_TRUE(throws_error([&] { (void)detail::read_sealed(reader(longer), bytes.size(), "t"); },
+                           {"safetensors t: it holds more than the"}));
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <fstream>
 
 #include "support/conversation.h"
+#include "support/memory_limit.h"
 
 namespace kvsnap::prefix_cache_persist_test {
 namespace {
@@ -126,6 +127,45 @@ TEST(PrefixCachePersist, ADamagedFileIsRejectedWhole) {
   EXPECT_TRUE(throws_error([&] { other.load(dir); }, {"prefix_cache.safetensors"}));
   EXPECT_EQ(other.node_count(), 0);
   EXPECT_TRUE(throws_error([&] { other.load(scratch("missing")); }, {"cannot open"}));
+  std::filesystem::remove_all(dir);
+}
+
+// A load reads the file a tensor at a time into the arrays it builds: it holds what it decodes,
+// not the file's bytes as well (it took twice the file). Loaded in a child whose address space
+// may grow by 1.5x the file: reading the whole file first and decoding it runs out.
+TEST(PrefixCachePersist, ALoadHoldsWhatItDecodesNotTheFileAsWell) {
+  if (testing::kAddressSanitizer) GTEST_SKIP() << "AddressSanitizer ignores RLIMIT_AS";
+  if (testing::kThreadSanitizer) GTEST_SKIP() << "ThreadSanitizer's allocations fail under it";
+  const std::string dir = scratch("memory");
+  constexpr int64_t kTokens = 8192;  // 8 heads x 128 f16: 16 MiB of keys, 16 of values
+  int64_t nodes = 0;
+  {
+    KVCache attention;
+    PrefixCache cache({&attention});
+    const Tokens prompt = tokens(1, kTokens);
+    PrefixCache::Session session = cache.begin(prompt);
+    const Array keys = Array::zeros(DType::f16, {1, 8, kTokens, 128});
+    (void)attention.update(Batch::uniform(1, kTokens, 0), keys, keys);
+    session.prefill_done();
+    session.close();
+    cache.save(dir, "big");
+    nodes = cache.node_count();
+  }
+  const auto file =
+      static_cast<int64_t>(std::filesystem::file_size(dir + "/prefix_cache.safetensors"));
+  ASSERT_GT(file, int64_t{16} << 20);
+  KVCache attention;
+  PrefixCache fresh({&attention});
+  const int status = testing::run_with_headroom(file * 3 / 2, [&] {
+    try {
+      fresh.load(dir, "big");
+    } catch (const Error&) {
+      return 1;  // out of memory
+    }
+    return fresh.node_count() == nodes ? 0 : 2;
+  });
+  EXPECT_EQ(status, 0) << "1: the load ran out of memory within 1.5x the file's " << file
+                       << " bytes";
   std::filesystem::remove_all(dir);
 }
 
