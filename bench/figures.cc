@@ -82,7 +82,10 @@ std::string format_figures(const std::vector<Figure>& figures) {
                                 "value", "unit", "ratio", "target", "");
   std::string group;
   for (const Figure& f : figures) {
-    const std::string ratio = f.ratio == 0 ? "" : fmt::format("{:.2f}", f.ratio);
+    // Two decimals, or two significant digits below 0.1 (a 0.4% share is not "0.00").
+    const std::string ratio = f.ratio == 0               ? ""
+                              : std::fabs(f.ratio) < 0.1 ? fmt::format("{:.2g}", f.ratio)
+                                                         : fmt::format("{:.2f}", f.ratio);
     const std::string mark = f.target.empty() ? "" : f.pass ? "PASS" : "FAIL";
     out += fmt::format("{:<34} {:<40} {:>12.4g} {:<11} {:>9}  {:<30} {}{}\n",
                        f.group == group ? "" : f.group, f.name, f.value, f.unit, ratio, f.target,
@@ -119,8 +122,8 @@ int figures_status(const std::vector<Figure>& figures) {
 
 std::string figures_chart(const std::vector<Figure>& figures) {
   std::vector<const Figure*> rows;
-  for (const Figure& f : figures) {
-    if (f.ratio > 0) rows.push_back(&f);
+  for (const Figure& f : figures) {  // a failure with no ratio (nothing measured) too, at 0.01
+    if (f.ratio > 0 || (!f.target.empty() && !f.pass)) rows.push_back(&f);
   }
   const double row_height = 18, top = 60, label_width = 600, bar_left = 20 + label_width;
   const double bar_width = 320, width = bar_left + bar_width + 110;

@@ -487,4 +487,35 @@ func TestAppliedErrorsKeepTheirStatusAndSayWhatTookPlace(t *testing.T) {
 	if !errors.As(err, &e) || e.Applied {
 		t.Fatalf("a refused Update: %#v", err)
 	}
+	// Handing the history's arrays to Go fails after the write: Applied, and the write stands.
+	keys := kv(t, []int32{1, 2, 3}, 0, 1)
+	defer keys.Close()
+	oom := func(string) error { return &Error{Status: StatusOutOfMemory, Message: "out of memory"} }
+	failHandOut = oom
+	_, err = cache.Update(UniformBatch(1, 3, 0), keys, keys)
+	failHandOut = nil
+	if !errors.As(err, &e) || !e.Applied || !errors.Is(err, ErrOutOfMemory) {
+		t.Fatalf("Update whose history could not be handed out: %#v", err)
+	}
+	if offset, err := cache.Offset(); err != nil || offset != 3 {
+		t.Fatalf("after an Applied Update the cache is at %d (%v), not 3", offset, err)
+	}
+	// Taking captures whose snapshots cannot be handed out: Applied, the schedule consumed.
+	if err := cache.PrepareSnapshots(4, 5); err != nil {
+		t.Fatal(err)
+	}
+	if h, err := cache.Update(UniformBatch(1, 3, 3), keys, keys); err != nil {
+		t.Fatal(err)
+	} else {
+		h.Close()
+	}
+	failHandOut = oom
+	_, err = cache.TakeSnapshots()
+	failHandOut = nil
+	if !errors.As(err, &e) || !e.Applied {
+		t.Fatalf("TakeSnapshots whose snapshots could not be handed out: %#v", err)
+	}
+	if taken, err := cache.TakeSnapshots(); err != nil || len(taken) != 0 {
+		t.Fatalf("the schedule was not consumed: %d snapshots (%v)", len(taken), err)
+	}
 }

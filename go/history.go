@@ -79,7 +79,7 @@ func newHistory(call string, ptr *C.kvsnap_history) (*History, error) {
 		Window: int64(info.window), ptr: ptr}
 	if h.Form == Contiguous {
 		var plain C.kvsnap_kv_history
-		if err := check(func() C.kvsnap_status { return C.kvsnap_history_arrays(ptr, &plain) }); err != nil {
+		if err := handOut(call, func() C.kvsnap_status { return C.kvsnap_history_arrays(ptr, &plain) }); err != nil {
 			C.kvsnap_history_destroy(ptr)
 			return nil, err
 		}

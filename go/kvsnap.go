@@ -109,6 +109,21 @@ func check(call func() C.kvsnap_status) error {
 	return nil
 }
 
+// handOut runs a C call that hands a finished call's result to Go (a history's arrays, a taken
+// snapshot): check, unless a test has set failHandOut to make it fail as running out of memory
+// would (the only way these fail), to check what the calls around it report.
+func handOut(call string, f func() C.kvsnap_status) error {
+	if failHandOut != nil {
+		if err := failHandOut(call); err != nil {
+			return err
+		}
+	}
+	return check(f)
+}
+
+// failHandOut is nil outside tests.
+var failHandOut func(call string) error
+
 // applied marks err (from handing a call's result to Go) as failing after the call's change
 // took place, saying what took place.
 func applied(err error, what string) error {

@@ -87,7 +87,7 @@ func takeList(list *C.kvsnap_snapshot_list) ([]*Snapshot, error) {
 	out := make([]*Snapshot, n)
 	for i := range out {
 		var p *C.kvsnap_snapshot
-		if err := check(func() C.kvsnap_status { return C.kvsnap_snapshot_list_take(list, C.size_t(i), &p) }); err != nil {
+		if err := handOut("takeList", func() C.kvsnap_status { return C.kvsnap_snapshot_list_take(list, C.size_t(i), &p) }); err != nil {
 			for _, s := range out[:i] {
 				s.Close()
 			}

@@ -257,7 +257,7 @@ int run_replay(const ReplayArguments& args, bool& runs_started) {
          workload.requests.size());
   }
   // The saved trie and the tier's entries are only valid for this exact model: its config
-  // (with the seed) and the weights' bytes, wherever the weights file lies.
+  // (with the seed) and the weights' values (their digest), wherever they came from.
   const std::string model_id = model_fingerprint(model);
   runs_started = true;
   if (args.parallel > 0) return run_parallel(args, workload, model, model_id);

@@ -4,10 +4,10 @@
  * Every call that can fail returns a kvsnap_status; on failure kvsnap_last_error() holds the
  * message (for KVSNAP_ERROR, exactly the C++ kvsnap::Error text) and the objects involved are
  * unchanged (merge and split consume their snapshots either way; a session's begin or close
- * that runs out of memory ends it, and after a failed prefill_done it must be closed, as
- * prefix_cache.h says). No exception crosses this API. Every handle a call hands out has a destroy call (NULL is ignored). Pointers passed in
- * are read during the call only, except where a call says it keeps them (a prefix cache's
- * layers; wrapped memory, which lives until its release callback).
+ * that runs out of memory ends it; after a failed prefill_done, close it: prefix_cache.h). No
+ * exception crosses this API. Every handle handed out has a destroy call (NULL is ignored).
+ * Pointers passed in are read during the call only, except where a call says it keeps them (a
+ * prefix cache's layers; wrapped memory, which lives until its release callback).
  *
  *   kvsnap_cache* cache = NULL;
  *   kvsnap_kv_cache_create(&cache);
@@ -26,10 +26,10 @@
  * Ranges are half-open [from, to). Offsets count tokens. Threads: caches and prefix caches may
  * be called from several threads at once (the library locks them; calls on one cache run one
  * at a time, sessions on different slots side by side), and a history or an array read from
- * several (neither changes; every call takes arrays const); snapshots, snapshot lists, sessions
- * and speculations from one thread at a time. Destroying a handle while another thread
- * is in a call on it, or on one of its sessions, is the caller's to prevent. The last-error
- * message is per thread.
+ * several (every call takes arrays const; a cache's views change with its next write);
+ * snapshots, snapshot lists, sessions and speculations one thread at a time. Destroying a handle
+ * while another thread is in a call on it, or on one of its sessions, is the caller's to
+ * prevent. The last-error message is per thread.
  */
 #ifndef KVSNAP_KVSNAP_C_H
 #define KVSNAP_KVSNAP_C_H
@@ -240,9 +240,9 @@ KVSNAP_EXPORT void kvsnap_kv_history_clear(kvsnap_kv_history* history);
  * cache holds it, nothing copied: views of a KV or rotating cache's buffers, a paged sequence's
  * block table over its pool's chunks, or one history per row of a batch whose rows are
  * different sequences. kvsnap_sdpa attends over any of them; an engine with its own paged
- * attention reads the block table (kvsnap_history_get_paged). A history shows the cache as it
- * was at the call: read it before the next update, restore or reset of that cache (each may
- * rewrite columns, reuse a block or wrap a window's ring). It keeps the buffers it names alive, also past the cache's destroy.
+ * attention reads the block table (kvsnap_history_get_paged). A history shows the cache at the
+ * call: read it before that cache's next update, restore or reset (each may rewrite columns,
+ * reuse a block or wrap a ring). It keeps the buffers it names alive, past the cache's too.
  *
  *   kvsnap_history* h = NULL;
  *   kvsnap_cache_update_history(cache, &batch, keys, values, &h);

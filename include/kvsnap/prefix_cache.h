@@ -133,8 +133,8 @@ class KVSNAP_EXPORT PrefixCache {
   // file of another layout loads and the model's first write after a restore from it throws.
   // The live caches are reset: the next request restores from the loaded snapshots (a layer
   // whose reset throws — a custom kind — gets an Error saying the trie was loaded and which
-  // slot to reset). Throws while any session is open. Refuses a `dir` or file that is not private to this user (see
-  // LoadOptions) unless options.allow_shared.
+  // slot to reset). Throws while any session is open. Refuses a `dir` or file that is not private
+  // to this user (see LoadOptions) unless options.allow_shared.
   void load(const std::string& dir, const std::string& model_id = "");
   void load(const std::string& dir, const std::string& model_id, const LoadOptions& options);
   // Whether `dir` holds a saved trie. When it does, `dir` and the file are checked as load

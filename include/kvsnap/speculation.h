@@ -65,9 +65,9 @@ class KVSNAP_EXPORT Speculation {
   // no capture: it succeeds even when one was lost (out of memory while the verify forward made
   // it). Otherwise only the capture at the accepted offset is kept: the others are released
   // before any layer moves (after an accept that failed past that point, only accept(drafts)
-  // or cancel() ends the round), and the whole-state layers restore before the others rewind. A layer of a kind that does not report
-  // its schedule (ScheduleState::known false) is trusted to hold no one else's: the rewind
-  // refuses one, after the whole-state layers moved.
+  // or cancel() ends the round), and the whole-state layers restore before the others rewind. A
+  // layer of a kind that does not report its schedule (ScheduleState::known false) is trusted to
+  // hold no one else's: the rewind refuses one, after the whole-state layers moved.
   void accept(int64_t accepted);
   // Drops an open round's captures without moving any layer (no-op without a round). A schedule
   // that replaced the round's on a layer belongs to someone else and is left alone.

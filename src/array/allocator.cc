@@ -48,23 +48,33 @@ int64_t size_class(int64_t bytes) {
   return (bytes + quarter - 1) / quarter * quarter;
 }
 
-// KVSNAP_POOL_BYTES: decimal digits, then optionally K, M or G (powers of 1024; "KiB", "MB"
-// and the like read the same); nullopt for anything else or past int64.
+// KVSNAP_POOL_BYTES: decimal digits, then optionally K, M or G (powers of 1024), each with an
+// optional "B" or "iB" ("512MiB"), or a plain "B"; nullopt for anything else or past int64.
 std::optional<int64_t> byte_count(std::string_view text) {
   size_t digits = 0;
-  while (digits < text.size() && text[digits] >= '0' && text[digits] <= '9') ++digits;
-  if (digits == 0 || digits > 18) return std::nullopt;
   int64_t value = 0;
-  for (size_t i = 0; i < digits; ++i) value = value * 10 + (text[i] - '0');
+  for (; digits < text.size() && text[digits] >= '0' && text[digits] <= '9'; ++digits) {
+    const int digit = text[digits] - '0';
+    if (value > (std::numeric_limits<int64_t>::max() - digit) / 10) return std::nullopt;
+    value = value * 10 + digit;
+  }
+  if (digits == 0) return std::nullopt;
   std::string unit(text.substr(digits));
   for (char& c : unit) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-  for (const char* suffix : {"IB", "B"}) {
-    if (unit.size() > 1 && unit.ends_with(suffix)) {
-      unit.resize(unit.size() - std::strlen(suffix));
-      break;
-    }
+  int shift = -1;
+  for (const auto& [name, bits] : {std::pair{"", 0},
+                                   {"B", 0},
+                                   {"K", 10},
+                                   {"KB", 10},
+                                   {"KIB", 10},
+                                   {"M", 20},
+                                   {"MB", 20},
+                                   {"MIB", 20},
+                                   {"G", 30},
+                                   {"GB", 30},
+                                   {"GIB", 30}}) {
+    if (unit == name) shift = bits;
   }
-  const int shift = unit.empty() ? 0 : unit == "K" ? 10 : unit == "M" ? 20 : unit == "G" ? 30 : -1;
   if (shift < 0 || value > (std::numeric_limits<int64_t>::max() >> shift)) return std::nullopt;
   return value << shift;
 }

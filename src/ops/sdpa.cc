@@ -362,11 +362,11 @@ class Attend {
     source_.for_each(b, g, lo, hi, [&](const Run& run) {
       const int64_t from = std::max(lo, run.first), to = std::min(hi, run.first + run.count);
       if (from >= to) return;
-      cblas_sgemm(
-          CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(m),
-          static_cast<int>(value_depth_), static_cast<int>(to - from), 1.0f, scores + (from - lo),
-          detail::blas_ld(width), run.values + (from - run.first) * run.value_stride,
-          detail::blas_ld(run.value_stride), beta, weighed, detail::blas_ld(value_depth_));
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(m),
+                  static_cast<int>(value_depth_), static_cast<int>(to - from), 1.0f,
+                  scores + (from - lo), detail::blas_ld(width),
+                  run.values + (from - run.first) * run.value_stride,
+                  detail::blas_ld(run.value_stride), beta, weighed, detail::blas_ld(value_depth_));
       beta = 1.0f;
     });
     return beta != 0.0f;

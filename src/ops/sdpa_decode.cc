@@ -333,9 +333,8 @@ class DecodeAttention {
       }
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(m),
                   static_cast<int>(value_depth_), static_cast<int>(count), 1.0f, s.lhs.data(),
-                  blas_ld(count), segment.values + g * value_head_,
-                  blas_ld(value_stride_), 0.0f, s.product.data(),
-                  blas_ld(value_depth_));
+                  blas_ld(count), segment.values + g * value_head_, blas_ld(value_stride_), 0.0f,
+                  s.product.data(), blas_ld(value_depth_));
       for (size_t n = 0; n < job.rows.size(); ++n) {
         for (int64_t j = 0; j < group_; ++j) {
           const float* add =

@@ -79,9 +79,8 @@ class Visibility {
     // NaN + -inf stays NaN, and would reach every output of the row).
     for (int64_t k = 0; k < width; ++k) {
       const float biased = row[k] + bias[lo + k];
-      row[k] = bias[lo + k] == -std::numeric_limits<float>::infinity() || biased < kMasked
-                   ? kMasked
-                   : biased;
+      row[k] = bias[lo + k] == -std::numeric_limits<float>::infinity() || biased < kMasked ? kMasked
+                                                                                           : biased;
     }
     return {0, width};
   }

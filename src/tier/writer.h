@@ -87,7 +87,8 @@ class WriteBehind {
   // Whether a batch of `bytes` of objects would be queued now (a caller asks before copying
   // them; push decides).
   bool has_room(int64_t bytes);
-  // Waits until the queue is empty and no batch is being written, or `timeout` passes.
+  // Waits until the queue and the doomed keys are empty and no batch is being written, or
+  // `timeout` passes.
   bool flush(std::chrono::milliseconds timeout);
   // Lookups mark themselves here (LookupGate::Entry) so writes step aside for them.
   LookupGate& lookups() { return lookups_; }
@@ -109,8 +110,8 @@ class WriteBehind {
   TierCounters& counters_;
   LookupGate lookups_;
   std::mutex mutex_;
-  std::condition_variable wake_;  // a batch was queued, or stopping
-  std::condition_variable idle_;  // the queue emptied and nothing is in flight
+  std::condition_variable wake_;  // a batch was queued, a key doomed, or stopping
+  std::condition_variable idle_;  // the queue and doomed keys emptied, nothing in flight
   std::deque<WriteBatch> queue_;
   std::vector<std::string> doomed_;  // keys to delete with the next batch (doom)
   int64_t queued_bytes_ = 0;         // objects' bytes in queue_ and in flight

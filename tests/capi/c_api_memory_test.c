@@ -13,6 +13,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "array/sanitizers.h"
 #include "c_check.h"
 
 /* Wide tokens: 4 heads x 128 f32 keys and values, 4 KiB a token: a 2000-token history copy
@@ -132,7 +133,7 @@ static void test_paged_writes_that_run_out_of_memory_change_nothing(void) {
 }
 
 int main(void) {
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(KVSNAP_ADDRESS_SANITIZER)
   (void)test_paged_writes_that_run_out_of_memory_change_nothing; /* built, not run */
   printf("c_api_memory: skipped (AddressSanitizer ignores RLIMIT_AS)\n");
   return 0;

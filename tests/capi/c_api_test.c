@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "array/sanitizers.h"
 #include "c_check.h"
 
 static const char* work_dir = ".";
@@ -73,7 +74,7 @@ static void test_arrays(void) {
   kvsnap_array_destroy(view);
   kvsnap_array_destroy(a);
   kvsnap_array_destroy(NULL);
-#if !defined(__SANITIZE_ADDRESS__) /* ASan aborts on an impossible allocation instead */
+#if !defined(KVSNAP_ADDRESS_SANITIZER) /* ASan aborts on an impossible allocation instead */
   const int64_t huge[2] = {(int64_t)1 << 38, (int64_t)1 << 10}; /* 1 PiB */
   CHECK_FAILS(kvsnap_array_zeros(KVSNAP_F32, 2, huge, &a), KVSNAP_OUT_OF_MEMORY, "out of memory");
 #endif

@@ -19,6 +19,7 @@
 #include <future>
 #include <thread>
 
+#include "array/sanitizers.h"
 #include "support/private_support.h"
 #include "support/tier_support.h"
 
@@ -106,7 +107,7 @@ TEST_F(DirStoreTest, ALinkAtAnObjectsNameIsNotFollowed) {
 }
 
 TEST_F(DirStoreTest, ALinkToDevZeroIsNotRead) {
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if defined(KVSNAP_ADDRESS_SANITIZER) || defined(KVSNAP_THREAD_SANITIZER)
   GTEST_SKIP() << "the child's address space is capped, which the sanitizers' shadow memory breaks";
 #else
   DirStore store(folder.string());

@@ -40,6 +40,11 @@ TEST(BenchFigures, TheChartHasABarPerFigureWithARatio) {
   EXPECT_NE(svg.find("3.00 FAIL"), std::string::npos);
   EXPECT_EQ(svg.find("cores"), std::string::npos);
   EXPECT_NE(svg.find("</svg>"), std::string::npos);
+  // A failure with nothing measured (no ratio) is charted too, and its table shows small ratios.
+  figures.push_back({"materialize", "1k", 0, "GB/s", 0, "x memcpy", ">= 0.8", false, "none"});
+  figures.push_back({"prefix cache", "8k", 0.2, "ms", 0.004, "of the request", "", true, ""});
+  EXPECT_NE(figures_chart(figures).find("materialize: 1k"), std::string::npos);
+  EXPECT_NE(format_figures(figures).find("0.004"), std::string::npos);
 }
 
 }  // namespace
