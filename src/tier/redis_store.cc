@@ -16,7 +16,6 @@
 #include "kvsnap/error.h"
 
 namespace kvsnap::detail {
-
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -556,7 +555,7 @@ std::vector<std::optional<std::string>> RedisStore::fetch(std::span<const std::s
   // GETEX refreshes the lifetime of what is used (Redis >= 6.2); GET where the store refuses
   // writes (refresh_on_read_).
   const std::string ttl = std::to_string(options_.ttl.count());
-  const std::vector<Reply> replies = lookup_round_trip(
+  std::vector<Reply> replies = lookup_round_trip(
       [&](bool refresh) {
         std::vector<Command> commands;
         for (const std::string& key : keys) {
@@ -566,13 +565,14 @@ std::vector<std::optional<std::string>> RedisStore::fetch(std::span<const std::s
       },
       deadline);
   std::vector<std::optional<std::string>> values;
-  for (const Reply& reply : replies) {
+  for (Reply& reply : replies) {
     // (A refusal — an unknown command: Redis before 6.2; NOAUTH... — failed the round trip.)
     if (reply->type == REDIS_REPLY_STRING) {
       values.emplace_back(std::string(reply.text()));
     } else {
       values.emplace_back(std::nullopt);  // missing, or a key of another type: not usable
     }
+    reply = Reply(nullptr);  // each reply goes as it is copied: never the values twice over
   }
   return values;
 }
