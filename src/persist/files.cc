@@ -584,7 +584,7 @@ void check_seal(const std::string& bytes, const SafetensorsFile& file, const std
   const std::string actual = at == std::string::npos ? "" : seal_of(bytes, at);
   if (actual != it->second) {
     throw Error(fmt::format("{}: checksum {} does not match the contents{}: the file is damaged",
-                            source, it->second,
+                            source, cut_quoted(it->second),
                             actual.empty() ? "" : fmt::format(" ({})", actual)));
   }
 }

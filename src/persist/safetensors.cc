@@ -156,6 +156,11 @@ std::string_view header_text(std::string_view bytes, uint64_t size, uint64_t max
     throw fail(fmt::format("header length {} is over the {} bytes a header may have here", length,
                            max_header));
   }
+  if (bytes.size() < 8 ||
+      bytes.size() - 8 < length) {  // a caller reading in parts must hand the whole header
+    throw fail(fmt::format("internal error: {} bytes given of a {}-byte header", bytes.size() - 8,
+                           length));
+  }
   const std::string_view text(bytes.data() + 8, length);
   if (text.empty() || text.front() != '{') throw fail("the header does not start with '{'");
   return text;

@@ -38,12 +38,16 @@ SealedFile read_sealed(const ByteReader& read, uint64_t size, const std::string&
         fmt::format("it ends at byte {}, before the {} bytes it held when opened", at, size));
   };
   std::string head(static_cast<size_t>(std::min<uint64_t>(size, 8)), '\0');
-  if (read_up_to(read, head.data(), head.size()) != head.size()) throw ended(0);
+  if (const uint64_t got = read_up_to(read, head.data(), head.size()); got != head.size()) {
+    throw ended(got);
+  }
   // The header is read only when the checks on its length would pass (decode refuses it).
   const uint64_t length = header_length(head);
   if (size >= 8 && length <= size - 8 && length <= kMaxSafetensorsHeader) {
     head.resize(static_cast<size_t>(8 + length));
-    if (read_up_to(read, head.data() + 8, length) != length) throw ended(8);
+    if (const uint64_t got = read_up_to(read, head.data() + 8, length); got != length) {
+      throw ended(8 + got);
+    }
   }
   SealedFile sealed{decode_safetensors_header(head, size, source), ""};
   // The seal: every byte, the checksum's own digits read as '0' (encode_sealed).
@@ -62,10 +66,11 @@ SealedFile read_sealed(const ByteReader& read, uint64_t size, const std::string&
     XXH64_update(state.get(), head.data() + at + digits, head.size() - at - digits);
   }
   uint64_t offset = head.size();
+  std::string().swap(head);  // hashed and decoded: not held while the data is read
   for (auto& [name, array] : sealed.file.tensors) {  // in the order of their data, which they tile
     const auto bytes = static_cast<uint64_t>(array.nbytes());
     char* const into = static_cast<char*>(array.mutable_bytes());
-    if (read_up_to(read, into, bytes) != bytes) throw ended(offset);
+    if (const uint64_t got = read_up_to(read, into, bytes); got != bytes) throw ended(offset + got);
     XXH64_update(state.get(), into, static_cast<size_t>(bytes));
     offset += bytes;
   }
@@ -94,6 +99,8 @@ SealedFile read_sealed_file(const std::string& path, const PrivacyRule& rule, ui
   if (::fstat(file.get(), &status) != 0) {
     throw Error(fmt::format("{}: error reading {} ({})", rule.call, path, std::strerror(errno)));
   }
+  // The size it has now: a file whose size the folder misreports (procfs, some FUSE mounts) is
+  // refused as one that shrank or grew while read.
   const auto size = static_cast<uint64_t>(status.st_size);
   if (size > max_bytes) {
     throw Error(
@@ -122,7 +129,7 @@ void check_seal(const SealedFile& sealed, const std::string& source) {
   }
   if (sealed.actual != it->second) {
     throw Error(fmt::format("{}: checksum {} does not match the contents{}: the file is damaged",
-                            source, it->second,
+                            source, cut_quoted(it->second),
                             sealed.actual.empty() ? "" : fmt::format(" ({})", sealed.actual)));
   }
 }

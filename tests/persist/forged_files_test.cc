@@ -302,8 +302,13 @@ TEST(SealedFile, ReadInPartsAsWholeAndRefusedWhenItChangesSize) {
     };
   };
   const std::string shorter = bytes.substr(0, bytes.size() - 4);
+  const std::string ends = fmt::format("safetensors t: it ends at byte {}, before the {} bytes",
+                                       shorter.size(), bytes.size());
   EXPECT_TRUE(throws_error([&] { (void)detail::read_sealed(reader(shorter), bytes.size(), "t"); },
-                           {"safetensors t: it ends at byte", "before the"}));
+                           {ends.c_str()}));
+  const std::string cut = bytes.substr(0, 5);  // inside the header's length
+  EXPECT_TRUE(throws_error([&] { (void)detail::read_sealed(reader(cut), bytes.size(), "t"); },
+                           {"safetensors t: it ends at byte 5, before the"}));
   const std::string longer = bytes + "more";
   EXPECT_TRUE(throws_error([&] { (void)detail::read_sealed(reader(longer), bytes.size(), "t"); },
                            {"safetensors t: it holds more than the"}));
