@@ -33,6 +33,34 @@ double strided_append_ns(const Shape& shape, int64_t tokens) {
   });
 }
 
+// `op(range)` timed for each of `ranges` (in tokens, smallest first), with whether it allocated
+// any array: one figure each, under 1 us, allocating nothing, and flat — the largest range within
+// 2x the smallest's time.
+template <class Op>
+void flat_figures(std::vector<Figure>& out, const char* group, const char* name,
+                  std::initializer_list<int64_t> ranges, const char* target, const char* note,
+                  Op&& op) {
+  std::vector<double> times;
+  std::vector<bool> nothing;
+  for (const int64_t range : ranges) {
+    const int64_t count = allocation_count();
+    times.push_back(time_ns([&] { op(range); }));
+    nothing.push_back(allocation_count() == count);
+  }
+  const bool flat = times.back() <= 2 * times.front();
+  size_t i = 0;
+  for (const int64_t range : ranges) {
+    out.push_back(
+        {group, fmt::format("{}{} tokens", name, range), times[i], "ns", times[i] / 1000.0,
+         "x 1 us", target, times[i] < 1000 && nothing[i] && flat,
+         fmt::format("{}{}; {}", note, nothing[i] ? "no array allocated" : "ALLOCATED ARRAYS",
+                     flat ? "flat in size"
+                          : fmt::format("NOT FLAT: {} vs {} tokens over 2x",
+                                        *std::prev(ranges.end()), *ranges.begin()))});
+    ++i;
+  }
+}
+
 }  // namespace
 
 void decode_figures(std::vector<Figure>& out, const Shape& shape) {
@@ -152,24 +180,8 @@ void capture_figures(std::vector<Figure>& out, const Shape& shape) {
   const Chunk chunk(shape, 1024);
   Writer writer(1024);
   for (int i = 0; i < 101; ++i) writer.write(cache, chunk);
-  const int64_t ranges[] = {1, 1000, 100000};
-  double times[3];
-  bool allocated_nothing[3];
-  for (size_t i = 0; i < 3; ++i) {
-    const int64_t count = allocation_count();
-    times[i] = time_ns([&] { keep(cache.snapshot(cache.offset() - ranges[i])); });
-    allocated_nothing[i] = allocation_count() == count;
-  }
-  // Flat: the largest range's capture costs what the smallest one's does (within 2x).
-  const bool flat = times[2] <= 2 * times[0];
-  for (size_t i = 0; i < 3; ++i) {
-    out.push_back(
-        {"lazy capture", fmt::format("snapshot of {} tokens", ranges[i]), times[i], "ns",
-         times[i] / 1000.0, "x 1 us", "< 1 us, 0 arrays, flat",
-         times[i] < 1000 && allocated_nothing[i] && flat,
-         fmt::format("{}; {}", allocated_nothing[i] ? "no array allocated" : "ALLOCATED ARRAYS",
-                     flat ? "flat in size" : "NOT FLAT: 100k vs 1 token over 2x")});
-  }
+  flat_figures(out, "lazy capture", "snapshot of ", {1, 1000, 100000}, "< 1 us, 0 arrays, flat", "",
+               [&](int64_t range) { keep(cache.snapshot(cache.offset() - range)); });
   // Scheduled captures inside one batched write: the write with 64 captures minus without, on
   // a one-head, one-dim layout so the copy does not drown the captures' cost.
   const Shape tiny{.heads = 1, .depth = 1};
@@ -273,26 +285,13 @@ void merge_split_figures(std::vector<Figure>& out, const Shape& shape) {
   const Chunk chunk(shape, 1024);
   Writer writer(1024);
   for (int i = 0; i < 101; ++i) writer.write(cache, chunk);
-  const int64_t ranges[] = {1000, 100000};
-  double times[2];
-  bool nothing[2];
-  for (size_t i = 0; i < 2; ++i) {
-    const int64_t range = ranges[i], count = allocation_count();
-    times[i] = time_ns([&] {
-      auto [a, b] = cache.split(cache.snapshot(cache.offset() - range), cache.offset() - range / 2);
-      keep(cache.merge(std::move(a), std::move(b)));
-    });
-    nothing[i] = allocation_count() == count;
-  }
-  const bool flat = times[1] <= 2 * times[0];  // 100x the tokens, within 2x the time
-  for (size_t i = 0; i < 2; ++i) {
-    out.push_back({"merge + split of lazy snapshots", fmt::format("{} tokens", ranges[i]), times[i],
-                   "ns", times[i] / 1000.0, "x 1 us", "flat in size, < 1 us, 0 arrays",
-                   times[i] < 1000 && nothing[i] && flat,
-                   fmt::format("includes creating the snapshot; {}; {}",
-                               nothing[i] ? "no array allocated" : "ALLOCATED ARRAYS",
-                               flat ? "flat in size" : "NOT FLAT: 100k vs 1k over 2x")});
-  }
+  flat_figures(
+      out, "merge + split of lazy snapshots", "", {1000, 100000}, "flat in size, < 1 us, 0 arrays",
+      "includes creating the snapshot; ", [&](int64_t range) {
+        auto [a, b] =
+            cache.split(cache.snapshot(cache.offset() - range), cache.offset() - range / 2);
+        keep(cache.merge(std::move(a), std::move(b)));
+      });
 }
 
 // A recurrent decode step through the cache (get, kernels, put, a capture) against the kernels

@@ -431,10 +431,7 @@ std::string format_parallel_json(const ParallelRun& parallel, const RunResult& u
       {"evaluated_cached", a.evaluated},
       {"evaluated_uncached", b.evaluated},
       {"ideal", a.ideal},
-      {"gap", parallel.run.loaded_nodes >= 0  // a warm start: as replay's (format_json)
-                  ? nlohmann::json(nullptr)
-                  : nlohmann::json{{"seen_not_evaluated", a.seen_not_evaluated},
-                                   {"restore_points", a.restore_points}}},
+      {"gap", gap_json(a.seen_not_evaluated, a.restore_points, parallel.run.loaded_nodes >= 0)},
       {"loaded_nodes", parallel.run.loaded_nodes},
       {"load_evicted_nodes", parallel.run.load_evicted_nodes},
       {"reply_tokens", a.reply_tokens},

@@ -433,6 +433,11 @@ std::string ideal_gap_lines(int64_t evaluated, int64_t ideal, int64_t seen_not_e
   return out;
 }
 
+nlohmann::json gap_json(int64_t seen_not_evaluated, int64_t restore_points, bool warm) {
+  if (warm) return nullptr;
+  return {{"seen_not_evaluated", seen_not_evaluated}, {"restore_points", restore_points}};
+}
+
 bool restored_from_before(const Summary& s) {
   return s.loaded_nodes >= 0 || (s.with_tier && s.tier.hits > 0);
 }
@@ -487,9 +492,6 @@ std::string format_json(const Summary& s, const Comparison& c, const RunResult& 
                         {"ttft_ms_uncached", b.ttft_seconds * 1e3},
                         {"reply_tokens", a.reply.size()}});
   }
-  // After a warm start or tier hits the cached run evaluates fewer tokens than the ideal (which
-  // counts tokens new to this run): the gap over it has no parts to tell.
-  const bool warm = restored_from_before(s);
   const nlohmann::json json = {
       {"workload", workload},
       {"requests", s.requests},
@@ -497,9 +499,7 @@ std::string format_json(const Summary& s, const Comparison& c, const RunResult& 
       {"evaluated_cached", s.evaluated_cached},
       {"evaluated_uncached", s.evaluated_uncached},
       {"ideal", s.ideal},
-      {"gap", warm ? nlohmann::json(nullptr)
-                   : nlohmann::json{{"seen_not_evaluated", s.gap_seen_not_evaluated},
-                                    {"restore_points", s.gap_restore_points}}},
+      {"gap", gap_json(s.gap_seen_not_evaluated, s.gap_restore_points, restored_from_before(s))},
       {"ttft_ms",
        {{"cached", {{"median", s.ttft_median_cached * 1e3}, {"p90", s.ttft_p90_cached * 1e3}}},
         {"uncached",

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <vector>
 
@@ -155,6 +156,9 @@ std::string warm_start_lines(int64_t loaded, int64_t load_evicted);
 // (or tier hits) the ideal's meaning; else what the tokens over it were.
 std::string ideal_gap_lines(int64_t evaluated, int64_t ideal, int64_t seen_not_evaluated,
                             int64_t restore_points, bool warm);
+// The JSON's "gap": its parts, or null after a warm start (or tier hits), when the cached run
+// evaluates fewer tokens than the ideal (which counts tokens new to this run).
+nlohmann::json gap_json(int64_t seen_not_evaluated, int64_t restore_points, bool warm);
 std::string format_json(const Summary&, const Comparison&, const RunResult& cached,
                         const RunResult& uncached, const std::string& workload);
 // An SVG chart of tokens evaluated per request, with and without the cache, and the ideal.

@@ -61,20 +61,9 @@ std::optional<int64_t> byte_count(std::string_view text) {
   if (digits == 0) return std::nullopt;
   std::string unit(text.substr(digits));
   for (char& c : unit) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-  int shift = -1;
-  for (const auto& [name, bits] : {std::pair{"", 0},
-                                   {"B", 0},
-                                   {"K", 10},
-                                   {"KB", 10},
-                                   {"KIB", 10},
-                                   {"M", 20},
-                                   {"MB", 20},
-                                   {"MIB", 20},
-                                   {"G", 30},
-                                   {"GB", 30},
-                                   {"GIB", 30}}) {
-    if (unit == name) shift = bits;
-  }
+  if (unit.ends_with('B')) unit.pop_back();                     // "B", "KB", "KIB"
+  if (unit.size() == 2 && unit.back() == 'I') unit.pop_back();  // "KI" (not "I" alone)
+  const int shift = unit.empty() ? 0 : unit == "K" ? 10 : unit == "M" ? 20 : unit == "G" ? 30 : -1;
   if (shift < 0 || value > (std::numeric_limits<int64_t>::max() >> shift)) return std::nullopt;
   return value << shift;
 }

@@ -434,11 +434,7 @@ std::string read_private_file(const std::string& path, const PrivacyRule& rule,
                               uint64_t max_bytes) {
   const FileDescriptor file = open_private_file(path, rule);
   const auto too_large = [&](uint64_t size, const char* more) {
-    return Error(
-        fmt::format("{}: cannot load {}: it holds {}{} bytes, more than the {} bytes a "
-                    "load accepts{}",
-                    rule.call, path, more, size, max_bytes,
-                    max_bytes == loadable_bytes() ? " (the machine's memory)" : ""));
+    return too_large_to_load(rule, path, size, max_bytes, more);
   };
   struct stat status {};
   std::string bytes;
@@ -460,6 +456,15 @@ std::string read_private_file(const std::string& path, const PrivacyRule& rule,
     }
     bytes.append(buffer, static_cast<size_t>(n));
   }
+}
+
+Error too_large_to_load(const PrivacyRule& rule, const std::string& path, uint64_t size,
+                        uint64_t max_bytes, const char* more) {
+  return Error(
+      fmt::format("{}: cannot load {}: it holds {}{} bytes, more than the {} bytes a load "
+                  "accepts{}",
+                  rule.call, path, more, size, max_bytes,
+                  max_bytes == loadable_bytes() ? " (the machine's memory)" : ""));
 }
 
 uint64_t loadable_bytes() {
@@ -525,68 +530,6 @@ std::error_code make_private_folders(const std::string& path) {
     if (!S_ISDIR(status.st_mode)) return {ENOTDIR, std::generic_category()};
   }
   return {};
-}
-
-namespace {
-
-// The metadata entry as encode_safetensors writes it (compact JSON).
-std::string checksum_entry(const std::string& value) {
-  return fmt::format("\"checksum\":\"{}\"", value);
-}
-
-// xxHash64 of `bytes` with the 16 characters at `at` read as the placeholder.
-std::string seal_of(std::string_view bytes, size_t at) {
-  const size_t digits = std::strlen(kChecksumPlaceholder);
-  XXH64_state_t* state = XXH64_createState();
-  XXH64_reset(state, 0);
-  XXH64_update(state, bytes.data(), at);
-  XXH64_update(state, kChecksumPlaceholder, digits);
-  XXH64_update(state, bytes.data() + at + digits, bytes.size() - at - digits);
-  const XXH64_hash_t hash = XXH64_digest(state);
-  XXH64_freeState(state);
-  return fmt::format("{:016x}", hash);
-}
-
-}  // namespace
-
-// Where the value of the one "checksum" entry starts in `bytes`' header, or npos when the header
-// holds it other than exactly once.
-size_t checksum_position(std::string_view bytes, const std::string& value) {
-  const uint64_t length = header_length(bytes);
-  if (bytes.size() < 8 || length > bytes.size() - 8) return std::string_view::npos;
-  const std::string_view header = bytes.substr(8, length);
-  const std::string entry = checksum_entry(value);
-  const size_t found = header.find(entry);
-  if (found == std::string_view::npos || header.find(entry, found + 1) != std::string_view::npos) {
-    return std::string_view::npos;
-  }
-  return 8 + found + entry.size() - value.size() - 1;
-}
-
-std::string encode_sealed(SafetensorsFile file, const TensorWriter& write) {
-  file.metadata["checksum"] = kChecksumPlaceholder;
-  std::string bytes = encode_safetensors(file, write);
-  const size_t at = checksum_position(bytes, kChecksumPlaceholder);
-  if (at == std::string::npos) throw Error("encode_sealed: internal error: no checksum entry");
-  const std::string seal = seal_of(bytes, at);
-  bytes.replace(at, seal.size(), seal);
-  return bytes;
-}
-
-void check_seal(const std::string& bytes, const SafetensorsFile& file, const std::string& source) {
-  const auto it = file.metadata.find("checksum");
-  if (it == file.metadata.end()) {
-    throw Error(fmt::format("{}: metadata \"checksum\" is missing", source));
-  }
-  const size_t at = it->second.size() == std::strlen(kChecksumPlaceholder)
-                        ? checksum_position(bytes, it->second)
-                        : std::string::npos;
-  const std::string actual = at == std::string::npos ? "" : seal_of(bytes, at);
-  if (actual != it->second) {
-    throw Error(fmt::format("{}: checksum {} does not match the contents{}: the file is damaged",
-                            source, cut_quoted(it->second),
-                            actual.empty() ? "" : fmt::format(" ({})", actual)));
-  }
 }
 
 }  // namespace kvsnap::detail

@@ -101,6 +101,10 @@ uint64_t loadable_bytes();
 // (callers turn it into an Error).
 std::string read_private_file(const std::string& path, const PrivacyRule& rule,
                               uint64_t max_bytes = loadable_bytes());
+// The Error for a file of `size` bytes (`more`: "at least ", when it was still growing) over
+// `max_bytes`: "<rule.call>: cannot load <path>: it holds ... bytes, more than ...".
+Error too_large_to_load(const PrivacyRule& rule, const std::string& path, uint64_t size,
+                        uint64_t max_bytes, const char* more = "");
 
 // Opens `path` for writing, emptied: created mode 0600 whatever the umask (fchmod after open),
 // never through a symbolic link. An existing file that is not a regular file, that another user
@@ -153,14 +157,12 @@ const std::string& writer_place();
 // padding, length) makes the file fail its check.
 inline constexpr const char* kChecksumPlaceholder = "0000000000000000";
 
-// Encodes `file` (its tensors' data through `write`, when given: see encode_safetensors) with
-// metadata "checksum" set to the file's seal.
+// Sealed files (sealed_file.cc). Encodes `file` (its tensors' data through `write`, when given:
+// see encode_safetensors) with metadata "checksum" set to the file's seal.
 std::string encode_sealed(SafetensorsFile file, const TensorWriter& write = nullptr);
 // Throws Error naming `source` unless metadata "checksum" of `file` (decoded from `bytes`) is
 // the seal of `bytes`.
 void check_seal(const std::string& bytes, const SafetensorsFile& file, const std::string& source);
-// Where the checksum `value` stands in the header `bytes` begins with (npos unless just once).
-size_t checksum_position(std::string_view bytes, const std::string& value);
 
 // A sealed file read in parts (sealed_file.cc): decoded as decode_safetensors decodes it, its
 // tensors read straight into their arrays, and the seal of every byte (`actual`: 16 hex digits,

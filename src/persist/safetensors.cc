@@ -156,8 +156,8 @@ std::string_view header_text(std::string_view bytes, uint64_t size, uint64_t max
     throw fail(fmt::format("header length {} is over the {} bytes a header may have here", length,
                            max_header));
   }
-  if (bytes.size() < 8 ||
-      bytes.size() - 8 < length) {  // a caller reading in parts must hand the whole header
+  // A caller reading in parts must hand the whole header.
+  if (bytes.size() < 8 || bytes.size() - 8 < length) {
     throw fail(fmt::format("internal error: {} bytes given of a {}-byte header", bytes.size() - 8,
                            length));
   }

@@ -1,6 +1,6 @@
-// Sealed files (files.h) read one tensor at a time: the header first, then each tensor's bytes
-// straight into its array, hashed as they pass — a load holds what it decodes, not the file's
-// bytes as well (a trie file of 8 GB took 16 GB to load).
+// Sealed files (files.h): written whole, checked whole or read one tensor at a time — the header
+// first, then each tensor's bytes straight into its array, hashed as they pass, so a load holds
+// what it decodes, not the file's bytes as well (a trie file of 8 GB took 16 GB to load).
 #include <fmt/format.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -27,7 +27,95 @@ uint64_t read_up_to(const ByteReader& read, char* into, uint64_t bytes) {
   return done;
 }
 
+// The metadata entry as encode_safetensors writes it (compact JSON).
+std::string checksum_entry(const std::string& value) {
+  return fmt::format("\"checksum\":\"{}\"", value);
+}
+
+// Where the value of the one "checksum" entry starts in the header `bytes` begins with, or npos
+// when the header holds it other than exactly once.
+size_t checksum_position(std::string_view bytes, const std::string& value) {
+  const uint64_t length = header_length(bytes);
+  if (bytes.size() < 8 || length > bytes.size() - 8) return std::string_view::npos;
+  const std::string_view header = bytes.substr(8, length);
+  const std::string entry = checksum_entry(value);
+  const size_t found = header.find(entry);
+  if (found == std::string_view::npos || header.find(entry, found + 1) != std::string_view::npos) {
+    return std::string_view::npos;
+  }
+  return 8 + found + entry.size() - value.size() - 1;
+}
+
+// Where `file`'s checksum stands in the bytes it was decoded from (`bytes`: at least the length
+// and the header), or npos: none, one of another length, or not once.
+size_t seal_position(const SafetensorsFile& file, std::string_view bytes) {
+  const auto it = file.metadata.find("checksum");
+  return it != file.metadata.end() && it->second.size() == std::strlen(kChecksumPlaceholder)
+             ? checksum_position(bytes, it->second)
+             : std::string::npos;
+}
+
+// xxHash64, fed in parts.
+class Hash {
+ public:
+  Hash() : state_(XXH64_createState(), XXH64_freeState) {
+    if (state_ == nullptr) throw std::bad_alloc();
+    XXH64_reset(state_.get(), 0);
+  }
+  void add(const void* data, size_t bytes) { XXH64_update(state_.get(), data, bytes); }
+  // `bytes` with the checksum's 16 characters at `at` read as the placeholder.
+  void add_sealed(std::string_view bytes, size_t at) {
+    const size_t digits = std::strlen(kChecksumPlaceholder);
+    add(bytes.data(), at);
+    add(kChecksumPlaceholder, digits);
+    add(bytes.data() + at + digits, bytes.size() - at - digits);
+  }
+  std::string hex() const { return fmt::format("{:016x}", XXH64_digest(state_.get())); }
+
+ private:
+  std::unique_ptr<XXH64_state_t, XXH_errorcode (*)(XXH64_state_t*)> state_;
+};
+
+std::string seal_of(std::string_view bytes, size_t at) {
+  Hash hash;
+  hash.add_sealed(bytes, at);
+  return hash.hex();
+}
+
+// Throws Error naming `source` unless `actual` (empty: no seal to read) is `file`'s checksum.
+void check_actual(const SafetensorsFile& file, const std::string& actual,
+                  const std::string& source) {
+  const auto it = file.metadata.find("checksum");
+  if (it == file.metadata.end()) {
+    throw Error(fmt::format("{}: metadata \"checksum\" is missing", source));
+  }
+  if (actual != it->second) {
+    throw Error(fmt::format("{}: checksum {} does not match the contents{}: the file is damaged",
+                            source, cut_quoted(it->second),
+                            actual.empty() ? "" : fmt::format(" ({})", actual)));
+  }
+}
+
 }  // namespace
+
+std::string encode_sealed(SafetensorsFile file, const TensorWriter& write) {
+  file.metadata["checksum"] = kChecksumPlaceholder;
+  std::string bytes = encode_safetensors(file, write);
+  const size_t at = checksum_position(bytes, kChecksumPlaceholder);
+  if (at == std::string::npos) throw Error("encode_sealed: internal error: no checksum entry");
+  const std::string seal = seal_of(bytes, at);
+  bytes.replace(at, seal.size(), seal);
+  return bytes;
+}
+
+void check_seal(const std::string& bytes, const SafetensorsFile& file, const std::string& source) {
+  const size_t at = seal_position(file, bytes);
+  check_actual(file, at == std::string::npos ? "" : seal_of(bytes, at), source);
+}
+
+void check_seal(const SealedFile& sealed, const std::string& source) {
+  check_actual(sealed.file, sealed.actual, source);
+}
 
 SealedFile read_sealed(const ByteReader& read, uint64_t size, const std::string& source) {
   const auto fail = [&](const std::string& rule) {
@@ -51,34 +139,23 @@ SealedFile read_sealed(const ByteReader& read, uint64_t size, const std::string&
   }
   SealedFile sealed{decode_safetensors_header(head, size, source), ""};
   // The seal: every byte, the checksum's own digits read as '0' (encode_sealed).
-  const auto checksum = sealed.file.metadata.find("checksum");
-  const size_t digits = std::strlen(kChecksumPlaceholder);
-  const size_t at = checksum != sealed.file.metadata.end() && checksum->second.size() == digits
-                        ? checksum_position(head, checksum->second)
-                        : std::string::npos;
-  const std::unique_ptr<XXH64_state_t, XXH_errorcode (*)(XXH64_state_t*)> state(XXH64_createState(),
-                                                                                XXH64_freeState);
-  if (state == nullptr) throw std::bad_alloc();
-  XXH64_reset(state.get(), 0);
-  if (at != std::string::npos) {
-    XXH64_update(state.get(), head.data(), at);
-    XXH64_update(state.get(), kChecksumPlaceholder, digits);
-    XXH64_update(state.get(), head.data() + at + digits, head.size() - at - digits);
-  }
+  const size_t at = seal_position(sealed.file, head);
+  Hash hash;
+  if (at != std::string::npos) hash.add_sealed(head, at);
   uint64_t offset = head.size();
   std::string().swap(head);  // hashed and decoded: not held while the data is read
   for (auto& [name, array] : sealed.file.tensors) {  // in the order of their data, which they tile
     const auto bytes = static_cast<uint64_t>(array.nbytes());
     char* const into = static_cast<char*>(array.mutable_bytes());
     if (const uint64_t got = read_up_to(read, into, bytes); got != bytes) throw ended(offset + got);
-    XXH64_update(state.get(), into, static_cast<size_t>(bytes));
+    hash.add(into, static_cast<size_t>(bytes));
     offset += bytes;
   }
   char extra = 0;
   if (read_up_to(read, &extra, 1) != 0) {
     throw fail(fmt::format("it holds more than the {} bytes it held when opened", size));
   }
-  if (at != std::string::npos) sealed.actual = fmt::format("{:016x}", XXH64_digest(state.get()));
+  if (at != std::string::npos) sealed.actual = hash.hex();
   return sealed;
 }
 
@@ -102,13 +179,7 @@ SealedFile read_sealed_file(const std::string& path, const PrivacyRule& rule, ui
   // The size it has now: a file whose size the folder misreports (procfs, some FUSE mounts) is
   // refused as one that shrank or grew while read.
   const auto size = static_cast<uint64_t>(status.st_size);
-  if (size > max_bytes) {
-    throw Error(
-        fmt::format("{}: cannot load {}: it holds {} bytes, more than the {} bytes a load "
-                    "accepts{}",
-                    rule.call, path, size, max_bytes,
-                    max_bytes == loadable_bytes() ? " (the machine's memory)" : ""));
-  }
+  if (size > max_bytes) throw too_large_to_load(rule, path, size, max_bytes);
   const ByteReader read = [&](char* into, size_t n) -> size_t {
     for (;;) {
       const ssize_t got = ::read(file.get(), into, std::min<size_t>(n, size_t(1) << 30));
@@ -120,18 +191,6 @@ SealedFile read_sealed_file(const std::string& path, const PrivacyRule& rule, ui
     }
   };
   return read_sealed(read, size, path);
-}
-
-void check_seal(const SealedFile& sealed, const std::string& source) {
-  const auto it = sealed.file.metadata.find("checksum");
-  if (it == sealed.file.metadata.end()) {
-    throw Error(fmt::format("{}: metadata \"checksum\" is missing", source));
-  }
-  if (sealed.actual != it->second) {
-    throw Error(fmt::format("{}: checksum {} does not match the contents{}: the file is damaged",
-                            source, cut_quoted(it->second),
-                            sealed.actual.empty() ? "" : fmt::format(" ({})", sealed.actual)));
-  }
 }
 
 }  // namespace kvsnap::detail

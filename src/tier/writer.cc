@@ -5,8 +5,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <iterator>
-#include <new>
 #include <optional>
 
 #include "tier/object.h"
@@ -122,18 +120,9 @@ void WriteBehind::run() {
       batch = std::move(queue_.front());
       queue_.pop_front();
     }
-    // The doomed keys go with it (deleted first, before its objects are written); out of
-    // memory joining them, they are forgotten (a reader dooms them again).
-    try {
-      if (batch.doomed.empty()) {
-        batch.doomed.swap(doomed_);
-      } else {
-        batch.doomed.insert(batch.doomed.end(), std::make_move_iterator(doomed_.begin()),
-                            std::make_move_iterator(doomed_.end()));
-      }
-    } catch (const std::bad_alloc&) {
-    }
-    doomed_.clear();
+    // The doomed keys go with it, deleted before its objects are written (only doom() fills
+    // a batch's doomed list).
+    batch.doomed.swap(doomed_);
     const int64_t bytes = object_bytes(batch);
     busy_ = true;
     lock.unlock();
