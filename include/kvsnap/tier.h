@@ -36,6 +36,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <span>
 #include <string>
@@ -67,6 +68,12 @@ struct TierOptions {
   // larger restore point alone is left out. Said once in the log, counted in store_errors:
   // lower chunk_tokens.
   int64_t max_object_bytes = int64_t(512) << 20;
+  // The most object bytes one lookup holds, all it reads together (the chunks and the restore
+  // point, as the store sent them), in [1, 2^50]; lookup's max_bytes lowers it per call (a
+  // PrefixCache passes its budget). A restore point that needs more is passed over for a
+  // shallower one that fits; a store sending more than it announced costs that lookup only.
+  // Said once in the log, counted in store_errors: raise it for long prompts on wide models.
+  int64_t max_lookup_bytes = int64_t(8) << 30;
   // The most a lookup waits for the store, all round trips together. This, write_timeout and
   // retry_interval must be in [0, 24 h] (open refuses others).
   std::chrono::milliseconds lookup_timeout{50};
@@ -146,10 +153,12 @@ class KVSNAP_EXPORT Tier {
 
   // The deepest restore point t of `tokens` with better_than < t <= limit, every layer's data at
   // t included. Segments start at the chunk boundary at or below `better_than` (the caller
-  // holds KV data for [0, better_than) already). Empty when nothing is found, the store fails
-  // or the timeout passes. Never throws for the store's sake.
+  // holds KV data for [0, better_than) already), and hold at most max_bytes and
+  // TierOptions::max_lookup_bytes of objects. Empty when nothing is found, the store fails or
+  // the timeout passes. Never throws for the store's sake.
   [[nodiscard]] TierMatch lookup(std::span<const int32_t> tokens, int64_t limit,
-                                 int64_t better_than = 0);
+                                 int64_t better_than = 0,
+                                 int64_t max_bytes = std::numeric_limits<int64_t>::max());
   // Queues `points` of `tokens` for writing: each with the whole states given and the KV data
   // of [0, offset) taken from `ranges` (per layer: a snapshot whose range covers [0, the largest
   // offset), null for other layers). Data is copied before returning (the snapshots may change

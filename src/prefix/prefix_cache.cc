@@ -108,7 +108,8 @@ class PrefixCacheImpl {
       held = std::min(s.match(prompt), trie.match(prompt).length);
     }
     if (held >= limit) return;
-    TierMatch found = options.tier->lookup(prompt, limit, held);
+    // More than the budget would be evicted as it is inserted: never read.
+    TierMatch found = options.tier->lookup(prompt, limit, held, options.max_paged_out_bytes);
     if (found.offset == 0) return;
     const std::lock_guard<std::mutex> lock(mutex);
     if (insert_from_tier(trie, prompt, std::move(found))) evict(id, Change::shared);

@@ -34,10 +34,15 @@ StoreFailure cannot_read(const std::string& file) {
 // anything but a regular file of at most DirStore::kMaximumObjectBytes — a link (never
 // followed), a FIFO (never waited on), a device, a socket, a folder — or a file that grows past
 // that size while it is read. Checks the deadline before every read. Throws StoreFailure when a
-// file that is there cannot be read, or at the deadline.
+// file that is there cannot be read, or at the deadline, and FetchTooLarge (index 0) when it
+// would pass `budget`, what the fetch may still hold.
 std::optional<std::string> read_object(const std::string& file, Deadline deadline,
-                                       bool own_files_only) {
+                                       bool own_files_only, int64_t budget) {
   constexpr int64_t kMaximum = DirStore::kMaximumObjectBytes;
+  const auto fits = [&](int64_t size) {
+    if (size > budget && size <= kMaximum) throw FetchTooLarge(0, budget);
+    return size <= kMaximum;
+  };
   struct stat status {};
   // What is not a regular file is not even opened (opening a device can do things).
   if (::lstat(file.c_str(), &status) != 0) {
@@ -61,7 +66,7 @@ std::optional<std::string> read_object(const std::string& file, Deadline deadlin
     throw cannot_read(file);
   }
   if (::fstat(object.get(), &status) != 0) throw cannot_read(file);
-  if (!S_ISREG(status.st_mode) || status.st_size > kMaximum || foreign()) return std::nullopt;
+  if (!S_ISREG(status.st_mode) || foreign() || !fits(status.st_size)) return std::nullopt;
   std::string bytes;
   bytes.reserve(static_cast<size_t>(status.st_size));
   std::string buffer(size_t(1) << 20, '\0');
@@ -76,7 +81,7 @@ std::optional<std::string> read_object(const std::string& file, Deadline deadlin
       if (errno == EINTR) continue;
       throw cannot_read(file);
     }
-    if (static_cast<int64_t>(bytes.size()) + n > kMaximum) return std::nullopt;  // it grew
+    if (!fits(static_cast<int64_t>(bytes.size()) + n)) return std::nullopt;  // it grew
     bytes.append(buffer.data(), static_cast<size_t>(n));
   }
 }
@@ -274,13 +279,19 @@ void DirStore::probe(std::span<const std::string> sets, std::span<const std::str
 }
 
 std::vector<std::optional<std::string>> DirStore::fetch(std::span<const std::string> keys,
-                                                        Deadline deadline) {
+                                                        Deadline deadline, int64_t max_bytes) {
   // (A file that cannot be read is one object's failure, counted, not the folder's: the health
   // log is for writes the folder refuses.)
   std::vector<std::optional<std::string>> values;
-  for (const std::string& key : keys) {
+  int64_t left = max_bytes;
+  for (size_t i = 0; i < keys.size(); ++i) {
     check_time(deadline);
-    values.push_back(read_object(path(key), deadline, own_files_only_));
+    try {
+      values.push_back(read_object(path(keys[i]), deadline, own_files_only_, left));
+    } catch (const FetchTooLarge&) {
+      throw FetchTooLarge(i, max_bytes);
+    }
+    if (values.back()) left -= static_cast<int64_t>(values.back()->size());
   }
   return values;
 }

@@ -44,7 +44,7 @@ class DirStore final : public Store {
   // (nullopt), as a missing name does: a planted file costs restores, never a request's time
   // past the deadline nor its memory. A file that is there but cannot be read: StoreFailure.
   std::vector<std::optional<std::string>> fetch(std::span<const std::string> keys,
-                                                Deadline deadline) override;
+                                                Deadline deadline, int64_t max_bytes) override;
   // Index entries are never made through a link: an index folder's name holding a link (or
   // anything but a folder) is left alone and its entries are skipped (probe lists nothing
   // there), and a member's file is created only when its name is free (O_EXCL|O_NOFOLLOW).

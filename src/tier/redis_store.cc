@@ -20,49 +20,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-Error bad_address(const std::string& address, const std::string& rule) {
-  return Error(fmt::format(
-      "tier address {}: {} (expected redis://[[USER]:PASSWORD@]HOST[:PORT][/DB] or dir:PATH)",
-      redact_address(address), rule));
-}
-
-int parse_number(const std::string& address, std::string_view text, int low, int high,
-                 const char* what) {
-  int value = 0;
-  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (text.empty() || error != std::errc() || end != text.data() + text.size() || value < low ||
-      value > high) {
-    // A port or database that is not digits is not shown: it may be (part of) a password
-    // written without its '@'.
-    const bool shown =
-        std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; });
-    throw bad_address(address,
-                      fmt::format("{} {} is not a number in [{}, {}]", what,
-                                  shown ? fmt::format("\"{}\"", text) : "(not shown)", low, high));
-  }
-  return value;
-}
-
-std::string percent_decode(const std::string& address, std::string_view text) {
-  std::string out;
-  for (size_t i = 0; i < text.size(); ++i) {
-    if (text[i] != '%') {
-      out += text[i];
-      continue;
-    }
-    int value = 0;
-    const char* first = text.data() + i + 1;
-    if (i + 2 >= text.size()) throw bad_address(address, "a % escape needs two hex digits");
-    const auto [end, error] = std::from_chars(first, first + 2, value, 16);
-    if (error != std::errc() || end != first + 2) {
-      throw bad_address(address, "a % escape needs two hex digits");
-    }
-    out += static_cast<char>(value);
-    i += 2;
-  }
-  return out;
-}
-
 // SIGPIPE blocked on this thread while it lives. A write to a connection the server has closed
 // (its idle timeout, a restart) fails with EPIPE and raises SIGPIPE, whose default action kills
 // the process: hiredis writes with plain write(). A SIGPIPE raised meanwhile is taken from this
@@ -231,39 +188,6 @@ struct RedisStore::ReplyLimits {
   }
 };
 
-RedisAddress parse_redis_address(const std::string& address) {
-  const std::string scheme = "redis://";
-  if (address.rfind(scheme, 0) != 0) throw bad_address(address, "it does not start with redis://");
-  std::string_view rest = std::string_view(address).substr(scheme.size());
-  RedisAddress out;
-  if (const size_t at = rest.rfind('@'); at != std::string_view::npos) {
-    const std::string_view credentials = rest.substr(0, at);
-    const size_t colon = credentials.find(':');
-    if (colon == std::string_view::npos) throw bad_address(address, "credentials need a ':'");
-    out.user = percent_decode(address, credentials.substr(0, colon));
-    out.password = percent_decode(address, credentials.substr(colon + 1));
-    if (out.password.empty()) throw bad_address(address, "the password after ':' is empty");
-    rest = rest.substr(at + 1);
-  }
-  if (const size_t slash = rest.find('/'); slash != std::string_view::npos) {
-    out.database = parse_number(address, rest.substr(slash + 1), 0, 1 << 20, "database");
-    rest = rest.substr(0, slash);
-  }
-  std::string_view host = rest;
-  const size_t bracket = rest.rfind(']');
-  const size_t colon = rest.rfind(':');
-  if (colon != std::string_view::npos && (bracket == std::string_view::npos || colon > bracket)) {
-    out.port = parse_number(address, rest.substr(colon + 1), 1, 65535, "port");
-    host = rest.substr(0, colon);
-  }
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
-    host = host.substr(1, host.size() - 2);
-  }
-  if (host.empty()) throw bad_address(address, "the host is empty");
-  out.host = std::string(host);
-  return out;
-}
-
 // One reply, freed with it.
 class RedisStore::Reply {
  public:
@@ -378,7 +302,8 @@ void RedisStore::connect(Deadline deadline) {
 }
 
 std::vector<RedisStore::Reply> RedisStore::round_trip(const std::vector<Command>& commands,
-                                                      Deadline deadline, bool writing) {
+                                                      Deadline deadline, bool writing,
+                                                      int64_t max_values) {
   limits_->expect({});
   if (context_ != nullptr && answered_ && !idle()) {
     // Bytes nobody asked for (a server that closed the connection, or one out of step): every
@@ -418,7 +343,7 @@ std::vector<RedisStore::Reply> RedisStore::round_trip(const std::vector<Command>
     }
     if (!written) fail_io(deadline);
   }
-  std::vector<Reply> replies = read_replies(commands, deadline);
+  std::vector<Reply> replies = read_replies(commands, deadline, max_values);
   if (context_->reader->pos != context_->reader->len) {
     fail("the store sent more replies than there were commands", false);
   }
@@ -458,49 +383,60 @@ std::vector<RedisStore::Reply> RedisStore::round_trip(const std::vector<Command>
 }
 
 std::vector<RedisStore::Reply> RedisStore::lookup_round_trip(
-    const std::function<std::vector<Command>(bool refresh)>& commands, Deadline deadline) {
+    const std::function<std::vector<Command>(bool refresh)>& commands, Deadline deadline,
+    int64_t max_values) {
   if (!refresh_on_read_ && Clock::now() >= refresh_again_) refresh_on_read_ = true;
   try {
-    return round_trip(commands(refresh_on_read_), deadline);
+    return round_trip(commands(refresh_on_read_), deadline, false, max_values);
   } catch (const RefreshRefused&) {
     refresh_on_read_ = false;
     refresh_again_ = Clock::now() + options_.retry_interval;
   }
-  return round_trip(commands(false), deadline);  // a plain read is never RefreshRefused
+  return round_trip(commands(false), deadline, false, max_values);  // never RefreshRefused
 }
 
 std::vector<RedisStore::Reply> RedisStore::read_replies(const std::vector<Command>& commands,
-                                                        Deadline deadline) {
-  // What each reply may hold, by its command. A read happens only while the reply being parsed
-  // is incomplete, and what then lies unparsed is checked against that reply's ceiling: the
-  // buffer never holds more than the largest ceiling plus one read.
-  std::vector<ReplyCeiling> ceilings;
-  for (const Command& command : commands) {
-    ReplyCeiling ceiling;
-    if (command[0] == "GETEX" || command[0] == "GET") {
-      ceiling.string_bytes = options_.max_object_bytes;
-    }
-    if (command[0] == "SMEMBERS") ceiling.members = options_.max_index_members;
-    ceilings.push_back(ceiling);
-  }
+                                                        Deadline deadline, int64_t max_values) {
+  // What each reply may hold, by its command; the objects all together, at most `max_values`.
+  // A read happens only while the reply being parsed is incomplete, and what then lies unparsed
+  // is checked against that reply's ceiling: the buffer never holds more than the largest
+  // ceiling plus one read.
   std::vector<Reply> replies;
   replies.reserve(commands.size());
+  int64_t left = max_values;  // what the objects' replies may still hold
   for (size_t i = 0; i < commands.size(); ++i) {
-    limits_->expect(ceilings[i]);
+    ReplyCeiling ceiling;
+    const bool object = commands[i][0] == "GETEX" || commands[i][0] == "GET";
+    if (object) ceiling.string_bytes = std::min(options_.max_object_bytes, left);
+    if (commands[i][0] == "SMEMBERS") ceiling.members = options_.max_index_members;
+    // An object past what is left, not past the largest one: too much together, the store well.
+    const auto too_much = [&, budgeted = object && left < options_.max_object_bytes] {
+      if (!budgeted) return;
+      redisFree(context_);  // the rest of the reply is in flight: the connection is unusable
+      context_ = nullptr;
+      throw FetchTooLarge(i, max_values);
+    };
+    limits_->expect(ceiling);
     void* reply = nullptr;
-    if (redisGetReplyFromReader(context_, &reply) != REDIS_OK) fail_io(deadline);
-    while (reply == nullptr) {
+    while (redisGetReplyFromReader(context_, &reply) == REDIS_OK && reply == nullptr) {
+      // Not whole: all that lies unparsed is this reply's (a multi-bulk's elements leave the
+      // buffer one by one), so it grows past what it may hold no further than one read.
+      const auto unparsed = static_cast<int64_t>(context_->reader->len - context_->reader->pos);
+      if (unparsed > ceiling.bytes()) {
+        too_much();
+        fail(ReplyLimits::too_long(unparsed, ceiling), false);
+      }
       await(POLLIN, deadline);
-      const redisReader& reader = *context_->reader;
       if (redisBufferRead(context_) != REDIS_OK) fail_io(deadline);
-      if (redisGetReplyFromReader(context_, &reply) != REDIS_OK) fail_io(deadline);
-      // Still not whole: all that lies unparsed is this reply's (a multi-bulk's elements leave
-      // the buffer one by one), so it grows past what it may hold no further than one read.
-      if (reply != nullptr) break;
-      const auto unparsed = static_cast<int64_t>(reader.len - reader.pos);
-      if (unparsed > ceilings[i].bytes()) fail(ReplyLimits::too_long(unparsed, ceilings[i]), false);
+    }
+    if (reply == nullptr) {  // the reader failed, or a limit stopped it
+      if (limits_->broken == ReplyLimits::Broken::long_string) too_much();
+      fail_io(deadline);
     }
     replies.emplace_back(static_cast<redisReply*>(reply));
+    if (object && replies.back()->type == REDIS_REPLY_STRING) {
+      left -= static_cast<int64_t>(replies.back()->len);
+    }
   }
   return replies;
 }
@@ -551,7 +487,7 @@ void RedisStore::probe(std::span<const std::string> sets, std::span<const std::s
 }
 
 std::vector<std::optional<std::string>> RedisStore::fetch(std::span<const std::string> keys,
-                                                          Deadline deadline) {
+                                                          Deadline deadline, int64_t max_bytes) {
   // GETEX refreshes the lifetime of what is used (Redis >= 6.2); GET where the store refuses
   // writes (refresh_on_read_).
   const std::string ttl = std::to_string(options_.ttl.count());
@@ -563,7 +499,7 @@ std::vector<std::optional<std::string>> RedisStore::fetch(std::span<const std::s
         }
         return commands;
       },
-      deadline);
+      deadline, max_bytes);
   std::vector<std::optional<std::string>> values;
   for (Reply& reply : replies) {
     // (A refusal — an unknown command: Redis before 6.2; NOAUTH... — failed the round trip.)

@@ -3,6 +3,7 @@
 // socket timeouts; after a failure nothing is tried for the retry interval.
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -38,7 +39,7 @@ class RedisStore final : public Store {
              Deadline deadline, std::vector<std::vector<std::string>>& members,
              std::vector<bool>& exists) override;
   std::vector<std::optional<std::string>> fetch(std::span<const std::string> keys,
-                                                Deadline deadline) override;
+                                                Deadline deadline, int64_t max_bytes) override;
   Refused write(const WriteBatch& batch, Deadline deadline) override;
 
   class Reply;
@@ -50,15 +51,19 @@ class RedisStore final : public Store {
   // when a reply refuses its command itself (refusal()): then a store that refuses a lookup's
   // commands is unavailable, and one that refuses a write's (`writing`: out of memory with
   // eviction off, a read-only replica) refuses writes (StoreHealth), its lookups unaffected.
+  // The objects' replies (GET, GETEX) together hold at most `max_values`: past it, FetchTooLarge
+  // (the connection dropped, the store well).
   std::vector<Reply> round_trip(const std::vector<Command>& commands, Deadline deadline,
-                                bool writing = false);
+                                bool writing = false, int64_t max_values = INT64_MAX);
   // A lookup's round trip: commands(refresh_on_read_), sent again as commands(false) (reading
   // only) when the store refuses the refreshes as writes (RefreshRefused).
   std::vector<Reply> lookup_round_trip(
-      const std::function<std::vector<Command>(bool refresh)>& commands, Deadline deadline);
+      const std::function<std::vector<Command>(bool refresh)>& commands, Deadline deadline,
+      int64_t max_values = INT64_MAX);
   // The replies to `commands`, sent: each bounded as it is parsed by what its command is answered
-  // with (ReplyLimits), all of them by the sum.
-  std::vector<Reply> read_replies(const std::vector<Command>& commands, Deadline deadline);
+  // with (ReplyLimits), the objects together by `max_values`.
+  std::vector<Reply> read_replies(const std::vector<Command>& commands, Deadline deadline,
+                                  int64_t max_values);
   // Whether the connection holds nothing unread: no bytes read but not yet a reply, none waiting
   // on the socket (nor a hang-up).
   bool idle() const;

@@ -32,6 +32,18 @@ struct StoreFailure : std::runtime_error {
   Reason reason;
 };
 
+// A fetch whose values together would pass the bytes it may hold: `index` is the first key whose
+// value did not fit (the values before it did). The store is well; the connection may be new
+// next time (a Redis reply is cut off mid-way).
+struct FetchTooLarge : std::runtime_error {
+  FetchTooLarge(size_t index, int64_t max_bytes)
+      : std::runtime_error("the values would pass the bytes the fetch may hold"),
+        index(index),
+        max_bytes(max_bytes) {}
+  size_t index;
+  int64_t max_bytes;
+};
+
 struct WriteBatch {
   std::vector<std::pair<std::string, std::string>> objects;  // key, value
   std::vector<std::pair<std::string, std::string>> index;    // set, member
@@ -70,9 +82,12 @@ class Store {
   virtual void probe(std::span<const std::string> sets, std::span<const std::string> keys,
                      Deadline deadline, std::vector<std::vector<std::string>>& members,
                      std::vector<bool>& exists) = 0;
-  // One round trip: each key's value (nullopt when missing), its lifetime refreshed.
+  // One round trip: each key's value (nullopt when missing), its lifetime refreshed. The values
+  // together hold at most `max_bytes`: a store whose answer would pass it throws FetchTooLarge
+  // before the value that would (the limit is checked as the values arrive, so a hostile store
+  // costs no more memory than this).
   virtual std::vector<std::optional<std::string>> fetch(std::span<const std::string> keys,
-                                                        Deadline deadline) = 0;
+                                                        Deadline deadline, int64_t max_bytes) = 0;
   // Deletes the doomed keys, writes the objects, then adds the index members (each with the
   // lifetime). Returns the objects the store refused one by one (a dir: store's object over its
   // size limit, a Redis value over its proto-max-bulk-len); a store that refuses the commands

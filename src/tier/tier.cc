@@ -86,6 +86,9 @@ TierOptions checked(const std::vector<Cache*>& layers, TierOptions options) {
     throw fail(fmt::format("max_object_bytes {} must be in [1, {}]", options.max_object_bytes,
                            Store::kMaximumObjectBytes));
   }
+  if (options.max_lookup_bytes < 1 || options.max_lookup_bytes > (int64_t(1) << 50)) {
+    throw fail(fmt::format("max_lookup_bytes {} must be in [1, 2^50]", options.max_lookup_bytes));
+  }
   if (options.write_queue < 1) {
     throw fail(fmt::format("write_queue {} must be >= 1", options.write_queue));
   }
@@ -228,8 +231,9 @@ void Tier::check_address(const std::string& address) { detail::check_store_addre
 Tier::Tier(std::unique_ptr<detail::TierImpl> impl) : impl_(std::move(impl)) {}
 Tier::~Tier() = default;
 
-TierMatch Tier::lookup(std::span<const int32_t> tokens, int64_t limit, int64_t better_than) {
-  return impl_->lookup(tokens, limit, better_than);
+TierMatch Tier::lookup(std::span<const int32_t> tokens, int64_t limit, int64_t better_than,
+                       int64_t max_bytes) {
+  return impl_->lookup(tokens, limit, better_than, max_bytes);
 }
 void Tier::store(std::span<const int32_t> tokens, std::span<const Snapshot* const> ranges,
                  std::span<const TierPoint> points) {

@@ -62,7 +62,8 @@ class TierImpl {
  public:
   TierImpl(const std::string& address, std::vector<Cache*> layers, TierOptions options);
 
-  TierMatch lookup(std::span<const int32_t> tokens, int64_t limit, int64_t better_than);
+  TierMatch lookup(std::span<const int32_t> tokens, int64_t limit, int64_t better_than,
+                   int64_t max_bytes);
   void store(std::span<const int32_t> tokens, std::span<const Snapshot* const> ranges,
              std::span<const TierPoint> points);
   bool flush(std::chrono::milliseconds timeout) { return writer_->flush(timeout); }
@@ -97,7 +98,8 @@ class TierImpl {
   TierCounters counters_;
   KnownKeys known_;
   std::atomic<int64_t> logged_rejections_{0};
-  std::atomic<bool> said_too_large_{false};  // objects over max_object_bytes: said once
+  std::atomic<bool> said_too_large_{false};         // objects over max_object_bytes: said once
+  std::atomic<bool> said_lookup_too_large_{false};  // lookups over max_lookup_bytes: said once
   std::atomic<bool> logged_loss_{false};
   mutable std::mutex signatures_mutex_;
   std::vector<std::string> signatures_;

@@ -1,7 +1,10 @@
 // TierImpl::lookup: one round trip for the index sets of the prompt's chunks and whether its
-// chunks exist; then, deepest restore point first, one round trip for the point's object and the
-// chunks it needs, each checked (object.h) before anything is returned. A missing or rejected
+// chunks exist; then, deepest restore point first, one round trip for the chunks the point needs
+// and its object, each checked (object.h) before anything is returned. A missing or rejected
 // chunk rules out every point past it; a missing or rejected point falls back to the next one.
+// All a lookup holds of what the store sent stays within its bytes (max_lookup_bytes, or the
+// caller's): chunks that would pass them rule out every point past them, a point object that
+// would is passed over.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -19,11 +22,12 @@ using Clock = std::chrono::steady_clock;
 class TierImpl::Finder {
  public:
   Finder(TierImpl& tier, std::span<const int32_t> tokens, int64_t limit, int64_t better_than,
-         Deadline deadline)
+         int64_t max_bytes, Deadline deadline)
       : tier_(tier),
         tokens_(tokens),
         limit_(limit),
         better_than_(better_than),
+        max_bytes_(max_bytes),
         deadline_(deadline),
         chunk_(tier.keys_.chunk_tokens()),
         first_(better_than / chunk_),
@@ -86,31 +90,55 @@ class TierImpl::Finder {
   bool fetch(int64_t t) {
     const int64_t base = t / chunk_;
     if (any_kv_ && base > usable_end_) return false;
-    const ObjectSpec point_spec{ObjectSpec::Kind::point, base * chunk_, t};
-    std::vector<std::string> keys{TierKeys::point_key(digest(base), t, tokens(base * chunk_, t))};
+    // The chunks first, then the point: chunks that do not fit rule out every point past them.
+    std::vector<std::string> keys;
     std::vector<int64_t> wanted;
     for (int64_t j = first_; any_kv_ && j < base; ++j) {
       if (chunks_.count(j) > 0) continue;
       wanted.push_back(j);
       keys.push_back(TierKeys::chunk_key(digest(j + 1)));
     }
-    std::vector<std::optional<std::string>> values = tier_.lookup_store_->fetch(keys, deadline_);
+    keys.push_back(TierKeys::point_key(digest(base), t, tokens(base * chunk_, t)));
+    std::vector<std::optional<std::string>> values;
+    try {
+      values = tier_.lookup_store_->fetch(keys, deadline_, max_bytes_ - held_);
+    } catch (const FetchTooLarge& too_large) {
+      over_budget();
+      if (too_large.index < wanted.size()) {
+        usable_end_ = std::min(usable_end_, wanted[too_large.index]);
+      }
+      return false;  // a shallower point may fit (its point object smaller, or fewer chunks)
+    }
     for (const std::optional<std::string>& value : values) {
       tier_.counters_.bytes_read += value ? static_cast<int64_t>(value->size()) : 0;
     }
     for (size_t k = 0; k < wanted.size(); ++k) {
       const int64_t j = wanted[k];
       const ObjectSpec spec{ObjectSpec::Kind::chunk, j * chunk_, (j + 1) * chunk_};
-      std::vector<SnapshotPtr> chunk = check(keys[k + 1], std::move(values[k + 1]), spec);
+      const int64_t bytes = values[k] ? static_cast<int64_t>(values[k]->size()) : 0;
+      std::vector<SnapshotPtr> chunk = check(keys[k], std::move(values[k]), spec);
       if (chunk.empty()) {
         usable_end_ = std::min(usable_end_, j);
         break;
       }
       chunks_[j] = std::move(chunk);
+      held_ += bytes;
     }
     if (any_kv_ && base > usable_end_) return false;
-    point_ = check(keys[0], std::move(values[0]), point_spec);
+    const ObjectSpec point_spec{ObjectSpec::Kind::point, base * chunk_, t};
+    point_ = check(keys.back(), std::move(values.back()), point_spec);
     return !point_.empty();
+  }
+
+  // Counted once a lookup, said once a tier.
+  void over_budget() {
+    if (!counted_over_budget_) ++tier_.counters_.store_errors;
+    counted_over_budget_ = true;
+    if (tier_.said_lookup_too_large_.exchange(true)) return;
+    tier_.options_.log(fmt::format(
+        "a restore point needs more than the {} bytes a lookup may hold (max_lookup_bytes {}, or "
+        "the caller's budget): shallower ones are used; raise it for long prompts on wide models",
+        max_bytes_, tier_.options_.max_lookup_bytes));
   }
 
   // The object's snapshots, or an empty vector when it is missing or rejected.
@@ -178,7 +206,7 @@ class TierImpl::Finder {
 
   TierImpl& tier_;
   std::span<const int32_t> tokens_;
-  const int64_t limit_, better_than_;
+  const int64_t limit_, better_than_, max_bytes_;
   const Deadline deadline_;
   const int64_t chunk_;
   const int64_t first_;  // the first chunk to fetch: the caller holds the ones before
@@ -187,11 +215,14 @@ class TierImpl::Finder {
   std::vector<std::string> signatures_;
   int64_t usable_end_ = 0;  // chunks [first_, usable_end_) exist and none was rejected
   std::map<int64_t, std::vector<SnapshotPtr>> chunks_;
+  int64_t held_ = 0;  // the bytes chunks_ was sent as
+  bool counted_over_budget_ = false;
   std::vector<SnapshotPtr> point_;
   std::vector<std::string> used_;
 };
 
-TierMatch TierImpl::lookup(std::span<const int32_t> tokens, int64_t limit, int64_t better_than) {
+TierMatch TierImpl::lookup(std::span<const int32_t> tokens, int64_t limit, int64_t better_than,
+                           int64_t max_bytes) {
   limit = std::min(limit, static_cast<int64_t>(tokens.size()));
   better_than = std::max<int64_t>(better_than, 0);
   if (limit <= better_than) return {};
@@ -205,7 +236,8 @@ TierMatch TierImpl::lookup(std::span<const int32_t> tokens, int64_t limit, int64
     return {};
   }
   try {
-    TierMatch match = Finder(*this, tokens, limit, better_than, deadline).run();
+    max_bytes = std::min(max_bytes, options_.max_lookup_bytes);
+    TierMatch match = Finder(*this, tokens, limit, better_than, max_bytes, deadline).run();
     if (match.offset > 0) {
       ++counters_.hits;
       counters_.restored_tokens += match.offset - better_than;

@@ -67,9 +67,11 @@ inline TierOptions tier_options(const std::string& tenant = "", const std::strin
 // One engine process.
 class TierProcess {
  public:
-  TierProcess(const std::string& address, TierOptions options = tier_options())
+  // `budget`: the prefix cache's max_paged_out_bytes.
+  TierProcess(const std::string& address, TierOptions options = tier_options(),
+              int64_t budget = PrefixCache::Options{}.max_paged_out_bytes)
       : tier(Tier::open(address, stack.layers(), with_log(std::move(options)))),
-        cache(stack.layers(), {.tier = tier}) {}
+        cache(stack.layers(), {.max_paged_out_bytes = budget, .tier = tier}) {}
 
   // A request checked against recomputation; its writes are flushed before it returns.
   Turn turn(const Tokens& prompt, const Tokens& reply, const std::vector<int64_t>& ends = {}) {

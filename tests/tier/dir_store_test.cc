@@ -17,6 +17,7 @@
 #include <fstream>
 #include <functional>
 #include <future>
+#include <limits>
 #include <thread>
 
 #include "array/sanitizers.h"
@@ -29,6 +30,7 @@ namespace {
 namespace fs = std::filesystem;
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
+constexpr int64_t kNoLimit = std::numeric_limits<int64_t>::max();  // fetch's bytes
 using detail::DirStore;
 using testing::Conversation;
 using testing::HybridStack;
@@ -58,7 +60,7 @@ class DirStoreTest : public ::testing::Test {
       const std::function<void()>& unblock = [] {}) {
     const std::vector<std::string> keys{key};
     auto done = std::async(std::launch::async,
-                           [&] { return store.fetch(keys, Clock::now() + 50ms).at(0); });
+                           [&] { return store.fetch(keys, Clock::now() + 50ms, kNoLimit).at(0); });
     const bool finished = done.wait_for(2s) == std::future_status::ready;
     if (!finished) unblock();
     value = done.get();
@@ -80,6 +82,30 @@ void release_fifo(const fs::path& fifo) {
   const int fd = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);
   std::this_thread::sleep_for(100ms);
   if (fd >= 0) ::close(fd);
+}
+
+// A fetch holds at most the bytes it is given: the value that would pass them is never read
+// (FetchTooLarge names it); a missing one takes none of them.
+TEST_F(DirStoreTest, AFetchHoldsAtMostItsBytes) {
+  DirStore store(folder.string());
+  detail::WriteBatch batch;
+  batch.objects = {{"kvsnap:c:a", std::string(100, 'a')}, {"kvsnap:c:b", std::string(200, 'b')}};
+  ASSERT_EQ(store.write(batch, Clock::now() + 2s).objects, 0);
+  const std::vector<std::string> keys{"kvsnap:c:a", "kvsnap:c:none", "kvsnap:c:b"};
+  const auto values = store.fetch(keys, Clock::now() + 2s, 300);
+  ASSERT_EQ(values.size(), 3u);
+  EXPECT_EQ(values[0], std::string(100, 'a'));
+  EXPECT_EQ(values[1], std::nullopt);
+  EXPECT_EQ(values[2], std::string(200, 'b'));
+  for (const auto& [bytes, index] : {std::pair<int64_t, size_t>{299, 2}, {99, 0}, {0, 0}}) {
+    try {
+      (void)store.fetch(keys, Clock::now() + 2s, bytes);
+      ADD_FAILURE() << bytes << " bytes held both";
+    } catch (const detail::FetchTooLarge& too_large) {
+      EXPECT_EQ(too_large.index, index) << bytes;
+      EXPECT_EQ(too_large.max_bytes, bytes);
+    }
+  }
 }
 
 TEST_F(DirStoreTest, AFifoAtAnObjectsNameIsMissingNotWaitedOn) {
@@ -121,7 +147,7 @@ TEST_F(DirStoreTest, ALinkToDevZeroIsNotRead) {
     ::setrlimit(RLIMIT_AS, &limit);
     ::alarm(10);
     const std::vector<std::string> keys{key};
-    const bool read = store.fetch(keys, Clock::now() + 50ms).at(0).has_value();
+    const bool read = store.fetch(keys, Clock::now() + 50ms, kNoLimit).at(0).has_value();
     fs::remove_all(folder);  // the child's own (TearDown does not run there)
     std::_Exit(read ? 1 : 0);
   };
@@ -263,7 +289,7 @@ TEST_F(DirStoreTest, ObjectsAndIndexSetsUnusedForTheTtlAreSwept) {
   ::timespec link_age[2] = {{0, UTIME_OMIT}, {::time(nullptr) - 25 * 3600, 0}};
   ASSERT_EQ(::utimensat(AT_FDCWD, file("kvsnap:c:link").c_str(), link_age, AT_SYMLINK_NOFOLLOW), 0);
   const std::vector<std::string> fetched{"kvsnap:c:fetched"}, probed{"kvsnap:i:probed"};
-  EXPECT_EQ(store.fetch(fetched, Clock::now() + 2s).at(0), "b");
+  EXPECT_EQ(store.fetch(fetched, Clock::now() + 2s, kNoLimit).at(0), "b");
   std::vector<std::vector<std::string>> members;
   std::vector<bool> found;
   store.probe(probed, {}, Clock::now() + 2s, members, found);
@@ -354,21 +380,22 @@ TEST_F(DirStoreTest, WithoutAKeyOnlyThisUsersFilesInAPrivateFolderAreTrusted) {
   batch.objects = {{"kvsnap:p:theirs", "planted"}};
   (void)store.write(batch, Clock::now() + 2s);
   const std::vector<std::string> keys{"kvsnap:p:theirs"};
-  EXPECT_EQ(store.fetch(keys, Clock::now() + 2s).at(0), "planted");  // this user's
+  EXPECT_EQ(store.fetch(keys, Clock::now() + 2s, kNoLimit).at(0), "planted");  // this user's
   const passwd* nobody = ::getpwnam("nobody");
   if (nobody == nullptr || ::geteuid() == nobody->pw_uid ||
       ::chown(file(keys[0]).c_str(), nobody->pw_uid, static_cast<gid_t>(-1)) != 0) {
     GTEST_SKIP() << "cannot hand a file to user nobody (not root)";
   }
-  EXPECT_EQ(store.fetch(keys, Clock::now() + 2s).at(0), std::nullopt);
+  EXPECT_EQ(store.fetch(keys, Clock::now() + 2s, kNoLimit).at(0), std::nullopt);
   EXPECT_FALSE(exists(store, keys[0]));  // probe reads it as fetch does: the writer rewrites it
-  EXPECT_EQ(DirStore(folder.string()).fetch(keys, Clock::now() + 2s).at(0), "planted");  // keyed
+  EXPECT_EQ(DirStore(folder.string()).fetch(keys, Clock::now() + 2s, kNoLimit).at(0),
+            "planted");  // keyed
   // Writing over it would fail in a sticky folder (not for root, who runs this): that object
   // is refused alone, and the rest of the batch is written.
   batch.objects = {{"kvsnap:p:theirs", "mine"}, {"kvsnap:p:mine", "mine"}};
   const detail::Store::Refused refused = store.write(batch, Clock::now() + 2s);
   EXPECT_EQ(refused.objects, 1);
-  EXPECT_EQ(DirStore(folder.string()).fetch(keys, Clock::now() + 2s).at(0), "planted");
+  EXPECT_EQ(DirStore(folder.string()).fetch(keys, Clock::now() + 2s, kNoLimit).at(0), "planted");
   EXPECT_TRUE(exists(store, "kvsnap:p:mine"));
 }
 
@@ -395,7 +422,7 @@ TEST_F(DirStoreTest, AnObjectThisUserMayNotReadIsMissing) {
       mine.objects = {{"kvsnap:p:nobodys", "nobody's"}};
       (void)store.write(mine, Clock::now() + 2s);
       const std::vector<std::string> keys{"kvsnap:p:roots", "kvsnap:p:nobodys"};
-      const auto values = store.fetch(keys, Clock::now() + 2s);
+      const auto values = store.fetch(keys, Clock::now() + 2s, kNoLimit);
       if (values.at(0) != std::nullopt) ::_exit(11);
       if (values.at(1) != "nobody's") ::_exit(12);
       std::vector<std::vector<std::string>> members;

@@ -236,6 +236,49 @@ TEST_P(TierStore, ObjectsOverMaxObjectBytesAreNotWritten) {
   EXPECT_EQ(run(static_cast<int64_t>(largest) + 32, key).first, everything);
 }
 
+// A lookup holds at most max_lookup_bytes of objects (or its caller's budget: a prefix cache's),
+// counted as the store sends them: a restore point that needs more is passed over for a
+// shallower one that fits — said once, counted as a store error — never read whole first.
+TEST_P(TierStore, ALookupHoldsAtMostMaxLookupBytes) {
+  store_first_turn();
+  const auto size = [&](const std::string& key) {
+    return static_cast<int64_t>(store->get(key).size());
+  };
+  const int64_t chunks = size(names->chunk(talk.second, 0)) + size(names->chunk(talk.second, 1));
+  const int64_t for_20 = chunks + size(names->point(talk.second, 20));  // [0, 16) and [16, 20)
+  const int64_t for_26 =
+      chunks + size(names->chunk(talk.second, 2)) + size(names->point(talk.second, 26));
+  const int64_t for_31 =
+      for_26 - size(names->point(talk.second, 26)) + size(names->point(talk.second, 31));
+  ASSERT_LT(for_20, for_26);
+  ASSERT_LT(for_26, for_31);
+  // The tier's bound, and the call's.
+  for (const bool tiers : {true, false}) {
+    TierOptions options = tier_options();
+    int64_t errors = 0;
+    for (const auto& [bytes, offset] : std::vector<std::pair<int64_t, int64_t>>{
+             {for_31, 31}, {for_31 - 1, 26}, {for_26 - 1, 20}, {for_20, 20}, {for_20 - 1, 0}}) {
+      if (tiers) options.max_lookup_bytes = bytes;
+      TierProcess reader(store->address(), options);
+      const int64_t call = tiers ? int64_t(1) << 40 : bytes;
+      EXPECT_EQ(reader.tier->lookup(talk.second, 37, 0, call).offset, offset) << bytes;
+      const TierStats stats = reader.tier->stats();
+      EXPECT_LE(stats.bytes_read, bytes);
+      EXPECT_EQ(stats.store_errors, offset == 31 ? 0 : 1) << bytes;  // once for the lookup
+      EXPECT_EQ(reader.log.count("a lookup may hold (max_lookup_bytes"), offset == 31 ? 0 : 1)
+          << reader.log.all();
+      errors += stats.store_errors;
+      (void)reader.tier->lookup(talk.second, 37, 0, call);
+      EXPECT_EQ(reader.tier->stats().store_errors, 2 * stats.store_errors);
+      EXPECT_LE(reader.log.count("max_lookup_bytes"), 1) << reader.log.all();  // said once
+    }
+    EXPECT_EQ(errors, 4);
+  }
+  // A prefix cache passes its budget: more would be evicted as it is inserted.
+  TierProcess reader(store->address(), tier_options(), /*budget=*/for_31 - 1);
+  EXPECT_EQ(reader.turn(talk.second, tokens(500, 3)).cached, 26);
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, TierStore, ::testing::Values("dir", "redis"),
                          [](const auto& info) { return info.param; });
 

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <limits>
 #include <mutex>
 #include <stdexcept>
 #include <thread>
@@ -29,6 +30,7 @@ using testing::tier_options;
 using testing::TokenKV;
 using testing::tokens;
 using testing::operator+;
+constexpr int64_t kNoLimit = std::numeric_limits<int64_t>::max();  // fetch's bytes
 
 TEST(TierAddress, RedisAddressesParse) {
   const detail::RedisAddress plain = detail::parse_redis_address("redis://cache.local:7000");
@@ -480,7 +482,7 @@ TEST(TierRedisReplies, AReplyLargerThanTheLargestObjectFailsBeforeItIsWhole) {
     const std::unique_ptr<detail::Store> store = open_logged(server, log, kLimit);
     const auto start = std::chrono::steady_clock::now();
     const detail::StoreFailure failure =
-        store_failure([&] { (void)store->fetch(keys, start + std::chrono::seconds(5)); });
+        store_failure([&] { (void)store->fetch(keys, start + std::chrono::seconds(5), kNoLimit); });
     EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(4));
     EXPECT_EQ(failure.reason, detail::StoreFailure::Reason::failed);
     EXPECT_NE(
@@ -492,10 +494,34 @@ TEST(TierRedisReplies, AReplyLargerThanTheLargestObjectFailsBeforeItIsWhole) {
   std::vector<std::string> log;
   const std::unique_ptr<detail::Store> store = open_logged(server, log, kLimit);
   const auto values =
-      store->fetch(keys, std::chrono::steady_clock::now() + std::chrono::seconds(5));
+      store->fetch(keys, std::chrono::steady_clock::now() + std::chrono::seconds(5), kNoLimit);
   ASSERT_EQ(values.size(), 1u);
   ASSERT_TRUE(values[0].has_value());
   EXPECT_EQ(values[0]->size(), static_cast<size_t>(kLimit));
+}
+
+// The objects' replies of one fetch hold at most the bytes it is given, counted as they arrive:
+// a store announcing more than is left fails the fetch at once (FetchTooLarge, naming that
+// value), not when the rest is read — and the store is well (nothing logged: no outage).
+TEST(TierRedisReplies, ObjectsPastTheBytesAFetchMayHoldStopItAtOnce) {
+  const std::vector<std::string> keys{"kvsnap:c:a", "kvsnap:c:b"};
+  const ScriptedServer hostile(bulk(600 << 10) + "$3145728\r\n" + std::string(3 << 19, 'x'));
+  std::vector<std::string> log;
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    (void)open_logged(hostile, log)->fetch(keys, start + std::chrono::seconds(5), 1 << 20);
+    ADD_FAILURE() << "the fetch held more than its bytes";
+  } catch (const detail::FetchTooLarge& too_large) {
+    EXPECT_EQ(too_large.index, 1u);
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(4));
+  EXPECT_TRUE(log.empty()) << log.front();
+  const ScriptedServer server(bulk(100) + bulk(200));
+  const auto values =
+      open_logged(server, log)
+          ->fetch(keys, std::chrono::steady_clock::now() + std::chrono::seconds(5), 300);
+  ASSERT_EQ(values.size(), 2u);
+  EXPECT_EQ(values[1], std::string(200, 'x'));
 }
 
 // What a reply may hold depends on its command: only GETEX's an object; an index's members are
@@ -535,7 +561,8 @@ TEST(TierRedisReplies, AStoreWithoutGetexSaysSoInsteadOfMissingSilently) {
   std::vector<std::string> log;
   const std::unique_ptr<detail::Store> store = open_logged(server, log);
   const std::vector<std::string> keys{"kvsnap:p:x"};
-  EXPECT_THROW((void)store->fetch(keys, std::chrono::steady_clock::now() + std::chrono::seconds(5)),
+  EXPECT_THROW((void)store->fetch(keys, std::chrono::steady_clock::now() + std::chrono::seconds(5),
+                                  kNoLimit),
                detail::StoreFailure);
   ASSERT_EQ(log.size(), 1u);
   EXPECT_NE(log[0].find("Redis 6.2 or later"), std::string::npos) << log[0];
@@ -595,8 +622,8 @@ TEST(TierRedisAddress, AHostNameThatDoesNotResolveCostsOneDeadline) {
   for (const auto reason :
        {detail::StoreFailure::Reason::timed_out, detail::StoreFailure::Reason::waiting}) {
     const auto start = std::chrono::steady_clock::now();
-    const detail::StoreFailure failure =
-        store_failure([&] { (void)store->fetch(keys, start + std::chrono::milliseconds(200)); });
+    const detail::StoreFailure failure = store_failure(
+        [&] { (void)store->fetch(keys, start + std::chrono::milliseconds(200), kNoLimit); });
     const auto took = std::chrono::steady_clock::now() - start;
     EXPECT_LT(took, std::chrono::seconds(2));
     if (reason == detail::StoreFailure::Reason::waiting) {
@@ -614,7 +641,9 @@ TEST(TierRedisAddress, AHostNameThatDoesNotResolveCostsOneDeadline) {
   std::optional<std::string> value;
   for (int attempt = 0; attempt < 200 && !value; ++attempt) {
     try {
-      value = store->fetch(keys, std::chrono::steady_clock::now() + std::chrono::seconds(5)).at(0);
+      value =
+          store->fetch(keys, std::chrono::steady_clock::now() + std::chrono::seconds(5), kNoLimit)
+              .at(0);
     } catch (const detail::StoreFailure&) {
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
@@ -633,7 +662,7 @@ TEST(TierRedisAddress, APatientStoreWaitsForTheResolutionThatRuns) {
   const std::vector<std::string> keys{"kvsnap:p:x"};
   auto start = std::chrono::steady_clock::now();
   EXPECT_EQ(store_failure([&] {
-              (void)store->fetch(keys, start + std::chrono::milliseconds(100));
+              (void)store->fetch(keys, start + std::chrono::milliseconds(100), kNoLimit);
             }).reason,
             detail::StoreFailure::Reason::timed_out);  // it started the resolution
   start = std::chrono::steady_clock::now();
@@ -643,7 +672,7 @@ TEST(TierRedisAddress, APatientStoreWaitsForTheResolutionThatRuns) {
   });
   std::optional<std::string> value;
   try {
-    value = store->fetch(keys, start + std::chrono::seconds(10)).at(0);
+    value = store->fetch(keys, start + std::chrono::seconds(10), kNoLimit).at(0);
   } catch (const detail::StoreFailure& failure) {
     ADD_FAILURE() << "a call while the name resolves failed: " << failure.what();
   }
@@ -659,15 +688,16 @@ TEST(TierRedisAddress, NamesResolveOrFailNamingTheHost) {
   const ScriptedServer server("$5\r\nhello\r\n");
   const std::vector<std::string> keys{"kvsnap:p:x"};
   const auto deadline = [] { return std::chrono::steady_clock::now() + std::chrono::seconds(5); };
-  EXPECT_EQ(open_named("localhost", server.port(), nullptr)->fetch(keys, deadline()).at(0),
-            "hello");
+  EXPECT_EQ(
+      open_named("localhost", server.port(), nullptr)->fetch(keys, deadline(), kNoLimit).at(0),
+      "hello");
   const std::unique_ptr<detail::Store> nowhere = open_named(
       "store.example", server.port(), [](const std::string&) -> std::vector<std::string> {
         throw std::runtime_error("Name or service not known");
       });
   detail::StoreFailure failure("", detail::StoreFailure::Reason::waiting);
   for (int attempt = 0; attempt < 200; ++attempt) {  // until the resolving thread has answered
-    failure = store_failure([&] { (void)nowhere->fetch(keys, deadline()); });
+    failure = store_failure([&] { (void)nowhere->fetch(keys, deadline(), kNoLimit); });
     if (failure.reason != detail::StoreFailure::Reason::waiting) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }

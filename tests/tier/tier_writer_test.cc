@@ -25,8 +25,8 @@ class RecordingStore : public detail::Store {
  public:
   void probe(std::span<const std::string>, std::span<const std::string>, detail::Deadline,
              std::vector<std::vector<std::string>>&, std::vector<bool>&) override {}
-  std::vector<std::optional<std::string>> fetch(std::span<const std::string>,
-                                                detail::Deadline) override {
+  std::vector<std::optional<std::string>> fetch(std::span<const std::string>, detail::Deadline,
+                                                int64_t) override {
     return {};
   }
   Refused write(const WriteBatch& batch, detail::Deadline deadline) override {
