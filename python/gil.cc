@@ -77,7 +77,11 @@ GilReleased::~GilReleased() noexcept(false) {
 }
 
 PyThreadState* release_gil_in_destructor() noexcept {
-  if (finalizing() || !PyGILState_Check()) return nullptr;
+  // Only the main thread: another waiting to take the GIL back when the interpreter begins to
+  // finalize would be ended inside the wait (pthread_exit, through this noexcept frame: abort).
+  if (finalizing() || !PyGILState_Check() || PyThread_get_thread_ident() != main_thread) {
+    return nullptr;
+  }
   calls_in_flight.fetch_add(1);
   return PyEval_SaveThread();
 }

@@ -94,16 +94,19 @@ auto without_gil(Call&& call) {
   return std::forward<Call>(call)();
 }
 
-// For destructors (noexcept): the GIL released by release_gil_in_destructor (null where this
-// thread does not hold it, or the interpreter finalizes: then nothing is released) and taken back
-// by restore_gil_in_destructor, as GilReleased does (a thread other than the main one that
-// would take it back from a finalizing interpreter waits for the process to end instead).
+// For destructors (noexcept): the GIL released by release_gil_in_destructor and taken back by
+// restore_gil_in_destructor — on the main thread only, while the interpreter is not finalizing
+// (null, nothing released, elsewhere). Another thread keeps it: the wait to take it back can
+// begin before the interpreter finalizes and end in it, which ends the thread with pthread_exit
+// inside the wait, through the destructor — an abort. Keeping the GIL while kvsnap state goes
+// cannot deadlock (kvsnap never waits for the GIL under its locks); it only pauses the other
+// Python threads meanwhile.
 PyThreadState* release_gil_in_destructor() noexcept;
 void restore_gil_in_destructor(PyThreadState* state) noexcept;
 
 // For destructors: runs `let_go` — kvsnap state going away, which may wait for a cache's lock
-// (another thread's long update) or copy what lazy snapshots name — with the GIL released where
-// this thread holds it, so the other Python threads run meanwhile. `let_go` must not touch a
+// (another thread's long update) or copy what lazy snapshots name — on the main thread with the
+// GIL released, so the other Python threads run meanwhile. `let_go` must not touch a
 // Python object, nor throw.
 template <class LetGo>
 void let_go_without_gil(LetGo&& let_go) noexcept {
