@@ -54,8 +54,10 @@ seq_offsets[b].)")
       .def(py::init([](py::object input_ids, std::vector<int32_t> seq_offsets,
                        std::vector<int32_t> seq_query_lens, std::vector<SeqId> seq_ids) {
              Batch batch;
+             // A copy (a few ids): an engine refilling its buffer changes no earlier Batch.
              batch.input_ids =
                  to_array(input_ids_int32(input_ids), "Batch.input_ids", /*allow_none=*/true);
+             if (!batch.input_ids.empty()) batch.input_ids = batch.input_ids.contiguous();
              batch.seq_offsets = std::move(seq_offsets);
              batch.seq_query_lens = std::move(seq_query_lens);
              batch.seq_ids = std::move(seq_ids);
@@ -64,8 +66,8 @@ seq_offsets[b].)")
            py::arg("input_ids") = py::none(), py::arg("seq_offsets") = std::vector<int32_t>{},
            py::arg("seq_query_lens") = std::vector<int32_t>{},
            py::arg("seq_ids") = std::vector<SeqId>{}, ReleaseAfter(),
-           "input_ids: int32 [B, L] (or None; other integer arrays and lists of ints are "
-           "converted when every id fits int32); one offset and one query length per row; "
+           "input_ids: int32 [B, L], copied (or None; other integer arrays and lists of ints "
+           "are converted when every id fits int32); one offset and one query length per row; "
            "seq_ids: the sequence of each row (empty: row b is sequence b).")
       .def_static(
           "rows",
@@ -116,7 +118,9 @@ void bind_mask(py::module_& m) {
             return AttentionMask::from_array(to_array(array, "AttentionMask.from_array"));
           },
           py::arg("array"), ReleaseAfter(),
-          "Explicit [B|1, Hq|1, L, P] mask: int32 is boolean, float an additive bias.")
+          "Explicit [B|1, Hq|1, L, P] mask: int32 is boolean, float an additive bias. The "
+          "array is wrapped, not copied (masks can be large): a write to it changes the mask, "
+          "and must not happen while a call on another thread reads it.")
       .def("intersect", &AttentionMask::intersect, py::arg("other"), "Keys visible under both.")
       .def_property_readonly("kind",
                              [](const AttentionMask& mask) { return mask_kind_name(mask.kind()); })

@@ -318,8 +318,13 @@ a restore splices block references. Rows of a batch address sequences by seq_ids
   "afterwards (a write would change the live state and every snapshot of it); pass a copy " \
   "to keep writing one."
 
-// The arrays of a Python sequence of states, converted once.
+// The arrays of a Python sequence of states (a list or tuple, one array each: an array is not
+// split along its first axis), converted once.
 std::vector<Array> to_arrays(const py::object& states, const std::string& what) {
+  if (!py::isinstance<py::list>(states) && !py::isinstance<py::tuple>(states)) {
+    throw Error(fmt::format("{}: a list of arrays (one per state) is required, not {}", what,
+                            Py_TYPE(states.ptr())->tp_name));
+  }
   std::vector<Array> arrays;
   for (const py::handle state : py::tuple(states)) arrays.push_back(to_array(state, what.c_str()));
   return arrays;

@@ -30,7 +30,7 @@ const char* numpy_name(DType dtype) {
   for (const DTypeMatch& match : kDTypes) {
     if (match.dtype == dtype) return match.numpy_name;
   }
-  return "?";
+  throw Error(fmt::format("kvsnap dtype {} has no numpy dtype", dtype_name(dtype)));
 }
 
 // The kvsnap dtype of a native-order numpy dtype, or false.
@@ -66,6 +66,10 @@ std::function<void()> keep_alive(py::object owner) {
 }
 
 PyArray wrap_numpy(py::array array, const char* what) {
+  if (array.ndim() > Array::kMaxDims) {  // before any copy below
+    throw Error(fmt::format("{}: numpy array of {} axes; kvsnap arrays have at most {}", what,
+                            array.ndim(), Array::kMaxDims));
+  }
   const bool read_only = !array.writeable();
   DType dtype;
   if (!match_dtype(array.dtype(), &dtype)) {
@@ -86,10 +90,6 @@ PyArray wrap_numpy(py::array array, const char* what) {
   for (py::ssize_t axis = 0; axis < array.ndim(); ++axis) {
     shape.push_back(array.shape(axis));
     strides.push_back(array.strides(axis) / array.itemsize());
-  }
-  if (shape.size() > static_cast<size_t>(Array::kMaxDims)) {
-    throw Error(fmt::format("{}: numpy array of {} axes; kvsnap arrays have at most {}", what,
-                            array.ndim(), Array::kMaxDims));
   }
   // kvsnap names the memory without writing it; read_only keeps writable views from being made.
   void* data = const_cast<void*>(array.data());
@@ -157,7 +157,15 @@ PyArray array_from_dlpack(py::object producer) {
 // A DLPack capsule of `self`: a view, or a compact copy when asked (copy=True) or when the array
 // is read-only — DLPack 0.x cannot mark a tensor read-only and consumers (numpy, torch) hand out
 // writable arrays over what they import. copy=False on a read-only array: Error.
-py::capsule export_dlpack(const PyArray& self, std::optional<bool> copy) {
+// Unversioned (DLPack 0.x) whatever max_version asks, as the protocol allows a producer that has
+// no versioned capsule; `dl_device` (None or the CPU's) is checked.
+py::capsule export_dlpack(const PyArray& self, const py::object& dl_device,
+                          std::optional<bool> copy) {
+  if (!dl_device.is_none() && !dl_device.equal(py::make_tuple(static_cast<int>(kDLCPU), 0))) {
+    throw py::buffer_error(
+        fmt::format("Array.__dlpack__: dl_device {} asked; kvsnap arrays are on the CPU (1, 0)",
+                    py::repr(dl_device).cast<std::string>()));
+  }
   if (self.read_only && copy == false) {
     throw Error(
         "Array.__dlpack__: copy=False, but this array is read-only (a view of a cache's buffers "
@@ -230,13 +238,15 @@ exports a copy of a read-only array (DLPack cannot mark a tensor read-only).)")
                   "(a compact copy when it has negative strides).")
       .def(
           "__dlpack__",
-          [](const PyArray& self, py::object /*stream*/, std::optional<bool> copy) {
-            return export_dlpack(self, copy);
-          },
-          py::arg("stream") = py::none(), py::kw_only(), py::arg("copy") = py::none(),
+          [](const PyArray& self, py::object /*stream*/, py::object /*max_version*/,
+             py::object dl_device,
+             std::optional<bool> copy) { return export_dlpack(self, dl_device, copy); },
+          py::arg("stream") = py::none(), py::kw_only(), py::arg("max_version") = py::none(),
+          py::arg("dl_device") = py::none(), py::arg("copy") = py::none(),
           "A DLPack capsule viewing this array (no copy), or a copy of it when copy=True or when "
           "the array is read-only (DLPack cannot mark a tensor read-only); copy=False on a "
-          "read-only array raises kvsnap.Error.")
+          "read-only array raises kvsnap.Error, a device other than the CPU BufferError. "
+          "Unversioned (DLPack 0.x) whatever max_version asks.")
       .def("__dlpack_device__", [](const PyArray&) { return py::make_tuple(int(kDLCPU), 0); })
       .def(
           "numpy", [](const PyArray& self) { return to_numpy(self.array, !self.read_only); },

@@ -99,6 +99,33 @@ def test_unsupported_arrays_raise_kvsnap_error():
         kvsnap.Array(np.zeros(3))
     with pytest.raises(kvsnap.Error, match="kvsnap arrays have at most 4"):
         kvsnap.Array(np.zeros((1, 1, 1, 1, 1), np.float32))
+    # Refused before anything else, naming the call (Shape itself holds at most 8 extents).
+    with pytest.raises(kvsnap.Error, match=r"^kvsnap.Array: numpy array of 9 axes"):
+        kvsnap.Array(np.zeros((1,) * 9, np.dtype(">f4")))
+
+
+def test_dlpack_export_takes_the_protocols_keywords():
+    # numpy >= 2.1 and the array API pass max_version, dl_device and copy as keywords.
+    array = kvsnap.Array(np.arange(4, dtype=np.float32))
+    for capsule in (array.__dlpack__(max_version=(1, 0)), array.__dlpack__(dl_device=(1, 0)),
+                    array.__dlpack__(stream=None, max_version=(1, 0), dl_device=(1, 0), copy=True)):
+        np.testing.assert_array_equal(kvsnap.Array.from_dlpack(Capsule(capsule)).numpy(),
+                                      np.arange(4, dtype=np.float32))
+    with pytest.raises(BufferError, match=r"dl_device \(2, 0\) asked; kvsnap arrays are on the CPU"):
+        array.__dlpack__(dl_device=(2, 0))
+
+
+class Capsule:
+    """A DLPack producer handing out one capsule made before."""
+
+    def __init__(self, capsule):
+        self.capsule = capsule
+
+    def __dlpack__(self, stream=None):
+        return self.capsule
+
+    def __dlpack_device__(self):
+        return (1, 0)
 
 
 def test_dlpack_exchanges_arrays_both_ways_without_a_copy():

@@ -186,6 +186,11 @@ def test_recurrent_errors_carry_the_cpp_message(rng):
     assert cache.offset == 0
     with pytest.raises(kvsnap.Error, match=r'^RecurrentCache.get: activation dtype "f64"'):
         cache.get(batch, "f64")
+    # States are a list, one array each: a stacked array is not split along its first axis.
+    with pytest.raises(kvsnap.Error, match=r"conv_states: a list of arrays \(one per state\) is "
+                                           r"required, not numpy.ndarray"):
+        cache.put(batch, np.stack(conv[:1]), delta[:1])
+    assert cache.offset == 0
 
 
 def test_a_snapshot_of_another_kind_is_refused(rng):

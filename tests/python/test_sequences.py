@@ -227,3 +227,11 @@ def test_recurrent_rows_are_checked_before_any_state_changes(rng):
         cache.put_rows(batch, [good, 7])
     cache.put_rows(batch, [good, good])
     assert cache.offset_of(0) == cache.offset_of(1) == 1
+
+
+def test_a_batch_copies_its_input_ids():
+    # An engine refilling one ids buffer for every step changes no Batch made before.
+    buffer = np.array([[5, 6, 7]], np.int32)
+    batch = kvsnap.Batch(buffer, seq_offsets=[0], seq_query_lens=[3])
+    buffer[0, 0] = 9
+    np.testing.assert_array_equal(batch.input_ids, [[5, 6, 7]])
