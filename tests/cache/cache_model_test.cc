@@ -49,6 +49,8 @@ class Model {
   virtual bool reachable(const Expected* s, int64_t target, const Ids& ids) const = 0;
   // Checks that `s` holds exactly what it should by restoring it into a fresh cache.
   virtual void check_snapshot(const Expected& s) = 0;
+  // Whether the kind keeps tokens in buffers that grow (long writes then test the growth).
+  virtual bool grows() const { return true; }
   // Bytes `s` holds once wholly owned; -1 when the kind does not say (shared states).
   virtual int64_t full_bytes(const Expected&) const { return -1; }
 };
@@ -131,11 +133,14 @@ class PagedModel final : public Model {
   KVModel kv_;
 };
 
-class RotatingModel final : public Model {
+// A window of `Window` tokens: a small one wraps often; one past RotatingKVCache's growth step
+// (256) grows its ring while snapshots are outstanding.
+template <int64_t Window>
+class RotatingModelOf final : public Model {
  public:
   Cache& cache() override { return cache_; }
   void write(const Ids& ids, const Ids& chunk, std::mt19937& rng) override {
-    write_and_check(cache_, ids, chunk, rng, AttentionMask::sliding_window(kWindow));
+    write_and_check(cache_, ids, chunk, rng, AttentionMask::sliding_window(Window));
   }
   void check_state(const Ids& ids) override { check_window(cache_, ids); }
   static void check_window(const RotatingKVCache& cache, const Ids& ids) {
@@ -143,7 +148,7 @@ class RotatingModel final : public Model {
     // token needs, each with the right token.
     const auto held = testing::position_ids(cache.view(Batch{}));
     const auto offset = static_cast<int64_t>(ids.size());
-    ASSERT_GE(static_cast<int64_t>(held.size()), std::min(offset, kWindow - 1));
+    ASSERT_GE(static_cast<int64_t>(held.size()), std::min(offset, Window - 1));
     for (size_t i = 0; i < held.size(); ++i) {
       const int64_t position = offset - static_cast<int64_t>(held.size()) + static_cast<int64_t>(i);
       ASSERT_EQ(held[i].first, position);
@@ -153,21 +158,23 @@ class RotatingModel final : public Model {
   bool kv_ranges() const override { return false; }
   bool reachable(const Expected* s, int64_t target, const Ids& ids) const override {
     const auto offset = static_cast<int64_t>(ids.size());
-    if (s == nullptr) return offset <= kWindow && target >= 0 && target <= offset;
-    return target == s->to || (target >= 0 && target < s->to && s->to <= kWindow);
+    if (s == nullptr) return offset <= Window && target >= 0 && target <= offset;
+    return target == s->to || (target >= 0 && target < s->to && s->to <= Window);
   }
   void check_snapshot(const Expected& s) override {
-    RotatingKVCache fresh(kWindow);
+    RotatingKVCache fresh(Window);
     ASSERT_TRUE(fresh.restore(s.snapshot.get(), s.to));
     check_window(fresh, s.ids);
   }
   int64_t full_bytes(const Expected& s) const override {
-    return (s.to <= kWindow ? s.to : kWindow - 1) * kTokenBytes;
+    return (s.to <= Window ? s.to : Window - 1) * kTokenBytes;
   }
 
  private:
-  RotatingKVCache cache_{kWindow};
+  RotatingKVCache cache_{Window};
 };
+
+using RotatingModel = RotatingModelOf<kWindow>;
 
 class RecurrentModel final : public Model {
  public:
@@ -190,6 +197,7 @@ class RecurrentModel final : public Model {
     ASSERT_TRUE(all_close(cache.state()[1], expected.second, 1e-4f));
   }
   bool kv_ranges() const override { return false; }
+  bool grows() const override { return false; }  // fixed-size states
   bool reachable(const Expected* s, int64_t target, const Ids& ids) const override {
     if (s == nullptr) return target == static_cast<int64_t>(ids.size());
     return target == s->to;
@@ -207,7 +215,8 @@ class RecurrentModel final : public Model {
 
 // How often the interesting paths ran, so the test cannot pass by never reaching them.
 struct Coverage {
-  int64_t restores = 0, failed_restores = 0, merges = 0, splits = 0, materialized = 0;
+  int64_t restores = 0, snapshot_restores = 0, failed_restores = 0, merges = 0, splits = 0,
+          materialized = 0;
 };
 
 class Driver {
@@ -268,7 +277,12 @@ class Driver {
     ids_.insert(ids_.end(), chunk.begin(), chunk.end());
     model_.write(ids_, chunk, rng_);
   }
-  void write_random() { write(rng_() % 3 == 0 ? 1 : 1 + random(12)); }
+  // Mostly short writes; now and then a long one, so that buffers grow past their first
+  // capacity (256 tokens) with snapshots outstanding.
+  void write_random() {
+    const bool long_one = model_.grows() && rng_() % 40 == 0;
+    write(long_one ? 100 + random(200) : rng_() % 3 == 0 ? 1 : 1 + random(12));
+  }
 
   void remember(SnapshotPtr snapshot, int64_t from, int64_t to) {
     if (snapshot == nullptr) return;  // nothing held
@@ -347,6 +361,7 @@ class Driver {
     ASSERT_EQ(got, expected) << "target " << target << " end " << end;
     ++(got ? coverage_.restores : coverage_.failed_restores);
     if (!got) return;
+    if (s != nullptr) ++coverage_.snapshot_restores;
     if (s == nullptr) {
       ids_.resize(static_cast<size_t>(target));
     } else if (model_.kv_ranges()) {
@@ -460,6 +475,7 @@ Coverage run_many(int sequences, int steps) {
       driver.run(steps);
       const Coverage& c = driver.coverage();
       total.restores += c.restores;
+      total.snapshot_restores += c.snapshot_restores;
       total.failed_restores += c.failed_restores;
       total.merges += c.merges;
       total.splits += c.splits;
@@ -470,6 +486,7 @@ Coverage run_many(int sequences, int steps) {
     if (::testing::Test::HasFailure()) break;
   }
   EXPECT_GT(total.restores, sequences);
+  EXPECT_GT(total.snapshot_restores, sequences / 2);  // not only rewinds
   EXPECT_GT(total.failed_restores, sequences / 4);
   EXPECT_GT(total.merges, sequences / 4);
   return total;
@@ -487,6 +504,9 @@ TEST(CacheModel, PagedKVCacheMatchesTheReference) {
 TEST(CacheModel, RotatingKVCacheMatchesTheReference) {
   const Coverage c = run_many<RotatingModel>(1000, 40);
   EXPECT_GT(c.materialized, 100);
+}
+TEST(CacheModel, RotatingKVCacheOfALargeWindowMatchesTheReference) {
+  run_many<RotatingModelOf<300>>(300, 40);
 }
 TEST(CacheModel, RecurrentCacheMatchesTheReference) { run_many<RecurrentModel>(1000, 40); }
 
