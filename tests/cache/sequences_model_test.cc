@@ -57,6 +57,9 @@ class Model {
   virtual bool reachable(const Expected* s, int64_t target, const Ids& ids) const = 0;
   virtual std::unique_ptr<Attention> fresh() const = 0;  // a new cache of the kind
   virtual int64_t blocks_copied() const { return 0; }    // paged: shared blocks copied
+  // Paged: the bytes of the blocks only snapshots hold, which they pay for once between them
+  // (the sum of their sizes); -1 elsewhere.
+  virtual int64_t snapshot_only_bytes() const { return -1; }
 
   // Checks sequence `seq` of `cache` against its reference ids.
   void check_sequence(const Attention& cache, SeqId seq, const Ids& ids) const {
@@ -110,6 +113,10 @@ class PagedModel final : public Model {
     return std::make_unique<PagedKVCache>(PagedKVCache::Options{.block_tokens = 3});
   }
   int64_t blocks_copied() const override { return cache_.pool_stats().blocks_copied; }
+  int64_t snapshot_only_bytes() const override {
+    const PagedKVCache::PoolStats stats = cache_.pool_stats();
+    return stats.bytes_in_use - stats.live_bytes;
+  }
 
  private:
   PagedKVCache cache_{{.block_tokens = 3, .blocks_per_chunk = 4}};
@@ -188,6 +195,11 @@ class Driver {
     for (SeqId seq = 0; seq < kSequences && !::testing::Test::HasFatalFailure(); ++seq) {
       model_.check_sequence(model_.cache(), seq, ids(seq));
       ASSERT_EQ(model_.cache().offset(seq), offset(seq)) << "sequence " << seq;
+    }
+    if (const int64_t owed = model_.snapshot_only_bytes(); owed >= 0) {
+      int64_t paid = 0;
+      for (const Expected& e : pool_) paid += e.snapshot->size();
+      ASSERT_EQ(paid, owed) << "the snapshots' sizes against the blocks only they hold";
     }
   }
 
