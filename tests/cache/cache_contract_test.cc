@@ -54,6 +54,14 @@ struct RecurrentKind {
   }
 };
 
+// The values of every array of `cache`'s state, in order: what restoring a snapshot must give
+// back exactly.
+std::vector<std::vector<float>> contents(const Cache& cache) {
+  std::vector<std::vector<float>> out;
+  for (const Array& array : cache.state()) out.push_back(array.to_floats());
+  return out;
+}
+
 template <class Kind>
 class CacheContract : public ::testing::Test {
  protected:
@@ -79,12 +87,15 @@ TYPED_TEST(CacheContract, WritesAdvanceTheOffset) {
 
 TYPED_TEST(CacheContract, SnapshotRestoresTheCurrentOffset) {
   this->write(4);
+  const auto captured = contents(*this->cache);
   SnapshotPtr s = this->cache->snapshot(0);
   ASSERT_NE(s, nullptr);
   EXPECT_EQ(s->to(), 4);
   this->write(2);
+  ASSERT_NE(contents(*this->cache), captured);
   ASSERT_TRUE(this->cache->restore(s.get(), 4));
   EXPECT_EQ(this->cache->offset(), 4);
+  EXPECT_EQ(contents(*this->cache), captured);  // the state itself, not just the offset
 }
 
 TYPED_TEST(CacheContract, TakeReachedSnapshotsKeepsThePassedCapturesOfACutForward) {
@@ -198,11 +209,13 @@ TYPED_TEST(CacheContract, NullSnapshotsMergeAndSplitToNull) {
 
 TYPED_TEST(CacheContract, SnapshotsOutliveTheCache) {
   this->write(4);
+  const auto captured = contents(*this->cache);
   SnapshotPtr s = this->cache->snapshot(0);
   this->cache.reset();  // destroys the cache
   auto fresh = TypeParam::make();
   EXPECT_TRUE(fresh->restore(s.get(), 4));
   EXPECT_EQ(fresh->offset(), 4);
+  EXPECT_EQ(contents(*fresh), captured);
 }
 
 // exposed_bytes bounds what writes add to the snapshots taken: over random writes, rewinds,
