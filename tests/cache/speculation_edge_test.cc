@@ -218,7 +218,9 @@ TEST(SpeculationEdges, PagedBlocksSharedWithAnotherSequence) {
 }
 
 // Random steps over 1-3 sequences: each sequence either writes a chunk or runs a round, the
-// rows verified in one batch or each alone, a row's forward sometimes split in two.
+// rows verified in one batch or each alone, a row's forward sometimes split in two; now and
+// then one sequence is forked into another (every layer's state restored from a snapshot of
+// it, which stays held a while), so rounds run over blocks other sequences and snapshots share.
 class RandomSteps {
  public:
   explicit RandomSteps(uint32_t seed) : rng_(seed) {}
@@ -234,7 +236,12 @@ class RandomSteps {
     for (int s = 0; s < sequences; ++s) {
       rounds.push_back(std::make_unique<Speculation>(stack.layers(), s));
     }
+    std::vector<SnapshotPtr> held;  // the forks' snapshots
     for (int step = 0; step < steps && !::testing::Test::HasFatalFailure(); ++step) {
+      if (sequences > 1 && uniform(0, 3) == 0) {
+        ASSERT_NO_FATAL_FAILURE(fork(stack, seqs, held));
+      }
+      if (uniform(0, 3) == 0) held.clear();
       std::vector<HybridStack::Row> rows;
       std::vector<int64_t> drafts(seqs.size(), -1);
       for (int s = 0; s < sequences; ++s) {
@@ -268,6 +275,23 @@ class RandomSteps {
   int64_t uniform(int64_t lo, int64_t hi) {
     return std::uniform_int_distribution<int64_t>(lo, hi)(rng_);
   }
+  // Sequence `to` becomes a copy of sequence `from` (blocks shared where the layer pages).
+  void fork(HybridStack& stack, std::vector<Tokens>& seqs, std::vector<SnapshotPtr>& held) {
+    const auto from = static_cast<SeqId>(uniform(0, static_cast<int64_t>(seqs.size()) - 1));
+    const auto to = static_cast<SeqId>((from + uniform(1, static_cast<int64_t>(seqs.size()) - 1)) %
+                                       static_cast<int64_t>(seqs.size()));
+    const auto offset = static_cast<int64_t>(seqs[static_cast<size_t>(from)].size());
+    if (offset == 0) return;
+    for (Cache* layer : stack.layers()) {
+      if (layer == nullptr) continue;
+      SnapshotPtr snapshot = layer->snapshot(from, 0);
+      ASSERT_NE(snapshot, nullptr);
+      ASSERT_TRUE(layer->restore(to, snapshot.get(), offset));
+      held.push_back(std::move(snapshot));
+    }
+    seqs[static_cast<size_t>(to)] = seqs[static_cast<size_t>(from)];
+    ++forks_;
+  }
   Tokens fresh(int64_t count) {
     Tokens out;
     for (int64_t i = 0; i < count; ++i) out.push_back(next_++ % 97);
@@ -293,13 +317,20 @@ class RandomSteps {
 
   std::mt19937 rng_;
   int32_t next_ = 1;
+
+ public:
+  int64_t forks_ = 0;
 };
 
 TEST(SpeculationEdges, RandomStepsEqualRecomputation) {
+  int64_t forks = 0;
   for (uint32_t seed = 1; seed <= 60 && !HasFatalFailure(); ++seed) {
     SCOPED_TRACE(::testing::Message() << "seed " << seed);
-    RandomSteps(seed).run(20);
+    RandomSteps steps(seed);
+    steps.run(20);
+    forks += steps.forks_;
   }
+  EXPECT_GT(forks, 60);
 }
 
 }  // namespace
