@@ -5,8 +5,10 @@
 #include <kvsnap/kvsnap.h>
 #include <pybind11/pybind11.h>
 
+#include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "gil.h"
 #include "numpy_arrays.h"
@@ -83,10 +85,21 @@ std::unique_ptr<PySnapshot> wrap_snapshot(SnapshotPtr snapshot);
 // neither a kvsnap cache nor None.
 std::vector<Cache*> to_layers(const py::tuple& layers, const char* call);
 
+// kvsnap.Tier (tier.cc): the tier, the layers it was opened for (kept alive while it is), and
+// what it logged.
+struct PyTier {
+  ~PyTier();  // waits for the queued writes, without the GIL on the main thread
+  ReleaseDeferredLast release_last;
+  py::tuple layers;
+  std::shared_ptr<Tier> tier;
+  std::function<std::vector<std::string>()> take_log;
+};
+
 void bind_batch_and_history(py::module_& module);
 void bind_caches(py::module_& module);
 void bind_prefix(py::module_& module);
 void bind_speculation(py::module_& module);
 void bind_ops(py::module_& module);
+void bind_tier(py::module_& module);
 
 }  // namespace kvsnap::python

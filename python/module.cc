@@ -32,6 +32,7 @@ a call on another thread is using it.)";
   bind_arrays(m);
   bind_batch_and_history(m);
   bind_caches(m);
+  bind_tier(m);
   bind_prefix(m);
   bind_speculation(m);
   bind_ops(m);

@@ -19,8 +19,9 @@ struct PyPrefixCache {
     let_go_without_gil([&] { prefix.reset(); });
   }
 
-  ReleaseDeferredLast release_last;     // gives back what the two below let go of
+  ReleaseDeferredLast release_last;     // gives back what the ones below let go of
   py::tuple layers;                     // destroyed after `prefix` (declared first)
+  py::object tier;                      // the kvsnap.Tier, or None
   std::unique_ptr<PrefixCache> prefix;  // drives the layers' offsets from now on
 };
 
@@ -45,14 +46,22 @@ struct PySession {
 };
 
 std::unique_ptr<PyPrefixCache> make_prefix_cache(const py::sequence& layers,
-                                                 std::optional<int64_t> budget, SeqId slots) {
+                                                 std::optional<int64_t> budget, SeqId slots,
+                                                 const py::object& tier) {
   PrefixCache::Options options;
   if (budget) options.max_paged_out_bytes = *budget;
   options.slots = slots;
+  if (!tier.is_none()) {
+    if (!py::isinstance<PyTier>(tier)) {
+      throw Error(fmt::format("PrefixCache: tier must be a kvsnap.Tier or None, not {}",
+                              Py_TYPE(tier.ptr())->tp_name));
+    }
+    options.tier = tier.cast<const PyTier&>().tier;
+  }
   py::tuple held(layers);  // one pass over the caller's sequence
   const std::vector<Cache*> caches = to_layers(held, "PrefixCache");
   auto prefix = without_gil([&] { return std::make_unique<PrefixCache>(caches, options); });
-  return std::unique_ptr<PyPrefixCache>(new PyPrefixCache{{}, held, std::move(prefix)});
+  return std::unique_ptr<PyPrefixCache>(new PyPrefixCache{{}, held, tier, std::move(prefix)});
 }
 
 // Runs `call` on the session with the GIL released and its mutex held.
@@ -131,9 +140,11 @@ void bind_prefix_cache(py::module_& m) {
 A compressed token trie whose nodes hold per-layer snapshots. `layers` are the model's caches
 in order (None for a stateless layer); the prefix cache drives their offsets from now on.)")
       .def(py::init(&make_prefix_cache), py::arg("layers"),
-           py::arg("max_paged_out_bytes") = py::none(), py::arg("slots") = 1,
+           py::arg("max_paged_out_bytes") = py::none(), py::arg("slots") = 1, py::kw_only(),
+           py::arg("tier") = py::none(),
            "Budget for snapshot bytes in the trie (default 8 GiB); `slots` sequences of the "
-           "layers served at once, each with at most one open session.")
+           "layers served at once, each with at most one open session; `tier`: a kvsnap.Tier "
+           "opened for these layers, asked on a miss and written behind.")
       .def(
           "begin",
           [](py::object self, const std::vector<int32_t>& prompt, SeqId slot) {
@@ -193,7 +204,9 @@ in order (None for a stateless layer); the prefix cache drives their offsets fro
       .def(
           "debug_string", [](const PyPrefixCache& c) { return c.prefix->debug_string(); },
           Released());
+}
 
+void bind_prefix_stats(py::module_& m) {
   py::class_<PrefixCache::Stats>(m, "PrefixStats", "What the prefix cache has done so far.")
       .def_readonly("lookups", &PrefixCache::Stats::lookups)
       .def_readonly("matched_tokens", &PrefixCache::Stats::matched_tokens)
@@ -254,6 +267,7 @@ void bind_files(py::module_& m) {
 void bind_prefix(py::module_& m) {
   bind_session(m);
   bind_prefix_cache(m);
+  bind_prefix_stats(m);
   bind_files(m);
 }
 

@@ -81,34 +81,31 @@ class Model {
   }
 };
 
-bool kv_reachable(const Expected* s, int64_t target, const Ids& ids) {
-  const auto offset = static_cast<int64_t>(ids.size());
-  if (s == nullptr) return target >= 0 && target <= offset;
-  return target >= 0 && target <= s->to && offset >= s->from;
-}
-
-class KVModel final : public Model {
+// The KV kinds' rules: causal attention over every token; a snapshot of [from, to) restores
+// any target up to `to` into a sequence holding at least `from` tokens.
+class KVRangesModel : public Model {
  public:
-  Attention& cache() override { return cache_; }
   AttentionMask logical() const override { return AttentionMask::causal(); }
   bool kv_ranges() const override { return true; }
   bool reachable(const Expected* s, int64_t target, const Ids& ids) const override {
-    return kv_reachable(s, target, ids);
+    const auto offset = static_cast<int64_t>(ids.size());
+    if (s == nullptr) return target >= 0 && target <= offset;
+    return target >= 0 && target <= s->to && offset >= s->from;
   }
+};
+
+class KVModel final : public KVRangesModel {
+ public:
+  Attention& cache() override { return cache_; }
   std::unique_ptr<Attention> fresh() const override { return std::make_unique<KVCache>(); }
 
  private:
   KVCache cache_;
 };
 
-class PagedModel final : public Model {
+class PagedModel final : public KVRangesModel {
  public:
   Attention& cache() override { return cache_; }
-  AttentionMask logical() const override { return AttentionMask::causal(); }
-  bool kv_ranges() const override { return true; }
-  bool reachable(const Expected* s, int64_t target, const Ids& ids) const override {
-    return kv_reachable(s, target, ids);
-  }
   std::unique_ptr<Attention> fresh() const override {
     return std::make_unique<PagedKVCache>(PagedKVCache::Options{.block_tokens = 3});
   }
