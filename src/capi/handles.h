@@ -8,11 +8,13 @@
 #include <memory>
 #include <new>
 #include <stdexcept>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "kvsnap/kvsnap.h"
 #include "kvsnap/kvsnap_c.h"
+#include "kvsnap/kvsnap_c_tier.h"
 
 struct kvsnap_array {
   kvsnap::Array array;
@@ -35,6 +37,10 @@ struct kvsnap_session {
 };
 struct kvsnap_history {
   kvsnap::KVHistory history;
+};
+struct kvsnap_tier {
+  std::shared_ptr<kvsnap::Tier> tier;
+  std::string address;  // redacted, for kvsnap_tier_address
 };
 struct kvsnap_speculation {
   std::unique_ptr<kvsnap::Speculation> speculation;

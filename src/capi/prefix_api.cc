@@ -15,14 +15,9 @@ PrefixCache::Session& session_of(const kvsnap_session* session, const char* call
   return const_cast<kvsnap_session&>(require(session, call, "session")).session;
 }
 
-}  // namespace
-
-extern "C" {
-
-kvsnap_status kvsnap_prefix_cache_create(kvsnap_cache* const* layers, size_t count,
-                                         const kvsnap_prefix_options* options,
-                                         kvsnap_prefix_cache** out) {
-  constexpr const char* call = "kvsnap_prefix_cache_create";
+kvsnap_status create(kvsnap_cache* const* layers, size_t count,
+                     const kvsnap_prefix_options* options, const kvsnap_tier* tier,
+                     kvsnap_prefix_cache** out, const char* call) {
   return guard([&] {
     require(out, call, "out");
     std::vector<Cache*> caches = to_layers(layers, count, call);
@@ -31,10 +26,27 @@ kvsnap_status kvsnap_prefix_cache_create(kvsnap_cache* const* layers, size_t cou
       settings.max_paged_out_bytes = options->max_paged_out_bytes;
     }
     if (options != nullptr && options->slots > 0) settings.slots = options->slots;
+    if (tier != nullptr) settings.tier = tier->tier;
     auto handle = std::make_unique<kvsnap_prefix_cache>();
     handle->prefix = std::make_unique<PrefixCache>(std::move(caches), settings);
     *out = handle.release();
   });
+}
+
+}  // namespace
+
+extern "C" {
+
+kvsnap_status kvsnap_prefix_cache_create(kvsnap_cache* const* layers, size_t count,
+                                         const kvsnap_prefix_options* options,
+                                         kvsnap_prefix_cache** out) {
+  return create(layers, count, options, nullptr, out, "kvsnap_prefix_cache_create");
+}
+
+kvsnap_status kvsnap_prefix_cache_create_with_tier(kvsnap_cache* const* layers, size_t count,
+                                                   const kvsnap_prefix_options* options,
+                                                   kvsnap_tier* tier, kvsnap_prefix_cache** out) {
+  return create(layers, count, options, tier, out, "kvsnap_prefix_cache_create_with_tier");
 }
 
 void kvsnap_prefix_cache_destroy(kvsnap_prefix_cache* prefix) { delete prefix; }
