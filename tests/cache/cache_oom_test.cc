@@ -168,15 +168,20 @@ TEST(KVCacheOutOfMemory, ARestoreThatRunsOutWritesNoPart) {
     write(1, id_range(105, 5));
     const SnapshotPtr tail = cache.snapshot(1, 5);
     const Ids before = id_range(100, 10);
-    if (armed_call([&] { ASSERT_TRUE(cache.restore(1, s.get(), 10)); })) {
-      EXPECT_EQ(column_ids(cache.view(Batch::rows({{1, 10, {0}}}))).size(), 10u);
-    } else {
-      EXPECT_EQ(column_ids(cache.view(Batch::rows({{1, 10, {0}}}))), before);
-    }
+    const Ids snapshot_ids = id_range(0, 10);  // [0, 5) lazy in sequence 0, [5, 10) owned
+    const auto ids_of_one = [&] { return column_ids(cache.view(Batch::rows({{1, 10, {0}}}))); };
+    const bool restored = armed_call([&] { ASSERT_TRUE(cache.restore(1, s.get(), 10)); });
     testing::disarm();
-    const Ids restored = column_ids(cache.view(Batch::rows({{1, 10, {0}}})));
-    EXPECT_TRUE(restored == before || restored == concat_ids(id_range(0, 5), id_range(5, 5)))
-        << ::testing::PrintToString(restored);
+    // Returned: exactly the snapshot's tokens. Ran out: exactly the old ones, and the snapshot
+    // still restores.
+    EXPECT_EQ(ids_of_one(), restored ? snapshot_ids : before);
+    EXPECT_EQ(cache.offset(1), 10);
+    if (!restored) {
+      ASSERT_TRUE(cache.restore(1, s.get(), 10));
+      EXPECT_EQ(ids_of_one(), snapshot_ids);
+    }
+    EXPECT_EQ(column_ids(cache.view(Batch::rows({{0, 10, {0}}}))),
+              concat_ids(id_range(0, 5), id_range(50, 5)));  // sequence 0 untouched
   });
   EXPECT_GT(runs, 2);
 }

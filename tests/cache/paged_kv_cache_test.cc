@@ -51,16 +51,20 @@ Batch last_tokens(const PagedKVCache& cache, const std::vector<SeqId>& seqs, int
   return batch;
 }
 
-// sdpa over the batch's paged histories: each row equals that row alone against its sequence's
-// tokens in one contiguous history.
+// Each row's sequence holds exactly `expected[row]` (the tokens the test wrote there), and sdpa
+// over the batch's paged histories equals each row alone against those tokens in one contiguous
+// history.
 void expect_rows_as_alone(const PagedKVCache& cache, const Batch& batch, const Array& q,
-                          const AttentionMask& mask) {
+                          const AttentionMask& mask,
+                          const std::vector<std::vector<int64_t>>& expected) {
+  ASSERT_EQ(static_cast<int64_t>(expected.size()), batch.batch_size());
   const Array got = sdpa(batch, q, cache.view(batch), mask, 0.4f);
   for (int64_t row = 0; row < batch.batch_size(); ++row) {
-    const std::vector<int64_t> ids = held(cache, batch.seq_id(row));
+    const std::vector<int64_t>& ids = expected[static_cast<size_t>(row)];
+    EXPECT_EQ(held(cache, batch.seq_id(row)), ids) << "sequence " << batch.seq_id(row);
     const KVHistory full(kv.keys(ids), kv.values(ids));
-    const Array expected = sdpa(batch.row(row), q.slice(0, row, row + 1), full, mask, 0.4f);
-    EXPECT_TRUE(testing::all_close(got.slice(0, row, row + 1).contiguous(), expected, 1e-5f))
+    const Array alone = sdpa(batch.row(row), q.slice(0, row, row + 1), full, mask, 0.4f);
+    EXPECT_TRUE(testing::all_close(got.slice(0, row, row + 1).contiguous(), alone, 1e-5f))
         << "row " << row << ", mask " << static_cast<int>(mask.kind());
   }
 }
@@ -227,11 +231,14 @@ TEST_F(Paged, DecodeRowsSharingBlocksAttendToTheirOwnHistories) {
   write(cache, 3, id_range(300, 3));
   write(cache, 4, id_range(400, 9));  // shares nothing
   const Batch batch = last_tokens(cache, {0, 1, 2, 3, 4}, 1);
+  const std::vector<std::vector<int64_t>> expected{
+      id_range(0, 40), concat(id_range(0, 40), id_range(200, 5)), id_range(0, 37),
+      concat(id_range(0, 16), id_range(300, 3)), id_range(400, 9)};
   std::mt19937 rng(11);
   const Array q = testing::random_array({5, 4, 1, 4}, rng);
   for (const AttentionMask& mask :
        {AttentionMask::causal(), AttentionMask::sliding_window(7), AttentionMask::lookback(12)}) {
-    expect_rows_as_alone(cache, batch, q, mask);
+    expect_rows_as_alone(cache, batch, q, mask, expected);
   }
 }
 
@@ -244,7 +251,8 @@ TEST_F(Paged, ChunkRowsReadRunsOfBlocksAcrossChunksAndSplices) {
   write(cache, 1, id_range(200, 13));  // its own blocks after three shared ones
   std::mt19937 rng(12);
   expect_rows_as_alone(cache, last_tokens(cache, {0, 1}, 3),
-                       testing::random_array({2, 4, 3, 4}, rng), AttentionMask::causal());
+                       testing::random_array({2, 4, 3, 4}, rng), AttentionMask::causal(),
+                       {id_range(0, 40), concat(id_range(0, 24), id_range(200, 13))});
 }
 
 // Keys f32 and values f16 (each side its own type): blocks are converted one at a time and each
@@ -262,6 +270,13 @@ TEST_F(Paged, RowsWhoseBlocksInterleaveAttendToTheirOwnHistories) {
     for (SeqId seq = 0; seq < 3; ++seq) write(cache, seq, {1000 * (seq + 1) + step});
   }
   write(cache, 3, id_range(500, 20));  // shares nothing
+  std::vector<std::vector<int64_t>> expected{id_range(0, 44), id_range(0, 44), id_range(0, 35),
+                                             id_range(500, 20)};
+  for (SeqId seq = 0; seq < 3; ++seq) {
+    for (int64_t step = 0; step < 30; ++step) {
+      expected[static_cast<size_t>(seq)].push_back(1000 * (seq + 1) + step);
+    }
+  }
   std::mt19937 rng(14);
   for (const bool kernels : {true, false}) {
     std::optional<detail::DecodeKernelsOff> off;
@@ -271,7 +286,7 @@ TEST_F(Paged, RowsWhoseBlocksInterleaveAttendToTheirOwnHistories) {
       for (const AttentionMask& mask : {AttentionMask::causal(), AttentionMask::lookback(20)}) {
         SCOPED_TRACE(::testing::Message()
                      << (kernels ? "kernels" : "BLAS") << ", " << queries << " queries");
-        expect_rows_as_alone(cache, last_tokens(cache, {0, 1, 2, 3}, queries), q, mask);
+        expect_rows_as_alone(cache, last_tokens(cache, {0, 1, 2, 3}, queries), q, mask, expected);
       }
     }
   }

@@ -1,0 +1,75 @@
+// PrefixCache eviction order: under the byte budget, leaves go least recently used first, where a
+// request that passes over a node (begin) or pages out along it (close) uses it.
+#include <gtest/gtest.h>
+#include <kvsnap/prefix_cache.h>
+
+#include <limits>
+#include <vector>
+
+#include "support/conversation.h"
+
+namespace kvsnap::prefix_cache_lru_test {
+namespace {
+
+using testing::HybridStack;
+using testing::run_turn;
+using testing::Tokens;
+using testing::tokens;
+using testing::operator+;
+
+// Conversation c: an 18-token prompt of its own (no shared prefix) and a 4-token reply, which
+// leave two nodes: [0, 17) and the leaf [17, 21).
+Tokens prompt(int32_t c) { return tokens(1000 + 100 * c, 18); }
+Tokens reply(int32_t c) { return tokens(5000 + 100 * c, 4); }
+// What a request continuing conversation c would restore: 21 with its leaf, 17 without.
+int64_t kept(const PrefixCache& cache, int32_t c) {
+  return cache.match(prompt(c) + reply(c) + tokens(9000, 1));
+}
+
+struct Outcome {
+  int64_t bytes = 0;            // paged out at the end
+  int64_t evicted_before = 0;   // nodes evicted before conversation 3
+  int64_t evicted = 0;          // in all
+  std::vector<int64_t> kept{};  // kept() of conversations 0, 1, 2
+};
+
+// Conversations 0, 1 and 2, then again those in `used` (each restored and continued with its
+// reply: begin and close over its nodes), then conversation 3 — under `budget`.
+Outcome run(int64_t budget, const std::vector<int32_t>& used) {
+  HybridStack stack;
+  PrefixCache cache(stack.layers(), {.max_paged_out_bytes = budget});
+  for (int32_t c = 0; c < 3; ++c) run_turn(cache, stack, prompt(c), reply(c));
+  for (const int32_t c : used) EXPECT_EQ(run_turn(cache, stack, prompt(c), reply(c)).cached, 17);
+  Outcome out;
+  out.evicted_before = cache.stats().evicted_nodes;
+  run_turn(cache, stack, prompt(3), reply(3));
+  out.bytes = cache.paged_out_bytes();
+  out.evicted = cache.stats().evicted_nodes;
+  for (int32_t c = 0; c < 3; ++c) out.kept.push_back(kept(cache, c));
+  return out;
+}
+
+// "Kept under a budget by LRU eviction of leaves" (DESIGN.md, Prefix cache): three finished
+// conversations and a fourth that needs room for one leaf. With a budget one byte short of what
+// all four hold, the leaf evicted is the least recently used one: conversation 0's when nothing
+// was used again, conversation 1's once 0 was used again, conversation 2's once 0 and 1 were —
+// never the order they were inserted in, nor the one just used.
+TEST(PrefixCacheLru, TheLeastRecentlyUsedLeafIsEvictedFirst) {
+  const std::vector<std::vector<int32_t>> uses{{}, {0}, {0, 1}};
+  for (size_t victim = 0; victim < uses.size(); ++victim) {
+    SCOPED_TRACE(::testing::Message() << "used again: " << ::testing::PrintToString(uses[victim]));
+    const Outcome all = run(std::numeric_limits<int64_t>::max(), uses[victim]);
+    ASSERT_EQ(all.evicted, 0);
+    EXPECT_EQ(all.kept, (std::vector<int64_t>{21, 21, 21}));
+    const Outcome tight = run(all.bytes - 1, uses[victim]);
+    ASSERT_EQ(tight.evicted_before, 0);  // the budget held all three before the fourth
+    EXPECT_EQ(tight.evicted, 1);
+    std::vector<int64_t> expected{21, 21, 21};
+    expected[victim] = 17;  // its leaf evicted; its first node remains
+    EXPECT_EQ(tight.kept, expected);
+    EXPECT_LE(tight.bytes, all.bytes - 1);
+  }
+}
+
+}  // namespace
+}  // namespace kvsnap::prefix_cache_lru_test
