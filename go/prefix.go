@@ -2,7 +2,7 @@ package kvsnap
 
 /*
 #include <stdlib.h>
-#include <kvsnap/kvsnap_c.h>
+#include <kvsnap/kvsnap_c_tier.h>
 */
 import "C"
 
@@ -18,6 +18,9 @@ type PrefixOptions struct {
 	MaxPagedOutBytes int64
 	// Sequences of the layers served at once, one session each; <= 0: 1.
 	Slots int32
+	// A Tier opened for the same layers, asked on a miss and written behind; nil: none. The
+	// prefix cache holds it until it is closed.
+	Tier *Tier
 }
 
 // PrefixStats count what a PrefixCache did.
@@ -40,6 +43,9 @@ type PrefixCache struct {
 	mu     sync.RWMutex
 	ptr    *C.kvsnap_prefix_cache
 	layers []*Cache // held: they must outlive the C object (and Close refuses while held)
+	// The log of the Tier given (nil: none, or it logs to stderr), held while the C object
+	// holds the C tier.
+	tierLog *tierLog
 }
 
 // NewPrefixCache is a prefix cache over the model's layers, in order (a nil entry is a
@@ -51,20 +57,37 @@ func NewPrefixCache(layers []*Cache, options *PrefixOptions) (*PrefixCache, erro
 		return nil, err
 	}
 	var opts *C.kvsnap_prefix_options
+	var tier *Tier
 	if options != nil {
 		opts = &C.kvsnap_prefix_options{max_paged_out_bytes: C.int64_t(options.MaxPagedOutBytes),
 			slots: C.int32_t(options.Slots)}
+		tier = options.Tier
 	}
 	var out *C.kvsnap_prefix_cache
-	err = check(func() C.kvsnap_status {
-		return C.kvsnap_prefix_cache_create(&ptrs[0], C.size_t(len(layers)), opts, &out)
-	})
+	create := func(t *C.kvsnap_tier) error {
+		return check(func() C.kvsnap_status {
+			return C.kvsnap_prefix_cache_create_with_tier(&ptrs[0], C.size_t(len(layers)), opts, t, &out)
+		})
+	}
+	var log *tierLog
+	if tier != nil {
+		err = tier.use(call, func(t *C.kvsnap_tier) error {
+			if err := create(t); err != nil {
+				return err
+			}
+			log = tier.log
+			log.hold() // the C prefix cache holds the C tier, which may log, until it goes
+			return nil
+		})
+	} else {
+		err = create(nil)
+	}
 	if err != nil {
 		release(true)
 		return nil, err
 	}
 	release(false)
-	p := &PrefixCache{ptr: out, layers: append([]*Cache{}, layers...)}
+	p := &PrefixCache{ptr: out, layers: append([]*Cache{}, layers...), tierLog: log}
 	runtime.SetFinalizer(p, (*PrefixCache).Close)
 	return p, nil
 }
@@ -124,6 +147,8 @@ func (p *PrefixCache) Close() {
 	p.ptr = nil
 	unborrow(p.layers)
 	p.layers = nil
+	p.tierLog.release()
+	p.tierLog = nil
 }
 
 func (p *PrefixCache) use(call string, f func(*C.kvsnap_prefix_cache) error) error {
