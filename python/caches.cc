@@ -237,7 +237,9 @@ void bind_cache_snapshots(CacheClass<Cache>& cache) {
           py::kw_only(), py::arg("seq") = py::none(), Released(),
           "Drops the schedule and its captures.")
       .def("merge", &merge, py::arg("parent"), py::arg("child"),
-           "Joins adjacent snapshots (consumes both).")
+           "Joins adjacent snapshots (consumes both). None as either gives None, the other "
+           "consumed all the same (the C++ rule: null in, null out) — a zero-width capture "
+           "from take_snapshots() is None, so drop it rather than merge it.")
       .def("split", &split, py::arg("snapshot"), py::arg("at"),
            "Splits at `at` into (before, after) (consumes the snapshot).");
 }

@@ -173,7 +173,9 @@ py::capsule export_dlpack(const PyArray& self, const py::object& dl_device,
         "default) or True exports a copy");
   }
   const Array exported =
-      self.read_only || copy.value_or(false) ? self.array.contiguous() : self.array;
+      self.read_only || copy.value_or(false)
+          ? without_gil([&] { return self.array.contiguous(); })  // a cache's view: maybe GBs
+          : self.array;
   // Owned until the capsule holds it: a capsule that cannot be made must not leak the tensor
   // (and the buffer it keeps alive).
   std::unique_ptr<DLManagedTensor, void (*)(DLManagedTensor*)> tensor(
@@ -267,7 +269,10 @@ exports a copy of a read-only array (DLPack cannot mark a tensor read-only).)")
                   "Array.__array__: copy=False, but converting {} to {} needs a copy",
                   dtype_name(self.array.dtype()), wanted.attr("name").cast<std::string>()));
             }
-            if (by_value) view = to_numpy(self.array.astype(DType::f32), true);
+            if (by_value) {  // a new float32 array: the result itself when float32 is wanted
+              view = to_numpy(without_gil([&] { return self.array.astype(DType::f32); }), true);
+              if (wanted.equal(view.attr("dtype"))) return view;
+            }
             if (!converts && !copy.value_or(false)) return view;
             return view.attr("astype")(wanted);  // a new array
           },

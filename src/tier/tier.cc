@@ -179,10 +179,11 @@ TierImpl::TierImpl(const std::string& address, std::vector<Cache*> layers, TierO
   store_options.wait_for_resolution = true;
   writer_ = std::make_unique<WriteBehind>(open_store(address, store_options), writer, counters_);
   if (mac_key_.empty()) {
-    options_.log(fmt::format(
-        "{}: no key (--tier-key-file): trusted-store mode — objects are checked for damage, not "
-        "for authenticity; whoever can write the store can plant state",
-        address_));
+    options_.log(
+        fmt::format("{}: no key (TierOptions::key, --tier-key-file): trusted-store mode — objects "
+                    "are checked for damage, not "
+                    "for authenticity; whoever can write the store can plant state",
+                    address_));
   }
 }
 
