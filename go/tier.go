@@ -19,6 +19,7 @@ import "C"
 import (
 	"runtime"
 	"runtime/cgo"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -26,7 +27,9 @@ import (
 )
 
 // TierOptions configure a Tier (TierOptions in kvsnap/tier.h says what each does). Zero values
-// take the library's defaults, except ModelFingerprint, which is required.
+// take the library's defaults, except ModelFingerprint, which is required; a duration shorter
+// than the C API's unit (a millisecond, a second for TTL) counts as one unit, a negative one is
+// refused.
 type TierOptions struct {
 	// What makes stored state valid for this model: its configuration and weights, or a hash.
 	ModelFingerprint []byte
@@ -43,8 +46,10 @@ type TierOptions struct {
 	LookupTimeout, WriteTimeout, RetryInterval, TTL time.Duration
 	// Write batches, and their bytes, waiting for the writer; more are dropped (counted).
 	WriteQueue, WriteQueueBytes int64
-	// One line per event worth an operator's attention, called from any goroutine or thread
-	// (the tier's writer thread too); it must not call the Tier. nil: "kvsnap tier: ..." on
+	// One line per event worth an operator's attention, called from any thread: the tier's
+	// writer thread, and the goroutine of a call that looks up, flushes or closes (which may
+	// wait for the writer). It must not call the Tier or its prefix caches, nor wait for a
+	// lock such a caller may hold; a panic loses its line only. nil: "kvsnap tier: ..." on
 	// stderr.
 	Log func(line string)
 }
@@ -97,7 +102,10 @@ func OpenTier(address string, layers []*Cache, o TierOptions) (*Tier, error) {
 		return nil, err
 	}
 	defer C.free(unsafe.Pointer(caddress))
-	options, free := o.toC()
+	options, free, err := o.toC()
+	if err != nil {
+		return nil, err
+	}
 	defer free()
 	var log *tierLog
 	if o.Log != nil {
@@ -128,7 +136,10 @@ func OpenTier(address string, layers []*Cache, o TierOptions) (*Tier, error) {
 
 // toC is o as the C API's options, in C memory (cgo passes no Go pointers inside a C struct);
 // free releases it.
-func (o TierOptions) toC() (*C.kvsnap_tier_options, func()) {
+func (o TierOptions) toC() (*C.kvsnap_tier_options, func(), error) {
+	if strings.IndexByte(o.Tenant, 0) >= 0 {
+		return nil, nil, invalid("OpenTier", "the tenant %q holds a NUL byte, which the C API cannot pass", o.Tenant)
+	}
 	options := (*C.kvsnap_tier_options)(C.malloc(C.sizeof_kvsnap_tier_options))
 	*options = C.kvsnap_tier_options_default()
 	var owned []unsafe.Pointer
@@ -153,10 +164,10 @@ func (o TierOptions) toC() (*C.kvsnap_tier_options, func()) {
 	set(&options.chunk_tokens, o.ChunkTokens)
 	set(&options.max_object_bytes, o.MaxObjectBytes)
 	set(&options.max_lookup_bytes, o.MaxLookupBytes)
-	set(&options.lookup_timeout_ms, o.LookupTimeout.Milliseconds())
-	set(&options.write_timeout_ms, o.WriteTimeout.Milliseconds())
-	set(&options.retry_interval_ms, o.RetryInterval.Milliseconds())
-	set(&options.ttl_seconds, int64(o.TTL/time.Second))
+	set(&options.lookup_timeout_ms, units(o.LookupTimeout, time.Millisecond))
+	set(&options.write_timeout_ms, units(o.WriteTimeout, time.Millisecond))
+	set(&options.retry_interval_ms, units(o.RetryInterval, time.Millisecond))
+	set(&options.ttl_seconds, units(o.TTL, time.Second))
 	set(&options.write_queue, o.WriteQueue)
 	set(&options.write_queue_bytes, o.WriteQueueBytes)
 	return options, func() {
@@ -164,7 +175,17 @@ func (o TierOptions) toC() (*C.kvsnap_tier_options, func()) {
 			C.free(p)
 		}
 		C.free(unsafe.Pointer(options))
+	}, nil
+}
+
+// units is d in whole units, a positive remainder rounded up (so that 500µs is not 0, the
+// default); negative stays negative (the C API refuses it).
+func units(d, unit time.Duration) int64 {
+	n := int64(d / unit)
+	if d%unit > 0 {
+		n++
 	}
+	return n
 }
 
 // Close lets go of the tier: it goes (waiting for its queued writes, at most WriteTimeout) once

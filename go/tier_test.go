@@ -216,3 +216,22 @@ func TestTierKeysAddressesAndRefusals(t *testing.T) {
 		t.Fatalf("a tier of other layers: %v", err)
 	}
 }
+
+func TestTierDurationsRoundUpToTheCUnit(t *testing.T) {
+	for _, c := range []struct {
+		d, unit time.Duration
+		want    int64
+	}{{500 * time.Microsecond, time.Millisecond, 1}, {0, time.Millisecond, 0},
+		{-time.Millisecond, time.Millisecond, -1}, {1500 * time.Millisecond, time.Second, 2},
+		{time.Hour, time.Second, 3600}} {
+		if got := units(c.d, c.unit); got != c.want {
+			t.Errorf("units(%v, %v) = %d, want %d", c.d, c.unit, got, c.want)
+		}
+	}
+	cache, _ := NewKVCache()
+	defer cache.Close()
+	if _, err := OpenTier(tierFolder(t), []*Cache{cache}, TierOptions{ModelFingerprint: []byte("m"),
+		Tenant: "a\x00b"}); !errors.Is(err, ErrInvalidArgument) {
+		t.Fatalf("a tenant holding NUL: %v", err)
+	}
+}

@@ -146,7 +146,9 @@ Without `key` (load_tier_key) the store is trusted: damage is caught, forgery is
            "model_fingerprint: what makes stored state valid (the model's configuration and "
            "weights, or a hash of them); tenant: the operator's isolation salt; key: MAC key "
            "bytes (load_tier_key), empty for a trusted store; times in seconds. Never fails "
-           "because the store is unreachable (lookups miss until it answers).")
+           "because the store is unreachable (lookups miss until it answers). Dropping the "
+           "tier waits for its queued writes (at most write_timeout): on the main thread with "
+           "the GIL released, on another with it held.")
       .def(
           "stats", [](const PyTier& t) { return t.tier->stats(); }, Released())
       .def(

@@ -42,9 +42,12 @@ typedef struct kvsnap_tier_options {
   int64_t ttl_seconds;
   int64_t write_queue;
   int64_t write_queue_bytes;
-  /* One line per event worth an operator's attention, called from any thread (the tier's writer
-   * thread too), never while a call of this API on the tier waits for it; it must not call the
-   * tier. NULL: "kvsnap tier: ..." on stderr. */
+  /* One line per event worth an operator's attention, called from any thread: the tier's writer
+   * thread, and the thread of a call that looks up or flushes (kvsnap_prefix_cache_begin,
+   * kvsnap_tier_flush, the destroy calls, which wait for the writer). It must not call the tier
+   * or its prefix caches, nor wait for a lock such a call's thread may hold. NULL: "kvsnap
+   * tier: ..." on stderr. `log_context` must stay valid until the tier is gone: after
+   * kvsnap_tier_destroy and the destroy of every prefix cache holding it. */
   void (*log)(void* context, const char* line);
   void* log_context;
 } kvsnap_tier_options;

@@ -154,8 +154,8 @@ class KVSNAP_EXPORT Tier {
   // The deepest restore point t of `tokens` with better_than < t <= limit, every layer's data at
   // t included. Segments start at the chunk boundary at or below `better_than` (the caller
   // holds KV data for [0, better_than) already), and hold at most max_bytes and
-  // TierOptions::max_lookup_bytes of objects. Empty when nothing is found, the store fails or
-  // the timeout passes. Never throws for the store's sake.
+  // TierOptions::max_lookup_bytes of objects (<= 0: nothing is asked). Empty when nothing is
+  // found, the store fails or the timeout passes. Never throws for the store's sake.
   [[nodiscard]] TierMatch lookup(std::span<const int32_t> tokens, int64_t limit,
                                  int64_t better_than = 0,
                                  int64_t max_bytes = std::numeric_limits<int64_t>::max());

@@ -434,9 +434,9 @@ std::vector<RedisStore::Reply> RedisStore::read_replies(const std::vector<Comman
       fail_io(deadline);
     }
     replies.emplace_back(static_cast<redisReply*>(reply));
-    if (object && replies.back()->type == REDIS_REPLY_STRING) {
-      left -= static_cast<int64_t>(replies.back()->len);
-    }
+    // Whatever it holds — an object, or a status or error line as long (hiredis builds those
+    // as strings too) — is held until the round trip ends: counted.
+    if (object) left -= static_cast<int64_t>(replies.back()->len);
   }
   return replies;
 }

@@ -82,10 +82,11 @@ class Store {
   virtual void probe(std::span<const std::string> sets, std::span<const std::string> keys,
                      Deadline deadline, std::vector<std::vector<std::string>>& members,
                      std::vector<bool>& exists) = 0;
-  // One round trip: each key's value (nullopt when missing), its lifetime refreshed. The values
-  // together hold at most `max_bytes`: a store whose answer would pass it throws FetchTooLarge
-  // before the value that would (the limit is checked as the values arrive, so a hostile store
-  // costs no more memory than this).
+  // One round trip: each key's value (nullopt when missing), its lifetime refreshed. The replies
+  // together hold at most `max_bytes` (objects, and any line sent in their place): a store whose
+  // answer would pass it throws FetchTooLarge before the reply that would. Checked as the bytes
+  // arrive, so a hostile store costs `max_bytes` plus, while the last reply is read and copied
+  // out, the connection's buffer and a copy of that reply (two of the largest objects at most).
   virtual std::vector<std::optional<std::string>> fetch(std::span<const std::string> keys,
                                                         Deadline deadline, int64_t max_bytes) = 0;
   // Deletes the doomed keys, writes the objects, then adds the index members (each with the

@@ -90,6 +90,11 @@ class TierImpl::Finder {
   bool fetch(int64_t t) {
     const int64_t base = t / chunk_;
     if (any_kv_ && base > usable_end_) return false;
+    // Chunks a deeper point fetched that this one does not need (its object was missing or
+    // rejected) go: they would take this point's bytes.
+    for (auto it = chunks_.lower_bound(base); it != chunks_.end(); it = chunks_.erase(it)) {
+      held_ -= it->second.bytes;
+    }
     // The chunks first, then the point: chunks that do not fit rule out every point past them.
     std::vector<std::string> keys;
     std::vector<int64_t> wanted;
@@ -121,7 +126,7 @@ class TierImpl::Finder {
         usable_end_ = std::min(usable_end_, j);
         break;
       }
-      chunks_[j] = std::move(chunk);
+      chunks_[j] = {std::move(chunk), bytes};
       held_ += bytes;
     }
     if (any_kv_ && base > usable_end_) return false;
@@ -192,7 +197,7 @@ class TierImpl::Finder {
     match.offset = t;
     const int64_t base = t / chunk_;
     for (int64_t j = first_; any_kv_ && j < base; ++j) {
-      match.segments.push_back({j * chunk_, (j + 1) * chunk_, std::move(chunks_[j])});
+      match.segments.push_back({j * chunk_, (j + 1) * chunk_, std::move(chunks_[j].snapshots)});
     }
     match.segments.push_back({any_kv_ ? base * chunk_ : first_ * chunk_, t, std::move(point_)});
     tier_.known_.add(used_);
@@ -214,8 +219,12 @@ class TierImpl::Finder {
   std::vector<Digest> chain_;
   std::vector<std::string> signatures_;
   int64_t usable_end_ = 0;  // chunks [first_, usable_end_) exist and none was rejected
-  std::map<int64_t, std::vector<SnapshotPtr>> chunks_;
-  int64_t held_ = 0;  // the bytes chunks_ was sent as
+  struct Chunk {
+    std::vector<SnapshotPtr> snapshots;
+    int64_t bytes = 0;  // as the store sent it
+  };
+  std::map<int64_t, Chunk> chunks_;  // fetched and checked, by index
+  int64_t held_ = 0;                 // their bytes
   bool counted_over_budget_ = false;
   std::vector<SnapshotPtr> point_;
   std::vector<std::string> used_;
@@ -225,7 +234,8 @@ TierMatch TierImpl::lookup(std::span<const int32_t> tokens, int64_t limit, int64
                            int64_t max_bytes) {
   limit = std::min(limit, static_cast<int64_t>(tokens.size()));
   better_than = std::max<int64_t>(better_than, 0);
-  if (limit <= better_than) return {};
+  max_bytes = std::min(max_bytes, options_.max_lookup_bytes);
+  if (limit <= better_than || max_bytes <= 0) return {};  // nothing could be held
   const CallerTime timed(counters_.caller_microseconds);
   const LookupGate::Entry in_flight(writer_->lookups());  // writes step aside until it is done
   ++counters_.lookups;
@@ -236,7 +246,6 @@ TierMatch TierImpl::lookup(std::span<const int32_t> tokens, int64_t limit, int64
     return {};
   }
   try {
-    max_bytes = std::min(max_bytes, options_.max_lookup_bytes);
     TierMatch match = Finder(*this, tokens, limit, better_than, max_bytes, deadline).run();
     if (match.offset > 0) {
       ++counters_.hits;

@@ -275,8 +275,20 @@ TEST_P(TierStore, ALookupHoldsAtMostMaxLookupBytes) {
     EXPECT_EQ(errors, 4);
   }
   // A prefix cache passes its budget: more would be evicted as it is inserted.
-  TierProcess reader(store->address(), tier_options(), /*budget=*/for_31 - 1);
-  EXPECT_EQ(reader.turn(talk.second, tokens(500, 3)).cached, 26);
+  {
+    TierProcess reader(store->address(), tier_options(), /*budget=*/for_31 - 1);
+    EXPECT_EQ(reader.turn(talk.second, tokens(500, 3)).cached, 26);
+  }
+  // Points whose objects are gone: the chunks the deepest one fetched that the next does not
+  // need are let go of, so the next has the bytes they took.
+  store->remove(names->point(talk.second, 31));
+  store->remove(names->point(talk.second, 26));
+  {
+    TierProcess reader(store->address());
+    EXPECT_EQ(reader.tier->lookup(talk.second, 37, 0, for_20).offset, 20);
+    EXPECT_EQ(reader.tier->lookup(talk.second, 37, 0, 0).offset, 0);  // nothing to hold: not asked
+    EXPECT_EQ(reader.tier->stats().lookups, 1);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, TierStore, ::testing::Values("dir", "redis"),

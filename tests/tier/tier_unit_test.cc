@@ -524,6 +524,31 @@ TEST(TierRedisReplies, ObjectsPastTheBytesAFetchMayHoldStopItAtOnce) {
   EXPECT_EQ(values[1], std::string(200, 'x'));
 }
 
+// Status or error lines sent in place of objects count as objects would (hiredis holds them as
+// strings until the round trip ends); and after a fetch stopped mid-reply, the next one on the
+// same store opens a new connection and reads whole.
+TEST(TierRedisReplies, LinesInPlaceOfObjectsCountAndTheNextFetchReconnects) {
+  const std::vector<std::string> keys{"kvsnap:c:a", "kvsnap:c:b"};
+  const std::string line = "+" + std::string(600 << 10, 'x') + "\r\n";
+  const ScriptedServer lines(line + line);
+  std::vector<std::string> log;
+  const auto deadline = [] { return std::chrono::steady_clock::now() + std::chrono::seconds(5); };
+  try {
+    (void)open_logged(lines, log)->fetch(keys, deadline(), 1 << 20);
+    ADD_FAILURE() << "two 600 KiB lines held within 1 MiB";
+  } catch (const detail::FetchTooLarge& too_large) {
+    EXPECT_EQ(too_large.index, 1u);
+  }
+  const ScriptedServer server(bulk(100) + bulk(200));
+  const std::unique_ptr<detail::Store> store = open_logged(server, log);
+  EXPECT_THROW((void)store->fetch(keys, deadline(), 250), detail::FetchTooLarge);
+  const auto values = store->fetch(keys, deadline(), 300);
+  ASSERT_EQ(values.size(), 2u);
+  EXPECT_EQ(values[0], std::string(100, 'x'));
+  EXPECT_EQ(values[1], std::string(200, 'x'));
+  EXPECT_TRUE(log.empty()) << log.front();
+}
+
 // What a reply may hold depends on its command: only GETEX's an object; an index's members are
 // decimal offsets, and EXPIRE answers with a number or a line. A long member or a long
 // answer to EXPIRE fails the round trip.
