@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -22,6 +23,9 @@
 #include "tier/keys.h"
 
 namespace kvsnap::testing {
+
+// Store::fetch's bytes for a fetch the test does not bound.
+inline constexpr int64_t kNoLimit = std::numeric_limits<int64_t>::max();
 
 // Lines a tier logged.
 class LogLines {

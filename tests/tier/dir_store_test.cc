@@ -30,7 +30,7 @@ namespace {
 namespace fs = std::filesystem;
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
-constexpr int64_t kNoLimit = std::numeric_limits<int64_t>::max();  // fetch's bytes
+using testing::kNoLimit;
 using detail::DirStore;
 using testing::Conversation;
 using testing::HybridStack;

@@ -30,7 +30,7 @@ using testing::tier_options;
 using testing::TokenKV;
 using testing::tokens;
 using testing::operator+;
-constexpr int64_t kNoLimit = std::numeric_limits<int64_t>::max();  // fetch's bytes
+using testing::kNoLimit;
 
 TEST(TierAddress, RedisAddressesParse) {
   const detail::RedisAddress plain = detail::parse_redis_address("redis://cache.local:7000");
