@@ -6,7 +6,6 @@
 #include <gtest/gtest.h>
 #include <kvsnap/kvsnap.h>
 
-#include <cstdlib>
 #include <memory>
 #include <random>
 
@@ -217,6 +216,15 @@ class RecurrentModel final : public Model {
 struct Coverage {
   int64_t restores = 0, snapshot_restores = 0, failed_restores = 0, merges = 0, splits = 0,
           materialized = 0;
+  Coverage& operator+=(const Coverage& c) {
+    restores += c.restores;
+    snapshot_restores += c.snapshot_restores;
+    failed_restores += c.failed_restores;
+    merges += c.merges;
+    splits += c.splits;
+    materialized += c.materialized;
+    return *this;
+  }
 };
 
 class Driver {
@@ -464,27 +472,13 @@ class Driver {
 
 template <class M>
 Coverage run_many(int sequences, int steps) {
-  // KVSNAP_SOAK_SEEDS raises the number of sequences for a longer soak run.
-  if (const char* soak = std::getenv("KVSNAP_SOAK_SEEDS")) sequences = std::atoi(soak);
-  const int64_t baseline = live_bytes();
   Coverage total;
-  for (int seed = 1; seed <= sequences; ++seed) {
-    {
-      M model;
-      Driver driver(model, static_cast<uint32_t>(seed));
-      driver.run(steps);
-      const Coverage& c = driver.coverage();
-      total.restores += c.restores;
-      total.snapshot_restores += c.snapshot_restores;
-      total.failed_restores += c.failed_restores;
-      total.merges += c.merges;
-      total.splits += c.splits;
-      total.materialized += c.materialized;
-    }
-    EXPECT_FALSE(::testing::Test::HasFailure()) << "seed " << seed;
-    EXPECT_EQ(live_bytes(), baseline) << "seed " << seed << " leaked array bytes";
-    if (::testing::Test::HasFailure()) break;
-  }
+  sequences = testing::for_each_seed(sequences, [&](uint32_t seed) {
+    M model;
+    Driver driver(model, seed);
+    driver.run(steps);
+    total += driver.coverage();
+  });
   EXPECT_GT(total.restores, sequences);
   EXPECT_GT(total.snapshot_restores, sequences / 2);  // not only rewinds
   EXPECT_GT(total.failed_restores, sequences / 4);

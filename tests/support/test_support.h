@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <random>
 #include <vector>
 
@@ -75,6 +76,22 @@ template <class Call>
     return ::testing::AssertionFailure() << "threw a non-kvsnap exception: " << other.what();
   }
   return ::testing::AssertionFailure() << "did not throw";
+}
+
+// Runs `one(seed)` for seeds 1..runs — KVSNAP_SOAK_SEEDS, when set, for a longer soak run —
+// checking after each that it failed nothing and leaked no array bytes, and stopping at the
+// first seed that did. Returns the number of seeds asked for (for coverage thresholds).
+template <class One>
+int for_each_seed(int runs, One&& one) {
+  if (const char* soak = std::getenv("KVSNAP_SOAK_SEEDS")) runs = std::atoi(soak);
+  const int64_t baseline = live_bytes();
+  for (int seed = 1; seed <= runs; ++seed) {
+    one(static_cast<uint32_t>(seed));
+    EXPECT_FALSE(::testing::Test::HasFailure()) << "seed " << seed;
+    EXPECT_EQ(live_bytes(), baseline) << "seed " << seed << " leaked array bytes";
+    if (::testing::Test::HasFailure()) break;
+  }
+  return runs;
 }
 
 }  // namespace kvsnap::testing
