@@ -135,6 +135,10 @@ class KVSNAP_EXPORT PrefixCache {
   // whose reset throws — a custom kind — gets an Error saying the trie was loaded and which
   // slot to reset). Throws while any session is open. Refuses a `dir` or file that is not private
   // to this user (see LoadOptions) unless options.allow_shared.
+  // Under a smaller budget than the saving cache's, the load keeps what evicting the whole file
+  // down to the budget would keep (least recently used leaves first), and reads only that: the
+  // other nodes' data is checked against the file's seal as it passes, never held. A load holds
+  // at most the budget beside the trie it replaces (which it frees once the new one is built).
   void load(const std::string& dir, const std::string& model_id = "");
   void load(const std::string& dir, const std::string& model_id, const LoadOptions& options);
   // Whether `dir` holds a saved trie. When it does, `dir` and the file are checked as load
@@ -161,8 +165,8 @@ class KVSNAP_EXPORT PrefixCache {
     int64_t evicted_nodes = 0;
     // Whole-state snapshots dropped from the active path when evicting leaves was not enough.
     int64_t dropped_snapshots = 0;
-    // Nodes the last load installed, before the budget evicted any (evicted_nodes counts
-    // those it did); 0 before any load.
+    // Nodes the last load found in the file, before the budget evicted any (evicted_nodes
+    // counts those it did, unread); 0 before any load.
     int64_t loaded_nodes = 0;
     // Now, read with the counters above (at the same instant, under one lock):
     // paged_out_bytes() and node_count().

@@ -173,14 +173,22 @@ struct SealedFile {
 };
 // Up to `n` bytes into `into`; 0 at the end. Throws Error on a failed read.
 using ByteReader = std::function<size_t(char* into, size_t n)>;
+// Whether a read keeps tensor `index` of `file` (in the order of their data), asked just before
+// its data is read: `file` holds the data of the tensors before it that were kept, and outlines
+// (decode_safetensors_header) of the rest. A tensor not kept is hashed as it passes and left an
+// outline, its data never held.
+using TensorFilter = std::function<bool(size_t index, const SafetensorsFile& file)>;
 // Reads a file of `size` bytes from `read`: Error naming `source` as decode_safetensors does, or
-// when it ends before `size` bytes or goes on past them.
-SealedFile read_sealed(const ByteReader& read, uint64_t size, const std::string& source);
-SealedFile read_sealed(const std::string& bytes, const std::string& source);
+// when it ends before `size` bytes or goes on past them. Without `keep`, every tensor is kept.
+SealedFile read_sealed(const ByteReader& read, uint64_t size, const std::string& source,
+                       const TensorFilter& keep = nullptr);
+SealedFile read_sealed(const std::string& bytes, const std::string& source,
+                       const TensorFilter& keep = nullptr);
 // The file through open_private_file's descriptor, refused as read_private_file refuses it (more
 // than `max_bytes`) and as read_sealed does; std::bad_alloc when its tensors do not fit in memory.
 SealedFile read_sealed_file(const std::string& path, const PrivacyRule& rule,
-                            uint64_t max_bytes = loadable_bytes());
+                            uint64_t max_bytes = loadable_bytes(),
+                            const TensorFilter& keep = nullptr);
 // Throws check_seal's Error unless the seal read is the file's "checksum".
 void check_seal(const SealedFile& sealed, const std::string& source);
 

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <fstream>
@@ -189,8 +190,9 @@ Shape parse_shape(const std::string& name, const Json& extents, const Fail& fail
   return shape;
 }
 
-// One tensor's entry: its array (data copied from `data`, `data_size` bytes) and byte range.
-// `claimed`: the bytes the entries before it took, which this one's are added to.
+// One tensor's entry: its array (data copied from `data`, `data_size` bytes; an outline when
+// `data` is null) and byte range. `claimed`: the bytes the entries before it took, which this
+// one's are added to.
 Array parse_tensor(const std::string& name, const Json& entry, const char* data, uint64_t data_size,
                    std::pair<uint64_t, uint64_t>& range, uint64_t& claimed, const Fail& fail) {
   if (!entry.is_object() || !entry.contains("dtype") || !entry.contains("shape") ||
@@ -235,8 +237,13 @@ Array parse_tensor(const std::string& name, const Json& entry, const char* data,
   }
   claimed += expected;
   range = {begin, end};
+  if (data == nullptr) {
+    // One element behind every index (zero strides): the shape and dtype, nothing allocated.
+    alignas(16) static std::byte nothing[16]{};
+    return Array::wrap(nothing, dtype, shape, Shape(shape.size(), 0));
+  }
   Array array = Array::uninitialized(dtype, shape);
-  if (expected > 0 && data != nullptr) std::memcpy(array.mutable_bytes(), data + begin, expected);
+  if (expected > 0) std::memcpy(array.mutable_bytes(), data + begin, expected);
   return array;
 }
 
@@ -370,7 +377,7 @@ uint64_t header_length(std::string_view bytes) {
 namespace {
 
 // decode_safetensors over the file's first bytes (`bytes`, of a file of `size`): the data too
-// when `with_data` (then `bytes` is the whole file), else the arrays are left to be filled.
+// when `with_data` (then `bytes` is the whole file), else the arrays are outlines.
 SafetensorsFile decode(std::string_view bytes, uint64_t size, bool with_data,
                        const std::string& source, uint64_t max_header) {
   const Fail fail = [&](const std::string& rule) {

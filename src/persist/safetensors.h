@@ -60,8 +60,9 @@ SafetensorsFile decode_safetensors(const std::string& bytes, const std::string& 
 // The header length a file starting with `bytes` gives (its first 8 bytes, little-endian).
 uint64_t header_length(std::string_view bytes);
 // decode_safetensors for a file of `size` bytes read in parts: `head` holds its first 8 +
-// header_length bytes. The tensors' arrays are allocated, not filled: together they cover the
-// data section (the file after `head`) exactly once, in the order of `tensors`.
+// header_length bytes. The tensors' arrays are outlines: their dtypes and shapes over one
+// element (zero strides), nothing allocated; their data, together, covers the data section (the
+// file after `head`) exactly once, in the order of `tensors`.
 SafetensorsFile decode_safetensors_header(std::string_view head, uint64_t size,
                                           const std::string& source,
                                           uint64_t max_header = kMaxSafetensorsHeader);

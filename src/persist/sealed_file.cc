@@ -10,11 +10,15 @@
 #include <cerrno>
 #include <cstring>
 #include <memory>
+#include <vector>
 
 #include "persist/files.h"
 
 namespace kvsnap::detail {
 namespace {
+
+// The part a tensor not kept is read in.
+constexpr uint64_t kPassingPart = uint64_t{1} << 20;
 
 // Reads exactly `bytes` into `into` unless the source ends first; returns what was read.
 uint64_t read_up_to(const ByteReader& read, char* into, uint64_t bytes) {
@@ -117,7 +121,8 @@ void check_seal(const SealedFile& sealed, const std::string& source) {
   check_actual(sealed.file, sealed.actual, source);
 }
 
-SealedFile read_sealed(const ByteReader& read, uint64_t size, const std::string& source) {
+SealedFile read_sealed(const ByteReader& read, uint64_t size, const std::string& source,
+                       const TensorFilter& keep) {
   const auto fail = [&](const std::string& rule) {
     return Error(fmt::format("safetensors {}: {}", source, rule));
   };
@@ -143,12 +148,28 @@ SealedFile read_sealed(const ByteReader& read, uint64_t size, const std::string&
   Hash hash;
   if (at != std::string::npos) hash.add_sealed(head, at);
   uint64_t offset = head.size();
-  std::string().swap(head);  // hashed and decoded: not held while the data is read
-  for (auto& [name, array] : sealed.file.tensors) {  // in the order of their data, which they tile
+  std::string().swap(head);   // hashed and decoded: not held while the data is read
+  std::vector<char> passing;  // what a tensor not kept passes through, a part at a time
+  // In the order of their data, which they tile.
+  for (size_t i = 0; i < sealed.file.tensors.size(); ++i) {
+    Array& array = sealed.file.tensors[i].second;
     const auto bytes = static_cast<uint64_t>(array.nbytes());
-    char* const into = static_cast<char*>(array.mutable_bytes());
-    if (const uint64_t got = read_up_to(read, into, bytes); got != bytes) throw ended(offset + got);
-    hash.add(into, static_cast<size_t>(bytes));
+    if (!keep || keep(i, sealed.file)) {
+      array = Array::uninitialized(array.dtype(), array.shape());
+      char* const into = static_cast<char*>(array.mutable_bytes());
+      if (const uint64_t got = read_up_to(read, into, bytes); got != bytes)
+        throw ended(offset + got);
+      hash.add(into, static_cast<size_t>(bytes));
+    } else {
+      passing.resize(static_cast<size_t>(std::min<uint64_t>(bytes, kPassingPart)));
+      for (uint64_t done = 0; done < bytes;) {
+        const uint64_t part = std::min<uint64_t>(bytes - done, passing.size());
+        if (const uint64_t got = read_up_to(read, passing.data(), part); got != part)
+          throw ended(offset + done + got);
+        hash.add(passing.data(), static_cast<size_t>(part));
+        done += part;
+      }
+    }
     offset += bytes;
   }
   char extra = 0;
@@ -159,7 +180,8 @@ SealedFile read_sealed(const ByteReader& read, uint64_t size, const std::string&
   return sealed;
 }
 
-SealedFile read_sealed(const std::string& bytes, const std::string& source) {
+SealedFile read_sealed(const std::string& bytes, const std::string& source,
+                       const TensorFilter& keep) {
   size_t at = 0;
   const ByteReader read = [&](char* into, size_t n) {
     n = std::min(n, bytes.size() - at);
@@ -167,10 +189,11 @@ SealedFile read_sealed(const std::string& bytes, const std::string& source) {
     at += n;
     return n;
   };
-  return read_sealed(read, bytes.size(), source);
+  return read_sealed(read, bytes.size(), source, keep);
 }
 
-SealedFile read_sealed_file(const std::string& path, const PrivacyRule& rule, uint64_t max_bytes) {
+SealedFile read_sealed_file(const std::string& path, const PrivacyRule& rule, uint64_t max_bytes,
+                            const TensorFilter& keep) {
   const FileDescriptor file = open_private_file(path, rule);
   struct stat status {};
   if (::fstat(file.get(), &status) != 0) {
@@ -190,7 +213,7 @@ SealedFile read_sealed_file(const std::string& path, const PrivacyRule& rule, ui
       }
     }
   };
-  return read_sealed(read, size, path);
+  return read_sealed(read, size, path, keep);
 }
 
 }  // namespace kvsnap::detail

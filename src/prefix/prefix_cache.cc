@@ -169,16 +169,20 @@ void PrefixCache::load(const std::string& dir, const std::string& model_id,
   const std::string path = trie_path(dir);
   // Everything is read and built aside first: a load that fails leaves the trie as it was.
   std::unique_ptr<detail::Trie> fresh;
+  int64_t loaded_nodes = 0, evicted = 0;
   try {
     const detail::PrivacyRule rule = load_rule("PrefixCache::load", options);
-    // Read a tensor at a time: the load holds what it decodes, not the file's bytes as well.
-    const detail::SealedFile sealed = detail::read_sealed_file(path, rule);
-    // Only now, the folder trusted: one refused is left as it is.
-    detail::remove_stale_temporaries_after_load(path, rule);
-    // The layouts the trie holds are the ones the caches serve: the file's must be the same.
-    fresh = detail::build_trie(impl_->trie.layers(),
-                               detail::decode_trie(sealed, path, impl_->trie.layers(), model_id,
-                                                   detail::held_signatures(impl_->trie)));
+    // Read a tensor at a time: the load holds what it decodes, not the file's bytes as well, and
+    // only the nodes its budget keeps. The layouts the trie holds are the ones the caches serve:
+    // the file's must be the same.
+    detail::LoadedTrie loaded = detail::read_trie_file(
+        path, rule, impl_->trie.layers(), model_id, detail::held_signatures(impl_->trie),
+        impl_->options.max_paged_out_bytes,
+        // Only once read, the folder trusted: one refused is left as it is.
+        [&] { detail::remove_stale_temporaries_after_load(path, rule); });
+    loaded_nodes = static_cast<int64_t>(loaded.nodes.size());
+    evicted = loaded.evicted;
+    fresh = detail::build_trie(impl_->trie.layers(), std::move(loaded));
   } catch (const std::bad_alloc&) {
     throw Error(fmt::format("PrefixCache::load: cannot load {}: out of memory", path));
   }
@@ -200,7 +204,8 @@ void PrefixCache::load(const std::string& dir, const std::string& model_id,
       }
     }
   }
-  impl_->stats.loaded_nodes = impl_->trie.node_count();
+  impl_->stats.loaded_nodes = loaded_nodes;
+  impl_->stats.evicted_nodes += evicted;
   try {
     impl_->evict(0, detail::Change::shared);  // a smaller budget than the saving cache's
   } catch (const std::bad_alloc&) {

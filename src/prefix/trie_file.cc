@@ -3,11 +3,14 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <functional>
 #include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <string_view>
+#include <unordered_set>
 #include <utility>
 
 #include "cache/snapshot_record.h"
@@ -15,6 +18,7 @@
 #include "persist/files.h"
 #include "persist/record_tensors.h"
 #include "persist/safetensors.h"
+#include "prefix/load_plan.h"
 
 namespace kvsnap::detail {
 namespace {
@@ -144,15 +148,16 @@ class TrieDecoder {
     return it->second;
   }
 
-  // Format, version, checksum, model and the layers' configuration.
-  void check_header(const SealedFile& sealed, const std::string& model_id) const {
+  // Format, version, checksum (unless `sealed` is null: not read yet), model and the layers'
+  // configuration.
+  void check_header(const SealedFile* sealed, const std::string& model_id) const {
     if (meta("format") != kFormat)
       throw fail(fmt::format("format {} is not {}", cut_quoted(meta("format")), kFormat));
     if (meta("version") != std::to_string(kVersion)) {
       throw fail(fmt::format("version {} is unknown (this build reads version {})",
                              cut_quoted(meta("version")), kVersion));
     }
-    check_seal(sealed, source_);
+    if (sealed != nullptr) check_seal(*sealed, source_);
     if (!same_model(file_, model_id)) {
       throw fail(fmt::format("it was saved for model {}, this cache serves {}",
                              cut_quoted(meta("model")), cut_quoted(readable(model_id))));
@@ -351,8 +356,102 @@ LoadedTrie decode_trie(const SealedFile& sealed, const std::string& source,
                        const std::vector<LayerInfo>& layers, const std::string& model_id,
                        const std::vector<std::string>& serving) {
   TrieDecoder decoder(sealed.file, source, layers, serving);
-  decoder.check_header(sealed, model_id);
+  decoder.check_header(&sealed, model_id);
   return decoder.nodes();
+}
+
+namespace {
+
+// The tensors of node `n`'s snapshot of layer `i`.
+std::string tensor_name(size_t n, size_t i, char part) {
+  return fmt::format("node.{}.layer.{}.{}", n, i, part);
+}
+
+// The nodes of `outlined` (its snapshots outlines: sizes without data) for plan_load.
+std::vector<PlannedNode> planned_nodes(const LoadedTrie& outlined,
+                                       const std::vector<LayerInfo>& layers) {
+  std::vector<PlannedNode> out;
+  out.reserve(outlined.nodes.size());
+  for (const LoadedNode& node : outlined.nodes) {
+    PlannedNode planned{node.parent, node.user, node.last_used};
+    for (size_t i = 0; i < node.snapshots.size(); ++i) {
+      if (node.snapshots[i] == nullptr) continue;
+      planned.bytes += node.snapshots[i]->size();
+      planned.restore_point = planned.restore_point || layers[i].whole_state();
+    }
+    out.push_back(planned);
+  }
+  return out;
+}
+
+}  // namespace
+
+LoadedTrie read_trie_file(const std::string& path, const PrivacyRule& rule,
+                          const std::vector<LayerInfo>& layers, const std::string& model_id,
+                          const std::vector<std::string>& serving, int64_t budget,
+                          const std::function<void()>& after_read) {
+  // Planned when the first tensor after "edges" (the first in every file save writes) is about
+  // to be read: the nodes decoded over outlines, every check run but the seal's, and the
+  // tensors of the nodes the budget evicts passed over. A check that fails passes over all of
+  // them; its Error comes after the seal's (a damaged file is said to be damaged).
+  bool planned = false;
+  std::optional<LoadedTrie> outlined;
+  LoadPlan plan;
+  std::exception_ptr refused;
+  std::vector<bool> skip;
+  const auto keep = [&](size_t index, const SafetensorsFile& file) {
+    if (index == 0) return true;
+    if (!planned) {
+      planned = true;
+      skip.assign(file.tensors.size(), false);
+      if (file.tensors.front().first == "edges") {
+        try {
+          TrieDecoder decoder(file, path, layers, serving);
+          decoder.check_header(nullptr, model_id);
+          outlined = decoder.nodes();
+          plan = plan_load(planned_nodes(*outlined, layers), budget);
+          for (size_t n = 0; n < plan.doomed.size(); ++n) {
+            for (size_t i = 0; plan.doomed[n] && i < layers.size(); ++i) {
+              if (outlined->nodes[n].snapshots[i] == nullptr) continue;
+              skip[file.index.at(tensor_name(n, i, 'a'))] = true;
+              skip[file.index.at(tensor_name(n, i, 'b'))] = true;
+            }
+          }
+        } catch (...) {
+          refused = std::current_exception();
+          outlined.reset();
+          skip.assign(file.tensors.size(), true);
+        }
+      }
+    }
+    return !skip[index];
+  };
+  const SealedFile sealed = read_sealed_file(path, rule, loadable_bytes(), keep);
+  if (after_read) after_read();
+  TrieDecoder decoder(sealed.file, path, layers, serving);
+  decoder.check_header(&sealed, model_id);
+  if (refused) std::rethrow_exception(refused);
+  // Never planned (a file of one tensor, or one whose first is not "edges"): read whole, left to
+  // the eviction after the load.
+  if (!outlined) return decoder.nodes();
+  LoadedTrie loaded = std::move(*outlined);
+  for (size_t n = 0; n < loaded.nodes.size(); ++n) {
+    for (size_t i = 0; i < layers.size(); ++i) {
+      SnapshotPtr& snapshot = loaded.nodes[n].snapshots[i];
+      if (snapshot == nullptr) continue;
+      if (plan.doomed[n]) {
+        snapshot.reset();
+        continue;
+      }
+      SnapshotRecord record = *snapshot_record(*snapshot);
+      record.first = sealed.file.at(tensor_name(n, i, 'a'), path.c_str());
+      record.second = sealed.file.at(tensor_name(n, i, 'b'), path.c_str());
+      snapshot = make_snapshot(std::move(record), fmt::format("{} node.{}.layer.{}", path, n, i));
+    }
+  }
+  loaded.doomed = std::move(plan.doomed);
+  loaded.evicted = plan.evicted;
+  return loaded;
 }
 
 LoadedTrie decode_trie(const std::string& bytes, const std::string& source,
@@ -384,6 +483,17 @@ std::unique_ptr<Trie> build_trie(const std::vector<LayerInfo>& layers, LoadedTri
     Node& parent = node.parent < 0 ? trie->root() : *made[static_cast<size_t>(node.parent)];
     made.push_back(&trie->add_child(parent, std::move(node.edge), std::move(node.snapshots),
                                     node.user, node.last_used));
+  }
+  // The doomed nodes (their descendants doomed too) go children first, each a leaf by then.
+  // Only nodes that stay merge, as the eviction merged them: a doomed one is never merged, nor
+  // merged into (it has no snapshots to merge, and merging it would free a node still listed).
+  std::unordered_set<const Node*> doomed;
+  for (size_t n = 0; n < loaded.doomed.size(); ++n) {
+    if (loaded.doomed[n]) doomed.insert(made[n]);
+  }
+  const auto keep = [&](const Node& node) { return doomed.contains(&node); };
+  for (size_t n = loaded.doomed.size(); n-- > 0;) {
+    if (loaded.doomed[n]) trie->remove_leaf(*made[n], keep);
   }
   trie->set_clock(loaded.clock);
   return trie;

@@ -2,6 +2,7 @@
 // snapshots in one safetensors file, with the layers' configuration to check on load.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -24,6 +25,10 @@ struct LoadedNode {
 struct LoadedTrie {
   std::vector<LoadedNode> nodes;  // parents before children
   int64_t clock = 0;
+  // read_trie_file: per node, whether the budget evicts it (its snapshots were never read and
+  // are null); build_trie removes those. Empty: every node stays.
+  std::vector<bool> doomed;
+  int64_t evicted = 0;  // the leaves that eviction removes (evicted_nodes counts them)
 };
 
 // Parses and validates everything (format, version, checksum, model id, the layers'
@@ -40,10 +45,21 @@ LoadedTrie decode_trie(const std::string& bytes, const std::string& source,
 LoadedTrie decode_trie(const SealedFile& sealed, const std::string& source,
                        const std::vector<LayerInfo>& layers, const std::string& model_id,
                        const std::vector<std::string>& serving = {});
+// The file at `path` (read_sealed_file with `rule`) decoded as decode_trie decodes it — every
+// check on every node — but reading the data of only the nodes that a trie of `budget` bytes
+// keeps after a load's eviction (plan_load): the others are hashed as they pass, never held,
+// and marked `doomed`. A load under a smaller budget than the saving cache's then holds at most
+// what it keeps. Errors as decode_trie's, a damaged file's first. `after_read` runs once the
+// file is read, before any Error its contents draw.
+LoadedTrie read_trie_file(const std::string& path, const PrivacyRule& rule,
+                          const std::vector<LayerInfo>& layers, const std::string& model_id,
+                          const std::vector<std::string>& serving, int64_t budget,
+                          const std::function<void()>& after_read = nullptr);
 // Per layer, the signature of the snapshots `trie` holds for it (empty where it holds none).
 std::vector<std::string> held_signatures(const Trie& trie);
 
-// A trie for `layers` holding `loaded`, built aside: Trie::take_nodes installs it.
+// A trie for `layers` holding `loaded`, built aside (less its doomed nodes, removed as the
+// eviction removes leaves): Trie::take_nodes installs it.
 std::unique_ptr<Trie> build_trie(const std::vector<LayerInfo>& layers, LoadedTrie loaded);
 
 }  // namespace kvsnap::detail

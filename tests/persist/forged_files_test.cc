@@ -314,5 +314,40 @@ TEST(SealedFile, ReadInPartsAsWholeAndRefusedWhenItChangesSize) {
                            {"safetensors t: it holds more than the"}));
 }
 
+// A read that does not keep a tensor hashes it as it passes and leaves it an outline (its shape
+// and dtype, zero strides, nothing allocated): the seal still covers its bytes. The filter is
+// asked in data order, with the data of the tensors kept before it.
+TEST(SealedFile, ATensorNotKeptIsHashedNotHeld) {
+  detail::SafetensorsFile file;
+  file.tensors.emplace_back("a", Array::from_ints(std::vector<int32_t>{7, 8}, {2}));
+  std::vector<float> big(3 << 18);  // 3 MiB: passed over in parts
+  for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<float>(i % 1000);
+  file.tensors.emplace_back("b", Array::from_floats(big, {3, 1 << 18}));
+  file.tensors.emplace_back("c", Array::from_floats(std::vector<float>{1, 2}, {2}));
+  const std::string bytes = detail::encode_sealed(file);
+  std::vector<size_t> asked;
+  const detail::TensorFilter keep = [&](size_t index, const detail::SafetensorsFile& seen) {
+    asked.push_back(index);
+    if (index > 0) {
+      EXPECT_EQ(seen.at("a", "t").to_ints(), (std::vector<int32_t>{7, 8}));
+    }
+    return index != 1;
+  };
+  const detail::SealedFile sealed = detail::read_sealed(bytes, "t", keep);
+  EXPECT_EQ(asked, (std::vector<size_t>{0, 1, 2}));
+  EXPECT_NO_THROW(detail::check_seal(sealed, "t"));
+  const Array& passed = sealed.file.at("b", "t");
+  EXPECT_EQ(passed.dtype(), DType::f32);
+  EXPECT_EQ(passed.shape(), (Shape{3, 1 << 18}));
+  EXPECT_EQ(passed.strides(), (Shape{0, 0}));
+  EXPECT_EQ(sealed.file.at("c", "t").to_floats(), (std::vector<float>{1, 2}));
+  // A bit flipped in the tensor passed over, in its last part: refused by the seal.
+  std::string damaged = bytes;
+  damaged[damaged.size() - 9 - 4 * 1000] ^= 0x01;
+  EXPECT_TRUE(
+      throws_error([&] { detail::check_seal(detail::read_sealed(damaged, "t", keep), "t"); },
+                   {"t: checksum", "does not match the contents", "the file is damaged"}));
+}
+
 }  // namespace
 }  // namespace kvsnap::forged_files_test

@@ -2,6 +2,7 @@
 #include <kvsnap/prefix_cache.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
@@ -82,6 +83,63 @@ TEST(PrefixCachePersist, ALoadUnderASmallerBudgetSaysWhatItLoadedAndEvicted) {
   EXPECT_GT(cache.stats().evicted_nodes, 0);
   EXPECT_LT(cache.node_count(), nodes);
   EXPECT_LE(cache.paged_out_bytes(), 1);
+  EXPECT_LE(cache.peak_paged_out_bytes(), 1);  // nothing was built: every node was passed over
+  // Under half of what the file holds: the most recently used nodes that fit, and never more
+  // than the budget held (the load reads only the nodes it keeps).
+  PrefixCache whole(stack.layers());
+  whole.load(dir, "model-a");
+  const int64_t half = whole.paged_out_bytes() / 2;
+  PrefixCache halved(stack.layers(), {.max_paged_out_bytes = half});
+  halved.load(dir, "model-a");
+  EXPECT_GT(halved.node_count(), 0);
+  EXPECT_LT(halved.node_count(), nodes);
+  EXPECT_LE(halved.peak_paged_out_bytes(), half);
+  EXPECT_EQ(halved.paged_out_bytes(), halved.recount_paged_out_bytes());
+  EXPECT_EQ(halved.check_invariants(), "");
+  EXPECT_EQ(halved.stats().loaded_nodes, nodes);
+  std::filesystem::remove_all(dir);
+}
+
+// A load under a smaller budget than the saving cache's reads the data of only the nodes it
+// keeps: the rest are hashed as they pass. Four prompts of 16 MiB each loaded under a budget
+// that keeps one, in a child whose address space may grow by 40 MiB: reading them all (and
+// evicting afterwards) runs out.
+TEST(PrefixCachePersist, ALoadUnderASmallBudgetReadsOnlyWhatItKeeps) {
+  if (testing::kAddressSanitizer) GTEST_SKIP() << "AddressSanitizer ignores RLIMIT_AS";
+  if (testing::kThreadSanitizer) GTEST_SKIP() << "ThreadSanitizer's allocations fail under it";
+  const std::string dir = scratch("small_budget");
+  constexpr int64_t kTokens = 4096;  // 8 heads x 128 f16: 8 MiB of keys, 8 of values
+  {
+    KVCache attention;
+    PrefixCache cache({&attention});
+    for (int32_t p = 0; p < 4; ++p) {
+      PrefixCache::Session session = cache.begin(tokens(1 + p * kTokens, kTokens));
+      const Array keys = Array::zeros(DType::f16, {1, 8, kTokens, 128});
+      (void)attention.update(Batch::uniform(1, kTokens, 0), keys, keys);
+      session.prefill_done();
+      session.close();
+    }
+    cache.save(dir, "big");
+    ASSERT_EQ(cache.node_count(), 8);  // each prompt's first 4095 tokens, then its last
+  }
+  ASSERT_GT(std::filesystem::file_size(dir + "/prefix_cache.safetensors"), uint64_t{64} << 20);
+  KVCache attention;
+  PrefixCache fresh({&attention}, {.max_paged_out_bytes = int64_t{20} << 20});
+  const int status = testing::run_with_headroom(int64_t{40} << 20, [&] {
+    try {
+      fresh.load(dir, "big");
+    } catch (const Error&) {
+      return 1;  // out of memory
+    }
+    // The most recently used prompt, restored in place of recomputing it.
+    const Tokens last = tokens(1 + 3 * kTokens, kTokens) + Tokens{7};
+    if (fresh.node_count() != 2 || fresh.peak_paged_out_bytes() > (int64_t{20} << 20) ||
+        fresh.match(last) != kTokens) {
+      return 2;
+    }
+    return 0;
+  });
+  EXPECT_EQ(status, 0) << "1: the load ran out of memory within 40 MiB; 2: it kept other nodes";
   std::filesystem::remove_all(dir);
 }
 
@@ -120,10 +178,26 @@ TEST(PrefixCachePersist, ADamagedFileIsRejectedWhole) {
     std::ifstream in(path, std::ios::binary);
     bytes.assign(std::istreambuf_iterator<char>(in), {});
   }
-  bytes[bytes.size() / 2] ^= 0x01;
-  { std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes; }
   HybridStack fresh;
   PrefixCache other(fresh.layers());
+  // Under a budget that keeps nothing, every tensor is passed over, not read: a flip anywhere in
+  // their data is still found by the seal.
+  PrefixCache keeps_nothing(fresh.layers(), {.max_paged_out_bytes = 1});
+  uint64_t header = 0;
+  std::memcpy(&header, bytes.data(), sizeof header);  // little-endian, as x86 and ARM read it
+  for (size_t at = 8 + header; at < bytes.size(); at += 211) {
+    std::string damaged = bytes;
+    damaged[at] ^= 0x01;
+    { std::ofstream(path, std::ios::binary | std::ios::trunc) << damaged; }
+    EXPECT_TRUE(throws_error([&] { keeps_nothing.load(dir); }, {"the file is damaged"}))
+        << "byte " << at;
+  }
+  { std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes; }
+  EXPECT_NO_THROW(keeps_nothing.load(dir));  // the file undamaged: loaded, every node evicted
+  EXPECT_EQ(keeps_nothing.node_count(), 0);
+  EXPECT_GT(keeps_nothing.stats().evicted_nodes, 0);
+  bytes[bytes.size() / 2] ^= 0x01;
+  { std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes; }
   EXPECT_TRUE(throws_error([&] { other.load(dir); }, {"prefix_cache.safetensors"}));
   EXPECT_EQ(other.node_count(), 0);
   EXPECT_TRUE(throws_error([&] { other.load(scratch("missing")); }, {"cannot open"}));
