@@ -71,7 +71,8 @@ struct TierOptions {
   // The most object bytes one lookup holds, all it reads together (the chunks and the restore
   // point, as the store sent them), in [1, 2^50]; lookup's max_bytes lowers it per call (a
   // PrefixCache passes its budget). A restore point that needs more is passed over for a
-  // shallower one that fits; a store sending more than it announced costs that lookup only.
+  // shallower one that fits (one whose chunks alone would pass it is never fetched: their sizes
+  // come with the probe); a store sending more than it announced costs that lookup only.
   // Said once in the log, counted in store_errors: raise it for long prompts on wide models.
   int64_t max_lookup_bytes = int64_t(8) << 30;
   // The most a lookup waits for the store, all round trips together. This, write_timeout and

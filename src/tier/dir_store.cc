@@ -245,9 +245,9 @@ std::string DirStore::path(const std::string& key) const {
 
 void DirStore::probe(std::span<const std::string> sets, std::span<const std::string> keys,
                      Deadline deadline, std::vector<std::vector<std::string>>& members,
-                     std::vector<bool>& exists) {
+                     std::vector<int64_t>& sizes) {
   members.assign(sets.size(), {});
-  exists.assign(keys.size(), false);
+  sizes.assign(keys.size(), -1);
   std::error_code error;
   for (size_t i = 0; i < sets.size(); ++i) {
     check_time(deadline);
@@ -268,13 +268,19 @@ void DirStore::probe(std::span<const std::string> sets, std::span<const std::str
     check_time(deadline);
     // What fetch would read: a regular file, not a link to one, of at most the largest object.
     const std::string file = path(keys[i]);
-    exists[i] = fs::is_regular_file(fs::symlink_status(file, error)) &&
-                fs::file_size(file, error) <= static_cast<uintmax_t>(kMaximumObjectBytes) &&
-                !error && !(own_files_only_ && others(file)) &&              // as fetch reads it:
-                ::faccessat(AT_FDCWD, file.c_str(), R_OK, AT_EACCESS) == 0;  // one it can read
+    const uintmax_t size = fs::is_regular_file(fs::symlink_status(file, error))
+                               ? fs::file_size(file, error)
+                               : ~uintmax_t{0};
+    const bool exists =
+        size <= static_cast<uintmax_t>(kMaximumObjectBytes) && !error &&
+        !(own_files_only_ && others(file)) &&                        // as fetch reads it:
+        ::faccessat(AT_FDCWD, file.c_str(), R_OK, AT_EACCESS) == 0;  // one it can read
     // Asked after: in use (a prefix the asking process holds itself, an object its writer skips
     // as stored), so its lifetime starts afresh, as EXPIRE's does on Redis.
-    if (exists[i]) (void)::utimensat(AT_FDCWD, file.c_str(), nullptr, AT_SYMLINK_NOFOLLOW);
+    if (exists) {
+      sizes[i] = static_cast<int64_t>(size);
+      (void)::utimensat(AT_FDCWD, file.c_str(), nullptr, AT_SYMLINK_NOFOLLOW);
+    }
   }
 }
 

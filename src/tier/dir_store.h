@@ -38,7 +38,7 @@ class DirStore final : public Store {
 
   void probe(std::span<const std::string> sets, std::span<const std::string> keys,
              Deadline deadline, std::vector<std::vector<std::string>>& members,
-             std::vector<bool>& exists) override;
+             std::vector<int64_t>& sizes) override;
   // An object's name holding anything but a regular file of at most kMaximumObjectBytes — a
   // link (not followed), a FIFO (not waited on), a device, a socket, a folder — reads as missing
   // (nullopt), as a missing name does: a planted file costs restores, never a request's time

@@ -449,12 +449,13 @@ bool RedisStore::idle() const {
 
 void RedisStore::probe(std::span<const std::string> sets, std::span<const std::string> keys,
                        Deadline deadline, std::vector<std::vector<std::string>>& members,
-                       std::vector<bool>& exists) {
+                       std::vector<int64_t>& sizes) {
   // EXPIRE after each SMEMBERS: an index set in use lives as long as the points it names,
   // whose lifetimes GETEX refreshes. EXPIRE rather than EXISTS: it answers the same (1 when the
   // key is there) and refreshes its lifetime — an object asked after is in use (a prefix the
   // asking process holds itself, one its writer skips as stored) and must not expire while it
-  // is. EXISTS where the store refuses writes (refresh_on_read_).
+  // is. EXISTS where the store refuses writes (refresh_on_read_). STRLEN after each key: its
+  // size (an error for a key of another type, which GET would not hand back either).
   const std::string ttl = std::to_string(options_.ttl.count());
   const std::vector<Reply> replies = lookup_round_trip(
       [&](bool refresh) {
@@ -466,12 +467,15 @@ void RedisStore::probe(std::span<const std::string> sets, std::span<const std::s
           commands.push_back({"SMEMBERS", set});
           commands.push_back(check(set));
         }
-        for (const std::string& key : keys) commands.push_back(check(key));
+        for (const std::string& key : keys) {
+          commands.push_back(check(key));
+          commands.push_back({"STRLEN", key});
+        }
         return commands;
       },
       deadline);
   members.assign(sets.size(), {});
-  exists.assign(keys.size(), false);
+  sizes.assign(keys.size(), -1);
   for (size_t i = 0; i < sets.size(); ++i) {
     const Reply& reply = replies[2 * i];
     if (reply->type != REDIS_REPLY_ARRAY) continue;  // a key of another type: no members
@@ -481,8 +485,12 @@ void RedisStore::probe(std::span<const std::string> sets, std::span<const std::s
     }
   }
   for (size_t i = 0; i < keys.size(); ++i) {
-    const Reply& reply = replies[2 * sets.size() + i];
-    exists[i] = reply->type == REDIS_REPLY_INTEGER && reply->integer > 0;
+    const Reply& found = replies[2 * sets.size() + 2 * i];
+    const Reply& size = replies[2 * sets.size() + 2 * i + 1];
+    if (found->type == REDIS_REPLY_INTEGER && found->integer > 0 &&
+        size->type == REDIS_REPLY_INTEGER && size->integer >= 0) {
+      sizes[i] = static_cast<int64_t>(size->integer);
+    }
   }
 }
 

@@ -37,7 +37,7 @@ class RedisStore final : public Store {
 
   void probe(std::span<const std::string> sets, std::span<const std::string> keys,
              Deadline deadline, std::vector<std::vector<std::string>>& members,
-             std::vector<bool>& exists) override;
+             std::vector<int64_t>& sizes) override;
   std::vector<std::optional<std::string>> fetch(std::span<const std::string> keys,
                                                 Deadline deadline, int64_t max_bytes) override;
   Refused write(const WriteBatch& batch, Deadline deadline) override;

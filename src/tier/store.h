@@ -77,11 +77,13 @@ class Store {
   static constexpr int64_t kMaximumIndexMembers = int64_t(1) << 16;
 
   virtual ~Store() = default;
-  // One round trip: the members of each set (empty when missing) and whether each key exists;
-  // the sets and keys there start their lifetimes afresh (they are in use).
+  // One round trip: the members of each set (empty when missing) and the size of each key's
+  // value in bytes (-1 when missing, or not one fetch would hand back); the sets and keys there
+  // start their lifetimes afresh (they are in use). A size is what the store says: fetch still
+  // holds the values to its bytes.
   virtual void probe(std::span<const std::string> sets, std::span<const std::string> keys,
                      Deadline deadline, std::vector<std::vector<std::string>>& members,
-                     std::vector<bool>& exists) = 0;
+                     std::vector<int64_t>& sizes) = 0;
   // One round trip: each key's value (nullopt when missing), its lifetime refreshed. The replies
   // together hold at most `max_bytes` (objects, and any line sent in their place): a store whose
   // answer would pass it throws FetchTooLarge before the reply that would. Checked as the bytes

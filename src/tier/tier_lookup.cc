@@ -1,10 +1,11 @@
-// TierImpl::lookup: one round trip for the index sets of the prompt's chunks and whether its
-// chunks exist; then, deepest restore point first, one round trip for the chunks the point needs
+// TierImpl::lookup: one round trip for the index sets of the prompt's chunks and its chunks'
+// sizes; then, deepest restore point first, one round trip for the chunks the point needs
 // and its object, each checked (object.h) before anything is returned. A missing or rejected
 // chunk rules out every point past it; a missing or rejected point falls back to the next one.
 // All a lookup holds of what the store sent stays within its bytes (max_lookup_bytes, or the
-// caller's): chunks that would pass them rule out every point past them, a point object that
-// would is passed over.
+// caller's): chunks that would pass them rule out every point past them (known from their sizes
+// before anything is fetched, and checked again as they arrive), a point object that would is
+// passed over.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -60,14 +61,25 @@ class TierImpl::Finder {
       chunk_keys.push_back(TierKeys::chunk_key(digest(j + 1)));
     }
     std::vector<std::vector<std::string>> members;
-    std::vector<bool> exists;
-    tier_.lookup_store_->probe(sets, chunk_keys, deadline_, members, exists);
+    std::vector<int64_t> sizes;
+    tier_.lookup_store_->probe(sets, chunk_keys, deadline_, members, sizes);
     for (size_t k = 0; k < chunk_keys.size(); ++k) {
-      if (!exists[k] && tier_.known_.contains(chunk_keys[k])) tier_.known_.clear();
+      if (sizes[k] < 0 && tier_.known_.contains(chunk_keys[k])) tier_.known_.clear();
     }
     usable_end_ = any_kv_ ? first_ : last();
-    while (any_kv_ && usable_end_ < last() && exists[static_cast<size_t>(usable_end_)]) {
+    while (any_kv_ && usable_end_ < last() && sizes[static_cast<size_t>(usable_end_)] >= 0) {
       ++usable_end_;
+    }
+    // Points past the chunks that fit the bytes are never fetched (said as a fetch that would
+    // not fit is): their chunks alone would pass them.
+    const int64_t existing_end = usable_end_;
+    int64_t chunk_bytes = 0;
+    for (int64_t j = first_; j < existing_end; ++j) {
+      chunk_bytes += sizes[static_cast<size_t>(j)];
+      if (chunk_bytes > max_bytes_) {
+        usable_end_ = j;
+        break;
+      }
     }
     std::vector<int64_t> points;
     for (size_t k = 0; k < members.size(); ++k) {
@@ -76,8 +88,11 @@ class TierImpl::Finder {
         int64_t t = 0;
         const auto [end, error] = std::from_chars(member.data(), member.data() + member.size(), t);
         if (error != std::errc() || end != member.data() + member.size()) continue;  // not ours
-        if (t / chunk_ == j && t > better_than_ && t <= limit_ && j <= usable_end_) {
+        if (t / chunk_ != j || t <= better_than_ || t > limit_) continue;
+        if (j <= usable_end_) {
           points.push_back(t);
+        } else if (j <= existing_end) {
+          over_budget();
         }
       }
     }

@@ -195,14 +195,14 @@ bool WriteBehind::still_holds(const WriteBatch& batch, Deadline deadline) {
     if (std::find(sets.begin(), sets.end(), set) == sets.end()) sets.push_back(set);
   }
   std::vector<std::vector<std::string>> members;
-  std::vector<bool> exists;
+  std::vector<int64_t> sizes;
   try {
-    store_->probe(sets, batch.known, deadline, members, exists);
+    store_->probe(sets, batch.known, deadline, members, sizes);
   } catch (const StoreFailure& failure) {
     if (failure.reason != StoreFailure::Reason::waiting) ++counters_.store_errors;
     return true;  // unknown: the next batch asks again
   }
-  if (std::find(exists.begin(), exists.end(), false) != exists.end()) return false;
+  if (std::any_of(sizes.begin(), sizes.end(), [](int64_t size) { return size < 0; })) return false;
   for (const auto& [set, member] : batch.known_index) {
     const auto& in =
         members[static_cast<size_t>(std::find(sets.begin(), sets.end(), set) - sets.begin())];

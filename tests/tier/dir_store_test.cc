@@ -30,10 +30,10 @@ namespace {
 namespace fs = std::filesystem;
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
-using testing::kNoLimit;
 using detail::DirStore;
 using testing::Conversation;
 using testing::HybridStack;
+using testing::kNoLimit;
 using testing::ObjectNames;
 using testing::tier_options;
 using testing::TierProcess;
@@ -70,9 +70,9 @@ class DirStoreTest : public ::testing::Test {
   static bool exists(DirStore& store, const std::string& key) {
     const std::vector<std::string> keys{key};
     std::vector<std::vector<std::string>> members;
-    std::vector<bool> found;
+    std::vector<int64_t> found;
     store.probe({}, keys, Clock::now() + 2s, members, found);
-    return found.at(0);
+    return found.at(0) >= 0;
   }
   fs::path folder;
 };
@@ -92,6 +92,11 @@ TEST_F(DirStoreTest, AFetchHoldsAtMostItsBytes) {
   batch.objects = {{"kvsnap:c:a", std::string(100, 'a')}, {"kvsnap:c:b", std::string(200, 'b')}};
   ASSERT_EQ(store.write(batch, Clock::now() + 2s).objects, 0);
   const std::vector<std::string> keys{"kvsnap:c:a", "kvsnap:c:none", "kvsnap:c:b"};
+  // A probe says how large each is (what a lookup plans its bytes with).
+  std::vector<std::vector<std::string>> members;
+  std::vector<int64_t> sizes;
+  store.probe({}, keys, Clock::now() + 2s, members, sizes);
+  EXPECT_EQ(sizes, (std::vector<int64_t>{100, -1, 200}));
   const auto values = store.fetch(keys, Clock::now() + 2s, 300);
   ASSERT_EQ(values.size(), 3u);
   EXPECT_EQ(values[0], std::string(100, 'a'));
@@ -191,7 +196,7 @@ TEST_F(DirStoreTest, AnObjectOverTheMaximumSizeIsRefusedWhenWritten) {
 std::vector<std::string> members_of(DirStore& store, const std::string& set) {
   const std::vector<std::string> sets{set};
   std::vector<std::vector<std::string>> members;
-  std::vector<bool> found;
+  std::vector<int64_t> found;
   store.probe(sets, {}, Clock::now() + 2s, members, found);
   return members.at(0);
 }
@@ -291,7 +296,7 @@ TEST_F(DirStoreTest, ObjectsAndIndexSetsUnusedForTheTtlAreSwept) {
   const std::vector<std::string> fetched{"kvsnap:c:fetched"}, probed{"kvsnap:i:probed"};
   EXPECT_EQ(store.fetch(fetched, Clock::now() + 2s, kNoLimit).at(0), "b");
   std::vector<std::vector<std::string>> members;
-  std::vector<bool> found;
+  std::vector<int64_t> found;
   store.probe(probed, {}, Clock::now() + 2s, members, found);
   const std::vector<std::string> asked{"kvsnap:c:asked"};
   detail::WriteBatch asked_batch;
@@ -299,7 +304,7 @@ TEST_F(DirStoreTest, ObjectsAndIndexSetsUnusedForTheTtlAreSwept) {
   (void)store.write(asked_batch, Clock::now() + 2s);
   fs::last_write_time(file("kvsnap:c:asked"), day_ago);
   store.probe({}, asked, Clock::now() + 2s, members, found);  // asked after: in use
-  EXPECT_TRUE(found.at(0));
+  EXPECT_GE(found.at(0), 0);
   detail::WriteBatch again;
   again.objects = {{"kvsnap:c:written", "c"}};
   again.index = {{"kvsnap:i:added", "9"}};  // there already: only its lifetime starts afresh
@@ -426,9 +431,9 @@ TEST_F(DirStoreTest, AnObjectThisUserMayNotReadIsMissing) {
       if (values.at(0) != std::nullopt) ::_exit(11);
       if (values.at(1) != "nobody's") ::_exit(12);
       std::vector<std::vector<std::string>> members;
-      std::vector<bool> found;
+      std::vector<int64_t> found;
       store.probe({}, keys, Clock::now() + 2s, members, found);
-      ::_exit(found.at(0) ? 13 : found.at(1) ? 0 : 14);
+      ::_exit(found.at(0) >= 0 ? 13 : found.at(1) >= 0 ? 0 : 14);
     } catch (...) {
       ::_exit(15);  // the lookup failed
     }
@@ -481,12 +486,12 @@ TEST_F(DirStoreTest, AnIndexPlantedWithManyEntriesCostsABoundedListing) {
   // A deadline that passes while it lists: a StoreFailure, not the whole folder.
   const std::vector<std::string> sets{set};
   std::vector<std::vector<std::string>> members;
-  std::vector<bool> exists;
+  std::vector<int64_t> sizes;
   bool timed_out = false;
   for (int attempt = 0; attempt < 20 && !timed_out; ++attempt) {
     try {
       store.probe(sets, {}, Clock::now() + std::chrono::microseconds(200 * (attempt + 1)), members,
-                  exists);
+                  sizes);
     } catch (const detail::StoreFailure& failure) {
       timed_out = failure.reason == detail::StoreFailure::Reason::timed_out && !members.empty() &&
                   !members[0].empty();

@@ -342,5 +342,25 @@ TEST(TierRedis, AReadOnlyReplicaServesLookups) {
   EXPECT_GT(refreshed, 0);
 }
 
+// A probe says how large each object is (STRLEN beside EXPIRE, in the same round trip): what a
+// lookup plans its bytes with. Missing, and a key of another type (which GET would not hand
+// back), read as -1.
+TEST(TierRedis, AProbeSaysEachObjectsSize) {
+  RedisServer server;
+  auto health = std::make_shared<detail::StoreHealth>(
+      server.address(), [](const std::string&) {}, [] {});
+  const std::unique_ptr<detail::Store> store =
+      detail::open_store(server.address(), {.ttl = std::chrono::seconds(60), .health = health});
+  detail::WriteBatch batch;
+  batch.objects = {{"kvsnap:c:a", std::string(100, 'a')}, {"kvsnap:c:b", std::string(70000, 'b')}};
+  ASSERT_EQ(store->write(batch, Clock::now() + std::chrono::seconds(5)).objects, 0);
+  (void)server.command({"SADD", "kvsnap:c:set", "member"});
+  const std::vector<std::string> keys{"kvsnap:c:a", "kvsnap:c:none", "kvsnap:c:b", "kvsnap:c:set"};
+  std::vector<std::vector<std::string>> members;
+  std::vector<int64_t> sizes;
+  store->probe({}, keys, Clock::now() + std::chrono::seconds(5), members, sizes);
+  EXPECT_EQ(sizes, (std::vector<int64_t>{100, -1, 70000, -1}));
+}
+
 }  // namespace
 }  // namespace kvsnap

@@ -291,6 +291,34 @@ TEST_P(TierStore, ALookupHoldsAtMostMaxLookupBytes) {
   }
 }
 
+// The probe says how large the chunks are: a point whose chunks alone would pass the bytes a
+// lookup may hold is never fetched — on Redis, no reply is cut off mid-way, so the connection
+// stays open for the next lookup (before, each such lookup read up to the bound, dropped the
+// connection and made the next one connect again).
+TEST_P(TierStore, ChunksThatCannotFitAreNeverFetched) {
+  store_first_turn();
+  const int64_t chunks = static_cast<int64_t>(store->get(names->chunk(talk.second, 0)).size() +
+                                              store->get(names->chunk(talk.second, 1)).size());
+  auto* redis = dynamic_cast<testing::RedisStore*>(store.get());
+  const auto connections = [&] {
+    return redis != nullptr ? redis->server.info("total_connections_received") : 0;
+  };
+  TierProcess reader(store->address());
+  EXPECT_EQ(reader.tier->lookup(talk.second, 37, 0, int64_t{1} << 40).offset, 31);  // connected
+  const TierStats first = reader.tier->stats();
+  const int64_t before = connections();
+  for (int i = 0; i < 3; ++i)
+    EXPECT_EQ(reader.tier->lookup(talk.second, 37, 0, chunks - 1).offset, 0);
+  EXPECT_EQ(connections() - before, redis != nullptr ? 1 : 0);  // the count's own
+  const TierStats stats = reader.tier->stats();
+  EXPECT_EQ(stats.bytes_read, first.bytes_read);
+  EXPECT_EQ(stats.store_errors, first.store_errors + 3);  // once a lookup
+  EXPECT_EQ(reader.log.count("a lookup may hold (max_lookup_bytes"), 1) << reader.log.all();
+  // The chunks fit, the point objects not: fetched, the points passed over.
+  EXPECT_EQ(reader.tier->lookup(talk.second, 37, 0, chunks).offset, 0);
+  EXPECT_EQ(reader.tier->stats().store_errors, first.store_errors + 4);
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, TierStore, ::testing::Values("dir", "redis"),
                          [](const auto& info) { return info.param; });
 

@@ -430,9 +430,9 @@ detail::StoreFailure store_failure(Call&& call) {
 void probe_once(detail::Store& store) {
   const std::vector<std::string> sets{"kvsnap:i:x"}, keys{"kvsnap:p:x"};
   std::vector<std::vector<std::string>> members;
-  std::vector<bool> exists;
+  std::vector<int64_t> sizes;
   store.probe(sets, keys, std::chrono::steady_clock::now() + std::chrono::seconds(5), members,
-              exists);
+              sizes);
 }
 
 // What a probe fails with against a store that answers `reply`, reading objects of at most

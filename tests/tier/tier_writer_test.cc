@@ -24,7 +24,7 @@ using detail::WriteBehind;
 class RecordingStore : public detail::Store {
  public:
   void probe(std::span<const std::string>, std::span<const std::string>, detail::Deadline,
-             std::vector<std::vector<std::string>>&, std::vector<bool>&) override {}
+             std::vector<std::vector<std::string>>&, std::vector<int64_t>&) override {}
   std::vector<std::optional<std::string>> fetch(std::span<const std::string>, detail::Deadline,
                                                 int64_t) override {
     return {};
