@@ -137,8 +137,9 @@ class KVSNAP_EXPORT PrefixCache {
   // to this user (see LoadOptions) unless options.allow_shared.
   // Under a smaller budget than the saving cache's, the load keeps what evicting the whole file
   // down to the budget would keep (least recently used leaves first), and reads only that: the
-  // other nodes' data is checked against the file's seal as it passes, never held. A load holds
-  // at most the budget beside the trie it replaces (which it frees once the new one is built).
+  // other nodes' data is checked against the file's seal as it passes, never held. Besides the
+  // trie it replaces (freed once the new one is built), a load holds the snapshots it keeps (at
+  // most the budget), the file's header and token edges, and a 1 MiB buffer.
   void load(const std::string& dir, const std::string& model_id = "");
   void load(const std::string& dir, const std::string& model_id, const LoadOptions& options);
   // Whether `dir` holds a saved trie. When it does, `dir` and the file are checked as load

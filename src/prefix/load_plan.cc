@@ -1,5 +1,5 @@
 // Which of a saved trie's nodes a load keeps (load_plan.h): the trie's eviction replayed on the
-// node table.
+// node table, O(n log n) in time and O(n) in memory.
 #include "prefix/load_plan.h"
 
 #include <algorithm>
@@ -19,12 +19,13 @@ LoadPlan plan_load(const std::vector<PlannedNode>& nodes, int64_t budget) {
   // its only child, which stands in its place (`parent` is then the merged parent's parent).
   struct Live {
     int64_t parent, last_used, bytes, children = 0;
-    std::vector<int64_t> carried;  // nodes merged into it, evicted with it
   };
   std::vector<Live> live;
   live.reserve(nodes.size());
-  for (const PlannedNode& node : nodes)
-    live.push_back({node.parent, node.last_used, node.bytes, 0, {}});
+  for (const PlannedNode& node : nodes) live.push_back({node.parent, node.last_used, node.bytes});
+  // The node each one was merged into (always a descendant: a later index), -1 for none: it is
+  // evicted with that one.
+  std::vector<int64_t> into(nodes.size(), -1);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t p = live[static_cast<size_t>(i)].parent;
     if (p >= 0) ++live[static_cast<size_t>(p)].children;
@@ -55,8 +56,7 @@ LoadPlan plan_load(const std::vector<PlannedNode>& nodes, int64_t budget) {
     if (leaf) leaves.erase(key(c));
     only.bytes += parent.bytes;
     only.last_used = std::max(only.last_used, parent.last_used);
-    only.carried.push_back(p);
-    only.carried.insert(only.carried.end(), parent.carried.begin(), parent.carried.end());
+    into[static_cast<size_t>(p)] = c;
     only.parent = parent.parent;
     if (only.parent >= 0) child_sum[static_cast<size_t>(only.parent)] += c - p;
     if (leaf) leaves.insert(key(c));
@@ -68,7 +68,6 @@ LoadPlan plan_load(const std::vector<PlannedNode>& nodes, int64_t budget) {
     ++plan.evicted;
     total -= gone.bytes;
     plan.doomed[static_cast<size_t>(victim)] = true;
-    for (const int64_t carried : gone.carried) plan.doomed[static_cast<size_t>(carried)] = true;
     const int64_t p = gone.parent;
     if (p < 0) continue;
     Live& parent = live[static_cast<size_t>(p)];
@@ -79,6 +78,11 @@ LoadPlan plan_load(const std::vector<PlannedNode>& nodes, int64_t budget) {
     } else {
       merge(p);
     }
+  }
+  // A merged node goes with the one it was merged into (later in the file: decided first).
+  for (int64_t i = n - 1; i >= 0; --i) {
+    const int64_t c = into[static_cast<size_t>(i)];
+    if (c >= 0) plan.doomed[static_cast<size_t>(i)] = plan.doomed[static_cast<size_t>(c)];
   }
   return plan;
 }

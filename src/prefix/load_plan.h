@@ -29,7 +29,7 @@ struct LoadPlan {
 // in file order), a parent left with one child merged into it when Trie::merge_into_child would
 // (not a user node, no restore point; every KV range is present in a file) — the child then
 // carries the parent's bytes and the later of their last uses, and whatever is evicted with it.
-// O(n log n).
+// O(n log n) time, O(n) memory (a file lists up to hundreds of thousands of nodes).
 LoadPlan plan_load(const std::vector<PlannedNode>& nodes, int64_t budget);
 
 }  // namespace kvsnap::detail

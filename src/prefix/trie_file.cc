@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <exception>
 #include <functional>
 #include <limits>
 #include <map>
@@ -491,9 +492,13 @@ std::unique_ptr<Trie> build_trie(const std::vector<LayerInfo>& layers, LoadedTri
   for (size_t n = 0; n < loaded.doomed.size(); ++n) {
     if (loaded.doomed[n]) doomed.insert(made[n]);
   }
-  const auto keep = [&](const Node& node) { return doomed.contains(&node); };
+  const auto unmerged = [&](const Node& node) { return doomed.contains(&node); };
   for (size_t n = loaded.doomed.size(); n-- > 0;) {
-    if (loaded.doomed[n]) trie->remove_leaf(*made[n], keep);
+    if (!loaded.doomed[n]) continue;
+    if (!made[n]->children.empty()) {  // a plan that dooms a node but not its descendants
+      throw Error(fmt::format("build_trie: internal error: node {} is doomed, a child is not", n));
+    }
+    trie->remove_leaf(*made[n], unmerged);
   }
   trie->set_clock(loaded.clock);
   return trie;

@@ -58,15 +58,19 @@ class ForgedTrie : public ::testing::Test {
     }
     std::ofstream(path_, std::ios::binary | std::ios::trunc) << detail::encode_sealed(file_);
   }
-  // Expects a warm cache's load to throw an Error with every fragment and change nothing.
+  // Expects a warm cache's load to throw an Error with every fragment and change nothing: under
+  // the default budget, and under one that keeps no node (whose load reads no node's data, but
+  // checks every node all the same).
   void expect_rejected(std::initializer_list<const char*> fragments) {
-    HybridStack stack;
-    PrefixCache cache(stack.layers());
-    warm_up(cache, stack);
-    const std::string before = cache.debug_string();
-    EXPECT_TRUE(throws_error([&] { cache.load(dir_, "m"); }, fragments));
-    EXPECT_EQ(cache.debug_string(), before);
-    EXPECT_EQ(cache.check_invariants(), "");
+    for (const int64_t budget : {PrefixCache::Options{}.max_paged_out_bytes, int64_t{1}}) {
+      HybridStack stack;
+      PrefixCache cache(stack.layers(), {.max_paged_out_bytes = budget});
+      warm_up(cache, stack);
+      const std::string before = cache.debug_string();
+      EXPECT_TRUE(throws_error([&] { cache.load(dir_, "m"); }, fragments)) << budget;
+      EXPECT_EQ(cache.debug_string(), before);
+      EXPECT_EQ(cache.check_invariants(), "");
+    }
   }
   // The first node with a snapshot on layer `layer`.
   size_t node_with(size_t layer) const {

@@ -97,6 +97,13 @@ TEST(PrefixCachePersist, ALoadUnderASmallerBudgetSaysWhatItLoadedAndEvicted) {
   EXPECT_EQ(halved.paged_out_bytes(), halved.recount_paged_out_bytes());
   EXPECT_EQ(halved.check_invariants(), "");
   EXPECT_EQ(halved.stats().loaded_nodes, nodes);
+  // What it kept restores the most recently used conversation (outputs equal recomputation).
+  HybridStack fresh;
+  PrefixCache restoring(fresh.layers(), {.max_paged_out_bytes = half});
+  restoring.load(dir, "model-a");
+  EXPECT_GT(
+      run_turn(restoring, fresh, kSystem + tokens(800, 7) + tokens(900, 2), tokens(910, 2)).cached,
+      0);
   std::filesystem::remove_all(dir);
 }
 

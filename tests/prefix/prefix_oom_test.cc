@@ -184,13 +184,13 @@ void serve_all(PrefixCache& cache, HybridStack& stack) {
   for (const Tokens& prompt : kPrompts) run_turn(cache, stack, prompt, kReply);
 }
 
-// A load that runs out of memory once the file is decoded — building the loaded trie, taking its
-// nodes, resetting the live caches, evicting to a budget smaller than the file's trie — leaves the
-// trie as it was, or (out in the eviction, after the nodes are taken) holds the loaded one, which
-// the next call's eviction brings within the budget. The sweep fails each of the load's last B
-// allocations, B being those of building the trie alone. Decoding comes before them and is not
-// swept: nlohmann::json's destructors allocate, and a failure inside one terminates the process
-// (decoding changes nothing either way).
+// A load that runs out of memory once the file is decoded — building the loaded trie (the nodes
+// a budget smaller than the file's trie keeps), taking its nodes, resetting the live caches,
+// evicting — leaves the trie as it was, or (out in the eviction, after the nodes are taken)
+// holds the loaded one, which the next call's eviction brings within the budget. The sweep fails
+// each of the load's last B allocations, B being those of building the trie alone. Decoding
+// comes before them and is not swept: nlohmann::json's destructors allocate, and a failure inside
+// one terminates the process (decoding changes nothing either way).
 TEST(PrefixCacheLoadOutOfMemory, ALoadThatRunsOutLeavesTheTrieAsItWas) {
   const auto dir =
       std::filesystem::temp_directory_path() / ("kvsnap_oom_load_" + std::to_string(::getpid()));
@@ -220,9 +220,9 @@ TEST(PrefixCacheLoadOutOfMemory, ALoadThatRunsOutLeavesTheTrieAsItWas) {
   {
     HybridStack stack;
     const std::vector<detail::LayerInfo> layers = layer_infos(stack);
-    std::ifstream in(dir / "prefix_cache.safetensors", std::ios::binary);
-    const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    detail::LoadedTrie loaded = detail::decode_trie(bytes, "test", layers, "");
+    detail::LoadedTrie loaded = detail::read_trie_file(
+        (dir / "prefix_cache.safetensors").string(), {.call = "test", .override_with = ""},
+        layers, "", {}, small.max_paged_out_bytes);
     start_run(std::numeric_limits<int64_t>::max());
     ASSERT_TRUE(armed_call([&] { (void)detail::build_trie(layers, std::move(loaded)); }));
     building = testing::counted_allocations();

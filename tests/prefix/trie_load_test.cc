@@ -150,6 +150,32 @@ TEST(PlanLoad, EvictsWhatTheTrieEvicts) {
   EXPECT_GT(merged, 100);  // merges ran, often
 }
 
+// A long conversation regenerated at every turn, the oldest alternatives evicted first: each
+// eviction merges the chain's head into the next node down, so the last node comes to carry
+// every one above it. Planned in linear memory (a list of carried nodes per node copied along
+// the chain had taken n^2 / 2 entries: ~10^10 here).
+TEST(PlanLoad, AChainOfMergesIsPlannedInLinearMemory) {
+  constexpr int64_t kChain = 100'000;
+  std::vector<detail::PlannedNode> nodes;  // x0, then x_i and b_i (both children of x_{i-1})
+  std::vector<int64_t> chain{0};
+  nodes.push_back({-1, false, 2 * kChain, 1, false});
+  for (int64_t i = 1; i < kChain; ++i) {
+    const int64_t parent = chain.back();
+    chain.push_back(static_cast<int64_t>(nodes.size()));
+    nodes.push_back({parent, false, 2 * kChain + i, 1, false});  // x_i: used after every b
+    nodes.push_back({parent, false, i, 1, false});               // b_i: the older, the higher up
+  }
+  detail::LoadPlan plan = detail::plan_load(nodes, kChain);  // every b goes
+  EXPECT_EQ(plan.evicted, kChain - 1);
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    const bool branch = i > 0 && nodes[i].last_used < 2 * kChain;
+    ASSERT_EQ(plan.doomed[i], branch) << i;
+  }
+  plan = detail::plan_load(nodes, kChain - 1);  // and then the chain, merged into its last node
+  EXPECT_EQ(plan.evicted, kChain);
+  EXPECT_TRUE(std::all_of(plan.doomed.begin(), plan.doomed.end(), [](bool d) { return d; }));
+}
+
 class TrieLoad : public ::testing::TestWithParam<bool> {};
 
 TEST_P(TrieLoad, KeepsWhatTheEvictionAfterAWholeLoadKeepsAndReadsNothingMore) {
@@ -164,7 +190,7 @@ TEST_P(TrieLoad, KeepsWhatTheEvictionAfterAWholeLoadKeepsAndReadsNothingMore) {
     HybridStack stack(testing::StackOptions{.paged = paged});
     {
       PrefixCache cache(stack.layers());
-      grow(cache, stack, seed, 30);
+      grow(cache, stack, seed, 20);
       cache.save(dir, "m");
     }
     const std::vector<detail::LayerInfo> layers = layer_infos(stack.layers());
@@ -183,8 +209,15 @@ TEST_P(TrieLoad, KeepsWhatTheEvictionAfterAWholeLoadKeepsAndReadsNothingMore) {
       uint64_t futile = ~uint64_t{0};
       detail::evict_to_budget(*whole, {}, budget, evicted, dropped, false, futile);
       EXPECT_EQ(dropped, 0);
-      // Only the nodes the budget keeps, read.
+      // Only the nodes the budget keeps, read: an array for each of their tensors and the
+      // edges, none for the others'.
+      const int64_t allocations = allocation_count();
       detail::LoadedTrie loaded = detail::read_trie_file(path, rule, layers, "m", {}, budget);
+      int64_t snapshots = 0;
+      for (const detail::LoadedNode& node : loaded.nodes) {
+        for (const SnapshotPtr& s : node.snapshots) snapshots += s != nullptr ? 1 : 0;
+      }
+      EXPECT_LE(allocation_count() - allocations, 2 * snapshots + 1) << "budget " << budget;
       EXPECT_EQ(loaded.evicted, evicted) << "budget " << budget;
       const std::unique_ptr<detail::Trie> kept = detail::build_trie(layers, std::move(loaded));
       EXPECT_EQ(describe(*kept), describe(*whole)) << "budget " << budget << " of " << total;
