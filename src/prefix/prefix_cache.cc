@@ -175,11 +175,16 @@ void PrefixCache::load(const std::string& dir, const std::string& model_id,
     // Read a tensor at a time: the load holds what it decodes, not the file's bytes as well, and
     // only the nodes its budget keeps. The layouts the trie holds are the ones the caches serve:
     // the file's must be the same.
-    detail::LoadedTrie loaded = detail::read_trie_file(
-        path, rule, impl_->trie.layers(), model_id, detail::held_signatures(impl_->trie),
-        impl_->options.max_paged_out_bytes,
-        // Only once read, the folder trusted: one refused is left as it is.
-        [&] { detail::remove_stale_temporaries_after_load(path, rule); });
+    const detail::SealedRead read = [&](const detail::TensorFilter& keep) {
+      detail::SealedFile file =
+          detail::read_sealed_file(path, rule, detail::loadable_bytes(), keep);
+      // Only now, the folder trusted: one refused is left as it is.
+      detail::remove_stale_temporaries_after_load(path, rule);
+      return file;
+    };
+    detail::LoadedTrie loaded =
+        detail::read_trie(read, path, impl_->trie.layers(), model_id,
+                          detail::held_signatures(impl_->trie), impl_->options.max_paged_out_bytes);
     loaded_nodes = static_cast<int64_t>(loaded.nodes.size());
     evicted = loaded.evicted;
     fresh = detail::build_trie(impl_->trie.layers(), std::move(loaded));

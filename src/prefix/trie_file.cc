@@ -387,10 +387,9 @@ std::vector<PlannedNode> planned_nodes(const LoadedTrie& outlined,
 
 }  // namespace
 
-LoadedTrie read_trie_file(const std::string& path, const PrivacyRule& rule,
-                          const std::vector<LayerInfo>& layers, const std::string& model_id,
-                          const std::vector<std::string>& serving, int64_t budget,
-                          const std::function<void()>& after_read) {
+LoadedTrie read_trie(const SealedRead& read, const std::string& source,
+                     const std::vector<LayerInfo>& layers, const std::string& model_id,
+                     const std::vector<std::string>& serving, int64_t budget) {
   // Planned when the first tensor after "edges" (the first in every file save writes) is about
   // to be read: the nodes decoded over outlines, every check run but the seal's, and the
   // tensors of the nodes the budget evicts passed over. A check that fails passes over all of
@@ -407,7 +406,7 @@ LoadedTrie read_trie_file(const std::string& path, const PrivacyRule& rule,
       skip.assign(file.tensors.size(), false);
       if (file.tensors.front().first == "edges") {
         try {
-          TrieDecoder decoder(file, path, layers, serving);
+          TrieDecoder decoder(file, source, layers, serving);
           decoder.check_header(nullptr, model_id);
           outlined = decoder.nodes();
           plan = plan_load(planned_nodes(*outlined, layers), budget);
@@ -427,9 +426,8 @@ LoadedTrie read_trie_file(const std::string& path, const PrivacyRule& rule,
     }
     return !skip[index];
   };
-  const SealedFile sealed = read_sealed_file(path, rule, loadable_bytes(), keep);
-  if (after_read) after_read();
-  TrieDecoder decoder(sealed.file, path, layers, serving);
+  const SealedFile sealed = read(keep);
+  TrieDecoder decoder(sealed.file, source, layers, serving);
   decoder.check_header(&sealed, model_id);
   if (refused) std::rethrow_exception(refused);
   // Never planned (a file of one tensor, or one whose first is not "edges"): read whole, left to
@@ -445,9 +443,9 @@ LoadedTrie read_trie_file(const std::string& path, const PrivacyRule& rule,
         continue;
       }
       SnapshotRecord record = *snapshot_record(*snapshot);
-      record.first = sealed.file.at(tensor_name(n, i, 'a'), path.c_str());
-      record.second = sealed.file.at(tensor_name(n, i, 'b'), path.c_str());
-      snapshot = make_snapshot(std::move(record), fmt::format("{} node.{}.layer.{}", path, n, i));
+      record.first = sealed.file.at(tensor_name(n, i, 'a'), source.c_str());
+      record.second = sealed.file.at(tensor_name(n, i, 'b'), source.c_str());
+      snapshot = make_snapshot(std::move(record), fmt::format("{} node.{}.layer.{}", source, n, i));
     }
   }
   loaded.doomed = std::move(plan.doomed);

@@ -45,16 +45,16 @@ LoadedTrie decode_trie(const std::string& bytes, const std::string& source,
 LoadedTrie decode_trie(const SealedFile& sealed, const std::string& source,
                        const std::vector<LayerInfo>& layers, const std::string& model_id,
                        const std::vector<std::string>& serving = {});
-// The file at `path` (read_sealed_file with `rule`) decoded as decode_trie decodes it — every
+// Reads a sealed file keeping what `keep` keeps (read_sealed_file, or read_sealed of bytes).
+using SealedRead = std::function<SealedFile(const TensorFilter& keep)>;
+// The file `read` reads (named `source` in errors), decoded as decode_trie decodes it — every
 // check on every node — but reading the data of only the nodes that a trie of `budget` bytes
 // keeps after a load's eviction (plan_load): the others are hashed as they pass, never held,
 // and marked `doomed`. A load under a smaller budget than the saving cache's then holds at most
-// what it keeps. Errors as decode_trie's, a damaged file's first. `after_read` runs once the
-// file is read, before any Error its contents draw.
-LoadedTrie read_trie_file(const std::string& path, const PrivacyRule& rule,
-                          const std::vector<LayerInfo>& layers, const std::string& model_id,
-                          const std::vector<std::string>& serving, int64_t budget,
-                          const std::function<void()>& after_read = nullptr);
+// what it keeps. Errors as decode_trie's, a damaged file's first.
+LoadedTrie read_trie(const SealedRead& read, const std::string& source,
+                     const std::vector<LayerInfo>& layers, const std::string& model_id,
+                     const std::vector<std::string>& serving, int64_t budget);
 // Per layer, the signature of the snapshots `trie` holds for it (empty where it holds none).
 std::vector<std::string> held_signatures(const Trie& trie);
 

@@ -78,5 +78,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     (void)kvsnap::detail::decode_trie(bytes, "fuzz", fuzz_layers(), "fuzz");
   } catch (const kvsnap::Error&) {
   }
+  // As a load under a small budget reads it: the node table over outlines, the eviction planned,
+  // only the kept nodes' data read, the doomed nodes removed from the built trie.
+  for (const int64_t budget : {int64_t{0}, int64_t{200}}) {
+    try {
+      (void)kvsnap::detail::build_trie(
+          fuzz_layers(), kvsnap::detail::read_trie(
+                             [&](const kvsnap::detail::TensorFilter& keep) {
+                               return kvsnap::detail::read_sealed(bytes, "fuzz", keep);
+                             },
+                             "fuzz", fuzz_layers(), "fuzz", {}, budget));
+    } catch (const kvsnap::Error&) {
+    }
+  }
   return 0;
 }

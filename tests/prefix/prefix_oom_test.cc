@@ -220,9 +220,11 @@ TEST(PrefixCacheLoadOutOfMemory, ALoadThatRunsOutLeavesTheTrieAsItWas) {
   {
     HybridStack stack;
     const std::vector<detail::LayerInfo> layers = layer_infos(stack);
-    detail::LoadedTrie loaded = detail::read_trie_file(
-        (dir / "prefix_cache.safetensors").string(), {.call = "test", .override_with = ""},
-        layers, "", {}, small.max_paged_out_bytes);
+    std::ifstream in(dir / "prefix_cache.safetensors", std::ios::binary);
+    const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    detail::LoadedTrie loaded = detail::read_trie(
+        [&](const detail::TensorFilter& keep) { return detail::read_sealed(bytes, "test", keep); },
+        "test", layers, "", {}, small.max_paged_out_bytes);
     start_run(std::numeric_limits<int64_t>::max());
     ASSERT_TRUE(armed_call([&] { (void)detail::build_trie(layers, std::move(loaded)); }));
     building = testing::counted_allocations();

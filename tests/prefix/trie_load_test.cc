@@ -212,7 +212,11 @@ TEST_P(TrieLoad, KeepsWhatTheEvictionAfterAWholeLoadKeepsAndReadsNothingMore) {
       // Only the nodes the budget keeps, read: an array for each of their tensors and the
       // edges, none for the others'.
       const int64_t allocations = allocation_count();
-      detail::LoadedTrie loaded = detail::read_trie_file(path, rule, layers, "m", {}, budget);
+      detail::LoadedTrie loaded = detail::read_trie(
+          [&](const detail::TensorFilter& keep) {
+            return detail::read_sealed_file(path, rule, detail::loadable_bytes(), keep);
+          },
+          path, layers, "m", {}, budget);
       int64_t snapshots = 0;
       for (const detail::LoadedNode& node : loaded.nodes) {
         for (const SnapshotPtr& s : node.snapshots) snapshots += s != nullptr ? 1 : 0;
