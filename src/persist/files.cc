@@ -32,6 +32,16 @@ namespace {
 
 // A temporary's name after `prefix`: "<pid>-<n>-<place>", or as older kvsnap named them,
 // "<pid>-<n>" or "<pid>" (place empty, number -1 where absent).
+// What a file's temporaries are named after: its name, or — where the name leaves no room for
+// ".tmp-PID-NUMBER-PLACE" within a folder entry's 255 bytes — its first 180 bytes and a hash of
+// the rest (the same for every save of it: stale ones are still found).
+std::string temporary_stem(const std::string& filename) {
+  constexpr size_t kMostName = 255, kSuffix = 5 + 10 + 1 + 20 + 1 + 16, kKept = 180;
+  if (filename.size() + kSuffix <= kMostName) return filename;
+  return fmt::format("{}~{:016x}", filename.substr(0, kKept),
+                     XXH64(filename.data(), filename.size(), 0));
+}
+
 struct TemporaryName {
   pid_t pid = 0;  // 0: not a temporary's name
   int64_t number = -1;
@@ -147,7 +157,7 @@ void remove_stale_temporaries(const std::string& path) {
   namespace fs = std::filesystem;
   try {
     const fs::path target(path);
-    const std::string prefix = target.filename().string() + ".tmp-";
+    const std::string prefix = temporary_stem(target.filename().string()) + ".tmp-";
     const fs::path folder = target.parent_path().empty() ? fs::path(".") : target.parent_path();
     const Place& here = place();
     std::optional<time_t> now;  // the folder's clock, read once there is an age to judge
@@ -197,7 +207,11 @@ namespace {
 std::atomic<uint64_t> temporaries_named{0};
 
 std::string temporary_path(const std::string& path, uint64_t number) {
-  return fmt::format("{}.tmp-{}-{}-{}", path, ::getpid(), number, writer_place());
+  const std::filesystem::path target(path);
+  return (target.parent_path() / fmt::format("{}.tmp-{}-{}-{}",
+                                             temporary_stem(target.filename().string()), ::getpid(),
+                                             number, writer_place()))
+      .string();
 }
 
 // Marks a temporary's number as being written while it lives (see remove_stale_temporaries).

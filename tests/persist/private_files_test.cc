@@ -420,5 +420,30 @@ TEST(PrivateFiles, ASaveWhoseTemporaryNamesAreAllTakenFailsAndChangesNothing) {
   fs::remove_all(dir);
 }
 
+// A file whose name leaves no room for ".tmp-PID-NUMBER-PLACE" within a folder entry's 255 bytes
+// is saved all the same (its temporaries are named after its first 180 bytes and a hash of the
+// rest; before, the save failed with "File name too long"), and a dead writer's temporary of it
+// is still found and removed.
+TEST(PrivateFiles, AFileNamedUpTo255BytesIsSavedAndItsStaleTemporariesFound) {
+  const fs::path dir = private_scratch("long_name");
+  for (const size_t length : {200U, 230U, 255U}) {
+    const std::string path = (dir / std::string(length, 'n')).string();
+    const std::string temporary = detail::next_temporary_path(path);
+    EXPECT_LE(fs::path(temporary).filename().string().size(), 255U) << length;
+    const pid_t dead = ::fork();
+    if (dead == 0) ::_exit(0);
+    ::waitpid(dead, nullptr, 0);
+    const std::string pid = ".tmp-" + std::to_string(::getpid()) + "-";
+    std::string stale = temporary;
+    stale.replace(stale.find(pid), pid.size(), ".tmp-" + std::to_string(dead) + "-");
+    { std::ofstream(stale) << "a dead writer's half-written save"; }
+    ASSERT_TRUE(fs::exists(stale)) << length;
+    EXPECT_NO_THROW(detail::write_file_atomically(path, "saved")) << length;
+    EXPECT_EQ(contents(path), "saved");
+    EXPECT_FALSE(fs::exists(stale)) << length;
+  }
+  fs::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace kvsnap
