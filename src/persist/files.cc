@@ -30,18 +30,21 @@ namespace kvsnap::detail {
 
 namespace {
 
-// A temporary's name after `prefix`: "<pid>-<n>-<place>", or as older kvsnap named them,
-// "<pid>-<n>" or "<pid>" (place empty, number -1 where absent).
 // What a file's temporaries are named after: its name, or — where the name leaves no room for
-// ".tmp-PID-NUMBER-PLACE" within a folder entry's 255 bytes — its first 180 bytes and a hash of
-// the rest (the same for every save of it: stale ones are still found).
+// ".tmp-PID-NUMBER-PLACE" within a folder entry's 255 bytes — its first 180 bytes (fewer, not to
+// cut a UTF-8 character: some file systems refuse invalid UTF-8) and a hash of the whole (the
+// same for every save of it: stale ones are still found).
 std::string temporary_stem(const std::string& filename) {
-  constexpr size_t kMostName = 255, kSuffix = 5 + 10 + 1 + 20 + 1 + 16, kKept = 180;
+  constexpr size_t kMostName = 255, kSuffix = 5 + 10 + 1 + 20 + 1 + 16;
   if (filename.size() + kSuffix <= kMostName) return filename;
-  return fmt::format("{}~{:016x}", filename.substr(0, kKept),
+  size_t kept = 180;
+  while (kept > 0 && (static_cast<unsigned char>(filename[kept]) & 0xC0) == 0x80) --kept;
+  return fmt::format("{}~{:016x}", filename.substr(0, kept),
                      XXH64(filename.data(), filename.size(), 0));
 }
 
+// A temporary's name after `prefix`: "<pid>-<n>-<place>", or as older kvsnap named them,
+// "<pid>-<n>" or "<pid>" (place empty, number -1 where absent).
 struct TemporaryName {
   pid_t pid = 0;  // 0: not a temporary's name
   int64_t number = -1;

@@ -15,17 +15,18 @@
 namespace kvsnap::detail {
 
 // Writes `bytes` to `path` atomically: a temporary file in the same folder,
-// `path`.tmp-<pid>-<n>-<place> with n a count of this process's temporaries (so each call has its
-// own: saves of one path from several threads do not touch each other's, and the last rename
-// wins, one whole save) and <place> 16 hex digits naming this boot of this host and this PID
-// namespace (writer_place(): writers of one pid in two containers, or on two hosts sharing the
-// folder, name theirs apart; a name already there is skipped all the same, never written into),
-// created mode 0600 whatever the umask (see create_private_file),
-// fsync, rename over `path`, fsync of the folder. On failure before the rename `path` is
-// untouched and Error is thrown; a failed fsync of the folder after it is an Error too (the new
-// file is in place, but a crash could undo the rename).
-// Removes stale temporaries of `path` first (see below), unless `clean_stale` is false (a
-// folder of many files, shared across hosts, cleans its own: tier/dir_store.cc).
+// `path`.tmp-<pid>-<n>-<place> (a name too long for that within 255 bytes: its first 180 bytes,
+// "~" and a hash of it, in place of `path`'s file name) with n a count of this process's
+// temporaries (so each call has its own: saves of one path from several threads do not touch each
+// other's, and the last rename wins, one whole save) and <place> 16 hex digits naming this boot of
+// this host and this PID namespace (writer_place(): writers of one pid in two containers, or on two
+// hosts sharing the folder, name theirs apart; a name already there is skipped all the same, never
+// written into), created mode 0600 whatever the umask (see create_private_file), fsync, rename over
+// `path`, fsync of the folder. On failure before the rename `path` is untouched and Error is
+// thrown; a failed fsync of the folder after it is an Error too (the new file is in place, but a
+// crash could undo the rename). Removes stale temporaries of `path` first (see below), unless
+// `clean_stale` is false (a folder of many files, shared across hosts, cleans its own:
+// tier/dir_store.cc).
 void write_file_atomically(const std::string& path, const std::string& bytes,
                            bool clean_stale = true);
 // Writes all of `bytes` to `fd` (again after EINTR and short writes); 0, or the errno of the

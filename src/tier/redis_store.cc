@@ -488,7 +488,8 @@ void RedisStore::probe(std::span<const std::string> sets, std::span<const std::s
     const Reply& found = replies[2 * sets.size() + 2 * i];
     const Reply& size = replies[2 * sets.size() + 2 * i + 1];
     if (found->type == REDIS_REPLY_INTEGER && found->integer > 0 &&
-        size->type == REDIS_REPLY_INTEGER && size->integer >= 0) {
+        size->type == REDIS_REPLY_INTEGER && size->integer >= 0 &&
+        size->integer <= options_.max_object_bytes) {  // as fetch would hand it back
       sizes[i] = static_cast<int64_t>(size->integer);
     }
   }

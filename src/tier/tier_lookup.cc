@@ -51,7 +51,8 @@ class TierImpl::Finder {
  private:
   int64_t last() const { return static_cast<int64_t>(chain_.size()) - 1; }
 
-  // Restore points in (better_than, limit] whose chunks all exist, deepest first.
+  // Restore points in (better_than, limit] whose chunks all exist and fit the bytes together,
+  // deepest first.
   std::vector<int64_t> candidates() {
     std::vector<std::string> sets, chunk_keys;
     for (int64_t j = first_; j <= last(); ++j) sets.push_back(TierKeys::index_key(digest(j)));
@@ -74,12 +75,13 @@ class TierImpl::Finder {
     // not fit is): their chunks alone would pass them.
     const int64_t existing_end = usable_end_;
     int64_t chunk_bytes = 0;
-    for (int64_t j = first_; j < existing_end; ++j) {
-      chunk_bytes += sizes[static_cast<size_t>(j)];
-      if (chunk_bytes > max_bytes_) {
+    for (int64_t j = first_; any_kv_ && j < existing_end; ++j) {
+      const int64_t size = sizes[static_cast<size_t>(j)];
+      if (size > max_bytes_ - chunk_bytes) {  // as the store says: never summed past the bound
         usable_end_ = j;
         break;
       }
+      chunk_bytes += size;
     }
     std::vector<int64_t> points;
     for (size_t k = 0; k < members.size(); ++k) {
@@ -233,7 +235,8 @@ class TierImpl::Finder {
   bool any_kv_ = false;
   std::vector<Digest> chain_;
   std::vector<std::string> signatures_;
-  int64_t usable_end_ = 0;  // chunks [first_, usable_end_) exist and none was rejected
+  // Chunks [first_, usable_end_) exist, fit the bytes together, and none was rejected.
+  int64_t usable_end_ = 0;
   struct Chunk {
     std::vector<SnapshotPtr> snapshots;
     int64_t bytes = 0;  // as the store sent it

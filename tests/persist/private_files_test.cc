@@ -423,10 +423,14 @@ TEST(PrivateFiles, ASaveWhoseTemporaryNamesAreAllTakenFailsAndChangesNothing) {
 // A file whose name leaves no room for ".tmp-PID-NUMBER-PLACE" within a folder entry's 255 bytes
 // is saved all the same (its temporaries are named after its first 180 bytes and a hash of the
 // rest; before, the save failed with "File name too long"), and a dead writer's temporary of it
-// is still found and removed.
+// is still found and removed. The part kept never cuts a UTF-8 character.
 TEST(PrivateFiles, AFileNamedUpTo255BytesIsSavedAndItsStaleTemporariesFound) {
   const fs::path dir = private_scratch("long_name");
-  for (const size_t length : {200U, 230U, 255U}) {
+  std::string accented = "a";  // then 2-byte characters: byte 180 is the second byte of one
+  while (accented.size() < 241) accented += "\xc3\xa9";
+  const std::string kept = detail::next_temporary_path((dir / accented).string());
+  EXPECT_EQ(fs::path(kept).filename().string().find('~'), 179U) << kept;
+  for (const size_t length : {200U, 202U, 203U, 230U, 255U}) {
     const std::string path = (dir / std::string(length, 'n')).string();
     const std::string temporary = detail::next_temporary_path(path);
     EXPECT_LE(fs::path(temporary).filename().string().size(), 255U) << length;

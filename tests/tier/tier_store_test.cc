@@ -319,6 +319,41 @@ TEST_P(TierStore, ChunksThatCannotFitAreNeverFetched) {
   EXPECT_EQ(reader.tier->stats().store_errors, first.store_errors + 4);
 }
 
+// A tier over layers that hold no KV ranges (a window and a recurrent layer): every restore point
+// is one object, and there are no chunks to probe or to fit the bytes. Another process finds the
+// deepest point within its limits.
+TEST_P(TierStore, ATierOverWholeStateLayersOnlyFindsItsPoints) {
+  testing::HybridStack stack;
+  const Tokens prompt = tokens(1, 37);
+  std::vector<SnapshotPtr> states;
+  std::vector<TierPoint> points;
+  for (int64_t from = 0; const int64_t end : {10, 20, 30}) {
+    ASSERT_TRUE(stack.forward_and_check(std::span(prompt).subspan(from, end - from),
+                                        Tokens(prompt.begin(), prompt.begin() + end)));
+    states.push_back(stack.window.snapshot(0, 0));
+    states.push_back(stack.recurrent.snapshot(0, 0));
+    points.push_back({end, {states[states.size() - 2].get(), states.back().get()}});
+    from = end;
+  }
+  TierOptions options = tier_options();
+  options.log = [](const std::string&) {};  // trusted-store mode, said by each
+  {
+    const std::shared_ptr<Tier> writer =
+        Tier::open(store->address(), {&stack.window, &stack.recurrent}, options);
+    writer->store(prompt, std::vector<const Snapshot*>(2), points);
+    ASSERT_TRUE(writer->flush());
+  }
+  testing::HybridStack other;
+  const std::shared_ptr<Tier> reader =
+      Tier::open(store->address(), {&other.window, &other.recurrent}, options);
+  EXPECT_EQ(reader->lookup(prompt, 37).offset, 30);
+  EXPECT_EQ(reader->lookup(prompt, 25).offset, 20);
+  EXPECT_EQ(reader->lookup(prompt, 37, 20).offset, 30);
+  EXPECT_EQ(reader->lookup(prompt, 37, 30).offset, 0);
+  EXPECT_EQ(reader->lookup(prompt, 37, 0, 1).offset, 0);  // no point object fits one byte
+  EXPECT_EQ(reader->stats().rejected, 0);
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, TierStore, ::testing::Values("dir", "redis"),
                          [](const auto& info) { return info.param; });
 
