@@ -192,6 +192,17 @@ in order (None for a stateless layer); the prefix cache drives their offsets fro
                              [](const PyPrefixCache& c) {
                                return without_gil([&] { return c.prefix->paged_out_bytes(); });
                              })
+      .def_property_readonly(
+          "peak_paged_out_bytes",
+          [](const PyPrefixCache& c) {
+            return without_gil([&] { return c.prefix->peak_paged_out_bytes(); });
+          },
+          "The most bytes the trie's snapshots held at any instant since the cache was made or "
+          "reset_peak_paged_out_bytes() last ran: what the budget bounds.")
+      .def(
+          "reset_peak_paged_out_bytes",
+          [](PyPrefixCache& c) { c.prefix->reset_peak_paged_out_bytes(); }, Released(),
+          "Starts a new peak measurement from the bytes held now.")
       .def_property_readonly("node_count",
                              [](const PyPrefixCache& c) {
                                return without_gil([&] { return c.prefix->node_count(); });

@@ -85,10 +85,19 @@ def test_stats_hold_the_trie_at_the_same_instant(rng, tmp_path):
     assert stats.nodes == prefix.node_count and stats.nodes > 0
     assert stats.paged_out_bytes == prefix.paged_out_bytes
     assert stats.loaded_nodes == 0
+    assert prefix.peak_paged_out_bytes >= prefix.paged_out_bytes
     prefix.save(str(tmp_path), "m")
     restarted = kvsnap.PrefixCache([kvsnap.KVCache()])
     restarted.load(str(tmp_path), "m")
     assert restarted.stats().loaded_nodes == prefix.node_count
+    # Under a budget that keeps nothing: every node found in the file, none read, none held.
+    small = kvsnap.PrefixCache([kvsnap.KVCache()], max_paged_out_bytes=1)
+    small.load(str(tmp_path), "m")
+    assert small.stats().loaded_nodes == prefix.node_count
+    assert small.stats().evicted_nodes > 0
+    assert small.node_count == 0 and small.peak_paged_out_bytes <= 1
+    restarted.reset_peak_paged_out_bytes()
+    assert restarted.peak_paged_out_bytes == restarted.paged_out_bytes
 
 
 def test_a_dropped_open_session_frees_its_slot(rng):
