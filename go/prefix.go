@@ -32,6 +32,12 @@ type PrefixStats struct {
 	DroppedSnapshots int64 // whole-state snapshots dropped from the active path
 	PagedOutBytes    int64 // bytes owned by snapshots in the trie
 	NodeCount        int64 // trie nodes, the root excluded
+	// Nodes the last Load found in the file, before its budget evicted any (EvictedNodes counts
+	// those, never read); 0 before any load.
+	LoadedNodes int64
+	// The most bytes the trie's snapshots held at any instant since the cache was made or
+	// ResetPeak last ran: what MaxPagedOutBytes bounds.
+	PeakPagedOutBytes int64
 }
 
 // PrefixCache is a compressed token trie whose nodes hold snapshots of a model's layers: a
@@ -201,11 +207,28 @@ func (p *PrefixCache) Match(slot int32, prompt []int32) (int64, error) {
 // Stats counts what the prefix cache did.
 func (p *PrefixCache) Stats() (PrefixStats, error) {
 	var s C.kvsnap_prefix_stats
+	var loaded, peak C.int64_t
 	err := p.use("PrefixCache.Stats", func(ptr *C.kvsnap_prefix_cache) error {
-		return check(func() C.kvsnap_status { return C.kvsnap_prefix_cache_get_stats(ptr, &s) })
+		return check(func() C.kvsnap_status {
+			if status := C.kvsnap_prefix_cache_get_stats(ptr, &s); status != C.KVSNAP_OK {
+				return status
+			}
+			if status := C.kvsnap_prefix_cache_loaded_nodes(ptr, &loaded); status != C.KVSNAP_OK {
+				return status
+			}
+			return C.kvsnap_prefix_cache_peak_bytes(ptr, &peak)
+		})
 	})
 	return PrefixStats{int64(s.lookups), int64(s.matched_tokens), int64(s.reused_tokens),
-		int64(s.evicted_nodes), int64(s.dropped_snapshots), int64(s.paged_out_bytes), int64(s.node_count)}, err
+		int64(s.evicted_nodes), int64(s.dropped_snapshots), int64(s.paged_out_bytes), int64(s.node_count),
+		int64(loaded), int64(peak)}, err
+}
+
+// ResetPeak starts a new measurement of PrefixStats.PeakPagedOutBytes from the bytes held now.
+func (p *PrefixCache) ResetPeak() error {
+	return p.use("PrefixCache.ResetPeak", func(ptr *C.kvsnap_prefix_cache) error {
+		return check(func() C.kvsnap_status { return C.kvsnap_prefix_cache_reset_peak(ptr) })
+	})
 }
 
 // Check returns nil when the trie's invariants hold, else an error naming the first violation.

@@ -133,12 +133,46 @@ tokens out into the trie.)")
            [](PySession& s, py::args) { on_session(s, [](auto& session) { session.close(); }); });
 }
 
+// What the trie holds and has done: bytes, nodes, counters, checks.
+void bind_prefix_cache_state(py::class_<PyPrefixCache>& prefix) {
+  prefix
+      .def_property_readonly("paged_out_bytes",
+                             [](const PyPrefixCache& c) {
+                               return without_gil([&] { return c.prefix->paged_out_bytes(); });
+                             })
+      .def_property_readonly(
+          "peak_paged_out_bytes",
+          [](const PyPrefixCache& c) {
+            return without_gil([&] { return c.prefix->peak_paged_out_bytes(); });
+          },
+          "The most bytes the trie's snapshots held at any instant since the cache was made or "
+          "reset_peak_paged_out_bytes() last ran: what the budget bounds.")
+      .def(
+          "reset_peak_paged_out_bytes",
+          [](PyPrefixCache& c) { c.prefix->reset_peak_paged_out_bytes(); }, Released(),
+          "Starts a new peak measurement from the bytes held now.")
+      .def_property_readonly("node_count",
+                             [](const PyPrefixCache& c) {
+                               return without_gil([&] { return c.prefix->node_count(); });
+                             })
+      .def(
+          "stats", [](const PyPrefixCache& c) { return c.prefix->stats(); }, Released())
+      .def(
+          "check_invariants", [](const PyPrefixCache& c) { return c.prefix->check_invariants(); },
+          Released(), "Empty when the trie's invariants hold, else the first violation.")
+      .def(
+          "debug_string", [](const PyPrefixCache& c) { return c.prefix->debug_string(); },
+          Released());
+  ;
+}
+
 void bind_prefix_cache(py::module_& m) {
-  py::class_<PyPrefixCache>(m, "PrefixCache",
-                            R"(Reuse inference state across requests that share a prefix.
+  py::class_<PyPrefixCache> prefix(m, "PrefixCache",
+                                   R"(Reuse inference state across requests that share a prefix.
 
 A compressed token trie whose nodes hold per-layer snapshots. `layers` are the model's caches
-in order (None for a stateless layer); the prefix cache drives their offsets from now on.)")
+in order (None for a stateless layer); the prefix cache drives their offsets from now on.)");
+  prefix
       .def(py::init(&make_prefix_cache), py::arg("layers"),
            py::arg("max_paged_out_bytes") = py::none(), py::arg("slots") = 1, py::kw_only(),
            py::arg("tier") = py::none(),
@@ -187,34 +221,8 @@ in order (None for a stateless layer); the prefix cache drives their offsets fro
           [](const std::string& dir, bool allow_shared) {
             return PrefixCache::saved_in(dir, LoadOptions{.allow_shared = allow_shared});
           },
-          py::arg("dir"), py::kw_only(), py::arg("allow_shared") = false, Released())
-      .def_property_readonly("paged_out_bytes",
-                             [](const PyPrefixCache& c) {
-                               return without_gil([&] { return c.prefix->paged_out_bytes(); });
-                             })
-      .def_property_readonly(
-          "peak_paged_out_bytes",
-          [](const PyPrefixCache& c) {
-            return without_gil([&] { return c.prefix->peak_paged_out_bytes(); });
-          },
-          "The most bytes the trie's snapshots held at any instant since the cache was made or "
-          "reset_peak_paged_out_bytes() last ran: what the budget bounds.")
-      .def(
-          "reset_peak_paged_out_bytes",
-          [](PyPrefixCache& c) { c.prefix->reset_peak_paged_out_bytes(); }, Released(),
-          "Starts a new peak measurement from the bytes held now.")
-      .def_property_readonly("node_count",
-                             [](const PyPrefixCache& c) {
-                               return without_gil([&] { return c.prefix->node_count(); });
-                             })
-      .def(
-          "stats", [](const PyPrefixCache& c) { return c.prefix->stats(); }, Released())
-      .def(
-          "check_invariants", [](const PyPrefixCache& c) { return c.prefix->check_invariants(); },
-          Released(), "Empty when the trie's invariants hold, else the first violation.")
-      .def(
-          "debug_string", [](const PyPrefixCache& c) { return c.prefix->debug_string(); },
-          Released());
+          py::arg("dir"), py::kw_only(), py::arg("allow_shared") = false, Released());
+  bind_prefix_cache_state(prefix);
 }
 
 void bind_prefix_stats(py::module_& m) {

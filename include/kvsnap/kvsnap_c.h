@@ -511,6 +511,15 @@ KVSNAP_EXPORT kvsnap_status kvsnap_prefix_cache_match(const kvsnap_prefix_cache*
                                                       size_t count, int64_t* out);
 KVSNAP_EXPORT kvsnap_status kvsnap_prefix_cache_get_stats(const kvsnap_prefix_cache* prefix,
                                                           kvsnap_prefix_stats* out);
+/* Nodes the last kvsnap_prefix_cache_load found in the file, before its budget evicted any
+ * (evicted_nodes counts those, never read); 0 before any load. */
+KVSNAP_EXPORT kvsnap_status kvsnap_prefix_cache_loaded_nodes(const kvsnap_prefix_cache* prefix,
+                                                             int64_t* out);
+/* The most bytes the trie's snapshots held at any instant since the cache was made or
+ * kvsnap_prefix_cache_reset_peak last ran: what max_paged_out_bytes bounds. */
+KVSNAP_EXPORT kvsnap_status kvsnap_prefix_cache_peak_bytes(const kvsnap_prefix_cache* prefix,
+                                                           int64_t* out);
+KVSNAP_EXPORT kvsnap_status kvsnap_prefix_cache_reset_peak(kvsnap_prefix_cache* prefix);
 /* KVSNAP_OK when the trie's invariants hold; otherwise KVSNAP_ERROR naming the first violation. */
 KVSNAP_EXPORT kvsnap_status kvsnap_prefix_cache_check(const kvsnap_prefix_cache* prefix);
 /* Writes the trie and its snapshots to folder `dir` with `model_id` (NULL: ""), atomically. */
@@ -548,53 +557,10 @@ KVSNAP_EXPORT kvsnap_status kvsnap_session_close(kvsnap_session* session);
 /* Closes the session if still open (a failure to page out is dropped), then frees it. */
 KVSNAP_EXPORT void kvsnap_session_destroy(kvsnap_session* session);
 
-/* ---- Speculation ---------------------------------------------------------------------------
- * Exact rollback of a verified chunk, for every cache kind (speculation.h): begin(k) before the
- * verify forward of the last accepted token and k drafts, accept(a) after it; every layer then
- * stands at start + a + 1, attention layers rewound, whole-state layers restored from captures
- * the forward took. With a prefix cache session, append only the accepted tokens (or append the
- * drafts and kvsnap_session_retract_outputs the rejected ones). One thread drives a
- * speculation at a time (the caches it calls lock themselves). */
-
-typedef struct kvsnap_speculation kvsnap_speculation;
-
-typedef struct kvsnap_speculation_stats {
-  int64_t rounds;   /* accepted rounds */
-  int64_t drafted;  /* draft tokens verified */
-  int64_t accepted; /* of them, confirmed */
-  int64_t restores; /* layer restores from a capture */
-  int64_t rewinds;  /* layer offset rewinds */
-} kvsnap_speculation_stats;
-
-/* Rounds over sequence `seq` (in [0, 2^20)) of `count` layers, borrowed: they must outlive it
- * (a NULL entry is a stateless layer; a cache listed twice is one state, rolled back once). */
-KVSNAP_EXPORT kvsnap_status kvsnap_speculation_create(kvsnap_cache* const* layers, size_t count,
-                                                      int32_t seq, kvsnap_speculation** out);
-/* Cancels an open round (its captures dropped, the layers left where they are), then frees. */
-KVSNAP_EXPORT void kvsnap_speculation_destroy(kvsnap_speculation* speculation);
-/* Opens a round of `drafts` drafts at the layers' common offset. Fails, changing nothing, for
- * drafts < 0 or > 2^20, a round ending past position 2^31 - 1, an open round, layers that
- * disagree on their offset, or a layer of any kind with captures already scheduled for the
- * sequence. */
-KVSNAP_EXPORT kvsnap_status kvsnap_speculation_begin(kvsnap_speculation* speculation,
-                                                     int64_t drafts);
-/* Closes the round: the first `accepted` drafts were confirmed. Fails, the round left open and
- * no layer moved, as Speculation::accept says (speculation.h): unless 0 <= accepted <= drafts,
- * every layer stands at the verify forward's end and every layer that must move can. */
-KVSNAP_EXPORT kvsnap_status kvsnap_speculation_accept(kvsnap_speculation* speculation,
-                                                      int64_t accepted);
-/* Drops an open round's captures without moving any layer (nothing to do without a round); a
- * schedule that replaced the round's on a layer is someone else's and stays. */
-KVSNAP_EXPORT kvsnap_status kvsnap_speculation_cancel(kvsnap_speculation* speculation);
-/* Whether a round is open, its start and drafts (the last round's once closed); NULL: skipped */
-KVSNAP_EXPORT kvsnap_status kvsnap_speculation_get_round(const kvsnap_speculation* speculation,
-                                                         bool* open, int64_t* start,
-                                                         int64_t* drafts);
-KVSNAP_EXPORT kvsnap_status kvsnap_speculation_get_stats(const kvsnap_speculation* speculation,
-                                                         kvsnap_speculation_stats* out);
-
 #ifdef __cplusplus
 } /* extern "C" */
 #endif
+
+#include "kvsnap/kvsnap_c_speculation.h" /* speculation's calls: part of this API */
 
 #endif /* KVSNAP_KVSNAP_C_H */

@@ -98,6 +98,21 @@ kvsnap_status kvsnap_prefix_cache_get_stats(const kvsnap_prefix_cache* prefix,
   });
 }
 
+kvsnap_status kvsnap_prefix_cache_loaded_nodes(const kvsnap_prefix_cache* prefix, int64_t* out) {
+  constexpr const char* call = "kvsnap_prefix_cache_loaded_nodes";
+  return guard([&] { require(out, call, "out") = prefix_of(prefix, call).stats().loaded_nodes; });
+}
+
+kvsnap_status kvsnap_prefix_cache_peak_bytes(const kvsnap_prefix_cache* prefix, int64_t* out) {
+  constexpr const char* call = "kvsnap_prefix_cache_peak_bytes";
+  return guard([&] { require(out, call, "out") = prefix_of(prefix, call).peak_paged_out_bytes(); });
+}
+
+kvsnap_status kvsnap_prefix_cache_reset_peak(kvsnap_prefix_cache* prefix) {
+  return guard(
+      [&] { prefix_of(prefix, "kvsnap_prefix_cache_reset_peak").reset_peak_paged_out_bytes(); });
+}
+
 kvsnap_status kvsnap_prefix_cache_check(const kvsnap_prefix_cache* prefix) {
   return guard([&] {
     const std::string problem = prefix_of(prefix, "kvsnap_prefix_cache_check").check_invariants();

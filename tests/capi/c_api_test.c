@@ -429,6 +429,29 @@ static void test_prefix_cache(void) {
   CHECK(kvsnap_prefix_cache_load(prefix, dir, "another model") == KVSNAP_ERROR);
   CHECK(strstr(kvsnap_last_error(),
                "it was saved for model \"model\", this cache serves \"another model\"") != NULL);
+  /* Loaded under a budget that keeps nothing: every node found in the file, none held. */
+  kvsnap_cache* fresh = NULL; /* another process's layer */
+  CHECK_OK(kvsnap_kv_cache_create(&fresh));
+  kvsnap_cache* fresh_layers[2] = {fresh, NULL};
+  kvsnap_prefix_cache* small = NULL;
+  const kvsnap_prefix_options keeps_nothing = {.max_paged_out_bytes = 1};
+  CHECK_OK(kvsnap_prefix_cache_create(fresh_layers, 2, &keeps_nothing, &small));
+  int64_t loaded = -1, peak = -1;
+  CHECK_OK(kvsnap_prefix_cache_loaded_nodes(small, &loaded));
+  CHECK(loaded == 0);
+  CHECK_OK(kvsnap_prefix_cache_load(small, dir, "model"));
+  CHECK_OK(kvsnap_prefix_cache_loaded_nodes(small, &loaded));
+  CHECK(loaded == stats.node_count);
+  CHECK_OK(kvsnap_prefix_cache_peak_bytes(small, &peak));
+  CHECK(peak <= 1);
+  kvsnap_prefix_cache_destroy(small);
+  kvsnap_cache_destroy(fresh);
+  CHECK_OK(kvsnap_prefix_cache_peak_bytes(prefix, &peak));
+  CHECK(peak >= stats.paged_out_bytes && peak > 0);
+  CHECK_OK(kvsnap_prefix_cache_reset_peak(prefix));
+  CHECK_OK(kvsnap_prefix_cache_get_stats(prefix, &stats));
+  CHECK_OK(kvsnap_prefix_cache_peak_bytes(prefix, &peak));
+  CHECK(peak == stats.paged_out_bytes);
 
   kvsnap_session *open = NULL, *second = NULL, *closed = NULL;
   CHECK_OK(kvsnap_prefix_cache_begin(prefix, prompt, 8, &closed));
@@ -516,6 +539,12 @@ static void test_null_arguments_of_snapshots_and_prefix_caches(void) {
   CHECK_NULL(kvsnap_prefix_cache_get_stats(NULL, NULL),
              "kvsnap_prefix_cache_get_stats: prefix is NULL");
   CHECK_NULL(kvsnap_prefix_cache_check(NULL), "kvsnap_prefix_cache_check: prefix is NULL");
+  CHECK_NULL(kvsnap_prefix_cache_loaded_nodes(NULL, &number),
+             "kvsnap_prefix_cache_loaded_nodes: prefix is NULL");
+  CHECK_NULL(kvsnap_prefix_cache_peak_bytes(NULL, &number),
+             "kvsnap_prefix_cache_peak_bytes: prefix is NULL");
+  CHECK_NULL(kvsnap_prefix_cache_reset_peak(NULL),
+             "kvsnap_prefix_cache_reset_peak: prefix is NULL");
   CHECK_NULL(kvsnap_prefix_cache_save(NULL, "dir", NULL),
              "kvsnap_prefix_cache_save: prefix is NULL");
   CHECK_NULL(kvsnap_prefix_cache_load(NULL, "dir", NULL),

@@ -22,7 +22,8 @@ LAYERS = [
     ("persist", ["src/persist"], ["persistence.h"]),
     ("tier", ["src/tier"], ["tier.h"]),
     ("prefix", ["src/prefix"], ["prefix_cache.h", "kvsnap.h"]),
-    ("capi", ["src/capi"], ["kvsnap_c.h", "kvsnap_c_tier.h", "dlpack.h"]),
+    ("capi", ["src/capi"], ["kvsnap_c.h", "kvsnap_c_speculation.h", "kvsnap_c_tier.h",
+                          "dlpack.h"]),
     ("python", ["python"], []),
     ("tools", ["src/model", "tools", "bench"], []),
 ]
