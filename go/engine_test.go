@@ -354,20 +354,20 @@ func TestAPrefixCacheSurvivesARestart(t *testing.T) {
 	if err := restarted.prefix.Load(dir, "toy"); err != nil {
 		t.Fatal(err)
 	}
-	loaded, _ := restarted.prefix.Stats()
-	if loaded.LoadedNodes == 0 || loaded.LoadedNodes != loaded.NodeCount {
+	loaded, err := restarted.prefix.Stats()
+	if err != nil || loaded.LoadedNodes == 0 || loaded.LoadedNodes != loaded.NodeCount {
 		t.Fatalf("after the load: %+v", loaded)
 	}
 	if cached, _ := restarted.serve(t, 0, prompt, 1, rng); cached != int64(len(prompt))-1 {
 		t.Fatalf("after a restart: %d tokens restored, want %d", cached, len(prompt)-1)
 	}
-	if stats, _ := restarted.prefix.Stats(); stats.PeakPagedOutBytes < stats.PagedOutBytes {
+	if stats, err := restarted.prefix.Stats(); err != nil || stats.PeakPagedOutBytes < stats.PagedOutBytes {
 		t.Fatalf("the peak below what is held: %+v", stats)
 	}
 	if err := restarted.prefix.ResetPeak(); err != nil {
 		t.Fatal(err)
 	}
-	if stats, _ := restarted.prefix.Stats(); stats.PeakPagedOutBytes != stats.PagedOutBytes {
+	if stats, err := restarted.prefix.Stats(); err != nil || stats.PeakPagedOutBytes != stats.PagedOutBytes {
 		t.Fatalf("after ResetPeak: %+v", stats)
 	}
 	// Under a budget that keeps nothing: every node found in the file, none read, none held.
@@ -376,7 +376,7 @@ func TestAPrefixCacheSurvivesARestart(t *testing.T) {
 	if err := small.prefix.Load(dir, "toy"); err != nil {
 		t.Fatal(err)
 	}
-	if stats, _ := small.prefix.Stats(); stats.LoadedNodes != loaded.LoadedNodes ||
+	if stats, err := small.prefix.Stats(); err != nil || stats.LoadedNodes != loaded.LoadedNodes ||
 		stats.NodeCount != 0 || stats.EvictedNodes == 0 || stats.PeakPagedOutBytes > 1 {
 		t.Fatalf("under a budget of one byte: %+v", stats)
 	}

@@ -33,7 +33,8 @@ type PrefixStats struct {
 	PagedOutBytes    int64 // bytes owned by snapshots in the trie
 	NodeCount        int64 // trie nodes, the root excluded
 	// Nodes the last Load found in the file, before its budget evicted any (EvictedNodes counts
-	// those, never read); 0 before any load.
+	// those, never read); 0 before any load. This and PeakPagedOutBytes are read just after the
+	// fields above (a Load or ResetPeak on another goroutine may come between).
 	LoadedNodes int64
 	// The most bytes the trie's snapshots held at any instant since the cache was made or
 	// ResetPeak last ran: what MaxPagedOutBytes bounds.
@@ -43,8 +44,8 @@ type PrefixStats struct {
 // PrefixCache is a compressed token trie whose nodes hold snapshots of a model's layers: a
 // request that shares a prefix with an earlier one restores state instead of recomputing it,
 // for every layer kind. It drives the layers' offsets from its creation on. Begin, BeginSlot,
-// Match and Stats may be called from several goroutines at once; each slot runs one session
-// at a time.
+// Match, Stats and ResetPeak may be called from several goroutines at once; each slot runs one
+// session at a time.
 type PrefixCache struct {
 	mu     sync.RWMutex
 	ptr    *C.kvsnap_prefix_cache
@@ -208,6 +209,8 @@ func (p *PrefixCache) Match(slot int32, prompt []int32) (int64, error) {
 func (p *PrefixCache) Stats() (PrefixStats, error) {
 	var s C.kvsnap_prefix_stats
 	var loaded, peak C.int64_t
+	// Three reads, each at one instant (the C struct cannot grow): the peak last, so that it is at
+	// least PagedOutBytes unless a ResetPeak runs in between.
 	err := p.use("PrefixCache.Stats", func(ptr *C.kvsnap_prefix_cache) error {
 		return check(func() C.kvsnap_status {
 			if status := C.kvsnap_prefix_cache_get_stats(ptr, &s); status != C.KVSNAP_OK {
@@ -216,12 +219,15 @@ func (p *PrefixCache) Stats() (PrefixStats, error) {
 			if status := C.kvsnap_prefix_cache_loaded_nodes(ptr, &loaded); status != C.KVSNAP_OK {
 				return status
 			}
-			return C.kvsnap_prefix_cache_peak_bytes(ptr, &peak)
+			return C.kvsnap_prefix_cache_peak_paged_out_bytes(ptr, &peak)
 		})
 	})
+	if err != nil {
+		return PrefixStats{}, err
+	}
 	return PrefixStats{int64(s.lookups), int64(s.matched_tokens), int64(s.reused_tokens),
 		int64(s.evicted_nodes), int64(s.dropped_snapshots), int64(s.paged_out_bytes), int64(s.node_count),
-		int64(loaded), int64(peak)}, err
+		int64(loaded), int64(peak)}, nil
 }
 
 // ResetPeak starts a new measurement of PrefixStats.PeakPagedOutBytes from the bytes held now.

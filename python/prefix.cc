@@ -163,7 +163,6 @@ void bind_prefix_cache_state(py::class_<PyPrefixCache>& prefix) {
       .def(
           "debug_string", [](const PyPrefixCache& c) { return c.prefix->debug_string(); },
           Released());
-  ;
 }
 
 void bind_prefix_cache(py::module_& m) {

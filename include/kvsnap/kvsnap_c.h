@@ -517,8 +517,9 @@ KVSNAP_EXPORT kvsnap_status kvsnap_prefix_cache_loaded_nodes(const kvsnap_prefix
                                                              int64_t* out);
 /* The most bytes the trie's snapshots held at any instant since the cache was made or
  * kvsnap_prefix_cache_reset_peak last ran: what max_paged_out_bytes bounds. */
-KVSNAP_EXPORT kvsnap_status kvsnap_prefix_cache_peak_bytes(const kvsnap_prefix_cache* prefix,
-                                                           int64_t* out);
+KVSNAP_EXPORT kvsnap_status
+kvsnap_prefix_cache_peak_paged_out_bytes(const kvsnap_prefix_cache* prefix, int64_t* out);
+/* Starts a new peak measurement from the bytes the trie's snapshots hold now. */
 KVSNAP_EXPORT kvsnap_status kvsnap_prefix_cache_reset_peak(kvsnap_prefix_cache* prefix);
 /* KVSNAP_OK when the trie's invariants hold; otherwise KVSNAP_ERROR naming the first violation. */
 KVSNAP_EXPORT kvsnap_status kvsnap_prefix_cache_check(const kvsnap_prefix_cache* prefix);

@@ -103,8 +103,9 @@ kvsnap_status kvsnap_prefix_cache_loaded_nodes(const kvsnap_prefix_cache* prefix
   return guard([&] { require(out, call, "out") = prefix_of(prefix, call).stats().loaded_nodes; });
 }
 
-kvsnap_status kvsnap_prefix_cache_peak_bytes(const kvsnap_prefix_cache* prefix, int64_t* out) {
-  constexpr const char* call = "kvsnap_prefix_cache_peak_bytes";
+kvsnap_status kvsnap_prefix_cache_peak_paged_out_bytes(const kvsnap_prefix_cache* prefix,
+                                                       int64_t* out) {
+  constexpr const char* call = "kvsnap_prefix_cache_peak_paged_out_bytes";
   return guard([&] { require(out, call, "out") = prefix_of(prefix, call).peak_paged_out_bytes(); });
 }
 

@@ -32,7 +32,15 @@ struct ByteCount {
   std::atomic<int64_t> bytes{0};
   std::atomic<int64_t> peak{0};
   void add(int64_t delta) noexcept {
-    const int64_t now = bytes.fetch_add(delta, std::memory_order_relaxed) + delta;
+    raise_peak(bytes.fetch_add(delta, std::memory_order_relaxed) + delta);
+  }
+  // The peak starts again from the bytes now. A hook's add running meanwhile is never lost: the
+  // peak is raised to the bytes read after the store.
+  void reset_peak() noexcept {
+    peak.store(bytes.load(std::memory_order_relaxed), std::memory_order_relaxed);
+    raise_peak(bytes.load(std::memory_order_relaxed));
+  }
+  void raise_peak(int64_t now) noexcept {
     int64_t seen = peak.load(std::memory_order_relaxed);
     while (now > seen && !peak.compare_exchange_weak(seen, now, std::memory_order_relaxed)) {
     }
@@ -91,7 +99,7 @@ class Trie {
   int64_t bytes() const { return bytes_->bytes.load(std::memory_order_relaxed); }
   // The most bytes() has been since the trie was made or reset_peak() last ran.
   int64_t peak_bytes() const { return bytes_->peak.load(std::memory_order_relaxed); }
-  void reset_peak() { bytes_->peak.store(bytes(), std::memory_order_relaxed); }
+  void reset_peak() { bytes_->reset_peak(); }
   int64_t recount_bytes() const;
   int64_t node_count() const { return node_count_; }
   // Changes whenever a node or a snapshot is added, removed, replaced or used.

@@ -442,15 +442,22 @@ static void test_prefix_cache(void) {
   CHECK_OK(kvsnap_prefix_cache_load(small, dir, "model"));
   CHECK_OK(kvsnap_prefix_cache_loaded_nodes(small, &loaded));
   CHECK(loaded == stats.node_count);
-  CHECK_OK(kvsnap_prefix_cache_peak_bytes(small, &peak));
+  CHECK_OK(kvsnap_prefix_cache_peak_paged_out_bytes(small, &peak));
   CHECK(peak <= 1);
+  kvsnap_prefix_stats small_stats;
+  CHECK_OK(kvsnap_prefix_cache_get_stats(small, &small_stats));
+  CHECK(small_stats.node_count == 0 && small_stats.evicted_nodes > 0);
+  CHECK_FAILS(kvsnap_prefix_cache_loaded_nodes(small, NULL), KVSNAP_INVALID_ARGUMENT,
+              "kvsnap_prefix_cache_loaded_nodes: out is NULL");
+  CHECK_FAILS(kvsnap_prefix_cache_peak_paged_out_bytes(small, NULL), KVSNAP_INVALID_ARGUMENT,
+              "kvsnap_prefix_cache_peak_paged_out_bytes: out is NULL");
   kvsnap_prefix_cache_destroy(small);
   kvsnap_cache_destroy(fresh);
-  CHECK_OK(kvsnap_prefix_cache_peak_bytes(prefix, &peak));
+  CHECK_OK(kvsnap_prefix_cache_peak_paged_out_bytes(prefix, &peak));
   CHECK(peak >= stats.paged_out_bytes && peak > 0);
   CHECK_OK(kvsnap_prefix_cache_reset_peak(prefix));
   CHECK_OK(kvsnap_prefix_cache_get_stats(prefix, &stats));
-  CHECK_OK(kvsnap_prefix_cache_peak_bytes(prefix, &peak));
+  CHECK_OK(kvsnap_prefix_cache_peak_paged_out_bytes(prefix, &peak));
   CHECK(peak == stats.paged_out_bytes);
 
   kvsnap_session *open = NULL, *second = NULL, *closed = NULL;
@@ -541,8 +548,8 @@ static void test_null_arguments_of_snapshots_and_prefix_caches(void) {
   CHECK_NULL(kvsnap_prefix_cache_check(NULL), "kvsnap_prefix_cache_check: prefix is NULL");
   CHECK_NULL(kvsnap_prefix_cache_loaded_nodes(NULL, &number),
              "kvsnap_prefix_cache_loaded_nodes: prefix is NULL");
-  CHECK_NULL(kvsnap_prefix_cache_peak_bytes(NULL, &number),
-             "kvsnap_prefix_cache_peak_bytes: prefix is NULL");
+  CHECK_NULL(kvsnap_prefix_cache_peak_paged_out_bytes(NULL, &number),
+             "kvsnap_prefix_cache_peak_paged_out_bytes: prefix is NULL");
   CHECK_NULL(kvsnap_prefix_cache_reset_peak(NULL),
              "kvsnap_prefix_cache_reset_peak: prefix is NULL");
   CHECK_NULL(kvsnap_prefix_cache_save(NULL, "dir", NULL),
