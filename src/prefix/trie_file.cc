@@ -385,55 +385,64 @@ std::vector<PlannedNode> planned_nodes(const LoadedTrie& outlined,
   return out;
 }
 
+// What read_trie decides once the edges are read (the first tensor of every file save writes):
+// the nodes decoded over outlines, every check run but the seal's, and the tensors of the nodes
+// the budget evicts passed over. A check that fails passes over every tensor; its Error comes
+// after the seal's (a damaged file is said to be damaged).
+struct ReadPlan {
+  std::optional<LoadedTrie> outlined;  // none: not planned (read whole), or refused
+  LoadPlan plan;
+  std::exception_ptr refused;
+  std::vector<bool> skip;  // per tensor, in data order
+};
+
+ReadPlan plan_reading(const SafetensorsFile& file, const std::string& source,
+                      const std::vector<LayerInfo>& layers, const std::string& model_id,
+                      const std::vector<std::string>& serving, int64_t budget) {
+  ReadPlan out;
+  out.skip.assign(file.tensors.size(), false);
+  if (file.tensors.front().first != "edges") return out;
+  try {
+    TrieDecoder decoder(file, source, layers, serving);
+    decoder.check_header(nullptr, model_id);
+    out.outlined = decoder.nodes();
+    out.plan = plan_load(planned_nodes(*out.outlined, layers), budget);
+    for (size_t n = 0; n < out.plan.doomed.size(); ++n) {
+      for (size_t i = 0; out.plan.doomed[n] && i < layers.size(); ++i) {
+        if (out.outlined->nodes[n].snapshots[i] == nullptr) continue;
+        out.skip[file.index.at(tensor_name(n, i, 'a'))] = true;
+        out.skip[file.index.at(tensor_name(n, i, 'b'))] = true;
+      }
+    }
+  } catch (...) {
+    out.refused = std::current_exception();
+    out.outlined.reset();
+    out.skip.assign(file.tensors.size(), true);
+  }
+  return out;
+}
+
 }  // namespace
 
 LoadedTrie read_trie(const SealedRead& read, const std::string& source,
                      const std::vector<LayerInfo>& layers, const std::string& model_id,
                      const std::vector<std::string>& serving, int64_t budget) {
-  // Planned when the first tensor after "edges" (the first in every file save writes) is about
-  // to be read: the nodes decoded over outlines, every check run but the seal's, and the
-  // tensors of the nodes the budget evicts passed over. A check that fails passes over all of
-  // them; its Error comes after the seal's (a damaged file is said to be damaged).
-  bool planned = false;
-  std::optional<LoadedTrie> outlined;
-  LoadPlan plan;
-  std::exception_ptr refused;
-  std::vector<bool> skip;
+  ReadPlan reading;  // planned when the first tensor after the edges is about to be read
   const auto keep = [&](size_t index, const SafetensorsFile& file) {
     if (index == 0) return true;
-    if (!planned) {
-      planned = true;
-      skip.assign(file.tensors.size(), false);
-      if (file.tensors.front().first == "edges") {
-        try {
-          TrieDecoder decoder(file, source, layers, serving);
-          decoder.check_header(nullptr, model_id);
-          outlined = decoder.nodes();
-          plan = plan_load(planned_nodes(*outlined, layers), budget);
-          for (size_t n = 0; n < plan.doomed.size(); ++n) {
-            for (size_t i = 0; plan.doomed[n] && i < layers.size(); ++i) {
-              if (outlined->nodes[n].snapshots[i] == nullptr) continue;
-              skip[file.index.at(tensor_name(n, i, 'a'))] = true;
-              skip[file.index.at(tensor_name(n, i, 'b'))] = true;
-            }
-          }
-        } catch (...) {
-          refused = std::current_exception();
-          outlined.reset();
-          skip.assign(file.tensors.size(), true);
-        }
-      }
-    }
-    return !skip[index];
+    if (reading.skip.empty())
+      reading = plan_reading(file, source, layers, model_id, serving, budget);
+    return !reading.skip[index];
   };
   const SealedFile sealed = read(keep);
   TrieDecoder decoder(sealed.file, source, layers, serving);
   decoder.check_header(&sealed, model_id);
-  if (refused) std::rethrow_exception(refused);
+  if (reading.refused) std::rethrow_exception(reading.refused);
   // Never planned (a file of one tensor, or one whose first is not "edges"): read whole, left to
   // the eviction after the load.
-  if (!outlined) return decoder.nodes();
-  LoadedTrie loaded = std::move(*outlined);
+  if (!reading.outlined) return decoder.nodes();
+  const LoadPlan& plan = reading.plan;
+  LoadedTrie loaded = std::move(*reading.outlined);
   for (size_t n = 0; n < loaded.nodes.size(); ++n) {
     for (size_t i = 0; i < layers.size(); ++i) {
       SnapshotPtr& snapshot = loaded.nodes[n].snapshots[i];
@@ -448,7 +457,7 @@ LoadedTrie read_trie(const SealedRead& read, const std::string& source,
       snapshot = make_snapshot(std::move(record), fmt::format("{} node.{}.layer.{}", source, n, i));
     }
   }
-  loaded.doomed = std::move(plan.doomed);
+  loaded.doomed = plan.doomed;
   loaded.evicted = plan.evicted;
   return loaded;
 }

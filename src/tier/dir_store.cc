@@ -268,11 +268,10 @@ void DirStore::probe(std::span<const std::string> sets, std::span<const std::str
     check_time(deadline);
     // What fetch would read: a regular file, not a link to one, of at most the largest object.
     const std::string file = path(keys[i]);
-    const uintmax_t size = fs::is_regular_file(fs::symlink_status(file, error))
-                               ? fs::file_size(file, error)
-                               : ~uintmax_t{0};
+    const bool regular = fs::is_regular_file(fs::symlink_status(file, error));
+    const uintmax_t size = regular ? fs::file_size(file, error) : 0;
     const bool exists =
-        size <= static_cast<uintmax_t>(kMaximumObjectBytes) && !error &&
+        regular && !error && size <= static_cast<uintmax_t>(kMaximumObjectBytes) &&
         !(own_files_only_ && others(file)) &&                        // as fetch reads it:
         ::faccessat(AT_FDCWD, file.c_str(), R_OK, AT_EACCESS) == 0;  // one it can read
     // Asked after: in use (a prefix the asking process holds itself, an object its writer skips

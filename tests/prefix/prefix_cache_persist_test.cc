@@ -39,6 +39,23 @@ int64_t save_warm(const std::string& dir, bool paged = false) {
   return cache.node_count();
 }
 
+// Saves to `dir` as "big" the trie of a cache over one KVCache (8 heads x 128 f16) that served
+// `count` prompts of `length` tokens, each on its own first token; returns its node count.
+int64_t save_prompts(const std::string& dir, int32_t count, int64_t length) {
+  KVCache attention;
+  PrefixCache cache({&attention});
+  for (int32_t p = 0; p < count; ++p) {
+    PrefixCache::Session session =
+        cache.begin(tokens(1 + p * static_cast<int32_t>(length), static_cast<int32_t>(length)));
+    const Array keys = Array::zeros(DType::f16, {1, 8, length, 128});
+    (void)attention.update(Batch::uniform(1, length, 0), keys, keys);
+    session.prefill_done();
+    session.close();
+  }
+  cache.save(dir, "big");
+  return cache.node_count();
+}
+
 // Over contiguous or paged attention caches (whose nodes' KV data is written from their blocks,
 // never gathered whole first).
 class PrefixCachePersistWarm : public ::testing::TestWithParam<bool> {};
@@ -115,20 +132,8 @@ TEST(PrefixCachePersist, ALoadUnderASmallBudgetReadsOnlyWhatItKeeps) {
   if (testing::kAddressSanitizer) GTEST_SKIP() << "AddressSanitizer ignores RLIMIT_AS";
   if (testing::kThreadSanitizer) GTEST_SKIP() << "ThreadSanitizer's allocations fail under it";
   const std::string dir = scratch("small_budget");
-  constexpr int64_t kTokens = 4096;  // 8 heads x 128 f16: 8 MiB of keys, 8 of values
-  {
-    KVCache attention;
-    PrefixCache cache({&attention});
-    for (int32_t p = 0; p < 4; ++p) {
-      PrefixCache::Session session = cache.begin(tokens(1 + p * kTokens, kTokens));
-      const Array keys = Array::zeros(DType::f16, {1, 8, kTokens, 128});
-      (void)attention.update(Batch::uniform(1, kTokens, 0), keys, keys);
-      session.prefill_done();
-      session.close();
-    }
-    cache.save(dir, "big");
-    ASSERT_EQ(cache.node_count(), 8);  // each prompt's first 4095 tokens, then its last
-  }
+  constexpr int64_t kTokens = 4096;             // 8 heads x 128 f16: 8 MiB of keys, 8 of values
+  ASSERT_EQ(save_prompts(dir, 4, kTokens), 8);  // each prompt's first 4095 tokens, its last
   ASSERT_GT(std::filesystem::file_size(dir + "/prefix_cache.safetensors"), uint64_t{64} << 20);
   KVCache attention;
   PrefixCache fresh({&attention}, {.max_paged_out_bytes = int64_t{20} << 20});
@@ -219,19 +224,7 @@ TEST(PrefixCachePersist, ALoadHoldsWhatItDecodesNotTheFileAsWell) {
   if (testing::kThreadSanitizer) GTEST_SKIP() << "ThreadSanitizer's allocations fail under it";
   const std::string dir = scratch("memory");
   constexpr int64_t kTokens = 8192;  // 8 heads x 128 f16: 16 MiB of keys, 16 of values
-  int64_t nodes = 0;
-  {
-    KVCache attention;
-    PrefixCache cache({&attention});
-    const Tokens prompt = tokens(1, kTokens);
-    PrefixCache::Session session = cache.begin(prompt);
-    const Array keys = Array::zeros(DType::f16, {1, 8, kTokens, 128});
-    (void)attention.update(Batch::uniform(1, kTokens, 0), keys, keys);
-    session.prefill_done();
-    session.close();
-    cache.save(dir, "big");
-    nodes = cache.node_count();
-  }
+  const int64_t nodes = save_prompts(dir, 1, kTokens);
   const auto file =
       static_cast<int64_t>(std::filesystem::file_size(dir + "/prefix_cache.safetensors"));
   ASSERT_GT(file, int64_t{16} << 20);
