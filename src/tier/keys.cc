@@ -2,6 +2,8 @@
 
 #include <unistd.h>
 
+#include <charconv>
+
 #include "cache/snapshot_record.h"
 
 namespace kvsnap::detail {
@@ -56,6 +58,25 @@ std::string TierKeys::index_key(const Digest& base) { return "kvsnap:i:" + hex(b
 std::string TierKeys::point_key(const Digest& base, int64_t offset, std::span<const int32_t> tail) {
   return "kvsnap:p:" +
          hex(Hasher().field("point").digest(base).number(offset).tokens(tail).finish());
+}
+
+std::string TierKeys::index_member(int64_t offset, int64_t bytes) {
+  return std::to_string(offset) + ':' + std::to_string(bytes);
+}
+
+std::optional<TierKeys::Member> TierKeys::parse_index_member(std::string_view member) {
+  const auto number = [](std::string_view text, int64_t& out) {
+    const char* end = text.data() + text.size();
+    const auto [stop, error] = std::from_chars(text.data(), end, out);
+    return error == std::errc() && stop == end && out >= 0;
+  };
+  Member parsed;
+  const size_t colon = member.find(':');
+  if (!number(member.substr(0, colon), parsed.offset)) return std::nullopt;
+  if (colon != std::string_view::npos && !number(member.substr(colon + 1), parsed.bytes)) {
+    return std::nullopt;
+  }
+  return parsed;
 }
 
 }  // namespace kvsnap::detail

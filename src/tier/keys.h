@@ -3,15 +3,17 @@
 // from it over the prompt's tokens, one full chunk at a time, names
 //   kvsnap:c:<h>  the KV data of the chunk that ends where digest h was taken,
 //   kvsnap:i:<h>  the index of restore points after that digest, before the next chunk ends
-//                 (a set of offsets),
+//                 (a set of members "OFFSET:BYTES", each point's offset and its object's size),
 //   kvsnap:p:<d>  one restore point: d hashes the chunk digest, the offset and the tail tokens.
 // Everything a name depends on is hashed (BLAKE2b-256), so another model, layer layout, tenant,
 // key or version never meets these names.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kvsnap/cache.h"
@@ -53,6 +55,16 @@ class TierKeys {
   // The restore point at `offset`, whose last full chunk ends at the digest `base`, followed by
   // `tail` (the tokens after it).
   static std::string point_key(const Digest& base, int64_t offset, std::span<const int32_t> tail);
+
+  // An index member: a restore point's offset and its object's size as stored, MAC tag included
+  // ("31:4096"), so a lookup passes over a point that cannot fit its bytes before fetching it.
+  struct Member {
+    int64_t offset = 0;
+    int64_t bytes = -1;  // -1: not said (a bare "31", as members were written before sizes)
+  };
+  static std::string index_member(int64_t offset, int64_t bytes);
+  // nullopt for anything else: not a number, a negative one, other characters.
+  static std::optional<Member> parse_index_member(std::string_view member);
 
  private:
   Digest root_;

@@ -80,6 +80,9 @@ class TierImpl {
   std::optional<WriteBatch> encode(std::span<const int32_t> tokens,
                                    const std::vector<std::optional<ObjectPart>>& kv,
                                    std::span<const TierPoint> points, int64_t end);
+  // Whether an object of `size` bytes is more than the store takes (max_object_bytes): counted,
+  // and said once a tier.
+  bool too_large(int64_t size);
   // Counts and logs a rejected object and forgets it as known. `doom` (a damaged or forged
   // object, of no use to any process): the writer deletes it, unless this process has written
   // the key since, so the next process that stores it writes it whole again. An object that is

@@ -3,13 +3,14 @@
 // and its object, each checked (object.h) before anything is returned. A missing or rejected
 // chunk rules out every point past it; a missing or rejected point falls back to the next one.
 // All a lookup holds of what the store sent stays within its bytes (max_lookup_bytes, or the
-// caller's): chunks that would pass them rule out every point past them (known from their sizes
-// before anything is fetched, and checked again as they arrive), a point object that would is
-// passed over.
+// caller's): chunks that would pass them rule out every point past them, and a point whose object
+// would is passed over — known from the sizes the probe and the index members say before anything
+// is fetched, and checked again as the bytes arrive (a member without a size, or one that says
+// less than the store sends).
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <charconv>
+#include <functional>
 #include <map>
 #include <new>
 
@@ -72,35 +73,45 @@ class TierImpl::Finder {
       ++usable_end_;
     }
     // Points past the chunks that fit the bytes are never fetched (said as a fetch that would
-    // not fit is): their chunks alone would pass them.
+    // not fit is): their chunks alone would pass them. before[j - first_]: the bytes of chunks
+    // [first_, j), as the store says (never summed past the bound).
     const int64_t existing_end = usable_end_;
-    int64_t chunk_bytes = 0;
+    std::vector<int64_t> before{0};
     for (int64_t j = first_; any_kv_ && j < existing_end; ++j) {
       const int64_t size = sizes[static_cast<size_t>(j)];
-      if (size > max_bytes_ - chunk_bytes) {  // as the store says: never summed past the bound
-        usable_end_ = j;
-        break;
-      }
-      chunk_bytes += size;
+      if (size > max_bytes_ - before.back()) break;
+      before.push_back(before.back() + size);
     }
-    std::vector<int64_t> points;
+    if (any_kv_) usable_end_ = first_ + static_cast<int64_t>(before.size()) - 1;
+    // Each offset once, with the least size its members say, not said counting as the least: a
+    // planted member saying more cannot hide the point, one saying less is caught as the bytes
+    // arrive.
+    std::map<int64_t, int64_t, std::greater<>> points;
     for (size_t k = 0; k < members.size(); ++k) {
       const int64_t j = first_ + static_cast<int64_t>(k);
-      for (const std::string& member : members[k]) {
-        int64_t t = 0;
-        const auto [end, error] = std::from_chars(member.data(), member.data() + member.size(), t);
-        if (error != std::errc() || end != member.data() + member.size()) continue;  // not ours
-        if (t / chunk_ != j || t <= better_than_ || t > limit_) continue;
-        if (j <= usable_end_) {
-          points.push_back(t);
-        } else if (j <= existing_end) {
-          over_budget();
+      for (const std::string& listed : members[k]) {
+        const std::optional<TierKeys::Member> member = TierKeys::parse_index_member(listed);
+        if (!member) continue;  // not ours
+        const int64_t t = member->offset;
+        if (t / chunk_ != j || t <= better_than_ || t > limit_ || (any_kv_ && j > existing_end)) {
+          continue;
         }
+        int64_t& bytes = points.try_emplace(t, member->bytes).first->second;
+        bytes = std::min(bytes, member->bytes);  // -1, not said, is the least
       }
     }
-    std::sort(points.rbegin(), points.rend());
-    points.erase(std::unique(points.begin(), points.end()), points.end());
-    return points;
+    std::vector<int64_t> fitting;
+    for (const auto& [t, bytes] : points) {
+      const int64_t j = t / chunk_;
+      const int64_t chunks =
+          any_kv_ && j <= usable_end_ ? before[static_cast<size_t>(j - first_)] : 0;
+      if ((any_kv_ && j > usable_end_) || bytes > max_bytes_ - chunks) {
+        over_budget();
+      } else {
+        fitting.push_back(t);
+      }
+    }
+    return fitting;
   }
 
   // Fetches and checks point `t` and the chunks before it not fetched yet; true when all hold.

@@ -91,6 +91,18 @@ void TierImpl::store(std::span<const int32_t> tokens, std::span<const Snapshot* 
   if (!batch->empty()) (void)writer_->push(std::move(*batch));
 }
 
+bool TierImpl::too_large(int64_t size) {
+  if (size <= options_.max_object_bytes) return false;
+  ++counters_.store_errors;
+  if (!said_too_large_.exchange(true)) {
+    options_.log(fmt::format(
+        "objects of {} bytes and more are not written (max_object_bytes {}): lower chunk_tokens "
+        "({})",
+        size, options_.max_object_bytes, keys_.chunk_tokens()));
+  }
+  return true;
+}
+
 std::optional<WriteBatch> TierImpl::encode(std::span<const int32_t> tokens,
                                            const std::vector<std::optional<ObjectPart>>& kv,
                                            std::span<const TierPoint> points, int64_t end) {
@@ -104,27 +116,18 @@ std::optional<WriteBatch> TierImpl::encode(std::span<const int32_t> tokens,
   int64_t bytes = 0;
   const int64_t tag = authenticated() ? static_cast<int64_t>(std::tuple_size_v<Digest>) : 0;
   enum class Added { yes, no_room, too_large };
+  int64_t stored = 0;  // the size of the last object added, as the store will hold it
   const auto add = [&](const std::string& key, const ObjectSpec& spec) {
     int64_t data = 0;
     for (const std::optional<ObjectPart>& part : parts) {
       if (part) data += part->record.first.nbytes() + part->record.second.nbytes();
     }
-    const auto too_large = [&](int64_t size) {
-      if (size <= options_.max_object_bytes) return false;
-      ++counters_.store_errors;
-      if (!said_too_large_.exchange(true)) {
-        options_.log(
-            fmt::format("objects of {} bytes and more are not written (max_object_bytes {}): lower "
-                        "chunk_tokens ({})",
-                        size, options_.max_object_bytes, chunk));
-      }
-      return true;
-    };
     if (too_large(data)) return Added::too_large;
     if (!writer_->has_room(bytes + data)) return Added::no_room;
     std::string value = encode_object(key, keys_.root_hex(), spec, parts);
     if (too_large(static_cast<int64_t>(value.size()) + tag)) return Added::too_large;
     bytes += data;  // only what goes: a refused object takes no room from the next
+    stored = static_cast<int64_t>(value.size()) + tag;
     batch.objects.emplace_back(key, std::move(value));
     return Added::yes;
   };
@@ -152,6 +155,7 @@ std::optional<WriteBatch> TierImpl::encode(std::span<const int32_t> tokens,
                                            static_cast<size_t>(point.offset - base * chunk)));
     if (known_.contains(key)) {
       batch.known.push_back(key);
+      // Its size is not known here (nothing was encoded): any member of this offset will do.
       batch.known_index.emplace_back(TierKeys::index_key(digest), std::to_string(point.offset));
       continue;
     }
@@ -169,7 +173,8 @@ std::optional<WriteBatch> TierImpl::encode(std::span<const int32_t> tokens,
     const Added added = add(key, spec);
     if (added == Added::no_room) return std::nullopt;
     if (added == Added::too_large) continue;
-    batch.index.emplace_back(TierKeys::index_key(digest), std::to_string(point.offset));
+    batch.index.emplace_back(TierKeys::index_key(digest),
+                             TierKeys::index_member(point.offset, stored));
   }
   return batch;
 }

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <optional>
 
+#include "tier/keys.h"
 #include "tier/object.h"
 
 namespace kvsnap::detail {
@@ -203,10 +204,17 @@ bool WriteBehind::still_holds(const WriteBatch& batch, Deadline deadline) {
     return true;  // unknown: the next batch asks again
   }
   if (std::any_of(sizes.begin(), sizes.end(), [](int64_t size) { return size < 0; })) return false;
+  // A known point is held when its index lists its offset, whatever size the member says.
   for (const auto& [set, member] : batch.known_index) {
     const auto& in =
         members[static_cast<size_t>(std::find(sets.begin(), sets.end(), set) - sets.begin())];
-    if (std::find(in.begin(), in.end(), member) == in.end()) return false;
+    const std::optional<TierKeys::Member> known = TierKeys::parse_index_member(member);
+    if (!known || std::none_of(in.begin(), in.end(), [&](const std::string& listed) {
+          const std::optional<TierKeys::Member> entry = TierKeys::parse_index_member(listed);
+          return entry && entry->offset == known->offset;
+        })) {
+      return false;
+    }
   }
   return true;
 }

@@ -109,8 +109,12 @@ class RedisServer {
     return out;
   }
   std::vector<std::string> keys(const std::string& pattern) const {
+    return keys_of({"KEYS", pattern});
+  }
+  // An array reply's elements.
+  std::vector<std::string> keys_of(const std::vector<std::string>& args) const {
     std::vector<std::string> out;
-    const std::string all = command({"KEYS", pattern});
+    const std::string all = command(args);
     for (size_t at = 0; at < all.size();) {
       const size_t end = std::min(all.find('\n', at), all.size());
       out.push_back(all.substr(at, end - at));

@@ -133,6 +133,10 @@ class ObjectNames {
   std::string chunk(const Tokens& prompt, int64_t j) const {
     return detail::TierKeys::chunk_key(keys_->chain(prompt, j + 1).back());
   }
+  // The index of the restore points of `prompt` in [j * chunk, (j + 1) * chunk).
+  std::string index(const Tokens& prompt, int64_t j) const {
+    return detail::TierKeys::index_key(keys_->chain(prompt, j).back());
+  }
 
  private:
   int64_t chunk_;
@@ -149,6 +153,9 @@ class TestStore {
   virtual std::string get(const std::string& key) const = 0;
   virtual void set(const std::string& key, const std::string& value) = 0;
   virtual void remove(const std::string& key) = 0;
+  // An index set's members (sorted), and replacing them.
+  virtual std::vector<std::string> members(const std::string& set) const = 0;
+  virtual void set_members(const std::string& set, const std::vector<std::string>& members) = 0;
 };
 
 class FolderStore final : public TestStore {
@@ -178,6 +185,20 @@ class FolderStore final : public TestStore {
     std::ofstream(path(key), std::ios::binary | std::ios::trunc) << value;
   }
   void remove(const std::string& key) override { std::filesystem::remove_all(path(key)); }
+  std::vector<std::string> members(const std::string& set) const override {
+    std::vector<std::string> out;
+    for (const auto& entry : std::filesystem::directory_iterator(path(set))) {
+      out.push_back(entry.path().filename().string());
+    }
+    std::sort(out.begin(), out.end());
+    return out;
+  }
+  void set_members(const std::string& set, const std::vector<std::string>& members) override {
+    std::filesystem::remove_all(path(set));
+    std::filesystem::create_directory(path(set));
+    std::filesystem::permissions(path(set), std::filesystem::perms::owner_all);
+    for (const std::string& member : members) std::ofstream(path(set) / member);
+  }
 
  private:
   std::filesystem::path path(std::string key) const {
@@ -201,6 +222,17 @@ class RedisStore final : public TestStore {
     (void)server.command({"SET", key, value});
   }
   void remove(const std::string& key) override { (void)server.command({"DEL", key}); }
+  std::vector<std::string> members(const std::string& set) const override {
+    std::vector<std::string> out = server.keys_of({"SMEMBERS", set});
+    std::sort(out.begin(), out.end());
+    return out;
+  }
+  void set_members(const std::string& set, const std::vector<std::string>& members) override {
+    remove(set);
+    std::vector<std::string> add{"SADD", set};
+    add.insert(add.end(), members.begin(), members.end());
+    (void)server.command(add);
+  }
 
   RedisServer server;
 };

@@ -59,5 +59,25 @@ TEST(TierKeys, LayerConfigurationsAndChunkSizesNameObjectsApart) {
   EXPECT_NE(four.point_20, base.point_20);
 }
 
+// Index members: "OFFSET:BYTES", or a bare offset (as written before sizes were); anything else
+// is not a member of ours.
+TEST(TierKeys, IndexMembersAreAnOffsetAndTheObjectsSize) {
+  using detail::TierKeys;
+  EXPECT_EQ(TierKeys::index_member(31, 4096), "31:4096");
+  using Parsed = std::pair<int64_t, int64_t>;  // offset, bytes; -9, -9 when refused
+  const auto parsed = [](std::string_view member) {
+    const std::optional<TierKeys::Member> m = TierKeys::parse_index_member(member);
+    return m ? Parsed(m->offset, m->bytes) : Parsed(-9, -9);
+  };
+  EXPECT_EQ(parsed("31:4096"), Parsed(31, 4096));
+  EXPECT_EQ(parsed("31"), Parsed(31, -1));
+  EXPECT_EQ(parsed("0:0"), Parsed(0, 0));
+  EXPECT_EQ(parsed(TierKeys::index_member(INT64_MAX, INT64_MAX)), Parsed(INT64_MAX, INT64_MAX));
+  for (const std::string_view bad : {"", ":", "31:", ":5", "-1", "31:-5", "x", "31:4x", "3 1", "+3",
+                                     "31:4:5", "99999999999999999999", "31:1e3"}) {
+    EXPECT_EQ(parsed(bad), Parsed(-9, -9)) << bad;
+  }
+}
+
 }  // namespace
 }  // namespace kvsnap::tier_keys_test

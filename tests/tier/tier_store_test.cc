@@ -314,9 +314,67 @@ TEST_P(TierStore, ChunksThatCannotFitAreNeverFetched) {
   EXPECT_EQ(stats.bytes_read, first.bytes_read);
   EXPECT_EQ(stats.store_errors, first.store_errors + 3);  // once a lookup
   EXPECT_EQ(reader.log.count("a lookup may hold (max_lookup_bytes"), 1) << reader.log.all();
-  // The chunks fit, the point objects not: fetched, the points passed over.
+  // The chunks fit, the point objects not: their index members say so, nothing is fetched.
   EXPECT_EQ(reader.tier->lookup(talk.second, 37, 0, chunks).offset, 0);
   EXPECT_EQ(reader.tier->stats().store_errors, first.store_errors + 4);
+  EXPECT_EQ(reader.tier->stats().bytes_read, first.bytes_read);
+  EXPECT_EQ(connections() - before, redis != nullptr ? 2 : 0);
+}
+
+// Each index member says its restore point's offset and the size of its object as stored, MAC
+// tag included ("31:4096"): a point whose object cannot fit is passed over before it is fetched
+// (on Redis no reply is cut off, so no lookup connects again). Members without a size, as earlier
+// versions wrote them, still restore within the bytes; a planted member saying more does not hide
+// a point, and one saying less is caught as the bytes arrive.
+TEST_P(TierStore, IndexMembersSayTheirPointsSizes) {
+  for (const std::string key : {"", "0123456789abcdef0123456789abcdef"}) {
+    auto own = testing::make_store(GetParam(), "sizes" + std::to_string(key.size()));
+    const ObjectNames named(tier_options("", key), own->address());
+    TierProcess(own->address(), tier_options("", key)).turn(talk.first, talk.reply, talk.ends);
+    const auto member = [&](int64_t t) {
+      return std::to_string(t) + ":" + std::to_string(own->get(named.point(talk.second, t)).size());
+    };
+    EXPECT_EQ(own->members(named.index(talk.second, 2)), std::vector<std::string>{member(20)});
+    EXPECT_EQ(own->members(named.index(talk.second, 3)),
+              (std::vector<std::string>{member(26), member(31)}));
+  }
+  store_first_turn();
+  const auto size = [&](const std::string& key) {
+    return static_cast<int64_t>(store->get(key).size());
+  };
+  const int64_t for_26 = size(names->chunk(talk.second, 0)) + size(names->chunk(talk.second, 1)) +
+                         size(names->chunk(talk.second, 2)) + size(names->point(talk.second, 26));
+  const int64_t for_31 =
+      for_26 - size(names->point(talk.second, 26)) + size(names->point(talk.second, 31));
+  const std::string index = names->index(talk.second, 3);
+  const std::vector<std::string> sized = store->members(index);
+  auto* redis = dynamic_cast<testing::RedisStore*>(store.get());
+  const auto connections = [&] {
+    return redis != nullptr ? redis->server.info("total_connections_received") : 0;
+  };
+  // What a reader finds with the bytes of point 31, one less, and point 31's again (each within
+  // its bytes), then the connections the last two lookups made (and the count its own).
+  const auto lookups = [&](const std::vector<std::string>& members) {
+    store->set_members(index, members);
+    TierProcess reader(store->address());
+    std::vector<int64_t> found;
+    int64_t before = 0;
+    for (const int64_t bytes : {for_31, for_31 - 1, for_31}) {
+      if (found.size() == 1) before = connections();
+      const int64_t read = reader.tier->stats().bytes_read;
+      found.push_back(reader.tier->lookup(talk.second, 37, 0, bytes).offset);
+      EXPECT_LE(reader.tier->stats().bytes_read - read, bytes);
+    }
+    found.push_back(connections() - before);
+    return found;
+  };
+  // On Redis, the count's own connection, and one more after a reply cut off.
+  const int64_t count = redis != nullptr ? 1 : 0, cut_off = count + count;
+  EXPECT_EQ(lookups(sized), (std::vector<int64_t>{31, 26, 31, count}));
+  EXPECT_EQ(lookups({"26", "31"}), (std::vector<int64_t>{31, 26, 31, cut_off}));
+  EXPECT_EQ(lookups({sized[0], sized[1], "31:" + std::to_string(int64_t{1} << 60)}),
+            (std::vector<int64_t>{31, 26, 31, count}));
+  EXPECT_EQ(lookups({sized[0], "31:1"}), (std::vector<int64_t>{31, 26, 31, cut_off}));
 }
 
 // A tier over layers that hold no KV ranges (a window and a recurrent layer): every restore point
