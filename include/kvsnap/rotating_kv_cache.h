@@ -16,6 +16,10 @@
 // the linear buffer after a chunked write (or before the ring wraps); a wrapped ring is copied at
 // capture. A snapshot restores only into a cache of the same max_size.
 //
+// Memory follows the tokens held, not max_size: the buffer grows in steps of kStep tokens, at
+// most to twice what the window holds (a chunk gets room for as much again, up to a window more),
+// so a short prompt in a long window takes room for its tokens only.
+//
 //   kvsnap::RotatingKVCache cache(4096);
 //   auto history = cache.update(batch, keys, values);
 //   auto out = kvsnap::sdpa(batch, q, history, kvsnap::AttentionMask::causal(), scale);

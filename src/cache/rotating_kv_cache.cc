@@ -165,9 +165,9 @@ class RotatingSequence final : public KVKind {
       start = 0;
       length = kept;  // what the columns hold now, should the write below run out
     } else {
-      // Fresh linear buffer with room for the window to keep growing by another window.
-      relinearize(kept, round_up(std::max(need + std::min(need, max_size), max_size),
-                                 RotatingKVCache::kStep));
+      // Fresh linear buffer with room to grow in place by as much again, at most a window: its
+      // size follows the tokens held (a short prompt in a long window takes what it holds).
+      relinearize(kept, round_up(need + std::min(need, max_size), RotatingKVCache::kStep));
     }
     store.write(kept, k, v);
     length = need;

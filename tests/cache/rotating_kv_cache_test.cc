@@ -65,6 +65,28 @@ TEST(RotatingKVCache, RepeatedChunksMoveAtMostTheWindowPerRelinearization) {
   EXPECT_LE(stats.growth_bytes, stats.appended_bytes);
 }
 
+// A chunk takes room for the tokens the window then holds and as many again (at most a window
+// more), in steps of 256 columns: a short prompt in a long window — here 2^40 tokens, no limit in
+// practice — holds 256 columns, not the window, and the buffer grows with the tokens, copying
+// each at most about twice (was: a whole window's buffer at the first chunk, 128 MiB a layer for
+// a 2^20-token window of 8 heads of 128 in f16; this window could not be written at all).
+TEST(RotatingKVCache, AChunkTakesRoomForItsTokensNotTheWindow) {
+  RotatingKVCache cache(int64_t{1} << 40);
+  const int64_t column = 2 * kv.heads * kv.depth * 4;  // a token's keys and values, f32
+  const int64_t before = live_bytes();
+  write_positions(cache, 10);
+  EXPECT_EQ(live_bytes() - before, 256 * column);
+  for (int i = 0; i < 40; ++i) {
+    write_positions(cache, 100);
+    EXPECT_LE(live_bytes() - before, (2 * cache.offset() + 256) * column) << cache.offset();
+  }
+  decode(cache, 300);
+  EXPECT_LE(live_bytes() - before, (2 * cache.offset() + 256) * column);
+  EXPECT_EQ(held(cache), window(0, 4310));
+  const CopyStats stats = cache.copy_stats();
+  EXPECT_LE(stats.growth_bytes, 2 * stats.appended_bytes);
+}
+
 TEST(RotatingKVCache, DecodeStopsGrowingAtMaxSize) {
   RotatingKVCache cache(300);
   decode(cache, 700);

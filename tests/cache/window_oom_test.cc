@@ -184,5 +184,34 @@ TEST(WindowOutOfMemory, EveryFailedAllocationLeavesTheWindowsAsTheContractSays) 
   EXPECT_GE(runs, 50);  // 61 as written
 }
 
+// A sequence without state (reset) takes the layout of its first write: a first write that runs
+// out of memory takes none, so a write of other heads is taken next (on either kind whose
+// sequences are one store of columns).
+TEST(WindowOutOfMemory, AFirstWriteThatRunsOutTakesNoLayout) {
+  const TokenKV two_heads, four_heads{.heads = 4};
+  for (const bool window : {true, false}) {
+    const int64_t runs = testing::sweep([&] {
+      std::unique_ptr<Attention> cache;
+      if (window) {
+        cache = std::make_unique<RotatingKVCache>(kWindow);
+      } else {
+        cache = std::make_unique<KVCache>();
+      }
+      (void)testing::write(*cache, four_heads, id_range(0, 3));
+      cache->reset(0);
+      const Ids ids = id_range(10, 3);
+      if (!armed_call([&] {
+            (void)cache->update(Batch::uniform(1, 3, 0), two_heads.keys(ids),
+                                two_heads.values(ids));
+          })) {
+        EXPECT_EQ(cache->offset(0), 0);
+        (void)testing::write(*cache, four_heads, ids);  // throws if the two heads' layout stayed
+        EXPECT_EQ(cache->offset(0), 3);
+      }
+    });
+    EXPECT_GE(runs, 2) << (window ? "RotatingKVCache" : "KVCache");
+  }
+}
+
 }  // namespace
 }  // namespace kvsnap::window_oom_test
