@@ -90,7 +90,8 @@ class KVSNAP_EXPORT PrefixCache {
     // (Cache::exposed_bytes), so it holds between calls too. A slot without a session is not
     // written, and captures (a session's before prefill_done, a Speculation round's) are not
     // the trie's: neither is reserved. Within a call the node it inserts may exceed the budget
-    // until it evicts; only what the active paths must keep can hold the trie above it.
+    // until it evicts (what a tier found goes in a segment at a time, each evicted for); only
+    // what the active paths must keep can hold the trie above it.
     int64_t max_paged_out_bytes = int64_t(8) << 30;
     // Sequences (slots) the layers serve, each with at most one open session.
     SeqId slots = 1;

@@ -112,7 +112,8 @@ class PrefixCacheImpl {
     TierMatch found = options.tier->lookup(prompt, limit, held, options.max_paged_out_bytes);
     if (found.offset == 0) return;
     const std::lock_guard<std::mutex> lock(mutex);
-    if (insert_from_tier(trie, prompt, std::move(found))) evict(id, Change::shared);
+    if (slot(id, "PrefixCache::begin").open()) return;  // begun meanwhile: this begin is refused
+    (void)insert_from_tier(trie, prompt, std::move(found), [&] { evict(id, Change::shared); });
   }
 
   mutable std::mutex mutex;

@@ -2,19 +2,21 @@
 
 namespace kvsnap::detail {
 
-bool insert_from_tier(Trie& trie, std::span<const int32_t> prompt, TierMatch match) {
-  if (match.segments.empty() || trie.match(prompt).length < match.segments.front().from) {
-    return false;
-  }
+bool insert_from_tier(Trie& trie, std::span<const int32_t> prompt, TierMatch match,
+                      const std::function<void()>& evict) {
   const std::vector<LayerInfo>& layers = trie.layers();
+  bool inserted = false;
   for (TierSegment& segment : match.segments) {
+    if (trie.match(prompt).length < segment.from) break;
     std::vector<SnapshotPtr> ranged(layers.size()), whole(layers.size());
     for (size_t i = 0; i < layers.size() && i < segment.snapshots.size(); ++i) {
       (layers[i].ranged() ? ranged : whole)[i] = std::move(segment.snapshots[i]);
     }
     trie.insert(prompt, segment.from, segment.to, std::move(ranged), std::move(whole), false);
+    inserted = true;
+    evict();
   }
-  return true;
+  return inserted;
 }
 
 void store_to_tier(Tier& tier, Trie& trie, SeqId slot, std::span<const int32_t> tokens) {

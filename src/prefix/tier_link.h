@@ -3,6 +3,7 @@
 // made go to the tier.
 #pragma once
 
+#include <functional>
 #include <span>
 
 #include "kvsnap/tier.h"
@@ -10,10 +11,12 @@
 
 namespace kvsnap::detail {
 
-// Inserts the segments of `match` (found for `prompt`) as trie nodes. Returns false, inserting
-// nothing, when the trie no longer holds the path the first segment starts from (evicted since
-// the lookup).
-bool insert_from_tier(Trie& trie, std::span<const int32_t> prompt, TierMatch match);
+// Inserts the segments of `match` (found for `prompt`) as trie nodes, one at a time, calling
+// `evict` after each: the trie passes its budget by one segment at most, not by the whole match.
+// Stops where the trie no longer holds the path a segment starts from (evicted since the lookup,
+// or by `evict`); returns whether it inserted any.
+bool insert_from_tier(Trie& trie, std::span<const int32_t> prompt, TierMatch match,
+                      const std::function<void()>& evict);
 
 // Stores the restore points on the trie path of `tokens` — nodes where every whole-state layer
 // holds its state — with the KV data of slot `slot`'s live caches, which must hold exactly

@@ -377,6 +377,33 @@ TEST_P(TierStore, IndexMembersSayTheirPointsSizes) {
   EXPECT_EQ(lookups({sized[0], "31:1"}), (std::vector<int64_t>{31, 26, 31, cut_off}));
 }
 
+// A prefix cache restoring from the tier inserts what it found one segment at a time, evicting
+// after each: its trie passes the budget by one segment at most (the restore point's object, the
+// largest), not by all the chunks and the point at once (as it did: 83672 bytes held at the peak,
+// against this bound of 75888).
+TEST_P(TierStore, ARestoreFromTheTierPassesTheBudgetByOneSegmentAtMost) {
+  const Tokens prompt = tokens(100, 165);  // 20 chunks of 8 tokens, and a point at 164
+  TierProcess(store->address()).turn(prompt, tokens(300, 2), {160});
+  const int64_t point = static_cast<int64_t>(store->get(names->point(prompt, 164)).size());
+  // Prompts of their own (the tier's misses) fill a trie: as full as a budget of what they leave
+  // in a roomy one lets them.
+  const auto fill = [&](TierProcess& process) {
+    for (int i = 0; i < 24; ++i) (void)process.turn(tokens(3000 + 100 * i, 30), tokens(9000, 2));
+    return process.cache.paged_out_bytes();
+  };
+  TierProcess roomy(store->address());
+  const int64_t budget = fill(roomy);
+  TierProcess reader(store->address(), tier_options(), budget);
+  EXPECT_LE(fill(reader), budget);
+  reader.cache.reset_peak_paged_out_bytes();
+  {
+    PrefixCache::Session session = reader.cache.begin(prompt + tokens(400, 3));
+    EXPECT_EQ(session.cached(), 164);
+  }
+  EXPECT_LE(reader.cache.peak_paged_out_bytes(), budget + point);
+  EXPECT_LE(reader.cache.paged_out_bytes(), budget);
+}
+
 // A tier over layers that hold no KV ranges (a window and a recurrent layer): every restore point
 // is one object, and there are no chunks to probe or to fit the bytes. Another process finds the
 // deepest point within its limits.
