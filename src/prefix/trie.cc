@@ -112,8 +112,14 @@ SnapshotPtr Trie::detach(Node& node, size_t layer) {
 }
 
 void Trie::replace(Node& node, size_t layer, SnapshotPtr replacement) {
+  // A KV range swapped for another of the same tokens (repointed at a live cache) changes no
+  // restore plan: the version stays, so a caller waiting for the trie to settle is not misled.
+  const uint64_t version = version_;
+  const bool same_range =
+      layers_[layer].ranged() && node.snapshots[layer] != nullptr && replacement != nullptr;
   SnapshotPtr old = detach(node, layer);
   attach(node, layer, std::move(replacement));
+  if (same_range) version_ = version;
 }
 
 Node* Trie::child(Node& node, int32_t first) {

@@ -102,7 +102,8 @@ class Trie {
   void reset_peak() { bytes_->reset_peak(); }
   int64_t recount_bytes() const;
   int64_t node_count() const { return node_count_; }
-  // Changes whenever a node or a snapshot is added, removed, replaced or used.
+  // Changes whenever a node or a snapshot is added, removed, replaced or used — except a KV
+  // range replaced by another (replace), which changes no restore plan.
   uint64_t version() const { return version_; }
   // A fresh last-use time, later than every earlier one.
   int64_t tick() { return ++clock_; }
@@ -128,7 +129,8 @@ class Trie {
   Node& insert(std::span<const int32_t> tokens, int64_t from, int64_t to,
                std::vector<SnapshotPtr> ranged, std::vector<SnapshotPtr> whole, bool user);
 
-  // Swaps layer `layer`'s snapshot of `node` for `replacement` (accounting for both).
+  // Swaps layer `layer`'s snapshot of `node` for `replacement` (accounting for both). A ranged
+  // layer's snapshot replaced by a non-null one must hold the same tokens.
   void replace(Node& node, size_t layer, SnapshotPtr replacement);
 
   // Splits `node` at `at` (start < at < end); returns the new upper node, [start, at). `node`

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 #include <kvsnap/kv_cache.h>
+#include <kvsnap/rotating_kv_cache.h>
 
 #include <cstdint>
 #include <vector>
@@ -75,6 +76,40 @@ TEST(LiveState, ANodeThePromptFollowsIsSplitAtItsEnd) {
   EXPECT_EQ(trie.check_invariants(), "");
   ASSERT_EQ(live.active_path().size(), 1u);
   EXPECT_EQ(live.active_path().front()->end, 100);
+}
+
+// Pointing an active path's ranges at the live caches again changes no restore plan: the trie's
+// version stays, so a begin waiting for the trie to settle after its eviction (which repoints
+// whenever leaves alone cannot meet the budget) is not sent round again for nothing (every such
+// begin evicted three times, and switched with a plan it had not reserved for). Replacing a
+// whole-state snapshot, or dropping one, does change it.
+TEST(LiveState, RepointingRangesChangesNoVersion) {
+  KVCache kv;
+  RotatingKVCache state(8);
+  detail::Trie trie(
+      {detail::LayerInfo{&kv, kv.restore_rule()}, detail::LayerInfo{&state, state.restore_rule()}});
+  const TokenKV tags;
+  const std::vector<int64_t> prompt = id_range(100, 40);
+  testing::write(kv, tags, prompt);
+  testing::write(state, tags, prompt);
+  std::vector<SnapshotPtr> ranged(2), whole(2);
+  ranged[0] = kv.snapshot(0);
+  whole[1] = state.snapshot(0, 0);
+  detail::Node& node =
+      trie.insert(ids32(prompt), 0, 40, std::move(ranged), std::move(whole), false);
+  detail::LiveState live(trie, 0);
+  live.set_tokens(ids32(prompt));
+  const uint64_t version = trie.version();
+  live.repoint_ranges();
+  live.repoint_ranges();
+  EXPECT_EQ(trie.version(), version);
+  EXPECT_EQ(trie.check_invariants(), "");
+  EXPECT_EQ(node.snapshots[0]->size(), 0);  // lazy over the live cache: it was repointed
+  trie.replace(node, 1, state.snapshot(0, 0));
+  EXPECT_NE(trie.version(), version);
+  const uint64_t replaced = trie.version();
+  trie.replace(node, 1, nullptr);
+  EXPECT_NE(trie.version(), replaced);
 }
 
 }  // namespace
