@@ -150,7 +150,9 @@ class Scheduler {
     r.result.waited_seconds = std::chrono::duration<double>(r.admitted - arrived).count();
     r.prompt = std::move(prompt);
     r.session.emplace(prefix_.begin(best, r.prompt));
-    r.session->schedule_snapshots(restore_points(i, r, boundaries));
+    const RestorePoints points = restore_points(i, r, boundaries);
+    r.session->schedule_snapshots(points.boundaries);
+    r.session->schedule_branch_points(points.lookahead);
     r.remaining = r.session->remaining();
     r.result.id = request.id;
     r.result.logits = LogitRows(tape_);
@@ -167,26 +169,32 @@ class Scheduler {
     return true;
   }
 
-  // The message ends past what the session restored, and where the prompts of requests waiting
-  // to start leave this one (the first kLookahead of them: each costs building its prompt, so
-  // every one looked at counts, sharing or not): a request sharing more of this prompt than the
-  // cache holds waits for this prefill, then restores exactly there.
-  std::vector<int64_t> restore_points(size_t admitted, const Running& r,
-                                      const std::vector<int64_t>& boundaries) const {
+  // The message ends past what the session restored (user nodes), and where the prompts of
+  // requests waiting to start leave this one (the first kLookahead of them: each costs building
+  // its prompt, so every one looked at counts, sharing or not): a request sharing more of this
+  // prompt than the cache holds waits for this prefill, then restores exactly there. Those are
+  // guesses, ordinary nodes: evicted and merged like any other, not kept as user nodes.
+  struct RestorePoints {
+    std::vector<int64_t> boundaries, lookahead;
+  };
+  RestorePoints restore_points(size_t admitted, const Running& r,
+                               const std::vector<int64_t>& boundaries) const {
     constexpr size_t kLookahead = 16;
     const int64_t cached = r.session->cached(), length = static_cast<int64_t>(r.prompt.size());
-    std::set<int64_t> points;
+    RestorePoints points;
     for (int64_t b : boundaries) {
-      if (b >= cached && b <= length) points.insert(b);
+      if (b >= cached && b <= length) points.boundaries.push_back(b);
     }
+    std::set<int64_t> lookahead;
     size_t looked = 0;
     for (size_t j = 0; j < workload_.requests.size() && looked < kLookahead; ++j) {
       if (admitted_[j] || j == admitted || !arrival(j)) continue;
       ++looked;
       const int64_t shared = restorable(builder_.prompt(workload_.requests[j], nullptr), r.prompt);
-      if (shared > cached && shared < length) points.insert(shared);
+      if (shared > cached && shared < length) lookahead.insert(shared);
     }
-    return {points.begin(), points.end()};
+    points.lookahead.assign(lookahead.begin(), lookahead.end());
+    return points;
   }
 
   // One forward over every running sequence; false when none runs.

@@ -25,7 +25,9 @@
 //   - the branch point, where the prompt leaves the trie: the next divergence there restores;
 //   - the last prompt token, offset prompt.size() - 1: a regeneration of the same prompt then
 //     evaluates exactly one token (a decoder needs one evaluated token for its logits);
-//   - the caller's schedule_snapshots() offsets (message ends): user nodes.
+//   - the caller's schedule_snapshots() offsets (message ends): user nodes;
+//   - the caller's schedule_branch_points() offsets (where it expects other prompts to leave
+//     this one): ordinary nodes.
 // close() pages the evaluated tokens out with a restore point at their end; a session closed in
 // the middle of its prefill keeps the captures its evaluated tokens passed. A window layer's
 // restore point holds its last max_size - 1 tokens (see rotating_kv_cache.h).
@@ -209,6 +211,11 @@ class KVSNAP_EXPORT PrefixCache::Session {
   // offsets in [cached(), prompt size]. They become user nodes, which resist merging and are
   // evicted last. Call before the prefill forward.
   void schedule_snapshots(std::span<const int64_t> offsets);
+  // Restore points that are guesses — where other requests' prompts leave this one (a
+  // scheduler's look-ahead over requests waiting to start), not boundaries the user marked:
+  // captured in the same way, but ordinary nodes, evicted least recently used and merged like
+  // the branch points begin schedules itself. Same offsets and timing as schedule_snapshots.
+  void schedule_branch_points(std::span<const int64_t> offsets);
   // Call after the prefill forward over remaining(): attaches the captures as trie nodes.
   void prefill_done();
   // A generated token. Tokens the model has evaluated when the session closes are paged out.

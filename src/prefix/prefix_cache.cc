@@ -348,7 +348,11 @@ SeqId PrefixCache::Session::slot() const {
 }
 void PrefixCache::Session::schedule_snapshots(std::span<const int64_t> offsets) {
   std::unique_lock<std::mutex> lock;
-  slot_of(state_, "Session::schedule_snapshots", lock).schedule_snapshots(offsets);
+  slot_of(state_, "Session::schedule_snapshots", lock).schedule_snapshots(offsets, true);
+}
+void PrefixCache::Session::schedule_branch_points(std::span<const int64_t> offsets) {
+  std::unique_lock<std::mutex> lock;
+  slot_of(state_, "Session::schedule_branch_points", lock).schedule_snapshots(offsets, false);
 }
 void PrefixCache::Session::prefill_done() {
   std::unique_lock<std::mutex> lock;

@@ -180,6 +180,7 @@ std::vector<int64_t> Slot::schedule_for(const std::vector<Node*>& path) const {
   const SessionState& s = *session_;
   const int64_t length = s.prompt_length;
   std::set<int64_t> offsets(s.user_offsets.begin(), s.user_offsets.end());
+  offsets.insert(s.branch_offsets.begin(), s.branch_offsets.end());
   // The branch point, so the next divergence there restores, and the last prompt token, so
   // a regeneration of this prompt restores everything but that token.
   for (int64_t o : {s.matched < length - 1 ? s.matched : length - 1, length - 1}) {
@@ -190,31 +191,33 @@ std::vector<int64_t> Slot::schedule_for(const std::vector<Node*>& path) const {
   return {offsets.begin(), offsets.end()};
 }
 
-void Slot::schedule_snapshots(std::span<const int64_t> offsets) {
+void Slot::schedule_snapshots(std::span<const int64_t> offsets, bool user) {
   SessionState& s = *session_;
+  const char* call = user ? "Session::schedule_snapshots" : "Session::schedule_branch_points";
   if (s.phase != SessionState::Phase::prefill || layer_offset() != s.cached) {
-    throw Error(
-        fmt::format("Session::schedule_snapshots: call before the prefill forward (the "
-                    "caches are at offset {}, the session restored {})",
-                    layer_offset(), s.cached));
+    throw Error(fmt::format(
+        "{}: call before the prefill forward (the caches are at offset {}, the session restored "
+        "{})",
+        call, layer_offset(), s.cached));
   }
   for (int64_t o : offsets) {
     if (o < s.cached || o > s.prompt_length) {
       throw Error(
-          fmt::format("Session::schedule_snapshots: offset {} in [{}] is outside [{}, "
-                      "{}] (the restored prefix to the prompt's end)",
-                      o, fmt::join(offsets, ", "), s.cached, s.prompt_length));
+          fmt::format("{}: offset {} in [{}] is outside [{}, {}] (the restored prefix to the "
+                      "prompt's end)",
+                      call, o, fmt::join(offsets, ", "), s.cached, s.prompt_length));
     }
   }
-  // A call that runs out leaves the session as it was: its user offsets and its schedule.
-  std::set<int64_t> before = s.user_offsets;
+  // A call that runs out leaves the session as it was: its offsets and its schedule.
+  std::set<int64_t>& kept = user ? s.user_offsets : s.branch_offsets;
+  std::set<int64_t> before = kept;
   try {
-    s.user_offsets.insert(offsets.begin(), offsets.end());
+    kept.insert(offsets.begin(), offsets.end());
     // The match may be stale if evictions ran since begin; recompute it from the trie_.
     const std::span<const int32_t> prompt(s.tokens.data(), static_cast<size_t>(s.prompt_length));
     prepare(schedule_for(trie_.match(prompt).path));
   } catch (...) {
-    s.user_offsets = std::move(before);
+    kept = std::move(before);
     throw;
   }
 }

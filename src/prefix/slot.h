@@ -34,11 +34,12 @@ struct SessionState {
   std::vector<int32_t> prompt;  // as given (remaining() views it: never reallocated)
   std::vector<int32_t> tokens;  // prompt, then generated tokens
   int64_t prompt_length = 0;
-  int64_t matched = 0;    // prompt tokens found in the trie
-  int64_t cached = 0;     // offset restored
-  int64_t paged_end = 0;  // the trie holds the session's path up to here
-  std::set<int64_t> user_offsets;
-  std::vector<int64_t> scheduled;  // the captures the layers were asked for, ascending
+  int64_t matched = 0;               // prompt tokens found in the trie
+  int64_t cached = 0;                // offset restored
+  int64_t paged_end = 0;             // the trie holds the session's path up to here
+  std::set<int64_t> user_offsets;    // schedule_snapshots': user nodes
+  std::set<int64_t> branch_offsets;  // schedule_branch_points': ordinary nodes
+  std::vector<int64_t> scheduled;    // the captures the layers were asked for, ascending
 };
 
 // What a call changed, for the eviction after it.
@@ -67,7 +68,8 @@ class Slot {
   // Restores the deepest prefix of `prompt` every layer can reach and opens a session.
   std::shared_ptr<SessionState> begin(std::span<const int32_t> prompt, PrefixCacheImpl* owner,
                                       PrefixCache::Stats& stats);
-  void schedule_snapshots(std::span<const int64_t> offsets);
+  // Session::schedule_snapshots (`user`), or Session::schedule_branch_points.
+  void schedule_snapshots(std::span<const int64_t> offsets, bool user);
   void prefill_done();
   void append_output(int32_t token);
   void retract_outputs(int64_t count);

@@ -71,5 +71,39 @@ TEST(PrefixCacheLru, TheLeastRecentlyUsedLeafIsEvictedFirst) {
   }
 }
 
+// A restore point the caller marks (schedule_snapshots) is a user node, evicted after every other
+// leaf; one it only guesses (schedule_branch_points: where a waiting request's prompt may leave
+// this one) is an ordinary node, evicted least recently used like the rest. Conversation 0 marks
+// or guesses offset 10, then conversations 1, 2 and 3 fill the trie: at every budget the guess
+// is kept no longer than the mark, and at some the mark outlives more recent conversations'
+// nodes while the guess goes first (as the scheduler's look-ahead points did, being user nodes).
+TEST(PrefixCacheLru, AGuessedBranchPointIsEvictedAsAnOrdinaryNode) {
+  const auto kept_at_10 = [](int64_t budget, bool user) {
+    HybridStack stack;
+    PrefixCache cache(stack.layers(), {.max_paged_out_bytes = budget});
+    {
+      PrefixCache::Session session = cache.begin(prompt(0));
+      const std::vector<int64_t> ten{10};
+      if (user) {
+        session.schedule_snapshots(ten);
+      } else {
+        session.schedule_branch_points(ten);
+      }
+      EXPECT_TRUE(stack.forward_and_check(session.remaining(), prompt(0)));
+      session.prefill_done();
+    }
+    for (int32_t c = 1; c < 4; ++c) run_turn(cache, stack, prompt(c), reply(c));
+    const Tokens first = prompt(0);
+    return cache.match(Tokens(first.begin(), first.begin() + 10) + tokens(9000, 2));
+  };
+  int64_t differ = 0;
+  for (int64_t budget = 0; budget <= 40000; budget += 500) {
+    const int64_t marked = kept_at_10(budget, true), guessed = kept_at_10(budget, false);
+    EXPECT_LE(guessed, marked) << "budget " << budget;
+    differ += guessed < marked ? 1 : 0;
+  }
+  EXPECT_GT(differ, 0);
+}
+
 }  // namespace
 }  // namespace kvsnap::prefix_cache_lru_test

@@ -257,12 +257,16 @@ TEST_F(PrefixCacheTest, SessionMisuseIsReported) {
   const std::vector<int64_t> outside{20};
   EXPECT_TRUE(throws_error([&] { session.schedule_snapshots(outside); },
                            {"Session::schedule_snapshots", "offset 20", "[0, 12]"}));
+  EXPECT_TRUE(throws_error([&] { session.schedule_branch_points(outside); },
+                           {"Session::schedule_branch_points", "offset 20", "[0, 12]"}));
   EXPECT_TRUE(throws_error([&] { session.prefill_done(); },
                            {"Session::prefill_done", "evaluate remaining()", "12 tokens"}));
   EXPECT_TRUE(throws_error([&] { session.append_output(1); }, {"prefill_done() after"}));
   ASSERT_TRUE(stack.forward_and_check(session.remaining(), kSystem));
   const std::vector<int64_t> late{4};
   EXPECT_TRUE(throws_error([&] { session.schedule_snapshots(late); }, {"before the prefill"}));
+  EXPECT_TRUE(throws_error([&] { session.schedule_branch_points(late); },
+                           {"Session::schedule_branch_points", "before the prefill"}));
   session.prefill_done();
   EXPECT_TRUE(throws_error([&] { session.prefill_done(); }, {"already called"}));
   session.close();
