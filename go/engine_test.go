@@ -149,7 +149,11 @@ func (e *engine) serve(t testing.TB, slot int32, prompt []int32, replies int, rn
 	}
 	if int64(len(prompt)) > cached+1 && rng.Intn(2) == 0 { // a restore point of the caller's own
 		at := cached + 1 + rng.Int63n(int64(len(prompt))-cached-1)
-		if err := session.ScheduleSnapshots(at); err != nil {
+		schedule := session.ScheduleSnapshots
+		if rng.Intn(2) == 0 { // a guess: an ordinary node, not a user one
+			schedule = session.ScheduleBranchPoints
+		}
+		if err := schedule(at); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -368,6 +368,21 @@ func (s *Session) ScheduleSnapshots(offsets ...int64) error {
 	})
 }
 
+// ScheduleBranchPoints adds restore points that are guesses — where other requests' prompts may
+// leave this one — before the prefill: ordinary nodes, evicted and merged like any other, where
+// ScheduleSnapshots' are user nodes, evicted last.
+func (s *Session) ScheduleBranchPoints(offsets ...int64) error {
+	var at *C.int64_t
+	if len(offsets) > 0 {
+		at = (*C.int64_t)(unsafe.Pointer(&offsets[0]))
+	}
+	return s.use("Session.ScheduleBranchPoints", func(p *C.kvsnap_session) error {
+		return check(func() C.kvsnap_status {
+			return C.kvsnap_session_schedule_branch_points(p, at, C.size_t(len(offsets)))
+		})
+	})
+}
+
 // PrefillDone is called after the prefill forward over the remaining tokens.
 func (s *Session) PrefillDone() error {
 	return s.use("Session.PrefillDone", func(p *C.kvsnap_session) error {

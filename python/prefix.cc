@@ -105,7 +105,15 @@ tokens out into the trie.)")
             on_session(s, [&](auto& session) { session.schedule_snapshots(offsets); });
           },
           py::arg("offsets").noconvert(),
-          "Extra restore points in [cached, prompt size], before prefill.")
+          "Extra restore points in [cached, prompt size], before prefill: user nodes.")
+      .def(
+          "schedule_branch_points",
+          [](PySession& s, const std::vector<int64_t>& offsets) {
+            on_session(s, [&](auto& session) { session.schedule_branch_points(offsets); });
+          },
+          py::arg("offsets").noconvert(),
+          "Restore points that are guesses (where other prompts may leave this one), in "
+          "[cached, prompt size], before prefill: ordinary nodes, evicted like any other.")
       .def(
           "prefill_done",
           [](PySession& s) { on_session(s, [](auto& session) { session.prefill_done(); }); },

@@ -542,9 +542,13 @@ KVSNAP_EXPORT kvsnap_status kvsnap_session_remaining(const kvsnap_session* sessi
 KVSNAP_EXPORT kvsnap_status kvsnap_session_cached(const kvsnap_session* session, int64_t* out);
 /* The slot (the layers' sequence) the session runs on. */
 KVSNAP_EXPORT kvsnap_status kvsnap_session_slot(const kvsnap_session* session, int32_t* out);
-/* Extra restore points (absolute offsets in [cached, prompt size]), before the prefill. */
+/* Extra restore points (absolute offsets in [cached, prompt size]), before the prefill: user
+   nodes. branch_points: guesses (where other prompts may leave this one), ordinary nodes. */
 KVSNAP_EXPORT kvsnap_status kvsnap_session_schedule_snapshots(kvsnap_session* session,
                                                               const int64_t* offsets, size_t count);
+KVSNAP_EXPORT kvsnap_status kvsnap_session_schedule_branch_points(kvsnap_session* session,
+                                                                  const int64_t* offsets,
+                                                                  size_t count);
 /* After the prefill forward over the remaining tokens. */
 KVSNAP_EXPORT kvsnap_status kvsnap_session_prefill_done(kvsnap_session* session);
 /* A generated token. */

@@ -172,14 +172,29 @@ kvsnap_status kvsnap_session_slot(const kvsnap_session* session, int32_t* out) {
   return guard([&] { require(out, call, "out") = session_of(session, call).slot(); });
 }
 
-kvsnap_status kvsnap_session_schedule_snapshots(kvsnap_session* session, const int64_t* offsets,
-                                                size_t count) {
-  constexpr const char* call = "kvsnap_session_schedule_snapshots";
+namespace {
+// The two ways of scheduling restore points: `how` is the session's call.
+kvsnap_status schedule(kvsnap_session* session, const int64_t* offsets, size_t count,
+                       const char* call,
+                       void (PrefixCache::Session::*how)(std::span<const int64_t>)) {
   return guard([&] {
     PrefixCache::Session& s = session_of(session, call);
     if (count > 0) require_data(offsets, call, "offsets");
-    s.schedule_snapshots({offsets, count});
+    (s.*how)({offsets, count});
   });
+}
+}  // namespace
+
+kvsnap_status kvsnap_session_schedule_snapshots(kvsnap_session* session, const int64_t* offsets,
+                                                size_t count) {
+  return schedule(session, offsets, count, "kvsnap_session_schedule_snapshots",
+                  &PrefixCache::Session::schedule_snapshots);
+}
+
+kvsnap_status kvsnap_session_schedule_branch_points(kvsnap_session* session, const int64_t* offsets,
+                                                    size_t count) {
+  return schedule(session, offsets, count, "kvsnap_session_schedule_branch_points",
+                  &PrefixCache::Session::schedule_branch_points);
 }
 
 kvsnap_status kvsnap_session_prefill_done(kvsnap_session* session) {

@@ -397,6 +397,8 @@ static void serve(kvsnap_prefix_cache* prefix, kvsnap_cache* layer, const int32_
     const int64_t message_end[1] = {4};
     CHECK_OK(kvsnap_session_schedule_snapshots(session, message_end, 1));
   }
+  const int64_t guess[1] = {*cached}; /* where another prompt may leave this one */
+  CHECK_OK(kvsnap_session_schedule_branch_points(session, guess, 1));
   append(layer, (int64_t)count, 0, NULL);
   CHECK_OK(kvsnap_session_prefill_done(session));
   CHECK_OK(kvsnap_session_append_output(session, 42));
@@ -562,6 +564,8 @@ static void test_null_arguments_of_snapshots_and_prefix_caches(void) {
   CHECK_NULL(kvsnap_session_cached(NULL, &number), "kvsnap_session_cached: session is NULL");
   CHECK_NULL(kvsnap_session_schedule_snapshots(NULL, NULL, 0),
              "kvsnap_session_schedule_snapshots: session is NULL");
+  CHECK_NULL(kvsnap_session_schedule_branch_points(NULL, NULL, 0),
+             "kvsnap_session_schedule_branch_points: session is NULL");
   CHECK_NULL(kvsnap_session_prefill_done(NULL), "kvsnap_session_prefill_done: session is NULL");
   CHECK_NULL(kvsnap_session_append_output(NULL, 1),
              "kvsnap_session_append_output: session is NULL");

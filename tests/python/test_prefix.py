@@ -47,6 +47,27 @@ def test_sessions_reuse_a_shared_prefix(rng):
     assert prefix.check_invariants() == ""
 
 
+def test_a_guessed_branch_point_is_a_restore_point(rng):
+    window = kvsnap.RotatingKVCache(8)  # restores only where its state was captured
+    prefix = kvsnap.PrefixCache([window])
+
+    def run(prompt, guesses=()):
+        with prefix.begin(prompt) as session:
+            if guesses:
+                session.schedule_branch_points(list(guesses))
+            remaining = session.remaining()
+            batch = kvsnap.Batch.single(remaining, session.cached)
+            window.update(batch, kv(rng, len(remaining)), kv(rng, len(remaining)))
+            session.prefill_done()
+            return session.cached
+
+    assert run(list(range(1, 13)), guesses=[6]) == 0
+    assert run(list(range(1, 7)) + [40, 41]) == 6
+    with prefix.begin([1, 2, 3]) as session:
+        with pytest.raises(kvsnap.Error, match=r"^Session::schedule_branch_points: offset 20"):
+            session.schedule_branch_points([20])
+
+
 def test_one_session_at_a_time(rng):
     prefix = kvsnap.PrefixCache([kvsnap.KVCache()])
     session = prefix.begin([1, 2, 3])
