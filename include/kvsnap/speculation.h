@@ -64,8 +64,11 @@ class KVSNAP_EXPORT Speculation {
   // gone: only cancel() ends the round then). Accepting every draft moves no layer and needs
   // no capture: it succeeds even when one was lost (out of memory while the verify forward made
   // it). Otherwise only the capture at the accepted offset is kept: the others are released
-  // before any layer moves (after an accept that failed past that point, only accept(drafts)
-  // or cancel() ends the round), and the whole-state layers restore before the others rewind. A
+  // before any layer moves, and the whole-state layers restore before the others rewind. An
+  // accept that fails past that point (out of memory restoring a window) may have moved some
+  // whole-state layers: call accept again with the same count, which moves only the layers not
+  // moved yet (any other count is refused), or cancel() the round, which leaves each layer where
+  // it stands (reset the sequence then). A
   // layer of a kind that does not report its schedule (ScheduleState::known false) is trusted to
   // hold no one else's: the rewind refuses one, after the whole-state layers moved.
   void accept(int64_t accepted);
@@ -96,16 +99,19 @@ class KVSNAP_EXPORT Speculation {
     size_t index = 0;                    // its first position in the constructor's list
     bool capture = false;                // this round
     bool taken = false;                  // this round's captures are in `snapshots`
+    bool moved = false;                  // restored by an accept that failed on a later layer
     std::vector<SnapshotPtr> snapshots;  // its captures (capacity kept across rounds)
   };
   int64_t common_offset() const;
   bool holds_round_schedule(const Layer& layer) const;
   void check_layer(const Layer& layer, int64_t target) const;
   void check_captures(const Layer& layer) const;
+  void check_accept(int64_t accepted) const;
 
   std::vector<Layer> layers_;
   SeqId seq_;
   bool open_ = false;
+  int64_t moving_ = -1;  // the accepted count of an accept that released captures, then failed
   int64_t start_ = 0, drafts_ = 0;
   std::vector<int64_t> offsets_;  // scratch: the scheduled offsets
   Stats stats_;

@@ -43,7 +43,7 @@ Speculation::Speculation(std::vector<Cache*> layers, SeqId seq) : seq_(seq) {
                                         [&](const Layer& layer) { return layer.cache == cache; })) {
       continue;
     }
-    layers_.push_back(Layer{cache, i, false, false, {}});
+    layers_.push_back(Layer{cache, i, false, false, false, {}});
   }
 }
 
@@ -117,7 +117,10 @@ void Speculation::begin(int64_t drafts) {
     }
   } catch (...) {
     for (size_t i = 0; i < layers_.size(); ++i) {
-      if (i < prepared && layers_[i].capture) layers_[i].cache->cancel_snapshots(seq_);
+      try {
+        if (i < prepared && layers_[i].capture) layers_[i].cache->cancel_snapshots(seq_);
+      } catch (...) {  // a kind whose cancel throws: the rest are still cancelled, and the
+      }                // error begin reports is the one that stopped it
       layers_[i].capture = false;
     }
     throw;
@@ -174,6 +177,34 @@ void Speculation::check_layer(const Layer& layer, int64_t target) const {
   }
 }
 
+// Throws unless accept(accepted) can move every layer (see accept); changes nothing.
+void Speculation::check_accept(int64_t accepted) const {
+  if (moving_ >= 0 && accepted != moving_) {
+    throw Error(fmt::format(
+        "Speculation::accept: an accept of {} drafts ran out of memory after moving some layers; "
+        "accept {} again to move the rest, or cancel the round",
+        moving_, moving_));
+  }
+  const int64_t end = start_ + drafts_ + 1, target = start_ + accepted + 1;
+  for (const Layer& layer : layers_) {
+    if (layer.cache->offset(seq_) == (layer.moved ? target : end)) continue;
+    throw Error(fmt::format(
+        "Speculation::accept: a layer of sequence {} stands at offset {}; the verify forward of "
+        "{} tokens from {} leaves every layer at {}",
+        seq_, layer.cache->offset(seq_), drafts_ + 1, start_, end));
+  }
+  for (const Layer& layer : layers_) {
+    if (moving_ < 0 || !layer.capture) {
+      check_layer(layer, target);
+    } else if (!layer.moved && (layer.snapshots.size() <= static_cast<size_t>(accepted) ||
+                                layer.snapshots[static_cast<size_t>(accepted)] == nullptr)) {
+      throw Error(
+          fmt::format("Speculation::accept: internal error: layer {} lost its capture at offset {}",
+                      layer.index, target));
+    }
+  }
+}
+
 void Speculation::accept(int64_t accepted) {
   if (!open_) throw Error("Speculation::accept: no round is open (call begin first)");
   if (accepted < 0 || accepted > drafts_) {
@@ -182,15 +213,7 @@ void Speculation::accept(int64_t accepted) {
                     accepted, drafts_));
   }
   const int64_t end = start_ + drafts_ + 1, target = start_ + accepted + 1;
-  for (const Layer& layer : layers_) {
-    if (layer.cache->offset(seq_) == end) continue;
-    throw Error(fmt::format(
-        "Speculation::accept: a layer of sequence {} stands at offset {}; the verify forward of "
-        "{} tokens from {} leaves every layer at {}",
-        seq_, layer.cache->offset(seq_), drafts_ + 1, start_, end));
-  }
-  // Everything is checked before any layer moves, so a refusal leaves every layer as it was.
-  for (const Layer& layer : layers_) check_layer(layer, target);
+  check_accept(accepted);  // everything, before any layer moves
   if (target == end) {
     // Every draft confirmed: no layer moves, and the captures are only released — dropped with
     // their schedule, not taken (taking refuses a capture lost out of memory, which nothing
@@ -218,9 +241,10 @@ void Speculation::accept(int64_t accepted) {
         if (j != static_cast<size_t>(accepted)) layer.snapshots[j].reset();
       }
     }
+    moving_ = accepted;  // from here on, only this count can finish the round
     for (const bool whole_state : {true, false}) {
       for (Layer& layer : layers_) {
-        if (layer.capture != whole_state) continue;
+        if (layer.capture != whole_state || layer.moved) continue;
         Snapshot* capture =
             whole_state ? layer.snapshots[static_cast<size_t>(accepted)].get() : nullptr;
         // The layer's own capture: the restore moves the offset or adopts the shared state.
@@ -231,10 +255,12 @@ void Speculation::accept(int64_t accepted) {
         }
         ++(whole_state ? stats_.restores : stats_.rewinds);
         layer.snapshots.clear();  // released before the next write can make it copy out
+        layer.moved = true;
       }
     }
-    for (Layer& layer : layers_) layer.capture = layer.taken = false;
+    for (Layer& layer : layers_) layer.capture = layer.taken = layer.moved = false;
   }
+  moving_ = -1;
   open_ = false;
   ++stats_.rounds;
   stats_.drafted += drafts_;
@@ -249,8 +275,9 @@ void Speculation::cancel() {
       layer.cache->cancel_snapshots(seq_);
     }
     layer.snapshots.clear();
-    layer.capture = layer.taken = false;
+    layer.capture = layer.taken = layer.moved = false;
   }
+  moving_ = -1;
   open_ = false;
 }
 

@@ -311,6 +311,44 @@ TEST(Speculation, AFailedBeginCancelsWhatItScheduled) {
   ASSERT_TRUE(stack.forward_and_check(next, concat(prompt, next)));
 }
 
+// A whole-state layer whose first restore runs out of memory (the built-in kinds' restores in an
+// accept allocate nothing; a kind of the caller's may).
+class FailingRestore final : public testing::DelegatingCache {
+ public:
+  using DelegatingCache::DelegatingCache;
+  bool restore(Snapshot* s, int64_t target) override {
+    if (failures_++ == 0) throw std::bad_alloc();
+    return DelegatingCache::restore(s, target);
+  }
+
+ private:
+  int failures_ = 0;
+};
+
+// An accept that runs out after moving the window (restored before the failing layer) leaves the
+// round open: the same count again moves only the layers not moved, another count is refused,
+// and the stack goes on equal to recomputation.
+TEST(Speculation, AnAcceptThatMovedSomeLayersFinishesWhenAskedAgain) {
+  HybridStack stack(StackOptions{.window = 2});
+  const Tokens prompt = range(1, 5);
+  ASSERT_TRUE(stack.forward_and_check(prompt, prompt));
+  FailingRestore failing(stack.recurrent);
+  Speculation round({&stack.attention(), &stack.window, &failing});
+  round.begin(3);
+  const Tokens verify = {20, 21, 22, 23};
+  ASSERT_TRUE(stack.forward_and_check(verify, concat(prompt, verify)));
+  EXPECT_THROW(round.accept(1), std::bad_alloc);
+  EXPECT_TRUE(round.open());
+  EXPECT_EQ(stack.window.offset(), 7);  // moved
+  EXPECT_EQ(stack.recurrent.offset(), 9);
+  expect_error([&] { round.accept(2); }, "accept 1 again");
+  round.accept(1);
+  EXPECT_FALSE(round.open());
+  expect_offsets(stack.layers(), 7);
+  const Tokens kept = concat(prompt, {20, 21}), next = {30, 31};
+  ASSERT_TRUE(stack.forward_and_check(next, concat(kept, next)));
+}
+
 INSTANTIATE_TEST_SUITE_P(Kinds, EveryKind,
                          ::testing::Combine(::testing::Bool(), ::testing::Values(4, 64)));
 
