@@ -432,8 +432,16 @@ bool RecurrentCache::restore(SeqId seq, Snapshot* snapshot, int64_t target) {
 }
 
 SnapshotPtr RecurrentCache::merge(SnapshotPtr parent, SnapshotPtr child) {
-  (void)detail::as_recurrent_snapshot(parent.get(), "RecurrentCache::merge");
-  (void)detail::as_recurrent_snapshot(child.get(), "RecurrentCache::merge");
+  constexpr const char* call = "RecurrentCache::merge";
+  const detail::RecurrentSnapshot* first = detail::as_recurrent_snapshot(parent.get(), call);
+  const detail::RecurrentSnapshot* second = detail::as_recurrent_snapshot(child.get(), call);
+  for (const detail::RecurrentSnapshot* s : {first, second}) {
+    if (s != nullptr) impl_->check_fits(detail::RecurrentSequence{}, *s, call);
+  }
+  if (first != nullptr && second != nullptr && first->conv.dtype() != second->conv.dtype()) {
+    throw Error(fmt::format("{}: the snapshots' activations differ ({} and {})", call,
+                            dtype_name(first->conv.dtype()), dtype_name(second->conv.dtype())));
+  }
   return child;
 }
 

@@ -356,8 +356,21 @@ bool RotatingKVCache::restore(SeqId seq, Snapshot* snapshot, int64_t target) {
 }
 
 SnapshotPtr RotatingKVCache::merge(SnapshotPtr parent, SnapshotPtr child) {
-  (void)detail::as_window(parent.get(), "RotatingKVCache::merge");
-  (void)detail::as_window(child.get(), "RotatingKVCache::merge");
+  constexpr const char* call = "RotatingKVCache::merge";
+  const KVStateSnapshot* first = detail::as_window(parent.get(), call);
+  const KVStateSnapshot* second = detail::as_window(child.get(), call);
+  for (const KVStateSnapshot* s : {first, second}) {
+    if (s != nullptr && s->window != impl_->max_size) {
+      throw Error(fmt::format(
+          "{}: a snapshot of a window of {} tokens, where this cache's window is {} (a window "
+          "merges only snapshots of its own size)",
+          call, s->window, impl_->max_size));
+    }
+  }
+  if (first != nullptr && second != nullptr && !(first->layout == second->layout)) {
+    throw Error(fmt::format("{}: the snapshots' layouts differ ({} and {})", call,
+                            first->layout.describe(), second->layout.describe()));
+  }
   return child;
 }
 

@@ -169,6 +169,25 @@ TEST(RecurrentCache, MergeKeepsTheChildAndSplitKeepsTheWhole) {
   EXPECT_EQ(after.get(), raw);
 }
 
+// merge refuses what restore would: another kind, another cache's shapes, or two activations.
+TEST(RecurrentCacheErrors, MergeRefusesSnapshotsOfOtherShapes) {
+  RecurrentCache cache = layer.make_cache();
+  layer.forward(cache, id_range(0, 3));
+  const RecurrentLayer wider{.conv_dim = 8};
+  RecurrentCache other = wider.make_cache();
+  wider.forward(other, id_range(0, 3));
+  EXPECT_TRUE(throws_error([&] { (void)cache.merge(cache.snapshot(0), other.snapshot(0)); },
+                           {"RecurrentCache::merge", "does not fit this cache"}));
+  EXPECT_TRUE(throws_error([&] { (void)cache.merge(other.snapshot(0), cache.snapshot(0)); },
+                           {"RecurrentCache::merge", "does not fit this cache"}));
+  const RecurrentLayer half{.activation = DType::bf16};
+  RecurrentCache bf16 = half.make_cache();
+  half.forward(bf16, id_range(0, 3));
+  EXPECT_TRUE(throws_error([&] { (void)cache.merge(cache.snapshot(0), bf16.snapshot(0)); },
+                           {"RecurrentCache::merge", "activations differ", "f32", "bf16"}));
+  EXPECT_NE(cache.merge(nullptr, cache.snapshot(0)), nullptr);
+}
+
 TEST(RecurrentCache, OnePutServesRowsOfDifferentSequences) {
   RecurrentCache cache = layer.make_cache(), alone0 = layer.make_cache(),
                  alone5 = layer.make_cache();

@@ -354,6 +354,17 @@ TEST(RotatingKVCacheErrors, AWindowRestoresOnlyIntoACacheOfTheSameWindow) {
   RotatingKVCache same(4);
   ASSERT_TRUE(same.restore(loaded.snapshots[0].get(), 10));
   EXPECT_EQ(held(same), window(7, 10));
+  // Nor does merge take it (a window's merge keeps the child, which must fit).
+  write_positions(big, 12);
+  EXPECT_TRUE(throws_error([&] { (void)big.merge(big.snapshot(0), small.snapshot(0)); },
+                           {"RotatingKVCache::merge", "window of 4 tokens", "window is 16"}));
+  EXPECT_TRUE(throws_error([&] { (void)small.merge(big.snapshot(0), small.snapshot(0)); },
+                           {"RotatingKVCache::merge", "window of 16 tokens", "window is 4"}));
+  const testing::TokenKV wide{.heads = 4};
+  RotatingKVCache other(4);
+  (void)testing::write(other, wide, id_range(0, 3));
+  EXPECT_TRUE(throws_error([&] { (void)small.merge(small.snapshot(0), other.snapshot(0)); },
+                           {"RotatingKVCache::merge", "layouts differ"}));
 }
 
 TEST(RotatingKVCacheErrors, ASnapshotOfAnotherLayoutIsRefusedWhateverTheTarget) {
