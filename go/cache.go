@@ -332,7 +332,8 @@ func (c *Cache) PoolStats() (PoolStats, error) {
 		int64(s.blocks_copied), int64(s.live_blocks), int64(s.live_bytes)}, err
 }
 
-// Sequences are the sequence ids holding state, ascending.
+// Sequences are the ids of the sequences the cache has made (written, restored or given a
+// schedule; a reset one stays listed, at offset 0), ascending.
 func (c *Cache) Sequences() ([]int32, error) {
 	var out []int32
 	err := c.use("Cache.Sequences", func(p *C.kvsnap_cache) error {

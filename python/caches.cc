@@ -161,7 +161,8 @@ void bind_cache_state(CacheClass<Cache>& cache) {
           Released(), "Tokens written so far to sequence `seq`.")
       .def(
           "sequences", [](const Cache& c) { return c.sequences(); }, Released(),
-          "The sequences that hold state (sequence 0 alone for a fresh cache).")
+          "The sequences the cache has made (written, restored or given a schedule), "
+          "ascending; a reset one stays listed, at offset 0.")
       .def("exposed_bytes", &Cache::exposed_bytes, py::arg("seq") = 0, Released(),
            "Bytes the sequence's writes may still copy into snapshots taken: an upper bound.")
       .def(

@@ -153,7 +153,8 @@ class KVSNAP_EXPORT Cache {
   // caller that reuses `into` round after round lets capture allocate nothing once warm.
   virtual void take_snapshots_into(SeqId seq, std::vector<SnapshotPtr>& into);
   [[nodiscard]] virtual bool restore(SeqId seq, Snapshot* snapshot, int64_t target);
-  // The sequences that hold state (sequence 0 alone for a single-sequence cache).
+  // The sequences the cache has made — written, restored or given a schedule — ascending; a
+  // sequence reset stays listed, at offset 0 (sequence 0 alone for a single-sequence cache).
   virtual std::vector<SeqId> sequences() const;
   // How many bytes the snapshots taken so far of the sequence may come to own through its
   // writes alone (update, put): the lazy data a write may overwrite — a KV range beyond the

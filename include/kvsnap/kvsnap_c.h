@@ -400,7 +400,8 @@ KVSNAP_EXPORT kvsnap_status kvsnap_cache_offset_seq(const kvsnap_cache* cache, i
  * would overwrite): an upper bound (Cache::exposed_bytes). */
 KVSNAP_EXPORT kvsnap_status kvsnap_cache_exposed_bytes_seq(const kvsnap_cache* cache, int32_t seq,
                                                            int64_t* out);
-/* The sequences holding state, ascending; sets *count, fails if it exceeds `capacity`. */
+/* The sequences the cache has made (written, restored or given a schedule; a reset one stays,
+   at offset 0), ascending; sets *count, fails if it exceeds `capacity`. */
 KVSNAP_EXPORT kvsnap_status kvsnap_cache_sequences(const kvsnap_cache* cache, int32_t* seqs,
                                                    size_t capacity, size_t* count);
 /* Sequence `seq`'s live state arrays, as kvsnap_cache_state. */
