@@ -165,9 +165,16 @@ class RotatingSequence final : public KVKind {
       start = 0;
       length = kept;  // what the columns hold now, should the write below run out
     } else {
-      // Fresh linear buffer with room to grow in place by as much again, at most a window: its
-      // size follows the tokens held (a short prompt in a long window takes what it holds).
-      relinearize(kept, round_up(need + std::min(need, max_size), RotatingKVCache::kStep));
+      // A buffer with room to grow in place by as much again, at most a window: its size follows
+      // the tokens held (a short prompt in a long window takes what it holds). A window still
+      // filling from column 0 keeps its columns where they are (lazy windows stay lazy);
+      // otherwise the kept tokens move to column 0 of a fresh one.
+      const int64_t columns = round_up(need + std::min(need, max_size), RotatingKVCache::kStep);
+      if (linear() && start == 0 && kept == length) {
+        store.resize(columns, length);
+      } else {
+        relinearize(kept, columns);
+      }
     }
     store.write(kept, k, v);
     length = need;

@@ -113,7 +113,11 @@ class PrefixCacheImpl {
     if (found.offset == 0) return;
     const std::lock_guard<std::mutex> lock(mutex);
     if (slot(id, "PrefixCache::begin").open()) return;  // begun meanwhile: this begin is refused
-    (void)insert_from_tier(trie, prompt, std::move(found), [&] { evict(id, Change::shared); });
+    // Each segment is evicted for alone (what other slots may copy out is as it was), every
+    // slot's exposure refreshed once at the end.
+    if (insert_from_tier(trie, prompt, std::move(found), [&] { evict(id, Change::own); })) {
+      evict(id, Change::shared);
+    }
   }
 
   mutable std::mutex mutex;

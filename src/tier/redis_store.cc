@@ -67,7 +67,7 @@ timeval remaining(Deadline deadline) {
 // The most bytes a reply holds around what it carries: "$<length>\r\n", "\r\n".
 constexpr int64_t kReplyHeader = 64;
 // The longest status or error line a reply to anything but GETEX carries, and the longest index
-// member (a decimal offset).
+// member ("OFFSET:BYTES", two decimal numbers: 41 bytes at most).
 constexpr int64_t kLineBytes = 4096;
 constexpr int64_t kMemberBytes = 64;
 

@@ -71,7 +71,8 @@ class Store {
   // into memory: a dir: file reads as missing; a Redis reply fails the round trip before its
   // bytes pass this size.
   static constexpr int64_t kMaximumObjectBytes = int64_t(512) << 20;
-  // The most members probe lists of one index (a restore point per offset of a 64k-token chunk):
+  // The most members probe lists of one index (a restore point per offset of a 64k-token chunk;
+  // half as many offsets where processes of two versions wrote a bare and a sized member each):
   // a store planted with millions of them costs a lookup that many names at most (a dir: index
   // is listed that far; a Redis reply announcing more fails before anything is allocated).
   static constexpr int64_t kMaximumIndexMembers = int64_t(1) << 16;

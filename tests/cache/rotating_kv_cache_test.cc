@@ -87,6 +87,23 @@ TEST(RotatingKVCache, AChunkTakesRoomForItsTokensNotTheWindow) {
   EXPECT_LE(stats.growth_bytes, 2 * stats.appended_bytes);
 }
 
+// A window still filling grows its buffer in place: the windows captured before stay lazy (the
+// columns they name do not move), as they did when the first chunk took the whole window.
+TEST(RotatingKVCache, AWindowFillingInChunksGrowsWithoutCopyingOutItsSnapshots) {
+  RotatingKVCache cache(4096);
+  write_positions(cache, 100);  // 256 columns
+  SnapshotPtr early = cache.snapshot(0);
+  ASSERT_TRUE(early->is_lazy());
+  for (int i = 0; i < 6; ++i) {
+    write_positions(cache, 300);  // past 256, 512, 1024 and 2048 columns: grown in place
+    EXPECT_EQ(early->size(), 0) << cache.offset();
+  }
+  EXPECT_EQ(held(cache), window(0, 1900));
+  RotatingKVCache other(4096);
+  ASSERT_TRUE(other.restore(early.get(), 100));
+  EXPECT_EQ(held(other), window(0, 100));
+}
+
 TEST(RotatingKVCache, DecodeStopsGrowingAtMaxSize) {
   RotatingKVCache cache(300);
   decode(cache, 700);
