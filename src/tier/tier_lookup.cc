@@ -83,9 +83,10 @@ class TierImpl::Finder {
       before.push_back(before.back() + size);
     }
     if (any_kv_) usable_end_ = first_ + static_cast<int64_t>(before.size()) - 1;
-    // Each offset once, with the least size its members say, not said counting as the least: a
-    // planted member saying more cannot hide the point, one saying less is caught as the bytes
-    // arrive.
+    // Each offset once, with the least size its members say (a planted member saying more
+    // cannot hide the point, one saying less is caught as the bytes arrive); a member without a
+    // size (written by an earlier version) counts only when none says one, so a store of such
+    // members heals as this version writes the points again.
     std::map<int64_t, int64_t, std::greater<>> points;
     for (size_t k = 0; k < members.size(); ++k) {
       const int64_t j = first_ + static_cast<int64_t>(k);
@@ -97,7 +98,7 @@ class TierImpl::Finder {
           continue;
         }
         int64_t& bytes = points.try_emplace(t, member->bytes).first->second;
-        bytes = std::min(bytes, member->bytes);  // -1, not said, is the least
+        if (bytes < 0 || (member->bytes >= 0 && member->bytes < bytes)) bytes = member->bytes;
       }
     }
     std::vector<int64_t> fitting;

@@ -375,6 +375,9 @@ TEST_P(TierStore, IndexMembersSayTheirPointsSizes) {
   EXPECT_EQ(lookups({sized[0], sized[1], "31:" + std::to_string(int64_t{1} << 60)}),
             (std::vector<int64_t>{31, 26, 31, count}));
   EXPECT_EQ(lookups({sized[0], "31:1"}), (std::vector<int64_t>{31, 26, 31, cut_off}));
+  // A bare member beside a sized one (an earlier version wrote the point, this one again): the
+  // size counts.
+  EXPECT_EQ(lookups({sized[0], sized[1], "26", "31"}), (std::vector<int64_t>{31, 26, 31, count}));
 }
 
 // A prefix cache restoring from the tier inserts what it found one segment at a time, evicting
