@@ -50,7 +50,7 @@ struct WriteBatch {
   // Objects and index entries not written because this process knows the store holds them:
   // the writer checks that it still does (a flushed, restarted or evicting store loses them).
   std::vector<std::string> known;
-  std::vector<std::pair<std::string, std::string>> known_index;  // set, the point's offset
+  std::vector<std::pair<std::string, int64_t>> known_index;  // set, the point's offset
   // Objects to delete (ones a lookup rejected as damaged or forged), before anything else.
   std::vector<std::string> doomed;
   bool empty() const {

@@ -156,7 +156,7 @@ std::optional<WriteBatch> TierImpl::encode(std::span<const int32_t> tokens,
     if (known_.contains(key)) {
       batch.known.push_back(key);
       // Its size is not known here (nothing was encoded): any member of this offset will do.
-      batch.known_index.emplace_back(TierKeys::index_key(digest), std::to_string(point.offset));
+      batch.known_index.emplace_back(TierKeys::index_key(digest), point.offset);
       continue;
     }
     const ObjectSpec spec{ObjectSpec::Kind::point, base * chunk, point.offset};

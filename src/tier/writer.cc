@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <set>
 
 #include "tier/keys.h"
 #include "tier/object.h"
@@ -192,7 +193,7 @@ void WriteBehind::send(WriteBatch& batch) {
 
 bool WriteBehind::still_holds(const WriteBatch& batch, Deadline deadline) {
   std::vector<std::string> sets;
-  for (const auto& [set, member] : batch.known_index) {
+  for (const auto& [set, offset] : batch.known_index) {
     if (std::find(sets.begin(), sets.end(), set) == sets.end()) sets.push_back(set);
   }
   std::vector<std::vector<std::string>> members;
@@ -204,17 +205,17 @@ bool WriteBehind::still_holds(const WriteBatch& batch, Deadline deadline) {
     return true;  // unknown: the next batch asks again
   }
   if (std::any_of(sizes.begin(), sizes.end(), [](int64_t size) { return size < 0; })) return false;
-  // A known point is held when its index lists its offset, whatever size the member says.
-  for (const auto& [set, member] : batch.known_index) {
-    const auto& in =
-        members[static_cast<size_t>(std::find(sets.begin(), sets.end(), set) - sets.begin())];
-    const std::optional<TierKeys::Member> known = TierKeys::parse_index_member(member);
-    if (!known || std::none_of(in.begin(), in.end(), [&](const std::string& listed) {
-          const std::optional<TierKeys::Member> entry = TierKeys::parse_index_member(listed);
-          return entry && entry->offset == known->offset;
-        })) {
-      return false;
+  // A known point is held when its index lists its offset, whatever size the member says: each
+  // set's members are read once.
+  std::vector<std::set<int64_t>> listed(sets.size());
+  for (size_t k = 0; k < sets.size(); ++k) {
+    for (const std::string& member : members[k]) {
+      if (const auto entry = TierKeys::parse_index_member(member)) listed[k].insert(entry->offset);
     }
+  }
+  for (const auto& [set, offset] : batch.known_index) {
+    const auto k = static_cast<size_t>(std::find(sets.begin(), sets.end(), set) - sets.begin());
+    if (listed[k].count(offset) == 0) return false;
   }
   return true;
 }

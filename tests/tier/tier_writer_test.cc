@@ -310,7 +310,7 @@ TEST(TierWriteBehind, AKnownIndexEntryIsHeldByAnyMemberOfItsOffset) {
     store->listed = listed;
     WriteBehind writer(std::move(store), options, counters);
     WriteBatch batch = batch_of(1, 10);
-    batch.known_index.emplace_back("set", "31");
+    batch.known_index.emplace_back("set", 31);
     ASSERT_TRUE(writer.push(std::move(batch)));
     ASSERT_TRUE(writer.flush(10s));
     EXPECT_EQ(lost, held ? 0 : 1) << ::testing::PrintToString(listed);
