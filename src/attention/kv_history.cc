@@ -264,8 +264,14 @@ AttentionMask KVHistory::apply_mask(const Batch& batch, const AttentionMask& log
         const bool real = l < batch.seq_query_lens[b];
         for (int64_t k = 0; k < keys; ++k) {
           const int64_t key = position(k);
+          // Hidden by any rule is hidden whatever the other masks add there (-inf plus an
+          // infinite or NaN bias would be NaN: a visible score for the row's softmax).
           float value = real && effective.allows(query, key) ? 0.0f : kHidden;
-          for (const DenseMask& mask : dense) value += mask.at(b, h, l, key);
+          for (const DenseMask& mask : dense) {
+            if (value == kHidden) break;
+            const float bias = mask.at(b, h, l, key);
+            value = bias == kHidden ? kHidden : value + bias;
+          }
           *out++ = value;
         }
       }

@@ -17,10 +17,12 @@
 namespace kvsnap {
 namespace {
 
+using detail::all_finite;
 using detail::divide_by;
 using detail::kMasked;
 using detail::softmax_numerators;
 using detail::Visibility;
+using detail::weigh_seen;
 
 // Queries go through in blocks so the score matrix stays small for long prefills.
 constexpr int64_t kBlock = 128;
@@ -274,6 +276,16 @@ class Attend {
         }
       }
       if (!weigh(b, g, lo, hi, m, scores, weighed, work)) continue;  // no run: rows stay zero
+      for (int64_t i = 0; i < m; ++i) {
+        float* sum = weighed + i * value_depth_;
+        if (all_finite(sum, value_depth_)) continue;
+        std::fill_n(sum, value_depth_, 0.0f);  // again without the columns it does not see
+        batches(b, g, lo, hi, /*keys=*/false, work,
+                [&](const std::vector<detail::ColumnRun>& runs, int64_t stride, int64_t at) {
+                  weigh_seen(scores + i * width + at, runs.data(), runs.size(), stride,
+                             value_depth_, sum);
+                });
+      }
       for (int64_t j = 0; j < group_; ++j) {
         float* to = out + ((b * query_heads_ + g * group_ + j) * queries_ + l0) * value_depth_;
         std::copy_n(weighed + j * block * value_depth_, block * value_depth_, to);

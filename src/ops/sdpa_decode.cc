@@ -231,9 +231,24 @@ class DecodeAttention {
     for (const Job& job : jobs_) weigh(job, g, s, out);
     for (size_t b = 0; b < rows_.size(); ++b) {
       for (int64_t j = 0; j < group_; ++j) {
-        divide_by(out + (static_cast<int64_t>(b) * query_heads_ + g * group_ + j) * value_depth_,
-                  value_depth_, s.sums[b * static_cast<size_t>(group_) + static_cast<size_t>(j)]);
+        float* const sum =
+            out + (static_cast<int64_t>(b) * query_heads_ + g * group_ + j) * value_depth_;
+        if (!all_finite(sum, value_depth_)) weigh_seen(static_cast<int64_t>(b), j, g, s, sum);
+        divide_by(sum, value_depth_,
+                  s.sums[b * static_cast<size_t>(group_) + static_cast<size_t>(j)]);
       }
+    }
+  }
+
+  // Query head j of key/value head g of row b, whose sum came out not finite: again without
+  // the columns it does not see (visibility.h's weigh_seen), over its jobs in column order.
+  void weigh_seen(int64_t b, int64_t j, int64_t g, Scratch& s, float* sum) const {
+    std::fill_n(sum, value_depth_, 0.0f);
+    for (const Job& job : jobs_) {
+      if (!std::binary_search(job.rows.begin(), job.rows.end(), b)) continue;
+      runs_of(job, /*keys=*/false, g * value_head_, s.runs);
+      detail::weigh_seen(s.row(b, j, group_, width_) + job.first, s.runs.data(), s.runs.size(),
+                         value_stride_, value_depth_, sum);
     }
   }
 

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <utility>
@@ -13,6 +14,7 @@
 #include "kvsnap/attention.h"
 #include "kvsnap/batch.h"
 #include "kvsnap/error.h"
+#include "ops/decode_kernels.h"
 #include "ops/softmax.h"
 
 namespace kvsnap::detail {
@@ -117,6 +119,32 @@ inline float softmax_numerators(float* row, int64_t width, int64_t begin, int64_
     return 0.0f;
   }
   return detail::exp_shifted(row + begin, end - begin, best);
+}
+
+// Whether out[0, n) holds only finite values.
+inline bool all_finite(const float* out, int64_t n) {
+  bool finite = true;
+  for (int64_t i = 0; i < n; ++i) finite &= std::isfinite(out[i]);
+  return finite;
+}
+
+// out[0, value_depth) += weights[c] * value(c) over the runs' columns (a row of `stride` floats
+// each) in order, as the weighing kernels' fma chains add them, but for the columns whose weight
+// is 0: a column the query does not see but that lies in the range the kernels weigh for it (a
+// later query's, a window's older one, another row's part of a shared block) holds a value that
+// must not reach it, and 0 times an infinite or NaN value is NaN. The kernels weigh every column
+// of their range; a row whose sum came out not finite is weighed again with this (any non-finite
+// value it does see still reaches it: a NaN weight is not 0).
+inline void weigh_seen(const float* weights, const ColumnRun* runs, size_t n_runs, int64_t stride,
+                       int64_t value_depth, float* out) {
+  for (size_t r = 0; r < n_runs; ++r) {
+    for (int64_t c = 0; c < runs[r].count; ++c) {
+      const float w = *weights++;
+      if (w == 0.0f) continue;
+      const float* value = runs[r].data + c * stride;
+      for (int64_t v = 0; v < value_depth; ++v) out[v] = std::fma(w, value[v], out[v]);
+    }
+  }
 }
 
 // out[0, n) /= sum (a softmax's denominator from softmax_numerators; 0 leaves zeros).
