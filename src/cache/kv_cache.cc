@@ -108,9 +108,10 @@ class KVSequence final : public KVKind {
     if (store.has_layout) check_same_layout(store.layout, s.pool()->layout, call);
     if (target < 0 || target > s.to() || offset < s.from()) return false;
     if (target > s.from()) {
-      if (!store.has_layout) store.adopt_layout(s.pool()->layout);
-      ensure_capacity(target);
-      store.preserve(s.from(), target);  // as write_back: the writes then allocate nothing
+      with_layout(s.pool()->layout, [&] {
+        ensure_capacity(target);
+        store.preserve(s.from(), target);  // as write_back: the writes then allocate nothing
+      });
       s.for_each_part(target - s.from(), [&](int64_t first, const Array& k, const Array& v) {
         store.write(s.from() + first, k, v);
         store.stats.restored_bytes += k.dim(2) * store.token_bytes();
@@ -251,13 +252,14 @@ bool KVCache::restore(SeqId seq, Snapshot* snapshot, int64_t target) {
     });
   }
   KVStateSnapshot& s = detail::as_kv_state(snapshot, Kind::kv, call);
+  detail::check_one_row(s.layout, call);
   if (current.store.has_layout) detail::check_same_layout(current.store.layout, s.layout, call);
   if (target < 0 || target > s.end || current.offset < s.begin) return false;
   if (target == current.offset && target <= s.begin) return true;  // nothing to write or move
   impl_->sequences.change(seq, call, [&](detail::KVSequence& c) {
     if (target > s.begin) {
-      if (!c.store.has_layout) c.store.adopt_layout(s.layout);
-      c.write_back(s, target);  // nothing for this sequence's own lazy snapshot: an offset move
+      // Nothing for this sequence's own lazy snapshot: an offset move.
+      c.with_layout(s.layout, [&] { c.write_back(s, target); });
     }
     c.offset = target;
   });

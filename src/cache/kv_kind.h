@@ -52,6 +52,19 @@ class KVKind {
   }
   // Throws Error naming "<name>::restore" while captures are scheduled.
   void require_idle() const { schedule.require_idle(calls_.restore.c_str()); }
+  // Runs `fill` with `layout` taken when the sequence has none yet; a fill that throws (out of
+  // memory) leaves none taken: a reset sequence takes any layout.
+  template <class Fill>
+  void with_layout(const KVLayout& layout, Fill&& fill) {
+    const bool adopted = !store.has_layout;
+    if (adopted) store.adopt_layout(layout);
+    try {
+      fill();
+    } catch (...) {
+      if (adopted) store.clear();
+      throw;
+    }
+  }
 
   virtual KVHistory history() const = 0;
   // Cache::exposed_bytes of this sequence, and Cache::exposed_bytes_after_rewind.

@@ -34,6 +34,14 @@ void check_same_layout(const KVLayout& existing, const KVLayout& incoming, const
   }
 }
 
+void check_one_row(const KVLayout& layout, const char* call) {
+  if (layout.rows == 1) return;
+  throw Error(fmt::format(
+      "{}: the snapshot holds {} batch rows; a sequence is one row (B=1): restore each row's "
+      "snapshot into its own sequence",
+      call, layout.rows));
+}
+
 int64_t check_update(const Batch& batch, const Array& keys, const Array& values, int64_t offset,
                      const KVLayout* existing, const char* call, int64_t first_row, SeqId seq) {
   batch.validate(call);

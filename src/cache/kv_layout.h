@@ -54,5 +54,8 @@ int64_t check_update(const Batch& batch, const Array& keys, const Array& values,
 
 // Throws Error naming `call` when `incoming` differs from `existing`.
 void check_same_layout(const KVLayout& existing, const KVLayout& incoming, const char* call);
+// Throws Error naming `call` unless a restored snapshot of `layout` is one batch row: a sequence
+// is one row (a file or a store can hold a record of more).
+void check_one_row(const KVLayout& layout, const char* call);
 
 }  // namespace kvsnap::detail

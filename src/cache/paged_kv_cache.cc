@@ -181,9 +181,10 @@ class PagedSequence {
     size_t next = 0;  // the snapshot's next block to splice
     const int64_t slot = from % block_tokens;
     if (slot != 0) {
-      const int32_t met = pool_->meet(blocks.back(), s.blocks()[0], slot,
-                                      std::min(block_tokens, target - (from - slot)));
-      if (met != s.blocks()[0]) pool_->stats.restored_bytes += pool_->block_bytes();
+      const int64_t end = std::min(block_tokens, target - (from - slot));
+      const int32_t met = pool_->meet(blocks.back(), s.blocks()[0], slot, end);
+      // A join copies the block's first `end` tokens (ours, then the snapshot's).
+      if (met != s.blocks()[0]) pool_->stats.restored_bytes += end * pool_->layout.token_bytes();
       if (met != blocks.back()) {
         pool_->acquire(met);
         pool_->release(blocks.back());
@@ -202,12 +203,13 @@ class PagedSequence {
   // Restores [from, target) of a snapshot held elsewhere (a KVCache's, another pool's) by
   // writing its tokens. The caller holds the snapshot's lock with ours (SnapshotLocks).
   void copy_in(const Snapshot& s, int64_t target) {
-    // Rewound (what a failure may leave), then every block the parts need and a shared tail's
-    // copy: no write runs out midway, leaving the sequence part restored.
-    rewind(s.from());
+    // Every block the parts need and a shared tail's copy, taken before the rewind (as splice
+    // does): running out, or past the pool's limit, leaves the sequence as it was, and no write
+    // runs out midway, leaving it part restored.
     const int64_t need = pool_->blocks_for(target);
     blocks.reserve(static_cast<size_t>(need));
-    pool_->reserve(need - static_cast<int64_t>(blocks.size()) + 1);
+    pool_->reserve(need - pool_->blocks_for(s.from()) + 1);
+    rewind(s.from());
     const auto write_part = [&](const Array& k, const Array& v) {
       write(k, v);
       pool_->stats.restored_bytes += k.dim(2) * pool_->layout.token_bytes();
@@ -475,12 +477,7 @@ bool PagedKVCache::restore(SeqId seq, Snapshot* snapshot, int64_t target) {
   }
   detail::require_kv(snapshot, detail::kRestore);
   const detail::KVLayout layout = detail::layout_of(*snapshot);
-  if (layout.rows != 1) {
-    throw Error(fmt::format(
-        "{}: the snapshot holds {} batch rows; a paged sequence is one row (B=1): restore each "
-        "row's snapshot into its own sequence",
-        detail::kRestore, layout.rows));
-  }
+  detail::check_one_row(layout, detail::kRestore);
   if (impl_->pool->fixed()) {
     detail::check_same_layout(impl_->pool->layout, layout, detail::kRestore);
   }
@@ -516,16 +513,9 @@ SnapshotPtr PagedKVCache::merge(SnapshotPtr parent, SnapshotPtr child) {
   const auto* a = dynamic_cast<const PagedSnapshot*>(parent.get());
   const auto* b = dynamic_cast<const PagedSnapshot*>(child.get());
   if (a == nullptr || b == nullptr || a->pool() != impl_->pool || b->pool() != impl_->pool) {
-    // Not both of this pool: join them as owned token arrays.
-    detail::SnapshotRecord first = detail::as_state_snapshot(parent.get())->record();
-    const detail::SnapshotRecord second = detail::as_state_snapshot(child.get())->record();
-    auto [keys, values] = detail::KVLayout::of(first.first, first.second)
-                              .allocate_uninitialized(child->to() - parent->from());
-    keys.assign_slice(2, 0, first.first);
-    keys.assign_slice(2, first.first.dim(2), second.first);
-    values.assign_slice(2, 0, first.second);
-    values.assign_slice(2, first.second.dim(2), second.second);
-    return detail::make_kv_snapshot(std::move(keys), std::move(values), parent->from());
+    // Not both of this pool: joined as owned token arrays, counted as copied.
+    return detail::join_kv_snapshots(*parent, *child, "PagedKVCache::merge",
+                                     impl_->pool->stats.snapshot_bytes);
   }
   // Block lists joined; where they meet mid-block, the block BlockPool::meet gives (a fresh one
   // goes back to the pool if the joined snapshot cannot be made).
@@ -538,9 +528,9 @@ SnapshotPtr PagedKVCache::merge(SnapshotPtr parent, SnapshotPtr child) {
   std::optional<int32_t> fresh;
   if (slot != 0) {
     skip = 1;
-    const int32_t met = pool.meet(blocks.back(), b->blocks()[0], slot,
-                                  std::min(block_tokens, b->to() - (b->from() - slot)));
-    if (met != b->blocks()[0]) pool.stats.snapshot_bytes += pool.block_bytes();
+    const int64_t end = std::min(block_tokens, b->to() - (b->from() - slot));
+    const int32_t met = pool.meet(blocks.back(), b->blocks()[0], slot, end);
+    if (met != b->blocks()[0]) pool.stats.snapshot_bytes += end * pool.layout.token_bytes();
     if (met != b->blocks()[0] && met != blocks.back()) fresh = met;
     blocks.back() = met;
   }

@@ -238,6 +238,7 @@ KVStateSnapshot* as_window(Snapshot* snapshot, const char* call) {
 // Throws Error naming `call` unless `s` fits `c`: the same window, and the same layout once the
 // cache has one.
 void check_fits(const RotatingSequence& c, const KVStateSnapshot& s, const char* call) {
+  check_one_row(s.layout, call);
   if (s.window == c.max_size && (!c.store.has_layout || s.layout == c.store.layout)) return;
   throw Error(fmt::format(
       "{}: the snapshot (window {}, {}) does not fit this cache (window {}, {}): a window "
@@ -356,8 +357,8 @@ bool RotatingKVCache::restore(SeqId seq, Snapshot* snapshot, int64_t target) {
   if (target == 0 && current.offset == 0) return true;  // empty, and stays so
   impl_->sequences.change(seq, call, [&](detail::RotatingSequence& c) {
     // Clamping below the end keeps positions [0, target): the window then starts at position 0.
-    if (!c.store.has_layout) c.store.adopt_layout(s.layout);
-    c.restore_window(s, target < s.end ? target : s.tokens(), target);
+    c.with_layout(s.layout,
+                  [&] { c.restore_window(s, target < s.end ? target : s.tokens(), target); });
   });
   return true;
 }

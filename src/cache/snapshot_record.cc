@@ -152,4 +152,27 @@ std::string snapshot_signature(const SnapshotRecord& record, const Cache* layer)
   return fmt::format("conv {} delta {}", shape(record.first, false), shape(record.second, false));
 }
 
+SnapshotPtr join_kv_snapshots(const Snapshot& parent, const Snapshot& child, const char* call,
+                              int64_t& copied) {
+  const SnapshotRecord first = as_state_snapshot(&parent)->record();
+  const SnapshotRecord second = as_state_snapshot(&child)->record();
+  const auto layout = KVLayout::of(first.first, first.second);
+  const auto other = KVLayout::of(second.first, second.second);
+  if (other != layout) {
+    throw Error(
+        fmt::format("{}: the parent's layout {} differs from the child's {}; a snapshot "
+                    "joins one of its own layout",
+                    call, layout.describe(), other.describe()));
+  }
+  const int64_t tokens = child.to() - parent.from();
+  auto [keys, values] = layout.allocate_uninitialized(tokens);
+  keys.assign_slice(2, 0, first.first);
+  keys.assign_slice(2, first.first.dim(2), second.first);
+  values.assign_slice(2, 0, first.second);
+  values.assign_slice(2, first.second.dim(2), second.second);
+  SnapshotPtr joined = make_kv_snapshot(std::move(keys), std::move(values), parent.from());
+  copied += tokens * layout.token_bytes();
+  return joined;
+}
+
 }  // namespace kvsnap::detail

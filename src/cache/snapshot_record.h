@@ -55,6 +55,11 @@ std::string snapshot_signature(const SnapshotRecord& record, const Cache* layer)
 // gathering its data; empty for a snapshot of a kind kvsnap does not know.
 std::string held_signature(const Snapshot& snapshot, const Cache* layer);
 
+// An owned KV snapshot of `parent`'s tokens then `child`'s (adjacent KV snapshots of any cache),
+// adding the bytes copied to `copied`. Throws Error naming `call` when their layouts differ.
+SnapshotPtr join_kv_snapshots(const Snapshot& parent, const Snapshot& child, const char* call,
+                              int64_t& copied);
+
 // Owned snapshots of each kind, defined next to each snapshot class.
 SnapshotPtr make_kv_snapshot(Array keys, Array values, int64_t from);
 SnapshotPtr make_rotating_snapshot(Array keys, Array values, int64_t end, int64_t window);

@@ -7,6 +7,7 @@
 #include <string>
 #include <type_traits>
 
+#include "cache/snapshot_record.h"
 #include "support/cache_support.h"
 #include "support/recurrent_support.h"
 #include "support/test_support.h"
@@ -422,6 +423,34 @@ TYPED_TEST(CacheContract, ViewRefusesABatchUpdateWouldRefuse) {
     EXPECT_TRUE(throws_error([&] { (void)cache.view(twice); }, {"::view", "both sequence 1"}));
     EXPECT_EQ(cache.view(Batch{}).length(), 2);
     EXPECT_EQ(this->cache->sequences(), std::vector<SeqId>{0});
+  }
+}
+
+// A sequence is one batch row. A file or a store can hold a KV record of more; a restore of one
+// is refused, naming the call and the rows, and changes nothing (a fresh sequence takes no
+// layout from it).
+TEST(CacheContractRows, ARestoreOfASnapshotOfTwoRowsIsRefused) {
+  const testing::TokenKV kv;
+  const std::vector<int64_t> ids = id_range(0, 3);
+  const Array keys = kv.keys(ids, 2), values = kv.values(ids, 2);
+  struct Case {
+    std::unique_ptr<Attention> cache;
+    SnapshotPtr snapshot;
+    const char* call;
+  };
+  Case cases[3];
+  cases[0] = {std::make_unique<KVCache>(), detail::make_kv_snapshot(keys, values, 0),
+              "KVCache::restore"};
+  cases[1] = {std::make_unique<PagedKVCache>(PagedKVCache::Options{}),
+              detail::make_kv_snapshot(keys, values, 0), "PagedKVCache::restore"};
+  cases[2] = {std::make_unique<RotatingKVCache>(8),
+              detail::make_rotating_snapshot(keys, values, 3, 8), "RotatingKVCache::restore"};
+  for (Case& c : cases) {
+    EXPECT_TRUE(throws_error([&] { (void)c.cache->restore(0, c.snapshot.get(), 3); },
+                             {c.call, "the snapshot holds 2 batch rows", "one row (B=1)"}));
+    EXPECT_EQ(c.cache->offset(0), 0);
+    (void)testing::write(*c.cache, testing::TokenKV{.heads = 4}, ids);  // takes any layout
+    EXPECT_EQ(c.cache->offset(0), 3) << c.call;
   }
 }
 

@@ -635,8 +635,8 @@ TEST(KVCacheErrors, ASnapshotOfAnotherLayoutIsRefusedEvenForAnOffsetMove) {
   // A snapshot of two rows (as an older file could hold): every sequence here has one.
   SnapshotPtr s = detail::make_kv_snapshot(Array::zeros(DType::f32, {2, 2, 2, 4}),
                                            Array::zeros(DType::f32, {2, 2, 2, 4}), 2);
-  EXPECT_TRUE(
-      throws_error([&] { (void)cache.restore(s.get(), 2); }, {"KVCache::restore", "B=2", "B=1"}));
+  EXPECT_TRUE(throws_error([&] { (void)cache.restore(s.get(), 2); },
+                           {"KVCache::restore", "holds 2 batch rows", "B=1"}));
   EXPECT_EQ(cache.offset(), 6);
   const TokenKV half{.dtype = DType::f16};
   KVCache f16;

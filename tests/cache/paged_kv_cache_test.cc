@@ -122,6 +122,12 @@ TEST_F(Paged, RestoringMidBlockJoinsOneBlockAndSplicesTheRest) {
   EXPECT_EQ(held(cache, 2), concat(id_range(100, 3), id_range(3, 37)));
   EXPECT_EQ(cache.pool_stats().blocks_copied, 1);  // block 0 joined; blocks 1..4 shared
   EXPECT_EQ(cache.copy_stats().restored_bytes, kBlock * kToken);
+  // A join that ends inside its block copies (and counts) its tokens, not the block's.
+  write(cache, 3, id_range(200, 5));
+  ASSERT_TRUE(cache.restore(3, tail.get(), 6));
+  EXPECT_EQ(held(cache, 3), concat(id_range(200, 3), id_range(3, 3)));
+  EXPECT_EQ(cache.pool_stats().blocks_copied, 2);
+  EXPECT_EQ(cache.copy_stats().restored_bytes, (kBlock + 6) * kToken);
 }
 
 // Where a restore meets the sequence mid-block, a snapshot block that began as a copy of the
@@ -191,6 +197,25 @@ TEST_F(Paged, SplitSharesTheBoundaryBlockAndMergeRejoinsIt) {
   EXPECT_EQ(cache.pool_stats().blocks_copied, 0);
   ASSERT_TRUE(cache.restore(3, joined.get(), 30));
   EXPECT_EQ(held(cache, 3), id_range(0, 30));
+}
+
+// Snapshots not both of this pool (a KVCache's here) merge as an owned copy, counted as copied;
+// two of different layouts are refused, naming both.
+TEST_F(Paged, MergingAnotherCachesSnapshotCopiesAndCountsIt) {
+  KVCache other;
+  (void)testing::write(other, kv, id_range(0, 4));
+  write(cache, 0, id_range(0, 8));
+  const int64_t before = cache.copy_stats().snapshot_bytes;
+  SnapshotPtr joined = cache.merge(other.snapshot(0), cache.split(cache.snapshot(0, 0), 4).second);
+  EXPECT_EQ(cache.copy_stats().snapshot_bytes - before, 8 * kToken);
+  ASSERT_TRUE(cache.restore(5, joined.get(), 8));
+  EXPECT_EQ(held(cache, 5), id_range(0, 8));
+  KVCache wide;
+  (void)testing::write(wide, TokenKV{.heads = 3}, id_range(0, 4));
+  EXPECT_TRUE(throws_error(
+      [&] { (void)cache.merge(wide.snapshot(0), cache.split(cache.snapshot(0, 0), 4).second); },
+      {"PagedKVCache::merge", "H=3", "differs from the child's", "H=2"}));
+  EXPECT_EQ(cache.copy_stats().snapshot_bytes - before, 8 * kToken);
 }
 
 TEST_F(Paged, RowsOfSeveralSequencesAttendToTheirOwnBlocks) {

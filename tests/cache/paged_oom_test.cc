@@ -22,6 +22,12 @@ void write(PagedKVCache& cache, const TokenKV& kv, int32_t seq, const std::vecto
   (void)cache.update(batch, kv.keys(ids), kv.values(ids));
 }
 
+std::vector<int64_t> held(const PagedKVCache& cache, SeqId seq) {
+  Batch batch = Batch::uniform(1, 1, 0);
+  batch.seq_ids = {seq};
+  return testing::column_ids(cache.view(batch));
+}
+
 // A range of sequence 0 that ends mid-block, then one of sequence 1 (other tokens) from there:
 // merged, they meet in a fresh block (BlockPool::meet). A merge that runs out of memory anywhere
 // — after that block was taken included — gives every block back: the pool then holds exactly
@@ -58,6 +64,32 @@ TEST(PagedOutOfMemory, AMergeThatRunsOutGivesItsBlocksBack) {
     break;
   }
   EXPECT_GE(failures, 2);
+}
+
+// A restore of a KVCache's snapshot writes its tokens into new blocks. When the pool cannot grow
+// for them, the sequence keeps every token it held (the blocks are taken before the rewind).
+TEST(PagedOutOfMemory, ARestoreOfAnotherCachesSnapshotThatRunsOutLeavesTheSequence) {
+  const TokenKV kv;
+  KVCache other;
+  (void)testing::write(other, kv, id_range(500, 400));
+  const SnapshotPtr tail = other.split(other.snapshot(0), 240).second;  // [240, 400)
+  int64_t failures = 0;
+  for (int64_t n = 1;; ++n) {
+    SCOPED_TRACE("allocation " + std::to_string(n) + " fails");
+    PagedKVCache cache({.block_tokens = 4});
+    write(cache, kv, 0, id_range(0, 256));  // the pool's first chunk, every block of it
+    testing::start_run(n);
+    const bool done = armed_call([&] { (void)cache.restore(0, tail.get(), 400); });
+    if (!done) {
+      ++failures;
+      ASSERT_EQ(cache.offset(0), 256);
+      EXPECT_EQ(held(cache, 0), id_range(0, 256));
+      continue;
+    }
+    EXPECT_EQ(held(cache, 0), testing::concat_ids(id_range(0, 240), id_range(740, 160)));
+    break;
+  }
+  EXPECT_GE(failures, 1);
 }
 
 }  // namespace

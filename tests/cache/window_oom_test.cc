@@ -213,5 +213,35 @@ TEST(WindowOutOfMemory, AFirstWriteThatRunsOutTakesNoLayout) {
   }
 }
 
+// So does a restore into a reset sequence: one that runs out takes no layout (a window's
+// snapshot into a window; a KVCache's, or a PagedKVCache's blocks, into a KVCache).
+TEST(WindowOutOfMemory, ARestoreThatRunsOutTakesNoLayout) {
+  const TokenKV two_heads, four_heads{.heads = 4};
+  for (const std::string from : {"window", "kv", "paged"}) {
+    std::unique_ptr<Attention> source;
+    if (from == "window") source = std::make_unique<RotatingKVCache>(kWindow);
+    if (from == "kv") source = std::make_unique<KVCache>();
+    if (from == "paged") source = std::make_unique<PagedKVCache>(PagedKVCache::Options{});
+    (void)testing::write(*source, two_heads, id_range(10, 3));
+    const SnapshotPtr snapshot = source->snapshot(0, 0);
+    const int64_t runs = testing::sweep([&] {
+      std::unique_ptr<Attention> cache;
+      if (from == "window") {
+        cache = std::make_unique<RotatingKVCache>(kWindow);
+      } else {
+        cache = std::make_unique<KVCache>();
+      }
+      (void)testing::write(*cache, four_heads, id_range(0, 3));
+      cache->reset(0);
+      if (!armed_call([&] { (void)cache->restore(0, snapshot.get(), 3); })) {
+        EXPECT_EQ(cache->offset(0), 0);
+        (void)testing::write(*cache, four_heads, id_range(20, 3));  // throws if a layout stayed
+        EXPECT_EQ(cache->offset(0), 3);
+      }
+    });
+    EXPECT_GE(runs, 2) << from;
+  }
+}
+
 }  // namespace
 }  // namespace kvsnap::window_oom_test
