@@ -4,8 +4,12 @@
 #include <xxhash.h>
 
 #include <cmath>
+#include <cstdio>
 #include <fstream>
+#include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
+#include <set>
 
 #include "kvsnap/attention.h"
 #include "kvsnap/kv_cache.h"
@@ -95,6 +99,15 @@ std::string Model::weights_digest() const {
   return fmt::format("{:016x}{:016x}", hash.high64, hash.low64);
 }
 
+namespace {
+// A model config file: a regular file of at most 1 MiB (not a FIFO waited on), as the caller's
+// to trust.
+std::string read_config(const std::string& path, const char* call) {
+  return detail::read_private_file(path, detail::PrivacyRule{.call = call, .allow_shared = true},
+                                   uint64_t{1} << 20);
+}
+}  // namespace
+
 void Model::save(const std::string& config_path, const std::string& weights_path) const {
   detail::SafetensorsFile file;
   weights_->for_each(
@@ -106,9 +119,19 @@ void Model::save(const std::string& config_path, const std::string& weights_path
       file.tensors.emplace_back(fmt::format("layers.{}.conv", i), weights_->layers[i].conv);
     }
   }
+  const std::string config = weights_->config.to_json();
   file.metadata["format"] = kModelFormat;
+  file.metadata["config"] = config;  // the pair is checked at load
+  std::string weights;
+  try {
+    weights = detail::encode_sealed(std::move(file));
+  } catch (const detail::HeaderTooLong& e) {
+    throw Error(fmt::format("Model::save: {} layers: {}", weights_->layers.size(), e.what()));
+  }
   // Each file whole or not at all (written aside, synced, renamed over the old one: a full disk
-  // is an Error, not a truncated file), the weights first: a failure leaves the old config.
+  // is an Error, not a truncated file). The config first: when the weights then fail, the old
+  // config goes back, so an error leaves the old pair; a crash between the two leaves the old
+  // weights, which hold their own config, beside the new config, and load says so.
   const auto write = [](const std::string& path, const std::string& bytes) {
     try {
       detail::write_file_atomically(path, bytes);
@@ -116,21 +139,79 @@ void Model::save(const std::string& config_path, const std::string& weights_path
       throw Error(fmt::format("Model::save: {}", e.what()));
     }
   };
-  std::string weights;
+  std::optional<std::string> old_config;
   try {
-    weights = detail::encode_safetensors(file);
-  } catch (const detail::HeaderTooLong& e) {
-    throw Error(fmt::format("Model::save: {} layers: {}", weights_->layers.size(), e.what()));
+    old_config = read_config(config_path, "Model::save");
+  } catch (const Error&) {  // none yet (or unreadable: nothing to put back)
   }
-  write(weights_path, weights);
-  write(config_path, weights_->config.to_json());
+  write(config_path, config);
+  try {
+    write(weights_path, weights);
+  } catch (...) {
+    try {
+      if (old_config) {
+        detail::write_file_atomically(config_path, *old_config);
+      } else {
+        std::remove(config_path.c_str());
+      }
+    } catch (...) {  // the weights' failure is the one reported
+    }
+    throw;
+  }
 }
 
+namespace {
+
+// Throws Error naming `context` unless the config the weights were saved with (metadata
+// "config", when the file has one: earlier saves did not write it) is `config` (but its seed,
+// which loaded weights do not use).
+void check_saved_config(const detail::SafetensorsFile& file, const ModelConfig& config,
+                        const std::string& config_path, const std::string& context) {
+  const auto saved = file.metadata.find("config");
+  if (saved == file.metadata.end()) return;
+  ModelConfig with, given = config;
+  try {
+    with = ModelConfig::from_json(saved->second);
+  } catch (const Error& e) {
+    throw Error(
+        fmt::format("{}: metadata \"config\" is not a model config: {}", context, e.what()));
+  }
+  with.seed = given.seed = 0;
+  const nlohmann::json ours = nlohmann::json::parse(with.to_json());
+  const nlohmann::json theirs = nlohmann::json::parse(given.to_json());
+  std::string differences;
+  for (const auto& [key, value] : ours.items()) {
+    if (theirs.contains(key) && theirs[key] == value) continue;
+    differences += fmt::format("{}{} {} (the file's: {})", differences.empty() ? "" : ", ", key,
+                               value.dump(), theirs.contains(key) ? theirs[key].dump() : "none");
+  }
+  if (differences.empty()) return;
+  throw Error(fmt::format(
+      "{}: the weights were saved with another config than {}'s: {} (a save that did not finish "
+      "both files, or another model's config: metadata \"config\" of the weights holds theirs)",
+      context, config_path, differences));
+}
+
+}  // namespace
+
 Model Model::load(const std::string& config_path, const std::string& weights_path) {
-  const ModelConfig config = ModelConfig::from_json(detail::read_file(config_path));
-  const detail::SafetensorsFile file = detail::read_safetensors(weights_path);
-  Model model(config, Unfilled{});  // every tensor comes from the file (nothing generated)
+  const ModelConfig config = ModelConfig::from_json(read_config(config_path, "Model::load"));
   const std::string context = fmt::format("Model::load {}", weights_path);
+  // Model files are the caller's to trust (as any engine's weights are): read as a regular file
+  // of at most the machine's memory, without blocking on a FIFO, checked against its seal.
+  detail::SealedFile sealed;
+  try {
+    sealed = detail::read_sealed_file(
+        weights_path, detail::PrivacyRule{.call = "Model::load", .allow_shared = true});
+  } catch (const std::bad_alloc&) {
+    throw Error(fmt::format("{}: the weights do not fit in memory", context));
+  }
+  const detail::SafetensorsFile& file = sealed.file;
+  // Earlier saves wrote neither a seal nor their config: such a file is read as it is.
+  if (file.metadata.count("checksum") != 0 || file.metadata.count("config") != 0) {
+    detail::check_seal(sealed, context);
+  }
+  Model model(config, Unfilled{});  // every tensor comes from the file (nothing generated)
   const auto format = file.metadata.find("format");
   if (format == file.metadata.end() || format->second != kModelFormat) {
     throw Error(fmt::format(
@@ -139,6 +220,8 @@ Model Model::load(const std::string& config_path, const std::string& weights_pat
         context, format == file.metadata.end() ? "missing" : detail::cut_quoted(format->second),
         kModelFormat));
   }
+  check_saved_config(file, config, config_path, context);
+  std::set<std::string> taken;
   const auto take = [&](const std::string& name, const Shape& shape) {
     const Array& array = file.at(name, context.c_str());
     if (array.dtype() != DType::f32) {
@@ -149,6 +232,7 @@ Model Model::load(const std::string& config_path, const std::string& weights_pat
       throw Error(fmt::format("{}: tensor \"{}\" is {}, the config needs {}", context, name,
                               array.describe(), shape_string(shape)));
     }
+    taken.insert(name);
     return array;
   };
   model.weights_->for_each([&](const std::string& name, detail::Floats& tensor, const Shape& shape,
@@ -159,6 +243,12 @@ Model Model::load(const std::string& config_path, const std::string& weights_pat
       l.conv =
           take(fmt::format("layers.{}.conv", i), {model.weights_->conv_dim(), config.conv_kernel})
               .astype(DType::f32);
+    }
+  }
+  for (const auto& [name, array] : file.tensors) {
+    if (taken.count(name) == 0) {
+      throw Error(fmt::format("{}: tensor {} ({}) is no weight of {}'s model", context,
+                              detail::cut_quoted(name), array.describe(), config_path));
     }
   }
   model.weights_->derive();

@@ -7,8 +7,10 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <random>
 
+#include "persist/files.h"
 #include "persist/safetensors.h"
 #include "support/private_support.h"
 #include "support/test_support.h"
@@ -145,6 +147,7 @@ TEST(Model, WeightsDigestNamesTheWeightsValues) {
   EXPECT_EQ(Model::load(config_path, weights_path).weights_digest(), digest);
   for (const std::string changed : {"embed", "layers.2.wq", "layers.0.conv", "layers.3.conv"}) {
     detail::SafetensorsFile file = detail::read_safetensors(weights_path);
+    file.metadata.erase("checksum");  // sealed again below, as a save of these values would
     bool found = false;
     for (auto& [name, array] : file.tensors) {
       if (name != changed) continue;
@@ -155,7 +158,7 @@ TEST(Model, WeightsDigestNamesTheWeightsValues) {
     }
     ASSERT_TRUE(found) << changed;
     const std::string path = (dir / "changed.safetensors").string();
-    { std::ofstream(path, std::ios::binary) << detail::encode_safetensors(file); }
+    { std::ofstream(path, std::ios::binary) << detail::encode_sealed(file); }
     EXPECT_NE(Model::load(config_path, path).weights_digest(), digest) << changed;
   }
   std::filesystem::remove_all(dir);
@@ -166,25 +169,64 @@ TEST(Model, LoadRejectsWeightsThatDisagreeWithTheConfig) {
   const auto dir = kvsnap::testing::private_scratch("kvsnap_model_bad");
   std::filesystem::create_directories(dir);
   model.save((dir / "config.json").string(), (dir / "model.safetensors").string());
+  // The weights name the config they were saved with: another is refused, naming what differs.
   ModelConfig wider = small_config();
   wider.hidden = 40;
+  wider.window = 7;  // no tensor's shape tells this one
   { std::ofstream((dir / "wider.json").string()) << wider.to_json(); }
   EXPECT_TRUE(throws_error(
       [&] {
         (void)Model::load((dir / "wider.json").string(), (dir / "model.safetensors").string());
       },
-      {"Model::load", "embed", "f32[64, 32]", "[64, 40]"}));
+      {"Model::load", "saved with another config than", "wider.json", "hidden 32 (the file's: 40)",
+       "window"}));
+  ModelConfig reseeded = small_config();
+  reseeded.seed = 99;  // loaded weights do not use it
+  { std::ofstream((dir / "reseeded.json").string()) << reseeded.to_json(); }
+  EXPECT_EQ(Model::load((dir / "reseeded.json").string(), (dir / "model.safetensors").string())
+                .weights_digest(),
+            model.weights_digest());
+  // Files an earlier save wrote hold neither their config nor a seal: their tensors are checked
+  // against the config's shapes, and a tensor no weight names is refused.
+  const auto earlier = [&](const std::function<void(detail::SafetensorsFile&)>& change) {
+    detail::SafetensorsFile file = detail::read_safetensors((dir / "model.safetensors").string());
+    file.metadata.erase("checksum");
+    file.metadata.erase("config");
+    change(file);
+    const std::string path = (dir / "earlier.safetensors").string();
+    { std::ofstream(path, std::ios::binary) << detail::encode_safetensors(file); }
+    return path;
+  };
+  EXPECT_TRUE(
+      throws_error([&] { (void)Model::load((dir / "wider.json").string(), earlier([](auto&) {})); },
+                   {"Model::load", "embed", "f32[64, 32]", "[64, 40]"}));
   ModelConfig deeper = small_config();
   deeper.pattern = "RSARA";
   { std::ofstream((dir / "deeper.json").string()) << deeper.to_json(); }
   EXPECT_TRUE(throws_error(
-      [&] {
-        (void)Model::load((dir / "deeper.json").string(), (dir / "model.safetensors").string());
-      },
+      [&] { (void)Model::load((dir / "deeper.json").string(), earlier([](auto&) {})); },
       {"layers.4", "missing"}));
+  EXPECT_TRUE(throws_error(
+      [&] {
+        (void)Model::load((dir / "config.json").string(), earlier([](auto& file) {
+                            file.tensors.emplace_back("extra", Array::zeros(DType::f32, {2}));
+                          }));
+      },
+      {"Model::load", "tensor \"extra\" (f32[2]) is no weight of", "config.json"}));
+  // A sealed file whose bytes changed is refused whole.
+  {
+    std::string bytes = detail::read_file((dir / "model.safetensors").string());
+    bytes[bytes.size() - 3] ^= 1;
+    const std::string path = (dir / "damaged.safetensors").string();
+    { std::ofstream(path, std::ios::binary) << bytes; }
+    EXPECT_TRUE(throws_error([&] { (void)Model::load((dir / "config.json").string(), path); },
+                             {"Model::load", "damaged.safetensors", "checksum", "does not match"}));
+  }
   // Weights save did not write: no format tag, or a tensor in another dtype (converted before).
   const auto forged = [&](bool tagged, DType dtype) {
     detail::SafetensorsFile file = detail::read_safetensors((dir / "model.safetensors").string());
+    file.metadata.erase("checksum");
+    file.metadata.erase("config");
     if (!tagged) file.metadata.erase("format");
     for (auto& [name, array] : file.tensors) {
       if (name == "embed") array = array.astype(dtype);
@@ -199,9 +241,19 @@ TEST(Model, LoadRejectsWeightsThatDisagreeWithTheConfig) {
   EXPECT_TRUE(throws_error([&] { (void)Model::load(config, forged(true, DType::f16)); },
                            {"tensor \"embed\" is f16[64, 32]; the model's weights are f32"}));
   EXPECT_EQ(Model::load(config, forged(true, DType::f32)).config().hidden, 32);
+  // A save whose weights cannot be written leaves the old config (none, when there was none).
+  ModelConfig other = small_config();
+  other.seed = 5;
+  const std::string before = detail::read_file(config);
+  EXPECT_TRUE(throws_error(
+      [&] { Model(other).save(config, (dir / "missing" / "model.safetensors").string()); },
+      {"Model::save: writing", "missing/model.safetensors"}));
+  EXPECT_EQ(detail::read_file(config), before);
+  const std::string fresh = (dir / "fresh.json").string();
   EXPECT_TRUE(
-      throws_error([&] { model.save(config, (dir / "missing" / "model.safetensors").string()); },
-                   {"Model::save: writing", "missing/model.safetensors"}));
+      throws_error([&] { model.save(fresh, (dir / "missing" / "model.safetensors").string()); },
+                   {"Model::save: writing"}));
+  EXPECT_FALSE(std::filesystem::exists(fresh));
   std::filesystem::remove_all(dir);
 }
 
