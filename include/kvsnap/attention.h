@@ -83,6 +83,10 @@ struct KVSNAP_EXPORT PagedColumns {
   Array value_block(size_t i) const;
 };
 
+namespace detail {
+struct HistoryParts;  // how the caches make histories of parts they keep for reuse
+}  // namespace detail
+
 // Keys and values a cache hands back for one layer's attention, with the position each key
 // column holds. Columns hold consecutive positions, possibly rotated (a ring buffer read in
 // slot order): column `oldest_column` holds `first_position`, the next column the next
@@ -141,6 +145,7 @@ class KVSNAP_EXPORT KVHistory {
   AttentionMask apply_mask(const Batch&, const AttentionMask& logical) const;
 
  private:
+  friend struct detail::HistoryParts;
   AttentionMask apply_ragged_mask(const Batch&, const AttentionMask& logical) const;
 
   Array keys_;
@@ -174,6 +179,7 @@ class KVSNAP_EXPORT RecurrentHistory {
   }
 
  private:
+  friend struct detail::HistoryParts;
   Array conv_state_;
   Array delta_state_;
   std::shared_ptr<const std::vector<RecurrentHistory>> rows_;

@@ -174,8 +174,32 @@ void BlockPool::settle(int32_t id) {
   block.payer->paid(block_bytes());
 }
 
-PagedColumns BlockPool::columns(const std::vector<int32_t>& table, int64_t length) const {
-  return PagedColumns{key_chunks_, value_chunks_, blocks_per_chunk, block_tokens, table, length};
+std::vector<int32_t> BlockPool::take_list() {
+  if (spare_lists_.empty()) return {};
+  std::vector<int32_t> list = std::move(spare_lists_.back());
+  spare_lists_.pop_back();
+  return list;
+}
+
+void BlockPool::give_back_list(std::vector<int32_t>&& list) noexcept {
+  // A long list (a long prefix's) is not kept: at most kSpareLists x 4096 entries wait.
+  if (spare_lists_.size() >= kSpareLists || list.capacity() == 0 || list.capacity() > 4096) return;
+  list.clear();
+  spare_lists_.push_back(std::move(list));  // within the capacity reserved
+}
+
+KVHistory BlockPool::history(const std::vector<int32_t>& table, int64_t length) {
+  return HistoryParts::paged(columns_.make([&](PagedColumns& c) {
+    c.key_chunks.assign(key_chunks_.begin(), key_chunks_.end());
+    c.value_chunks.assign(value_chunks_.begin(), value_chunks_.end());
+    c.blocks_per_chunk = blocks_per_chunk;
+    c.block_tokens = block_tokens;
+    // Geometric growth: a sequence's history grows a block at a time.
+    if (c.table.capacity() < table.size())
+      c.table.reserve(std::max(table.size(), 2 * c.table.capacity()));
+    c.table.assign(table.begin(), table.end());
+    c.length = length;
+  }));
 }
 
 // ---- PagedSnapshot ----------------------------------------------------------------------------
@@ -197,6 +221,7 @@ PagedSnapshot::~PagedSnapshot() {
   const Guard guard(pool_->lock);
   hook_ = nullptr;  // its bytes leave with it; the holder that pays next is told
   for (int32_t id : blocks_) pool_->unhold(id, this);
+  pool_->give_back_list(std::move(blocks_));
 }
 
 int64_t PagedSnapshot::size() const {

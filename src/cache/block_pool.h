@@ -10,6 +10,7 @@
 #include <memory>
 #include <vector>
 
+#include "attention/recycler.h"
 #include "cache/kv_layout.h"
 #include "cache/sequences.h"
 #include "cache/state_snapshot.h"
@@ -27,7 +28,9 @@ class BlockPool {
   // block_tokens * blocks_per_chunk <= kMaxTokens and blocks_per_chunk <= kMaxBlocks (checked
   // by PagedKVCache).
   BlockPool(int64_t block_tokens, int64_t blocks_per_chunk)
-      : block_tokens(block_tokens), blocks_per_chunk(blocks_per_chunk) {}
+      : block_tokens(block_tokens), blocks_per_chunk(blocks_per_chunk) {
+    spare_lists_.reserve(kSpareLists);  // a snapshot's destruction allocates nothing
+  }
 
   int64_t block_bytes() const { return layout.token_bytes() * block_tokens; }
   // Blocks that hold `tokens` tokens from a block's start.
@@ -74,8 +77,13 @@ class BlockPool {
   bool live(int32_t id) const { return blocks_[static_cast<size_t>(id)].live > 0; }
   PagedSnapshot* payer(int32_t id) const { return blocks_[static_cast<size_t>(id)].payer; }
 
-  // A paged history of `length` columns over `table`.
-  PagedColumns columns(const std::vector<int32_t>& table, int64_t length) const;
+  // An empty list for a snapshot's blocks: one a snapshot gave back (its capacity kept) when any,
+  // so a capture allocates nothing once warm. give_back_list never throws. Under the lock.
+  std::vector<int32_t> take_list();
+  void give_back_list(std::vector<int32_t>&& list) noexcept;
+  // A paged history of `length` columns over `table`: its columns made in a recycled object
+  // (detail::Recycler), so a decode step's history allocates nothing once warm. Under the lock.
+  KVHistory history(const std::vector<int32_t>& table, int64_t length);
   // Blocks allocated, and those referenced by anyone.
   int64_t blocks() const { return static_cast<int64_t>(blocks_.size()); }
   int64_t blocks_in_use() const { return blocks() - static_cast<int64_t>(free_.size()); }
@@ -93,6 +101,15 @@ class BlockPool {
   CacheLock lock;  // the cache's lock: its sequences, its snapshots and these blocks
 
  private:
+  // Snapshots' block lists kept for the next captures: as many as captures live at once in a
+  // serving step, usually (one per sequence and scheduled offset).
+  static constexpr size_t kSpareLists = 64;
+  std::vector<std::vector<int32_t>> spare_lists_;
+  Recycler<PagedColumns> columns_{[](PagedColumns& c) {
+    c.key_chunks.clear();  // the chunks' memory is not kept by a history kept for reuse
+    c.value_chunks.clear();
+    c.table.clear();
+  }};
   struct Block {
     int32_t live = 0;
     std::vector<PagedSnapshot*> holders;

@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "attention/recycler.h"
+#include "attention/row_batch.h"
 #include "cache/capture_schedule.h"
 #include "cache/kv_store.h"
 #include "cache/sequences.h"
@@ -92,6 +94,25 @@ class KVKind {
   Calls calls_;
 };
 
+// What update_rows and view_rows keep between the calls of one cache (under its lock), so that a
+// step of several rows allocates nothing once warm: the rows' batches and the ragged histories'
+// rows (which come back when the caller lets a history go).
+struct RowsScratch {
+  std::vector<Batch> rows;
+  Array placeholder;  // the rows' placeholder ids (row_batch)
+  Recycler<std::vector<KVHistory>> histories{[](std::vector<KVHistory>& v) { v.clear(); }};
+
+  // The batches of `batch`'s rows (rows[b] for row b).
+  void split(const Batch& batch) {
+    const auto n = static_cast<size_t>(batch.batch_size());
+    if (rows.size() < n) rows.resize(n);
+    const int64_t length = batch.length();
+    for (size_t b = 0; b < n; ++b) {
+      row_batch(batch, static_cast<int64_t>(b), length, rows[b], placeholder);
+    }
+  }
+};
+
 // update() of a batch over a cache's sequences (Seq has check and update as KVKind does): a
 // one-row batch is its sequence's update; more rows are checked first (all of them, so a refusal
 // changes nothing), then `room.make(id, tokens, keys, values)` (the whole batch's arrays) runs
@@ -102,7 +123,7 @@ class KVKind {
 // is created only when its row is written.
 template <class Seq, class Room>
 KVHistory update_rows(const Batch& batch, const Array& keys, const Array& values, const char* call,
-                      Sequences<Seq>& sequences, Room&& room) {
+                      Sequences<Seq>& sequences, Room&& room, RowsScratch& scratch) {
   batch.validate(call);
   const int64_t rows = batch.batch_size();
   if (rows == 1) {
@@ -116,9 +137,9 @@ KVHistory update_rows(const Batch& batch, const Array& keys, const Array& values
     throw Error(fmt::format("{}: keys {} and values {} must be [B, H, L, D] with B = {} rows", call,
                             keys.describe(), values.describe(), rows));
   }
-  std::vector<Batch> one(static_cast<size_t>(rows));
+  scratch.split(batch);
+  const std::vector<Batch>& one = scratch.rows;
   for (int64_t b = 0; b < rows; ++b) {
-    one[static_cast<size_t>(b)] = batch.row(b);
     sequences.peek(batch.seq_id(b), call)
         .check(one[static_cast<size_t>(b)], keys.slice(0, b, b + 1), values.slice(0, b, b + 1), b,
                batch.seq_id(b));
@@ -127,43 +148,46 @@ KVHistory update_rows(const Batch& batch, const Array& keys, const Array& values
     Sequences<Seq>& sequences;
     ~Unstage() { sequences.unstage(); }
   } const unstage{sequences};
-  std::vector<KVHistory> histories;
-  try {
-    histories.reserve(static_cast<size_t>(rows));
-    for (int64_t b = 0; b < rows; ++b) {
-      room.make(batch.seq_id(b), static_cast<int64_t>(batch.seq_query_lens[static_cast<size_t>(b)]),
-                keys, values);
+  return HistoryParts::rows(scratch.histories.make([&](std::vector<KVHistory>& histories) {
+    try {
+      histories.reserve(static_cast<size_t>(rows));
+      for (int64_t b = 0; b < rows; ++b) {
+        room.make(batch.seq_id(b),
+                  static_cast<int64_t>(batch.seq_query_lens[static_cast<size_t>(b)]), keys, values);
+      }
+    } catch (...) {
+      room.undo();
+      throw;
     }
-  } catch (...) {
-    room.undo();
-    throw;
-  }
-  try {
-    for (int64_t b = 0; b < rows; ++b) {
-      const SeqId id = batch.seq_id(b);
-      histories.push_back(sequences.change(id, call, [&](Seq& sequence) {
-        return sequence.update(one[static_cast<size_t>(b)], keys.slice(0, b, b + 1),
-                               values.slice(0, b, b + 1), b, id);
-      }));
+    try {
+      for (int64_t b = 0; b < rows; ++b) {
+        const SeqId id = batch.seq_id(b);
+        histories.push_back(sequences.change(id, call, [&](Seq& sequence) {
+          return sequence.update(one[static_cast<size_t>(b)], keys.slice(0, b, b + 1),
+                                 values.slice(0, b, b + 1), b, id);
+        }));
+      }
+    } catch (...) {
+      room.undo();  // for the rows not written
+      throw;
     }
-  } catch (...) {
-    room.undo();  // for the rows not written
-    throw;
-  }
-  return KVHistory::of_rows(std::move(histories));
+  }));
 }
 
 // view() of a batch: its one row's history, or a ragged one; a batch without rows views
 // sequence 0. One with rows is checked as update checks it (offsets and lengths, one id per
 // row, distinct ids).
 template <class HistoryOf>
-KVHistory view_rows(const Batch& batch, const char* call, HistoryOf&& history_of) {
+KVHistory view_rows(const Batch& batch, const char* call, RowsScratch& scratch,
+                    HistoryOf&& history_of) {
   if (batch.batch_size() == 0) return history_of(0);
   batch.validate(call);
   if (batch.batch_size() == 1) return history_of(batch.seq_id(0));
-  std::vector<KVHistory> histories;
-  for (int64_t b = 0; b < batch.batch_size(); ++b) histories.push_back(history_of(batch.seq_id(b)));
-  return KVHistory::of_rows(std::move(histories));
+  return HistoryParts::rows(scratch.histories.make([&](std::vector<KVHistory>& histories) {
+    for (int64_t b = 0; b < batch.batch_size(); ++b) {
+      histories.push_back(history_of(batch.seq_id(b)));
+    }
+  }));
 }
 
 // What both attention caches are around their sequences: the sequences, the lock they and their
@@ -218,11 +242,11 @@ class KVCacheCore {
   KVHistory update(const Batch& batch, const Array& keys, const Array& values) {
     const Guard guard(lock);
     Room room{sequences, update_call_.c_str(), {}};
-    return update_rows(batch, keys, values, update_call_.c_str(), sequences, room);
+    return update_rows(batch, keys, values, update_call_.c_str(), sequences, room, scratch_);
   }
   KVHistory view(const Batch& batch) const {
     const Guard guard(lock);
-    return view_rows(batch, view_call_.c_str(), [&](SeqId id) {
+    return view_rows(batch, view_call_.c_str(), scratch_, [&](SeqId id) {
       const Seq* sequence = find(id);
       return sequence == nullptr ? KVHistory() : sequence->history();
     });
@@ -299,6 +323,7 @@ class KVCacheCore {
  private:
   const char* name_;
   std::string update_call_, view_call_;
+  mutable RowsScratch scratch_;  // under the lock
 
  public:
   // Before `sequences`: their snapshots lock it as they go. Snapshots lazy in them share it,

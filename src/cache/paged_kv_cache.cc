@@ -49,7 +49,7 @@ class PagedSequence {
 
   KVHistory history() const {
     if (!pool_->has_layout) return KVHistory();
-    return KVHistory(pool_->columns(blocks, offset));
+    return pool_->history(blocks, offset);
   }
 
   // Runs `fill`, which may take the pool's first blocks, with the pool's layout `layout` (its
@@ -95,8 +95,10 @@ class PagedSequence {
     return fresh + (copy ? 1 : 0);
   }
   // Room in `blocks` for writing `tokens` tokens (the pool's blocks: BlockPool::reserve).
+  // Grows geometrically: a decode step allocates only every so many blocks.
   void make_room(int64_t tokens) {
-    blocks.reserve(static_cast<size_t>(pool_->blocks_for(offset + tokens)));
+    const auto need = static_cast<size_t>(pool_->blocks_for(offset + tokens));
+    if (blocks.capacity() < need) blocks.reserve(std::max(need, 2 * blocks.capacity()));
   }
 
   // Block `index` of the sequence, ready to be written from slot `slot` on: appended when new,
@@ -157,7 +159,8 @@ class PagedSequence {
   // References to the blocks of [from, to) (from < to <= offset).
   std::unique_ptr<PagedSnapshot> capture(int64_t from, int64_t to) const {
     const int64_t first = from / pool_->block_tokens;
-    std::vector<int32_t> refs(blocks.begin() + first, blocks.begin() + pool_->blocks_for(to));
+    std::vector<int32_t> refs = pool_->take_list();
+    refs.assign(blocks.begin() + first, blocks.begin() + pool_->blocks_for(to));
     return std::make_unique<PagedSnapshot>(pool_, std::move(refs), from, to);
   }
 
@@ -241,6 +244,7 @@ class PagedKVCacheImpl {
 
   std::shared_ptr<BlockPool> pool;  // before `sequences`: they release their blocks into it
   Sequences<PagedSequence> sequences;
+  RowsScratch scratch;  // update_rows' and view_rows', under the pool's lock
 };
 
 // The layout a KV snapshot (of this kind or KVCache's) needs its cache to have.
@@ -330,12 +334,13 @@ KVHistory PagedKVCache::update(const Batch& batch, const Array& keys, const Arra
       if (adopted) pool.drop_if_unused();
     }
   } room{impl_->sequences, *impl_->pool};
-  return detail::update_rows(batch, keys, values, detail::kUpdate, impl_->sequences, room);
+  return detail::update_rows(batch, keys, values, detail::kUpdate, impl_->sequences, room,
+                             impl_->scratch);
 }
 
 KVHistory PagedKVCache::view(const Batch& batch) const {
   const Guard guard(impl_->pool->lock);
-  return detail::view_rows(batch, "PagedKVCache::view", [&](SeqId id) {
+  return detail::view_rows(batch, "PagedKVCache::view", impl_->scratch, [&](SeqId id) {
     const detail::PagedSequence* sequence = impl_->sequences.find(id, "PagedKVCache::view");
     return sequence == nullptr ? KVHistory() : sequence->history();
   });

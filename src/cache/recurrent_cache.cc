@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include "attention/recycler.h"
 #include "cache/capture_schedule.h"
 #include "cache/sequences.h"
 #include "cache/state_snapshot.h"
@@ -195,6 +196,8 @@ class RecurrentCacheImpl {
   const int64_t conv_tail, conv_dim, v_heads, v_dim, k_dim;
   mutable CacheLock lock;
   Sequences<RecurrentSequence> sequences;
+  // The rows of get()'s histories of several rows, kept for reuse (under the lock).
+  Recycler<std::vector<RecurrentHistory>> rows{[](std::vector<RecurrentHistory>& v) { v.clear(); }};
 };
 
 namespace {
@@ -251,11 +254,11 @@ RecurrentHistory RecurrentCache::get(const Batch& batch, DType activation_dtype)
     impl_->check_activation(batch.seq_id(b), activation_dtype, kCall);
   }
   if (batch.batch_size() == 1) return impl_->get_row(batch.seq_id(0), activation_dtype, kCall);
-  std::vector<RecurrentHistory> rows;
-  for (int64_t b = 0; b < batch.batch_size(); ++b) {
-    rows.push_back(impl_->get_row(batch.seq_id(b), activation_dtype, kCall));
-  }
-  return RecurrentHistory::of_rows(std::move(rows));
+  return detail::HistoryParts::rows(impl_->rows.make([&](std::vector<RecurrentHistory>& rows) {
+    for (int64_t b = 0; b < batch.batch_size(); ++b) {
+      rows.push_back(impl_->get_row(batch.seq_id(b), activation_dtype, kCall));
+    }
+  }));
 }
 
 void RecurrentCache::put(const Batch& batch, std::span<const Array> conv_states,

@@ -6,6 +6,7 @@
 #include <kvsnap/kv_cache.h>
 #include <kvsnap/paged_kv_cache.h>
 #include <kvsnap/persistence.h>
+#include <kvsnap/recurrent_cache.h>
 #include <kvsnap/rotating_kv_cache.h>
 
 #include <atomic>
@@ -14,6 +15,8 @@
 #include <cstdlib>
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -153,6 +156,71 @@ TEST(CacheThreads, SnapshotsSavedWhileTheirSequencesAreWrittenHoldTheirTokens) {
     ASSERT_EQ(saved_ids(bytes, "layer.0.values"), range_ids) << "round " << round;
     ASSERT_EQ(saved_ids(bytes, "layer.1.values"), window_ids) << "round " << round;
   }
+}
+
+// The histories a cache hands back are made of parts it keeps for reuse (a paged sequence's
+// columns, a batch's rows), which come back when their last holder lets them go. Histories let go
+// in another thread, while the cache goes on making new ones, come back whole: the holder reads
+// each as it was made (its rows' lengths and last tokens), and no part is reused while held.
+TEST(CacheThreads, HistoriesLetGoInAnotherThreadStayAsTheyWereMade) {
+  struct Made {
+    KVHistory paged, contiguous;  // two rows each: sequences 0 and 1
+    RecurrentHistory recurrent;
+    int64_t length0 = 0, length1 = 0;
+  };
+  PagedKVCache paged({.block_tokens = 4});
+  KVCache contiguous;
+  RecurrentCache recurrent(2, 8, 1, 4, 4);
+  std::mutex mutex;
+  std::vector<Made> queue;
+  std::atomic<bool> done{false};
+  const auto produce = [&] {
+    for (int64_t step = 0; step < 300; ++step) {
+      Batch batch = Batch::uniform(2, 1, 0);
+      batch.seq_ids = {0, 1};
+      const int64_t second = (step + 1) / 2;  // sequence 1 writes every other step
+      batch.seq_offsets = {static_cast<int32_t>(step), static_cast<int32_t>(second)};
+      batch.seq_query_lens = {1, step % 2 == 0 ? 1 : 0};
+      const std::vector<int64_t> ids{step};
+      const Array keys = kv.keys(ids, 2), values = kv.values(ids, 2);
+      Batch states = Batch::uniform(2, 1, 0);  // the recurrent sequences stay at 0 (no put)
+      states.seq_ids = {0, 1};
+      Made made{paged.update(batch, keys, values), contiguous.update(batch, keys, values),
+                recurrent.get(states, DType::f32), step + 1, second + (step % 2 == 0 ? 1 : 0)};
+      const std::lock_guard<std::mutex> hold(mutex);
+      queue.push_back(std::move(made));
+    }
+    done = true;
+  };
+  const auto consume = [&] {
+    int64_t seen = 0;
+    while (true) {
+      std::optional<Made> made;
+      {
+        const std::lock_guard<std::mutex> hold(mutex);
+        if (!queue.empty()) {
+          made = std::move(queue.front());
+          queue.erase(queue.begin());
+        }
+      }
+      if (!made) {
+        if (done && seen == 300) return;
+        std::this_thread::yield();
+        continue;
+      }
+      ++seen;
+      for (const KVHistory* history : {&made->paged, &made->contiguous}) {
+        ASSERT_EQ(history->rows(), 2);
+        const std::vector<int64_t> row0 = column_ids(history->row(0));
+        ASSERT_EQ(static_cast<int64_t>(row0.size()), made->length0);
+        EXPECT_EQ(row0.back(), made->length0 - 1);
+        EXPECT_EQ(history->row(1).length(), made->length1);
+      }
+      EXPECT_EQ(made->recurrent.rows(), 2);
+    }  // each history let go here, in this thread
+  };
+  run_together({produce, consume}, 1);
+  EXPECT_TRUE(queue.empty());
 }
 
 }  // namespace

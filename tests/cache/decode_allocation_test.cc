@@ -65,6 +65,13 @@ TEST(DecodeAllocation, KVCacheUpdateCaptureAndRewindAllocateNothing) {
             0);
 }
 
+// A decode step of sequence 0: a token at its offset, its history let go.
+void decode_step(Attention& cache, Batch& batch, const Array& keys, const Array& values) {
+  batch.seq_offsets[0] = static_cast<int32_t>(cache.offset());
+  const KVHistory history = cache.update(batch, keys, values);
+  (void)history;
+}
+
 TEST(DecodeAllocation, RotatingKVCacheRingUpdateAndCaptureAllocateNothing) {
   RotatingKVCache cache(256);
   testing::write(cache, kv, testing::id_range(0, 300));  // a chunk: longer than the window
@@ -72,9 +79,7 @@ TEST(DecodeAllocation, RotatingKVCacheRingUpdateAndCaptureAllocateNothing) {
   const Array keys = kv.keys(token), values = kv.values(token);
   Batch batch = Batch::uniform(1, 1, 0);
   EXPECT_EQ(allocations_of([&] {
-              batch.seq_offsets[0] = static_cast<int32_t>(cache.offset());
-              const KVHistory history = cache.update(batch, keys, values);
-              (void)history;
+              decode_step(cache, batch, keys, values);
               SnapshotPtr window = cache.snapshot(0);  // lazy runs of the ring
               window.reset();
             }),
@@ -202,6 +207,82 @@ TEST(DecodeAllocation, AppendOutputAllocatesNothingUnderOrOverTheBudget) {
         << "budget " << budget;
     EXPECT_EQ(cache.check_invariants(), "");
   }
+}
+
+// Continuous batching: a decode step of two sequences at different offsets — one update, a
+// ragged history — allocates nothing once warm on any attention kind: the rows' batches, the
+// history's rows and a paged sequence's columns are kept for reuse by the cache (a history comes
+// back when its caller lets it go). Warm: both sequences written to 300 tokens in one update
+// (the pool's blocks taken, the kept histories that long), then rewound to 64 and 30 (a window
+// is not: it wraps).
+TEST(DecodeAllocation, AStepOfTwoSequencesAllocatesNothing) {
+  const std::vector<int64_t> token{7};
+  const Array keys = kv.keys(token, 2), values = kv.values(token, 2);
+  for (const std::string kind : {"kv", "window", "paged"}) {
+    std::unique_ptr<Attention> cache;
+    if (kind == "kv") {
+      auto contiguous = std::make_unique<KVCache>();
+      contiguous->reserve(4096);
+      cache = std::move(contiguous);
+    }
+    if (kind == "window") cache = std::make_unique<RotatingKVCache>(256);
+    if (kind == "paged") cache = std::make_unique<PagedKVCache>(PagedKVCache::Options{});
+    Batch warm = Batch::uniform(2, 300, 0);
+    warm.seq_ids = {0, 1};
+    const std::vector<int64_t> ids = testing::id_range(0, 300);
+    (void)cache->update(warm, kv.keys(ids, 2), kv.values(ids, 2));
+    if (kind != "window") {
+      ASSERT_TRUE(cache->restore(0, nullptr, 64));
+      ASSERT_TRUE(cache->restore(1, nullptr, 30));
+    }
+    Batch step = Batch::uniform(2, 1, 0);
+    step.seq_ids = {0, 1};
+    EXPECT_EQ(allocations_of([&] {
+                step.seq_offsets = {static_cast<int32_t>(cache->offset(0)),
+                                    static_cast<int32_t>(cache->offset(1))};
+                const KVHistory history = cache->update(step, keys, values);
+                EXPECT_EQ(history.rows(), 2);
+                EXPECT_EQ(cache->view(step).rows(), 2);
+              }),
+              0)
+        << kind;
+  }
+}
+
+// A paged sequence's decode step and a capture of its last tokens (their blocks' references),
+// warm as above.
+TEST(DecodeAllocation, PagedKVCacheUpdateAndCaptureAllocateNothing) {
+  PagedKVCache cache;
+  testing::write(cache, kv, testing::id_range(0, 300));
+  ASSERT_TRUE(cache.restore(0, nullptr, 64));
+  const std::vector<int64_t> token{7};
+  const Array keys = kv.keys(token), values = kv.values(token);
+  Batch batch = Batch::uniform(1, 1, 0);
+  EXPECT_EQ(allocations_of([&] { decode_step(cache, batch, keys, values); }), 0);
+  EXPECT_EQ(allocations_of([&] {
+              SnapshotPtr capture = cache.snapshot(0, cache.offset() - 8);
+              capture.reset();
+            }),
+            0);
+}
+
+// The same for a recurrent cache: get and put of two sequences' states.
+TEST(DecodeAllocation, RecurrentGetAndPutOfTwoSequencesAllocateNothing) {
+  RecurrentCache cache(3, 64, 4, 32, 32);
+  Batch step = Batch::uniform(2, 1, 0);
+  step.seq_ids = {0, 1};
+  (void)cache.get(step, DType::f32);
+  const RecurrentStates states[2] = {
+      {{Array::zeros(DType::f32, {1, 3, 64})}, {Array::zeros(DType::f32, {1, 4, 32, 32})}},
+      {{Array::zeros(DType::f32, {1, 3, 64})}, {Array::zeros(DType::f32, {1, 4, 32, 32})}}};
+  EXPECT_EQ(allocations_of([&] {
+              step.seq_offsets = {static_cast<int32_t>(cache.offset(0)),
+                                  static_cast<int32_t>(cache.offset(1))};
+              const RecurrentHistory history = cache.get(step, DType::f32);
+              EXPECT_EQ(history.rows(), 2);
+              cache.put(step, std::span(states, 2));
+            }),
+            0);
 }
 
 }  // namespace
