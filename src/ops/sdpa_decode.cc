@@ -181,6 +181,18 @@ class DecodeAttention {
     group_ = query_heads_ / kv_heads_;
     for (const Row& r : rows_) width_ = std::max(width_, r.hi);
     jobs_ = Planner(rows_, any).plan(width_);
+    // Each row's scores span the columns its jobs reach (its own, and where a block it shares
+    // goes further, the rest of that block): a short row beside a long one takes little room.
+    widths_.assign(rows_.size(), 0);
+    for (size_t b = 0; b < rows_.size(); ++b) widths_[b] = rows_[b].hi;
+    for (const Job& job : jobs_) {
+      for (const int64_t b : job.rows) {
+        int64_t& width = widths_[static_cast<size_t>(b)];
+        width = std::max(width, job.first + job.count);
+      }
+    }
+    starts_.assign(rows_.size() + 1, 0);
+    for (size_t b = 0; b < rows_.size(); ++b) starts_[b + 1] = starts_[b] + group_ * widths_[b];
     key_head_ = any.key_chunks.front().strides()[1];
     value_head_ = any.value_chunks.front().strides()[1];
     key_stride_ = any.key_chunks.front().strides()[2];
@@ -198,7 +210,7 @@ class DecodeAttention {
       // layer; larger ones live for the call. Never read before written (columns a row does not
       // see get 0 from its softmax).
       Scratch once;
-      const size_t need = rows_.size() * static_cast<size_t>(group_ * width_);
+      const auto need = static_cast<size_t>(starts_.back());
       Scratch& scratch = scratch_for(need, once);
       if (scratch.scores.size() < need) scratch.scores.resize(need);
       for (int64_t g = t; g < kv_heads_; g += threads) head(g, scratch, out.mutable_data<float>());
@@ -213,11 +225,13 @@ class DecodeAttention {
     std::vector<const float*> queries;
     std::vector<float*> outputs;
     std::vector<ColumnRun> runs;
-    // Row b's scores for query head j of the current key/value head, over columns [0, width).
-    float* row(int64_t b, int64_t j, int64_t group, int64_t width) {
-      return scores.data() + (b * group + j) * width;
-    }
   };
+
+  // Row b's scores for query head j of the current key/value head, over its columns
+  // [0, widths_[b]).
+  float* row(Scratch& s, int64_t b, int64_t j) const {
+    return s.scores.data() + starts_[static_cast<size_t>(b)] + j * widths_[static_cast<size_t>(b)];
+  }
 
   void head(int64_t g, Scratch& s, float* out) const {
     for (const Job& job : jobs_) score(job, g, s);
@@ -225,7 +239,7 @@ class DecodeAttention {
     for (size_t b = 0; b < rows_.size(); ++b) {
       for (int64_t j = 0; j < group_; ++j) {
         s.sums[b * static_cast<size_t>(group_) + static_cast<size_t>(j)] = softmax_numerators(
-            s.row(static_cast<int64_t>(b), j, group_, width_), width_, rows_[b].lo, rows_[b].hi);
+            row(s, static_cast<int64_t>(b), j), widths_[b], rows_[b].lo, rows_[b].hi);
       }
     }
     for (const Job& job : jobs_) weigh(job, g, s, out);
@@ -247,8 +261,8 @@ class DecodeAttention {
     for (const Job& job : jobs_) {
       if (!std::binary_search(job.rows.begin(), job.rows.end(), b)) continue;
       runs_of(job, /*keys=*/false, g * value_head_, s.runs);
-      detail::weigh_seen(s.row(b, j, group_, width_) + job.first, s.runs.data(), s.runs.size(),
-                         value_stride_, value_depth_, sum);
+      detail::weigh_seen(row(s, b, j) + job.first, s.runs.data(), s.runs.size(), value_stride_,
+                         value_depth_, sum);
     }
   }
 
@@ -272,7 +286,7 @@ class DecodeAttention {
       for (int64_t j = 0; j < group_; ++j) {
         s.queries.push_back(q_.data<float>() + b * q_.strides()[0] +
                             (g * group_ + j) * q_.strides()[1]);
-        s.outputs.push_back(s.row(b, j, group_, width_) + job.first);
+        s.outputs.push_back(row(s, b, j) + job.first);
       }
     }
     runs_of(job, /*keys=*/true, g * key_head_, s.runs);
@@ -289,7 +303,7 @@ class DecodeAttention {
     s.outputs.clear();
     for (const int64_t b : job.rows) {
       for (int64_t j = 0; j < group_; ++j) {
-        s.queries.push_back(s.row(b, j, group_, width_) + job.first);
+        s.queries.push_back(row(s, b, j) + job.first);
         s.outputs.push_back(out + (b * query_heads_ + g * group_ + j) * value_depth_);
       }
     }
@@ -322,9 +336,9 @@ class DecodeAttention {
         const Row& r = rows_[static_cast<size_t>(job.rows[n])];
         const int64_t from = std::max(r.lo, first), to = std::min(r.hi, first + count);
         for (int64_t j = 0; j < group_ && from < to; ++j) {
-          const int64_t row = static_cast<int64_t>(n) * group_ + j;
-          std::copy_n(s.product.data() + row * count + (from - first), to - from,
-                      s.row(job.rows[n], j, group_, width_) + from);
+          const int64_t query = static_cast<int64_t>(n) * group_ + j;
+          std::copy_n(s.product.data() + query * count + (from - first), to - from,
+                      row(s, job.rows[n], j) + from);
         }
       }
       first += count;
@@ -342,7 +356,7 @@ class DecodeAttention {
       s.lhs.resize(static_cast<size_t>(m * count));
       for (size_t n = 0; n < job.rows.size(); ++n) {
         for (int64_t j = 0; j < group_; ++j) {
-          std::copy_n(s.row(job.rows[n], j, group_, width_) + first, count,
+          std::copy_n(row(s, job.rows[n], j) + first, count,
                       s.lhs.data() + (static_cast<int64_t>(n) * group_ + j) * count);
         }
       }
@@ -368,6 +382,7 @@ class DecodeAttention {
   int64_t query_heads_ = 0, depth_ = 0, kv_heads_ = 0, value_depth_ = 0, group_ = 0, width_ = 0;
   int64_t key_head_ = 0, value_head_ = 0, key_stride_ = 0, value_stride_ = 0;
   std::vector<Job> jobs_;
+  std::vector<int64_t> widths_, starts_;  // per row: its scores' columns; where they start
 };
 
 }  // namespace

@@ -8,16 +8,23 @@
 #include <cstdlib>
 #include <memory>
 #include <new>
+#include <thread>
 
 #include "support/cache_support.h"
 #include "support/replaced_new.h"
 
 namespace {
 std::atomic<int64_t> allocations{0};
+std::atomic<size_t> largest{0};  // the largest allocation since it was last set to 0
 }  // namespace
 
 // Every form of global operator new is counted (support/replaced_new.h).
-void kvsnap::testing::on_allocation() { allocations.fetch_add(1, std::memory_order_relaxed); }
+void kvsnap::testing::on_allocation(std::size_t bytes) {
+  allocations.fetch_add(1, std::memory_order_relaxed);
+  size_t seen = largest.load(std::memory_order_relaxed);
+  while (bytes > seen && !largest.compare_exchange_weak(seen, bytes, std::memory_order_relaxed)) {
+  }
+}
 
 namespace kvsnap {
 namespace {
@@ -283,6 +290,43 @@ TEST(DecodeAllocation, RecurrentGetAndPutOfTwoSequencesAllocateNothing) {
               cache.put(step, std::span(states, 2));
             }),
             0);
+}
+
+// Continuous batching over paged caches: a decode step's scores take room for each row's own
+// columns, not every row as long as the longest. 64 rows — one of 40000 tokens, 63 of 10 — take
+// 4 heads x (40000 + 63 x 16) floats of scratch (0.7 MB), not 64 x 4 x 40000 (41 MB). Run on a
+// fresh thread: its scratch is its own.
+TEST(DecodeAllocation, ADecodeStepsScoresTakeRoomForEachRowsColumns) {
+  constexpr int64_t kRows = 64, kLong = 40000, kShort = 10, kBlock = 16, kDepth = 32;
+  const int64_t blocks = kLong / kBlock + kRows;
+  const Array keys = Array::zeros(DType::f32, {1, 1, blocks * kBlock, kDepth});
+  const Array values = keys.clone();
+  std::vector<KVHistory> rows;
+  Batch batch = Batch::uniform(kRows, 1, 0);
+  batch.seq_ids.clear();
+  for (int64_t b = 0; b < kRows; ++b) {
+    std::vector<int32_t> table;
+    const int64_t length = b == 0 ? kLong : kShort;
+    if (b == 0) {
+      for (int64_t i = 0; i < kLong / kBlock; ++i) table.push_back(static_cast<int32_t>(i));
+    } else {
+      table.push_back(static_cast<int32_t>(kLong / kBlock + b));
+    }
+    rows.emplace_back(PagedColumns{{keys}, {values}, blocks, kBlock, table, length});
+    batch.seq_offsets[static_cast<size_t>(b)] = static_cast<int32_t>(length - 1);
+  }
+  const KVHistory history = KVHistory::of_rows(std::move(rows));
+  const Array q = Array::zeros(DType::f32, {kRows, 4, 1, kDepth});
+  size_t peak = 0;
+  std::thread([&] {
+    largest = 0;
+    const Array out = sdpa(batch, q, history, AttentionMask::causal(), 0.2f);
+    peak = largest.load();
+    EXPECT_EQ(out.dim(0), kRows);
+  }).join();
+  const size_t scores = 4 * (kLong + (kRows - 1) * kBlock) * sizeof(float);
+  EXPECT_LE(peak, 2 * scores);
+  EXPECT_GE(peak, scores / 2);  // the scores' scratch is the largest
 }
 
 }  // namespace

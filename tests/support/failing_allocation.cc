@@ -22,7 +22,7 @@ std::atomic<int64_t> counted{0}, fail_at{0};
 }  // namespace
 
 // Every form of global operator new comes here (support/replaced_new.h).
-void kvsnap::testing::on_allocation() {
+void kvsnap::testing::on_allocation(std::size_t) {
   if (!armed.load(std::memory_order_relaxed)) return;
   if (counted.fetch_add(1, std::memory_order_relaxed) + 1 == fail_at.load()) {
     armed = false;  // one failure per run: the rest of the run must cope with it
