@@ -92,8 +92,10 @@ class Visibility {
     const int64_t first = history_.first_position();
     int64_t lo = 0, hi = columns_;
     if (effective_.is_causal()) hi = std::clamp<int64_t>(position - first + 1, 0, columns_);
-    if (effective_.window() > 0) {
-      lo = std::clamp<int64_t>(position - effective_.window() + 1 - first, 0, columns_);
+    if (effective_.window() > 0) {  // the columns before the window's; no overflow for any window
+      const int64_t through = position - first + 1;  // columns up to the query's position
+      lo = std::clamp<int64_t>(through > effective_.window() ? through - effective_.window() : 0, 0,
+                               columns_);
     }
     return {lo, std::max(lo, hi)};
   }

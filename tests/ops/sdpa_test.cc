@@ -254,6 +254,21 @@ TEST(SdpaErrors, RaggedRowsAndTheirMask) {
                            {"sdpa: row 1 of the history has values 6 deep, row 0's are 8"}));
 }
 
+// A lookback of any length, however far its queries lie from the history (positions before it
+// included), hides only keys that far back: the largest window hides nothing (its arithmetic does
+// not overflow).
+TEST(Sdpa, TheLongestLookbackHidesNothing) {
+  const auto in = make_inputs(1, 2, 2, 2, 5, 8, 8, 16);
+  const KVHistory history(in.k, in.v, /*first_position=*/10);
+  for (const int64_t offset : {int64_t{3}, int64_t{14}}) {
+    const auto batch = Batch::uniform(1, 2, offset);
+    const auto longest = AttentionMask::lookback(std::numeric_limits<int64_t>::max());
+    EXPECT_TRUE(all_close(sdpa(batch, in.q, history, longest, 0.3f),
+                          sdpa(batch, in.q, history, AttentionMask::none(), 0.3f), 0.0f))
+        << offset;
+  }
+}
+
 TEST(Sdpa, PaddingQueriesReturnZeros) {
   const auto in = make_inputs(2, 1, 1, 3, 3, 4, 4, 10);
   Batch batch = Batch::uniform(2, 3, 0);
