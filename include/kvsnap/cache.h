@@ -149,8 +149,9 @@ class KVSNAP_EXPORT Cache {
   virtual void cancel_snapshots(SeqId seq);
   [[nodiscard]] virtual std::vector<SnapshotPtr> take_snapshots(SeqId seq);
   [[nodiscard]] virtual std::vector<SnapshotPtr> take_reached_snapshots(SeqId seq);
-  // take_snapshots(seq) into `into` (cleared first). The built-in kinds swap buffers, so a
-  // caller that reuses `into` round after round lets capture allocate nothing once warm.
+  // take_snapshots(seq) into `into` (cleared first, also when the call throws; the built-in
+  // kinds clear it before taking their lock). They swap buffers, so a caller that reuses `into`
+  // round after round lets capture allocate nothing once warm.
   virtual void take_snapshots_into(SeqId seq, std::vector<SnapshotPtr>& into);
   [[nodiscard]] virtual bool restore(SeqId seq, Snapshot* snapshot, int64_t target);
   // The sequences the cache has made — written, restored or given a schedule — ascending; a

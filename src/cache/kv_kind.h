@@ -300,6 +300,10 @@ class KVCacheCore {
     return sequence != nullptr ? sequence->take() : std::vector<SnapshotPtr>{};
   }
   void take_into(SeqId seq, std::vector<SnapshotPtr>& into) {
+    // Cleared first, outside the lock: a snapshot it held that is lazy in another cache takes
+    // that cache's lock as it goes, and two threads each taking into what the other's cache
+    // holds would wait on each other.
+    into.clear();
     const Guard guard(lock);
     if (Seq* sequence = sequences.find(seq, name_)) return sequence->take_into(into);
     into.clear();

@@ -439,6 +439,7 @@ std::vector<SnapshotPtr> PagedKVCache::take_snapshots(SeqId seq) {
   return sequence->schedule.take(sequence->offset, "PagedKVCache::take_snapshots");
 }
 void PagedKVCache::take_snapshots_into(SeqId seq, std::vector<SnapshotPtr>& into) {
+  into.clear();  // first, outside the lock (detail::KVCacheCore::take_into)
   const Guard guard(impl_->pool->lock);
   detail::PagedSequence* sequence = impl_->sequences.find(seq, "PagedKVCache::take_snapshots");
   if (sequence == nullptr) {

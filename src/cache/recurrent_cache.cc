@@ -383,6 +383,7 @@ std::vector<SnapshotPtr> RecurrentCache::take_snapshots(SeqId seq) {
 }
 
 void RecurrentCache::take_snapshots_into(SeqId seq, std::vector<SnapshotPtr>& into) {
+  into.clear();  // first, outside the lock (detail::KVCacheCore::take_into)
   const Guard guard(impl_->lock);
   detail::RecurrentSequence* sequence =
       impl_->sequences.find(seq, "RecurrentCache::take_snapshots");

@@ -158,6 +158,29 @@ TEST(CacheThreads, SnapshotsSavedWhileTheirSequencesAreWrittenHoldTheirTokens) {
   }
 }
 
+// take_snapshots_into lets go of what `into` held before it takes its cache's lock: two threads
+// each taking their captures into a vector that held the other cache's lazy snapshots (whose
+// release takes that cache's lock) never wait on each other.
+TEST(CacheThreads, TakingIntoVectorsThatHeldTheOtherCachesSnapshotsNeverWaits) {
+  KVCache x, y;
+  write(x, kv, id_range(0, 8));
+  write(y, kv, id_range(0, 8));
+  std::vector<SnapshotPtr> into_x, into_y;
+  const auto round = [](KVCache& ours, KVCache& theirs, std::vector<SnapshotPtr>& into) {
+    into.push_back(theirs.snapshot(0, 4));  // lazy in theirs: [4, 8)
+    const std::vector<int64_t> at{9};
+    ours.prepare_snapshots(0, at);
+    write(ours, kv, id_range(100, 1));
+    ours.take_snapshots_into(0, into);
+    ASSERT_EQ(into.size(), 1U);
+    ASSERT_TRUE(ours.restore(0, nullptr, 8));
+  };
+  run_together({[&] { round(x, y, into_x); }, [&] { round(y, x, into_y); }}, 2000);
+  into_x.clear();
+  into_y.clear();
+  EXPECT_EQ(column_ids(x.view(Batch::uniform(1, 1, 0))), id_range(0, 8));
+}
+
 // The histories a cache hands back are made of parts it keeps for reuse (a paged sequence's
 // columns, a batch's rows), which come back when their last holder lets them go. Histories let go
 // in another thread, while the cache goes on making new ones, come back whole: the holder reads
