@@ -80,8 +80,10 @@ std::string paged_problem(const PagedColumns& paged) {
     return fmt::format("blocks_per_chunk {} and block_tokens {} must be >= 1",
                        paged.blocks_per_chunk, paged.block_tokens);
   }
-  if (paged.length < 0 ||
-      paged.length > static_cast<int64_t>(paged.table.size()) * paged.block_tokens) {
+  // Divided, not multiplied: a hand-built header's sizes may be anything (no overflow).
+  const int64_t blocks_needed =
+      paged.length / paged.block_tokens + (paged.length % paged.block_tokens != 0 ? 1 : 0);
+  if (paged.length < 0 || blocks_needed > static_cast<int64_t>(paged.table.size())) {
     return fmt::format("{} columns do not fit its {} blocks of {} tokens", paged.length,
                        paged.table.size(), paged.block_tokens);
   }
@@ -103,10 +105,11 @@ std::string paged_problem(const PagedColumns& paged) {
       }
     }
   }
-  const auto blocks = static_cast<int64_t>(paged.key_chunks.size()) * paged.blocks_per_chunk;
+  const auto chunks = static_cast<int64_t>(paged.key_chunks.size());
   for (const int32_t block : paged.table) {
-    if (block < 0 || block >= blocks) {
-      return fmt::format("block {} is outside the chunks' [0, {})", block, blocks);
+    if (block < 0 || block / paged.blocks_per_chunk >= chunks) {
+      return fmt::format("block {} is outside the chunks' [0, {} x {})", block, chunks,
+                         paged.blocks_per_chunk);
     }
   }
   return "";

@@ -86,14 +86,8 @@ void check_mask_rows(const Batch& batch, const AttentionMask& logical) {
   }
 }
 
-// f32 views whose rows (the last axis) are unit-strided and lie apart (a row stride of at least
-// their length, as a BLAS leading dimension must be: not a broadcast column of stride 0) are
-// read in place; anything else is converted once.
-Array rows_f32(const Array& a) {
-  const bool in_place = a.dtype() == DType::f32 && a.strides()[3] == 1 &&
-                        a.strides()[2] >= std::max<int64_t>(a.dim(3), 1);
-  return in_place ? a : a.astype(DType::f32);
-}
+// `a` itself when the kernels read it in place (rows_in_place), else an f32 copy.
+Array rows_f32(const Array& a) { return detail::rows_in_place(a) ? a : a.astype(DType::f32); }
 
 // A run of consecutive key columns [first, first + count) of one (row, key head): `count` key
 // rows of `key_stride` floats and value rows of `value_stride` floats.
@@ -115,10 +109,9 @@ class Columns {
       values_ = rows_f32(history.values());
       return;
     }
+    // As rows_f32 decides for each block: a run read in place must outlive its visit.
     const auto f32 = [](const std::vector<Array>& chunks) {
-      return std::all_of(chunks.begin(), chunks.end(), [](const Array& chunk) {
-        return chunk.dtype() == DType::f32 && chunk.strides()[3] == 1;
-      });
+      return std::all_of(chunks.begin(), chunks.end(), detail::rows_in_place);
     };
     in_place_ =
         f32(history.paged_columns().key_chunks) && f32(history.paged_columns().value_chunks);

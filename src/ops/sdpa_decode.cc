@@ -38,9 +38,7 @@ struct Job {
 };
 
 bool plain_f32(const std::vector<Array>& chunks) {
-  return !chunks.empty() && std::all_of(chunks.begin(), chunks.end(), [](const Array& c) {
-    return c.dtype() == DType::f32 && c.strides()[3] == 1;
-  });
+  return !chunks.empty() && std::all_of(chunks.begin(), chunks.end(), rows_in_place);
 }
 
 // Head 0 of block `i` of `p` (chunks of [1, H, blocks_per_chunk * T, D]).

@@ -123,6 +123,15 @@ inline float softmax_numerators(float* row, int64_t width, int64_t begin, int64_
   return detail::exp_shifted(row + begin, end - begin, best);
 }
 
+// Whether the kernels read `a` ([*, H, K, D] keys or values) in place: f32, its rows (the last
+// axis) unit-strided and apart — a row stride of at least their length, as a BLAS leading
+// dimension must be (not a broadcast column of stride 0, nor rows that overlap). Anything else
+// is converted first.
+inline bool rows_in_place(const Array& a) {
+  return a.dtype() == DType::f32 && a.strides()[3] == 1 &&
+         a.strides()[2] >= std::max<int64_t>(a.dim(3), 1);
+}
+
 // Whether out[0, n) holds only finite values.
 inline bool all_finite(const float* out, int64_t n) {
   bool finite = true;

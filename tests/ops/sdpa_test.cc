@@ -377,7 +377,13 @@ TEST(PagedHistory, AHandBuiltOneIsCheckedWhenMade) {
   PagedColumns no_blocks = paged({0}, 2);
   no_blocks.blocks_per_chunk = 0;  // the struct's default: once a division by zero
   EXPECT_TRUE(refused(no_blocks, {"KVHistory", "blocks_per_chunk 0"}));
-  EXPECT_TRUE(refused(paged({0, 4}, 3), {"KVHistory", "block 4", "[0, 4)"}));
+  EXPECT_TRUE(refused(paged({0, 4}, 3), {"KVHistory", "block 4", "[0, 1 x 4)"}));
+  // Sizes of any magnitude are checked without overflowing: four blocks of 2^62 tokens hold 5
+  // columns; the chunk is what does not fit.
+  PagedColumns huge = paged({0, 0, 0, 0}, 5);
+  huge.blocks_per_chunk = 1;
+  huge.block_tokens = int64_t{1} << 62;
+  EXPECT_TRUE(refused(huge, {"KVHistory", "chunk f32[1, 2, 8, 8] does not fit"}));
   EXPECT_TRUE(refused(paged({-1}, 1), {"KVHistory", "block -1"}));
   EXPECT_TRUE(refused(paged({0}, 3), {"KVHistory", "3 columns", "1 blocks of 2 tokens"}));
   EXPECT_TRUE(refused(paged({0}, 1), {"KVHistory", "first position -5"}, -5));
@@ -388,6 +394,27 @@ TEST(PagedHistory, AHandBuiltOneIsCheckedWhenMade) {
   uneven.key_chunks.push_back(chunk(heads, tokens));  // a second chunk of one block
   uneven.value_chunks.push_back(chunk(heads, columns));
   EXPECT_TRUE(refused(uneven, {"KVHistory", "chunk f32[1, 2, 2, 8]"}));
+}
+
+// A hand-built paged history whose chunks' rows overlap (a row stride shorter than a row: a view
+// onto the same floats) is read as the rows it shows, on the prefill and the decode paths (such
+// blocks are converted one at a time; a run read in place must not point into a copy).
+TEST(PagedHistory, ChunksWhoseRowsOverlapAreReadAsTheyShow) {
+  std::mt19937 rng(8);
+  const std::vector<float> keys = random_array({1, 1, 1, 80}, rng).to_floats();
+  const std::vector<float> values = random_array({1, 1, 1, 80}, rng).to_floats();
+  const auto overlapping = [](const std::vector<float>& floats) {
+    return Array::wrap(const_cast<float*>(floats.data()), DType::f32, {1, 2, 8, 8}, {80, 40, 4, 1});
+  };
+  const KVHistory paged(PagedColumns{{overlapping(keys)}, {overlapping(values)}, 2, 4, {1, 0}, 7});
+  const KVHistory contiguous = paged.contiguous();
+  for (const int64_t queries : {int64_t{3}, int64_t{1}}) {
+    const Array q = random_array({1, 4, queries, 8}, rng);
+    const auto batch = Batch::uniform(1, queries, 7 - queries);
+    EXPECT_TRUE(all_close(sdpa(batch, q, paged, AttentionMask::causal(), 0.3f),
+                          sdpa(batch, q, contiguous, AttentionMask::causal(), 0.3f), 1e-6f))
+        << queries << " queries";
+  }
 }
 
 // A paged history is one sequence's: a batch of several rows needs one history per row.
