@@ -103,8 +103,9 @@ namespace {
 // A model config file: a regular file of at most 1 MiB (not a FIFO waited on), as the caller's
 // to trust.
 std::string read_config(const std::string& path, const char* call) {
-  return detail::read_private_file(path, detail::PrivacyRule{.call = call, .allow_shared = true},
-                                   uint64_t{1} << 20);
+  return detail::read_private_file(
+      path, detail::PrivacyRule{.call = call, .override_with = "", .allow_shared = true},
+      uint64_t{1} << 20);
 }
 }  // namespace
 
@@ -202,7 +203,8 @@ Model Model::load(const std::string& config_path, const std::string& weights_pat
   detail::SealedFile sealed;
   try {
     sealed = detail::read_sealed_file(
-        weights_path, detail::PrivacyRule{.call = "Model::load", .allow_shared = true});
+        weights_path,
+        detail::PrivacyRule{.call = "Model::load", .override_with = "", .allow_shared = true});
   } catch (const std::bad_alloc&) {
     throw Error(fmt::format("{}: the weights do not fit in memory", context));
   }
