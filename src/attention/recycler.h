@@ -25,18 +25,13 @@ class Recycler {
   using Scrub = void (*)(T&);
   explicit Recycler(Scrub scrub) : state_(std::make_shared<State>(scrub)) {}
 
-  // A T that `fill(T&)` sets (a kept one when any, its references already let go). Throws what
-  // fill throws, or std::bad_alloc.
+  // A T that `fill(T&)` sets (a kept one when any, its references already let go). Its memory
+  // is taken before fill runs: a fill that changes state (a cache's rows written) is not undone
+  // by running out here. Throws what fill throws (the T goes back), or std::bad_alloc.
   template <class Fill>
   std::shared_ptr<const T> make(Fill&& fill) {
-    T value = state_->take();
-    try {
-      fill(value);
-    } catch (...) {
-      state_->keep(std::move(value));
-      throw;
-    }
-    auto holder = std::allocate_shared<Holder>(Pieces<Holder>(state_), state_, std::move(value));
+    auto holder = std::allocate_shared<Holder>(Pieces<Holder>(state_), state_, state_->take());
+    fill(holder->value);
     return std::shared_ptr<const T>(holder, &holder->value);
   }
 
@@ -108,8 +103,10 @@ class Recycler {
   struct Pieces {
     using value_type = U;
     explicit Pieces(std::shared_ptr<State> s) : state(std::move(s)) {}
+    // Copied, never emptied by a move: a moved-from allocator still equals its source.
+    Pieces(const Pieces& other) noexcept : state(other.state) {}
     template <class V>
-    Pieces(const Pieces<V>& other) : state(other.state) {}  // NOLINT: rebinding
+    Pieces(const Pieces<V>& other) noexcept : state(other.state) {}  // NOLINT: rebinding
     U* allocate(size_t n) { return static_cast<U*>(state->piece(n * sizeof(U))); }
     void deallocate(U* p, size_t n) noexcept { state->give_back(p, n * sizeof(U)); }
     template <class V>

@@ -51,6 +51,7 @@ std::vector<SnapshotPtr> Cache::take_reached_snapshots(SeqId seq) {
   return take_reached_snapshots();
 }
 void Cache::take_snapshots_into(SeqId seq, std::vector<SnapshotPtr>& into) {
+  into.clear();  // first, also when the take throws (cache.h)
   into = take_snapshots(seq);
 }
 bool Cache::restore(SeqId seq, Snapshot* snapshot, int64_t target) {

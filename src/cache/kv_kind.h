@@ -102,7 +102,7 @@ struct RowsScratch {
   Array placeholder;  // the rows' placeholder ids (row_batch)
   Recycler<std::vector<KVHistory>> histories{[](std::vector<KVHistory>& v) { v.clear(); }};
 
-  // The batches of `batch`'s rows (rows[b] for row b).
+  // The batches of `batch`'s rows (rows[b] for row b); let_go() drops their views of its ids.
   void split(const Batch& batch) {
     const auto n = static_cast<size_t>(batch.batch_size());
     if (rows.size() < n) rows.resize(n);
@@ -110,6 +110,10 @@ struct RowsScratch {
     for (size_t b = 0; b < n; ++b) {
       row_batch(batch, static_cast<int64_t>(b), length, rows[b], placeholder);
     }
+  }
+  // The rows keep no view of a caller's ids past the call (a wrapped array's memory, its release).
+  void let_go() noexcept {
+    for (Batch& row : rows) row.input_ids = Array();
   }
 };
 
@@ -138,6 +142,10 @@ KVHistory update_rows(const Batch& batch, const Array& keys, const Array& values
                             keys.describe(), values.describe(), rows));
   }
   scratch.split(batch);
+  struct LetGo {
+    RowsScratch& scratch;
+    ~LetGo() { scratch.let_go(); }
+  } const let_go{scratch};
   const std::vector<Batch>& one = scratch.rows;
   for (int64_t b = 0; b < rows; ++b) {
     sequences.peek(batch.seq_id(b), call)

@@ -209,9 +209,13 @@ class PagedSequence {
     // Every block the parts need and a shared tail's copy, taken before the rewind (as splice
     // does): running out, or past the pool's limit, leaves the sequence as it was, and no write
     // runs out midway, leaving it part restored.
-    const int64_t need = pool_->blocks_for(target);
+    const int64_t need = pool_->blocks_for(target), kept = pool_->blocks_for(s.from());
+    // Blocks the rewind frees (past `from`, held by no one else) count; a shared tail, one more.
+    const auto freed = std::count_if(blocks.begin() + kept, blocks.end(),
+                                     [&](int32_t b) { return !pool_->shared(b); });
+    const bool tail = s.from() % pool_->block_tokens != 0 && pool_->shared(blocks[kept - 1]);
     blocks.reserve(static_cast<size_t>(need));
-    pool_->reserve(need - pool_->blocks_for(s.from()) + 1);
+    pool_->reserve(need - kept + (tail ? 1 : 0) - freed);
     rewind(s.from());
     const auto write_part = [&](const Array& k, const Array& v) {
       write(k, v);

@@ -4,10 +4,8 @@
 #include <xxhash.h>
 
 #include <cmath>
-#include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <optional>
 #include <random>
 #include <set>
 
@@ -130,9 +128,10 @@ void Model::save(const std::string& config_path, const std::string& weights_path
     throw Error(fmt::format("Model::save: {} layers: {}", weights_->layers.size(), e.what()));
   }
   // Each file whole or not at all (written aside, synced, renamed over the old one: a full disk
-  // is an Error, not a truncated file). The config first: when the weights then fail, the old
-  // config goes back, so an error leaves the old pair; a crash between the two leaves the old
-  // weights, which hold their own config, beside the new config, and load says so.
+  // is an Error, not a truncated file), the weights first: they name their config, so whatever
+  // stops the save between the two (an error, a crash) leaves a pair that load refuses, saying
+  // which config the weights hold — never new weights read with an old config unnoticed (old
+  // weights, from before weights named their config, could not tell).
   const auto write = [](const std::string& path, const std::string& bytes) {
     try {
       detail::write_file_atomically(path, bytes);
@@ -140,32 +139,22 @@ void Model::save(const std::string& config_path, const std::string& weights_path
       throw Error(fmt::format("Model::save: {}", e.what()));
     }
   };
-  std::optional<std::string> old_config;
+  write(weights_path, weights);
   try {
-    old_config = read_config(config_path, "Model::save");
-  } catch (const Error&) {  // none yet (or unreadable: nothing to put back)
-  }
-  write(config_path, config);
-  try {
-    write(weights_path, weights);
-  } catch (...) {
-    try {
-      if (old_config) {
-        detail::write_file_atomically(config_path, *old_config);
-      } else {
-        std::remove(config_path.c_str());
-      }
-    } catch (...) {  // the weights' failure is the one reported
-    }
-    throw;
+    write(config_path, config);
+  } catch (const Error& e) {
+    throw Error(
+        fmt::format("{} (the weights at {} are this model's; load refuses them with the "
+                    "old config: save again)",
+                    e.what(), weights_path));
   }
 }
 
 namespace {
 
 // Throws Error naming `context` unless the config the weights were saved with (metadata
-// "config", when the file has one: earlier saves did not write it) is `config` (but its seed,
-// which loaded weights do not use).
+// "config", when the file has one: earlier saves did not write it) is `config` (but its seed and
+// context length, which loaded weights do not use).
 void check_saved_config(const detail::SafetensorsFile& file, const ModelConfig& config,
                         const std::string& config_path, const std::string& context) {
   const auto saved = file.metadata.find("config");
@@ -177,7 +166,9 @@ void check_saved_config(const detail::SafetensorsFile& file, const ModelConfig& 
     throw Error(
         fmt::format("{}: metadata \"config\" is not a model config: {}", context, e.what()));
   }
+  // Neither the seed nor the context length is a property of loaded weights.
   with.seed = given.seed = 0;
+  with.context_length = given.context_length = 0;
   const nlohmann::json ours = nlohmann::json::parse(with.to_json());
   const nlohmann::json theirs = nlohmann::json::parse(given.to_json());
   std::string differences;

@@ -144,8 +144,9 @@ inline bool all_finite(const float* out, int64_t n) {
 // is 0: a column the query does not see but that lies in the range the kernels weigh for it (a
 // later query's, a window's older one, another row's part of a shared block) holds a value that
 // must not reach it, and 0 times an infinite or NaN value is NaN. The kernels weigh every column
-// of their range; a row whose sum came out not finite is weighed again with this (any non-finite
-// value it does see still reaches it: a NaN weight is not 0).
+// of their range; a row whose sum came out not finite is weighed again with this. A non-finite
+// value it sees with a weight above 0 (or NaN) still reaches it; one whose weight underflowed to
+// exactly 0 adds nothing, as in any other call that weighs it.
 inline void weigh_seen(const float* weights, const ColumnRun* runs, size_t n_runs, int64_t stride,
                        int64_t value_depth, float* out) {
   for (size_t r = 0; r < n_runs; ++r) {

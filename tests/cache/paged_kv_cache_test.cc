@@ -199,6 +199,23 @@ TEST_F(Paged, SplitSharesTheBoundaryBlockAndMergeRejoinsIt) {
   EXPECT_EQ(held(cache, 3), id_range(0, 30));
 }
 
+// A restore of another cache's snapshot over a sequence's own tokens reuses the blocks the rewind
+// frees: a full pool does not grow for it.
+TEST_F(Paged, ARestoreOverTheSequencesOwnBlocksTakesNoNewOnes) {
+  KVCache other;
+  (void)testing::write(other, kv, id_range(500, 32));
+  write(cache, 0, id_range(0, 32));  // the pool's one chunk: 4 blocks of 8, every one in use
+  const int64_t blocks = cache.pool_stats().blocks;
+  for (const int64_t from : {int64_t{0}, int64_t{12}}) {
+    const SnapshotPtr theirs = other.split(other.snapshot(0), from).second;
+    ASSERT_TRUE(cache.restore(0, theirs.get(), 32));
+    EXPECT_EQ(held(cache, 0), concat(id_range(0, from), id_range(500 + from, 32 - from)));
+    EXPECT_EQ(cache.pool_stats().blocks, blocks) << from;
+    ASSERT_TRUE(cache.restore(0, nullptr, 0));
+    write(cache, 0, id_range(0, 32));
+  }
+}
+
 // Snapshots not both of this pool (a KVCache's here) merge as an owned copy, counted as copied;
 // two of different layouts are refused, naming both.
 TEST_F(Paged, MergingAnotherCachesSnapshotCopiesAndCountsIt) {

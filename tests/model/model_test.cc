@@ -181,7 +181,8 @@ TEST(Model, LoadRejectsWeightsThatDisagreeWithTheConfig) {
       {"Model::load", "saved with another config than", "wider.json", "hidden 32 (the file's: 40)",
        "window"}));
   ModelConfig reseeded = small_config();
-  reseeded.seed = 99;  // loaded weights do not use it
+  reseeded.seed = 99;  // loaded weights use neither
+  reseeded.context_length = 1000;
   { std::ofstream((dir / "reseeded.json").string()) << reseeded.to_json(); }
   EXPECT_EQ(Model::load((dir / "reseeded.json").string(), (dir / "model.safetensors").string())
                 .weights_digest(),
@@ -241,19 +242,27 @@ TEST(Model, LoadRejectsWeightsThatDisagreeWithTheConfig) {
   EXPECT_TRUE(throws_error([&] { (void)Model::load(config, forged(true, DType::f16)); },
                            {"tensor \"embed\" is f16[64, 32]; the model's weights are f32"}));
   EXPECT_EQ(Model::load(config, forged(true, DType::f32)).config().hidden, 32);
-  // A save whose weights cannot be written leaves the old config (none, when there was none).
-  ModelConfig other = small_config();
-  other.seed = 5;
+  // A save whose weights cannot be written changes nothing (and creates no config).
+  const std::string weights = (dir / "model.safetensors").string();
   const std::string before = detail::read_file(config);
-  EXPECT_TRUE(throws_error(
-      [&] { Model(other).save(config, (dir / "missing" / "model.safetensors").string()); },
-      {"Model::save: writing", "missing/model.safetensors"}));
+  EXPECT_TRUE(
+      throws_error([&] { model.save(config, (dir / "missing" / "model.safetensors").string()); },
+                   {"Model::save: writing", "missing/model.safetensors"}));
   EXPECT_EQ(detail::read_file(config), before);
   const std::string fresh = (dir / "fresh.json").string();
   EXPECT_TRUE(
       throws_error([&] { model.save(fresh, (dir / "missing" / "model.safetensors").string()); },
                    {"Model::save: writing"}));
   EXPECT_FALSE(std::filesystem::exists(fresh));
+  // One whose config cannot be written after its weights were says so, and load refuses the
+  // weights with the old config, naming what differs.
+  ModelConfig other = small_config();
+  other.window = 5;
+  EXPECT_TRUE(throws_error(
+      [&] { Model(other).save((dir / "missing" / "config.json").string(), weights); },
+      {"Model::save: writing", "missing/config.json", "load refuses them with the old config"}));
+  EXPECT_TRUE(throws_error([&] { (void)Model::load(config, weights); },
+                           {"saved with another config than", "window 5 (the file's: 6)"}));
   std::filesystem::remove_all(dir);
 }
 
