@@ -78,8 +78,15 @@ void CaptureSchedule::check_complete(int64_t current, const char* call) const {
         call, offsets_[captured_.size()], captured_.size()));
   }
   if (captured_.size() < offsets_.size()) {
-    throw Error(fmt::format("{}: scheduled offset {} not reached (cache offset {})", call,
-                            offsets_[captured_.size()], current));
+    const int64_t next = offsets_[captured_.size()];
+    if (next <= current) {  // reached, but its capture ran out of memory (a KV range's)
+      throw Error(fmt::format(
+          "{}: scheduled offset {} was reached (cache offset {}) but its capture ran out of "
+          "memory; the next write makes it (a zero-length update will do)",
+          call, next, current));
+    }
+    throw Error(
+        fmt::format("{}: scheduled offset {} not reached (cache offset {})", call, next, current));
   }
 }
 
