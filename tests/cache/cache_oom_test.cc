@@ -189,26 +189,29 @@ TEST(KVCacheOutOfMemory, ARestoreThatRunsOutWritesNoPart) {
 }
 
 // A KV range whose capture ran out where its write reached it is made by the next write: until
-// then take_snapshots says so (not "not reached"), and a zero-length update makes it.
+// then take_snapshots says so (not "not reached"), and a zero-length update makes it. Each run on
+// a fresh thread: its pools of snapshot objects empty, the capture allocates.
 TEST(KVCacheOutOfMemory, ACaptureThatRanOutIsMadeByTheNextWrite) {
   int64_t lost = 0;
   const int64_t runs = testing::sweep([&] {
-    KVCache cache;
-    const std::vector<int64_t> at{4};
-    cache.prepare_snapshots(0, at);
-    const Ids ids = id_range(0, 6);
-    const bool wrote = armed_call(
-        [&] { (void)cache.update(Batch::uniform(1, 6, 0), kv.keys(ids), kv.values(ids)); });
-    testing::disarm();
-    if (wrote || cache.offset(0) != 6) return;  // wrote whole, or nothing
-    ++lost;
-    EXPECT_TRUE(throws_error([&] { (void)cache.take_snapshots(0); },
-                             {"KVCache::take_snapshots", "offset 4 was reached (cache offset 6)",
-                              "ran out of memory", "the next write makes it"}));
-    (void)cache.update(Batch::uniform(1, 0, 6), kv.keys({}), kv.values({}));
-    const std::vector<SnapshotPtr> taken = cache.take_snapshots(0);
-    ASSERT_EQ(taken.size(), 1U);
-    EXPECT_EQ(taken.front()->to(), 4);
+    std::thread([&] {
+      KVCache cache;
+      const std::vector<int64_t> at{4};
+      cache.prepare_snapshots(0, at);
+      const Ids ids = id_range(0, 6);
+      const bool wrote = armed_call(
+          [&] { (void)cache.update(Batch::uniform(1, 6, 0), kv.keys(ids), kv.values(ids)); });
+      testing::disarm();
+      if (wrote || cache.offset(0) != 6) return;  // wrote whole, or nothing
+      ++lost;
+      EXPECT_TRUE(throws_error([&] { (void)cache.take_snapshots(0); },
+                               {"KVCache::take_snapshots", "offset 4 was reached (cache offset 6)",
+                                "ran out of memory", "the next write makes it"}));
+      (void)cache.update(Batch::uniform(1, 0, 6), kv.keys({}), kv.values({}));
+      const std::vector<SnapshotPtr> taken = cache.take_snapshots(0);
+      ASSERT_EQ(taken.size(), 1U);
+      EXPECT_EQ(taken.front()->to(), 4);
+    }).join();
   });
   EXPECT_GT(runs, 2);
   EXPECT_GE(lost, 1);
