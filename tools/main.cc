@@ -222,6 +222,22 @@ void add_tier_options(CLI::App& command, ReplayArguments& args) {
 
 // `runs_started` is set once everything that can be refused up front has been checked (see
 // tools::failure_status).
+// --chart: a path the output can replace, and none of the run's inputs, its saved cache or its
+// cache directory's lock.
+void check_chart(const ReplayArguments& args) {
+  if (args.chart.empty()) return;
+  tools::check_writable(args.chart, "--chart");
+  const auto in_cache_dir = [&](const char* name) {
+    return args.cache_dir.empty() ? std::string() : args.cache_dir + "/" + name;
+  };
+  tools::check_apart(args.chart, "--chart",
+                     {{"the workload", args.workload},
+                      {"the model config", args.model_config},
+                      {"the weights", args.weights},
+                      {"the saved prefix cache", in_cache_dir(tools::kSavedCacheFile)},
+                      {"the cache directory's lock", in_cache_dir(tools::kCacheDirLockFile)}});
+}
+
 int run_replay(const ReplayArguments& args, bool& runs_started) {
   // Everything that can be refused is, before any model work: arguments, the workload, the
   // model's vocabulary, requests over the context length, the chart's path, then the cache
@@ -236,7 +252,7 @@ int run_replay(const ReplayArguments& args, bool& runs_started) {
   tools::check_context_length(workload, config.context_length);
   const std::string address = tier_address(args);
   TierOptions tier = tier_options(args, address);
-  if (!args.chart.empty()) tools::check_writable(args.chart, "--chart");
+  check_chart(args);
   // Both runs' reply logits (three with --speculate) are kept on disk for the agreement check.
   tools::check_logits_room(workload, config.vocab_size, args.speculate > 0 ? 3 : 2);
   tools::CacheDirLock lock;  // held until the saved cache is written, after the runs

@@ -118,6 +118,31 @@ std::string xml_escape(std::string_view text) {
   return out;
 }
 
+void check_apart(const std::string& path, const std::string& option,
+                 const std::vector<std::pair<std::string, std::string>>& inputs) {
+  struct stat out {};
+  const bool exists = ::stat(path.c_str(), &out) == 0;
+  std::error_code error;
+  const auto resolved = std::filesystem::weakly_canonical(std::filesystem::absolute(path), error);
+  for (const auto& [what, input] : inputs) {
+    if (input.empty()) continue;
+    struct stat in {};
+    const bool same_file = exists && ::stat(input.c_str(), &in) == 0 && in.st_dev == out.st_dev &&
+                           in.st_ino == out.st_ino;
+    std::error_code other;
+    const bool same_path =
+        !error &&
+        std::filesystem::weakly_canonical(std::filesystem::absolute(input), other) == resolved &&
+        !other;
+    if (same_file || same_path) {
+      throw Error(
+          fmt::format("{} {}: it is {} ({}), which the output would replace: give "
+                      "another path",
+                      option, path, what, input));
+    }
+  }
+}
+
 void check_writable(const std::string& path, const std::string& option) {
   const auto fail = [&](const std::string& why) {
     return Error(fmt::format("{} {}: {}", option, path, why));

@@ -8,6 +8,7 @@
 #include <iosfwd>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "kvsnap/error.h"
@@ -50,6 +51,12 @@ std::string xml_escape(std::string_view text);
 // it: not a folder, in a folder that exists and in which this process can create a file (a
 // probe beside `path` is created and removed). `path` itself is not touched.
 void check_writable(const std::string& path, const std::string& option);
+// Throws Error "<option> <path>: it is <what> (<input>)..." when `path` is one of `inputs`
+// (pairs of what it is — "the workload" — and its path), which the output would replace: the same
+// file under any name (device and inode), or the same path once resolved (a file the run makes
+// later: a cache directory's lock). Empty paths are passed over.
+void check_apart(const std::string& path, const std::string& option,
+                 const std::vector<std::pair<std::string, std::string>>& inputs);
 // Writes `text` to `path` atomically: a temporary beside it (`path`.tmp-<pid>, created with the
 // umask like any program's output), then renamed over `path`. Throws Error "<option> <path>:
 // <why>", `path` left as it was.

@@ -16,6 +16,21 @@
 namespace kvsnap::tools {
 namespace {
 
+// A text from the workload for an error message: quoted, its first 64 bytes at most (a line may
+// hold a gigabyte).
+std::string cut(const std::string& text) {
+  return text.size() <= 64 ? fmt::format("\"{}\"", text)
+                           : fmt::format("\"{}...\" ({} bytes)", text.substr(0, 64), text.size());
+}
+
+// A JSON value for an error message: a number or literal as written, a string cut, an array or
+// object by its type only (dumping a deeply nested one recurses once per level).
+std::string describe(const nlohmann::json& value) {
+  if (value.is_string()) return cut(value.get_ref<const std::string&>());
+  if (value.is_array() || value.is_object()) return std::string("an ") + value.type_name();
+  return value.dump();
+}
+
 int32_t parse_role(const std::string& role) {
   if (role == "system") return kSystem;
   if (role == "user") return kUser;
@@ -34,16 +49,16 @@ Request parse_line(nlohmann::json& json, const std::set<std::string>& known,
     if (key != "id" && key != "after" && key != "regenerate" && key != "edit" &&
         key != "messages" && key != "max_tokens") {
       throw fail(
-          fmt::format("unknown field \"{}\" (known: id, after, regenerate, edit, messages, "
+          fmt::format("unknown field {} (known: id, after, regenerate, edit, messages, "
                       "max_tokens)",
-                      key));
+                      cut(key)));
     }
   }
   if (!json.contains("id") || !json["id"].is_string() || json["id"].get<std::string>().empty()) {
     throw fail("\"id\" must be a non-empty string");
   }
   request.id = json["id"].get<std::string>();
-  if (known.count(request.id) > 0) throw fail(fmt::format("id \"{}\" is used twice", request.id));
+  if (known.count(request.id) > 0) throw fail(fmt::format("id {} is used twice", cut(request.id)));
   int references = 0;
   for (const auto& [key, kind] : {std::pair{"after", Request::Kind::after},
                                   std::pair{"regenerate", Request::Kind::regenerate},
@@ -54,8 +69,8 @@ Request parse_line(nlohmann::json& json, const std::set<std::string>& known,
     request.kind = kind;
     request.reference = json[key].get<std::string>();
     if (known.count(request.reference) == 0) {
-      throw fail(fmt::format("\"{}\" names \"{}\", which no earlier line defines", key,
-                             request.reference));
+      throw fail(fmt::format("\"{}\" names {}, which no earlier line defines", key,
+                             cut(request.reference)));
     }
   }
   if (references > 1) throw fail("use at most one of \"after\", \"regenerate\", \"edit\"");
@@ -72,13 +87,13 @@ Request parse_line(nlohmann::json& json, const std::set<std::string>& known,
       for (const auto& [key, value] : m.items()) {
         if (key != "role" && key != "content") {
           throw fail(
-              fmt::format("message {} has unknown field \"{}\" (known: role, content)", i, key));
+              fmt::format("message {} has unknown field {} (known: role, content)", i, cut(key)));
         }
       }
       const int32_t role = parse_role(m["role"].get<std::string>());
       if (role < 0) {
-        throw fail(fmt::format("message {} has role \"{}\" (use system, user, assistant or tool)",
-                               i, m["role"].get<std::string>()));
+        throw fail(fmt::format("message {} has role {} (use system, user, assistant or tool)", i,
+                               cut(m["role"].get<std::string>())));
       }
       request.messages.push_back({role, std::move(m["content"].get_ref<std::string&>())});
     }
@@ -92,7 +107,7 @@ Request parse_line(nlohmann::json& json, const std::set<std::string>& known,
   if (json.contains("max_tokens")) {
     const auto& m = json["max_tokens"];
     if (!m.is_number_integer() || m.get<int64_t>() < 1 || m.get<int64_t>() > 4096) {
-      throw fail(fmt::format("\"max_tokens\" is {}; need an integer in [1, 4096]", m.dump()));
+      throw fail(fmt::format("\"max_tokens\" is {}; need an integer in [1, 4096]", describe(m)));
     }
     request.max_tokens = m.get<int64_t>();
   }
@@ -146,10 +161,8 @@ Workload parse_workload(const std::string& text, const std::string& source) {
     } catch (const nlohmann::json::exception& e) {
       throw fail(fmt::format("not valid JSON ({})", e.what()));
     } catch (const DuplicateKey& duplicate) {
-      throw fail(
-          fmt::format("key \"{}\" appears twice in one object (which one counts is "
-                      "ambiguous)",
-                      duplicate.key));
+      throw fail(fmt::format("key {} appears twice in one object (which one counts is ambiguous)",
+                             cut(duplicate.key)));
     }
     Request request = parse_line(json, known, fail);
     request.line = number;

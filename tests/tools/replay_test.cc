@@ -61,6 +61,29 @@ TEST(Workload, AByteOrderMarkBeforeTheFirstLineIsSkipped) {
                            {"test line 2"}));  // only at the start of the file
 }
 
+// The values an error names are cut: a deeply nested max_tokens (dumping it recursed once per
+// level: 200000 levels overflowed the stack) is named by its type, a long id by its first bytes.
+TEST(Workload, ErrorsNameLongOrNestedValuesShortly) {
+  const std::string message = R"({"id": "a", "messages": [{"role": "user", "content": "x"}], )";
+  const std::string nested = std::string(200000, '[') + "1" + std::string(200000, ']');
+  EXPECT_TRUE(throws_error(
+      [&] { (void)parse_workload(message + R"("max_tokens": )" + nested + "}\n", "w"); },
+      {"w line 1", "\"max_tokens\" is an array; need an integer"}));
+  const std::string id(1000, 'x');
+  const std::string twice =
+      R"({"id": ")" + id + R"(", "messages": [{"role": "user", "content": "x"}]})";
+  try {
+    (void)parse_workload(twice + "\n" + twice + "\n", "w");
+    ADD_FAILURE() << "a repeated id was accepted";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("id \"" + id.substr(0, 64) + "...\" (1000 bytes) is used twice"),
+              std::string::npos)
+        << what;
+    EXPECT_LT(what.size(), 200U);
+  }
+}
+
 TEST(Workload, TheEmbeddedWorkloadParses) {
   const Workload w = embedded_workload();
   EXPECT_GE(w.requests.size(), 20u);
@@ -509,6 +532,35 @@ TEST(Output, AChartIsCheckedThenReplacedAtomically) {
     EXPECT_TRUE(throws_error([&] { check_writable(special, "--chart"); }, {"not a regular file"}))
         << special;
   }
+  std::filesystem::remove_all(dir);
+}
+
+// The chart replaces no input of the run (the same file under any name) and neither the saved
+// cache nor the lock of its cache directory (also before they exist); a chart beside them is
+// fine.
+TEST(Output, AChartReplacesNoInputOfTheRun) {
+  const auto dir = kvsnap::testing::private_scratch("chart_apart");
+  const std::string workload = (dir / "w.jsonl").string(), alias = (dir / "alias").string();
+  { std::ofstream(workload) << "{}"; }
+  std::filesystem::create_hard_link(workload, alias);
+  const std::string cache = (dir / "cache").string();
+  std::filesystem::create_directories(cache);
+  const std::vector<std::pair<std::string, std::string>> inputs{
+      {"the workload", workload},
+      {"the weights", ""},
+      {"the cache directory's lock", cache + "/kvsnap.lock"}};
+  for (const std::string& chart : {workload, alias}) {
+    EXPECT_TRUE(throws_error([&] { check_apart(chart, "--chart", inputs); },
+                             {"--chart", "it is the workload", "w.jsonl"}))
+        << chart;
+  }
+  for (const std::string chart : {cache + "/kvsnap.lock", cache + "/sub/../kvsnap.lock"}) {
+    EXPECT_TRUE(throws_error([&] { check_apart(chart, "--chart", inputs); },
+                             {"--chart", "it is the cache directory's lock"}))
+        << chart;
+  }
+  check_apart(cache + "/chart.svg", "--chart", inputs);  // beside them: accepted
+  check_apart((dir / "chart.svg").string(), "--chart", inputs);
   std::filesystem::remove_all(dir);
 }
 
