@@ -29,19 +29,16 @@ KVHistory KVKind::update(const Batch& batch, const Array& keys, const Array& val
   const int64_t length =
       check_update(batch, keys, values, offset, store.has_layout ? &store.layout : nullptr,
                    calls_.update.c_str(), row, seq);
-  const bool adopted = !store.has_layout;
-  if (adopted) store.adopt_layout(KVLayout::of(keys, values));
-  if (length > 0) {
-    try {
-      if (length == keys.dim(2)) {  // no padding columns: write the arrays as given
-        write(keys, values);
-      } else {
-        write(keys.slice(2, 0, length), values.slice(2, 0, length));
-      }
-    } catch (...) {
-      if (adopted) store.clear();  // a write that failed leaves no layout taken either
-      throw;
+  // A write that fails leaves no layout taken either (with_layout).
+  with_layout(KVLayout::of(keys, values), [&] {
+    if (length == 0) return;
+    if (length == keys.dim(2)) {  // no padding columns: write the arrays as given
+      write(keys, values);
+    } else {
+      write(keys.slice(2, 0, length), values.slice(2, 0, length));
     }
+  });
+  if (length > 0) {
     offset += length;
     store.stats.appended_bytes += length * store.token_bytes();
   }

@@ -163,11 +163,6 @@ KVHistory update_rows(const Batch& batch, const Array& keys, const Array& values
         room.make(batch.seq_id(b),
                   static_cast<int64_t>(batch.seq_query_lens[static_cast<size_t>(b)]), keys, values);
       }
-    } catch (...) {
-      room.undo();
-      throw;
-    }
-    try {
       for (int64_t b = 0; b < rows; ++b) {
         const SeqId id = batch.seq_id(b);
         histories.push_back(sequences.change(id, call, [&](Seq& sequence) {
@@ -176,7 +171,7 @@ KVHistory update_rows(const Batch& batch, const Array& keys, const Array& values
         }));
       }
     } catch (...) {
-      room.undo();  // for the rows not written
+      room.undo();  // for the rows not written (every row, when a make ran out)
       throw;
     }
   }));

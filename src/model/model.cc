@@ -100,9 +100,9 @@ std::string Model::weights_digest() const {
 namespace {
 // A model config file: a regular file of at most 1 MiB (not a FIFO waited on), as the caller's
 // to trust.
-std::string read_config(const std::string& path, const char* call) {
+std::string read_config(const std::string& path) {
   return detail::read_private_file(
-      path, detail::PrivacyRule{.call = call, .override_with = "", .allow_shared = true},
+      path, detail::PrivacyRule{.call = "Model::load", .override_with = "", .allow_shared = true},
       uint64_t{1} << 20);
 }
 }  // namespace
@@ -187,7 +187,7 @@ void check_saved_config(const detail::SafetensorsFile& file, const ModelConfig& 
 }  // namespace
 
 Model Model::load(const std::string& config_path, const std::string& weights_path) {
-  const ModelConfig config = ModelConfig::from_json(read_config(config_path, "Model::load"));
+  const ModelConfig config = ModelConfig::from_json(read_config(config_path));
   const std::string context = fmt::format("Model::load {}", weights_path);
   // Model files are the caller's to trust (as any engine's weights are): read as a regular file
   // of at most the machine's memory, without blocking on a FIFO, checked against its seal.
