@@ -25,7 +25,6 @@
 #include "model/model.h"
 #include "output.h"
 #include "parallel.h"
-#include "persist/safetensors.h"
 #include "replay.h"
 #include "speculate.h"
 #include "workload.h"
@@ -245,8 +244,7 @@ int run_replay(const ReplayArguments& args, bool& runs_started) {
   const tools::Workload workload = args.workload.empty() ? tools::embedded_workload(args.embedded)
                                                          : tools::load_workload(args.workload);
   ModelConfig config;
-  if (!args.model_config.empty())
-    config = ModelConfig::from_json(detail::read_file(args.model_config));
+  if (!args.model_config.empty()) config = ModelConfig::from_file(args.model_config);
   if (args.seed) config.seed = *args.seed;
   tools::check_vocabulary(config.vocab_size);
   tools::check_context_length(workload, config.context_length);

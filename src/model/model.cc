@@ -100,12 +100,17 @@ std::string Model::weights_digest() const {
 namespace {
 // A model config file: a regular file of at most 1 MiB (not a FIFO waited on), as the caller's
 // to trust.
-std::string read_config(const std::string& path) {
+// A config file, read by `call`.
+std::string read_config(const std::string& path, const char* call) {
   return detail::read_private_file(
-      path, detail::PrivacyRule{.call = "Model::load", .override_with = "", .allow_shared = true},
+      path, detail::PrivacyRule{.call = call, .override_with = "", .allow_shared = true},
       uint64_t{1} << 20);
 }
 }  // namespace
+
+ModelConfig ModelConfig::from_file(const std::string& path) {
+  return from_json(read_config(path, "ModelConfig::from_file"));
+}
 
 void Model::save(const std::string& config_path, const std::string& weights_path) const {
   detail::SafetensorsFile file;
@@ -127,25 +132,31 @@ void Model::save(const std::string& config_path, const std::string& weights_path
   } catch (const detail::HeaderTooLong& e) {
     throw Error(fmt::format("Model::save: {} layers: {}", weights_->layers.size(), e.what()));
   }
-  // Each file whole or not at all (written aside, synced, renamed over the old one: a full disk
-  // is an Error, not a truncated file), the weights first: they name their config, so whatever
-  // stops the save between the two (an error, a crash) leaves a pair that load refuses, saying
-  // which config the weights hold — never new weights read with an old config unnoticed (old
-  // weights, from before weights named their config, could not tell).
-  const auto write = [](const std::string& path, const std::string& bytes) {
+  // Both files are written aside and synced before either replaces its old one, so an error
+  // while writing (a full disk) leaves the old pair as it was. The weights are renamed in first:
+  // they name their config, so whatever stops the save between the two renames (an error, a
+  // crash) leaves a pair that load refuses, saying which config the weights hold — never new
+  // weights read with an old config unnoticed.
+  const auto prepare = [](const std::string& path, const std::string& bytes) {
     try {
-      detail::write_file_atomically(path, bytes);
+      return detail::prepare_file_atomically(path, bytes);
     } catch (const Error& e) {
-      throw Error(fmt::format("Model::save: {}", e.what()));
+      throw Error(fmt::format("Model::save: {} (nothing replaced)", e.what()));
     }
   };
-  write(weights_path, weights);
+  detail::PreparedFile weights_file = prepare(weights_path, weights);
+  detail::PreparedFile config_file = prepare(config_path, config);
   try {
-    write(config_path, config);
+    weights_file.commit();
+  } catch (const Error& e) {
+    throw Error(fmt::format("Model::save: {}", e.what()));
+  }
+  try {
+    config_file.commit();
   } catch (const Error& e) {
     throw Error(
-        fmt::format("{} (the weights at {} are this model's; load refuses them with the "
-                    "old config: save again)",
+        fmt::format("Model::save: {} (the weights at {} are this model's; load refuses them with "
+                    "the old config: save again)",
                     e.what(), weights_path));
   }
 }
@@ -187,7 +198,7 @@ void check_saved_config(const detail::SafetensorsFile& file, const ModelConfig& 
 }  // namespace
 
 Model Model::load(const std::string& config_path, const std::string& weights_path) {
-  const ModelConfig config = ModelConfig::from_json(read_config(config_path));
+  const ModelConfig config = ModelConfig::from_json(read_config(config_path, "Model::load"));
   const std::string context = fmt::format("Model::load {}", weights_path);
   // Model files are the caller's to trust (as any engine's weights are): read as a regular file
   // of at most the machine's memory, without blocking on a FIFO, checked against its seal.

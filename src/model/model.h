@@ -47,6 +47,9 @@ struct ModelConfig {
   void validate() const;
   // JSON with the fields above (missing fields keep their defaults; unknown ones are errors).
   static ModelConfig from_json(const std::string& text);
+  // from_json of the file at `path`: at most 1 MiB, read without blocking on a FIFO; Error
+  // "ModelConfig::from_file: ..." naming the path when it cannot be read.
+  static ModelConfig from_file(const std::string& path);
   std::string to_json() const;
   // Parameters the model holds.
   int64_t parameter_count() const;
@@ -68,8 +71,9 @@ class Model {
   Model& operator=(Model&&) noexcept;
   ~Model();
 
-  // Writes the weights, then the config, each atomically (a temporary, synced, renamed over the
-  // file: mode 0600, as every file kvsnap writes); throws Error naming the file that failed.
+  // Writes the weights and the config, each to a temporary beside it (mode 0600, as every file
+  // kvsnap writes), synced, then renames both over their files, the weights first; throws Error
+  // naming the file that failed. An error while writing (a full disk) replaces neither file.
   void save(const std::string& config_path, const std::string& weights_path) const;
   const ModelConfig& config() const;
   // 32 hex digits: an XXH3-128 digest of every weight's bytes, in a fixed order. What makes

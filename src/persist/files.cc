@@ -269,30 +269,64 @@ int write_all(int fd, std::string_view bytes) {
   return 0;
 }
 
-void write_file_atomically(const std::string& path, const std::string& bytes, bool clean_stale) {
+struct PreparedFile::Aside {
+  std::string path, temporary;
+  InFlight marked;  // the temporary is never swept as stale while it waits
+};
+
+PreparedFile::PreparedFile(std::unique_ptr<Aside> aside) : aside_(std::move(aside)) {}
+PreparedFile::PreparedFile(PreparedFile&&) noexcept = default;
+PreparedFile& PreparedFile::operator=(PreparedFile&& other) noexcept {
+  if (this != &other) {
+    discard();
+    aside_ = std::move(other.aside_);
+  }
+  return *this;
+}
+PreparedFile::~PreparedFile() { discard(); }
+
+void PreparedFile::discard() noexcept {
+  if (aside_ != nullptr) (void)::unlink(aside_->temporary.c_str());
+  aside_.reset();
+}
+
+void PreparedFile::commit() {
+  if (aside_ == nullptr) throw Error("PreparedFile::commit: nothing to commit (committed already)");
+  if (::rename(aside_->temporary.c_str(), aside_->path.c_str()) != 0) {
+    const int error = errno;
+    const std::string path = aside_->path;
+    discard();
+    throw Error(fmt::format("writing {}: rename failed ({})", path, std::strerror(error)));
+  }
+  const std::string path = aside_->path;
+  aside_.reset();
+  sync_folder(path);
+}
+
+PreparedFile prepare_file_atomically(const std::string& path, const std::string& bytes,
+                                     bool clean_stale) {
   if (clean_stale) remove_stale_temporaries(path);
   // The temporary is created here (O_EXCL): a name already there — a temporary of a process
   // with this pid in another PID namespace (containers sharing the folder) — is never written
   // into; the next number is tried.
   constexpr int kNames = 64;
   const std::string call = fmt::format("writing {}", path);
-  std::string temporary;
+  std::unique_ptr<PreparedFile::Aside> aside;
   FileDescriptor created;
-  std::optional<InFlight> marked;
   for (int tried = 1; created.get() < 0; ++tried) {
     const uint64_t number = temporaries_named.fetch_add(1);
-    temporary = temporary_path(path, number);
-    marked.reset();
-    marked.emplace(static_cast<int64_t>(number));  // before the file exists: never swept
-    created = create_private_file(temporary, call, /*exclusive=*/true);
+    // Marked before the file exists: never swept.
+    aside.reset(new PreparedFile::Aside{path, temporary_path(path, number),
+                                        InFlight(static_cast<int64_t>(number))});
+    created = create_private_file(aside->temporary, call, /*exclusive=*/true);
     if (created.get() < 0 && tried == kNames) {
       throw Error(fmt::format("{}: the {} temporary names up to {} are all taken", call, kNames,
-                              temporary));
+                              aside->temporary));
     }
   }
+  PreparedFile prepared(std::move(aside));  // from here, removed unless committed
   // `error`: the errno of the step, read before anything else (close, unlink) can change it.
   const auto fail = [&](const char* step, int error) {
-    ::unlink(temporary.c_str());
     return Error(fmt::format("writing {}: {} failed ({})", path, step, std::strerror(error)));
   };
   const int fd = created.release();
@@ -306,8 +340,11 @@ void write_file_atomically(const std::string& path, const std::string& bytes, bo
     throw fail("fsync", error);
   }
   if (::close(fd) != 0) throw fail("close", errno);
-  if (::rename(temporary.c_str(), path.c_str()) != 0) throw fail("rename", errno);
-  sync_folder(path);
+  return prepared;
+}
+
+void write_file_atomically(const std::string& path, const std::string& bytes, bool clean_stale) {
+  prepare_file_atomically(path, bytes, clean_stale).commit();
 }
 
 FileDescriptor::~FileDescriptor() {
@@ -503,20 +540,25 @@ FileDescriptor create_private_file(const std::string& path, const std::string& c
     throw Error(
         fmt::format("{}: cannot open {} for writing ({})", call, path, std::strerror(errno)));
   }
+  // A file this call created (O_EXCL) goes again when a step below fails.
+  const auto fail = [&](std::string message) {
+    if (exclusive) (void)::unlink(path.c_str());
+    return Error(std::move(message));
+  };
   struct stat status {};
   if (::fstat(file.get(), &status) != 0) {
-    throw Error(fmt::format("{}: cannot check {} ({})", call, path, std::strerror(errno)));
+    throw fail(fmt::format("{}: cannot check {} ({})", call, path, std::strerror(errno)));
   }
   const char* refused = !S_ISREG(status.st_mode)       ? "it is not a regular file"
                         : status.st_uid != ::geteuid() ? "another user owns it"
                         : status.st_nlink != 1         ? "it has other names (hard links)"
                                                        : nullptr;
   if (refused != nullptr) {
-    throw Error(fmt::format("{}: refusing to write into {} ({}): {}", call, path, describe(status),
-                            refused));
+    throw fail(fmt::format("{}: refusing to write into {} ({}): {}", call, path, describe(status),
+                           refused));
   }
   if (::fchmod(file.get(), 0600) != 0 || ::ftruncate(file.get(), 0) != 0) {
-    throw Error(
+    throw fail(
         fmt::format("{}: cannot make {} private and empty ({})", call, path, std::strerror(errno)));
   }
   return file;

@@ -5,6 +5,7 @@
 #include <ctime>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -29,6 +30,26 @@ namespace kvsnap::detail {
 // tier/dir_store.cc).
 void write_file_atomically(const std::string& path, const std::string& bytes,
                            bool clean_stale = true);
+// The first half of write_file_atomically: the temporary written, synced and closed, not yet in
+// place. commit() renames it over the path and syncs the folder (Error as
+// write_file_atomically's); destroyed uncommitted, the temporary is removed and the path never
+// changed. Several files written whole before any replaces its old one: an error while writing
+// any of them (a full disk) leaves every old one as it was.
+class PreparedFile {
+ public:
+  struct Aside;  // files.cc
+  explicit PreparedFile(std::unique_ptr<Aside> aside);
+  PreparedFile(PreparedFile&&) noexcept;
+  PreparedFile& operator=(PreparedFile&&) noexcept;
+  ~PreparedFile();
+  void commit();
+
+ private:
+  void discard() noexcept;
+  std::unique_ptr<Aside> aside_;
+};
+PreparedFile prepare_file_atomically(const std::string& path, const std::string& bytes,
+                                     bool clean_stale = true);
 // Writes all of `bytes` to `fd` (again after EINTR and short writes); 0, or the errno of the
 // write that failed.
 int write_all(int fd, std::string_view bytes);

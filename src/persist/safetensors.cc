@@ -1,15 +1,16 @@
 #include "persist/safetensors.h"
 
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
 #include "persist/json_reading.h"
 
@@ -420,12 +421,25 @@ SafetensorsFile decode_safetensors_header(std::string_view head, uint64_t size,
 }
 
 std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(fmt::format("cannot open {} for reading", path));
-  std::ostringstream buffer;
-  buffer << in.rdbuf();
-  if (in.bad()) throw Error(fmt::format("error reading {}", path));
-  return buffer.str();
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    throw Error(fmt::format("cannot open {} for reading ({})", path, std::strerror(errno)));
+  }
+  std::string bytes;
+  char buffer[1 << 16];
+  for (;;) {
+    const ssize_t count = ::read(fd, buffer, sizeof buffer);
+    if (count < 0 && errno == EINTR) continue;
+    if (count < 0) {
+      const int error = errno;
+      ::close(fd);
+      throw Error(fmt::format("error reading {} ({})", path, std::strerror(error)));
+    }
+    if (count == 0) break;
+    bytes.append(buffer, static_cast<size_t>(count));
+  }
+  ::close(fd);
+  return bytes;
 }
 
 SafetensorsFile read_safetensors(const std::string& path) {

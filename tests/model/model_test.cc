@@ -254,15 +254,42 @@ TEST(Model, LoadRejectsWeightsThatDisagreeWithTheConfig) {
       throws_error([&] { model.save(fresh, (dir / "missing" / "model.safetensors").string()); },
                    {"Model::save: writing"}));
   EXPECT_FALSE(std::filesystem::exists(fresh));
-  // One whose config cannot be written after its weights were says so, and load refuses the
-  // weights with the old config, naming what differs.
+  // One whose config cannot be written replaces neither file: both are written aside first.
   ModelConfig other = small_config();
   other.window = 5;
-  EXPECT_TRUE(throws_error(
-      [&] { Model(other).save((dir / "missing" / "config.json").string(), weights); },
-      {"Model::save: writing", "missing/config.json", "load refuses them with the old config"}));
+  const std::string weights_before = detail::read_file(weights);
+  EXPECT_TRUE(
+      throws_error([&] { Model(other).save((dir / "missing" / "config.json").string(), weights); },
+                   {"Model::save: writing", "missing/config.json", "nothing replaced"}));
+  EXPECT_EQ(detail::read_file(weights), weights_before);
+  EXPECT_EQ(Model::load(config, weights).config().window, 6);
+  // One whose config cannot take its place after the weights did (a folder there) says so, and
+  // load refuses the weights with the old config, naming what differs.
+  const std::string folder = (dir / "folder.json").string();
+  std::filesystem::create_directory(folder);
+  EXPECT_TRUE(throws_error([&] { Model(other).save(folder, weights); },
+                           {"Model::save: writing", "folder.json: rename failed",
+                            "load refuses them with the old config"}));
   EXPECT_TRUE(throws_error([&] { (void)Model::load(config, weights); },
                            {"saved with another config than", "window 5 (the file's: 6)"}));
+  // No failed save left a temporary behind.
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    EXPECT_EQ(entry.path().filename().string().find(".tmp-"), std::string::npos) << entry.path();
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST(ModelConfig, FromFileReadsAConfigOfAtMostAMebibyte) {
+  const auto dir = kvsnap::testing::private_scratch("kvsnap_config_file");
+  std::filesystem::create_directories(dir);
+  const std::string path = (dir / "config.json").string();
+  { std::ofstream(path) << R"({"hidden": 32, "window": 7})"; }
+  EXPECT_EQ(ModelConfig::from_file(path).window, 7);
+  EXPECT_TRUE(throws_error([&] { (void)ModelConfig::from_file((dir / "none.json").string()); },
+                           {"ModelConfig::from_file", "none.json"}));
+  { std::ofstream(path) << std::string((size_t(1) << 20) + 1, ' '); }
+  EXPECT_TRUE(throws_error([&] { (void)ModelConfig::from_file(path); },
+                           {"ModelConfig::from_file", "config.json", "more than"}));
   std::filesystem::remove_all(dir);
 }
 

@@ -554,7 +554,7 @@ TEST(Output, AChartReplacesNoInputOfTheRun) {
                              {"--chart", "it is the workload", "w.jsonl"}))
         << chart;
   }
-  for (const std::string chart : {cache + "/kvsnap.lock", cache + "/sub/../kvsnap.lock"}) {
+  for (const std::string& chart : {cache + "/kvsnap.lock", cache + "/sub/../kvsnap.lock"}) {
     EXPECT_TRUE(throws_error([&] { check_apart(chart, "--chart", inputs); },
                              {"--chart", "it is the cache directory's lock"}))
         << chart;
