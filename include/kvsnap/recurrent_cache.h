@@ -20,6 +20,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 
 #include "kvsnap/cache.h"
 #include "kvsnap/export.h"
@@ -93,6 +94,9 @@ class KVSNAP_EXPORT RecurrentCache final : public Cache {
   std::vector<Array> state(SeqId seq) const override;
   void reset(SeqId seq) override;
   int64_t offset(SeqId seq) const override;
+  // The dtype sequence `seq`'s state holds, fixed until it is reset (get refuses another);
+  // nullopt before it holds one.
+  std::optional<DType> state_dtype(SeqId seq) const;
   [[nodiscard]] SnapshotPtr snapshot(SeqId seq, int64_t from_offset) override;
   void prepare_snapshots(SeqId seq, std::span<const int64_t> offsets) override;
   void cancel_snapshots(SeqId seq) override;

@@ -327,6 +327,14 @@ int64_t RecurrentCache::offset(SeqId seq) const {
   return sequence == nullptr ? 0 : sequence->offset;
 }
 
+std::optional<DType> RecurrentCache::state_dtype(SeqId seq) const {
+  const Guard guard(impl_->lock);
+  const detail::RecurrentSequence* sequence =
+      impl_->sequences.find(seq, "RecurrentCache::state_dtype");
+  if (sequence == nullptr || sequence->conv.empty()) return std::nullopt;
+  return sequence->conv.dtype();
+}
+
 int64_t RecurrentCache::exposed_bytes(SeqId seq) const {
   detail::Sequences<detail::RecurrentSequence>::check_id(seq, "RecurrentCache::exposed_bytes");
   return 0;

@@ -5,6 +5,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
+#include <optional>
+#include <unordered_map>
 
 #include "kvsnap/ops.h"
 #include "kvsnap/recurrent_cache.h"
@@ -241,6 +244,8 @@ Plan plan(const ModelConfig& c, std::span<const Model::Chunk> chunks,
   }
   std::vector<Batch::Chunk> rows;
   std::vector<int64_t> lengths;  // distinct, in order of first appearance
+  std::vector<size_t> group_of;  // each row's index in lengths
+  std::unordered_map<int64_t, size_t> length_group;
   for (const Model::Chunk& chunk : chunks) {
     if (chunk.tokens.empty()) {
       throw Error(fmt::format("Model::forward: sequence {} has no tokens to evaluate", chunk.seq));
@@ -262,9 +267,9 @@ Plan plan(const ModelConfig& c, std::span<const Model::Chunk> chunks,
     }
     rows.push_back({chunk.seq, offset, {chunk.tokens.begin(), chunk.tokens.end()}});
     const auto length = static_cast<int64_t>(chunk.tokens.size());
-    if (std::find(lengths.begin(), lengths.end(), length) == lengths.end()) {
-      lengths.push_back(length);
-    }
+    const auto [at, added] = length_group.try_emplace(length, lengths.size());
+    if (added) lengths.push_back(length);
+    group_of.push_back(at->second);
   }
   // Each sequence once: the groups below are checked each on its own, and one sequence's chunk
   // in two groups would move the first layers before the next group's rows are refused.
@@ -276,16 +281,24 @@ Plan plan(const ModelConfig& c, std::span<const Model::Chunk> chunks,
         "Model::forward: sequence {} is given two chunks; a forward evaluates one per sequence",
         *twice));
   }
+  // The rows by group, each group's in the chunks' order.
+  std::vector<size_t> order(rows.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return group_of[a] < group_of[b]; });
   Plan p;
   p.first.resize(chunks.size());
-  for (int64_t length : lengths) {
+  for (size_t begin = 0; begin < order.size();) {
+    const size_t group = group_of[order[begin]];
     std::vector<Batch::Chunk> members;
-    for (size_t i = 0; i < rows.size(); ++i) {
-      if (static_cast<int64_t>(rows[i].tokens.size()) != length) continue;
+    size_t end = begin;
+    for (; end < order.size() && group_of[order[end]] == group; ++end) {
+      const size_t i = order[end];
       p.first[i] = p.tokens;
-      p.tokens += length;
+      p.tokens += lengths[group];
       members.push_back(rows[i]);
     }
+    begin = end;
     p.groups.push_back({Batch::rows(members)});
     p.groups.back().batch.validate("Model::forward");  // distinct sequences
   }
@@ -297,16 +310,22 @@ Plan plan(const ModelConfig& c, std::span<const Model::Chunk> chunks,
 // sliding-window layer, a full-attention cache (not a window) on an attention layer. Refused
 // here, before any layer moves, rather than by a later layer's cache after earlier layers
 // were written.
-void check_caches(const detail::ModelWeights& w, std::span<Cache* const> caches) {
+void check_caches(const detail::ModelWeights& w, std::span<Cache* const> caches,
+                  std::span<const Model::Chunk> chunks) {
   const ModelConfig& c = w.config;
+  std::vector<std::pair<const Cache*, size_t>> held;  // each cache and its first layer
+  held.reserve(caches.size());
+  for (size_t i = 0; i < caches.size(); ++i) held.emplace_back(caches[i], i);
+  std::sort(held.begin(), held.end());
+  if (const auto twice =
+          std::adjacent_find(held.begin(), held.end(),
+                             [](const auto& a, const auto& b) { return a.first == b.first; });
+      twice != held.end()) {
+    throw Error(fmt::format(
+        "Model::forward: layers {} and {} are given one cache; each layer holds its own state",
+        twice->second, std::next(twice)->second));
+  }
   for (size_t i = 0; i < w.layers.size(); ++i) {
-    for (size_t j = 0; j < i; ++j) {
-      if (caches[j] == caches[i]) {
-        throw Error(fmt::format(
-            "Model::forward: layers {} and {} are given one cache; each layer holds its own state",
-            j, i));
-      }
-    }
     const char kind = w.layers[i].kind;
     const auto* recurrent = dynamic_cast<const RecurrentCache*>(caches[i]);
     const auto* window = dynamic_cast<const RotatingKVCache*>(caches[i]);
@@ -325,6 +344,14 @@ void check_caches(const detail::ModelWeights& w, std::span<Cache* const> caches)
           recurrent->conv_tail(), recurrent->conv_dim(), recurrent->num_v_heads(),
           recurrent->head_v_dim(), recurrent->head_k_dim());
     }
+    for (size_t k = 0; kind == 'R' && recurrent != nullptr && needs.empty() && k < chunks.size();
+         ++k) {
+      const std::optional<DType> held_dtype = recurrent->state_dtype(chunks[k].seq);
+      if (held_dtype && *held_dtype != DType::f32) {
+        needs = fmt::format("f32 state: sequence {} holds {} state (fixed until reset)",
+                            chunks[k].seq, dtype_name(*held_dtype));
+      }
+    }
     if (kind == 'S' && (window == nullptr || window->max_size() != c.window)) {
       needs = fmt::format("a RotatingKVCache of the model's window, {} tokens", c.window);
     }
@@ -342,7 +369,7 @@ Array Model::forward(std::span<const Chunk> chunks, std::span<Cache* const> cach
   const detail::ModelWeights& w = *weights_;
   const ModelConfig& c = w.config;
   const Plan p = plan(c, chunks, caches, w.layers.size());
-  check_caches(w, caches);
+  check_caches(w, caches, chunks);
   const int64_t hidden = c.hidden;
   detail::Floats x(static_cast<size_t>(p.tokens * hidden));
   for (size_t i = 0; i < chunks.size(); ++i) {

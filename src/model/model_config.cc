@@ -97,10 +97,14 @@ void ModelConfig::validate() const {
         static_cast<int64_t>(conv)));
   }
   // rope_theta >= 1 keeps every inverse frequency, and so every angle, finite (1e-45 made them
-  // infinite: every logit NaN).
-  if (!(rope_theta >= 1.0f) || !(rms_eps > 0.0f)) {
-    throw Error(fmt::format("ModelConfig: rope_theta {} must be >= 1 and rms_eps {} positive",
-                            rope_theta, rms_eps));
+  // infinite: every logit NaN). Both finite: an infinite rms_eps scales every activation to 0,
+  // and to_json writes an infinity as null, which from_json refuses.
+  if (!(rope_theta >= 1.0f) || !(rms_eps > 0.0f) || !std::isfinite(rope_theta) ||
+      !std::isfinite(rms_eps)) {
+    throw Error(
+        fmt::format("ModelConfig: rope_theta {} must be finite and >= 1, and rms_eps {} finite and "
+                    "positive",
+                    rope_theta, rms_eps));
   }
 }
 

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <random>
 
 #include "persist/files.h"
@@ -349,7 +350,15 @@ TEST(ModelConfig, JsonRoundTripAndErrors) {
   // No recurrent layer: the delta sizes describe nothing held.
   EXPECT_EQ(ModelConfig::from_json(R"({"pattern": "AS", "delta_head_dim": 65536})").pattern, "AS");
   EXPECT_TRUE(throws_error([] { (void)ModelConfig::from_json(R"({"rope_theta": 1e-30})"); },
-                           {"rope_theta 1e-30 must be >= 1"}));
+                           {"rope_theta 1e-30 must be finite and >= 1"}));
+  // Set in code (JSON holds no infinity): refused too. An infinite rms_eps zeroed every
+  // activation, and to_json wrote it as null.
+  for (const bool eps : {true, false}) {
+    ModelConfig config = small_config();
+    (eps ? config.rms_eps : config.rope_theta) = std::numeric_limits<float>::infinity();
+    EXPECT_TRUE(throws_error([&] { config.validate(); }, {"must be finite"}));
+    EXPECT_TRUE(throws_error([&] { const Model model(config); }, {"must be finite"}));
+  }
 }
 
 // Caches that do not fit the layers are refused before any layer moves: one cache for two
@@ -377,6 +386,13 @@ TEST(Model, ForwardRefusesCachesThatDoNotFitTheLayers) {
           "layer 1 needs a RotatingKVCache of the model's window, 6 tokens");
   RotatingKVCache window(6);
   refused({layers[0], layers[1], &window, layers[3]}, "layer 2 needs a full-attention cache");
+  // A recurrent sequence whose state another dtype fixed (a get, or a restore of its snapshot).
+  auto half = model.make_caches();
+  (void)dynamic_cast<RecurrentCache&>(*half[3]).get(Batch::uniform(1, 1, 0), DType::f16);
+  refused({layers[0], layers[1], layers[2], half[3].get()},
+          "layer 3 needs f32 state: sequence 0 holds f16 state (fixed until reset)");
+  half[3]->reset(0);
+  EXPECT_EQ(dynamic_cast<RecurrentCache&>(*half[3]).state_dtype(0), std::nullopt);
   (void)model.forward(ok, layers);  // the model's own caches serve
 }
 
