@@ -49,7 +49,8 @@ extern "C" {
 typedef enum kvsnap_status {
   KVSNAP_OK = 0,
   KVSNAP_ERROR = 1,            /* kvsnap::Error: a contract violation or bad data */
-  KVSNAP_INVALID_ARGUMENT = 2, /* a NULL handle, an unknown enum value, the wrong cache kind */
+  KVSNAP_INVALID_ARGUMENT = 2, /* a NULL handle or pointer, an unknown enum value, the wrong
+                                  cache kind, a buffer too small, a negative duration */
   KVSNAP_OUT_OF_MEMORY = 3,
   KVSNAP_INTERNAL_ERROR = 4 /* any other failure: a bug in kvsnap */
 } kvsnap_status;

@@ -60,8 +60,10 @@ typedef struct kvsnap_tier_stats {
 /* TierOptions' defaults, no fingerprint. */
 KVSNAP_EXPORT kvsnap_tier_options kvsnap_tier_options_default(void);
 /* Opens the store at `address` for `count` layers, borrowed: they must outlive the tier and any
- * prefix cache holding it, and be the prefix cache's own. Fails (KVSNAP_ERROR) for a malformed
- * address or options, never because the store is unreachable (lookups miss until it answers). */
+ * prefix cache holding it, and be the prefix cache's own. Fails (KVSNAP_INVALID_ARGUMENT) for a
+ * negative duration, or a key that is not NULL with key_size 0; (KVSNAP_ERROR) for a malformed
+ * address or other options; never because the store is unreachable (lookups miss until it
+ * answers). */
 KVSNAP_EXPORT kvsnap_status kvsnap_tier_open(const char* address, kvsnap_cache* const* layers,
                                              size_t count, const kvsnap_tier_options* options,
                                              kvsnap_tier** out);
@@ -83,8 +85,10 @@ KVSNAP_EXPORT kvsnap_status kvsnap_prefix_cache_create_with_tier(
     kvsnap_tier* tier, kvsnap_prefix_cache** out);
 
 /* A MAC key from a private file (load_tier_key: this user's, mode 0600, in a folder others
- * cannot write, 16 bytes to 1 MiB) into `buffer`; *size is its length. When `capacity` is
- * smaller, fails (KVSNAP_INVALID_ARGUMENT) with *size set and `buffer` untouched. */
+ * cannot write, 16 bytes to 1 MiB once trailing whitespace, a text key's newline, is dropped:
+ * every kvsnap process reads one file as one key) into `buffer`; *size is its length. When
+ * `capacity` is smaller, fails (KVSNAP_INVALID_ARGUMENT) with *size set and `buffer`
+ * untouched. */
 KVSNAP_EXPORT kvsnap_status kvsnap_load_tier_key(const char* path, void* buffer, size_t capacity,
                                                  size_t* size);
 /* A tier address from a file checked as key files are, NUL-terminated into `buffer`; *size is its

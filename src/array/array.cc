@@ -227,6 +227,21 @@ Array Array::wrap(void* data, DType dtype, Shape shape, Shape strides,
                               shape_string(strides)));
     }
   }
+  // Every element within 2^62 bytes of `data`, so that no offset computed from the strides (a
+  // copy's, a slice's) can overflow. An array of no elements reaches none.
+  if (element_count(shape) > 0) {
+    const int64_t most = (int64_t{1} << 62) / dtype_size(dtype);
+    int64_t reach = 0;  // elements
+    for (size_t axis = 0; axis < shape.size(); ++axis) {
+      if (shape[axis] < 2) continue;
+      if (strides[axis] > (most - reach) / (shape[axis] - 1)) {
+        throw Error(fmt::format(
+            "Array::wrap: strides {} over shape {} reach more than 2^62 bytes from the data",
+            shape_string(strides), shape_string(shape)));
+      }
+      reach += strides[axis] * (shape[axis] - 1);
+    }
+  }
   if (data == nullptr && element_count(shape) > 0) {
     throw Error(fmt::format("Array::wrap: null data for shape {}", shape_string(shape)));
   }

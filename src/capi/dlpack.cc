@@ -70,6 +70,9 @@ Array from_dlpack(DLManagedTensor* tensor) {
     throw Error(
         fmt::format("from_dlpack: the tensor of shape [{}] has null data", fmt::join(shape, ", ")));
   }
+  if (t.byte_offset > (uint64_t{1} << 62)) {
+    throw Error(fmt::format("from_dlpack: byte_offset {} is more than 2^62", t.byte_offset));
+  }
   void* data = t.data == nullptr ? nullptr : static_cast<char*>(t.data) + t.byte_offset;
   return Array::wrap(data, dtype, shape, strides, [tensor] {
     if (tensor->deleter != nullptr) tensor->deleter(tensor);

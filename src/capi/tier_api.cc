@@ -28,6 +28,13 @@ TierOptions to_options(const kvsnap_tier_options& o, const char* call) {
   options.model_fingerprint =
       bytes(o.model_fingerprint, o.model_fingerprint_size, call, "model_fingerprint");
   options.tenant = o.tenant != nullptr ? o.tenant : "";
+  // A key of no bytes would open the tier unauthenticated: only NULL asks for that.
+  if (o.key != nullptr && o.key_size == 0) {
+    throw InvalidArgument(fmt::format(
+        "{}: key is given with key_size 0; a MAC key holds at least 16 bytes (NULL: a trusted "
+        "store)",
+        call));
+  }
   options.key = bytes(o.key, o.key_size, call, "key");
   options.chunk_tokens = o.chunk_tokens;
   options.max_object_bytes = o.max_object_bytes;

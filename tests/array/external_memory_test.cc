@@ -85,6 +85,21 @@ TEST(ExternalMemory, BadLayoutsThrowAndLeaveTheMemoryWithTheCaller) {
         (void)Array::wrap(buffer.data(), DType::f32, {2, 4}, {-4, 1}, release);
       },
       {"Array::wrap", "negative"}));
+  // Strides whose last element lies more than 2^62 bytes on (a slice or copy would overflow).
+  EXPECT_TRUE(throws_error(
+      [&] {
+        (void)Array::wrap(buffer.data(), DType::f32, {2, 3}, {INT64_MAX / 2, 1}, release);
+      },
+      {"Array::wrap: strides [4611686018427387903, 1] over shape [2, 3] reach more than 2^62 "
+       "bytes from the data"}));
+  EXPECT_TRUE(throws_error(
+      [&] {
+        (void)Array::wrap(buffer.data(), DType::f32, {3, 2}, {int64_t{1} << 59, 1}, release);
+      },
+      {"reach more than 2^62 bytes"}));
+  // Within the bound (the memory is the caller's to vouch for), and an empty shape reaches none.
+  EXPECT_EQ(Array::wrap(buffer.data(), DType::f32, {2, 3}, {(int64_t{1} << 60) - 2, 1}).size(), 6);
+  EXPECT_EQ(Array::wrap(buffer.data(), DType::f32, {0, 3}, {INT64_MAX, 1}).size(), 0);
   EXPECT_TRUE(throws_error([&] { (void)Array::wrap(nullptr, DType::f32, {2}, {}, release); },
                            {"Array::wrap: null data for shape [2]"}));
   EXPECT_TRUE(throws_error(

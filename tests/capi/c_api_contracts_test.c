@@ -82,6 +82,20 @@ static void test_dlpack_import_failures_leave_the_tensor_to_the_caller(void) {
   tensor.dl_tensor.byte_offset = 64;
   CHECK_FAILS(kvsnap_array_from_dlpack(&tensor, &array), KVSNAP_ERROR,
               "from_dlpack: the tensor of shape [2, 3] has null data");
+  /* Offsets and strides that reach past 2^62 bytes describe no memory: offsets computed from them
+   * would overflow. */
+  tensor = strided_tensor();
+  tensor.dl_tensor.byte_offset = (uint64_t)1 << 63;
+  CHECK_FAILS(kvsnap_array_from_dlpack(&tensor, &array), KVSNAP_ERROR,
+              "from_dlpack: byte_offset 9223372036854775808 is more than 2^62");
+  {
+    int64_t huge[2] = {INT64_MAX / 2, 1};
+    tensor = strided_tensor();
+    tensor.dl_tensor.strides = huge;
+    CHECK_FAILS(kvsnap_array_from_dlpack(&tensor, &array), KVSNAP_ERROR,
+                "Array::wrap: strides [4611686018427387903, 1] over shape [2, 3] reach more than "
+                "2^62 bytes");
+  }
   tensor = strided_tensor();
   tensor.dl_tensor.shape = NULL;
   CHECK_FAILS(kvsnap_array_from_dlpack(&tensor, &array), KVSNAP_ERROR,

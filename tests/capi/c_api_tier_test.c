@@ -199,6 +199,10 @@ static void test_refusals(const char* address) {
   options.lookup_timeout_ms = -1;
   CHECK_FAILS(kvsnap_tier_open(address, &cache, 1, &options, &tier), KVSNAP_INVALID_ARGUMENT,
               "kvsnap_tier_open: lookup_timeout_ms -1 is negative");
+  /* A key with no bytes would open the tier unauthenticated: only NULL asks for that. */
+  options = options_with("0123456789abcdef", 0);
+  CHECK_FAILS(kvsnap_tier_open(address, &cache, 1, &options, &tier), KVSNAP_INVALID_ARGUMENT,
+              "kvsnap_tier_open: key is given with key_size 0");
   options = options_with(NULL, 0);
   options.model_fingerprint_size = 0;
   CHECK_FAILS(kvsnap_tier_open(address, &cache, 1, &options, &tier), KVSNAP_ERROR,
