@@ -63,9 +63,10 @@ seq_offsets[b].)")
              batch.seq_ids = std::move(seq_ids);
              return batch;
            }),
-           py::arg("input_ids") = py::none(), py::arg("seq_offsets") = std::vector<int32_t>{},
-           py::arg("seq_query_lens") = std::vector<int32_t>{},
-           py::arg("seq_ids") = std::vector<SeqId>{}, ReleaseAfter(),
+           py::arg("input_ids") = py::none(),
+           py::arg("seq_offsets").noconvert() = std::vector<int32_t>{},
+           py::arg("seq_query_lens").noconvert() = std::vector<int32_t>{},
+           py::arg("seq_ids").noconvert() = std::vector<SeqId>{}, ReleaseAfter(),
            "input_ids: int32 [B, L], copied (or None; other integer arrays and lists of ints "
            "are converted when every id fits int32); one offset and one query length per row; "
            "seq_ids: the sequence of each row (empty: row b is sequence b).")
@@ -78,7 +79,7 @@ seq_offsets[b].)")
             }
             return Batch::rows(chunks);
           },
-          py::arg("rows"),
+          py::arg("rows").noconvert(),
           "One row per (seq, offset, tokens): rows of different sequences, each at its own "
           "offset with its own length (shorter rows padded).")
       .def_static(
@@ -86,9 +87,10 @@ seq_offsets[b].)")
           [](const std::vector<int32_t>& tokens, int64_t offset) {
             return Batch::single(tokens, offset);
           },
-          py::arg("tokens"), py::arg("offset"),
+          py::arg("tokens").noconvert(), py::arg("offset").noconvert(),
           "One row of `tokens` starting at `offset`, no padding.")
-      .def_static("uniform", &Batch::uniform, py::arg("rows"), py::arg("length"), py::arg("offset"),
+      .def_static("uniform", &Batch::uniform, py::arg("rows").noconvert(),
+                  py::arg("length").noconvert(), py::arg("offset").noconvert(),
                   "`rows` rows of `length` placeholder tokens at `offset`.")
       .def_property_readonly(
           "input_ids", [](const Batch& b) { return to_numpy(b.input_ids, /*writeable=*/false); })
@@ -108,9 +110,9 @@ void bind_mask(py::module_& m) {
                             "positions).")
       .def_static("none", &AttentionMask::none, "Every key visible.")
       .def_static("causal", &AttentionMask::causal, "Query i sees keys j <= i.")
-      .def_static("sliding_window", &AttentionMask::sliding_window, py::arg("window"),
+      .def_static("sliding_window", &AttentionMask::sliding_window, py::arg("window").noconvert(),
                   "Query i sees keys j with i - window < j <= i.")
-      .def_static("lookback", &AttentionMask::lookback, py::arg("window"),
+      .def_static("lookback", &AttentionMask::lookback, py::arg("window").noconvert(),
                   "Query i sees keys j > i - window, later keys included.")
       .def_static(
           "from_array",
@@ -126,7 +128,8 @@ void bind_mask(py::module_& m) {
                              [](const AttentionMask& mask) { return mask_kind_name(mask.kind()); })
       .def_property_readonly("is_causal", &AttentionMask::is_causal)
       .def_property_readonly("window", &AttentionMask::window, "Lookback window, 0 for none.")
-      .def("allows", &AttentionMask::allows, py::arg("query"), py::arg("key"),
+      .def("allows", &AttentionMask::allows, py::arg("query").noconvert(),
+           py::arg("key").noconvert(),
            "Whether the positional rules let position `query` see `key`.");
 }
 
@@ -213,7 +216,7 @@ position(c).)")
             }
             return h.position(column);
           },
-          py::arg("column"), "Absolute position held by key column `column`.")
+          py::arg("column").noconvert(), "Absolute position held by key column `column`.")
       .def("apply_mask", &KVHistory::apply_mask, py::arg("batch"), py::arg("logical"), Released(),
            "The physical mask over this history's columns for `batch`'s queries.")
       .def_property_readonly("paged", &KVHistory::paged,
@@ -236,7 +239,7 @@ position(c).)")
             }
             return h.row(b);
           },
-          py::arg("b"), "Row b's history (this one unless ragged).")
+          py::arg("b").noconvert(), "Row b's history (this one unless ragged).")
       .def("contiguous", &KVHistory::contiguous, Released(),
            "A contiguous copy of a paged history (keys and values as plain arrays).");
 }
@@ -264,7 +267,7 @@ for a batch of several rows (rows of different sequences) they are None: take ro
             }
             return h.row(b);
           },
-          py::arg("b"), "Row b's states (this history for a single row).");
+          py::arg("b").noconvert(), "Row b's states (this history for a single row).");
 }
 
 }  // namespace

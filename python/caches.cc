@@ -157,13 +157,13 @@ void bind_cache_state(CacheClass<Cache>& cache) {
           "offset", [](const Cache& c) { return without_gil([&] { return c.offset(); }); },
           "Tokens written so far.")
       .def(
-          "offset_of", [](const Cache& c, SeqId seq) { return c.offset(seq); }, py::arg("seq"),
-          Released(), "Tokens written so far to sequence `seq`.")
+          "offset_of", [](const Cache& c, SeqId seq) { return c.offset(seq); },
+          py::arg("seq").noconvert(), Released(), "Tokens written so far to sequence `seq`.")
       .def(
           "sequences", [](const Cache& c) { return c.sequences(); }, Released(),
           "The sequences the cache has made (written, restored or given a schedule), "
           "ascending; a reset one stays listed, at offset 0.")
-      .def("exposed_bytes", &Cache::exposed_bytes, py::arg("seq") = 0, Released(),
+      .def("exposed_bytes", &Cache::exposed_bytes, py::arg("seq").noconvert() = 0, Released(),
            "Bytes the sequence's writes may still copy into snapshots taken: an upper bound.")
       .def(
           "state",
@@ -172,14 +172,14 @@ void bind_cache_state(CacheClass<Cache>& cache) {
                 without_gil([&] { return seq ? c.state(*seq) : c.state(); });
             return to_numpy_list(state, /*writeable=*/false);
           },
-          py::kw_only(), py::arg("seq") = py::none(),
+          py::kw_only(), py::arg("seq").noconvert() = py::none(),
           "The live state arrays (of sequence `seq`, default 0) as read-only numpy views (none "
           "before the first write): views of the cache's buffers, valid until its next write to "
           "that sequence, which may change them (copy them to keep them) — a PagedKVCache "
           "gives copies gathered from its blocks.")
       .def(
           "reset", [](Cache& c, std::optional<SeqId> seq) { seq ? c.reset(*seq) : c.reset(); },
-          py::kw_only(), py::arg("seq") = py::none(), Released(),
+          py::kw_only(), py::arg("seq").noconvert() = py::none(), Released(),
           "Drops all state and any schedule (of sequence `seq` only, when given).")
       .def(
           "restore",
@@ -189,7 +189,8 @@ void bind_cache_state(CacheClass<Cache>& cache) {
               return seq ? c.restore(*seq, use.get(), target) : c.restore(use.get(), target);
             });
           },
-          py::arg("snapshot"), py::arg("target"), py::kw_only(), py::arg("seq") = py::none(),
+          py::arg("snapshot"), py::arg("target").noconvert(), py::kw_only(),
+          py::arg("seq").noconvert() = py::none(),
           "Returns to `target` using `snapshot` (None: live rewind); False, changing nothing, "
           "when unreachable.")
       .def("copy_stats", &Cache::copy_stats, Released(), "Bytes copied so far, by reason.");
@@ -204,7 +205,8 @@ void bind_cache_snapshots(CacheClass<Cache>& cache) {
             return wrap_snapshot(
                 without_gil([&] { return seq ? c.snapshot(*seq, from) : c.snapshot(from); }));
           },
-          py::arg("from_offset") = 0, py::kw_only(), py::arg("seq") = py::none(),
+          py::arg("from_offset").noconvert() = 0, py::kw_only(),
+          py::arg("seq").noconvert() = py::none(),
           "Snapshot of [from_offset, offset) (KV) or of the whole state (others); None when "
           "there is nothing to hold.")
       .def(
@@ -212,15 +214,15 @@ void bind_cache_snapshots(CacheClass<Cache>& cache) {
           [](Cache& c, const std::vector<int64_t>& offsets, std::optional<SeqId> seq) {
             seq ? c.prepare_snapshots(*seq, offsets) : c.prepare_snapshots(offsets);
           },
-          py::arg("offsets"), py::kw_only(), py::arg("seq") = py::none(), Released(),
-          "Schedules captures as later writes reach each offset.")
+          py::arg("offsets").noconvert(), py::kw_only(), py::arg("seq").noconvert() = py::none(),
+          Released(), "Schedules captures as later writes reach each offset.")
       .def(
           "take_snapshots",
           [](Cache& c, std::optional<SeqId> seq) {
             return wrap_snapshots(
                 without_gil([&] { return seq ? c.take_snapshots(*seq) : c.take_snapshots(); }));
           },
-          py::kw_only(), py::arg("seq") = py::none(),
+          py::kw_only(), py::arg("seq").noconvert() = py::none(),
           "One entry per scheduled offset, in order (None for zero-width edges).")
       .def(
           "take_reached_snapshots",
@@ -228,20 +230,20 @@ void bind_cache_snapshots(CacheClass<Cache>& cache) {
             return wrap_snapshots(without_gil(
                 [&] { return seq ? c.take_reached_snapshots(*seq) : c.take_reached_snapshots(); }));
           },
-          py::kw_only(), py::arg("seq") = py::none(),
+          py::kw_only(), py::arg("seq").noconvert() = py::none(),
           "For a forward cut short: the entries for the offsets already reached.")
       .def(
           "cancel_snapshots",
           [](Cache& c, std::optional<SeqId> seq) {
             seq ? c.cancel_snapshots(*seq) : c.cancel_snapshots();
           },
-          py::kw_only(), py::arg("seq") = py::none(), Released(),
+          py::kw_only(), py::arg("seq").noconvert() = py::none(), Released(),
           "Drops the schedule and its captures.")
       .def("merge", &merge, py::arg("parent"), py::arg("child"),
            "Joins adjacent snapshots (consumes both). None as either gives None, the other "
            "consumed all the same (the C++ rule: null in, null out) — a zero-width capture "
            "from take_snapshots() is None, so drop it rather than merge it.")
-      .def("split", &split, py::arg("snapshot"), py::arg("at"),
+      .def("split", &split, py::arg("snapshot"), py::arg("at").noconvert(),
            "Splits at `at` into (before, after) (consumes the snapshot).");
 }
 
@@ -274,17 +276,17 @@ void bind_attention_caches(py::module_& m) {
   CacheClass<KVCache, Attention>(m, "KVCache",
                                  "An append-only attention cache with lazy snapshots.")
       .def(py::init<>())
-      .def("reserve", &KVCache::reserve, py::arg("tokens"), Released(),
+      .def("reserve", &KVCache::reserve, py::arg("tokens").noconvert(), Released(),
            "Makes room for `tokens` tokens.")
       .def_property_readonly(
           "capacity", [](const KVCache& c) { return without_gil([&] { return c.capacity(); }); })
       .def("lazy_bytes", py::overload_cast<int64_t, int64_t>(&KVCache::lazy_bytes, py::const_),
-           py::arg("from_offset"), py::arg("to_offset"), Released(),
+           py::arg("from_offset").noconvert(), py::arg("to_offset").noconvert(), Released(),
            "Bytes lazy snapshots name in slots [from_offset, to_offset).");
 
   CacheClass<RotatingKVCache, Attention>(m, "RotatingKVCache",
                                          "A sliding-window attention cache of max_size tokens.")
-      .def(py::init<int64_t>(), py::arg("max_size"))
+      .def(py::init<int64_t>(), py::arg("max_size").noconvert())
       .def_property_readonly("max_size", &RotatingKVCache::max_size);
 }
 
@@ -309,7 +311,7 @@ a restore splices block references. Rows of a batch address sequences by seq_ids
              return new PagedKVCache(PagedKVCache::Options{.block_tokens = block_tokens,
                                                            .blocks_per_chunk = blocks_per_chunk});
            }),
-           py::arg("block_tokens") = 16, py::arg("blocks_per_chunk") = 64)
+           py::arg("block_tokens").noconvert() = 16, py::arg("blocks_per_chunk").noconvert() = 64)
       .def_property_readonly("block_tokens", &PagedKVCache::block_tokens)
       .def("pool_stats", &PagedKVCache::pool_stats, Released(),
            "Blocks allocated, in use, copied, live.");
@@ -355,8 +357,9 @@ void bind_recurrent_cache(py::module_& m) {
 
 Conv tail [B, conv_tail, conv_dim] in the activation dtype, delta state [B, num_v_heads,
 head_v_dim, head_k_dim] float32. Snapshots are whole states at exact offsets.)")
-      .def(py::init<int, int, int, int, int>(), py::arg("conv_tail"), py::arg("conv_dim"),
-           py::arg("num_v_heads"), py::arg("head_v_dim"), py::arg("head_k_dim"))
+      .def(py::init<int, int, int, int, int>(), py::arg("conv_tail").noconvert(),
+           py::arg("conv_dim").noconvert(), py::arg("num_v_heads").noconvert(),
+           py::arg("head_v_dim").noconvert(), py::arg("head_k_dim").noconvert())
       .def(
           "get",
           [](RecurrentCache& c, const Batch& batch, const std::string& dtype) {
@@ -402,7 +405,8 @@ head_v_dim, head_k_dim] float32. Snapshots are whole states at exact offsets.)")
           [](const RecurrentCache& c, int64_t forward_len, std::optional<SeqId> seq) {
             return seq ? c.snapshot_splits(*seq, forward_len) : c.snapshot_splits(forward_len);
           },
-          py::arg("forward_len"), py::kw_only(), py::arg("seq") = py::none(), Released(),
+          py::arg("forward_len").noconvert(), py::kw_only(),
+          py::arg("seq").noconvert() = py::none(), Released(),
           "Scheduled offsets strictly inside the next forward of sequence `seq` (default 0), "
           "relative to its offset.")
       .def_property_readonly("conv_tail", &RecurrentCache::conv_tail)

@@ -35,7 +35,7 @@ void bind_kernels(py::module_& m) {
         return py::make_tuple(to_numpy(result.output, true), to_numpy_list(result.tails));
       },
       py::arg("x"), py::arg("weight"), py::arg("tail") = py::none(),
-      py::arg("boundaries") = std::vector<int64_t>{}, ReleaseAfter(),
+      py::arg("boundaries").noconvert() = std::vector<int64_t>{}, ReleaseAfter(),
       "Causal depthwise conv1d: x [B, L, C], weight [C, W], tail [B, W-1, C] (None: zeros). "
       "Returns (output float32 [B, L, C], [tail per boundary, then the end]).");
   m.def(
@@ -51,7 +51,8 @@ void bind_kernels(py::module_& m) {
         return py::make_tuple(to_numpy(result.output, true), to_numpy_list(result.states));
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"),
-      py::arg("state") = py::none(), py::arg("boundaries") = std::vector<int64_t>{}, ReleaseAfter(),
+      py::arg("state") = py::none(), py::arg("boundaries").noconvert() = std::vector<int64_t>{},
+      ReleaseAfter(),
       "Gated delta rule: q, k [B, L, Hk, Dk]; v [B, L, Hv, Dv]; g, beta [B, L, Hv]; state "
       "[B, Hv, Dv, Dk] (None: zeros). Returns (output float32 [B, L, Hv, Dv], [state per "
       "boundary, then the end]).");
@@ -61,7 +62,7 @@ void bind_kernels(py::module_& m) {
 
 void bind_ops(py::module_& m) {
   bind_kernels(m);
-  m.def("set_threads", &set_threads, py::arg("threads"), Released(),
+  m.def("set_threads", &set_threads, py::arg("threads").noconvert(), Released(),
         "Threads the kernels use (sdpa over a batch), the calling one included; 1 (the default) "
         "runs everything on the calling thread. Every count gives bitwise the same results. "
         "Raises kvsnap.Error outside [1, 256].");

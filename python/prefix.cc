@@ -181,8 +181,8 @@ A compressed token trie whose nodes hold per-layer snapshots. `layers` are the m
 in order (None for a stateless layer); the prefix cache drives their offsets from now on.)");
   prefix
       .def(py::init(&make_prefix_cache), py::arg("layers"),
-           py::arg("max_paged_out_bytes") = py::none(), py::arg("slots") = 1, py::kw_only(),
-           py::arg("tier") = py::none(),
+           py::arg("max_paged_out_bytes").noconvert() = py::none(),
+           py::arg("slots").noconvert() = 1, py::kw_only(), py::arg("tier") = py::none(),
            "Budget for snapshot bytes in the trie (default 8 GiB); `slots` sequences of the "
            "layers served at once, each with at most one open session; `tier`: a kvsnap.Tier "
            "opened for these layers, asked on a miss and written behind.")
@@ -271,7 +271,7 @@ void bind_files(py::module_& m) {
         without_gil(
             [&] { save_snapshots(path, offset, std::span<const Snapshot* const>(pointers)); });
       },
-      py::arg("path"), py::arg("offset"), py::arg("snapshots"),
+      py::arg("path"), py::arg("offset").noconvert(), py::arg("snapshots"),
       "Writes one snapshot per layer (None allowed) to a safetensors file, atomically.");
   m.def(
       "load_snapshots",

@@ -52,7 +52,8 @@ then stands at start + a + 1 without recomputing anything — attention layers r
 whole-state layers (a window past its size, a recurrent state) restore what the forward
 captured. With a prefix cache session, append only the accepted tokens, or append the drafts
 and retract_outputs() the rejected ones.)")
-      .def(py::init(&make_speculation), py::arg("layers"), py::kw_only(), py::arg("seq") = 0,
+      .def(py::init(&make_speculation), py::arg("layers"), py::kw_only(),
+           py::arg("seq").noconvert() = 0,
            "Rounds over sequence `seq` of `layers` (the model's caches in order, None for a "
            "stateless layer; a cache listed twice is one state, rolled back once).")
       .def(
@@ -60,7 +61,7 @@ and retract_outputs() the rejected ones.)")
           [](PySpeculation& s, int64_t drafts) {
             on_round(s, [&](Speculation& round) { round.begin(drafts); });
           },
-          py::arg("drafts"),
+          py::arg("drafts").noconvert(),
           "Opens a round before the verify forward of 1 + `drafts` tokens. Raises Error, "
           "changing nothing, for drafts < 0 or > 2^20, a round ending past position 2^31 - 1, "
           "an open round, layers that disagree on their offset, or a layer of any kind with "
@@ -70,7 +71,7 @@ and retract_outputs() the rejected ones.)")
           [](PySpeculation& s, int64_t accepted) {
             on_round(s, [&](Speculation& round) { round.accept(accepted); });
           },
-          py::arg("accepted"),
+          py::arg("accepted").noconvert(),
           "Closes the round: the first `accepted` drafts were confirmed. Every layer is checked "
           "before any moves: raises Error, the round left open and nothing changed, unless 0 <= "
           "accepted <= drafts, every layer stands at the verify forward's end, and every layer "

@@ -137,11 +137,14 @@ Without `key` (load_tier_key) the store is trusted: damage is caught, forgery is
                               log_to_stderr);
            }),
            py::arg("address"), py::arg("layers"), py::kw_only(), py::arg("model_fingerprint"),
-           py::arg("tenant") = "", py::arg("key") = py::bytes(), py::arg("chunk_tokens") = 256,
-           py::arg("max_object_bytes") = int64_t(512) << 20,
-           py::arg("max_lookup_bytes") = int64_t(8) << 30, py::arg("lookup_timeout") = 0.05,
-           py::arg("write_timeout") = 2.0, py::arg("retry_interval") = 0.5, py::arg("ttl") = 86400,
-           py::arg("write_queue") = 64, py::arg("write_queue_bytes") = int64_t(1) << 30,
+           py::arg("tenant") = "", py::arg("key") = py::bytes(),
+           py::arg("chunk_tokens").noconvert() = 256,
+           py::arg("max_object_bytes").noconvert() = int64_t(512) << 20,
+           py::arg("max_lookup_bytes").noconvert() = int64_t(8) << 30,
+           py::arg("lookup_timeout") = 0.05, py::arg("write_timeout") = 2.0,
+           py::arg("retry_interval") = 0.5, py::arg("ttl").noconvert() = 86400,
+           py::arg("write_queue").noconvert() = 64,
+           py::arg("write_queue_bytes").noconvert() = int64_t(1) << 30,
            py::arg("log_to_stderr") = true,
            "model_fingerprint: what makes stored state valid (the model's configuration and "
            "weights, or a hash of them); tenant: the operator's isolation salt; key: MAC key "

@@ -235,3 +235,42 @@ def test_a_batch_copies_its_input_ids():
     batch = kvsnap.Batch(buffer, seq_offsets=[0], seq_query_lens=[3])
     buffer[0, 0] = 9
     np.testing.assert_array_equal(batch.input_ids, [[5, 6, 7]])
+
+
+def test_integer_arguments_refuse_floats_of_any_type(rng):
+    """A float where an int is wanted would be cut (5.5 -> 5): TypeError, before any call, for a
+    Python float, a numpy float scalar, a 0-d float array or a float array's elements."""
+    cache = kvsnap.KVCache()
+    write(cache, 0, kv(rng, 4))
+    floats = (5.5, np.float32(3.0), np.float16(2.0), np.array(2.5))
+    calls = [
+        lambda f: kvsnap.Batch.single([1, 2], f),
+        lambda f: kvsnap.Batch.single(np.array([1.5, 2.0], np.float32), 0),
+        lambda f: kvsnap.Batch.single([1, f], 0),
+        lambda f: kvsnap.Batch.uniform(1, f, 0),
+        lambda f: kvsnap.Batch(seq_offsets=[f], seq_query_lens=[1]),
+        lambda f: kvsnap.Batch(seq_offsets=[0], seq_query_lens=[1], seq_ids=[f]),
+        lambda f: kvsnap.Batch.rows([(0, f, [1])]),
+        lambda f: kvsnap.AttentionMask.sliding_window(f),
+        lambda f: cache.offset_of(f),
+        lambda f: cache.snapshot(f),
+        lambda f: cache.snapshot(0, seq=f),
+        lambda f: cache.restore(None, f),
+        lambda f: cache.prepare_snapshots([1, f]),
+        lambda f: cache.reserve(f),
+        lambda f: kvsnap.RotatingKVCache(f),
+        lambda f: kvsnap.PagedKVCache(block_tokens=f),
+        lambda f: kvsnap.RecurrentCache(f, 1, 1, 1, 1),
+        lambda f: kvsnap.PrefixCache([cache], slots=f),
+        lambda f: kvsnap.Speculation([cache], seq=f),
+    ]
+    for i, call in enumerate(calls):
+        for f in floats:
+            with pytest.raises(TypeError):
+                call(f)
+                pytest.fail(f"call {i} took {f!r}")
+    assert cache.offset_of(0) == 4
+    # Integers of any type are taken, numpy's included.
+    assert kvsnap.Batch.single(np.array([1, 2], np.int64), np.int32(3)).seq_offsets == [3]
+    assert cache.offset_of(np.int64(0)) == 4
+    assert cache.restore(None, np.int16(4))
