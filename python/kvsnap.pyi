@@ -30,7 +30,8 @@ class Array:
     def __dlpack__(self, stream: Any = None, *, max_version: Optional[Tuple[int, int]] = None,
                    dl_device: Optional[Tuple[int, int]] = None,
                    copy: Optional[bool] = None) -> Any:
-        """A view; a copy when copy=True or the array is read-only (copy=False then raises)."""
+        """A view; a copy when copy=True or the array is read-only (copy=False then raises
+        BufferError)."""
     def __dlpack_device__(self) -> Tuple[int, int]: ...
     def numpy(self) -> np.ndarray: ...
     def __array__(self, dtype: Any = None, *, copy: Optional[bool] = None) -> np.ndarray: ...

@@ -1,12 +1,27 @@
 // The Python module `kvsnap`: kvsnap's caches, snapshots, prefix cache, snapshot files and
 // reference kernels over numpy arrays, without copies where the layout allows.
+#include <fmt/format.h>
 #include <pybind11/pybind11.h>
+
+#include <cstdlib>
+#include <string>
 
 #include "bindings.h"
 
 PYBIND11_MODULE(kvsnap, m) {
   namespace py = pybind11;
   using namespace kvsnap::python;
+#if PYBIND11_VERSION_MAJOR == 2 && PYBIND11_VERSION_MINOR < 12
+  // pybind11 before 2.12 reads a numpy dtype's item size where numpy 2 keeps its flags: every
+  // array would be misread (or a division by zero). Refused at import instead.
+  const auto numpy = py::module_::import("numpy").attr("__version__").cast<std::string>();
+  if (std::atoi(numpy.c_str()) >= 2) {
+    throw py::import_error(fmt::format(
+        "kvsnap: built with pybind11 {}.{}, which misreads numpy {}'s arrays: use numpy < 2, or "
+        "build with pybind11 >= 2.12",
+        PYBIND11_VERSION_MAJOR, PYBIND11_VERSION_MINOR, numpy));
+  }
+#endif
   m.doc() = R"(kvsnap: snapshot, rewind, branch and reuse the inference state of language models.
 
 Caches take numpy arrays (keys and values [B, H, L, D], recurrent states) without copying where

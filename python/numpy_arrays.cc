@@ -156,7 +156,7 @@ PyArray array_from_dlpack(py::object producer) {
 
 // A DLPack capsule of `self`: a view, or a compact copy when asked (copy=True) or when the array
 // is read-only — DLPack 0.x cannot mark a tensor read-only and consumers (numpy, torch) hand out
-// writable arrays over what they import. copy=False on a read-only array: Error.
+// writable arrays over what they import. copy=False on a read-only array: BufferError.
 // Unversioned (DLPack 0.x) whatever max_version asks, as the protocol allows a producer that has
 // no versioned capsule; `dl_device` (None or the CPU's) is checked.
 py::capsule export_dlpack(const PyArray& self, const py::object& dl_device,
@@ -166,8 +166,8 @@ py::capsule export_dlpack(const PyArray& self, const py::object& dl_device,
         fmt::format("Array.__dlpack__: dl_device {} asked; kvsnap arrays are on the CPU (1, 0)",
                     py::repr(dl_device).cast<std::string>()));
   }
-  if (self.read_only && copy == false) {
-    throw Error(
+  if (self.read_only && copy == false) {  // BufferError: what the protocol names for it
+    throw py::buffer_error(
         "Array.__dlpack__: copy=False, but this array is read-only (a view of a cache's buffers "
         "or of read-only memory) and DLPack cannot export a read-only view; copy=None (the "
         "default) or True exports a copy");
@@ -237,7 +237,9 @@ exports a copy of a read-only array (DLPack cannot mark a tensor read-only).)")
            "obj is (a read-only numpy array, a view of a cache's buffers).")
       .def_static("from_dlpack", &array_from_dlpack, py::arg("obj"), ReleaseAfter(),
                   "Wraps any DLPack producer's CPU tensor (f32, f16, bf16, i32) without a copy "
-                  "(a compact copy when it has negative strides).")
+                  "(a compact copy when it has negative strides). Writable even where the "
+                  "producer's memory is not (an unversioned capsule cannot say so): do not write "
+                  "through it to an immutable producer's (jax's) memory.")
       .def(
           "__dlpack__",
           [](const PyArray& self, py::object /*stream*/, py::object /*max_version*/,
@@ -247,7 +249,7 @@ exports a copy of a read-only array (DLPack cannot mark a tensor read-only).)")
           py::arg("dl_device") = py::none(), py::arg("copy") = py::none(),
           "A DLPack capsule viewing this array (no copy), or a copy of it when copy=True or when "
           "the array is read-only (DLPack cannot mark a tensor read-only); copy=False on a "
-          "read-only array raises kvsnap.Error, a device other than the CPU BufferError. "
+          "read-only array, or a device other than the CPU, raises BufferError. "
           "Unversioned (DLPack 0.x) whatever max_version asks.")
       .def("__dlpack_device__", [](const PyArray&) { return py::make_tuple(int(kDLCPU), 0); })
       .def(
