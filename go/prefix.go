@@ -25,7 +25,7 @@ type PrefixOptions struct {
 
 // PrefixStats count what a PrefixCache did.
 type PrefixStats struct {
-	Lookups          int64 // Begin calls
+	Lookups          int64 // Begin calls that opened a session
 	MatchedTokens    int64 // prompt tokens found in the trie
 	ReusedTokens     int64 // tokens restored instead of evaluated
 	EvictedNodes     int64 // trie nodes evicted under the budget

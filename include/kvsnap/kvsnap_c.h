@@ -481,7 +481,7 @@ typedef struct kvsnap_prefix_options {
 } kvsnap_prefix_options;
 
 typedef struct kvsnap_prefix_stats {
-  int64_t lookups;           /* begin calls */
+  int64_t lookups;           /* begin calls that opened a session */
   int64_t matched_tokens;    /* prompt tokens found in the trie */
   int64_t reused_tokens;     /* tokens restored instead of evaluated */
   int64_t evicted_nodes;     /* trie nodes evicted under the budget */

@@ -42,8 +42,9 @@
 // A shared tier (Options::tier, kvsnap/tier.h): when the trie cannot restore all but the last
 // prompt token, begin asks the tier for a deeper restore point (waiting at most the tier's lookup
 // timeout, without holding the cache's lock) and inserts what it finds into the trie; close
-// hands the restore points the session made past what it restored to the tier, which writes
-// them behind. A tier that fails or is slow only costs restores, never a request.
+// hands the tier the complete restore points on the session's path, which it writes behind
+// (those it already holds are skipped). A tier that fails or is slow only costs restores, never a
+// request.
 //
 // Thread-safe: calls (sessions' too) may come from any thread and run one at a time; the
 // layers lock themselves, so each slot's forward may run on its own thread.
@@ -163,7 +164,7 @@ class KVSNAP_EXPORT PrefixCache {
   int64_t node_count() const;
 
   struct Stats {
-    int64_t lookups = 0;         // begin calls
+    int64_t lookups = 0;         // begin calls that opened a session
     int64_t matched_tokens = 0;  // prompt tokens found in the trie
     int64_t reused_tokens = 0;   // tokens restored instead of evaluated (sum of cached())
     int64_t evicted_nodes = 0;
@@ -183,7 +184,8 @@ class KVSNAP_EXPORT PrefixCache {
   std::string debug_string() const;
   // Empty when the trie's invariants hold (siblings never share a first token, edges chain,
   // KV snapshots span exactly their node's edge, whole-state snapshots sit at its end, the byte
-  // counter is exact); otherwise the first violation. O(nodes); for tests and debugging.
+  // counter is exact, a slot without a session reserves nothing); otherwise the first
+  // violation. O(nodes); for tests and debugging.
   std::string check_invariants() const;
 
  private:

@@ -8,20 +8,27 @@
 namespace kvsnap::detail {
 
 void LiveState::set_tokens(std::span<const int32_t> tokens) {
-  tokens_.assign(tokens.begin(), tokens.end());
-  find_tip();
+  // Both made before either changes: running out of memory leaves the recorded tokens and the
+  // tip (what protects the path from eviction) as they were.
+  std::vector<int32_t> next(tokens.begin(), tokens.end());
+  Node* const tip = tip_for(next);
+  tokens_.swap(next);
+  tip_ = tip;
 }
 
-void LiveState::find_tip() {
-  tip_ = &trie_.root();
-  const auto live = static_cast<int64_t>(tokens_.size());
-  const Trie::Match match = trie_.match(tokens_);
+void LiveState::find_tip() { tip_ = tip_for(tokens_); }
+
+Node* LiveState::tip_for(std::span<const int32_t> tokens) const {
+  Node* tip = &trie_.root();
+  const auto live = static_cast<int64_t>(tokens.size());
+  const Trie::Match match = trie_.match(tokens);
   for (Node* node : match.path) {
     // A node the tokens follow to its end or to theirs: the last one entered may be left
     // midway, where the tokens diverge (a prompt whose own nodes were never inserted, its
     // captures lost): the live caches hold other tokens there, so it is not on the path.
-    if (node->start() < live && match.length >= std::min(node->end, live)) tip_ = node;
+    if (node->start() < live && match.length >= std::min(node->end, live)) tip = node;
   }
+  return tip;
 }
 
 bool LiveState::has_state() const {

@@ -27,6 +27,7 @@ class LiveState {
   bool has_state() const;
   // Whether the caches may be written before the slot's next call: while a session is open.
   void set_writable(bool writable) { writable_ = writable; }
+  bool writable() const { return writable_; }
   // What the slot's writes may copy into the trie's lazy snapshots before its next call, as of
   // the last refresh: its layers' Cache::exposed_bytes, 0 while not writable. Writes only lower
   // what of it is the trie's; other slots' calls that change the trie or what the caches share
@@ -77,7 +78,9 @@ class LiveState {
   bool page_in_ranges(size_t layer, const std::vector<Node*>& path, int64_t target, int64_t shared);
   // Finds the active path's tip for the recorded tokens (the trie may have changed since): the
   // deepest node holding a live token whose edge the tokens follow to its end or to theirs.
+  // Unchanged when the match runs out of memory.
   void find_tip();
+  Node* tip_for(std::span<const int32_t> tokens) const;
   // After a restore put a node's data back into the live cache, the node can hold a lazy view
   // of it instead and give its bytes back.
   void relazify(Node& node, size_t layer, int64_t from);

@@ -292,7 +292,15 @@ std::string PrefixCache::debug_string() const {
 }
 std::string PrefixCache::check_invariants() const {
   const Lock lock(impl_->mutex);
-  return impl_->trie.check_invariants();
+  if (std::string problem = impl_->trie.check_invariants(); !problem.empty()) return problem;
+  // A slot without a session is not written before its next call: nothing may be reserved for
+  // it (its exposure would be evicted for until a session it never gets closes).
+  for (const auto& slot : impl_->slots) {
+    if (!slot->open() && slot->live().writable()) {
+      return fmt::format("slot {} has no session open but counts as writable", slot->id());
+    }
+  }
+  return {};
 }
 
 PrefixCache::Session::Session(std::shared_ptr<detail::SessionState> state)

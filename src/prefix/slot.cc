@@ -49,9 +49,10 @@ std::shared_ptr<SessionState> Slot::begin(std::span<const int32_t> prompt, Prefi
     // are copied out (KV) or left the only holders of their blocks (paged). Reserve that first,
     // with the new path pinned, so the eviction makes room (the old path's nodes past the
     // shared part may go) before anything is copied — again with a new plan when the eviction
-    // changed the trie (its rewind may lie lower): a few rounds at most, and the plan used is
-    // always the trie's latest.
-    for (int round = 0; round < 3; ++round) {
+    // changed the trie (its rewind may lie lower), until a round changes nothing: the plan
+    // used is always the trie's latest, and its rewind reserved. (Each round that goes on
+    // evicted something, so the rounds end; in practice one or two.)
+    for (;;) {
       // Pinned: the path up to the target and every node a whole-state step restores from.
       Node* tip = &trie_.root();
       for (Node* node : match.path) {
@@ -75,22 +76,23 @@ std::shared_ptr<SessionState> Slot::begin(std::span<const int32_t> prompt, Prefi
   }
   for (Node* node : match.path) trie_.touch(*node);
 
-  auto state = std::make_shared<SessionState>();
-  state->owner = owner;
-  state->slot = id_;
-  state->prompt.assign(prompt.begin(), prompt.end());
-  state->tokens = state->prompt;
-  state->prompt_length = length;
-  state->matched = match.length;
-  state->cached = plan.target;
-  session_ = state;
+  std::shared_ptr<SessionState> state;
   try {
+    state = std::make_shared<SessionState>();
+    state->owner = owner;
+    state->slot = id_;
+    state->prompt.assign(prompt.begin(), prompt.end());
+    state->tokens = state->prompt;
+    state->prompt_length = length;
+    state->matched = match.length;
+    state->cached = plan.target;
+    session_ = state;
     prepare(schedule_for(match.path));
     // The switch may have shared what other slots' caches hold: every exposure is refreshed.
     evict_(Change::shared);
   } catch (...) {
-    // The session never reaches its caller: the slot must not stay open with no handle to close
-    // it (out of memory while scheduling or evicting).
+    // The session never reaches its caller: the slot must not stay open (or writable) with no
+    // handle to close it (out of memory making the session, scheduling or evicting).
     abandon();
     throw;
   }
