@@ -123,6 +123,12 @@ bool LiveState::on_active_path(const Node& node) const {
   return false;
 }
 
+void LiveState::mark_active_path(uint64_t pass) const {
+  for (Node* n = switching_to_ != nullptr ? switching_to_ : tip_; n != nullptr; n = n->parent) {
+    n->pinned_in = pass;
+  }
+}
+
 std::vector<Node*> LiveState::active_path() const {
   std::vector<Node*> path;
   // During a switch, none: the old path's restore points are being left (their nodes are
@@ -189,10 +195,16 @@ void LiveState::relazify(Node& node, size_t layer, int64_t from) {
 void evict_to_budget(Trie& trie, const std::vector<LiveState*>& live, int64_t budget,
                      int64_t& evicted_nodes, int64_t& dropped_snapshots, bool may_skip,
                      uint64_t& futile) {
-  const auto keep = [&](const Node& node) {
-    return std::any_of(live.begin(), live.end(),
-                       [&](const LiveState* slot) { return slot->on_active_path(node); });
+  // The slots' active paths, marked once per round of evictions: keep() is then one comparison
+  // (asking each slot's path of each node made evicting one node cost slots^2 x depth, with
+  // idle slots' tips first in the eviction order). A round only removes unmarked nodes and
+  // moves no tip, so its marks stay true; between rounds repoint_ranges may split tips.
+  uint64_t pass = 0;
+  const auto mark = [&] {
+    pass = trie.new_pass();
+    for (const LiveState* slot : live) slot->mark_active_path(pass);
   };
+  const auto keep = [&](const Node& node) { return node.pinned_in == pass; };
   // The bytes the trie holds and what writes before the slots' next calls may copy out of the
   // live caches into its lazy snapshots: checked here, before those writes allocate, the budget
   // holds until the next call. Exposures first, bytes last: a write running meanwhile moves
@@ -206,6 +218,7 @@ void evict_to_budget(Trie& trie, const std::vector<LiveState*>& live, int64_t bu
     for (LiveState* slot : live) slot->refresh_exposure();
   };
   const auto evict_leaves = [&] {
+    mark();
     while (over()) {
       Node* victim = trie.eviction_candidate(keep);
       if (victim == nullptr) break;  // only active paths are left

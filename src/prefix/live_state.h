@@ -65,6 +65,8 @@ class LiveState {
   // `node` and its ancestors are pinned while the live caches stand on them (during a switch:
   // while it is about to move them there).
   bool on_active_path(const Node& node) const;
+  // Sets pinned_in = `pass` on the nodes on_active_path covers.
+  void mark_active_path(uint64_t pass) const;
   // The active path, deepest node first (root excluded); empty during a switch (whose pinned
   // path on_active_path covers).
   std::vector<Node*> active_path() const;

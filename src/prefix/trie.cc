@@ -363,6 +363,7 @@ void Trie::take_nodes(Trie& fresh) noexcept {
   if (peak > peak_bytes()) bytes_->peak.store(peak, std::memory_order_relaxed);
   std::swap(node_count_, fresh.node_count_);
   clock_ = std::max(clock_, fresh.clock_);
+  passes_ = std::max(passes_, fresh.passes_);  // no node taken holds a later pass's mark
   ++version_;
   ++fresh.version_;
 }

@@ -59,6 +59,9 @@ struct Node {
   std::vector<SnapshotPtr> snapshots;  // one slot per layer
   int64_t last_used = 0;
   bool user = false;
+  // The eviction pass that found the node on a slot's active path (see evict_to_budget): a
+  // pass marks the paths once, then asks of each node in constant time.
+  uint64_t pinned_in = 0;
   // The node's entry in the eviction order, allocated with the node and held here while the
   // node is not a leaf: entering and leaving the order never allocates, so no change to the
   // trie fails halfway for lack of memory there. Empty for the root, which is never a leaf.
@@ -105,6 +108,8 @@ class Trie {
   // Changes whenever a node or a snapshot is added, removed, replaced or used — except a KV
   // range replaced by another (replace), which changes no restore plan.
   uint64_t version() const { return version_; }
+  // A number no earlier call returned, never 0: an eviction pass's mark (Node::pinned_in).
+  uint64_t new_pass() { return ++passes_; }
   // A fresh last-use time, later than every earlier one.
   int64_t tick() { return ++clock_; }
   // Marks `node` used now.
@@ -190,6 +195,7 @@ class Trie {
   int64_t node_count_ = 0;
   int64_t clock_ = 0;
   uint64_t version_ = 0;
+  uint64_t passes_ = 0;
   LeafOrder leaves_;
 };
 
