@@ -29,7 +29,7 @@ std::shared_ptr<SessionState> Slot::begin(std::span<const int32_t> prompt, Prefi
   if (prompt.empty()) {
     throw Error("PrefixCache::begin: the prompt is empty; at least one token must be evaluated");
   }
-  if (!live_.consistent()) live_.reset();  // the caches were moved behind our back
+  if (!live_.consistent()) reset_moved_caches();
   evict_(Change::own);
 
   const auto length = static_cast<int64_t>(prompt.size());
@@ -100,6 +100,23 @@ std::shared_ptr<SessionState> Slot::begin(std::span<const int32_t> prompt, Prefi
   stats.matched_tokens += match.length;
   stats.reused_tokens += plan.target;
   return state;
+}
+
+void Slot::reset_moved_caches() {
+  // The reset hands the trie's snapshots what they name in the caches (a KV range is copied
+  // out): reserved as a rewind to 0 would be, and evicted for, before it runs. Nothing of the
+  // old path is pinned: the caches no longer stand on it.
+  live_.begin_switch(&trie_.root(), 0);
+  try {
+    evict_(Change::own);
+    live_.reset();
+  } catch (...) {
+    live_.end_switch();
+    live_.set_writable(false);
+    throw;
+  }
+  live_.end_switch();
+  live_.set_writable(false);
 }
 
 void Slot::abandon() noexcept {

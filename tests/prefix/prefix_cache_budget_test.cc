@@ -293,5 +293,32 @@ TEST(PrefixCacheBudget, IdleSlotsReserveNothing) {
   EXPECT_EQ(cache.match(1, q + tokens(1, 1)), 30);
 }
 
+// A begin on a slot whose caches were moved outside the prefix cache resets them, and the reset
+// copies out what the trie's lazy snapshots named there: reserved (evicted for) before the copy,
+// not after it.
+TEST(PrefixCacheBudget, AResetOfCachesMovedByHandReservesBeforeCopying) {
+  HybridStack stack(/*with_recurrent=*/false);
+  const int64_t budget = 10 * stack.token_bytes();
+  PrefixCache cache(stack.layers(), {.max_paged_out_bytes = budget});
+  const Tokens p = tokens(100, 60);
+  {
+    PrefixCache::Session s = cache.begin(p);
+    ASSERT_TRUE(stack.forward_and_check(s.remaining(), p));
+    s.prefill_done();
+  }
+  // p's KV, lazy in the live cache: a reset copies it out.
+  EXPECT_GT(stack.attention().exposed_bytes_after_rewind(0, 0), budget);
+  stack.window.reset(0);  // moved outside the prefix cache
+  cache.reset_peak_paged_out_bytes();
+  const Tokens q = tokens(500, 20);
+  PrefixCache::Session s = cache.begin(q);
+  EXPECT_EQ(s.cached(), 0);
+  // One snapshot over at most (the window's restore point holds 8 tokens).
+  EXPECT_LE(cache.peak_paged_out_bytes(), budget + 9 * stack.token_bytes());
+  ASSERT_TRUE(stack.forward_and_check(s.remaining(), q));
+  s.prefill_done();
+  EXPECT_EQ(cache.check_invariants(), "");
+}
+
 }  // namespace
 }  // namespace kvsnap
