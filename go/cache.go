@@ -279,8 +279,8 @@ func (c *Cache) destroy() {
 }
 
 // Close frees the cache (its lazy snapshots outlive it: their data is copied out first). It
-// fails while a PrefixCache or Speculation still holds the cache: close those first. Safe to
-// call twice.
+// fails while a PrefixCache, Speculation or Tier still holds the cache: close those first. Safe
+// to call twice.
 func (c *Cache) Close() error {
 	if c == nil {
 		return nil
@@ -289,7 +289,7 @@ func (c *Cache) Close() error {
 	defer c.mu.Unlock()
 	if n := c.borrowers.Load(); n > 0 {
 		return &Error{Status: StatusContract,
-			Message: fmt.Sprintf("kvsnap.Cache.Close: %d prefix cache(s) or speculation(s) still hold this cache; close them first", n)}
+			Message: fmt.Sprintf("kvsnap.Cache.Close: %d prefix cache(s), speculation(s) or tier(s) still hold this cache; close them first", n)}
 	}
 	C.kvsnap_cache_destroy(c.ptr)
 	c.ptr = nil

@@ -140,6 +140,11 @@ func (o TierOptions) toC() (*C.kvsnap_tier_options, func(), error) {
 	if strings.IndexByte(o.Tenant, 0) >= 0 {
 		return nil, nil, invalid("OpenTier", "the tenant %q holds a NUL byte, which the C API cannot pass", o.Tenant)
 	}
+	// An empty key would open the tier unauthenticated (the C API gets NULL for it): only nil
+	// asks for that. (An unset environment variable's []byte("") must not.)
+	if o.Key != nil && len(o.Key) == 0 {
+		return nil, nil, invalid("OpenTier", "Key is empty; a MAC key holds at least 16 bytes (nil: a trusted store)")
+	}
 	options := (*C.kvsnap_tier_options)(C.malloc(C.sizeof_kvsnap_tier_options))
 	*options = C.kvsnap_tier_options_default()
 	var owned []unsafe.Pointer
@@ -178,12 +183,15 @@ func (o TierOptions) toC() (*C.kvsnap_tier_options, func(), error) {
 	}, nil
 }
 
-// units is d in whole units, a positive remainder rounded up (so that 500µs is not 0, the
-// default); negative stays negative (the C API refuses it).
+// units is d in whole units, a remainder rounded away from zero (so that 500µs is not 0, the
+// default, and -500µs not 0 either: it stays negative, which the C API refuses).
 func units(d, unit time.Duration) int64 {
 	n := int64(d / unit)
 	if d%unit > 0 {
 		n++
+	}
+	if d%unit < 0 {
+		n--
 	}
 	return n
 }
@@ -235,7 +243,7 @@ func (t *Tier) Flush(timeout time.Duration) (bool, error) {
 	var drained C.bool
 	err := t.use("Tier.Flush", func(ptr *C.kvsnap_tier) error {
 		return check(func() C.kvsnap_status {
-			return C.kvsnap_tier_flush(ptr, C.int64_t(timeout.Milliseconds()), &drained)
+			return C.kvsnap_tier_flush(ptr, C.int64_t(units(timeout, time.Millisecond)), &drained)
 		})
 	})
 	return bool(drained), err
@@ -265,7 +273,10 @@ func (t *Tier) Authenticated() bool {
 // cannot write, 16 bytes to 1 MiB (trailing whitespace dropped).
 func LoadTierKey(path string) ([]byte, error) {
 	out, err := loadPrivate("LoadTierKey", path, false)
-	return []byte(out), err
+	if err != nil {
+		return nil, err // nil, not an empty key
+	}
+	return []byte(out), nil
 }
 
 // LoadTierAddress reads a tier address (which may hold a Redis password) from a file checked as

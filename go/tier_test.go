@@ -169,8 +169,8 @@ func TestTierKeysAddressesAndRefusals(t *testing.T) {
 	if err := os.Chmod(keyPath, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := LoadTierKey(keyPath); !errors.Is(err, ErrContract) || !strings.Contains(err.Error(), "tier.key") {
-		t.Fatalf("a key others may read: %v", err)
+	if refused, err := LoadTierKey(keyPath); !errors.Is(err, ErrContract) || !strings.Contains(err.Error(), "tier.key") || refused != nil {
+		t.Fatalf("a key others may read: %q, %v", refused, err)
 	}
 	addressPath := filepath.Join(dir, "tier.address")
 	if err := os.WriteFile(addressPath, []byte("redis://:s3cret@127.0.0.1:1/0\n"), 0o600); err != nil {
@@ -200,9 +200,17 @@ func TestTierKeysAddressesAndRefusals(t *testing.T) {
 		!strings.Contains(err.Error(), "model fingerprint is empty") {
 		t.Fatalf("no fingerprint: %v", err)
 	}
+	for _, d := range []time.Duration{-time.Millisecond, -time.Microsecond} {
+		if _, err := OpenTier(address, []*Cache{cache}, TierOptions{ModelFingerprint: []byte("m"),
+			LookupTimeout: d}); !errors.Is(err, ErrInvalidArgument) {
+			t.Fatalf("a negative timeout %v: %v", d, err)
+		}
+	}
+	// An empty key (an unset variable's) is refused: only nil opens a trusted store.
 	if _, err := OpenTier(address, []*Cache{cache}, TierOptions{ModelFingerprint: []byte("m"),
-		LookupTimeout: -time.Millisecond}); !errors.Is(err, ErrInvalidArgument) {
-		t.Fatalf("a negative timeout: %v", err)
+		Key: []byte(os.Getenv("KVSNAP_NO_SUCH_VARIABLE"))}); !errors.Is(err, ErrInvalidArgument) ||
+		!strings.Contains(err.Error(), "Key is empty") {
+		t.Fatalf("an empty key: %v", err)
 	}
 	if _, err := OpenTier("http://nowhere", []*Cache{cache}, TierOptions{ModelFingerprint: []byte("m")}); !errors.Is(err, ErrContract) {
 		t.Fatalf("a malformed address: %v", err)
@@ -222,7 +230,8 @@ func TestTierDurationsRoundUpToTheCUnit(t *testing.T) {
 		d, unit time.Duration
 		want    int64
 	}{{500 * time.Microsecond, time.Millisecond, 1}, {0, time.Millisecond, 0},
-		{-time.Millisecond, time.Millisecond, -1}, {1500 * time.Millisecond, time.Second, 2},
+		{-time.Millisecond, time.Millisecond, -1}, {-500 * time.Microsecond, time.Millisecond, -1},
+		{-1500 * time.Millisecond, time.Second, -2}, {1500 * time.Millisecond, time.Second, 2},
 		{time.Hour, time.Second, 3600}} {
 		if got := units(c.d, c.unit); got != c.want {
 			t.Errorf("units(%v, %v) = %d, want %d", c.d, c.unit, got, c.want)
