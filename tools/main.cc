@@ -202,7 +202,7 @@ int run_parallel(const ReplayArguments& args, const tools::Workload& workload, c
 void add_tier_options(CLI::App& command, ReplayArguments& args) {
   command.add_option("--tier", args.tier,
                      "a snapshot store shared by processes, below the prefix cache: "
-                     "redis://[:PASSWORD@]HOST:PORT[/DB] or dir:PATH, or @FILE to read "
+                     "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB] or dir:PATH, or @FILE to read "
                      "it from a private file (mode 0600: a password stays off the command "
                      "line; README: the tier)");
   command.add_option("--tenant", args.tenant,

@@ -8,6 +8,7 @@
 #include "kvsnap/attention.h"
 #include "kvsnap/batch.h"
 #include "kvsnap/cache.h"
+#include "kvsnap/dlpack.h"
 #include "kvsnap/dtype.h"
 #include "kvsnap/error.h"
 #include "kvsnap/kv_cache.h"

@@ -9,8 +9,8 @@
 //   kvsnap::PrefixCache prefix(layers, {.tier = tier});  // begin asks it on a miss; close
 //                                                        // writes behind
 //
-// Backends: `redis://[:PASSWORD@]HOST:PORT[/DB]` (hiredis; AUTH and SELECT as given; every key
-// carries a TTL, so Redis under `maxmemory` with an eviction policy just shortens matches) and
+// Backends: `redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]` (hiredis; AUTH and SELECT as given; every
+// key carries a TTL, so Redis under `maxmemory` with an eviction policy just shortens matches) and
 // `dir:PATH` (a folder of files, the same objects; no TTL).
 //
 // Keys: a BLAKE2b hash chained over the prompt's tokens, rooted in the format version, the chunk
