@@ -237,13 +237,22 @@ TEST(KVCache, ResetMaterializesOutstandingSnapshots) {
 TEST(KVCache, SnapshotsOutliveTheirCache) {
   SnapshotPtr s;
   int fired = 0;
+  int64_t delta = 0;
   {
     KVCache cache;
     write(cache, kv, id_range(10, 6));
     s = cache.snapshot(0);
-    s->set_materialize_hook([&](int64_t) { ++fired; });
+    EXPECT_EQ(s->size(), 0);
+    s->set_materialize_hook([&](int64_t bytes) {
+      ++fired;
+      delta += bytes;
+    });
   }
+  // Once, with exactly the bytes it now owns, which size() reports: what a prefix cache's
+  // budget counts.
   EXPECT_EQ(fired, 1);
+  EXPECT_EQ(delta, 6 * kTokenBytes);
+  EXPECT_EQ(s->size(), 6 * kTokenBytes);
   KVCache fresh;
   ASSERT_TRUE(fresh.restore(s.get(), 6));
   EXPECT_EQ(held(fresh), id_range(10, 6));

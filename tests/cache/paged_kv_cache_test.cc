@@ -186,6 +186,25 @@ TEST_F(Paged, SnapshotsPayForTheBlocksNoSequenceUses) {
   EXPECT_EQ(held(cache, 0), id_range(0, 20));
 }
 
+// A snapshot outlives its cache: destroying the cache hands it the blocks it names, reported
+// through its hook (a block at a time) adding up to exactly what size() then says.
+TEST(PagedLifetime, SnapshotsOutliveTheirCacheAndPayForTheirBlocks) {
+  SnapshotPtr s;
+  int64_t delta = 0;
+  {
+    PagedKVCache cache({.block_tokens = kBlock, .blocks_per_chunk = 4});
+    write(cache, 0, id_range(0, 20));  // blocks of 8, 8 and 4 tokens
+    s = cache.snapshot(0, 0);
+    EXPECT_EQ(s->size(), 0);
+    s->set_materialize_hook([&](int64_t bytes) { delta += bytes; });
+  }
+  EXPECT_EQ(delta, 3 * kBlock * kToken);
+  EXPECT_EQ(s->size(), 3 * kBlock * kToken);
+  PagedKVCache fresh({.block_tokens = kBlock, .blocks_per_chunk = 4});
+  ASSERT_TRUE(fresh.restore(0, s.get(), 20));
+  EXPECT_EQ(held(fresh, 0), id_range(0, 20));
+}
+
 TEST_F(Paged, SplitSharesTheBoundaryBlockAndMergeRejoinsIt) {
   write(cache, 0, id_range(0, 30));
   SnapshotPtr whole = cache.snapshot(0, 0);

@@ -285,12 +285,21 @@ TEST(RotatingKVCache, MergeKeepsTheChildAndSplitKeepsTheWhole) {
 
 TEST(RotatingKVCache, SnapshotsOutliveTheirCache) {
   SnapshotPtr s;
+  int64_t delta = 0, token_bytes = 0;
   {
     RotatingKVCache cache(4);
     write_positions(cache, 7);
+    const KVHistory history = cache.view(Batch{});  // the chunk of 7 just written
+    token_bytes = (history.keys().nbytes() + history.values().nbytes()) / 7;
     s = cache.snapshot(0);
+    EXPECT_EQ(s->size(), 0);
+    s->set_materialize_hook([&](int64_t bytes) { delta += bytes; });
   }
   EXPECT_FALSE(s->is_lazy());
+  // The last max_size - 1 tokens (what a restore at 7 needs), reported by the hook and by
+  // size() alike.
+  EXPECT_EQ(delta, 3 * token_bytes);
+  EXPECT_EQ(s->size(), 3 * token_bytes);
   RotatingKVCache fresh(4);
   ASSERT_TRUE(fresh.restore(s.get(), 7));
   EXPECT_EQ(held(fresh), window(4, 7));
