@@ -137,7 +137,7 @@ struct Cost {
 };
 
 // The cost of each of `steps` decode steps from the cache's offset (tokens 7000, 7001, ...).
-std::vector<Cost> decode_costs(KVCache& cache, int64_t steps) {
+std::vector<Cost> decode_costs(Attention& cache, int64_t steps) {
   std::vector<std::pair<Array, Array>> tokens;  // made before: making them allocates
   for (int64_t i = 0; i < steps; ++i) {
     const Ids id{7000 + i};
@@ -179,6 +179,40 @@ TEST(OutstandingSnapshots, AWriteCostsTheSameHoweverManySnapshotsAreOutstanding)
   EXPECT_GT(alone[6].growth, 0);
   for (const SnapshotPtr& s : snapshots) EXPECT_EQ(s->size(), 0);
   EXPECT_EQ(held(watched), concat_ids(id_range(0, 250), id_range(7000, 20)));
+}
+
+// The same for the kinds whose writes must copy what a snapshot shares (a paged sequence's
+// tail block, a window's ring slot): one snapshot or a thousand of the same state, each decode
+// step allocates and copies alike — the copy is made once, for all of them.
+template <class Kind, class Options>
+void expect_the_same_cost_for_one_or_a_thousand(const Options& options) {
+  Kind one(options), many(options);
+  write(one, kv, id_range(0, 250));
+  write(many, kv, id_range(0, 250));
+  std::vector<SnapshotPtr> snapshots;
+  snapshots.push_back(one.snapshot(0));
+  for (int64_t i = 0; i < 1000; ++i) snapshots.push_back(many.snapshot(0));
+  const std::vector<Cost> alone = decode_costs(one, 20);
+  const std::vector<Cost> with_many = decode_costs(many, 20);
+  for (size_t step = 0; step < alone.size(); ++step) {
+    EXPECT_EQ(with_many[step], alone[step]) << "step " << step;
+  }
+  // The first step copies what the snapshots share (the tail block; the ring moved aside): the
+  // comparison covers that copy.
+  EXPECT_GT(alone[0].materialized + alone[0].growth, 0);
+  EXPECT_EQ(held(many), held(one));
+}
+
+TEST(OutstandingSnapshots, APagedOrWindowWriteCostsTheSameForOneSnapshotOrAThousand) {
+  {
+    SCOPED_TRACE("paged");
+    expect_the_same_cost_for_one_or_a_thousand<PagedKVCache>(
+        PagedKVCache::Options{.block_tokens = 16, .blocks_per_chunk = 8});
+  }
+  {
+    SCOPED_TRACE("window");
+    expect_the_same_cost_for_one_or_a_thousand<RotatingKVCache>(int64_t{64});
+  }
 }
 
 // KVCache::merge of lazy ranges of two sequences (two buffers): one snapshot names one buffer,

@@ -1,6 +1,7 @@
 // PrefixCache eviction order: under the byte budget, leaves go least recently used first, where a
 // request that passes over a node (begin) or pages out along it (close) uses it.
 #include <gtest/gtest.h>
+#include <kvsnap/kv_cache.h>
 #include <kvsnap/prefix_cache.h>
 
 #include <limits>
@@ -103,6 +104,46 @@ TEST(PrefixCacheLru, AGuessedBranchPointIsEvictedAsAnOrdinaryNode) {
     differ += guessed < marked ? 1 : 0;
   }
   EXPECT_GT(differ, 0);
+}
+
+// A marked restore point resists merging (DESIGN.md, Prefix cache), which only a stack without
+// whole-state layers shows (their restore point alone already keeps a node from merging). KV
+// only, 64 bytes a token: a shared 10-token head, marked or guessed, then X's 10 tokens, then
+// Y's (X's copied out of the live cache: 640 bytes owned; the head and Y lazy there). A third
+// request over other tokens will overwrite the head and Y (1280 bytes reserved): under a
+// budget of 1500, X's two nodes (least recently used) go. Guessed, the head then merges with
+// Y's first node; marked, it stays a node of its own.
+TEST(PrefixCacheLru, AMarkedPointResistsMergingWhereNothingElseKeepsANode) {
+  const testing::TokenKV kv;
+  const auto nodes_left = [&](bool user) {
+    KVCache cache;
+    PrefixCache prefix({&cache}, {.max_paged_out_bytes = 1500});
+    const Tokens head = tokens(100, 10);
+    const auto serve = [&](const Tokens& prompt, bool mark) {
+      PrefixCache::Session session = prefix.begin(prompt);
+      if (mark) {
+        const std::vector<int64_t> ten{10};
+        user ? session.schedule_snapshots(ten) : session.schedule_branch_points(ten);
+      }
+      const std::span<const int32_t> rest = session.remaining();
+      testing::write(cache, kv, std::vector<int64_t>(rest.begin(), rest.end()));
+      session.prefill_done();
+      return session;
+    };
+    serve(head + tokens(200, 10), true).close();
+    serve(head + tokens(300, 10), false).close();
+    // The head; X and Y each in two nodes (a restore point at the last prompt token, 19).
+    EXPECT_EQ(prefix.node_count(), 5);
+    PrefixCache::Session other = serve(tokens(500, 30), false);
+    EXPECT_EQ(prefix.match(head + tokens(200, 10) + tokens(9, 1)), 10);  // X went
+    EXPECT_EQ(prefix.match(head + tokens(300, 10) + tokens(9, 1)), 20);  // Y stays
+    EXPECT_EQ(prefix.check_invariants(), "");
+    return prefix.node_count();
+  };
+  // Beside the third request's own node [0, 29): Y's [0, 19) and [19, 20), the head merged into
+  // Y's first node; or the marked head [0, 10) kept apart from [10, 19) and [19, 20).
+  EXPECT_EQ(nodes_left(false), 3);
+  EXPECT_EQ(nodes_left(true), 4);
 }
 
 }  // namespace
