@@ -21,9 +21,10 @@ LAYERS = [
                             "recurrent_cache.h", "speculation.h"]),
     ("persist", ["src/persist"], ["persistence.h"]),
     ("tier", ["src/tier"], ["tier.h"]),
-    ("prefix", ["src/prefix"], ["prefix_cache.h", "kvsnap.h"]),
+    ("prefix", ["src/prefix"], ["prefix_cache.h"]),
+    # kvsnap.h, the umbrella, includes every public C++ header: dlpack.h's too.
     ("capi", ["src/capi"], ["kvsnap_c.h", "kvsnap_c_speculation.h", "kvsnap_c_tier.h",
-                          "dlpack.h"]),
+                          "dlpack.h", "kvsnap.h"]),
     ("python", ["python"], []),
     ("tools", ["src/model", "tools", "bench"], []),
 ]
