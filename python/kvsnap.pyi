@@ -340,7 +340,7 @@ class Tier:
         *,
         model_fingerprint: str,
         tenant: str = "",
-        key: bytes = b"",
+        key: Optional[bytes] = None,
         chunk_tokens: int = 256,
         max_object_bytes: int = 512 << 20,
         max_lookup_bytes: int = 8 << 30,

@@ -193,7 +193,7 @@ in order (None for a stateless layer); the prefix cache drives their offsets fro
             PrefixCache::Session session = without_gil([&] { return prefix.begin(slot, prompt); });
             return std::unique_ptr<PySession>(new PySession{{}, self, {}, std::move(session)});
           },
-          py::arg("prompt").noconvert(), py::kw_only(), py::arg("slot") = 0,
+          py::arg("prompt").noconvert(), py::kw_only(), py::arg("slot").noconvert() = 0,
           "Starts a request on `slot` (one session per slot at a time). Token ids are ints (a "
           "list, or a numpy array of an integer dtype); anything else raises TypeError.")
       .def(
@@ -202,7 +202,8 @@ in order (None for a stateless layer); the prefix cache drives their offsets fro
              std::optional<SeqId> slot) {
             return slot ? c.prefix->match(*slot, prompt) : c.prefix->match(prompt);
           },
-          py::arg("prompt").noconvert(), py::kw_only(), py::arg("slot") = py::none(), Released(),
+          py::arg("prompt").noconvert(), py::kw_only(), py::arg("slot").noconvert() = py::none(),
+          Released(),
           "Prompt tokens begin would restore (from the trie alone, or on `slot` as it stands); "
           "changes nothing.")
       .def_property_readonly("slots", [](const PyPrefixCache& c) { return c.prefix->slots(); })

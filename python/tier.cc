@@ -126,18 +126,24 @@ request: lookups wait at most lookup_timeout seconds, writes go behind on the ti
 Without `key` (load_tier_key) the store is trusted: damage is caught, forgery is not.)")
       .def(py::init([](const std::string& address, const py::sequence& layers,
                        const std::string& model_fingerprint, const std::string& tenant,
-                       const py::bytes& key, int64_t chunk_tokens, int64_t max_object_bytes,
-                       int64_t max_lookup_bytes, double lookup_timeout, double write_timeout,
-                       double retry_interval, int64_t ttl, int64_t write_queue,
-                       int64_t write_queue_bytes, bool log_to_stderr) {
+                       const std::optional<py::bytes>& key, int64_t chunk_tokens,
+                       int64_t max_object_bytes, int64_t max_lookup_bytes, double lookup_timeout,
+                       double write_timeout, double retry_interval, int64_t ttl,
+                       int64_t write_queue, int64_t write_queue_bytes, bool log_to_stderr) {
+             // An empty key would open the tier unauthenticated: only None asks for that (an
+             // unset variable's os.environ.get("K", "").encode() must not).
+             if (key && py::len(*key) == 0) {
+               throw Error(
+                   "Tier: key is empty; a MAC key holds at least 16 bytes (None: a trusted store)");
+             }
              return open_tier(address, layers,
-                              {model_fingerprint, tenant, std::string(key), chunk_tokens,
-                               max_object_bytes, max_lookup_bytes, lookup_timeout, write_timeout,
-                               retry_interval, ttl, write_queue, write_queue_bytes},
+                              {model_fingerprint, tenant, key ? std::string(*key) : std::string(),
+                               chunk_tokens, max_object_bytes, max_lookup_bytes, lookup_timeout,
+                               write_timeout, retry_interval, ttl, write_queue, write_queue_bytes},
                               log_to_stderr);
            }),
            py::arg("address"), py::arg("layers"), py::kw_only(), py::arg("model_fingerprint"),
-           py::arg("tenant") = "", py::arg("key") = py::bytes(),
+           py::arg("tenant") = "", py::arg("key") = py::none(),
            py::arg("chunk_tokens").noconvert() = 256,
            py::arg("max_object_bytes").noconvert() = int64_t(512) << 20,
            py::arg("max_lookup_bytes").noconvert() = int64_t(8) << 30,
@@ -148,7 +154,8 @@ Without `key` (load_tier_key) the store is trusted: damage is caught, forgery is
            py::arg("log_to_stderr") = true,
            "model_fingerprint: what makes stored state valid (the model's configuration and "
            "weights, or a hash of them); tenant: the operator's isolation salt; key: MAC key "
-           "bytes (load_tier_key), empty for a trusted store; times in seconds. Never fails "
+           "bytes (load_tier_key), None for a trusted store (empty bytes are refused); times in "
+           "seconds. Never fails "
            "because the store is unreachable (lookups miss until it answers). Dropping the "
            "tier waits for its queued writes (at most write_timeout): on the main thread with "
            "the GIL released, on another with it held.")

@@ -43,8 +43,9 @@ typedef struct kvsnap_tier_options {
   int64_t write_queue;
   int64_t write_queue_bytes;
   /* One line per event worth an operator's attention, called from any thread: the tier's writer
-   * thread, and the thread of a call that looks up or flushes (kvsnap_prefix_cache_begin,
-   * kvsnap_tier_flush, the destroy calls, which wait for the writer). It must not call the tier
+   * thread, and the thread of a call that looks up, stores or flushes (kvsnap_prefix_cache_begin,
+   * kvsnap_session_close, with the prefix cache's lock held, kvsnap_tier_flush, the destroy
+   * calls, which wait for the writer). It must not call the tier
    * or its prefix caches, nor wait for a lock such a call's thread may hold. NULL: "kvsnap
    * tier: ..." on stderr. `log_context` must stay valid until the tier is gone: after
    * kvsnap_tier_destroy and the destroy of every prefix cache holding it. */

@@ -313,10 +313,15 @@ Plan plan(const ModelConfig& c, std::span<const Model::Chunk> chunks,
 void check_caches(const detail::ModelWeights& w, std::span<Cache* const> caches,
                   std::span<const Model::Chunk> chunks) {
   const ModelConfig& c = w.config;
-  std::vector<std::pair<const Cache*, size_t>> held;  // each cache and its first layer
+  std::vector<std::pair<const Cache*, size_t>> held;  // each layer's cache and the layer
   held.reserve(caches.size());
   for (size_t i = 0; i < caches.size(); ++i) held.emplace_back(caches[i], i);
-  std::sort(held.begin(), held.end());
+  // By cache (std::less: a total order on unrelated pointers), then layer: the first pair of
+  // layers sharing a cache is reported lowest layer first.
+  std::sort(held.begin(), held.end(), [](const auto& a, const auto& b) {
+    if (a.first != b.first) return std::less<const Cache*>()(a.first, b.first);
+    return a.second < b.second;
+  });
   if (const auto twice =
           std::adjacent_find(held.begin(), held.end(),
                              [](const auto& a, const auto& b) { return a.first == b.first; });

@@ -98,9 +98,8 @@ std::string Model::weights_digest() const {
 }
 
 namespace {
-// A model config file: a regular file of at most 1 MiB (not a FIFO waited on), as the caller's
-// to trust.
-// A config file, read by `call`.
+// A model config file, read by `call`: a regular file of at most 1 MiB (not a FIFO waited on),
+// as the caller's to trust.
 std::string read_config(const std::string& path, const char* call) {
   return detail::read_private_file(
       path, detail::PrivacyRule{.call = call, .override_with = "", .allow_shared = true},
@@ -146,18 +145,32 @@ void Model::save(const std::string& config_path, const std::string& weights_path
   };
   detail::PreparedFile weights_file = prepare(weights_path, weights);
   detail::PreparedFile config_file = prepare(config_path, config);
+  // A folder sync that fails after a rename leaves that file in place (a crash could still undo
+  // the rename): the config follows the weights all the same, and the error says so.
+  std::string unsynced;
   try {
     weights_file.commit();
   } catch (const Error& e) {
-    throw Error(fmt::format("Model::save: {}", e.what()));
+    if (!weights_file.in_place()) {
+      throw Error(fmt::format("Model::save: {} (nothing replaced)", e.what()));
+    }
+    unsynced = e.what();
   }
   try {
     config_file.commit();
   } catch (const Error& e) {
-    throw Error(
-        fmt::format("Model::save: {} (the weights at {} are this model's; load refuses them with "
-                    "the old config: save again)",
-                    e.what(), weights_path));
+    if (!config_file.in_place()) {
+      throw Error(
+          fmt::format("Model::save: {} (the weights at {} are this model's; load refuses them "
+                      "with the old config: save again)",
+                      e.what(), weights_path));
+    }
+    if (unsynced.empty()) unsynced = e.what();
+  }
+  if (!unsynced.empty()) {
+    throw Error(fmt::format(
+        "Model::save: {} (both files are in place; a crash could undo their renames: save again)",
+        unsynced));
   }
 }
 

@@ -275,11 +275,13 @@ struct PreparedFile::Aside {
 };
 
 PreparedFile::PreparedFile(std::unique_ptr<Aside> aside) : aside_(std::move(aside)) {}
-PreparedFile::PreparedFile(PreparedFile&&) noexcept = default;
+PreparedFile::PreparedFile(PreparedFile&& other) noexcept
+    : aside_(std::move(other.aside_)), in_place_(other.in_place_) {}
 PreparedFile& PreparedFile::operator=(PreparedFile&& other) noexcept {
   if (this != &other) {
     discard();
     aside_ = std::move(other.aside_);
+    in_place_ = other.in_place_;
   }
   return *this;
 }
@@ -291,7 +293,10 @@ void PreparedFile::discard() noexcept {
 }
 
 void PreparedFile::commit() {
-  if (aside_ == nullptr) throw Error("PreparedFile::commit: nothing to commit (committed already)");
+  if (aside_ == nullptr) {
+    throw Error(
+        "PreparedFile::commit: nothing to commit (committed, or discarded after a failure)");
+  }
   if (::rename(aside_->temporary.c_str(), aside_->path.c_str()) != 0) {
     const int error = errno;
     const std::string path = aside_->path;
@@ -300,6 +305,7 @@ void PreparedFile::commit() {
   }
   const std::string path = aside_->path;
   aside_.reset();
+  in_place_ = true;
   sync_folder(path);
 }
 
@@ -325,7 +331,7 @@ PreparedFile prepare_file_atomically(const std::string& path, const std::string&
     }
   }
   PreparedFile prepared(std::move(aside));  // from here, removed unless committed
-  // `error`: the errno of the step, read before anything else (close, unlink) can change it.
+  // `error`: the errno of the step, read before anything else (close) can change it.
   const auto fail = [&](const char* step, int error) {
     return Error(fmt::format("writing {}: {} failed ({})", path, step, std::strerror(error)));
   };

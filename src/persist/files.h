@@ -43,10 +43,13 @@ class PreparedFile {
   PreparedFile& operator=(PreparedFile&&) noexcept;
   ~PreparedFile();
   void commit();
+  // Whether commit renamed the file over its path (also when the folder's sync then failed).
+  bool in_place() const { return in_place_; }
 
  private:
   void discard() noexcept;
   std::unique_ptr<Aside> aside_;
+  bool in_place_ = false;
 };
 PreparedFile prepare_file_atomically(const std::string& path, const std::string& bytes,
                                      bool clean_stale = true);

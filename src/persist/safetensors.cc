@@ -12,6 +12,7 @@
 #include <functional>
 #include <nlohmann/json.hpp>
 
+#include "persist/files.h"
 #include "persist/json_reading.h"
 
 namespace kvsnap::detail {
@@ -421,24 +422,19 @@ SafetensorsFile decode_safetensors_header(std::string_view head, uint64_t size,
 }
 
 std::string read_file(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
+  const FileDescriptor file(::open(path.c_str(), O_RDONLY | O_CLOEXEC));  // closed however it ends
+  if (file.get() < 0) {
     throw Error(fmt::format("cannot open {} for reading ({})", path, std::strerror(errno)));
   }
   std::string bytes;
   char buffer[1 << 16];
   for (;;) {
-    const ssize_t count = ::read(fd, buffer, sizeof buffer);
+    const ssize_t count = ::read(file.get(), buffer, sizeof buffer);
     if (count < 0 && errno == EINTR) continue;
-    if (count < 0) {
-      const int error = errno;
-      ::close(fd);
-      throw Error(fmt::format("error reading {} ({})", path, std::strerror(error)));
-    }
+    if (count < 0) throw Error(fmt::format("error reading {} ({})", path, std::strerror(errno)));
     if (count == 0) break;
     bytes.append(buffer, static_cast<size_t>(count));
   }
-  ::close(fd);
   return bytes;
 }
 

@@ -50,8 +50,9 @@ std::shared_ptr<SessionState> Slot::begin(std::span<const int32_t> prompt, Prefi
     // with the new path pinned, so the eviction makes room (the old path's nodes past the
     // shared part may go) before anything is copied — again with a new plan when the eviction
     // changed the trie (its rewind may lie lower), until a round changes nothing: the plan
-    // used is always the trie's latest, and its rewind reserved. (Each round that goes on
-    // evicted something, so the rounds end; in practice one or two.)
+    // used is always the trie's latest, and its rewind reserved. (A round that goes on evicted
+    // a node, or split a partly live tip, which a later round can do again only after a merge,
+    // which follows an eviction: the trie shrinks, so the rounds end; in practice one or two.)
     for (;;) {
       // Pinned: the path up to the target and every node a whole-state step restores from.
       Node* tip = &trie_.root();

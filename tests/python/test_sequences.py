@@ -262,6 +262,8 @@ def test_integer_arguments_refuse_floats_of_any_type(rng):
         lambda f: kvsnap.PagedKVCache(block_tokens=f),
         lambda f: kvsnap.RecurrentCache(f, 1, 1, 1, 1),
         lambda f: kvsnap.PrefixCache([cache], slots=f),
+        lambda f: kvsnap.PrefixCache([cache]).begin([1, 2], slot=f),
+        lambda f: kvsnap.PrefixCache([cache]).match([1, 2], slot=f),
         lambda f: kvsnap.Speculation([cache], seq=f),
     ]
     for i, call in enumerate(calls):

@@ -149,6 +149,9 @@ def test_bad_options_raise_kvsnap_error_naming_the_rule(tmp_path):
         kvsnap.Tier("http://example", [cache], model_fingerprint="m")
     with pytest.raises(kvsnap.Error, match="max_lookup_bytes 0"):
         kvsnap.Tier(f"dir:{folder}", [cache], model_fingerprint="m", max_lookup_bytes=0)
+    # An empty key (an unset variable's) is refused: only None opens a trusted store.
+    with pytest.raises(kvsnap.Error, match="key is empty"):
+        kvsnap.Tier(f"dir:{folder}", [cache], model_fingerprint="m", key=b"")
     tier = kvsnap.Tier(f"dir:{folder}", [cache], model_fingerprint="m", log_to_stderr=False)
     with pytest.raises(kvsnap.Error, match="other layers"):
         kvsnap.PrefixCache([kvsnap.KVCache()], tier=tier)
