@@ -11,6 +11,22 @@
 
 namespace kvsnap::detail {
 
+namespace {
+
+// The deepest node a restore along `path` by `plan` needs pinned: the path up to the target and
+// every node a whole-state step restores from.
+Node* pinned_tip(const std::vector<Node*>& path, const Plan& plan, Node* root) {
+  Node* tip = root;
+  for (Node* node : path) {
+    const bool step = std::any_of(plan.steps.begin(), plan.steps.end(),
+                                  [&](const WholeStateStep& s) { return s.node == node; });
+    if (node->start() < plan.target || step) tip = node;
+  }
+  return tip;
+}
+
+}  // namespace
+
 int64_t Slot::match(std::span<const int32_t> prompt) const {
   if (prompt.empty()) return 0;
   const Trie::Match found = trie_.match(prompt);
@@ -54,15 +70,9 @@ std::shared_ptr<SessionState> Slot::begin(std::span<const int32_t> prompt, Prefi
     // a node, or split a partly live tip, which a later round can do again only after a merge,
     // which follows an eviction: the trie shrinks, so the rounds end; in practice one or two.)
     for (;;) {
-      // Pinned: the path up to the target and every node a whole-state step restores from.
-      Node* tip = &trie_.root();
-      for (Node* node : match.path) {
-        const bool step = std::any_of(plan.steps.begin(), plan.steps.end(),
-                                      [&](const WholeStateStep& s) { return s.node == node; });
-        if (node->start() < plan.target || step) tip = node;
-      }
       const uint64_t version = trie_.version();
-      live_.begin_switch(tip, std::min(live.shared, plan.target));  // where the KV layers rewind
+      live_.begin_switch(pinned_tip(match.path, plan, &trie_.root()),
+                         std::min(live.shared, plan.target));  // where the KV layers rewind
       evict_(Change::own);
       if (trie_.version() == version) break;
       make_plan();
