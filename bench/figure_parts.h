@@ -13,6 +13,10 @@ constexpr double kMiB = 1024.0 * 1024.0;
 
 // memcpy of `bytes` into a warm destination (the bandwidth limit for copies into live buffers).
 double memcpy_ns(int64_t bytes);
+// compute_limit.cc: floating-point operations one core issues per ns in the widest fma the
+// model's kernels use here, nothing waiting on memory (the limit of compute-bound figures);
+// measured on the first call, the same afterwards.
+double fma_peak_flops_per_ns();
 
 // cache_figures.cc
 void decode_figures(std::vector<Figure>& out, const Shape& shape);

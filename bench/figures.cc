@@ -35,6 +35,9 @@ void machine_figures(std::vector<Figure>& out) {
        static_cast<double>(std::thread::hardware_concurrency()), "cores", 0, "", "", true,
        fmt::format("products {}, attention {}, softmax {}, SiLU {}",
                    detail::matmul_variants().back().name, ops.attention, ops.softmax, ops.silu)});
+  out.push_back({"machine", "compute limit: fma peak of one core", fma_peak_flops_per_ns(),
+                 "GFLOP/s", 1.0, "the limit", "", true,
+                 "12 independent fma chains in registers, the products' vector width"});
 }
 
 }  // namespace

@@ -206,4 +206,33 @@ std::string ModelConfig::to_json() const {
 
 int64_t ModelConfig::parameter_count() const { return static_cast<int64_t>(parameters(*this)); }
 
+double ModelConfig::forward_flops(int64_t offset, int64_t tokens) const {
+  if (tokens <= 0) return 0.0;
+  const auto d = [](int64_t v) { return static_cast<double>(v); };
+  const double h = d(hidden), q = d(query_heads) * d(head_dim), kv = d(kv_heads) * d(head_dim);
+  const double channels = (2 * d(delta_key_heads) + d(delta_value_heads)) * d(delta_head_dim);
+  const double values = d(delta_value_heads) * d(delta_head_dim);
+  // Columns the tokens see in all, when each sees at most `limit` (positions are 0-based: the
+  // token at p sees p + 1): seen(n) is the sum over x in [1, n] of min(x, limit).
+  const auto columns = [&](double limit) {
+    const auto seen = [&](double n) {
+      return n <= limit ? n * (n + 1) / 2 : limit * (limit + 1) / 2 + (n - limit) * limit;
+    };
+    return seen(d(offset) + d(tokens)) - seen(d(offset));
+  };
+  double per_token = 0, attention = 0;  // multiply-adds
+  for (const char kind : pattern) {
+    per_token += 3 * h * d(mlp_hidden);
+    if (kind == 'R') {
+      per_token += h * channels + 2 * h * d(delta_value_heads) + values * h +
+                   d(conv_kernel) * channels + 3 * values * d(delta_head_dim);
+      continue;
+    }
+    per_token += 2 * h * q + 2 * h * kv;
+    // Scores (head_dim per query head) and weighted values (as many) per column seen.
+    attention += 2 * q * columns(kind == 'A' ? std::numeric_limits<double>::infinity() : d(window));
+  }
+  return 2 * (d(tokens) * per_token + attention + h * d(vocab_size));
+}
+
 }  // namespace kvsnap

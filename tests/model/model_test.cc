@@ -294,6 +294,46 @@ TEST(ModelConfig, FromFileReadsAConfigOfAtMostAMebibyte) {
   std::filesystem::remove_all(dir);
 }
 
+// Counted by hand: per token each layer's MLP (3 x 4 x 6 multiply-adds) and projections, each
+// attention token's columns, the head once.
+TEST(ModelConfig, ForwardFlopsCountEveryProductAndEveryColumnSeen) {
+  ModelConfig c;
+  c.vocab_size = 10;
+  c.hidden = 4;
+  c.mlp_hidden = 6;
+  c.query_heads = 2;
+  c.kv_heads = 1;
+  c.head_dim = 2;
+  c.window = 3;
+  c.pattern = "AS";
+  // Projections 2 x 4 x 4 + 2 x 4 x 2; positions 4 and 5 see 5 + 6 columns in 'A' and 3 + 3 in
+  // 'S', each 2 x 4 multiply-adds; the head 4 x 10.
+  EXPECT_EQ(c.forward_flops(4, 2), 2.0 * (2 * 2 * (72 + 48) + 2 * 4 * (11 + 6) + 40));
+  EXPECT_EQ(c.forward_flops(0, 1), 2.0 * (2 * (72 + 48) + 2 * 4 * (1 + 1) + 40));
+  // Split anywhere, the same work but one more head.
+  for (int64_t at = 1; at < 9; ++at) {
+    EXPECT_EQ(c.forward_flops(0, at) + c.forward_flops(at, 9 - at),
+              c.forward_flops(0, 9) + 2.0 * 40)
+        << at;
+  }
+  // Past the window, a sliding-window layer's token costs the same wherever it sits.
+  c.pattern = "S";
+  EXPECT_EQ(c.forward_flops(3, 1), c.forward_flops(300, 1));
+  EXPECT_LT(c.forward_flops(1, 1), c.forward_flops(3, 1));
+  EXPECT_EQ(c.forward_flops(7, 0), 0.0);
+  EXPECT_EQ(c.forward_flops(7, -1), 0.0);
+
+  // A recurrent layer: projections to 8 conv channels (4 x 8), gate and rate (2 x 4 x 2), the
+  // output (4 x 4), the conv (3 x 8) and 3 multiply-adds per state element (3 x 4 x 2).
+  c.pattern = "R";
+  c.delta_key_heads = 1;
+  c.delta_value_heads = 2;
+  c.delta_head_dim = 2;
+  c.conv_kernel = 3;
+  EXPECT_EQ(c.forward_flops(0, 1), 2.0 * (72 + 32 + 16 + 16 + 24 + 24 + 40));
+  EXPECT_EQ(c.forward_flops(50, 3), 2.0 * (3 * (72 + 32 + 16 + 16 + 24 + 24) + 40));
+}
+
 TEST(ModelConfig, JsonRoundTripAndErrors) {
   ModelConfig config = small_config();
   config.rope_theta = 500.0f;
