@@ -221,20 +221,24 @@ void add_tier_options(CLI::App& command, ReplayArguments& args) {
 
 // `runs_started` is set once everything that can be refused up front has been checked (see
 // tools::failure_status).
-// --chart: a path the output can replace, and none of the run's inputs, its saved cache or its
-// cache directory's lock.
+// --chart: a path the output can replace, and none of the run's inputs (the tier's key and
+// address files among them: secrets a chart would replace with a world-readable SVG), its saved
+// cache or its cache directory's lock.
 void check_chart(const ReplayArguments& args) {
   if (args.chart.empty()) return;
   tools::check_writable(args.chart, "--chart");
   const auto in_cache_dir = [&](const char* name) {
     return args.cache_dir.empty() ? std::string() : args.cache_dir + "/" + name;
   };
-  tools::check_apart(args.chart, "--chart",
-                     {{"the workload", args.workload},
-                      {"the model config", args.model_config},
-                      {"the weights", args.weights},
-                      {"the saved prefix cache", in_cache_dir(tools::kSavedCacheFile)},
-                      {"the cache directory's lock", in_cache_dir(tools::kCacheDirLockFile)}});
+  tools::check_apart(
+      args.chart, "--chart",
+      {{"the workload", args.workload},
+       {"the model config", args.model_config},
+       {"the weights", args.weights},
+       {"the tier key file", args.tier_key_file},
+       {"the tier address file", args.tier.starts_with('@') ? args.tier.substr(1) : std::string()},
+       {"the saved prefix cache", in_cache_dir(tools::kSavedCacheFile)},
+       {"the cache directory's lock", in_cache_dir(tools::kCacheDirLockFile)}});
 }
 
 int run_replay(const ReplayArguments& args, bool& runs_started) {

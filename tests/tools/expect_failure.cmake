@@ -19,6 +19,9 @@
 #                      the test SKIP_REGULAR_EXPRESSION "SKIPPED")
 #     open_key         a tier key file of 32 bytes that group and others may read (mode 0644),
 #                      in a folder of mode 0700
+#     private_key      a tier key file of 32 bytes, mode 0600, in a folder of mode 0700
+#     dir_address_file a tier address file (mode 0600, in a folder of mode 0700) naming the
+#                      dir: store "store" beside it
 #     address_file     a private tier address file (mode 0600, in a folder of mode 0700) naming
 #                      redis://:hunter2@host:x (a password, and a port that is not a number)
 #     shared_folder    an empty folder of mode 0777 (group and others can write it)
@@ -71,6 +74,17 @@ elseif(PREPARE STREQUAL "open_key")
   file(CHMOD ${key_folder} PERMISSIONS OWNER_READ OWNER_WRITE OWNER_EXECUTE)
   file(WRITE ${FILE} "0123456789abcdef0123456789abcdef")
   file(CHMOD ${FILE} PERMISSIONS OWNER_READ OWNER_WRITE GROUP_READ WORLD_READ)
+elseif(PREPARE STREQUAL "private_key" OR PREPARE STREQUAL "dir_address_file")
+  # A key (mode 0600), or an address file naming a dir: store beside it, in a private folder.
+  get_filename_component(private_folder ${FILE} DIRECTORY)
+  file(MAKE_DIRECTORY ${private_folder})
+  file(CHMOD ${private_folder} PERMISSIONS OWNER_READ OWNER_WRITE OWNER_EXECUTE)
+  if(PREPARE STREQUAL "private_key")
+    file(WRITE ${FILE} "0123456789abcdef0123456789abcdef")
+  else()
+    file(WRITE ${FILE} "dir:${private_folder}/store\n")
+  endif()
+  file(CHMOD ${FILE} PERMISSIONS OWNER_READ OWNER_WRITE)
 elseif(PREPARE STREQUAL "address_file")
   get_filename_component(address_folder ${FILE} DIRECTORY)
   file(MAKE_DIRECTORY ${address_folder})
@@ -95,7 +109,8 @@ elseif(PREPARE STREQUAL "shared_folder" OR PREPARE STREQUAL "foreign_folder")
   endif()
 elseif(DEFINED PREPARE)
   message(FATAL_ERROR "PREPARE=${PREPARE}: use big_message, inherited, unreadable, "
-                      "shared_folder, foreign_folder, open_key or address_file")
+                      "shared_folder, foreign_folder, open_key, private_key, address_file or "
+                      "dir_address_file")
 endif()
 
 if(DEFINED EXPECT_ABSENT)
