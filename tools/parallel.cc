@@ -221,6 +221,9 @@ class Scheduler {
     }
     if (chunks.empty()) return false;
     const Array logits = model_.forward(chunks, layers_);
+    // A prefill that ends here has its first token's logits now, as the sequential run times
+    // it: not after the other rows' sampling, closing and recording below.
+    const Clock::time_point logits_ready = Clock::now();
     ++out_.steps;
     if (!prefill.front() && prefill.back()) ++out_.fused_steps;  // decode rows come first
     const int64_t vocab = model_.config().vocab_size;
@@ -229,7 +232,7 @@ class Scheduler {
       if (prefill[k]) {
         r.fed += chunks[k].tokens.size();
         if (r.prefilling()) continue;
-        r.result.ttft_seconds = since(r.admitted);
+        r.result.ttft_seconds = std::chrono::duration<double>(logits_ready - r.admitted).count();
         r.session->prefill_done();
       }
       sample(chunks[k].seq, r, logits.data<float>() + static_cast<int64_t>(k) * vocab, vocab);
@@ -365,6 +368,7 @@ double ratio(double a, double b) { return b > 0 ? a / b : 0.0; }
 
 std::string format_parallel_table(const ParallelRun& parallel, const RunResult& uncached,
                                   const Comparison& c, const std::string& workload) {
+  check_paired(parallel.run, uncached, "format_parallel_json");
   const Totals a = totals(parallel.run), b = totals(uncached);
   const auto row = [](const std::string& name, const std::string& x, const std::string& y) {
     return fmt::format("  {:<32} {:>20} {:>20}\n", name, x, y);
@@ -417,6 +421,7 @@ std::string format_parallel_table(const ParallelRun& parallel, const RunResult& 
 
 std::string format_parallel_json(const ParallelRun& parallel, const RunResult& uncached,
                                  const Comparison& c, const std::string& workload) {
+  check_paired(parallel.run, uncached, "format_parallel_json");
   const Totals a = totals(parallel.run), b = totals(uncached);
   nlohmann::json requests = nlohmann::json::array();
   for (size_t i = 0; i < parallel.run.requests.size(); ++i) {

@@ -62,6 +62,7 @@ ParallelRun replay_parallel(const Workload&, const Model&, const ParallelOptions
 
 std::string format_parallel_table(const ParallelRun& parallel, const RunResult& uncached,
                                   const Comparison&, const std::string& workload);
+// Both runs' requests, paired (check_paired).
 std::string format_parallel_json(const ParallelRun& parallel, const RunResult& uncached,
                                  const Comparison&, const std::string& workload);
 

@@ -35,6 +35,7 @@ int32_t argmax(const float* logits, int64_t n) {
 }
 
 double percentile(std::vector<double> values, double q) {
+  if (!(q >= 0 && q <= 1)) throw Error(fmt::format("percentile: q = {}: need 0 <= q <= 1", q));
   if (values.empty()) return 0;
   std::sort(values.begin(), values.end());
   const double rank = q * static_cast<double>(values.size() - 1);
@@ -476,8 +477,15 @@ std::string format_table(const Summary& s, const Comparison& c, const std::strin
   return out;
 }
 
+void check_paired(const RunResult& a, const RunResult& b, const char* call) {
+  if (a.requests.size() == b.requests.size()) return;
+  throw Error(fmt::format("{}: runs of {} and {} requests: only runs of one workload pair up", call,
+                          a.requests.size(), b.requests.size()));
+}
+
 std::string format_json(const Summary& s, const Comparison& c, const RunResult& cached,
                         const RunResult& uncached, const std::string& workload) {
+  check_paired(cached, uncached, "format_json");
   nlohmann::json requests = nlohmann::json::array();
   for (size_t i = 0; i < cached.requests.size(); ++i) {
     const RequestResult& a = cached.requests[i];
@@ -519,6 +527,7 @@ std::string format_json(const Summary& s, const Comparison& c, const RunResult& 
 }
 
 std::string format_chart(const RunResult& cached, const RunResult& uncached) {
+  check_paired(cached, uncached, "format_chart");
   const size_t n = cached.requests.size();
   const double width = 900, height = 460, left = 70, right = 20, top = 50, bottom = 100;
   const double plot_w = width - left - right, plot_h = height - top - bottom;

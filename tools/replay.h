@@ -90,7 +90,7 @@ void load_saved_cache(PrefixCache& prefix, const std::string& dir, const std::st
 // Shared by the sequential and the parallel replay:
 // The index of the largest logit (greedy decoding; the first on ties).
 int32_t argmax(const float* logits, int64_t n);
-// The q-quantile (0..1) of `values`, linearly interpolated; 0 for none.
+// The q-quantile of `values`, linearly interpolated; 0 for none. Error for q outside [0, 1].
 double percentile(std::vector<double> values, double q);
 // Throws the InputError of check_context_length for `request`'s exact prompt length.
 void check_prompt_fits(const Workload& workload, const Request& request, int64_t prompt_tokens,
@@ -159,9 +159,14 @@ std::string ideal_gap_lines(int64_t evaluated, int64_t ideal, int64_t seen_not_e
 // The JSON's "gap": its parts, or null after a warm start (or tier hits), when the cached run
 // evaluates fewer tokens than the ideal (which counts tokens new to this run).
 nlohmann::json gap_json(int64_t seen_not_evaluated, int64_t restore_points, bool warm);
+// Throws Error "CALL: runs of N and M requests: ..." unless both runs hold as many requests
+// (the outputs that pair two runs' requests pair runs of one workload).
+void check_paired(const RunResult& a, const RunResult& b, const char* call);
+// Both runs' requests, paired (check_paired).
 std::string format_json(const Summary&, const Comparison&, const RunResult& cached,
                         const RunResult& uncached, const std::string& workload);
-// An SVG chart of tokens evaluated per request, with and without the cache, and the ideal.
+// An SVG chart of tokens evaluated per request, with and without the cache, and the ideal
+// (check_paired).
 std::string format_chart(const RunResult& cached, const RunResult& uncached);
 
 }  // namespace kvsnap::tools

@@ -14,6 +14,7 @@
 
 #include "model/model.h"
 #include "output.h"
+#include "parallel.h"
 #include "support/private_support.h"
 #include "support/test_support.h"
 #include "support/tiny_model.h"
@@ -635,6 +636,16 @@ TEST(Compare, RunsAgreeOnRepliesAndLogitsWithinTheTolerance) {
   EXPECT_FALSE(c.same_tokens);
   EXPECT_NE(c.first_difference.find("1 requests against 2"), std::string::npos)
       << c.first_difference;
+  // The outputs that pair the runs' requests refuse runs of other lengths (not read past one).
+  EXPECT_TRUE(throws_error([&] { (void)format_json(summarize(a, b), c, a, b, "w"); },
+                           {"format_json: runs of 1 and 2 requests"}));
+  EXPECT_TRUE(
+      throws_error([&] { (void)format_chart(b, a); }, {"format_chart: runs of 2 and 1 requests"}));
+  ParallelRun parallel;
+  parallel.run = b;
+  EXPECT_TRUE(throws_error([&] { (void)format_parallel_json(parallel, a, c, "w"); },
+                           {"format_parallel_json: runs of 2 and 1 requests"}));
+  EXPECT_NO_THROW((void)format_chart(a, a));
 }
 
 }  // namespace
