@@ -1,6 +1,8 @@
 // The built-in model's projections (src/model/matmul.cc) against cblas_sgemm / cblas_sgemv of the
-// same shapes and a memcpy of the weight matrix (the least a product that reads W must cost),
-// for the row counts of a decode step (1, 8 fused sequences) and of a prefill chunk (512).
+// same shapes and a memcpy of the weight matrix, for the row counts of a decode step (1, 8 fused
+// sequences) and of a prefill chunk (512). The memcpy is a reference, not a bound: it reads W
+// and writes as many bytes, and its loads are not fetched ahead, so a product of one row, which
+// only reads W and fetches it ahead, takes less (a plain read loop measured no faster here).
 //
 //   build/release/bench/kvsnap_matmul_benchmarks
 //
