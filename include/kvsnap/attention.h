@@ -98,14 +98,17 @@ struct HistoryParts;  // how the caches make histories of parts they keep for re
 class KVSNAP_EXPORT KVHistory {
  public:
   KVHistory() = default;
-  // keys [B, H, K, D] and values [B, H, K, Dv] of the same B, H and K.
+  // keys [B, H, K, D] and values [B, H, K, Dv] of the same B, H and K. Throws Error unless
+  // first_position, window and oldest_column are >= 0, oldest_column < K (0 when K is 0), and
+  // the last column's position, first_position + K - 1, fits in int64.
   KVHistory(Array keys, Array values, int64_t first_position = 0, int64_t oldest_column = 0,
             int64_t window = 0);
   // A paged history of one sequence, its columns in position order. Throws Error unless
-  // blocks_per_chunk and block_tokens are >= 1, length fits the table's blocks, every chunk is
-  // [1, H, blocks_per_chunk * T, D] with one shape, dtype and strides per side (H the same for
-  // keys and values), every block id names a block of the chunks, and first_position and window
-  // are >= 0. It serves one batch row (sdpa refuses it for several: give KVHistory::of_rows).
+  // blocks_per_chunk and block_tokens are >= 1, length fits the table's blocks, there is at
+  // least one chunk and every chunk is [1, H, blocks_per_chunk * T, D] with one shape, dtype
+  // and strides per side (H the same for keys and values), every block id names a block of the
+  // chunks, first_position and window are >= 0, and first_position + length - 1 fits in int64. It
+  // serves one batch row (sdpa refuses it for several: give KVHistory::of_rows).
   explicit KVHistory(PagedColumns paged, int64_t first_position = 0, int64_t window = 0);
   // One history per batch row (each of one row).
   [[nodiscard]] static KVHistory of_rows(std::vector<KVHistory> rows);
@@ -116,7 +119,8 @@ class KVSNAP_EXPORT KVHistory {
   bool paged() const { return paged_ != nullptr; }
   const PagedColumns& paged_columns() const { return *paged_; }
   bool ragged() const { return rows_ != nullptr; }
-  // Rows of a ragged history (1 otherwise), and row `b`'s history (this one unless ragged).
+  // Rows: a ragged history's, a contiguous one's B, 1 for a paged one. Row `b`'s history: this
+  // one unless ragged (Error for a ragged history's row outside [0, rows())).
   int64_t rows() const;
   const KVHistory& row(int64_t b) const;
   // A contiguous copy of a paged history (for consumers that need plain arrays); a contiguous
@@ -174,12 +178,16 @@ class KVSNAP_EXPORT RecurrentHistory {
   const Array& conv_state() const { return conv_state_; }
   const Array& delta_state() const { return delta_state_; }
   int64_t rows() const { return rows_ == nullptr ? 1 : static_cast<int64_t>(rows_->size()); }
+  // Row `b`'s state: this one unless ragged (Error for a row outside [0, rows())).
   const RecurrentHistory& row(int64_t b) const {
-    return rows_ == nullptr ? *this : (*rows_)[static_cast<size_t>(b)];
+    if (rows_ == nullptr) return *this;
+    if (b < 0 || b >= rows()) bad_row(b, rows());
+    return (*rows_)[static_cast<size_t>(b)];
   }
 
  private:
   friend struct detail::HistoryParts;
+  [[noreturn]] static void bad_row(int64_t b, int64_t rows);
   Array conv_state_;
   Array delta_state_;
   std::shared_ptr<const std::vector<RecurrentHistory>> rows_;

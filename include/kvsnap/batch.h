@@ -42,20 +42,27 @@ struct KVSNAP_EXPORT Batch {
     return rows(std::span<const Chunk>(chunks.begin(), chunks.size()));
   }
   // `rows` rows of `length` placeholder tokens (id 0) each, all starting at `offset`; for
-  // layers that only need positions.
+  // layers that only need positions. Error too for rows outside [0, 2^31) or length < 0.
   [[nodiscard]] static Batch uniform(int64_t rows, int64_t length, int64_t offset);
 
   // Rows B (from seq_offsets).
   int64_t batch_size() const { return static_cast<int64_t>(seq_offsets.size()); }
-  // The sequence of row `row`.
+  // The sequence of row `row`; Error for a row outside [0, rows) (rows: seq_ids', else
+  // batch_size()).
   int32_t seq_id(int64_t row) const {
+    const size_t rows = seq_ids.empty() ? seq_offsets.size() : seq_ids.size();
+    if (row < 0 || static_cast<size_t>(row) >= rows) bad_row("Batch::seq_id", row, rows);
     return seq_ids.empty() ? static_cast<int32_t>(row) : seq_ids[static_cast<size_t>(row)];
   }
   // The batch of row `row` alone (its input ids, offset, length and sequence), L columns wide
-  // as this batch is (placeholder ids 0 when input_ids is empty and the row is shorter).
+  // as this batch is (placeholder ids 0 when input_ids is empty and the row is shorter). Error
+  // for a row outside [0, batch_size()).
   [[nodiscard]] Batch row(int64_t row) const;
   // Columns L: input_ids' second axis, or the longest query when input_ids is empty.
   int64_t length() const;
+
+  // Throws Error "CALL: row R of a batch of N rows".
+  [[noreturn]] static void bad_row(const char* call, int64_t row, size_t rows);
   // Throws Error naming `call` unless the per-row vectors agree with each other and with
   // input_ids, every offset and length is non-negative, no length exceeds L, and sequence ids
   // are non-negative and distinct (a sequence has one row per batch).

@@ -39,6 +39,12 @@ Batch Batch::single(std::span<const int32_t> tokens, int64_t offset) {
 Batch Batch::uniform(int64_t rows, int64_t length, int64_t offset) {
   const int32_t start = to_int32(offset, "Batch::uniform", "offset");
   const int32_t columns = to_int32(length, "Batch::uniform", "length");
+  if (rows < 0 || rows > std::numeric_limits<int32_t>::max() || length < 0) {
+    throw Error(fmt::format(
+        "Batch::uniform: {} rows of length {}: need 0 <= rows <= 2^31 - 1 (row b is sequence "
+        "b, an int32) and length >= 0",
+        rows, length));
+  }
   Batch batch;
   batch.input_ids = Array::zeros(DType::i32, {rows, length});
   batch.seq_offsets.assign(static_cast<size_t>(rows), start);
@@ -68,7 +74,14 @@ Batch Batch::rows(std::span<const Chunk> chunks) {
   return batch;
 }
 
+void Batch::bad_row(const char* call, int64_t row, size_t rows) {
+  throw Error(fmt::format("{}: row {} of a batch of {} rows", call, row, rows));
+}
+
 Batch Batch::row(int64_t row) const {
+  if (row < 0 || row >= batch_size() || seq_query_lens.size() != seq_offsets.size()) {
+    bad_row("Batch::row", row, seq_offsets.size());
+  }
   Batch one;
   if (!input_ids.empty()) {
     one.input_ids = input_ids.slice(0, row, row + 1);

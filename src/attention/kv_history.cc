@@ -27,6 +27,17 @@ struct DenseMask {
   }
 };
 
+// Error unless every column's position, first_position + k for k < `columns`, fits int64 (the
+// masks compute the last one).
+void check_positions(int64_t first_position, int64_t columns) {
+  if (columns > 0 && first_position > std::numeric_limits<int64_t>::max() - (columns - 1)) {
+    throw Error(fmt::format(
+        "KVHistory: first position {} and {} columns: the last column's position must fit in "
+        "int64",
+        first_position, columns));
+  }
+}
+
 }  // namespace
 
 KVHistory::KVHistory(Array keys, Array values, int64_t first_position, int64_t oldest_column,
@@ -53,6 +64,7 @@ KVHistory::KVHistory(Array keys, Array values, int64_t first_position, int64_t o
                     "non-negative with oldest column < K = {}",
                     first_position, oldest_column, window, k));
   }
+  check_positions(first_position, k);
 }
 
 Array PagedColumns::key_block(size_t i) const {
@@ -86,6 +98,9 @@ std::string paged_problem(const PagedColumns& paged) {
   if (paged.length < 0 || blocks_needed > static_cast<int64_t>(paged.table.size())) {
     return fmt::format("{} columns do not fit its {} blocks of {} tokens", paged.length,
                        paged.table.size(), paged.block_tokens);
+  }
+  if (paged.key_chunks.empty()) {  // its heads and depth would be unknown (sdpa reads them)
+    return "it needs at least one chunk";
   }
   if (paged.key_chunks.size() != paged.value_chunks.size()) {
     return fmt::format("{} key chunks and {} value chunks", paged.key_chunks.size(),
@@ -129,6 +144,7 @@ KVHistory::KVHistory(PagedColumns paged, int64_t first_position, int64_t window)
     throw Error(fmt::format("KVHistory: a paged history of {} columns in {} blocks: {}",
                             paged.length, paged.table.size(), problem));
   }
+  check_positions(first_position, paged.length);
   paged_ = std::make_shared<const PagedColumns>(std::move(paged));
 }
 
@@ -150,7 +166,15 @@ int64_t KVHistory::rows() const {
 }
 
 const KVHistory& KVHistory::row(int64_t b) const {
-  return rows_ != nullptr ? (*rows_)[static_cast<size_t>(b)] : *this;
+  if (rows_ == nullptr) return *this;
+  if (b < 0 || b >= rows()) {
+    throw Error(fmt::format("KVHistory::row: row {} of a history of {} rows", b, rows()));
+  }
+  return (*rows_)[static_cast<size_t>(b)];
+}
+
+void RecurrentHistory::bad_row(int64_t b, int64_t rows) {
+  throw Error(fmt::format("RecurrentHistory::row: row {} of a history of {} rows", b, rows));
 }
 
 int64_t KVHistory::length() const {
