@@ -25,7 +25,8 @@ constexpr int kChains = 12;  // fmas take 4-5 cycles and two issue a cycle: 10 c
 [[gnu::target("avx512f,fma")]] float chains_avx512(int64_t loops, float factor) {
   __m512 sums[kChains];
   const __m512 f = _mm512_set1_ps(factor), add = _mm512_set1_ps(1e-3f);
-  for (__m512& s : sums) s = _mm512_set1_ps(1.0f);
+  for (int c = 0; c < kChains; ++c)
+    sums[c] = _mm512_set1_ps(1.0f + 0.01f * c);  // apart: not one chain
   for (int64_t i = 0; i < loops; ++i) {
 #pragma GCC unroll 12
     for (__m512& s : sums) s = _mm512_fmadd_ps(s, f, add);
@@ -41,7 +42,8 @@ constexpr int kChains = 12;  // fmas take 4-5 cycles and two issue a cycle: 10 c
 [[gnu::target("avx2,fma")]] float chains_avx2(int64_t loops, float factor) {
   __m256 sums[kChains];
   const __m256 f = _mm256_set1_ps(factor), add = _mm256_set1_ps(1e-3f);
-  for (__m256& s : sums) s = _mm256_set1_ps(1.0f);
+  for (int c = 0; c < kChains; ++c)
+    sums[c] = _mm256_set1_ps(1.0f + 0.01f * c);  // apart: not one chain
   for (int64_t i = 0; i < loops; ++i) {
 #pragma GCC unroll 12
     for (__m256& s : sums) s = _mm256_fmadd_ps(s, f, add);
@@ -61,7 +63,10 @@ float chains_baseline(int64_t loops, float factor) {
   using Vec4 = float __attribute__((vector_size(16)));
   Vec4 sums[kChains];
   const Vec4 f = {factor, factor, factor, factor}, add = {1e-3f, 1e-3f, 1e-3f, 1e-3f};
-  for (Vec4& s : sums) s = Vec4{1.0f, 1.0f, 1.0f, 1.0f};
+  for (int c = 0; c < kChains; ++c) {
+    const float v = 1.0f + 0.01f * c;  // chains apart: no compiler may take them for one
+    sums[c] = Vec4{v, v, v, v};
+  }
   for (int64_t i = 0; i < loops; ++i) {
 #pragma GCC unroll 12
     for (Vec4& s : sums) s = s * f + add;

@@ -56,7 +56,7 @@ struct KVSNAP_EXPORT Batch {
   }
   // The batch of row `row` alone (its input ids, offset, length and sequence), L columns wide
   // as this batch is (placeholder ids 0 when input_ids is empty and the row is shorter). Error
-  // for a row outside [0, batch_size()).
+  // for a row outside [0, batch_size()), or a batch of fewer or more seq_query_lens than rows.
   [[nodiscard]] Batch row(int64_t row) const;
   // Columns L: input_ids' second axis, or the longest query when input_ids is empty.
   int64_t length() const;

@@ -75,12 +75,16 @@ Batch Batch::rows(std::span<const Chunk> chunks) {
 }
 
 void Batch::bad_row(const char* call, int64_t row, size_t rows) {
-  throw Error(fmt::format("{}: row {} of a batch of {} rows", call, row, rows));
+  throw Error(
+      fmt::format("{}: row {} of a batch of {} rows: need 0 <= row < {}", call, row, rows, rows));
 }
 
 Batch Batch::row(int64_t row) const {
-  if (row < 0 || row >= batch_size() || seq_query_lens.size() != seq_offsets.size()) {
-    bad_row("Batch::row", row, seq_offsets.size());
+  if (row < 0 || row >= batch_size()) bad_row("Batch::row", row, seq_offsets.size());
+  if (seq_query_lens.size() != seq_offsets.size()) {
+    throw Error(
+        fmt::format("Batch::row: the batch has {} seq_offsets but {} seq_query_lens (one per row)",
+                    seq_offsets.size(), seq_query_lens.size()));
   }
   Batch one;
   if (!input_ids.empty()) {

@@ -168,13 +168,15 @@ int64_t KVHistory::rows() const {
 const KVHistory& KVHistory::row(int64_t b) const {
   if (rows_ == nullptr) return *this;
   if (b < 0 || b >= rows()) {
-    throw Error(fmt::format("KVHistory::row: row {} of a history of {} rows", b, rows()));
+    throw Error(fmt::format("KVHistory::row: row {} of a history of {} rows: need 0 <= row < {}", b,
+                            rows(), rows()));
   }
   return (*rows_)[static_cast<size_t>(b)];
 }
 
 void RecurrentHistory::bad_row(int64_t b, int64_t rows) {
-  throw Error(fmt::format("RecurrentHistory::row: row {} of a history of {} rows", b, rows));
+  throw Error(fmt::format(
+      "RecurrentHistory::row: row {} of a history of {} rows: need 0 <= row < {}", b, rows, rows));
 }
 
 int64_t KVHistory::length() const {

@@ -57,8 +57,9 @@ struct ModelConfig {
   // sequence at positions [offset, offset + tokens) that returns its last token's logits: the
   // matrix products, attention's scores and weighted values over the columns each token sees
   // (every one up to it; its last `window` in a sliding-window layer), the recurrent layers'
-  // convolution and state updates (three multiply-adds per state element). Norms, activations
-  // and softmax are not counted. The work throughput figures set against the FMA peak
+  // convolution and state updates (three multiply-adds per state element). Norms, activations,
+  // softmax, RoPE and the state's decay (one multiply per element) are not counted. The work
+  // throughput figures set against the FMA peak
   // (`kvsnap bench`); 0 for tokens <= 0.
   double forward_flops(int64_t offset, int64_t tokens) const;
 };

@@ -84,6 +84,10 @@ TEST(Batch, RowsOutsideTheBatchOrHistoryAreRefused) {
     EXPECT_TRUE(throws_error([&] { (void)b->seq_id(2); }, {"Batch::seq_id", "row 2"}));
     EXPECT_EQ(b->row(1).seq_ids, (std::vector<int32_t>{5}));
   }
+  Batch short_lengths = bare;  // one length for two rows: not read past
+  short_lengths.seq_query_lens.pop_back();
+  EXPECT_TRUE(throws_error([&] { (void)short_lengths.row(0); },
+                           {"Batch::row", "2 seq_offsets but 1 seq_query_lens"}));
   const Batch plain = Batch::uniform(2, 1, 0);  // no seq_ids: row b is sequence b
   EXPECT_EQ(plain.seq_id(1), 1);
   EXPECT_TRUE(throws_error([&] { (void)plain.seq_id(2); }, {"Batch::seq_id", "row 2"}));
