@@ -149,9 +149,11 @@ KVHistory::KVHistory(PagedColumns paged, int64_t first_position, int64_t window)
 }
 
 KVHistory KVHistory::of_rows(std::vector<KVHistory> rows) {
-  for (const KVHistory& row : rows) {
-    if (row.ragged() || row.rows() != 1) {
-      throw Error(fmt::format("KVHistory::of_rows: each row needs a one-row history"));
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (rows[i].ragged() || rows[i].rows() != 1) {
+      throw Error(fmt::format(
+          "KVHistory::of_rows: row {} is a {}history of {} rows: each row needs a one-row history",
+          i, rows[i].ragged() ? "ragged " : "", rows[i].rows()));
     }
   }
   KVHistory history;
@@ -190,7 +192,10 @@ int64_t KVHistory::length() const {
 }
 
 KVHistory KVHistory::contiguous() const {
-  if (rows_ != nullptr) throw Error("KVHistory::contiguous: a ragged history; take its rows");
+  if (rows_ != nullptr) {
+    throw Error(fmt::format("KVHistory::contiguous: a ragged history of {} rows; take its rows",
+                            rows_->size()));
+  }
   if (paged_ == nullptr) return *this;
   const PagedColumns& p = *paged_;
   if (p.key_chunks.empty()) return KVHistory();

@@ -38,7 +38,8 @@ void check_inputs(const Batch& batch, const Array& q, const KVHistory& history, 
   }
   if (!std::isfinite(scale)) throw Error(fmt::format("sdpa: scale {} is not finite", scale));
   if (history.ragged() && history.rows() != q.dim(0)) {
-    throw Error(fmt::format("sdpa: a history of {} rows for q {}", history.rows(), q.describe()));
+    throw Error(fmt::format("sdpa: a history of {} rows for q {}: need one per q row",
+                            history.rows(), q.describe()));
   }
   int64_t value_depth = 0;
   for (int64_t b = 0; b < (history.ragged() ? history.rows() : 1); ++b) {

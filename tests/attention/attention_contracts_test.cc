@@ -64,9 +64,11 @@ TEST(AttentionContractErrors, OfRowsTakesOnlyOneRowMembers) {
       [&] {
         (void)KVHistory::of_rows({zeros_history(2), ragged});
       },
-      {"KVHistory::of_rows: each row needs a one-row history"}));
-  EXPECT_TRUE(throws_error([&] { (void)KVHistory::of_rows({zeros_history(4, 0, 0, /*rows=*/2)}); },
-                           {"KVHistory::of_rows: each row needs a one-row history"}));
+      {"KVHistory::of_rows: row 1 is a ragged history of 2 rows",
+       "each row needs a one-row history"}));
+  EXPECT_TRUE(throws_error(
+      [&] { (void)KVHistory::of_rows({zeros_history(4, 0, 0, /*rows=*/2)}); },
+      {"KVHistory::of_rows: row 0 is a history of 2 rows", "each row needs a one-row history"}));
   // One-row members of either form are taken.
   const Array chunk = Array::zeros(DType::f32, {1, 1, kPerChunk * kTokens, 2});
   const KVHistory rows =
@@ -79,7 +81,7 @@ TEST(AttentionContractErrors, OfRowsTakesOnlyOneRowMembers) {
 TEST(AttentionContractErrors, ContiguousRefusesARaggedHistory) {
   const KVHistory ragged = KVHistory::of_rows({zeros_history(2), zeros_history(3)});
   EXPECT_TRUE(throws_error([&] { (void)ragged.contiguous(); },
-                           {"KVHistory::contiguous: a ragged history; take its rows"}));
+                           {"KVHistory::contiguous: a ragged history of 2 rows; take its rows"}));
   // A paged one is copied in table order, its first position and window kept.
   std::mt19937 rng(3);
   const Array keys = random_array({1, 2, kPerChunk * kTokens, 4}, rng);
@@ -103,8 +105,9 @@ TEST(AttentionContractErrors, SdpaRefusesARaggedHistoryOfOtherRowsThanQ) {
     const Array q = random_array({2, 2, queries, 8}, rng);
     const Batch batch = Batch::uniform(2, queries, 4 - queries);
     const std::string shape = q.describe();
-    EXPECT_TRUE(throws_error([&] { (void)sdpa(batch, q, three, AttentionMask::causal(), 0.5f); },
-                             {"sdpa: a history of 3 rows for q", shape.c_str()}))
+    EXPECT_TRUE(
+        throws_error([&] { (void)sdpa(batch, q, three, AttentionMask::causal(), 0.5f); },
+                     {"sdpa: a history of 3 rows for q", shape.c_str(), "need one per q row"}))
         << queries;
     EXPECT_TRUE(throws_error([&] { (void)sdpa(batch, q, one, AttentionMask::causal(), 0.5f); },
                              {"sdpa: a history of 1 rows for q", shape.c_str()}))
