@@ -111,14 +111,19 @@ class Visibility {
 // The numerators of a softmax over row[begin, end), in place: exp(row - its maximum) there, 0 in
 // the rest of the row's `width` columns. Returns their sum — what the caller divides the weighed
 // values by (one division per output instead of one per column) — or 0 for a row that sees
-// nothing (padding, or everything masked), whose weights are all 0.
+// nothing (padding, or everything masked), whose weights are all 0. Scores that are NaN (a NaN
+// query or key: a model that diverged) give NaN weights and sum, so the outputs they reach are
+// NaN: max_of may drop a NaN, and a row of nothing but NaN would otherwise read as one that
+// sees nothing, its outputs a silent 0 (in some builds, not others).
 inline float softmax_numerators(float* row, int64_t width, int64_t begin, int64_t end) {
   std::fill(row, row + begin, 0.0f);
   std::fill(row + end, row + width, 0.0f);
   const float best = detail::max_of(row + begin, end - begin, kMasked);
-  if (best <= kMasked) {
-    std::fill(row + begin, row + end, 0.0f);
-    return 0.0f;
+  if (best <= kMasked) {  // sees nothing — or only NaN (rare: the scan costs nothing otherwise)
+    const bool nan = std::any_of(row + begin, row + end, [](float v) { return std::isnan(v); });
+    const float weight = nan ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
+    std::fill(row + begin, row + end, weight);
+    return weight;
   }
   return detail::exp_shifted(row + begin, end - begin, best);
 }
@@ -159,9 +164,10 @@ inline void weigh_seen(const float* weights, const ColumnRun* runs, size_t n_run
   }
 }
 
-// out[0, n) /= sum (a softmax's denominator from softmax_numerators; 0 leaves zeros).
+// out[0, n) /= sum (a softmax's denominator from softmax_numerators; 0 leaves zeros, NaN makes
+// them NaN).
 inline void divide_by(float* out, int64_t n, float sum) {
-  const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;
+  const float inverse = sum > 0.0f ? 1.0f / sum : std::isnan(sum) ? sum : 0.0f;
   for (int64_t i = 0; i < n; ++i) out[i] *= inverse;
 }
 

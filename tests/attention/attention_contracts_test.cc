@@ -6,6 +6,7 @@
 #include <kvsnap/ops.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <iterator>
 #include <limits>
@@ -366,6 +367,43 @@ TEST(AttentionContractErrors, SdpaTakesMaskHeadsOfOneOrHq) {
           .intersect(AttentionMask::from_array(Array::zeros(DType::f32, {1, 4, 1, 5})));
   EXPECT_TRUE(throws_error([&] { (void)history.apply_mask(Batch::uniform(1, 1, 4), mixed); },
                            {"KVHistory::apply_mask: mask array f32[1, 4, 1, 5] does not fit"}));
+}
+
+// A query or key holding NaN (a model that diverged) shows in the outputs it reaches as NaN, on
+// every path — decode and prefill, contiguous and paged histories — and leaves the other
+// heads' outputs finite: never a silent zero (a softmax whose max dropped the NaN and saw
+// nothing) or a finite value.
+TEST(AttentionContracts, NaNInAQueryOrAKeyReachesTheOutputsAsNaN) {
+  constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+  std::mt19937 rng(11);
+  const Array keys = random_array({1, 1, 16, 8}, rng);
+  const Array values = random_array({1, 1, 16, 8}, rng);
+  const auto paged = [&](const Array& k) {  // one chunk of four 4-token blocks, in order
+    return KVHistory(PagedColumns{{k}, {values}, 4, 4, {0, 1, 2, 3}, 16});
+  };
+  for (const int64_t queries : {int64_t{1}, int64_t{3}}) {
+    const Batch batch = Batch::uniform(1, queries, 16 - queries);
+    Array q = random_array({1, 2, queries, 8}, rng);
+    q.mutable_data<float>()[3] = kNaN;  // head 0, query 0
+    for (const KVHistory& history : {KVHistory(keys, values), paged(keys)}) {
+      const Array out = sdpa(batch, q, history, AttentionMask::causal(), 0.35f);
+      const float* o = out.data<float>();
+      for (int64_t d = 0; d < 8; ++d) {
+        EXPECT_TRUE(std::isnan(o[d])) << queries << " queries, paged " << history.paged();
+        EXPECT_TRUE(std::isfinite(o[queries * 8 + d])) << "head 1";
+      }
+    }
+    // A NaN key column every query sees: NaN in every output.
+    Array poisoned = keys.clone();
+    poisoned.mutable_data<float>()[5 * 8 + 2] = kNaN;
+    const Array clean = random_array({1, 2, queries, 8}, rng);
+    for (const KVHistory& history : {KVHistory(poisoned, values), paged(poisoned)}) {
+      const Array out = sdpa(batch, clean, history, AttentionMask::causal(), 0.35f);
+      for (const float v : out.to_floats()) {
+        EXPECT_TRUE(std::isnan(v)) << queries << " queries, paged " << history.paged();
+      }
+    }
+  }
 }
 
 }  // namespace
