@@ -88,6 +88,23 @@ TEST_F(TierAuth, AForgeryThatPassesTheChecksumIsRejected) {
   EXPECT_EQ(reader.tier->stats().unauthenticated, 1);
 }
 
+// An object of another format version (a later build's, sealed as this one seals) is refused
+// by its header, not restored: the version is in the names too, but a store may hold anything.
+TEST_F(TierAuth, AnObjectOfAnotherFormatVersionIsRejected) {
+  write(tier_options());
+  const ObjectNames names(tier_options());
+  const std::string point = names.point(talk.second, 31);
+  detail::SafetensorsFile file = detail::decode_safetensors(store.get(point), point);
+  ASSERT_EQ(file.metadata.at("version"), "1");
+  file.metadata["version"] = "2";
+  store.set(point, detail::encode_sealed(file));
+  TierProcess reader(store.address(), tier_options());
+  EXPECT_LT(reader.turn(talk.second, tokens(500, 3)).cached, 31);
+  EXPECT_GE(reader.tier->stats().rejected, 1);
+  EXPECT_EQ(reader.log.count("version \"2\" is not the version this build reads (1)"), 1)
+      << reader.log.all();
+}
+
 TEST_F(TierAuth, AnObjectReplayedFromAnotherTenantIsRejected) {
   write(tier_options("tenant a", kKey));
   write(tier_options("tenant b", kKey));
