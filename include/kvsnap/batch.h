@@ -61,7 +61,8 @@ struct KVSNAP_EXPORT Batch {
   // Columns L: input_ids' second axis, or the longest query when input_ids is empty.
   int64_t length() const;
 
-  // Throws Error "CALL: row R of a batch of N rows".
+  // Throws Error "CALL: row R of a batch of N rows: need 0 <= row < N" (seq_id's refusal,
+  // kept out of line).
   [[noreturn]] static void bad_row(const char* call, int64_t row, size_t rows);
   // Throws Error naming `call` unless the per-row vectors agree with each other and with
   // input_ids, every offset and length is non-negative, no length exceeds L, and sequence ids

@@ -59,8 +59,7 @@ struct ModelConfig {
   // (every one up to it; its last `window` in a sliding-window layer), the recurrent layers'
   // convolution and state updates (three multiply-adds per state element). Norms, activations,
   // softmax, RoPE and the state's decay (one multiply per element) are not counted. The work
-  // throughput figures set against the FMA peak
-  // (`kvsnap bench`); 0 for tokens <= 0.
+  // that `kvsnap bench` sets against the fma peak; 0 for tokens <= 0.
   double forward_flops(int64_t offset, int64_t tokens) const;
 };
 
