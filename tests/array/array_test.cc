@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 #include <kvsnap/array.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <numeric>
@@ -116,6 +117,47 @@ TEST(Array, StridedCopyMovesWholeRuns) {
   calls = detail::strided_copy_calls();
   cache.slice(2, 10, 20).assign(Array::zeros(DType::f16, {1, 4, 10, 32}));
   EXPECT_EQ(detail::strided_copy_calls() - calls, 4);
+}
+
+TEST(Array, StridedCopyStreamsLongRunsIntoDestinationsLargerThanACache) {
+  // Two runs 32 MiB apart (a chunk written into two heads of a large cache): each run starts at
+  // every alignment against a cache line and has every length remainder, and must land exactly,
+  // the bytes around it untouched.
+  constexpr int64_t kApart = int64_t{32} << 20;
+  std::vector<unsigned char> source(2 * 5000);
+  for (size_t i = 0; i < source.size(); ++i) source[i] = static_cast<unsigned char>(i * 7 + 1);
+  std::vector<unsigned char> destination(static_cast<size_t>(kApart + 5000 + 128), 0);
+  for (const int64_t run : {1025, 1088, 4999}) {
+    for (int64_t misaligned = 0; misaligned < 64; misaligned += 9) {
+      const int64_t shape[] = {2, run}, source_strides[] = {run, 1},
+                    destination_strides[] = {kApart, 1};
+      const int64_t streamed = detail::strided_copy_streamed_runs();
+      EXPECT_EQ(detail::strided_copy(destination.data() + misaligned, destination_strides,
+                                     source.data(), source_strides, shape, 2, 1),
+                2);
+      EXPECT_EQ(detail::strided_copy_streamed_runs() - streamed, 2) << run << " " << misaligned;
+      for (int64_t head = 0; head < 2; ++head) {
+        const auto at = static_cast<size_t>(head * kApart + misaligned);
+        EXPECT_TRUE(std::equal(source.begin() + head * run, source.begin() + (head + 1) * run,
+                               destination.begin() + static_cast<ptrdiff_t>(at)))
+            << "run " << run << " at +" << misaligned << ", head " << head;
+        if (at > 0) {
+          EXPECT_EQ(destination[at - 1], 0);
+        }
+        EXPECT_EQ(destination[at + static_cast<size_t>(run)], 0);
+        std::fill_n(destination.begin() + static_cast<ptrdiff_t>(at), run, 0);
+      }
+    }
+  }
+  // Short runs (a token's rows), or a destination a cache holds, take the ordinary stores.
+  const int64_t streamed = detail::strided_copy_streamed_runs();
+  const int64_t short_runs[] = {2, 1024}, short_strides[] = {1024, 1}, far[] = {kApart, 1};
+  const int64_t long_runs[] = {2, 2000}, long_strides[] = {2000, 1}, near[] = {4096, 1};
+  (void)detail::strided_copy(destination.data(), far, source.data(), short_strides, short_runs, 2,
+                             1);
+  (void)detail::strided_copy(destination.data(), near, source.data(), long_strides, long_runs, 2,
+                             1);
+  EXPECT_EQ(detail::strided_copy_streamed_runs(), streamed);
 }
 
 TEST(Array, AssignSliceWritesARangeWithoutAllocating) {
