@@ -145,10 +145,13 @@ void prefill_figures(std::vector<Figure>& out, const Shape& shape) {
   // The pool sized for a 128k context's buffers (keys and values, every growth step: under 4x
   // the final bytes), as an engine serving such contexts would set it: the default 512 MiB keeps
   // only the last two buffers, so the second prefill's smaller ones would come fresh from the
-  // system again, page faults and all.
+  // system again, page faults and all. Nor are they let go after the default 2 idle seconds: the
+  // first prefill, into fresh memory, takes that long on some VMs (first-touch faults), which
+  // returned its first growth steps' buffers before the second prefill could reuse them.
   const PoolOptions pool = pool_options();
   PoolOptions larger = pool;
   larger.max_bytes = std::max(pool.max_bytes, 4 * final_bytes);
+  larger.idle_seconds = std::numeric_limits<double>::infinity();
   set_pool_options(larger);
   CopyStats stats;
   const double ns = time_ns(
