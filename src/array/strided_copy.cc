@@ -4,8 +4,15 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <fstream>
+#include <string>
 
-#if defined(__SSE2__)
+#include "array/sanitizers.h"
+
+// Streaming stores where SSE2 has them; not under the sanitizers, whose GCC instrumentation does
+// not see them (memcpy is checked instead).
+#if defined(__SSE2__) && !defined(KVSNAP_ADDRESS_SANITIZER) && !defined(KVSNAP_THREAD_SANITIZER)
+#define KVSNAP_STREAMING_STORES 1
 #include <emmintrin.h>
 #endif
 
@@ -20,9 +27,30 @@ thread_local int64_t streamed_runs = 0;
 constexpr int kMaxAxes = 8;
 // Runs of whole cache lines up to this many bytes are copied inline (see strided_copy).
 constexpr size_t kLine = 64, kInlineRun = 1024;
-// Runs longer than kInlineRun into a destination spanning at least this many bytes are written
-// with streaming stores (see stream_run).
-constexpr int64_t kStreamSpan = int64_t{32} << 20;
+
+// The last-level cache of the CPU this process started on, as Linux names it (sysfs: "32768K" on
+// a Zen 3 CCD, the share one core can use), else 32 MiB. Runs longer than kInlineRun into a
+// destination spanning at least this many bytes are written with streaming stores (stream_run).
+int64_t last_level_cache_bytes() {
+  std::ifstream file("/sys/devices/system/cpu/cpu0/cache/index3/size");
+  int64_t size = 0;
+  std::string unit;
+  if (file >> size && size > 0) {
+    file >> unit;
+    const int64_t scale = unit == "K" ? 1 << 10 : unit == "M" ? 1 << 20 : unit == "G" ? 1 << 30 : 1;
+    if (size <= (int64_t{1} << 40) / scale) return size * scale;
+  }
+  return int64_t{32} << 20;
+}
+
+int64_t stream_span() {
+#if defined(KVSNAP_STREAMING_STORES)
+  static const int64_t span = last_level_cache_bytes();
+  return span;
+#else
+  return 0;
+#endif
+}
 
 // Only the first ndim entries are ever read: the arrays are left uninitialized (zeroing them
 // cost a `rep stos` of 200 bytes per copy, about a sixth of a one-token write).
@@ -125,7 +153,7 @@ LineRuns chosen_line_runs() {
 // chunk writes and growth copies run ~1.6x faster this way. The partial lines at either end go
 // by memcpy. The caller fences (sfence) after its last run, before anything may read them.
 void stream_run(char* to, const char* from, size_t bytes) {
-#if defined(__SSE2__)
+#if defined(KVSNAP_STREAMING_STORES)
   const size_t misaligned = reinterpret_cast<uintptr_t>(to) % kLine;
   const size_t head = std::min(bytes, misaligned == 0 ? 0 : kLine - misaligned);
   std::memcpy(to, from, head);
@@ -191,10 +219,10 @@ int64_t strided_copy(void* destination, const int64_t* destination_strides, cons
   } else if (run_bytes % kLine == 0 && run_bytes <= kInlineRun) {
     static const LineRuns lines = chosen_line_runs();
     calls = lines(layout, outer, out, in, element_size, run_bytes);
-  } else if (run_bytes > kInlineRun && out_end - out >= kStreamSpan) {
+  } else if (run_bytes > kInlineRun && stream_span() > 0 && out_end - out >= stream_span()) {
     calls = each_run(layout, outer, out, in, element_size,
                      [run_bytes](char* to, const char* from) { stream_run(to, from, run_bytes); });
-#if defined(__SSE2__)
+#if defined(KVSNAP_STREAMING_STORES)
     _mm_sfence();  // streaming stores are weakly ordered: visible before anything that follows
 #endif
     streamed_runs += calls;
@@ -209,5 +237,7 @@ int64_t strided_copy(void* destination, const int64_t* destination_strides, cons
 int64_t strided_copy_calls() { return memcpy_calls; }
 
 int64_t strided_copy_streamed_runs() { return streamed_runs; }
+
+int64_t strided_copy_stream_span() { return stream_span(); }
 
 }  // namespace kvsnap::detail

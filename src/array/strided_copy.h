@@ -20,7 +20,12 @@ int64_t strided_copy(void* destination, const int64_t* destination_strides, cons
 int64_t strided_copy_calls();
 
 // Runs strided_copy wrote with streaming stores on this thread (monotonic): runs longer than a
-// kilobyte into a destination spanning 32 MiB or more, which a cache would not keep anyway.
+// kilobyte into a destination spanning strided_copy_stream_span() bytes or more, which the
+// last-level cache would not keep anyway.
 int64_t strided_copy_streamed_runs();
+// The destination span from which long runs stream: the last-level cache's size (sysfs), else
+// 32 MiB; 0 where this build never streams (no SSE2, or under a sanitizer, which would not see
+// the streaming stores: memcpy instead).
+int64_t strided_copy_stream_span();
 
 }  // namespace kvsnap::detail

@@ -119,39 +119,52 @@ TEST(Array, StridedCopyMovesWholeRuns) {
   EXPECT_EQ(detail::strided_copy_calls() - calls, 4);
 }
 
+// A run of `run` elements of `size` bytes at byte `at` of `destination`, as from `source`, with
+// zero bytes just before and after it; zeroes it again.
+void expect_run_and_clear(std::vector<unsigned char>& destination, size_t at,
+                          const unsigned char* source, size_t bytes) {
+  EXPECT_TRUE(std::equal(source, source + bytes, destination.begin() + static_cast<ptrdiff_t>(at)))
+      << bytes << " bytes at " << at;
+  EXPECT_EQ(destination[at - 1], 0) << at;
+  EXPECT_EQ(destination[at + bytes], 0) << at;
+  std::fill_n(destination.begin() + static_cast<ptrdiff_t>(at), bytes, 0);
+}
+
 TEST(Array, StridedCopyStreamsLongRunsIntoDestinationsLargerThanACache) {
-  // Two runs 32 MiB apart (a chunk written into two heads of a large cache): each run starts at
-  // every alignment against a cache line and has every length remainder, and must land exactly,
-  // the bytes around it untouched.
-  constexpr int64_t kApart = int64_t{32} << 20;
-  std::vector<unsigned char> source(2 * 5000);
+  // Two runs a last-level cache apart (a chunk written into two heads of a large cache): each
+  // run starts at every offset from a cache line, for element sizes 1, 2 and 4 and lengths whose
+  // byte counts leave every kind of tail, and must land exactly, the bytes around it untouched.
+  // (Sanitizer builds copy without streaming stores: the same results, no streamed runs.)
+  const int64_t span = detail::strided_copy_stream_span();
+  const int64_t apart = std::max<int64_t>(span, int64_t{32} << 20);
+  std::vector<unsigned char> source(2 * 4 * 5000);
   for (size_t i = 0; i < source.size(); ++i) source[i] = static_cast<unsigned char>(i * 7 + 1);
-  std::vector<unsigned char> destination(static_cast<size_t>(kApart + 5000 + 128), 0);
-  for (const int64_t run : {1025, 1088, 4999}) {
-    for (int64_t misaligned = 0; misaligned < 64; misaligned += 9) {
-      const int64_t shape[] = {2, run}, source_strides[] = {run, 1},
-                    destination_strides[] = {kApart, 1};
-      const int64_t streamed = detail::strided_copy_streamed_runs();
-      EXPECT_EQ(detail::strided_copy(destination.data() + misaligned, destination_strides,
-                                     source.data(), source_strides, shape, 2, 1),
-                2);
-      EXPECT_EQ(detail::strided_copy_streamed_runs() - streamed, 2) << run << " " << misaligned;
-      for (int64_t head = 0; head < 2; ++head) {
-        const auto at = static_cast<size_t>(head * kApart + misaligned);
-        EXPECT_TRUE(std::equal(source.begin() + head * run, source.begin() + (head + 1) * run,
-                               destination.begin() + static_cast<ptrdiff_t>(at)))
-            << "run " << run << " at +" << misaligned << ", head " << head;
-        if (at > 0) {
-          EXPECT_EQ(destination[at - 1], 0);
-        }
-        EXPECT_EQ(destination[at + static_cast<size_t>(run)], 0);
-        std::fill_n(destination.begin() + static_cast<ptrdiff_t>(at), run, 0);
+  std::vector<unsigned char> destination(static_cast<size_t>(apart + 4 * 5000 + 256), 0);
+  const auto base = static_cast<size_t>(64 - reinterpret_cast<uintptr_t>(destination.data()) %
+                                                 64);  // 64-aligned, room before it
+  for (const int64_t size : {1, 2, 4}) {
+    for (const int64_t run : {1025, 1088, 4999}) {
+      if (run * size <= 1024) continue;
+      for (int64_t offset = 0; offset < 64; offset += size) {
+        const auto at = base + static_cast<size_t>(offset);
+        const int64_t shape[] = {2, run}, source_strides[] = {run, 1},
+                      destination_strides[] = {apart / size, 1};
+        const int64_t streamed = detail::strided_copy_streamed_runs();
+        EXPECT_EQ(detail::strided_copy(destination.data() + at, destination_strides, source.data(),
+                                       source_strides, shape, 2, size),
+                  2);
+        EXPECT_EQ(detail::strided_copy_streamed_runs() - streamed, span > 0 ? 2 : 0)
+            << run << " elements of " << size << " at +" << offset;
+        const auto bytes = static_cast<size_t>(run * size);
+        expect_run_and_clear(destination, at, source.data(), bytes);
+        expect_run_and_clear(destination, at + static_cast<size_t>(apart / size * size),
+                             source.data() + bytes, bytes);
       }
     }
   }
-  // Short runs (a token's rows), or a destination a cache holds, take the ordinary stores.
+  // Short runs (a token's rows), or a destination the cache holds, take the ordinary stores.
   const int64_t streamed = detail::strided_copy_streamed_runs();
-  const int64_t short_runs[] = {2, 1024}, short_strides[] = {1024, 1}, far[] = {kApart, 1};
+  const int64_t short_runs[] = {2, 1024}, short_strides[] = {1024, 1}, far[] = {apart, 1};
   const int64_t long_runs[] = {2, 2000}, long_strides[] = {2000, 1}, near[] = {4096, 1};
   (void)detail::strided_copy(destination.data(), far, source.data(), short_strides, short_runs, 2,
                              1);
