@@ -42,9 +42,16 @@ struct Writer {
 
 using Clock = std::chrono::steady_clock;
 
+// Set for a smoke run of `kvsnap bench` (BenchOptions::smoke): time_ns calls its op once.
+inline bool time_each_op_once = false;
+
 // Nanoseconds per call of `op`, the best of several timed batches of at least `min_seconds`.
 template <class Op>
 double time_ns(Op&& op, double min_seconds = 0.05, int repeats = 3) {
+  if (time_each_op_once) {
+    min_seconds = 0;
+    repeats = 1;
+  }
   int64_t iterations = 1;
   double best = 1e300;
   for (int r = 0; r < repeats;) {

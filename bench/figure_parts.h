@@ -11,6 +11,11 @@ namespace kvsnap::bench {
 
 constexpr double kMiB = 1024.0 * 1024.0;
 
+// Whether this is a smoke run (BenchOptions::smoke), and `n` scaled for it: n / 64, at least
+// `least`, in a smoke run; n otherwise.
+bool smoke();
+int64_t sized(int64_t n, int64_t least = 1);
+
 // memcpy of `bytes` into a warm destination (the bandwidth limit for copies into live buffers).
 double memcpy_ns(int64_t bytes);
 // compute_limit.cc: floating-point operations one core issues per ns in the widest fma the

@@ -16,8 +16,26 @@
 namespace kvsnap::bench {
 namespace {
 
+bool smoke_run = false;
+
+// Sets the smoke flags for the figures run while it lives.
+class SmokeScope {
+ public:
+  explicit SmokeScope(bool on) {
+    smoke_run = on;
+    time_each_op_once = on;
+  }
+  ~SmokeScope() {
+    smoke_run = false;
+    time_each_op_once = false;
+  }
+  SmokeScope(const SmokeScope&) = delete;
+  SmokeScope& operator=(const SmokeScope&) = delete;
+};
+
 void memcpy_figures(std::vector<Figure>& out) {
   for (int64_t mib : {1, 4, 16, 64, 256}) {
+    if (smoke() && mib > 1) break;
     const int64_t bytes = mib << 20;
     const double ns = memcpy_ns(bytes);
     const double gbps = static_cast<double>(bytes) / ns;
@@ -42,6 +60,10 @@ void machine_figures(std::vector<Figure>& out) {
 
 }  // namespace
 
+bool smoke() { return smoke_run; }
+
+int64_t sized(int64_t n, int64_t least) { return smoke_run ? std::max(n / 64, least) : n; }
+
 double memcpy_ns(int64_t bytes) {
   CopyBuffers buffers(bytes);
   return time_ns([&] { buffers.copy(); });
@@ -49,7 +71,8 @@ double memcpy_ns(int64_t bytes) {
 
 std::vector<Figure> run_figures(const BenchOptions& options) {
   std::vector<Figure> out;
-  const Shape shape;
+  const SmokeScope scope(options.smoke);
+  const Shape shape = options.smoke ? Shape{.heads = 1, .depth = 8} : Shape{};
   machine_figures(out);
   options.progress("memcpy bandwidth");
   memcpy_figures(out);

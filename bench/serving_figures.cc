@@ -23,7 +23,7 @@ void trie_figures(std::vector<Figure>& out) {
   std::mt19937 rng(1);
   std::vector<std::vector<int32_t>> paths{{}};
   int32_t next = 1;
-  for (int i = 0; i < 10000; ++i) {
+  for (int64_t i = 0; i < sized(10000); ++i) {
     std::vector<int32_t> prompt = paths[rng() % paths.size()];
     for (int t = 0; t < 100; ++t) prompt.push_back(next++);
     auto session = cache.begin(prompt);
@@ -34,7 +34,7 @@ void trie_figures(std::vector<Figure>& out) {
   int64_t matched = 0;
   double seconds = 0;
   int lookups = 0;
-  for (int i = 0; i < 2000; ++i) {
+  for (int64_t i = 0; i < sized(2000); ++i) {
     std::vector<int32_t> prompt = paths[1 + rng() % (paths.size() - 1)];
     prompt.push_back(next++);
     const auto start = Clock::now();
@@ -75,6 +75,42 @@ namespace {
 
 constexpr const char* kOfPeak = "x the fma peak (model flops / time)";
 
+// `full`, or in a smoke run a model of a few thousand parameters with every kind of layer.
+ModelConfig sized_model(const ModelConfig& full) {
+  if (!smoke()) return full;
+  ModelConfig tiny;
+  tiny.hidden = 16;
+  tiny.mlp_hidden = 32;
+  tiny.query_heads = 2;
+  tiny.kv_heads = 1;
+  tiny.head_dim = 8;
+  tiny.window = 16;
+  tiny.delta_key_heads = 1;
+  tiny.delta_value_heads = 1;
+  tiny.delta_head_dim = 8;
+  return tiny;
+}
+
+// `workload`, or in a smoke run its first requests (those referring only to earlier ones kept),
+// their messages cut to 48 bytes and their replies to 4 tokens.
+tools::Workload sized_workload(tools::Workload workload) {
+  if (!smoke()) return workload;
+  std::vector<tools::Request> kept;
+  for (tools::Request& request : workload.requests) {
+    const bool known = request.kind == tools::Request::Kind::fresh ||
+                       std::any_of(kept.begin(), kept.end(), [&](const tools::Request& r) {
+                         return r.id == request.reference;
+                       });
+    if (!known || kept.size() == 6) continue;
+    for (tools::Message& message : request.messages)
+      message.content.resize(std::min<size_t>(message.content.size(), 48));
+    request.max_tokens = std::min<int64_t>(request.max_tokens, 4);
+    kept.push_back(std::move(request));
+  }
+  workload.requests = std::move(kept);
+  return workload;
+}
+
 // The model's work in a replay (ModelConfig::forward_flops): each request's evaluated prompt
 // tokens (the prompt's last ones: the rest came from the cache) as one forward, then each reply
 // token but the last (whose logits end the request) as one. A prefill split into chunks
@@ -93,8 +129,8 @@ double run_flops(const ModelConfig& config, const tools::RunResult& run) {
 }  // namespace
 
 void model_figures(std::vector<Figure>& out) {
-  const Model model{ModelConfig{}};
-  for (int64_t length : {int64_t(512), int64_t(2048)}) {
+  const Model model{sized_model(ModelConfig{})};
+  for (int64_t length : {sized(512), sized(2048)}) {
     std::vector<int32_t> prompt(static_cast<size_t>(length));
     for (int64_t i = 0; i < length; ++i)
       prompt[static_cast<size_t>(i)] = static_cast<int32_t>(i * 7 % 256);
@@ -120,11 +156,11 @@ void model_figures(std::vector<Figure>& out) {
 // token. Each measured request follows one that diverged early, so begin has to switch paths.
 void prefix_overhead_figures(std::vector<Figure>& out, const BenchOptions& options) {
   options.progress("prefix cache overhead at 8k context");
-  const Model model{ModelConfig{}};
+  const Model model{sized_model(ModelConfig{})};
   auto caches = model.make_caches();
   const std::vector<Cache*> layers = cache_pointers(caches);
   PrefixCache prefix(layers);
-  std::vector<int32_t> context(8192);
+  std::vector<int32_t> context(static_cast<size_t>(sized(8192, 128)));
   for (size_t i = 0; i < context.size(); ++i) context[i] = static_cast<int32_t>((i * 7 + 3) % 256);
   const auto request = [&](const std::vector<int32_t>& prompt, double* overhead, double* ttft,
                            double* whole) {
@@ -188,8 +224,8 @@ Figure agreement(const std::string& group, const std::string& name, const tools:
 }  // namespace
 
 void end_to_end_figures(std::vector<Figure>& out, const BenchOptions& options) {
-  const Model model{ModelConfig{}};
-  const tools::Workload workload = tools::embedded_workload();
+  const Model model{sized_model(ModelConfig{})};
+  const tools::Workload workload = sized_workload(tools::embedded_workload());
   options.progress("end to end: replay with the prefix cache");
   tools::ReplayOptions with_cache;
   with_cache.with_cache = true;
@@ -258,9 +294,10 @@ void speed_up_figures(std::vector<Figure>& out, const std::string& name, const M
 // real models' weights are): the faster of two alternating runs of each. Then the eight-slot
 // run's peak attention memory and prompt tokens evaluated against the ideal.
 void parallel_figures(std::vector<Figure>& out, const BenchOptions& options) {
-  const tools::Workload workload = tools::embedded_workload("many-users");
+  const tools::Workload workload = sized_workload(tools::embedded_workload("many-users"));
   const std::pair<std::string, ModelConfig> models[] = {
-      {"default model, 4.5M", ModelConfig{}}, {"data/model-16m.json", tools::embedded_model_16m()}};
+      {"default model, 4.5M", sized_model(ModelConfig{})},
+      {"data/model-16m.json", sized_model(tools::embedded_model_16m())}};
   tools::ParallelRun eight;  // the default model's, for memory and tokens
   for (const auto& [name, config] : models) {
     const Model model{config};

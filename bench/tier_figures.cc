@@ -23,7 +23,7 @@ void tier_figures(std::vector<Figure>& out, const Shape& shape) {
       std::filesystem::temp_directory_path() / fmt::format("kvsnap_bench_tier_{}", ::getpid());
   const Chunk chunk(shape, kChunk);
   Writer writer(kChunk);
-  for (int64_t context : {int64_t(4096), int64_t(32768)}) {
+  for (int64_t context : {sized(4096, 2 * kChunk), sized(32768, 2 * kChunk)}) {
     std::filesystem::remove_all(folder);
     PagedKVCache paged({.block_tokens = 16});
     const std::vector<Cache*> layers{&paged};

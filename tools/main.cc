@@ -318,6 +318,7 @@ struct BenchArguments {
   bool json = false;
   bool quick = false;
   bool quiet = false;
+  bool smoke = false;
   std::string chart = "bench.svg";
 };
 
@@ -328,6 +329,12 @@ int run_bench(const BenchArguments& args, bool& runs_started) {
   runs_started = true;
   bench::BenchOptions options;
   options.end_to_end = !args.quick;
+  options.smoke = args.smoke;
+  if (args.smoke && !args.quiet) {
+    note(
+        "bench: a smoke run: tiny sizes, one call per timing; the values and verdicts mean "
+        "nothing\n");
+  }
   if (!args.quiet) options.progress = [](const std::string& step) { note("bench: {}\n", step); };
   const std::vector<bench::Figure> figures = bench::run_figures(options);
   std::cout << (args.json ? bench::figures_json(figures) : bench::format_figures(figures))
@@ -446,6 +453,9 @@ CLI::App* add_bench_command(CLI::App& app, BenchArguments& args) {
   bench_command->add_flag("--quick", args.quick,
                           "skip the end-to-end replays (the sequential and the parallel one)");
   bench_command->add_flag("--quiet", args.quiet, "no progress on stderr");
+  bench_command->add_flag("--smoke", args.smoke,
+                          "every figure's code at tiny sizes, one call per timing: checks that "
+                          "it all runs, in seconds; the values mean nothing");
   bench_command
       ->add_option("--chart", args.chart,
                    "SVG chart of the figures' ratios and verdicts ('' for none): checked before "

@@ -1,9 +1,14 @@
 // `kvsnap bench`: its exit status and its chart.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+#include <nlohmann/json.hpp>
+#include <set>
 #include <string>
 #include <vector>
 
+#include "common.h"
 #include "figures.h"
 
 namespace kvsnap::bench {
@@ -13,6 +18,43 @@ std::vector<Figure> some_figures() {
   return {{"decode append", "KVCache", 12, "ns/token", 2.5, "x memcpy time", "<= 3x", true, ""},
           {"memcpy bandwidth", "1 MiB", 20, "GB/s", 1.0, "the limit", "", true, ""},
           {"machine", "cores", 2, "cores", 0, "", "", true, "no ratio: not charted"}};
+}
+
+// The code of every figure runs, end to end included, at the smoke run's tiny sizes (the Debug
+// and sanitizer builds would take hours at the real ones): each group reports, every value is a
+// number, the table, JSON and chart are made, and the run leaves timing as it found it.
+TEST(BenchFigures, EveryFigureRunsInASmokeRun) {
+  BenchOptions options;
+  options.smoke = true;
+  std::vector<std::string> steps;
+  options.progress = [&](const std::string& step) { steps.push_back(step); };
+  const std::vector<Figure> figures = run_figures(options);
+  EXPECT_FALSE(time_each_op_once);
+  std::set<std::string> groups;
+  for (const Figure& f : figures) {
+    groups.insert(f.group);
+    EXPECT_TRUE(std::isfinite(f.value)) << f.group << ": " << f.name;
+    EXPECT_TRUE(std::isfinite(f.ratio)) << f.group << ": " << f.name;
+  }
+  for (const char* group :
+       {"machine", "memcpy bandwidth", "decode append", "prefill 128k in 512-token chunks",
+        "lazy capture", "materialize lazy snapshot", "restore owned snapshot",
+        "merge + split of lazy snapshots", "recurrent decode step", "built-in model prefill",
+        "prefix trie", "tier store, paged sequence", "prefix cache per request",
+        "end to end (kvsnap replay)", "many sequences (many-users)"}) {
+    EXPECT_EQ(groups.count(group), 1u) << group;
+  }
+  EXPECT_NE(std::find(steps.begin(), steps.end(), "shared tier"), steps.end());
+  // Both replays agree at any size: a smoke run that disagrees is a broken run, not noise.
+  for (const Figure& f : figures) {
+    if (f.target == "identical tokens, logits within 1e-4") {
+      EXPECT_TRUE(f.pass) << f.name;
+    }
+  }
+  EXPECT_NE(format_figures(figures).find("many sequences (many-users)"), std::string::npos);
+  EXPECT_EQ(nlohmann::json::parse(figures_json(figures)).size(), figures.size());
+  EXPECT_EQ(figures_chart(figures).rfind("<svg", 0), 0u);
+  EXPECT_LE(figures_status(figures), 1);
 }
 
 // CI can gate on the bench: a figure that fails its target fails the run.
