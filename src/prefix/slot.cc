@@ -138,9 +138,13 @@ void Slot::abandon() noexcept {
   }
   live_.set_writable(false);
   try {
-    live_.reset();  // what the caches hold is not known to match any record
-    evict_(Change::own);
-  } catch (...) {  // the caller's failure is the one reported
+    reset_moved_caches();  // what the caches hold is not known to match any record
+  } catch (...) {          // the caller's failure is the one reported
+    try {  // the eviction before the reset failed (memory): reset anyway, then make room
+      live_.reset();
+      evict_(Change::own);
+    } catch (...) {
+    }
   }
 }
 
@@ -387,9 +391,9 @@ void Slot::close_session() {
   s.owner = nullptr;          // a closed handle may outlive the PrefixCache: it must not name it
   live_.set_writable(false);  // nothing writes the caches before the slot's next begin
   if (offset < 0 || offset > static_cast<int64_t>(s.tokens.size()) || offset < s.paged_end) {
-    // The caches were driven past what the session knows: nothing consistent to page out.
-    live_.reset();
-    evict_(Change::own);
+    // The caches were driven past what the session knows: nothing consistent to page out. The
+    // reset is reserved for first, as a begin's is.
+    reset_moved_caches();
     return;
   }
   if (offset > s.paged_end) {

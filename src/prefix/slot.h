@@ -88,8 +88,10 @@ class Slot {
   // A session that cannot go on (a begin or close that failed midway): it ends, and the slot's
   // caches are reset, as what they hold may match no record. Never throws.
   void abandon() noexcept;
-  // Resets caches that were moved outside the prefix cache (begin found them inconsistent with
-  // what the slot recorded), within the budget.
+  // Resets the slot's caches whose contents match no record (moved outside the prefix cache,
+  // driven past what a closing session knows, or left by a failed call), within the budget: what
+  // the reset copies into the trie's lazy snapshots is evicted for first. Leaves the slot
+  // unwritable.
   void reset_moved_caches();
   // The offset every layer stands at, as the session needs it (-1 never matches an offset).
   int64_t layer_offset() const { return live_.offset().value_or(-1); }

@@ -320,5 +320,35 @@ TEST(PrefixCacheBudget, AResetOfCachesMovedByHandReservesBeforeCopying) {
   EXPECT_EQ(cache.check_invariants(), "");
 }
 
+// A close whose caches stand past what the session knows (a token forwarded but never
+// appended: decoding's usual order broken) resets them, as nothing consistent can be paged out,
+// and that reset copies out what the trie's lazy snapshots named there: reserved (evicted for)
+// before the copy, not after it, so the trie never holds more than its budget and a snapshot.
+TEST(PrefixCacheBudget, AClosePastWhatTheSessionKnowsReservesBeforeResetting) {
+  HybridStack stack(/*with_recurrent=*/false);
+  const int64_t budget = 10 * stack.token_bytes();
+  PrefixCache cache(stack.layers(), {.max_paged_out_bytes = budget});
+  const Tokens p = tokens(100, 60);
+  PrefixCache::Session s = cache.begin(p);
+  ASSERT_TRUE(stack.forward_and_check(s.remaining(), p));
+  s.prefill_done();
+  // p's KV, lazy in the live cache: a reset copies it out.
+  EXPECT_GT(stack.attention().exposed_bytes_after_rewind(0, 0), budget);
+  ASSERT_TRUE(stack.forward_and_check(Tokens{7}, p + Tokens{7}));  // never append_output
+  cache.reset_peak_paged_out_bytes();
+  s.close();
+  EXPECT_EQ(stack.attention().offset(0), 0);  // reset: nothing consistent to page out
+  // One snapshot over at most (the window's restore point holds 8 tokens).
+  EXPECT_LE(cache.peak_paged_out_bytes(), budget + 9 * stack.token_bytes());
+  EXPECT_LE(cache.paged_out_bytes(), budget);
+  EXPECT_EQ(cache.check_invariants(), "");
+  // The cache serves on: a new request is evaluated and checked against recomputation.
+  const Tokens q = tokens(500, 20);
+  PrefixCache::Session next = cache.begin(q);
+  ASSERT_TRUE(stack.forward_and_check(next.remaining(), q));
+  next.prefill_done();
+  EXPECT_EQ(cache.check_invariants(), "");
+}
+
 }  // namespace
 }  // namespace kvsnap
