@@ -49,6 +49,7 @@ void LiveState::refresh_exposure() {
 
 void LiveState::begin_switch(Node* tip, int64_t rewind_to) {
   switching_to_ = tip;
+  switching_from_ = tip->start();
   rewind_to_ = rewind_to;
   writable_ = true;
 }
@@ -238,6 +239,13 @@ void evict_to_budget(Trie& trie, const std::vector<LiveState*>& live, int64_t bu
   refresh();
   evict_leaves();
   if (!over()) return;
+  // A begin whose pinned tip was split above: the tail it still pins may be a leaf its plan does
+  // not need. It plans again (the trie changed) and evicts that first; dropping other slots'
+  // restore points now would lose them for nothing.
+  if (std::any_of(live.begin(), live.end(),
+                  [](const LiveState* slot) { return slot->switch_tip_split(); })) {
+    return;
+  }
   // Last resort: the active paths cannot be evicted (live caches stand on them), but the
   // whole-state snapshots their nodes keep — owned, or lazy in a ring that will copy them — are
   // restore points for later divergence, not needed for the live states. Drop them, least

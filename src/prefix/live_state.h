@@ -45,6 +45,12 @@ class LiveState {
   // exposure, so an eviction makes room for it before anything is copied. end_switch ends both.
   void begin_switch(Node* tip, int64_t rewind_to);
   void end_switch() noexcept;
+  // Whether a split (another slot's re-pointing) moved the switch's pinned tip up since
+  // begin_switch: the node pinned then now holds only the tail of it, which the plan may not
+  // need; the caller plans again (the trie's version changed) and pins what it needs.
+  bool switch_tip_split() const {
+    return switching_to_ != nullptr && switching_to_->start() != switching_from_;
+  }
   // Points the KV snapshots of the active path's nodes at the live caches that hold them (in
   // decode too), lazily: what they owned, or named in another slot's caches, is given back. A
   // tip only partly live is split first at the recorded tokens' end, so the live caches hold
@@ -92,6 +98,7 @@ class LiveState {
   std::vector<int32_t> tokens_;
   Node* tip_;                         // the deepest node holding a live token
   Node* switching_to_ = nullptr;      // begin_switch's tip
+  int64_t switching_from_ = 0;        // its first token then
   std::optional<int64_t> rewind_to_;  // begin_switch's rewind_to
   bool writable_ = false;
   int64_t exposure_ = 0;

@@ -68,7 +68,8 @@ std::shared_ptr<SessionState> Slot::begin(std::span<const int32_t> prompt, Prefi
     // changed the trie (its rewind may lie lower), until a round changes nothing: the plan
     // used is always the trie's latest, and its rewind reserved. (A round that goes on evicted
     // a node, or split a partly live tip, which a later round can do again only after a merge,
-    // which follows an eviction: the trie shrinks, so the rounds end; in practice one or two.)
+    // which follows an eviction: the trie shrinks, so the rounds end; in practice one to three:
+    // tests/prefix/slot_replan_test.cc.)
     for (;;) {
       const uint64_t version = trie_.version();
       live_.begin_switch(pinned_tip(match.path, plan, &trie_.root()),
