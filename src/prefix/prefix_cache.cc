@@ -85,8 +85,13 @@ class PrefixCacheImpl {
     }
     return *slots[static_cast<size_t>(id)];
   }
-  bool any_open() const {
-    return std::any_of(slots.begin(), slots.end(), [](const auto& s) { return s->open(); });
+  bool any_open() const { return first_open() >= 0; }
+  // The lowest slot with a session open, or -1.
+  SeqId first_open() const {
+    for (const auto& s : slots) {
+      if (s->open()) return s->id();
+    }
+    return -1;
   }
   // Keeps the trie within its budget after a call of slot `caller` that made `change`.
   void evict(SeqId caller, Change change) {
@@ -151,15 +156,16 @@ detail::PrivacyRule load_rule(const char* call, const LoadOptions& options) {
 
 void PrefixCache::save(const std::string& dir, const std::string& model_id) const {
   const Lock lock(impl_->mutex);
-  const std::error_code error = detail::make_private_folders(dir);
-  if (error)
-    throw Error(fmt::format("PrefixCache::save: cannot create {} ({})", dir, error.message()));
+  // Encoded first: a trie that cannot be saved leaves no folder behind either.
   std::string bytes;
   try {
     bytes = detail::encode_trie(impl_->trie, model_id);
   } catch (const detail::HeaderTooLong& e) {
     throw Error(fmt::format("PrefixCache::save: {}", e.what()));
   }
+  const std::error_code error = detail::make_private_folders(dir);
+  if (error)
+    throw Error(fmt::format("PrefixCache::save: cannot create {} ({})", dir, error.message()));
   detail::write_file_atomically(trie_path(dir), bytes);
 }
 
@@ -170,7 +176,10 @@ void PrefixCache::load(const std::string& dir, const std::string& model_id) {
 void PrefixCache::load(const std::string& dir, const std::string& model_id,
                        const LoadOptions& options) {
   const Lock lock(impl_->mutex);
-  if (impl_->any_open()) throw Error("PrefixCache::load: a session is open; close it first");
+  if (impl_->any_open()) {
+    throw Error(fmt::format("PrefixCache::load: a session is open on slot {}; close it first",
+                            impl_->first_open()));
+  }
   const std::string path = trie_path(dir);
   // Everything is read and built aside first: a load that fails leaves the trie as it was.
   std::unique_ptr<detail::Trie> fresh;

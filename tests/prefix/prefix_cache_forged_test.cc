@@ -261,6 +261,7 @@ TEST_F(ForgedTrie, ALayerOfAnUnknownKindIsNeitherSavedNorLoaded) {
     EXPECT_TRUE(throws_error([&] { cache.save(dir_ + "/unknown", "m"); },
                              {"PrefixCache::save", "layer 3", "does not know", "cannot be saved"}));
     EXPECT_FALSE(PrefixCache::saved_in(dir_ + "/unknown"));
+    EXPECT_FALSE(std::filesystem::exists(dir_ + "/unknown"));  // refused before anything made
   }
   Json described = Json::parse(file_.metadata.at("layers"));
   described[3] = {{"kind", "other"}};

@@ -146,7 +146,8 @@ TEST(PrefixCacheSlots, LoadingWithASessionOpenOnAnySlotIsAnError) {
   HybridStack stack;
   PrefixCache cache(stack.layers(), {.slots = 2});
   PrefixCache::Session open = cache.begin(1, kSystem);
-  EXPECT_TRUE(throws_error([&] { cache.load("/nonexistent"); }, {"session is open"}));
+  EXPECT_TRUE(
+      throws_error([&] { cache.load("/nonexistent"); }, {"session is open on slot 1", "close it"}));
   EXPECT_TRUE(throws_error(
       [] {
         HybridStack s;
