@@ -1,11 +1,13 @@
 #include "array/strided_copy.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
-#include <fstream>
-#include <string>
 
 #include "array/sanitizers.h"
 
@@ -23,22 +25,32 @@ namespace {
 // token's write.
 thread_local int64_t memcpy_calls = 0;
 thread_local int64_t streamed_runs = 0;
+thread_local int streaming_scopes = 0;  // StreamingWrites alive on this thread
 
 constexpr int kMaxAxes = 8;
 // Runs of whole cache lines up to this many bytes are copied inline (see strided_copy).
 constexpr size_t kLine = 64, kInlineRun = 1024;
 
 // The last-level cache of the CPU this process started on, as Linux names it (sysfs: "32768K" on
-// a Zen 3 CCD, the share one core can use), else 32 MiB. Runs longer than kInlineRun into a
-// destination spanning at least this many bytes are written with streaming stores (stream_run).
+// a Zen 3 CCD, the share one core can use), else 32 MiB: a copy of runs longer than kInlineRun
+// that moves this many bytes or more goes by streaming stores (stream_run), as does any such copy
+// inside a StreamingWrites.
 int64_t last_level_cache_bytes() {
-  std::ifstream file("/sys/devices/system/cpu/cpu0/cache/index3/size");
-  int64_t size = 0;
-  std::string unit;
-  if (file >> size && size > 0) {
-    file >> unit;
-    const int64_t scale = unit == "K" ? 1 << 10 : unit == "M" ? 1 << 20 : unit == "G" ? 1 << 30 : 1;
-    if (size <= (int64_t{1} << 40) / scale) return size * scale;
+  // Read with a stack buffer, not a stream: the first copy that asks may run where allocation
+  // fails (out-of-memory tests), and must not fail or allocate for this.
+  char text[32] = {};
+  const int fd = ::open("/sys/devices/system/cpu/cpu0/cache/index3/size", O_RDONLY | O_CLOEXEC);
+  if (fd >= 0) {
+    const ssize_t got = ::read(fd, text, sizeof text - 1);
+    ::close(fd);
+    char* unit = nullptr;
+    const long long size = got > 0 ? std::strtoll(text, &unit, 10) : 0;
+    const int64_t scale = unit == nullptr ? 0
+                          : *unit == 'K'  ? int64_t{1} << 10
+                          : *unit == 'M'  ? int64_t{1} << 20
+                          : *unit == 'G'  ? int64_t{1} << 30
+                                          : 1;
+    if (size > 0 && scale > 0 && size <= (int64_t{1} << 40) / scale) return size * scale;
   }
   return int64_t{32} << 20;
 }
@@ -146,12 +158,14 @@ LineRuns chosen_line_runs() {
 }
 
 // One run written with streaming (non-temporal) stores, whole lines only: the lines go to memory
-// without being read first and without evicting what the caches hold. A destination that spans
-// more than a last-level cache (32 MB per AMD CCD; less per core elsewhere) will not be read from
-// the cache anyway, so a normal store's read of each line before it is written (half the memory
-// traffic of a copy) and its eviction of useful lines are pure cost: a 128k-token prefill's
-// chunk writes and growth copies run ~1.6x faster this way. The partial lines at either end go
-// by memcpy. The caller fences (sfence) after its last run, before anything may read them.
+// without being read first and without evicting what the caches hold. Lines that will not be
+// read from the cache anyway — a copy larger than the last-level cache (32 MB per AMD CCD; less
+// per core elsewhere), or a write into a history larger than it, which attention reads from its
+// first column on, pushing the new ones out before it reaches them — gain nothing from a normal
+// store's read of each line before it is written (half the memory traffic of a copy) and its
+// eviction of useful lines: a 128k-token prefill's chunk writes and growth copies run ~1.6x
+// faster this way. The partial lines at either end go by memcpy. The caller fences (sfence)
+// after its last run, before anything may read them.
 void stream_run(char* to, const char* from, size_t bytes) {
 #if defined(KVSNAP_STREAMING_STORES)
   const size_t misaligned = reinterpret_cast<uintptr_t>(to) % kLine;
@@ -175,6 +189,19 @@ void stream_run(char* to, const char* from, size_t bytes) {
 #else
   std::memcpy(to, from, bytes);
 #endif
+}
+
+// Whether a copy of runs longer than kInlineRun streams: one larger than the last-level cache
+// (its own first lines are gone before its last are written), or any inside a StreamingWrites.
+bool streams(const Layout& layout, int outer, size_t run_bytes) {
+  const int64_t span = stream_span();
+  if (span == 0) return false;
+  if (streaming_scopes > 0) return true;
+  int64_t runs = 1;
+  for (int axis = 0; axis < outer; ++axis) {
+    if (__builtin_mul_overflow(runs, layout.shape[axis], &runs)) return true;
+  }
+  return runs >= (span + static_cast<int64_t>(run_bytes) - 1) / static_cast<int64_t>(run_bytes);
 }
 
 }  // namespace
@@ -219,7 +246,7 @@ int64_t strided_copy(void* destination, const int64_t* destination_strides, cons
   } else if (run_bytes % kLine == 0 && run_bytes <= kInlineRun) {
     static const LineRuns lines = chosen_line_runs();
     calls = lines(layout, outer, out, in, element_size, run_bytes);
-  } else if (run_bytes > kInlineRun && stream_span() > 0 && out_end - out >= stream_span()) {
+  } else if (run_bytes > kInlineRun && streams(layout, outer, run_bytes)) {
     calls = each_run(layout, outer, out, in, element_size,
                      [run_bytes](char* to, const char* from) { stream_run(to, from, run_bytes); });
 #if defined(KVSNAP_STREAMING_STORES)
@@ -239,5 +266,12 @@ int64_t strided_copy_calls() { return memcpy_calls; }
 int64_t strided_copy_streamed_runs() { return streamed_runs; }
 
 int64_t strided_copy_stream_span() { return stream_span(); }
+
+StreamingWrites::StreamingWrites(bool on) : on_(on) {
+  if (on_) ++streaming_scopes;
+}
+StreamingWrites::~StreamingWrites() {
+  if (on_) --streaming_scopes;
+}
 
 }  // namespace kvsnap::detail

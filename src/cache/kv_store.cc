@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <new>
 
+#include "array/streaming.h"
+
 namespace kvsnap::detail {
 namespace {
 
@@ -384,6 +386,10 @@ void KVStore::replace(Array new_keys, Array new_values) {
 
 void KVStore::write(int64_t column, const Array& new_keys, const Array& new_values) {
   preserve(column, column + new_keys.dim(2));
+  // Into a history past the last-level cache, the new columns bypass it (strided_copy.h).
+  const int64_t span = strided_copy_stream_span();
+  const detail::StreamingWrites streaming(span > 0 &&
+                                          column >= span / std::max<int64_t>(token_bytes(), 1));
   keys.assign_slice(2, column, new_keys);
   values.assign_slice(2, column, new_values);
 }

@@ -130,11 +130,12 @@ void expect_run_and_clear(std::vector<unsigned char>& destination, size_t at,
   std::fill_n(destination.begin() + static_cast<ptrdiff_t>(at), bytes, 0);
 }
 
-TEST(Array, StridedCopyStreamsLongRunsIntoDestinationsLargerThanACache) {
-  // Two runs a last-level cache apart (a chunk written into two heads of a large cache): each
-  // run starts at every offset from a cache line, for element sizes 1, 2 and 4 and lengths whose
-  // byte counts leave every kind of tail, and must land exactly, the bytes around it untouched.
-  // (Sanitizer builds copy without streaming stores: the same results, no streamed runs.)
+TEST(Array, StridedCopyStreamsLongRunsIntoAHistoryLargerThanACache) {
+  // Inside a StreamingWrites (a write into a history larger than the last-level cache), two runs
+  // a cache apart (a chunk written into two heads) stream: each run starts at every offset from a
+  // cache line, for element sizes 1, 2 and 4 and lengths whose byte counts leave every kind of
+  // tail, and must land exactly, the bytes around it untouched. (Sanitizer builds copy without
+  // streaming stores: the same results, no streamed runs.)
   const int64_t span = detail::strided_copy_stream_span();
   const int64_t apart = std::max<int64_t>(span, int64_t{32} << 20);
   std::vector<unsigned char> source(2 * 4 * 5000);
@@ -142,19 +143,25 @@ TEST(Array, StridedCopyStreamsLongRunsIntoDestinationsLargerThanACache) {
   std::vector<unsigned char> destination(static_cast<size_t>(apart + 4 * 5000 + 256), 0);
   const auto base = static_cast<size_t>(64 - reinterpret_cast<uintptr_t>(destination.data()) %
                                                  64);  // 64-aligned, room before it
+  const auto copy = [&](size_t at, int64_t run, int64_t size) {
+    const int64_t shape[] = {2, run}, source_strides[] = {run, 1},
+                  destination_strides[] = {apart / size, 1};
+    const int64_t streamed = detail::strided_copy_streamed_runs();
+    EXPECT_EQ(detail::strided_copy(destination.data() + at, destination_strides, source.data(),
+                                   source_strides, shape, 2, size),
+              2);
+    return detail::strided_copy_streamed_runs() - streamed;
+  };
   for (const int64_t size : {1, 2, 4}) {
     for (const int64_t run : {1025, 1088, 4999}) {
       if (run * size <= 1024) continue;
       for (int64_t offset = 0; offset < 64; offset += size) {
         const auto at = base + static_cast<size_t>(offset);
-        const int64_t shape[] = {2, run}, source_strides[] = {run, 1},
-                      destination_strides[] = {apart / size, 1};
-        const int64_t streamed = detail::strided_copy_streamed_runs();
-        EXPECT_EQ(detail::strided_copy(destination.data() + at, destination_strides, source.data(),
-                                       source_strides, shape, 2, size),
-                  2);
-        EXPECT_EQ(detail::strided_copy_streamed_runs() - streamed, span > 0 ? 2 : 0)
-            << run << " elements of " << size << " at +" << offset;
+        {
+          const detail::StreamingWrites streaming(true);
+          EXPECT_EQ(copy(at, run, size), span > 0 ? 2 : 0)
+              << run << " elements of " << size << " at +" << offset;
+        }
         const auto bytes = static_cast<size_t>(run * size);
         expect_run_and_clear(destination, at, source.data(), bytes);
         expect_run_and_clear(destination, at + static_cast<size_t>(apart / size * size),
@@ -162,15 +169,41 @@ TEST(Array, StridedCopyStreamsLongRunsIntoDestinationsLargerThanACache) {
       }
     }
   }
-  // Short runs (a token's rows), or a destination the cache holds, take the ordinary stores.
-  const int64_t streamed = detail::strided_copy_streamed_runs();
-  const int64_t short_runs[] = {2, 1024}, short_strides[] = {1024, 1}, far[] = {apart, 1};
-  const int64_t long_runs[] = {2, 2000}, long_strides[] = {2000, 1}, near[] = {4096, 1};
-  (void)detail::strided_copy(destination.data(), far, source.data(), short_strides, short_runs, 2,
-                             1);
-  (void)detail::strided_copy(destination.data(), near, source.data(), long_strides, long_runs, 2,
-                             1);
-  EXPECT_EQ(detail::strided_copy_streamed_runs(), streamed);
+  // Outside one, a copy that small takes the ordinary stores however far apart its runs lie;
+  // inside one, so do runs of a kilobyte or less (a token's rows).
+  EXPECT_EQ(copy(base, 2000, 1), 0);
+  expect_run_and_clear(destination, base, source.data(), 2000);
+  expect_run_and_clear(destination, base + static_cast<size_t>(apart), source.data() + 2000, 2000);
+  const detail::StreamingWrites streaming(true);
+  EXPECT_EQ(copy(base, 1024, 1), 0);
+}
+
+TEST(Array, StridedCopyStreamsACopyLargerThanACache) {
+  // A copy moving at least the last-level cache's bytes (a growth copy, a large snapshot's) streams
+  // its long runs; one a run short of that does not. The bytes land either way.
+  const int64_t span = std::max<int64_t>(detail::strided_copy_stream_span(), 1 << 20);
+  constexpr int64_t kRun = 4096;
+  const int64_t runs = (span + kRun - 1) / kRun;
+  std::vector<unsigned char> source(static_cast<size_t>(runs * kRun));
+  for (size_t i = 0; i < source.size(); ++i) source[i] = static_cast<unsigned char>(i * 13 + 5);
+  std::vector<unsigned char> destination(static_cast<size_t>(runs * (kRun + 64)), 0);
+  for (const int64_t count : {runs, runs - 1}) {
+    std::fill(destination.begin(), destination.end(), 0);
+    const int64_t shape[] = {count, kRun}, source_strides[] = {kRun, 1},
+                  destination_strides[] = {kRun + 64, 1};  // padded rows: runs, not one block
+    const int64_t streamed = detail::strided_copy_streamed_runs();
+    EXPECT_EQ(detail::strided_copy(destination.data(), destination_strides, source.data(),
+                                   source_strides, shape, 2, 1),
+              count);
+    const bool large = detail::strided_copy_stream_span() > 0 && count == runs;
+    EXPECT_EQ(detail::strided_copy_streamed_runs() - streamed, large ? count : 0) << count;
+    for (int64_t r = 0; r < count; r += 997) {
+      EXPECT_TRUE(std::equal(source.begin() + r * kRun, source.begin() + (r + 1) * kRun,
+                             destination.begin() + r * (kRun + 64)))
+          << "run " << r;
+      EXPECT_EQ(destination[static_cast<size_t>(r * (kRun + 64) + kRun)], 0) << "run " << r;
+    }
+  }
 }
 
 TEST(Array, AssignSliceWritesARangeWithoutAllocating) {

@@ -6,6 +6,7 @@
 #include <functional>
 #include <new>
 
+#include "array/strided_copy.h"
 #include "cache/snapshot_record.h"
 #include "support/cache_support.h"
 #include "support/memory_limit.h"
@@ -102,6 +103,36 @@ TEST(KVCache, LongPrefillCopiesEachByteAtMostTwice) {
       static_cast<double>(stats.appended_bytes + stats.growth_bytes) / stats.appended_bytes;
   EXPECT_LE(ratio, 2.0);
   EXPECT_GT(ratio, 1.0);  // growth did happen: the bound is not vacuous
+}
+
+// Writes into a history larger than the last-level cache bypass it (streaming stores): attention
+// reads such a history from its first column on, pushing the new columns out of the cache before
+// it reaches them. Into a smaller history they are ordinary stores. Either way they land.
+TEST(KVCache, WritesIntoAHistoryPastTheLastLevelCacheStream) {
+  const int64_t span = detail::strided_copy_stream_span();
+  if (span == 0) GTEST_SKIP() << "this build never streams (a sanitizer's, or no SSE2)";
+  const TokenKV layer{.heads = 2, .depth = 256};  // 4 KiB a token
+  const int64_t past = span / 4096, chunk = 16;   // runs of 16 KiB a head
+  KVCache cache;
+  cache.reserve(past + chunk);  // no growth copy below
+  const Array zeros = Array::zeros(DType::f32, {1, 2, 512, 256});
+  for (int64_t written = 0; written + 512 <= past - chunk; written += 512) {
+    cache.update(Batch::uniform(1, 512, cache.offset()), zeros, zeros);
+  }
+  const auto streamed_by = [&](int64_t from) {
+    (void)cache.restore(nullptr, from);
+    const int64_t before = detail::strided_copy_streamed_runs();
+    const std::vector<int64_t> ids = id_range(from, chunk);
+    cache.update(Batch::uniform(1, chunk, from), layer.keys(ids), layer.values(ids));
+    const std::vector<int64_t> all = held(cache);
+    EXPECT_EQ(std::vector<int64_t>(all.end() - chunk, all.end()), ids);
+    return detail::strided_copy_streamed_runs() - before;
+  };
+  while (cache.offset() < past - chunk) {
+    cache.update(Batch::uniform(1, 1, cache.offset()), zeros.slice(2, 0, 1), zeros.slice(2, 0, 1));
+  }
+  EXPECT_EQ(streamed_by(past - chunk), 0);  // the history before it: a chunk short of the cache
+  EXPECT_EQ(streamed_by(past), 4);          // keys and values, a run per head
 }
 
 TEST(KVCache, GrowthStaysLinearForAnyLength) {
