@@ -20,7 +20,7 @@ int64_t sized(int64_t n, int64_t least = 1);
 double memcpy_ns(int64_t bytes);
 // compute_limit.cc: floating-point operations one core issues per ns in the widest fma the
 // model's kernels use here, nothing waiting on memory (the limit of compute-bound figures);
-// measured on the first call, the same afterwards.
+// measured on the first call outside a smoke run, the same afterwards.
 double fma_peak_flops_per_ns();
 
 // cache_figures.cc

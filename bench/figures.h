@@ -22,8 +22,9 @@ struct Figure {
 
 struct BenchOptions {
   bool end_to_end = true;  // include the replays, sequential and parallel (the slowest figures)
-  // Every figure's code at small sizes (a layer of 1 head of depth 8, a tiny model, a few short
-  // requests, each timing one call), so a test runs it all in seconds: the values mean nothing.
+  // Every figure's code at small sizes (a layer of 1 head of depth 8, a model of ~20k parameters, a
+  // few short requests, each timing one call), so a test runs it all in seconds: the values mean
+  // nothing.
   bool smoke = false;
   std::function<void(const std::string&)> progress = [](const std::string&) {};
 };

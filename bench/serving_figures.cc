@@ -75,7 +75,7 @@ namespace {
 
 constexpr const char* kOfPeak = "x the fma peak (model flops / time)";
 
-// `full`, or in a smoke run a model of a few thousand parameters with every kind of layer.
+// `full`, or in a smoke run a model of ~20k parameters with every kind of layer.
 ModelConfig sized_model(const ModelConfig& full) {
   if (!smoke()) return full;
   ModelConfig tiny;

@@ -45,9 +45,10 @@ class LiveState {
   // exposure, so an eviction makes room for it before anything is copied. end_switch ends both.
   void begin_switch(Node* tip, int64_t rewind_to);
   void end_switch() noexcept;
-  // Whether a split (another slot's re-pointing) moved the switch's pinned tip up since
-  // begin_switch: the node pinned then now holds only the tail of it, which the plan may not
-  // need; the caller plans again (the trie's version changed) and pins what it needs.
+  // Whether a split (a slot's re-pointing: another's, or this one's of its old path) moved the
+  // switch's pinned tip up since begin_switch: the node pinned then now holds only the lower part
+  // of it (still pinned, with the new upper node), which the plan may not need; the caller plans
+  // again (the trie's version changed) and pins what it needs.
   bool switch_tip_split() const {
     return switching_to_ != nullptr && switching_to_->start() != switching_from_;
   }
