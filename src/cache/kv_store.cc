@@ -388,8 +388,7 @@ void KVStore::write(int64_t column, const Array& new_keys, const Array& new_valu
   preserve(column, column + new_keys.dim(2));
   // Into a history past the last-level cache, the new columns bypass it (strided_copy.h).
   const int64_t span = strided_copy_stream_span();
-  const detail::StreamingWrites streaming(span > 0 &&
-                                          column >= span / std::max<int64_t>(token_bytes(), 1));
+  const StreamingWrites streaming(span > 0 && column * token_bytes() >= span);
   keys.assign_slice(2, column, new_keys);
   values.assign_slice(2, column, new_values);
 }
