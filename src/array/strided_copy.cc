@@ -31,10 +31,10 @@ constexpr int kMaxAxes = 8;
 // Runs of whole cache lines up to this many bytes are copied inline (see strided_copy).
 constexpr size_t kLine = 64, kInlineRun = 1024;
 
-// The last-level cache of the CPU this process started on, as Linux names it (sysfs: "32768K" on
-// a Zen 3 CCD, the share one core can use), else 32 MiB: a copy of runs longer than kInlineRun
-// that moves this many bytes or more goes by streaming stores (stream_run), as does any such copy
-// inside a StreamingWrites.
+// The last-level cache of CPU 0, as Linux names it (sysfs: "32768K" on a Zen 3 CCD, the share one
+// core can use; the CPUs of one machine have the same), else 32 MiB: a copy of runs longer than
+// kInlineRun that moves this many bytes or more goes by streaming stores (stream_run), as does any
+// such copy inside a StreamingWrites.
 int64_t last_level_cache_bytes() {
   // Read with a stack buffer, not a stream: the first copy that asks may run where allocation
   // fails (out-of-memory tests), and must not fail or allocate for this.
