@@ -42,13 +42,14 @@ struct Writer {
 
 using Clock = std::chrono::steady_clock;
 
-// Set for a smoke run of `kvsnap bench` (BenchOptions::smoke): time_ns calls its op once.
-inline bool time_each_op_once = false;
+// Set while a smoke run of `kvsnap bench` runs (BenchOptions::smoke): the figures shrink their
+// sizes (figure_parts.h: smoke(), sized()) and time_ns calls its op once.
+inline bool smoke_run = false;
 
 // Nanoseconds per call of `op`, the best of several timed batches of at least `min_seconds`.
 template <class Op>
 double time_ns(Op&& op, double min_seconds = 0.05, int repeats = 3) {
-  if (time_each_op_once) {
+  if (smoke_run) {
     min_seconds = 0;
     repeats = 1;
   }

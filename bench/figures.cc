@@ -16,19 +16,11 @@
 namespace kvsnap::bench {
 namespace {
 
-bool smoke_run = false;
-
-// Sets the smoke flags for the figures run while it lives.
+// Sets smoke_run for the figures run while it lives.
 class SmokeScope {
  public:
-  explicit SmokeScope(bool on) {
-    smoke_run = on;
-    time_each_op_once = on;
-  }
-  ~SmokeScope() {
-    smoke_run = false;
-    time_each_op_once = false;
-  }
+  explicit SmokeScope(bool on) { smoke_run = on; }
+  ~SmokeScope() { smoke_run = false; }
   SmokeScope(const SmokeScope&) = delete;
   SmokeScope& operator=(const SmokeScope&) = delete;
 };

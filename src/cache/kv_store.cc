@@ -386,7 +386,7 @@ void KVStore::replace(Array new_keys, Array new_values) {
 
 void KVStore::write(int64_t column, const Array& new_keys, const Array& new_values) {
   preserve(column, column + new_keys.dim(2));
-  // Into a history past the last-level cache, the new columns bypass it (strided_copy.h).
+  // Into a history past the last-level cache, the new columns bypass it (array/streaming.h).
   const int64_t span = strided_copy_stream_span();
   const StreamingWrites streaming(span > 0 && column * token_bytes() >= span);
   keys.assign_slice(2, column, new_keys);

@@ -29,7 +29,7 @@ TEST(BenchFigures, EveryFigureRunsInASmokeRun) {
   std::vector<std::string> steps;
   options.progress = [&](const std::string& step) { steps.push_back(step); };
   const std::vector<Figure> figures = run_figures(options);
-  EXPECT_FALSE(time_each_op_once);
+  EXPECT_FALSE(smoke_run);
   std::set<std::string> groups;
   for (const Figure& f : figures) {
     groups.insert(f.group);
