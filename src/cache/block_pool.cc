@@ -6,12 +6,11 @@
 
 namespace kvsnap::detail {
 
-void BlockPool::grow() {
+void BlockPool::grow(const char* call) {
   if (blocks() > kMaxBlocks - blocks_per_chunk) {
     throw Error(fmt::format(
-        "PagedKVCache: the pool holds {} blocks; another {} would pass 2^31 - 1, the most block "
-        "ids name",
-        blocks(), blocks_per_chunk));
+        "{}: the pool holds {} blocks; another {} would pass 2^31 - 1, the most block ids name",
+        call, blocks(), blocks_per_chunk));
   }
   const auto first = static_cast<int32_t>(blocks_.size());
   const auto count = static_cast<size_t>(blocks_per_chunk);
@@ -23,10 +22,9 @@ void BlockPool::grow() {
     if (__builtin_mul_overflow(layout.heads, depth, &elements) ||
         __builtin_mul_overflow(elements, columns, &elements) || elements > kMaxTokens) {
       throw Error(fmt::format(
-          "PagedKVCache: a chunk of the pool, {} blocks of {} tokens of {}, would hold more "
-          "than 2^60 elements, the most an array holds (choose a smaller block_tokens or "
-          "blocks_per_chunk)",
-          blocks_per_chunk, block_tokens, layout.describe()));
+          "{}: a chunk of the pool, {} blocks of {} tokens of {}, would hold more than 2^60 "
+          "elements, the most an array holds (choose a smaller block_tokens or blocks_per_chunk)",
+          call, blocks_per_chunk, block_tokens, layout.describe()));
     }
   }
   Shape key_shape{1, layout.heads, columns, layout.key_depth};
@@ -62,12 +60,12 @@ void BlockPool::drop_if_unused() {
   has_layout = false;
 }
 
-void BlockPool::reserve(int64_t count) {
-  while (static_cast<int64_t>(free_.size()) < count) grow();
+void BlockPool::reserve(int64_t count, const char* call) {
+  while (static_cast<int64_t>(free_.size()) < count) grow(call);
 }
 
-int32_t BlockPool::allocate() {
-  if (free_.empty()) grow();
+int32_t BlockPool::allocate(const char* call) {
+  if (free_.empty()) grow(call);
   const int32_t id = free_.back();
   free_.pop_back();
   Block& block = blocks_[static_cast<size_t>(id)];
@@ -107,9 +105,9 @@ void BlockPool::written(int32_t id, int64_t slot, int64_t count) {
   block.filled = slot + count;
 }
 
-int32_t BlockPool::meet(int32_t ours, int32_t theirs, int64_t slot, int64_t end) {
+int32_t BlockPool::meet(int32_t ours, int32_t theirs, int64_t slot, int64_t end, const char* call) {
   if (ours == theirs || same_start(ours, theirs, slot)) return theirs;
-  const int32_t joined = allocate();
+  const int32_t joined = allocate(call);
   copy(ours, joined, slot);
   keys(joined).assign_slice(2, slot, keys(theirs).slice(2, slot, end));
   values(joined).assign_slice(2, slot, values(theirs).slice(2, slot, end));

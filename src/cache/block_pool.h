@@ -36,10 +36,10 @@ class BlockPool {
   // Blocks that hold `tokens` tokens from a block's start.
   int64_t blocks_for(int64_t tokens) const { return (tokens + block_tokens - 1) / block_tokens; }
   // A free block (the pool grows by a chunk when none is left), not yet referenced.
-  int32_t allocate();
+  int32_t allocate(const char* call);
   // Grows the pool until at least `count` blocks are free, so the next `count` allocate() calls
   // allocate no storage. A growth that throws (std::bad_alloc) leaves the pool as it was.
-  void reserve(int64_t count);
+  void reserve(int64_t count, const char* call);
   // A block allocate() gave that nobody came to reference (what was to reference it failed):
   // free again.
   void give_back(int32_t id) { settle(id); }
@@ -59,7 +59,7 @@ class BlockPool {
   // `end`) mid-block: `theirs` when it is the same block or its first `slot` tokens are ours
   // (one began as a copy of the other, or both of one block, unchanged since); else a fresh
   // block joining the two (counted in blocks_copied), not yet referenced.
-  int32_t meet(int32_t ours, int32_t theirs, int64_t slot, int64_t end);
+  int32_t meet(int32_t ours, int32_t theirs, int64_t slot, int64_t end, const char* call);
   // Whether anyone but one sequence references the block (a write must copy it first).
   bool shared(int32_t id) const {
     const Block& b = blocks_[static_cast<size_t>(id)];
@@ -122,7 +122,7 @@ class BlockPool {
   };
   // Adds a chunk of blocks_per_chunk free blocks. Throws Error (the pool unchanged) when the
   // chunk's arrays would hold more than 2^60 elements or its blocks pass kMaxBlocks.
-  void grow();
+  void grow(const char* call);
   // When no sequence uses the block: a holder pays for it, or it is free.
   void settle(int32_t id);
   // Whether blocks `a` and `b` hold the same first `tokens` tokens by the serials above.

@@ -40,7 +40,7 @@ class PagedSequence {
         batch, keys, values, offset, pool_->fixed() ? &pool_->layout : nullptr, kUpdate, row, seq);
     with_layout(KVLayout::of(keys, values), [&] {
       if (length == 0) return;
-      write(keys.slice(2, 0, length), values.slice(2, 0, length));
+      write(keys.slice(2, 0, length), values.slice(2, 0, length), kUpdate);
       pool_->stats.appended_bytes += length * pool_->layout.token_bytes();
     });
     capture_reached();
@@ -103,16 +103,16 @@ class PagedSequence {
 
   // Block `index` of the sequence, ready to be written from slot `slot` on: appended when new,
   // copied first when anyone else references it.
-  int32_t writable(size_t index, int64_t slot) {
+  int32_t writable(size_t index, int64_t slot, const char* call) {
     if (index == blocks.size()) {
-      const int32_t id = pool_->allocate();
+      const int32_t id = pool_->allocate(call);
       pool_->acquire(id);
       blocks.push_back(id);
       return id;
     }
     const int32_t old = blocks[index];
     if (!pool_->shared(old)) return old;
-    const int32_t copy = pool_->allocate();
+    const int32_t copy = pool_->allocate(call);
     pool_->copy(old, copy, slot);
     pool_->acquire(copy);
     pool_->release(old);
@@ -125,15 +125,15 @@ class PagedSequence {
   // Writes keys/values [1, H, n, *] at the offset, block by block; advances the offset. Takes
   // every block it needs (and room for their references) before writing any: running out of
   // memory leaves the sequence as it was.
-  void write(const Array& keys, const Array& values) {
+  void write(const Array& keys, const Array& values, const char* call) {
     const int64_t n = keys.dim(2), block_tokens = pool_->block_tokens;
     make_room(n);
-    pool_->reserve(blocks_to_write(n));
+    pool_->reserve(blocks_to_write(n), call);
     for (int64_t done = 0; done < n;) {
       const int64_t position = offset + done;
       const int64_t slot = position % block_tokens;
       const int64_t run = std::min(block_tokens - slot, n - done);
-      const int32_t id = writable(static_cast<size_t>(position / block_tokens), slot);
+      const int32_t id = writable(static_cast<size_t>(position / block_tokens), slot, call);
       pool_->keys(id).assign_slice(2, slot, keys.slice(2, done, done + run));
       pool_->values(id).assign_slice(2, slot, values.slice(2, done, done + run));
       pool_->written(id, slot, run);
@@ -179,13 +179,13 @@ class PagedSequence {
     // Room for the references first: acquiring a block and then failing to list it would keep
     // it forever.
     blocks.reserve(static_cast<size_t>(pool_->blocks_for(target)));
-    if (from % block_tokens != 0) pool_->reserve(1);  // a join meet() may make: before the rewind
+    if (from % block_tokens != 0) pool_->reserve(1, kRestore);  // a join meet() may make, first
     rewind(from);
     size_t next = 0;  // the snapshot's next block to splice
     const int64_t slot = from % block_tokens;
     if (slot != 0) {
       const int64_t end = std::min(block_tokens, target - (from - slot));
-      const int32_t met = pool_->meet(blocks.back(), s.blocks()[0], slot, end);
+      const int32_t met = pool_->meet(blocks.back(), s.blocks()[0], slot, end, kRestore);
       // A join copies the block's first `end` tokens (ours, then the snapshot's).
       if (met != s.blocks()[0]) pool_->stats.restored_bytes += end * pool_->layout.token_bytes();
       if (met != blocks.back()) {
@@ -215,10 +215,10 @@ class PagedSequence {
                                      [&](int32_t b) { return !pool_->shared(b); });
     const bool tail = s.from() % pool_->block_tokens != 0 && pool_->shared(blocks[kept - 1]);
     blocks.reserve(static_cast<size_t>(need));
-    pool_->reserve(need - kept + (tail ? 1 : 0) - freed);
+    pool_->reserve(need - kept + (tail ? 1 : 0) - freed, kRestore);
     rewind(s.from());
     const auto write_part = [&](const Array& k, const Array& v) {
-      write(k, v);
+      write(k, v, kRestore);
       pool_->stats.restored_bytes += k.dim(2) * pool_->layout.token_bytes();
     };
     if (const auto* paged = dynamic_cast<const PagedSnapshot*>(&s)) {
@@ -332,7 +332,7 @@ KVHistory PagedKVCache::update(const Batch& batch, const Array& keys, const Arra
       if (!pool.has_layout) return;
       sequence->make_room(tokens);
       blocks += sequence->blocks_to_write(tokens);
-      pool.reserve(blocks);
+      pool.reserve(blocks, detail::kUpdate);
     }
     void undo() noexcept {
       if (adopted) pool.drop_if_unused();
@@ -539,7 +539,7 @@ SnapshotPtr PagedKVCache::merge(SnapshotPtr parent, SnapshotPtr child) {
   if (slot != 0) {
     skip = 1;
     const int64_t end = std::min(block_tokens, b->to() - (b->from() - slot));
-    const int32_t met = pool.meet(blocks.back(), b->blocks()[0], slot, end);
+    const int32_t met = pool.meet(blocks.back(), b->blocks()[0], slot, end, "PagedKVCache::merge");
     if (met != b->blocks()[0]) pool.stats.snapshot_bytes += end * pool.layout.token_bytes();
     if (met != b->blocks()[0] && met != blocks.back()) fresh = met;
     blocks.back() = met;

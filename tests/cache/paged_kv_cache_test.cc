@@ -418,17 +418,18 @@ TEST(PagedErrors, SizesWhoseChunkCannotExistAreRefused) {
 }
 
 // A chunk of at most 2^60 tokens whose arrays would still hold more than 2^60 elements (2 heads
-// of depth 4): the first write or restore fails before the pool takes a block, changing
-// nothing — not the pool's stats, not the layout the next write may bring.
+// of depth 4): the first write or restore fails, naming the call, before the pool takes a block,
+// changing nothing — not the pool's stats, not the layout the next write may bring.
 TEST(PagedErrors, AWriteWhoseChunkCannotExistChangesNothing) {
   PagedKVCache cache({.block_tokens = int64_t{1} << 54});
   KVCache contiguous;  // a restore of its snapshot would take the pool's first blocks too
   testing::write(contiguous, kv, id_range(0, 4));
   const SnapshotPtr snapshot = contiguous.snapshot(0);
   EXPECT_TRUE(throws_error([&] { (void)cache.restore(1, snapshot.get(), 4); },
-                           {"PagedKVCache: a chunk of the pool", "H=2"}));
+                           {"PagedKVCache::restore: a chunk of the pool", "H=2"}));
   EXPECT_TRUE(throws_error([&] { write(cache, 0, id_range(0, 4)); },
-                           {"PagedKVCache: a chunk of the pool, 64 blocks of 18014398509481984 "
+                           {"PagedKVCache::update: a chunk of the pool, 64 blocks of "
+                            "18014398509481984 "
                             "tokens of B=1 H=2 D=4",
                             "more than 2^60 elements"}));
   const PagedKVCache::PoolStats stats = cache.pool_stats();
@@ -443,7 +444,7 @@ TEST(PagedErrors, AWriteWhoseChunkCannotExistChangesNothing) {
   const auto ids = id_range(0, 4);
   EXPECT_TRUE(throws_error(
       [&] { (void)cache.update(Batch::uniform(1, 4, 0), wide.keys(ids), wide.values(ids)); },
-      {"PagedKVCache: a chunk of the pool", "H=3"}));
+      {"PagedKVCache::update: a chunk of the pool", "H=3"}));
 }
 
 // A reset cache takes any layout once nothing uses the pool's blocks; while a snapshot holds
