@@ -73,6 +73,12 @@ func cShape(call string, shape []int64) (*C.int64_t, C.int, error) {
 	if len(shape) > MaxDims {
 		return nil, 0, invalid(call, "%d dimensions, at most %d", len(shape), MaxDims)
 	}
+	for _, extent := range shape {
+		if extent < 0 { // a contract, as the library's own refusal of one is
+			return nil, 0, &Error{Status: StatusContract,
+				Message: fmt.Sprintf("kvsnap.%s: shape %v has a negative extent", call, shape)}
+		}
+	}
 	if len(shape) == 0 {
 		return nil, 0, nil
 	}
@@ -116,11 +122,6 @@ func fromData(call string, dtype DType, shape []int64, data unsafe.Pointer, coun
 	dims, ndim, err := cShape(call, shape)
 	if err != nil {
 		return nil, err
-	}
-	for _, extent := range shape {
-		if extent < 0 {
-			return nil, invalid(call, "shape %v has a negative extent", shape)
-		}
 	}
 	if want := elements(shape); int64(count) != want {
 		return nil, invalid(call, "%d elements for shape %v, which holds %d", count, shape, want)

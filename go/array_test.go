@@ -64,6 +64,17 @@ func TestArraysRefuseWrongData(t *testing.T) {
 		err.Error() != "kvsnap.FromFloat32: 3 elements for shape [2 2], which holds 4" {
 		t.Fatalf("short data: %v", err)
 	}
+	// A negative extent is the library's contract, whichever call brings it.
+	for name, make := range map[string]func() (*Array, error){
+		"Zeros":       func() (*Array, error) { return Zeros(F32, 2, -1) },
+		"FromFloat32": func() (*Array, error) { return FromFloat32([]int64{2, -1}, []float32{1, 2}) },
+		"FromInt32":   func() (*Array, error) { return FromInt32([]int64{-2}, nil) },
+	} {
+		if _, err := make(); !errors.Is(err, ErrContract) || !strings.HasPrefix(err.Error(), "kvsnap."+name+": shape [") ||
+			!strings.HasSuffix(err.Error(), "] has a negative extent") {
+			t.Fatalf("%s with a negative extent: %v", name, err)
+		}
+	}
 	if _, err := Zeros(F32, 1, 1, 1, 1, 1); !errors.Is(err, ErrInvalidArgument) {
 		t.Fatalf("five dimensions: %v", err)
 	}
