@@ -89,7 +89,8 @@ KVSNAP_EXPORT kvsnap_status kvsnap_prefix_cache_create_with_tier(
  * cannot write, 16 bytes to 1 MiB once trailing whitespace, a text key's newline, is dropped:
  * every kvsnap process reads one file as one key) into `buffer`; *size is its length. When
  * `capacity` is smaller, fails (KVSNAP_INVALID_ARGUMENT) with *size set and `buffer`
- * untouched. */
+ * untouched (a NULL buffer of capacity 0 asks for the size); any other failure leaves *size as
+ * it was. */
 KVSNAP_EXPORT kvsnap_status kvsnap_load_tier_key(const char* path, void* buffer, size_t capacity,
                                                  size_t* size);
 /* A tier address from a file checked as key files are, NUL-terminated into `buffer`; *size is its

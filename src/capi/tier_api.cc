@@ -58,12 +58,15 @@ TierOptions to_options(const kvsnap_tier_options& o, const char* call) {
 void hand_out(const std::string& text, void* buffer, size_t capacity, size_t* size, bool nul,
               const char* call) {
   require(size, call, "size");
+  const size_t need = text.size() + (nul ? 1 : 0);
+  // A buffer too small reports the size it needs (NULL with capacity 0 asks for it); any other
+  // failure leaves *size as it was.
+  if (capacity >= need) require_data(buffer, call, "buffer");
   *size = text.size();
-  if (capacity < text.size() + (nul ? 1 : 0)) {
-    throw InvalidArgument(fmt::format("{}: a buffer of {} bytes; it needs {}", call, capacity,
-                                      text.size() + (nul ? 1 : 0)));
+  if (capacity < need) {
+    throw InvalidArgument(
+        fmt::format("{}: a buffer of {} bytes; it needs {}", call, capacity, need));
   }
-  require_data(buffer, call, "buffer");
   std::memcpy(buffer, text.data(), text.size());
   if (nul) static_cast<char*>(buffer)[text.size()] = '\0';
 }

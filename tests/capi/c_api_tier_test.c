@@ -157,6 +157,14 @@ static void test_keys_and_addresses_from_private_files(const char* address) {
   CHECK_FAILS(kvsnap_load_tier_key(path, key, 8, &size), KVSNAP_INVALID_ARGUMENT,
               "kvsnap_load_tier_key: a buffer of 8 bytes; it needs 32");
   CHECK(size == 32);
+  size = 0; /* asking for the size: a NULL buffer of no capacity */
+  CHECK_FAILS(kvsnap_load_tier_key(path, NULL, 0, &size), KVSNAP_INVALID_ARGUMENT,
+              "kvsnap_load_tier_key: a buffer of 0 bytes; it needs 32");
+  CHECK(size == 32);
+  size = 7; /* a NULL buffer that claims room: refused, *size untouched */
+  CHECK_FAILS(kvsnap_load_tier_key(path, NULL, sizeof key, &size), KVSNAP_INVALID_ARGUMENT,
+              "kvsnap_load_tier_key: buffer is NULL");
+  CHECK(size == 7);
   CHECK_OK(kvsnap_load_tier_key(path, key, sizeof key, &size));
   CHECK(size == 32 && memcmp(key, "0123456789abcdef0123456789abcdef", 32) == 0);
   process keyed = open_process(address, key, size);
