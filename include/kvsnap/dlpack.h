@@ -16,10 +16,11 @@ struct DLManagedTensor;
 namespace kvsnap {
 
 // An Array over `tensor`'s memory (Array::wrap: no copy, not counted in live_bytes()). The tensor
-// must be in CPU memory, of dtype f32, f16, bf16 or i32 (one lane), with at most 4 axes and
-// non-negative strides (none: row-major). Takes ownership: tensor->deleter(tensor) runs once,
-// when the last Array naming the memory goes away. Throws Error naming what is unsupported; then
-// the tensor is not consumed (the caller still owns it).
+// must be in CPU memory (kDLCPU, or host memory a GPU runtime pinned: kDLCUDAHost, kDLROCMHost), of
+// dtype f32, f16, bf16 or i32 (one lane), with at most 4 axes and non-negative strides (none:
+// row-major). Takes ownership: tensor->deleter(tensor) runs once, when the last Array naming the
+// memory goes away. Throws Error naming what is unsupported; then the tensor is not consumed (the
+// caller still owns it).
 [[nodiscard]] KVSNAP_EXPORT Array from_dlpack(DLManagedTensor* tensor);
 
 // A tensor viewing `array` (CPU; its dtype, shape and element strides; no copy) that keeps the

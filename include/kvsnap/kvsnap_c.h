@@ -115,9 +115,10 @@ KVSNAP_EXPORT kvsnap_status kvsnap_array_copy_to(const kvsnap_array* array, void
 KVSNAP_EXPORT bool kvsnap_array_shares_storage(const kvsnap_array* a, const kvsnap_array* b);
 KVSNAP_EXPORT void kvsnap_array_destroy(kvsnap_array* array);
 
-/* DLPack (dlpack/dlpack.h, v0.6): an array from a DLManagedTensor on the CPU (f32, f16, bf16,
- * i32, up to 4-d), zero-copy; kvsnap calls its deleter when the last array naming it goes
- * away. On failure the tensor is not consumed. */
+/* DLPack (dlpack/dlpack.h, v0.6): an array from a DLManagedTensor in CPU memory (kDLCPU, or
+ * pinned host memory: kDLCUDAHost, kDLROCMHost; f32, f16, bf16, i32, up to 4-d), zero-copy; kvsnap
+ * calls its deleter when the last array naming it goes away. On failure the tensor is not consumed.
+ */
 struct DLManagedTensor;
 KVSNAP_EXPORT kvsnap_status kvsnap_array_from_dlpack(struct DLManagedTensor* tensor,
                                                      kvsnap_array** out);

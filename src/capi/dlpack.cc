@@ -50,10 +50,13 @@ struct Exported {
 Array from_dlpack(DLManagedTensor* tensor) {
   if (tensor == nullptr) throw Error("from_dlpack: the tensor is null");
   const DLTensor& t = tensor->dl_tensor;
-  if (t.device.device_type != kDLCPU && t.device.device_type != kDLCUDAHost) {
+  // Host memory a GPU runtime pinned is CPU memory too.
+  const DLDeviceType device = t.device.device_type;
+  if (device != kDLCPU && device != kDLCUDAHost && device != kDLROCMHost) {
     throw Error(fmt::format(
-        "from_dlpack: the tensor is on device type {}; only CPU memory (kDLCPU) is supported",
-        static_cast<int>(t.device.device_type)));
+        "from_dlpack: the tensor is on device type {}; only CPU memory (kDLCPU, or host memory "
+        "a GPU runtime pinned: kDLCUDAHost, kDLROCMHost) is supported",
+        static_cast<int>(device)));
   }
   const DType dtype = kvsnap_dtype(t.dtype);
   if (t.ndim < 0 || t.ndim > Array::kMaxDims) {

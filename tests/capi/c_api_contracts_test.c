@@ -63,8 +63,12 @@ static void test_dlpack_import_failures_leave_the_tensor_to_the_caller(void) {
   DLManagedTensor tensor = strided_tensor();
   tensor.dl_tensor.device.device_type = kDLCUDA;
   CHECK_FAILS(kvsnap_array_from_dlpack(&tensor, &array), KVSNAP_ERROR,
-              "from_dlpack: the tensor is on device type 2; only CPU memory (kDLCPU) is "
-              "supported");
+              "from_dlpack: the tensor is on device type 2; only CPU memory (kDLCPU, or host "
+              "memory a GPU runtime pinned: kDLCUDAHost, kDLROCMHost) is supported");
+  tensor = strided_tensor();
+  tensor.dl_tensor.device.device_type = kDLCUDAManaged; /* may live on the GPU when read */
+  CHECK_FAILS(kvsnap_array_from_dlpack(&tensor, &array), KVSNAP_ERROR,
+              "from_dlpack: the tensor is on device type 13;");
   tensor = strided_tensor();
   tensor.dl_tensor.dtype.bits = 64;
   CHECK_FAILS(kvsnap_array_from_dlpack(&tensor, &array), KVSNAP_ERROR,
@@ -123,6 +127,24 @@ static void test_dlpack_import_runs_the_deleter_once(void) {
   CHECK(deleted == 0); /* the view still names the tensor */
   kvsnap_array_destroy(row);
   CHECK(deleted == 1);
+}
+
+/* Host memory a GPU runtime pinned (cudaMallocHost, hipHostMalloc) is CPU memory: imported as
+ * kDLCPU's is. */
+static void test_dlpack_import_takes_pinned_host_memory(void) {
+  const DLDeviceType pinned[2] = {kDLCUDAHost, kDLROCMHost};
+  for (int i = 0; i < 2; ++i) {
+    deleted = 0;
+    DLManagedTensor tensor = strided_tensor();
+    tensor.dl_tensor.device = (DLDevice){pinned[i], 0};
+    kvsnap_array* array = NULL;
+    CHECK_OK(kvsnap_array_from_dlpack(&tensor, &array));
+    float compact[6] = {0};
+    CHECK_OK(kvsnap_array_copy_to(array, compact, sizeof compact));
+    CHECK(compact[0] == 1 && compact[5] == 7);
+    kvsnap_array_destroy(array);
+    CHECK(deleted == 1);
+  }
 }
 
 /* An exported tensor keeps the array's buffer alive past the array's destroy, until its own
@@ -345,6 +367,7 @@ static void test_sequence_ids_out_of_range_are_refused(void) {
 int main(void) {
   test_dlpack_import_failures_leave_the_tensor_to_the_caller();
   test_dlpack_import_runs_the_deleter_once();
+  test_dlpack_import_takes_pinned_host_memory();
   test_dlpack_export_keeps_the_buffer();
   test_failed_merges_and_splits_consume_their_snapshots();
   test_aliased_handles_are_refused();
