@@ -268,6 +268,12 @@ void RedisStore::connect(Deadline deadline) {
   if (Clock::now() >= deadline) {
     throw StoreFailure("no time left to connect", StoreFailure::Reason::timed_out);
   }
+  std::vector<Command> setup;
+  if (!address_.password.empty()) {
+    setup.push_back(address_.user.empty() ? Command{"AUTH", address_.password}
+                                          : Command{"AUTH", address_.user, address_.password});
+  }
+  if (address_.database != 0) setup.push_back({"SELECT", std::to_string(address_.database)});
   // Each address in turn, as hiredis tries a name's; numeric ones resolve without a lookup.
   std::vector<std::string> addresses;
   try {
@@ -281,24 +287,27 @@ void RedisStore::connect(Deadline deadline) {
     if (context_ == nullptr) fail("cannot allocate a connection", false);
     if (context_->err == 0 || Clock::now() >= deadline) break;
   }
-  answered_ = false;  // what a new connection says first is read as a reply (an error: DENIED)
-  if (context_->err == 0) limits_->install(context_);
-  if (context_->err != 0) {
-    resolver_.forget();  // the name may have moved: resolved afresh next time
-    const bool timed_out = Clock::now() >= deadline;
-    fail(
-        fmt::format("cannot connect to {}:{} ({})", address_.host, address_.port, context_->errstr),
-        timed_out);
+  // A connection is kept only once its AUTH and SELECT are answered: one whose setup did not
+  // complete (refused, no time left to send it, memory) would run every later command as the
+  // default user on database 0.
+  try {
+    answered_ = false;  // what a new connection says first is read as a reply (an error: DENIED)
+    if (context_->err == 0) limits_->install(context_);
+    if (context_->err != 0) {
+      resolver_.forget();  // the name may have moved: resolved afresh next time
+      const bool timed_out = Clock::now() >= deadline;
+      fail(fmt::format("cannot connect to {}:{} ({})", address_.host, address_.port,
+                       context_->errstr),
+           timed_out);
+    }
+    if (!setup.empty()) (void)round_trip(setup, deadline);  // a refusal fails it ("AUTH refused")
+  } catch (...) {
+    if (context_ != nullptr) {
+      redisFree(context_);
+      context_ = nullptr;
+    }
+    throw;
   }
-  std::vector<Command> setup;
-  const std::string database = std::to_string(address_.database);
-  if (!address_.password.empty()) {
-    setup.push_back(address_.user.empty() ? Command{"AUTH", address_.password}
-                                          : Command{"AUTH", address_.user, address_.password});
-  }
-  if (address_.database != 0) setup.push_back({"SELECT", database});
-  if (setup.empty()) return;
-  (void)round_trip(setup, deadline);  // a refused AUTH or SELECT fails it ("AUTH refused: ...")
 }
 
 std::vector<RedisStore::Reply> RedisStore::round_trip(const std::vector<Command>& commands,
