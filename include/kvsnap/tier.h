@@ -11,7 +11,7 @@
 //
 // Backends: `redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]` (hiredis; AUTH and SELECT as given; every
 // key carries a TTL, so Redis under `maxmemory` with an eviction policy just shortens matches) and
-// `dir:PATH` (a folder of files, the same objects; no TTL).
+// `dir:PATH` (a folder of files, the same objects; a file unused for the TTL is removed).
 //
 // Keys: a BLAKE2b hash chained over the prompt's tokens, rooted in the format version, the chunk
 // size, the model fingerprint, the layer configuration and the tenant salt. Attention (KV) data
@@ -60,7 +60,8 @@ struct TierOptions {
   std::string tenant;
   // MAC key material (load_tier_key), at least 16 bytes; empty: trusted-store mode.
   std::string key;
-  // Tokens per KV chunk object. Part of the key root: processes must agree to share.
+  // Tokens per KV chunk object, in [1, 32768]. Part of the key root: processes must agree to
+  // share.
   int64_t chunk_tokens = 256;
   // The largest object written, in [1, 512 MiB] (Redis's default proto-max-bulk-len, the most
   // either store reads back; lower it to a server's smaller setting). A chunk larger than this
@@ -82,7 +83,8 @@ struct TierOptions {
   std::chrono::milliseconds write_timeout{2000};
   // After a failed connection or round trip, the store is not tried again for this long.
   std::chrono::milliseconds retry_interval{500};
-  // Lifetime of stored keys (Redis); refreshed when a lookup reads them.
+  // Lifetime of stored keys, in [1 s, 100 years]; refreshed when a lookup reads them. (A dir:
+  // store removes files unused for this long.)
   std::chrono::seconds ttl{std::chrono::hours(24)};
   // Write batches (one per closed session) waiting for the writer; more are dropped.
   int64_t write_queue = 64;

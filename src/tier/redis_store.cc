@@ -425,6 +425,15 @@ std::vector<RedisStore::Reply> RedisStore::read_replies(const std::vector<Comman
       context_ = nullptr;
       throw FetchTooLarge(i, max_values);
     };
+    // An index listing more members, or longer ones, than the tier writes (planted by whoever can
+    // write the store): this round trip fails, the store is well — other lookups, and what this
+    // process knows the store holds, go on as before.
+    const auto index_too_large = [&](const std::string& why) {
+      if (commands[i][0] != "SMEMBERS") return;
+      redisFree(context_);  // the rest of the reply is in flight: the connection is unusable
+      context_ = nullptr;
+      throw StoreFailure("an index: " + why, StoreFailure::Reason::failed);
+    };
     limits_->expect(ceiling);
     void* reply = nullptr;
     while (redisGetReplyFromReader(context_, &reply) == REDIS_OK && reply == nullptr) {
@@ -433,13 +442,18 @@ std::vector<RedisStore::Reply> RedisStore::read_replies(const std::vector<Comman
       const auto unparsed = static_cast<int64_t>(context_->reader->len - context_->reader->pos);
       if (unparsed > ceiling.bytes()) {
         too_much();
+        index_too_large(ReplyLimits::too_long(unparsed, ceiling));
         fail(ReplyLimits::too_long(unparsed, ceiling), false);
       }
       await(POLLIN, deadline);
       if (redisBufferRead(context_) != REDIS_OK) fail_io(deadline);
     }
     if (reply == nullptr) {  // the reader failed, or a limit stopped it
-      if (limits_->broken == ReplyLimits::Broken::long_string) too_much();
+      const ReplyLimits::Broken broken = limits_->broken;
+      if (broken == ReplyLimits::Broken::long_string) too_much();
+      if (broken == ReplyLimits::Broken::long_string || broken == ReplyLimits::Broken::long_array) {
+        index_too_large(limits_->why());
+      }
       fail_io(deadline);
     }
     replies.emplace_back(static_cast<redisReply*>(reply));

@@ -73,8 +73,12 @@ TierOptions checked(const std::vector<Cache*>& layers, TierOptions options) {
   if (options.model_fingerprint.empty()) {
     throw fail("the model fingerprint is empty (states of another model must never restore)");
   }
-  if (options.chunk_tokens < 1) {
-    throw fail(fmt::format("chunk_tokens {} must be >= 1", options.chunk_tokens));
+  // A chunk's index lists a restore point per offset, twice where two versions wrote it: it
+  // must stay within what a probe reads of one.
+  constexpr int64_t kMostChunkTokens = Store::kMaximumIndexMembers / 2;
+  if (options.chunk_tokens < 1 || options.chunk_tokens > kMostChunkTokens) {
+    throw fail(
+        fmt::format("chunk_tokens {} must be in [1, {}]", options.chunk_tokens, kMostChunkTokens));
   }
   if (!options.key.empty() && options.key.size() < 16) {
     throw fail(fmt::format("a key of {} bytes is too short (at least 16)", options.key.size()));
@@ -96,11 +100,14 @@ TierOptions checked(const std::vector<Cache*>& layers, TierOptions options) {
   // (a "no limit") overflowed into a deadline long past.
   constexpr std::chrono::milliseconds kDay = std::chrono::hours(24);
   const auto in_range = [&](std::chrono::milliseconds t) { return t.count() >= 0 && t <= kDay; };
+  // The ttl at most 100 years: Redis refuses an expiry whose milliseconds from now overflow,
+  // and every command would fail as if the store were down.
+  constexpr std::chrono::seconds kCentury = std::chrono::hours(24 * 36525);
   if (!in_range(options.lookup_timeout) || !in_range(options.write_timeout) ||
-      !in_range(options.retry_interval) || options.ttl.count() < 1) {
+      !in_range(options.retry_interval) || options.ttl.count() < 1 || options.ttl > kCentury) {
     throw fail(fmt::format(
         "lookup_timeout {} ms, write_timeout {} ms, retry_interval {} ms, ttl {} s: timeouts and "
-        "the retry interval must be in [0, 24 h], the ttl >= 1 s",
+        "the retry interval must be in [0, 24 h], the ttl in [1 s, 100 years]",
         options.lookup_timeout.count(), options.write_timeout.count(),
         options.retry_interval.count(), options.ttl.count()));
   }

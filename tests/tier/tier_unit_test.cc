@@ -160,7 +160,15 @@ TEST(TierContract, OpenRefusesWhatCannotWork) {
   options = tier_options();
   options.chunk_tokens = 0;
   EXPECT_TRUE(throws_error([&] { (void)Tier::open("dir:/tmp/x", stack.layers(), options); },
-                           {"chunk_tokens 0"}));
+                           {"chunk_tokens 0 must be in [1, 32768]"}));
+  options.chunk_tokens = 32769;  // a chunk's index could list more than a probe reads
+  EXPECT_TRUE(throws_error([&] { (void)Tier::open("dir:/tmp/x", stack.layers(), options); },
+                           {"Tier::open", "chunk_tokens 32769 must be in [1, 32768]"}));
+  // Redis refuses an expiry past what its milliseconds hold: every command would fail.
+  options = tier_options();
+  options.ttl = std::chrono::seconds::max();
+  EXPECT_TRUE(throws_error([&] { (void)Tier::open("dir:/tmp/x", stack.layers(), options); },
+                           {"Tier::open", "ttl 9223372036854775807 s", "[1 s, 100 years]"}));
   // milliseconds::max() as "no limit" overflowed now + timeout into a deadline long past.
   options = tier_options();
   options.lookup_timeout = std::chrono::milliseconds::max();
@@ -461,6 +469,24 @@ TEST(TierRedisReplies, AnArrayLargerThanAnIndexMayListFailsFromItsHeader) {
   EXPECT_NE(std::string(failure.what()).find("array of 200000000 elements, more than the 65536"),
             std::string::npos)
       << failure.what();
+}
+
+// An index listing more members, or longer ones, than the tier writes is what anyone who can
+// write the store can plant (SADD): that probe fails, and nothing else — the store is not logged
+// as lost (which would clear what this process knows it holds, and rewrite it all), and the next
+// round trip is tried at once, not after the retry interval.
+TEST(TierRedisReplies, AnIndexTooLargeFailsThatProbeOnly) {
+  for (const std::string& reply : {std::string("*70000\r\n"), "*1\r\n" + bulk(100)}) {
+    const ScriptedServer server(reply);
+    std::vector<std::string> log;
+    const std::unique_ptr<detail::Store> store = open_logged(server, log);
+    for (int probe = 0; probe < 2; ++probe) {
+      const detail::StoreFailure failure = store_failure([&] { probe_once(*store); });
+      EXPECT_EQ(failure.reason, detail::StoreFailure::Reason::failed);
+      EXPECT_TRUE(std::string(failure.what()).starts_with("an index: a reply ")) << failure.what();
+    }
+    EXPECT_TRUE(log.empty()) << log.front();
+  }
 }
 
 // No command the tier sends is answered with an array inside an array.
