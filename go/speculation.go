@@ -95,7 +95,9 @@ func (s *Speculation) Begin(drafts int64) error {
 // drafts, every layer stands at the verify forward's end, and every layer that must move can —
 // one that rewinds has no schedule (someone else's: take or cancel it, then accept again), a
 // capturing one still holds the round's captures (taken or replaced by another call on the
-// sequence, they are gone: only Cancel ends the round then).
+// sequence, they are gone: only Cancel ends the round then). Out of memory (ErrOutOfMemory)
+// restoring a window may have moved some whole-state layers: Accept again with the same count
+// (it moves the others only), or Cancel and reset the sequence.
 func (s *Speculation) Accept(accepted int64) error {
 	return s.use("Speculation.Accept", func(p *C.kvsnap_speculation) error {
 		return check(func() C.kvsnap_status { return C.kvsnap_speculation_accept(p, C.int64_t(accepted)) })

@@ -40,9 +40,12 @@ KVSNAP_EXPORT void kvsnap_speculation_destroy(kvsnap_speculation* speculation);
  * sequence. */
 KVSNAP_EXPORT kvsnap_status kvsnap_speculation_begin(kvsnap_speculation* speculation,
                                                      int64_t drafts);
-/* Closes the round: the first `accepted` drafts were confirmed. Fails, the round left open and
- * no layer moved, as Speculation::accept says (speculation.h): unless 0 <= accepted <= drafts,
- * every layer stands at the verify forward's end and every layer that must move can. */
+/* Closes the round: the first `accepted` drafts were confirmed. Fails (KVSNAP_ERROR), the round
+ * left open and no layer moved, as Speculation::accept says (speculation.h): unless 0 <=
+ * accepted <= drafts, every layer stands at the verify forward's end and every layer that must
+ * move can. Out of memory (KVSNAP_OUT_OF_MEMORY) restoring a window may have moved some
+ * whole-state layers: accept again with the same count (it moves the others only), or cancel
+ * and reset the sequence. */
 KVSNAP_EXPORT kvsnap_status kvsnap_speculation_accept(kvsnap_speculation* speculation,
                                                       int64_t accepted);
 /* Drops an open round's captures without moving any layer (nothing to do without a round); a

@@ -12,7 +12,7 @@ extern "C" {
 kvsnap_status kvsnap_array_zeros(kvsnap_dtype dtype, int ndim, const int64_t* shape,
                                  kvsnap_array** out) {
   constexpr const char* call = "kvsnap_array_zeros";
-  return guard([&] {
+  return guard(call, [&] {
     require(out, call, "out");
     *out = new_array(Array::zeros(to_dtype(dtype, call), to_shape(ndim, shape, call, "shape")));
   });
@@ -21,7 +21,7 @@ kvsnap_status kvsnap_array_zeros(kvsnap_dtype dtype, int ndim, const int64_t* sh
 kvsnap_status kvsnap_array_from_data(kvsnap_dtype dtype, int ndim, const int64_t* shape,
                                      const void* data, kvsnap_array** out) {
   constexpr const char* call = "kvsnap_array_from_data";
-  return guard([&] {
+  return guard(call, [&] {
     require(out, call, "out");
     Array array = Array::uninitialized(to_dtype(dtype, call), to_shape(ndim, shape, call, "shape"));
     if (array.nbytes() > 0) {
@@ -36,7 +36,7 @@ kvsnap_status kvsnap_array_wrap(void* data, kvsnap_dtype dtype, int ndim, const 
                                 const int64_t* strides, void (*release)(void* context),
                                 void* context, kvsnap_array** out) {
   constexpr const char* call = "kvsnap_array_wrap";
-  return guard([&] {
+  return guard(call, [&] {
     require(out, call, "out");
     const Shape extents = to_shape(ndim, shape, call, "shape");
     const Shape steps = strides != nullptr ? to_shape(ndim, strides, call, "strides") : Shape();
@@ -50,7 +50,7 @@ kvsnap_status kvsnap_array_wrap(void* data, kvsnap_dtype dtype, int ndim, const 
 
 kvsnap_status kvsnap_array_get_info(const kvsnap_array* array, kvsnap_array_info* out) {
   constexpr const char* call = "kvsnap_array_get_info";
-  return guard([&] {
+  return guard(call, [&] {
     const Array& a = require(array, call, "array").array;
     kvsnap_array_info& info = require(out, call, "out");
     info = {};
@@ -67,7 +67,7 @@ kvsnap_status kvsnap_array_get_info(const kvsnap_array* array, kvsnap_array_info
 kvsnap_status kvsnap_array_slice(const kvsnap_array* array, int axis, int64_t start, int64_t stop,
                                  kvsnap_array** out) {
   constexpr const char* call = "kvsnap_array_slice";
-  return guard([&] {
+  return guard(call, [&] {
     const Array& a = require(array, call, "array").array;
     require(out, call, "out");
     *out = new_array(a.slice(axis, start, stop));
@@ -76,7 +76,7 @@ kvsnap_status kvsnap_array_slice(const kvsnap_array* array, int axis, int64_t st
 
 kvsnap_status kvsnap_array_copy_to(const kvsnap_array* array, void* destination, size_t capacity) {
   constexpr const char* call = "kvsnap_array_copy_to";
-  return guard([&] {
+  return guard(call, [&] {
     const Array& a = require(array, call, "array").array;
     const auto bytes = static_cast<size_t>(a.nbytes());
     if (bytes == 0) return;
@@ -99,7 +99,7 @@ void kvsnap_array_destroy(kvsnap_array* array) { delete array; }
 
 kvsnap_status kvsnap_array_from_dlpack(struct DLManagedTensor* tensor, kvsnap_array** out) {
   constexpr const char* call = "kvsnap_array_from_dlpack";
-  return guard([&] {
+  return guard(call, [&] {
     require(out, call, "out");
     require_data(tensor, call, "tensor");
     auto handle = std::make_unique<kvsnap_array>();
@@ -110,7 +110,7 @@ kvsnap_status kvsnap_array_from_dlpack(struct DLManagedTensor* tensor, kvsnap_ar
 
 kvsnap_status kvsnap_array_to_dlpack(const kvsnap_array* array, struct DLManagedTensor** out) {
   constexpr const char* call = "kvsnap_array_to_dlpack";
-  return guard([&] {
+  return guard(call, [&] {
     const Array& a = require(array, call, "array").array;
     require(out, call, "out");
     *out = to_dlpack(a);

@@ -28,7 +28,7 @@ PagedKVCache& paged(const kvsnap_cache* handle, const char* call) {
 
 kvsnap_status create(kvsnap_cache** out, kvsnap_cache_kind kind, const char* call,
                      const std::function<std::unique_ptr<Cache>()>& make) {
-  return guard([&] {
+  return guard(call, [&] {
     require(out, call, "out");
     *out = new kvsnap_cache{make(), kind};
   });
@@ -168,7 +168,7 @@ kvsnap_status kvsnap_paged_kv_cache_create(int64_t block_tokens, kvsnap_cache** 
 
 kvsnap_status kvsnap_paged_kv_cache_get_stats(const kvsnap_cache* cache, kvsnap_pool_stats* out) {
   constexpr const char* call = "kvsnap_paged_kv_cache_get_stats";
-  return guard([&] {
+  return guard(call, [&] {
     const PagedKVCache::PoolStats s = paged(cache, call).pool_stats();
     require(out, call, "out") = {s.blocks,        s.blocks_in_use, s.bytes_in_use,
                                  s.blocks_copied, s.live_blocks,   s.live_bytes};
@@ -189,16 +189,18 @@ void kvsnap_cache_destroy(kvsnap_cache* cache) { delete cache; }
 
 kvsnap_status kvsnap_cache_get_kind(const kvsnap_cache* cache, kvsnap_cache_kind* out) {
   constexpr const char* call = "kvsnap_cache_get_kind";
-  return guard([&] { require(out, call, "out") = require(cache, call, "cache").kind; });
+  return guard(call, [&] { require(out, call, "out") = require(cache, call, "cache").kind; });
 }
 
 kvsnap_status kvsnap_cache_offset(const kvsnap_cache* cache, int64_t* out) {
   constexpr const char* call = "kvsnap_cache_offset";
-  return guard([&] { require(out, call, "out") = require(cache, call, "cache").cache->offset(); });
+  return guard(call,
+               [&] { require(out, call, "out") = require(cache, call, "cache").cache->offset(); });
 }
 
 kvsnap_status kvsnap_cache_reset(kvsnap_cache* cache) {
-  return guard([&] { require(cache, "kvsnap_cache_reset", "cache").cache->reset(); });
+  return guard("kvsnap_cache_reset",
+               [&] { require(cache, "kvsnap_cache_reset", "cache").cache->reset(); });
 }
 
 namespace {
@@ -235,7 +237,7 @@ void hand_out_splits(const std::vector<int64_t>& points, int64_t* splits, size_t
 kvsnap_status kvsnap_cache_state(const kvsnap_cache* cache, kvsnap_array** arrays, size_t capacity,
                                  size_t* count) {
   constexpr const char* call = "kvsnap_cache_state";
-  return guard([&] {
+  return guard(call, [&] {
     hand_out_state(require(cache, call, "cache").cache->state(), arrays, capacity, count, call);
   });
 }
@@ -243,7 +245,7 @@ kvsnap_status kvsnap_cache_state(const kvsnap_cache* cache, kvsnap_array** array
 kvsnap_status kvsnap_cache_state_seq(const kvsnap_cache* cache, int32_t seq, kvsnap_array** arrays,
                                      size_t capacity, size_t* count) {
   constexpr const char* call = "kvsnap_cache_state_seq";
-  return guard([&] {
+  return guard(call, [&] {
     hand_out_state(require(cache, call, "cache").cache->state(seq), arrays, capacity, count, call);
   });
 }
@@ -252,7 +254,7 @@ kvsnap_status kvsnap_cache_update(kvsnap_cache* cache, const kvsnap_batch* batch
                                   const kvsnap_array* keys, const kvsnap_array* values,
                                   kvsnap_kv_history* out) {
   constexpr const char* call = "kvsnap_cache_update";
-  return guard([&] {
+  return guard(call, [&] {
     const KVWrite write = to_kv_write(cache, batch, keys, values, call);
     write_histories(out, 1, &write.batch, call, std::cref(write), write.layer,
                     paged_write(cache, write));
@@ -263,7 +265,7 @@ kvsnap_status kvsnap_cache_update_rows(kvsnap_cache* cache, const kvsnap_batch* 
                                        const kvsnap_array* keys, const kvsnap_array* values,
                                        kvsnap_kv_history* rows) {
   constexpr const char* call = "kvsnap_cache_update_rows";
-  return guard([&] {
+  return guard(call, [&] {
     const KVWrite write = to_kv_write(cache, batch, keys, values, call);
     write_histories(rows, static_cast<size_t>(write.batch.batch_size()), nullptr, call,
                     std::cref(write), write.layer, paged_write(cache, write));
@@ -274,7 +276,7 @@ kvsnap_status kvsnap_cache_view(const kvsnap_cache* cache, const kvsnap_batch* b
                                 kvsnap_kv_history* out) {
   constexpr const char* call = "kvsnap_cache_view";
   if (out == nullptr) return fail(KVSNAP_INVALID_ARGUMENT, "kvsnap_cache_view: out is NULL");
-  return guard([&] {
+  return guard(call, [&] {
     const Attention& layer = attention(cache, call);
     const Batch b = to_batch(batch, call);
     write_histories(
@@ -293,7 +295,7 @@ kvsnap_status kvsnap_recurrent_get(kvsnap_cache* cache, const kvsnap_batch* batc
                                    kvsnap_dtype activation_dtype, kvsnap_array** conv_state,
                                    kvsnap_array** delta_state) {
   constexpr const char* call = "kvsnap_recurrent_get";
-  return guard([&] {
+  return guard(call, [&] {
     RecurrentCache& layer = recurrent(cache, call);
     require(conv_state, call, "conv_state");
     require(delta_state, call, "delta_state");
@@ -318,7 +320,7 @@ kvsnap_status kvsnap_recurrent_put(kvsnap_cache* cache, const kvsnap_batch* batc
                                    const kvsnap_array* const* conv_states,
                                    const kvsnap_array* const* delta_states, size_t count) {
   constexpr const char* call = "kvsnap_recurrent_put";
-  return guard([&] {
+  return guard(call, [&] {
     RecurrentCache& layer = recurrent(cache, call);
     const std::vector<Array> conv = arrays(conv_states, count, call, "conv_states");
     const std::vector<Array> delta = arrays(delta_states, count, call, "delta_states");
@@ -329,7 +331,7 @@ kvsnap_status kvsnap_recurrent_put(kvsnap_cache* cache, const kvsnap_batch* batc
 kvsnap_status kvsnap_recurrent_snapshot_splits(const kvsnap_cache* cache, int64_t forward_len,
                                                int64_t* splits, size_t capacity, size_t* count) {
   constexpr const char* call = "kvsnap_recurrent_snapshot_splits";
-  return guard([&] {
+  return guard(call, [&] {
     hand_out_splits(recurrent(cache, call).snapshot_splits(forward_len), splits, capacity, count,
                     call);
   });
@@ -339,7 +341,7 @@ kvsnap_status kvsnap_recurrent_snapshot_splits_seq(const kvsnap_cache* cache, in
                                                    int64_t forward_len, int64_t* splits,
                                                    size_t capacity, size_t* count) {
   constexpr const char* call = "kvsnap_recurrent_snapshot_splits_seq";
-  return guard([&] {
+  return guard(call, [&] {
     hand_out_splits(recurrent(cache, call).snapshot_splits(seq, forward_len), splits, capacity,
                     count, call);
   });

@@ -23,6 +23,16 @@ kvsnap_status fail(kvsnap_status status, const char* message) noexcept {
   return status;
 }
 
+kvsnap_status fail_out_of_memory(const char* call) noexcept {
+  try {
+    last_error = fmt::format("{}: out of memory", call);
+    last_error_fallback = nullptr;
+  } catch (...) {
+    last_error_fallback = "out of memory";
+  }
+  return KVSNAP_OUT_OF_MEMORY;
+}
+
 DType to_dtype(kvsnap_dtype dtype, const char* call) {
   switch (dtype) {
     case KVSNAP_F32:

@@ -56,10 +56,14 @@ struct InvalidArgument : std::invalid_argument {
 
 // Records `message` as this thread's last error and returns `status`.
 kvsnap_status fail(kvsnap_status status, const char* message) noexcept;
+// Records "<call>: out of memory" (just "out of memory" when even that cannot be made) and
+// returns KVSNAP_OUT_OF_MEMORY.
+kvsnap_status fail_out_of_memory(const char* call) noexcept;
 
-// Runs `body`, mapping what it throws to a status (the message kept for kvsnap_last_error).
+// Runs `body` for the C call `call`, mapping what it throws to a status (the message kept for
+// kvsnap_last_error; running out of memory names the call).
 template <class Body>
-kvsnap_status guard(Body&& body) noexcept {
+kvsnap_status guard(const char* call, Body&& body) noexcept {
   try {
     body();
     return KVSNAP_OK;
@@ -68,7 +72,7 @@ kvsnap_status guard(Body&& body) noexcept {
   } catch (const Error& error) {
     return fail(KVSNAP_ERROR, error.what());
   } catch (const std::bad_alloc&) {
-    return fail(KVSNAP_OUT_OF_MEMORY, "out of memory");
+    return fail_out_of_memory(call);
   } catch (const std::exception& error) {
     return fail(KVSNAP_INTERNAL_ERROR, error.what());
   } catch (...) {

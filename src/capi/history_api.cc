@@ -53,13 +53,13 @@ kvsnap_status kvsnap_cache_update_history(kvsnap_cache* cache, const kvsnap_batc
                                           const kvsnap_array* keys, const kvsnap_array* values,
                                           kvsnap_history** out) {
   constexpr const char* call = "kvsnap_cache_update_history";
-  return guard([&] { hand_out(out, call, to_kv_write(cache, batch, keys, values, call)); });
+  return guard(call, [&] { hand_out(out, call, to_kv_write(cache, batch, keys, values, call)); });
 }
 
 kvsnap_status kvsnap_cache_view_history(const kvsnap_cache* cache, const kvsnap_batch* batch,
                                         kvsnap_history** out) {
   constexpr const char* call = "kvsnap_cache_view_history";
-  return guard([&] {
+  return guard(call, [&] {
     const Attention& layer = attention(cache, call);
     const Batch b = to_batch(batch, call);
     hand_out(out, call, [&] { return layer.view(b); });
@@ -68,7 +68,7 @@ kvsnap_status kvsnap_cache_view_history(const kvsnap_cache* cache, const kvsnap_
 
 kvsnap_status kvsnap_history_get_info(const kvsnap_history* history, kvsnap_history_info* out) {
   constexpr const char* call = "kvsnap_history_get_info";
-  return guard([&] {
+  return guard(call, [&] {
     const KVHistory& h = require(history, call, "history").history;
     require(out, call, "out") = {form_of(h),         h.length(),        h.rows(),
                                  h.first_position(), h.oldest_column(), h.window()};
@@ -77,7 +77,7 @@ kvsnap_status kvsnap_history_get_info(const kvsnap_history* history, kvsnap_hist
 
 kvsnap_status kvsnap_history_row(const kvsnap_history* history, int64_t row, kvsnap_history** out) {
   constexpr const char* call = "kvsnap_history_row";
-  return guard([&] {
+  return guard(call, [&] {
     const KVHistory& h = require(history, call, "history").history;
     if (row < 0 || row >= h.rows()) {
       throw InvalidArgument(
@@ -89,7 +89,7 @@ kvsnap_status kvsnap_history_row(const kvsnap_history* history, int64_t row, kvs
 
 kvsnap_status kvsnap_history_contiguous(const kvsnap_history* history, kvsnap_history** out) {
   constexpr const char* call = "kvsnap_history_contiguous";
-  return guard([&] {
+  return guard(call, [&] {
     const KVHistory& h = require(history, call, "history").history;
     if (h.ragged()) {
       throw InvalidArgument(
@@ -103,7 +103,7 @@ kvsnap_status kvsnap_history_contiguous(const kvsnap_history* history, kvsnap_hi
 
 kvsnap_status kvsnap_history_arrays(const kvsnap_history* history, kvsnap_kv_history* out) {
   constexpr const char* call = "kvsnap_history_arrays";
-  return guard([&] {
+  return guard(call, [&] {
     const KVHistory& h = require(history, call, "history").history;
     require(out, call, "out");
     if (h.ragged() || h.paged()) {
@@ -123,7 +123,7 @@ kvsnap_status kvsnap_history_arrays(const kvsnap_history* history, kvsnap_kv_his
 
 kvsnap_status kvsnap_history_get_paged(const kvsnap_history* history, kvsnap_paged_info* out) {
   constexpr const char* call = "kvsnap_history_get_paged";
-  return guard([&] {
+  return guard(call, [&] {
     const PagedColumns& p = paged_of(history, call);
     require(out, call, "out") = {p.block_tokens, p.blocks_per_chunk, p.length,
                                  p.table.data(), p.table.size(),     p.key_chunks.size()};
@@ -133,7 +133,7 @@ kvsnap_status kvsnap_history_get_paged(const kvsnap_history* history, kvsnap_pag
 kvsnap_status kvsnap_history_paged_chunk(const kvsnap_history* history, size_t chunk,
                                          kvsnap_array** keys, kvsnap_array** values) {
   constexpr const char* call = "kvsnap_history_paged_chunk";
-  return guard([&] {
+  return guard(call, [&] {
     const PagedColumns& p = paged_of(history, call);
     require(keys, call, "keys");
     require(values, call, "values");
@@ -154,7 +154,7 @@ kvsnap_status kvsnap_sdpa(const kvsnap_batch* batch, const kvsnap_array* q,
                           const kvsnap_history* history, const kvsnap_attention_mask* mask,
                           float scale, kvsnap_array** out) {
   constexpr const char* call = "kvsnap_sdpa";
-  return guard([&] {
+  return guard(call, [&] {
     const Batch b = to_batch(batch, call);
     const Array& queries = require(q, call, "q").array;
     const KVHistory& h = require(history, call, "history").history;
@@ -167,7 +167,7 @@ kvsnap_status kvsnap_sdpa(const kvsnap_batch* batch, const kvsnap_array* q,
 }
 
 kvsnap_status kvsnap_set_threads(int threads) {
-  return guard([&] { set_threads(threads); });
+  return guard("kvsnap_set_threads", [&] { set_threads(threads); });
 }
 
 int kvsnap_threads(void) {

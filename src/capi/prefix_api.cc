@@ -18,7 +18,7 @@ PrefixCache::Session& session_of(const kvsnap_session* session, const char* call
 kvsnap_status create(kvsnap_cache* const* layers, size_t count,
                      const kvsnap_prefix_options* options, const kvsnap_tier* tier,
                      kvsnap_prefix_cache** out, const char* call) {
-  return guard([&] {
+  return guard(call, [&] {
     require(out, call, "out");
     std::vector<Cache*> caches = to_layers(layers, count, call);
     PrefixCache::Options settings;
@@ -54,7 +54,7 @@ void kvsnap_prefix_cache_destroy(kvsnap_prefix_cache* prefix) { delete prefix; }
 kvsnap_status kvsnap_prefix_cache_begin(kvsnap_prefix_cache* prefix, const int32_t* prompt,
                                         size_t count, kvsnap_session** out) {
   constexpr const char* call = "kvsnap_prefix_cache_begin";
-  return guard([&] {
+  return guard(call, [&] {
     PrefixCache& cache = prefix_of(prefix, call);
     require(out, call, "out");
     if (count > 0) require_data(prompt, call, "prompt");
@@ -66,7 +66,7 @@ kvsnap_status kvsnap_prefix_cache_begin_slot(kvsnap_prefix_cache* prefix, int32_
                                              const int32_t* prompt, size_t count,
                                              kvsnap_session** out) {
   constexpr const char* call = "kvsnap_prefix_cache_begin_slot";
-  return guard([&] {
+  return guard(call, [&] {
     PrefixCache& cache = prefix_of(prefix, call);
     require(out, call, "out");
     if (count > 0) require_data(prompt, call, "prompt");
@@ -77,7 +77,7 @@ kvsnap_status kvsnap_prefix_cache_begin_slot(kvsnap_prefix_cache* prefix, int32_
 kvsnap_status kvsnap_prefix_cache_match(const kvsnap_prefix_cache* prefix, int32_t slot,
                                         const int32_t* prompt, size_t count, int64_t* out) {
   constexpr const char* call = "kvsnap_prefix_cache_match";
-  return guard([&] {
+  return guard(call, [&] {
     const PrefixCache& cache = prefix_of(prefix, call);
     require(out, call, "out");
     if (count > 0) require_data(prompt, call, "prompt");
@@ -89,7 +89,7 @@ kvsnap_status kvsnap_prefix_cache_match(const kvsnap_prefix_cache* prefix, int32
 kvsnap_status kvsnap_prefix_cache_get_stats(const kvsnap_prefix_cache* prefix,
                                             kvsnap_prefix_stats* out) {
   constexpr const char* call = "kvsnap_prefix_cache_get_stats";
-  return guard([&] {
+  return guard(call, [&] {
     const PrefixCache& cache = prefix_of(prefix, call);
     const PrefixCache::Stats stats = cache.stats();  // one instant: the counters and the trie
     require(out, call, "out") = {
@@ -100,22 +100,25 @@ kvsnap_status kvsnap_prefix_cache_get_stats(const kvsnap_prefix_cache* prefix,
 
 kvsnap_status kvsnap_prefix_cache_loaded_nodes(const kvsnap_prefix_cache* prefix, int64_t* out) {
   constexpr const char* call = "kvsnap_prefix_cache_loaded_nodes";
-  return guard([&] { require(out, call, "out") = prefix_of(prefix, call).stats().loaded_nodes; });
+  return guard(call,
+               [&] { require(out, call, "out") = prefix_of(prefix, call).stats().loaded_nodes; });
 }
 
 kvsnap_status kvsnap_prefix_cache_peak_paged_out_bytes(const kvsnap_prefix_cache* prefix,
                                                        int64_t* out) {
   constexpr const char* call = "kvsnap_prefix_cache_peak_paged_out_bytes";
-  return guard([&] { require(out, call, "out") = prefix_of(prefix, call).peak_paged_out_bytes(); });
+  return guard(call,
+               [&] { require(out, call, "out") = prefix_of(prefix, call).peak_paged_out_bytes(); });
 }
 
 kvsnap_status kvsnap_prefix_cache_reset_peak(kvsnap_prefix_cache* prefix) {
-  return guard(
-      [&] { prefix_of(prefix, "kvsnap_prefix_cache_reset_peak").reset_peak_paged_out_bytes(); });
+  return guard("kvsnap_prefix_cache_reset_peak", [&] {
+    prefix_of(prefix, "kvsnap_prefix_cache_reset_peak").reset_peak_paged_out_bytes();
+  });
 }
 
 kvsnap_status kvsnap_prefix_cache_check(const kvsnap_prefix_cache* prefix) {
-  return guard([&] {
+  return guard("kvsnap_prefix_cache_check", [&] {
     const std::string problem = prefix_of(prefix, "kvsnap_prefix_cache_check").check_invariants();
     if (!problem.empty()) throw Error(problem);
   });
@@ -124,7 +127,7 @@ kvsnap_status kvsnap_prefix_cache_check(const kvsnap_prefix_cache* prefix) {
 kvsnap_status kvsnap_prefix_cache_save(const kvsnap_prefix_cache* prefix, const char* dir,
                                        const char* model_id) {
   constexpr const char* call = "kvsnap_prefix_cache_save";
-  return guard([&] {
+  return guard(call, [&] {
     const PrefixCache& cache = prefix_of(prefix, call);
     require_data(dir, call, "dir");
     cache.save(dir, model_id != nullptr ? model_id : "");
@@ -134,7 +137,7 @@ kvsnap_status kvsnap_prefix_cache_save(const kvsnap_prefix_cache* prefix, const 
 kvsnap_status kvsnap_prefix_cache_load(kvsnap_prefix_cache* prefix, const char* dir,
                                        const char* model_id) {
   constexpr const char* call = "kvsnap_prefix_cache_load";
-  return guard([&] {
+  return guard(call, [&] {
     PrefixCache& cache = prefix_of(prefix, call);
     require_data(dir, call, "dir");
     cache.load(dir, model_id != nullptr ? model_id : "");
@@ -153,7 +156,7 @@ bool kvsnap_prefix_cache_saved_in(const char* dir) {
 kvsnap_status kvsnap_session_remaining(const kvsnap_session* session, const int32_t** tokens,
                                        size_t* count) {
   constexpr const char* call = "kvsnap_session_remaining";
-  return guard([&] {
+  return guard(call, [&] {
     const std::span<const int32_t> remaining = session_of(session, call).remaining();
     const int32_t*& first = require(tokens, call, "tokens");
     size_t& size = require(count, call, "count");  // both checked before either is written
@@ -164,12 +167,12 @@ kvsnap_status kvsnap_session_remaining(const kvsnap_session* session, const int3
 
 kvsnap_status kvsnap_session_cached(const kvsnap_session* session, int64_t* out) {
   constexpr const char* call = "kvsnap_session_cached";
-  return guard([&] { require(out, call, "out") = session_of(session, call).cached(); });
+  return guard(call, [&] { require(out, call, "out") = session_of(session, call).cached(); });
 }
 
 kvsnap_status kvsnap_session_slot(const kvsnap_session* session, int32_t* out) {
   constexpr const char* call = "kvsnap_session_slot";
-  return guard([&] { require(out, call, "out") = session_of(session, call).slot(); });
+  return guard(call, [&] { require(out, call, "out") = session_of(session, call).slot(); });
 }
 
 namespace {
@@ -177,7 +180,7 @@ namespace {
 kvsnap_status schedule(kvsnap_session* session, const int64_t* offsets, size_t count,
                        const char* call,
                        void (PrefixCache::Session::*how)(std::span<const int64_t>)) {
-  return guard([&] {
+  return guard(call, [&] {
     PrefixCache::Session& s = session_of(session, call);
     if (count > 0) require_data(offsets, call, "offsets");
     (s.*how)({offsets, count});
@@ -198,20 +201,24 @@ kvsnap_status kvsnap_session_schedule_branch_points(kvsnap_session* session, con
 }
 
 kvsnap_status kvsnap_session_prefill_done(kvsnap_session* session) {
-  return guard([&] { session_of(session, "kvsnap_session_prefill_done").prefill_done(); });
+  return guard("kvsnap_session_prefill_done",
+               [&] { session_of(session, "kvsnap_session_prefill_done").prefill_done(); });
 }
 
 kvsnap_status kvsnap_session_append_output(kvsnap_session* session, int32_t token) {
-  return guard([&] { session_of(session, "kvsnap_session_append_output").append_output(token); });
+  return guard("kvsnap_session_append_output",
+               [&] { session_of(session, "kvsnap_session_append_output").append_output(token); });
 }
 
 kvsnap_status kvsnap_session_retract_outputs(kvsnap_session* session, int64_t count) {
-  return guard(
-      [&] { session_of(session, "kvsnap_session_retract_outputs").retract_outputs(count); });
+  return guard("kvsnap_session_retract_outputs", [&] {
+    session_of(session, "kvsnap_session_retract_outputs").retract_outputs(count);
+  });
 }
 
 kvsnap_status kvsnap_session_close(kvsnap_session* session) {
-  return guard([&] { session_of(session, "kvsnap_session_close").close(); });
+  return guard("kvsnap_session_close",
+               [&] { session_of(session, "kvsnap_session_close").close(); });
 }
 
 void kvsnap_session_destroy(kvsnap_session* session) { delete session; }

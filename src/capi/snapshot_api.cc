@@ -15,7 +15,7 @@ Cache& layer(const kvsnap_cache* cache, const char* call) {
 // allocate it loses no snapshot.
 kvsnap_status take_into(kvsnap_snapshot_list** out, const char* call,
                         const std::function<std::vector<SnapshotPtr>()>& take) {
-  return guard([&] {
+  return guard(call, [&] {
     require(out, call, "out");
     auto list = std::make_unique<kvsnap_snapshot_list>();
     list->snapshots = take();
@@ -30,7 +30,7 @@ extern "C" {
 kvsnap_status kvsnap_cache_snapshot(kvsnap_cache* cache, int64_t from_offset,
                                     kvsnap_snapshot** out) {
   constexpr const char* call = "kvsnap_cache_snapshot";
-  return guard([&] {
+  return guard(call, [&] {
     Cache& c = layer(cache, call);
     require(out, call, "out");
     auto handle = std::make_unique<kvsnap_snapshot>();
@@ -42,7 +42,7 @@ kvsnap_status kvsnap_cache_snapshot(kvsnap_cache* cache, int64_t from_offset,
 kvsnap_status kvsnap_cache_prepare_snapshots(kvsnap_cache* cache, const int64_t* offsets,
                                              size_t count) {
   constexpr const char* call = "kvsnap_cache_prepare_snapshots";
-  return guard([&] {
+  return guard(call, [&] {
     Cache& c = layer(cache, call);
     if (count > 0) require_data(offsets, call, "offsets");
     c.prepare_snapshots({offsets, count});
@@ -60,13 +60,14 @@ kvsnap_status kvsnap_cache_take_reached_snapshots(kvsnap_cache* cache, kvsnap_sn
 }
 
 kvsnap_status kvsnap_cache_cancel_snapshots(kvsnap_cache* cache) {
-  return guard([&] { layer(cache, "kvsnap_cache_cancel_snapshots").cancel_snapshots(); });
+  return guard("kvsnap_cache_cancel_snapshots",
+               [&] { layer(cache, "kvsnap_cache_cancel_snapshots").cancel_snapshots(); });
 }
 
 kvsnap_status kvsnap_cache_restore(kvsnap_cache* cache, kvsnap_snapshot* snapshot, int64_t target,
                                    bool* restored) {
   constexpr const char* call = "kvsnap_cache_restore";
-  return guard([&] {
+  return guard(call, [&] {
     Cache& c = layer(cache, call);
     bool& result = require(restored, call, "restored");
     result = c.restore(snapshot != nullptr ? snapshot->snapshot.get() : nullptr, target);
@@ -75,18 +76,18 @@ kvsnap_status kvsnap_cache_restore(kvsnap_cache* cache, kvsnap_snapshot* snapsho
 
 kvsnap_status kvsnap_cache_offset_seq(const kvsnap_cache* cache, int32_t seq, int64_t* out) {
   constexpr const char* call = "kvsnap_cache_offset_seq";
-  return guard([&] { require(out, call, "out") = layer(cache, call).offset(seq); });
+  return guard(call, [&] { require(out, call, "out") = layer(cache, call).offset(seq); });
 }
 
 kvsnap_status kvsnap_cache_exposed_bytes_seq(const kvsnap_cache* cache, int32_t seq, int64_t* out) {
   constexpr const char* call = "kvsnap_cache_exposed_bytes_seq";
-  return guard([&] { require(out, call, "out") = layer(cache, call).exposed_bytes(seq); });
+  return guard(call, [&] { require(out, call, "out") = layer(cache, call).exposed_bytes(seq); });
 }
 
 kvsnap_status kvsnap_cache_sequences(const kvsnap_cache* cache, int32_t* seqs, size_t capacity,
                                      size_t* count) {
   constexpr const char* call = "kvsnap_cache_sequences";
-  return guard([&] {
+  return guard(call, [&] {
     const std::vector<SeqId> held = layer(cache, call).sequences();
     require(count, call, "count") = held.size();
     if (held.size() > capacity) {
@@ -99,13 +100,14 @@ kvsnap_status kvsnap_cache_sequences(const kvsnap_cache* cache, int32_t* seqs, s
 }
 
 kvsnap_status kvsnap_cache_reset_seq(kvsnap_cache* cache, int32_t seq) {
-  return guard([&] { layer(cache, "kvsnap_cache_reset_seq").reset(seq); });
+  return guard("kvsnap_cache_reset_seq",
+               [&] { layer(cache, "kvsnap_cache_reset_seq").reset(seq); });
 }
 
 kvsnap_status kvsnap_cache_snapshot_seq(kvsnap_cache* cache, int32_t seq, int64_t from_offset,
                                         kvsnap_snapshot** out) {
   constexpr const char* call = "kvsnap_cache_snapshot_seq";
-  return guard([&] {
+  return guard(call, [&] {
     Cache& c = layer(cache, call);
     require(out, call, "out");
     auto handle = std::make_unique<kvsnap_snapshot>();
@@ -117,7 +119,7 @@ kvsnap_status kvsnap_cache_snapshot_seq(kvsnap_cache* cache, int32_t seq, int64_
 kvsnap_status kvsnap_cache_prepare_snapshots_seq(kvsnap_cache* cache, int32_t seq,
                                                  const int64_t* offsets, size_t count) {
   constexpr const char* call = "kvsnap_cache_prepare_snapshots_seq";
-  return guard([&] {
+  return guard(call, [&] {
     Cache& c = layer(cache, call);
     if (count > 0) require_data(offsets, call, "offsets");
     c.prepare_snapshots(seq, {offsets, count});
@@ -137,13 +139,14 @@ kvsnap_status kvsnap_cache_take_reached_snapshots_seq(kvsnap_cache* cache, int32
 }
 
 kvsnap_status kvsnap_cache_cancel_snapshots_seq(kvsnap_cache* cache, int32_t seq) {
-  return guard([&] { layer(cache, "kvsnap_cache_cancel_snapshots_seq").cancel_snapshots(seq); });
+  return guard("kvsnap_cache_cancel_snapshots_seq",
+               [&] { layer(cache, "kvsnap_cache_cancel_snapshots_seq").cancel_snapshots(seq); });
 }
 
 kvsnap_status kvsnap_cache_restore_seq(kvsnap_cache* cache, int32_t seq, kvsnap_snapshot* snapshot,
                                        int64_t target, bool* restored) {
   constexpr const char* call = "kvsnap_cache_restore_seq";
-  return guard([&] {
+  return guard(call, [&] {
     Cache& c = layer(cache, call);
     bool& result = require(restored, call, "restored");
     result = c.restore(seq, snapshot != nullptr ? snapshot->snapshot.get() : nullptr, target);
@@ -156,7 +159,7 @@ kvsnap_status kvsnap_cache_merge(kvsnap_cache* cache, kvsnap_snapshot* parent,
   const bool same = parent != nullptr && parent == child;
   SnapshotPtr before = adopt(parent);  // consumed whatever happens next (once when the same)
   SnapshotPtr after = same ? nullptr : adopt(child);
-  return guard([&] {
+  return guard(call, [&] {
     if (same) {
       throw InvalidArgument(
           fmt::format("{}: parent and child are the same snapshot (a merge joins two adjacent "
@@ -175,7 +178,7 @@ kvsnap_status kvsnap_cache_split(kvsnap_cache* cache, kvsnap_snapshot* snapshot,
                                  kvsnap_snapshot** before, kvsnap_snapshot** after) {
   constexpr const char* call = "kvsnap_cache_split";
   SnapshotPtr whole = adopt(snapshot);  // consumed whatever happens next
-  return guard([&] {
+  return guard(call, [&] {
     Cache& c = layer(cache, call);
     require(before, call, "before");
     require(after, call, "after");
@@ -193,7 +196,7 @@ kvsnap_status kvsnap_cache_split(kvsnap_cache* cache, kvsnap_snapshot* snapshot,
 
 kvsnap_status kvsnap_snapshot_get_info(const kvsnap_snapshot* snapshot, kvsnap_snapshot_info* out) {
   constexpr const char* call = "kvsnap_snapshot_get_info";
-  return guard([&] {
+  return guard(call, [&] {
     const Snapshot& s = *require(snapshot, call, "snapshot").snapshot;
     require(out, call, "out") = {s.from(), s.to(), s.size(), s.is_lazy()};
   });
@@ -208,7 +211,7 @@ size_t kvsnap_snapshot_list_size(const kvsnap_snapshot_list* list) {
 kvsnap_status kvsnap_snapshot_list_take(kvsnap_snapshot_list* list, size_t index,
                                         kvsnap_snapshot** out) {
   constexpr const char* call = "kvsnap_snapshot_list_take";
-  return guard([&] {
+  return guard(call, [&] {
     std::vector<SnapshotPtr>& entries = require(list, call, "list").snapshots;
     require(out, call, "out");
     if (index >= entries.size()) {
@@ -226,7 +229,7 @@ void kvsnap_snapshot_list_destroy(kvsnap_snapshot_list* list) { delete list; }
 kvsnap_status kvsnap_save_snapshots(const char* path, int64_t offset,
                                     const kvsnap_snapshot* const* snapshots, size_t count) {
   constexpr const char* call = "kvsnap_save_snapshots";
-  return guard([&] {
+  return guard(call, [&] {
     require_data(path, call, "path");
     if (count > 0) require_data(snapshots, call, "snapshots");
     std::vector<const Snapshot*> pointers;
@@ -239,7 +242,7 @@ kvsnap_status kvsnap_save_snapshots(const char* path, int64_t offset,
 
 kvsnap_status kvsnap_load_snapshots(const char* path, int64_t* offset, kvsnap_snapshot_list** out) {
   constexpr const char* call = "kvsnap_load_snapshots";
-  return guard([&] {
+  return guard(call, [&] {
     require_data(path, call, "path");
     require(offset, call, "offset");
     require(out, call, "out");

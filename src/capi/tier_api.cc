@@ -93,7 +93,7 @@ kvsnap_tier_options kvsnap_tier_options_default(void) {
 kvsnap_status kvsnap_tier_open(const char* address, kvsnap_cache* const* layers, size_t count,
                                const kvsnap_tier_options* options, kvsnap_tier** out) {
   constexpr const char* call = "kvsnap_tier_open";
-  return guard([&] {
+  return guard(call, [&] {
     require(address, call, "address");
     require(options, call, "options");
     require(out, call, "out");
@@ -109,7 +109,7 @@ void kvsnap_tier_destroy(kvsnap_tier* tier) { delete tier; }
 
 kvsnap_status kvsnap_tier_get_stats(const kvsnap_tier* tier, kvsnap_tier_stats* out) {
   constexpr const char* call = "kvsnap_tier_get_stats";
-  return guard([&] {
+  return guard(call, [&] {
     const TierStats s = require(tier, call, "tier").tier->stats();
     require(out, call, "out") = {s.lookups,         s.hits,
                                  s.restored_tokens, s.bytes_read,
@@ -122,7 +122,7 @@ kvsnap_status kvsnap_tier_get_stats(const kvsnap_tier* tier, kvsnap_tier_stats* 
 
 kvsnap_status kvsnap_tier_flush(kvsnap_tier* tier, int64_t timeout_ms, bool* drained) {
   constexpr const char* call = "kvsnap_tier_flush";
-  return guard([&] {
+  return guard(call, [&] {
     Tier& t = *require(tier, call, "tier").tier;
     require(drained, call, "drained");
     *drained = t.flush(duration<std::chrono::milliseconds>(timeout_ms, call, "timeout_ms"));
@@ -139,7 +139,7 @@ bool kvsnap_tier_authenticated(const kvsnap_tier* tier) {
 
 kvsnap_status kvsnap_load_tier_key(const char* path, void* buffer, size_t capacity, size_t* size) {
   constexpr const char* call = "kvsnap_load_tier_key";
-  return guard([&] {
+  return guard(call, [&] {
     require(path, call, "path");
     hand_out(load_tier_key(path), buffer, capacity, size, /*nul=*/false, call);
   });
@@ -148,7 +148,7 @@ kvsnap_status kvsnap_load_tier_key(const char* path, void* buffer, size_t capaci
 kvsnap_status kvsnap_load_tier_address(const char* path, char* buffer, size_t capacity,
                                        size_t* size) {
   constexpr const char* call = "kvsnap_load_tier_address";
-  return guard([&] {
+  return guard(call, [&] {
     require(path, call, "path");
     hand_out(load_tier_address(path), buffer, capacity, size, /*nul=*/true, call);
   });

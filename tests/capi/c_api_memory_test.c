@@ -89,7 +89,7 @@ static void with_one_mib_of_headroom(void (*body)(kvsnap_cache*), kvsnap_cache* 
 static void update_out_of_memory(kvsnap_cache* cache) {
   kvsnap_kv_history history = {0};
   CHECK_FAILS(write_tokens(cache, 0, 1999, 1, 5000, &history), KVSNAP_OUT_OF_MEMORY,
-              "out of memory");
+              "kvsnap_cache_update: out of memory");
   CHECK(offset_of(cache, 0) == 1999);
   CHECK(history.keys == NULL && history.values == NULL);
 }
@@ -105,7 +105,7 @@ static void update_rows_out_of_memory(kvsnap_cache* cache) {
   CHECK_OK(kvsnap_array_wrap(values_buffer, KVSNAP_F32, 4, shape, NULL, NULL, NULL, &values));
   kvsnap_kv_history rows[2] = {{0}, {0}};
   CHECK_FAILS(kvsnap_cache_update_rows(cache, &batch, keys, values, rows), KVSNAP_OUT_OF_MEMORY,
-              "out of memory");
+              "kvsnap_cache_update_rows: out of memory");
   CHECK(offset_of(cache, 0) == 1999 && offset_of(cache, 1) == 8);
   CHECK(rows[0].keys == NULL && rows[1].keys == NULL);
   kvsnap_array_destroy(keys);

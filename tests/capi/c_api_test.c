@@ -76,7 +76,8 @@ static void test_arrays(void) {
   kvsnap_array_destroy(NULL);
 #if !defined(KVSNAP_ADDRESS_SANITIZER) /* ASan aborts on an impossible allocation instead */
   const int64_t huge[2] = {(int64_t)1 << 38, (int64_t)1 << 10}; /* 1 PiB */
-  CHECK_FAILS(kvsnap_array_zeros(KVSNAP_F32, 2, huge, &a), KVSNAP_OUT_OF_MEMORY, "out of memory");
+  CHECK_FAILS(kvsnap_array_zeros(KVSNAP_F32, 2, huge, &a), KVSNAP_OUT_OF_MEMORY,
+              "kvsnap_array_zeros: out of memory");
 #endif
 }
 
