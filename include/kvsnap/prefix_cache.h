@@ -17,7 +17,11 @@
 //
 // Speculative decoding (speculation.h): append only the tokens a round accepted (or append the
 // drafts and retract_outputs() the rejected ones); close() pages out exactly the evaluated
-// tokens the rolled-back layers hold, never a rejected draft.
+// tokens the rolled-back layers hold, never a rejected draft. Accept or cancel a round before
+// close(): a close during one pages out what the session knows (drafts appended and not yet
+// retracted included — evaluated, so exact), or resets the slot when the verify forward took
+// its layers past that; and begin() refuses (Error, nothing changed) a slot where a round still
+// has captures scheduled.
 //
 // Restore points. KV layers can resume at any token; whole-state layers (window, recurrent)
 // only where their state was captured, so a request resumes at the deepest offset where every

@@ -45,6 +45,7 @@ std::shared_ptr<SessionState> Slot::begin(std::span<const int32_t> prompt, Prefi
   if (prompt.empty()) {
     throw Error("PrefixCache::begin: the prompt is empty; at least one token must be evaluated");
   }
+  require_no_schedule();
   if (!live_.consistent()) reset_moved_caches();
   evict_(Change::own);
 
@@ -112,6 +113,21 @@ std::shared_ptr<SessionState> Slot::begin(std::span<const int32_t> prompt, Prefi
   stats.matched_tokens += match.length;
   stats.reused_tokens += plan.target;
   return state;
+}
+
+void Slot::require_no_schedule() const {
+  // With no session open, the slot's schedules are someone else's: the restores and captures a
+  // begin makes would take or cancel them.
+  for (size_t i = 0; i < trie_.layers().size(); ++i) {
+    const Cache* cache = trie_.layers()[i].cache;
+    if (cache == nullptr) continue;
+    const ScheduleState state = cache->schedule_state(id_);
+    if (!state.pending) continue;
+    throw Error(fmt::format(
+        "PrefixCache::begin: layer {} has {} capture(s) scheduled for slot {} (offsets {}..{}) "
+        "that no session made (a Speculation round still open?); accept or cancel it first",
+        i, state.count, id_, state.first, state.last));
+  }
 }
 
 void Slot::reset_moved_caches() {

@@ -93,6 +93,9 @@ class Slot {
   // the reset copies into the trie's lazy snapshots is evicted for first. Leaves the slot
   // unwritable.
   void reset_moved_caches();
+  // Throws Error (nothing changed) when a layer holds captures scheduled for the slot: with no
+  // session open they are someone else's (an open Speculation round's).
+  void require_no_schedule() const;
   // The offset every layer stands at, as the session needs it (-1 never matches an offset).
   int64_t layer_offset() const { return live_.offset().value_or(-1); }
   // The planner's view of the live caches for a prompt cut at `limit`.

@@ -226,6 +226,43 @@ TEST(SpeculationSessions, RetractOutputsChecksItsCount) {
   EXPECT_LT(cache.match(prompt + Tokens{7, 8, 10}), 6);
 }
 
+// A session closed while a Speculation round is open (its client gone before the verify forward)
+// leaves the round's captures scheduled on the slot. The next begin there refuses, naming them,
+// and changes nothing — it would have taken or cancelled them, and reset the slot when a restore
+// refused them. Once the round is cancelled, begin goes on and outputs equal recomputation.
+TEST(SpeculationSessions, BeginRefusesASlotWhereARoundIsStillOpen) {
+  HybridStack stack;  // the window (8) and the recurrent layer capture past offset 8
+  PrefixCache cache(stack.layers());
+  Speculation round(stack.layers());
+  const Tokens prompt = tokens(100, 6);
+  PrefixCache::Session session = cache.begin(prompt);
+  ASSERT_TRUE(stack.forward_and_check(session.remaining(), prompt));
+  session.prefill_done();
+  session.append_output(7);
+  round.begin(3);  // captures at 7..9
+  session.close();
+  const std::string trie = cache.debug_string();
+  const Tokens next = prompt + Tokens{7, 300};
+  try {
+    (void)cache.begin(next);
+    ADD_FAILURE() << "begin took a slot where a round is open";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_TRUE(what.starts_with("PrefixCache::begin: layer ")) << what;
+    EXPECT_NE(what.find("has 3 capture(s) scheduled for slot 0 (offsets 7..9)"), std::string::npos)
+        << what;
+  }
+  EXPECT_EQ(cache.debug_string(), trie);
+  EXPECT_EQ(stack.attention().offset(0), 6);
+  ASSERT_TRUE(round.open());
+  round.cancel();
+  PrefixCache::Session again = cache.begin(next);
+  EXPECT_EQ(again.cached(), 6);
+  ASSERT_TRUE(stack.forward_and_check(again.remaining(), next));
+  again.prefill_done();
+  EXPECT_EQ(cache.check_invariants(), "");
+}
+
 INSTANTIATE_TEST_SUITE_P(ContiguousAndPaged, SpeculationSessions, ::testing::Bool());
 
 }  // namespace
