@@ -187,11 +187,16 @@ void Speculation::check_accept(int64_t accepted) const {
   }
   const int64_t end = start_ + drafts_ + 1, target = start_ + accepted + 1;
   for (const Layer& layer : layers_) {
-    if (layer.cache->offset(seq_) == (layer.moved ? target : end)) continue;
-    throw Error(fmt::format(
-        "Speculation::accept: a layer of sequence {} stands at offset {}; the verify forward of "
-        "{} tokens from {} leaves every layer at {}",
-        seq_, layer.cache->offset(seq_), drafts_ + 1, start_, end));
+    const int64_t offset = layer.cache->offset(seq_);
+    if (offset == (layer.moved ? target : end)) continue;
+    throw Error(
+        layer.moved
+            ? fmt::format("Speculation::accept: layer {} of sequence {} stands at offset {}; the "
+                          "accept that ran out of memory had moved it to {}",
+                          layer.index, seq_, offset, target)
+            : fmt::format("Speculation::accept: layer {} of sequence {} stands at offset {}; the "
+                          "verify forward of {} tokens from {} leaves every layer at {}",
+                          layer.index, seq_, offset, drafts_ + 1, start_, end));
   }
   for (const Layer& layer : layers_) {
     if (moving_ < 0 || !layer.capture) {

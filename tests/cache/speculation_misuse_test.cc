@@ -95,6 +95,27 @@ TEST_P(EveryKind, BeginRefusesALayerWithCapturesScheduled) {
   }
 }
 
+// A layer that does not stand where the verify forward leaves it (here the attention layer, as
+// after a forward cut short) is named; accept refuses before any layer moves.
+TEST_P(EveryKind, AcceptNamesALayerTheVerifyForwardDidNotReach) {
+  const auto [paged, window] = GetParam();
+  HybridStack stack(StackOptions{.window = window, .paged = paged});
+  const Tokens prompt = range(1, 10);
+  ASSERT_TRUE(stack.forward_and_check(prompt, prompt));
+  Speculation round(stack.layers());
+  round.begin(3);
+  const Tokens verify = range(20, 4);
+  ASSERT_TRUE(stack.forward_and_check(verify, concat(prompt, verify)));
+  ASSERT_TRUE(stack.attention().restore(0, nullptr, 13));  // one token short
+  expect_error([&] { round.accept(1); },
+               "Speculation::accept: layer 0 of sequence 0 stands at offset 13; the verify "
+               "forward of 4 tokens from 10 leaves every layer at 14");
+  EXPECT_TRUE(round.open());
+  EXPECT_EQ(stack.window.offset(0), 14);
+  EXPECT_EQ(stack.recurrent.offset(0), 14);
+  round.cancel();
+}
+
 // A schedule that appears mid-round on a layer that must rewind blocks the rewind: accept
 // refuses before any layer moves, and succeeds once its owner has taken it.
 TEST_P(EveryKind, AcceptWaitsForAForeignScheduleOnARewindingLayer) {
