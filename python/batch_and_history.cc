@@ -29,15 +29,21 @@ const char* mask_kind_name(AttentionMask::Kind kind) {
 }
 
 // input_ids as the int32 array Batch holds: another integer dtype (a list of Python ints comes
-// as int64) is converted when every value fits, else Error; anything else goes as it is (and
-// to_array says what it cannot take).
+// as int64) is converted when every value fits, else Error; so is an empty array of any dtype (an
+// empty list comes as float64). Any other dtype is refused: token ids are integers.
 py::object input_ids_int32(py::object ids) {
   if (ids.is_none()) return ids;
   const py::module_ numpy = py::module_::import("numpy");
   py::object array = numpy.attr("asarray")(ids);
   const py::object dtype = array.attr("dtype");
   const auto kind = py::str(dtype.attr("kind")).cast<std::string>();
-  if ((kind != "i" && kind != "u") || dtype.equal(numpy.attr("dtype")("int32"))) return array;
+  if (dtype.equal(numpy.attr("dtype")("int32"))) return array;
+  if (kind != "i" && kind != "u") {
+    if (array.attr("size").cast<int64_t>() == 0) return array.attr("astype")(numpy.attr("int32"));
+    throw Error(fmt::format("Batch.input_ids: {} {}; token ids are integers (int32)",
+                            py::str(dtype).cast<std::string>(),
+                            py::str(array.attr("shape")).cast<std::string>()));
+  }
   py::object narrowed = array.attr("astype")(numpy.attr("int32"));
   if (!numpy.attr("array_equal")(narrowed, array).cast<bool>()) {
     throw Error(fmt::format("Batch.input_ids: {} values outside int32 (token ids are int32)",

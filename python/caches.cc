@@ -252,7 +252,8 @@ void bind_cache(py::module_& m) {
 
 Offsets count tokens written so far. Every mutating call either succeeds or raises kvsnap.Error
 and changes nothing — but merge and split, which consume the snapshots they are given whatever
-happens. A cache locks itself: its calls may come from several threads (they run
+happens once they start (a refusal before that — the same snapshot twice, one already consumed
+or in use on another thread — consumes none). A cache locks itself: its calls may come from several threads (they run
 one at a time, the GIL released while they wait and work).)");
   bind_cache_state(cache);
   bind_cache_snapshots(cache);

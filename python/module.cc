@@ -27,7 +27,8 @@ PYBIND11_MODULE(kvsnap, m) {
 Caches take numpy arrays (keys and values [B, H, L, D], recurrent states) without copying where
 the layout allows, and hand their buffers back as read-only numpy views. Every contract
 violation raises kvsnap.Error with kvsnap's message; the object is then unchanged (merge and
-split consume their snapshots whatever happens). An argument of the wrong Python type — a
+split consume their snapshots whatever happens once they start; a refusal before that — the
+same snapshot twice, one already consumed or in use on another thread — consumes none). An argument of the wrong Python type — a
 float for an int, or an int outside the C type it goes to (a sequence id past 2^31 - 1) —
 raises TypeError before any call.
 

@@ -103,30 +103,46 @@ void delete_unused_dltensor(PyObject* capsule) {
   }
 }
 
-bool has_negative_stride(const DLTensor& tensor) {
+// Whether kvsnap cannot name `tensor`'s layout, which a copy can: a negative stride, or data not
+// aligned to its elements (numpy exports both).
+bool needs_copy(const DLTensor& tensor) {
   for (int axis = 0; tensor.strides != nullptr && axis < tensor.ndim; ++axis) {
     if (tensor.strides[axis] < 0) return true;
   }
-  return false;
+  const uint64_t item = std::max<uint64_t>(1, tensor.dtype.bits / 8);
+  return (reinterpret_cast<uintptr_t>(tensor.data) + tensor.byte_offset) % item != 0;
 }
 
-// A compact copy of `tensor`, whose strides may be negative (kvsnap names only non-negative
-// ones). Its checks are from_dlpack's, made on a row-major stand-in whose memory is not read.
+// A compact copy of `tensor`, whose strides may be negative and whose data may be misaligned.
+// Its checks are from_dlpack's, made on a row-major stand-in whose memory is not read.
 Array copy_dlpack(const DLTensor& tensor) {
   DLManagedTensor stand_in{};
   stand_in.dl_tensor = tensor;
   stand_in.dl_tensor.strides = nullptr;
+  // Aligned (wrap checks it), and null only where the tensor's is (from_dlpack refuses that).
+  const auto start = reinterpret_cast<uintptr_t>(tensor.data) + tensor.byte_offset;
+  stand_in.dl_tensor.data =
+      tensor.data == nullptr
+          ? nullptr
+          : reinterpret_cast<void*>(std::max<uintptr_t>(start & ~uintptr_t{63}, 64));
+  stand_in.dl_tensor.byte_offset = 0;
   stand_in.deleter = [](DLManagedTensor*) {};
   const Array checked = from_dlpack(&stand_in);  // device, dtype, axes
   Array copy = Array::uninitialized(checked.dtype(), checked.shape());
   if (copy.size() == 0) return copy;
   const int64_t item = dtype_size(copy.dtype());
+  int64_t strides[Array::kMaxDims] = {};  // in elements; none given: row-major
+  int64_t step = 1;
+  for (int axis = tensor.ndim - 1; axis >= 0; --axis) {
+    strides[axis] = tensor.strides != nullptr ? tensor.strides[axis] : step;
+    step *= tensor.shape[axis];
+  }
   const char* source = static_cast<const char*>(tensor.data) + tensor.byte_offset;
   char* out = static_cast<char*>(copy.mutable_bytes());
   int64_t index[Array::kMaxDims] = {};
   for (int64_t n = 0; n < copy.size(); ++n) {
     int64_t element = 0;
-    for (int axis = 0; axis < tensor.ndim; ++axis) element += index[axis] * tensor.strides[axis];
+    for (int axis = 0; axis < tensor.ndim; ++axis) element += index[axis] * strides[axis];
     std::memcpy(out + n * item, source + element * item, static_cast<size_t>(item));
     for (int axis = tensor.ndim - 1; axis >= 0 && ++index[axis] == tensor.shape[axis]; --axis) {
       index[axis] = 0;  // row-major: the last axis moves fastest
@@ -137,7 +153,8 @@ Array copy_dlpack(const DLTensor& tensor) {
 
 // The producer's tensor as a kvsnap Array. The capsule stays unconsumed and is what kvsnap keeps
 // alive (keep_alive): the tensor's deleter runs when the capsule goes, under the GIL and never
-// under a kvsnap lock. Negative strides: a copy (the capsule then goes at once).
+// under a kvsnap lock. Negative strides or misaligned data: a copy (the capsule then goes at
+// once).
 PyArray array_from_dlpack(py::object producer) {
   py::capsule capsule = producer.attr("__dlpack__")();
   const char* name = capsule.name();
@@ -145,7 +162,7 @@ PyArray array_from_dlpack(py::object producer) {
     throw Error("Array.from_dlpack: __dlpack__ returned a capsule that is not a \"dltensor\"");
   }
   const DLTensor& tensor = static_cast<DLManagedTensor*>(capsule.get_pointer())->dl_tensor;
-  if (has_negative_stride(tensor)) return PyArray{copy_dlpack(tensor)};
+  if (needs_copy(tensor)) return PyArray{copy_dlpack(tensor)};
   DLManagedTensor stand_in{};
   stand_in.dl_tensor = tensor;
   stand_in.deleter = [](DLManagedTensor*) {};

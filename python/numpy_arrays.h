@@ -1,6 +1,6 @@
-// The Python module's array boundary: numpy arrays (or kvsnap.Array, or anything DLPack) into
-// kvsnap Arrays without a copy where the layout allows, and kvsnap Arrays out as numpy views
-// whose base keeps the kvsnap buffer alive.
+// The Python module's array boundary: numpy arrays (or kvsnap.Array, or what numpy.asarray takes;
+// Array.from_dlpack for a DLPack producer) into kvsnap Arrays without a copy where the layout
+// allows, and kvsnap Arrays out as numpy views whose base keeps the kvsnap buffer alive.
 #pragma once
 
 #include <kvsnap/array.h>

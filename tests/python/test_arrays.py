@@ -200,6 +200,16 @@ def test_misaligned_numpy_input_is_copied_not_refused():
     assert sys.getrefcount(keys) == references
 
 
+def test_misaligned_dlpack_tensors_are_copied_not_refused():
+    blob = bytearray(b"\0\0" + np.arange(8, dtype=np.float32).tobytes())
+    misaligned = np.frombuffer(blob, np.float32, offset=2)  # writable, exported as it is
+    assert not misaligned.flags.aligned
+    for view in (misaligned, misaligned.reshape(2, 4)[:, ::2]):
+        imported = kvsnap.Array.from_dlpack(view)
+        assert not np.shares_memory(np.asarray(imported), misaligned)
+        np.testing.assert_array_equal(np.asarray(imported), view)
+
+
 def test_dlpack_tensors_with_negative_strides_are_copied():
     source = np.arange(24, dtype=np.float32).reshape(4, 6)
     for view in (source[:, ::-1], source[::-2, 1::2], source[::-1].T):
