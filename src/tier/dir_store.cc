@@ -168,18 +168,18 @@ DirStore::DirStore(std::string folder, bool own_files_only, std::chrono::seconds
       own_files_only_(own_files_only),
       ttl_(ttl),
       health_(std::move(health)) {
+  // Made private (0700) by the one call that creates it; one that is there already — also one
+  // another user made a moment before, in a shared parent — is checked as any existing folder.
+  fs::path target(folder_);
+  if (!target.has_filename()) target = target.parent_path();  // a trailing '/'
   std::error_code error;
-  const fs::file_status status = fs::status(folder_, error);
-  if (fs::exists(status) && !fs::is_directory(status)) {
-    throw Error(fmt::format("tier folder {}: exists and is not a folder", folder_));
+  if (target.has_parent_path()) fs::create_directories(target.parent_path(), error);
+  if (::mkdir(target.c_str(), 0700) != 0 && errno != EEXIST) {
+    throw Error(
+        fmt::format("tier folder {}: cannot create it ({})", folder_, std::strerror(errno)));
   }
-  if (!fs::exists(status)) {
-    fs::create_directories(folder_, error);
-    if (error) {
-      throw Error(fmt::format("tier folder {}: cannot create it ({})", folder_, error.message()));
-    }
-    fs::permissions(folder_, fs::perms::owner_all, error);  // what it holds is private
-    return;
+  if (!fs::is_directory(fs::status(folder_, error))) {
+    throw Error(fmt::format("tier folder {}: exists and is not a folder", folder_));
   }
   if (own_files_only_) {
     PrivacyRule rule;
@@ -251,8 +251,11 @@ void DirStore::probe(std::span<const std::string> sets, std::span<const std::str
   std::error_code error;
   for (size_t i = 0; i < sets.size(); ++i) {
     check_time(deadline);
-    // An index is a folder, never a link to one (write adds nothing through a link either).
-    if (fs::is_directory(fs::symlink_status(path(sets[i]), error))) {
+    // An index is a folder, never a link to one (write adds nothing through a link either), and
+    // without a key this user's (another user's, made first in a shared folder, lists what they
+    // chose, and this user cannot add to it).
+    if (fs::is_directory(fs::symlink_status(path(sets[i]), error)) &&
+        !(own_files_only_ && others(path(sets[i])))) {
       // In use: its lifetime starts afresh (as EXPIRE after SMEMBERS).
       (void)::utimensat(AT_FDCWD, path(sets[i]).c_str(), nullptr, AT_SYMLINK_NOFOLLOW);
       (void)list_folder(path(sets[i]), [&](const char* name) {

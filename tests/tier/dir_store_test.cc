@@ -402,6 +402,15 @@ TEST_F(DirStoreTest, WithoutAKeyOnlyThisUsersFilesInAPrivateFolderAreTrusted) {
   EXPECT_EQ(refused.objects, 1);
   EXPECT_EQ(DirStore(folder.string()).fetch(keys, Clock::now() + 2s, kNoLimit).at(0), "planted");
   EXPECT_TRUE(exists(store, "kvsnap:p:mine"));
+  // An index folder another user made lists nothing: its members are theirs to choose.
+  batch = {};
+  batch.index = {{"kvsnap:i:theirs", "5"}};
+  (void)store.write(batch, Clock::now() + 2s);
+  EXPECT_EQ(members_of(store, "kvsnap:i:theirs"), std::vector<std::string>{"5"});
+  ASSERT_EQ(::chown(file("kvsnap:i:theirs").c_str(), nobody->pw_uid, static_cast<gid_t>(-1)), 0);
+  EXPECT_TRUE(members_of(store, "kvsnap:i:theirs").empty());
+  DirStore keyed(folder.string());
+  EXPECT_EQ(members_of(keyed, "kvsnap:i:theirs"), std::vector<std::string>{"5"});
 }
 
 // A file this user may not read (another user's object, mode 0600, in a folder both share) is
