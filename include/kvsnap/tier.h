@@ -95,8 +95,9 @@ struct TierOptions {
   int64_t write_queue_bytes = int64_t(1) << 30;
   // One line per event worth an operator's attention (trusted-store mode, rejected objects,
   // the store lost or back). Default: "kvsnap tier: ..." on stderr. Called from any thread,
-  // also from inside a PrefixCache's close with that cache's lock held: it must not call the
-  // prefix cache (a deadlock); hand the line to a queue or a logger.
+  // also from inside a PrefixCache's close with that cache's lock held and from the tier's
+  // writer: it must not call the prefix cache (a deadlock) nor this tier (a flush would wait on
+  // the writer that called it); hand the line to a queue or a logger.
   // Control characters in a line (text the store sent) arrive written as \xNN; an exception
   // it throws loses that line only.
   std::function<void(const std::string&)> log;

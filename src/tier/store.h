@@ -94,9 +94,10 @@ class Store {
                                                         Deadline deadline, int64_t max_bytes) = 0;
   // Deletes the doomed keys, writes the objects, then adds the index members (each with the
   // lifetime). Returns the objects the store refused one by one (a dir: store's object over its
-  // size limit, a Redis value over its proto-max-bulk-len); a store that refuses the commands
-  // themselves (Redis: NOAUTH, READONLY, out of memory with eviction off) throws StoreFailure,
-  // saying so.
+  // size limit); a store that refuses the commands themselves (Redis: NOAUTH, READONLY, out of
+  // memory with eviction off) throws StoreFailure, saying so — as does Redis for a value over
+  // its proto-max-bulk-len, which it answers by closing the connection (the batch is lost:
+  // TierOptions::max_object_bytes must stay within the server's setting).
   struct Refused {
     int64_t objects = 0;
     int64_t bytes = 0;  // their values' bytes
