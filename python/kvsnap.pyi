@@ -14,7 +14,9 @@ import numpy.typing as npt
 
 __version__: str
 
-ArrayLike = npt.ArrayLike  # a numpy array, a kvsnap.Array, or what numpy.asarray accepts
+# A numpy array, a kvsnap.Array, or what numpy.asarray accepts: Python numbers (lists, tuples)
+# become int32 (ints, when every value fits) or float32 (floats).
+ArrayLike = npt.ArrayLike
 
 class Error(Exception):
     """A contract violation or bad data; the message is kvsnap's (call, values, rule)."""

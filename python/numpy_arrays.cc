@@ -221,7 +221,22 @@ PyArray to_py_array(py::handle object, const char* what, bool allow_none) {
     throw Error(fmt::format("{}: an array is required, not None", what));
   }
   if (py::isinstance<PyArray>(object)) return object.cast<const PyArray&>();
-  return wrap_numpy(py::array(py::module_::import("numpy").attr("asarray")(object)), what);
+  const py::module_ numpy = py::module_::import("numpy");
+  py::object array = numpy.attr("asarray")(object);
+  if (!py::isinstance<py::array>(object) && !py::hasattr(object, "__array__")) {
+    // Python numbers (lists, tuples, scalars) come as int64 or float64, which kvsnap does not
+    // hold: ints become int32 when every value fits, floats float32 (what a model computes in).
+    const auto kind = py::str(array.attr("dtype").attr("kind")).cast<std::string>();
+    if (kind == "f") array = array.attr("astype")(numpy.attr("float32"));
+    if (kind == "i" || kind == "u") {
+      py::object narrowed = array.attr("astype")(numpy.attr("int32"));
+      if (!numpy.attr("array_equal")(narrowed, array).cast<bool>()) {
+        throw Error(fmt::format("{}: Python ints outside int32", what));
+      }
+      array = narrowed;
+    }
+  }
+  return wrap_numpy(py::array(array), what);
 }
 
 Array to_array(py::handle object, const char* what, bool allow_none) {

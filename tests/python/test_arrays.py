@@ -104,6 +104,18 @@ def test_unsupported_arrays_raise_kvsnap_error():
         kvsnap.Array(np.zeros((1,) * 9, np.dtype(">f4")))
 
 
+def test_python_numbers_become_the_dtypes_kvsnap_holds():
+    assert kvsnap.Array([[1, 2], [3, 4]]).numpy().dtype == np.int32
+    floats = kvsnap.Array((0.5, 1.25))
+    assert floats.numpy().dtype == np.float32 and floats.numpy().tolist() == [0.5, 1.25]
+    assert kvsnap.AttentionMask.from_array([[[[1, 0], [1, 1]]]]).kind == "array"  # int32
+    with pytest.raises(kvsnap.Error, match=r"^kvsnap.Array: Python ints outside int32"):
+        kvsnap.Array([2**31])
+    # A numpy array keeps its dtype: an int64 one is refused, not narrowed behind its back.
+    with pytest.raises(kvsnap.Error, match=r"numpy dtype int64 is not supported"):
+        kvsnap.Array(np.array([1, 2]))
+
+
 def test_dlpack_export_takes_the_protocols_keywords():
     # numpy >= 2.1 and the array API pass max_version, dl_device and copy as keywords.
     array = kvsnap.Array(np.arange(4, dtype=np.float32))
