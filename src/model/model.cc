@@ -4,6 +4,7 @@
 #include <xxhash.h>
 
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -112,6 +113,18 @@ ModelConfig ModelConfig::from_file(const std::string& path) {
 }
 
 void Model::save(const std::string& config_path, const std::string& weights_path) const {
+  // One file under two names (the same path, or a link to the other): the config's rename
+  // would replace the weights.
+  namespace fs = std::filesystem;
+  std::error_code config_error, weights_error, error;
+  const fs::path config_real = fs::weakly_canonical(config_path, config_error);
+  const fs::path weights_real = fs::weakly_canonical(weights_path, weights_error);
+  if ((!config_error && !weights_error && config_real == weights_real) ||
+      fs::equivalent(config_path, weights_path, error)) {
+    throw Error(
+        fmt::format("Model::save: the config {} and the weights {} name one file; save them to two",
+                    config_path, weights_path));
+  }
   detail::SafetensorsFile file;
   weights_->for_each(
       [&](const std::string& name, detail::Floats& tensor, const Shape& shape, float) {

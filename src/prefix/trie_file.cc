@@ -160,8 +160,17 @@ class TrieDecoder {
     }
     if (sealed != nullptr) check_seal(*sealed, source_);
     if (!same_model(file_, model_id)) {
-      throw fail(fmt::format("it was saved for model {}, this cache serves {}",
-                             cut_quoted(meta("model")), cut_quoted(readable(model_id))));
+      const std::string saved = meta("model"), ours = readable(model_id);
+      std::string why = fmt::format("it was saved for model {}, this cache serves {}",
+                                    cut_quoted(saved), cut_quoted(ours));
+      if (cut_quoted(saved) == cut_quoted(ours)) {  // the beginnings shown are the same
+        const size_t at = static_cast<size_t>(
+            std::mismatch(saved.begin(), saved.end(), ours.begin(), ours.end()).first -
+            saved.begin());
+        why += fmt::format(" (they first differ at byte {}: {} in the file, {} here)", at,
+                           cut_quoted(saved.substr(at)), cut_quoted(ours.substr(at)));
+      }
+      throw fail(why);
     }
     // Each layer's description: an object of its kind and at most six numbers.
     const Json saved = parse("layers", 1 + 8 * static_cast<int64_t>(layers_.size()) + kSpareValues);

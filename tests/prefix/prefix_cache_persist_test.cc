@@ -314,6 +314,12 @@ TEST(PrefixCachePersist, AModelIdThatIsNotUtf8IsKeptExactly) {
   }
   EXPECT_NE(bytes.find("\"model\":\"model-\xc3\xa9t\xc3\xa9\""), std::string::npos);
   EXPECT_TRUE(throws_error([&] { wrong.load(dir, latin1); }, {"saved for model"}));
+  // Ids that begin alike (a model's configuration, then its weights' digest) are told apart
+  // where they differ, not only by the beginnings shown.
+  const std::string config(60, 'c');
+  cache.save(dir, config + "-digest-one");
+  EXPECT_TRUE(throws_error([&] { wrong.load(dir, config + "-digest-two"); },
+                           {"(they first differ at byte 68: \"one\" in the file, \"two\" here)"}));
   std::filesystem::remove_all(dir);
 }
 
