@@ -164,7 +164,7 @@ void write_chart(const std::string& path, const tools::RunResult& cached,
 int finish(const ReplayArguments& args, int verdict, const tools::RunResult& cached,
            const tools::RunResult& uncached) {
   std::vector<std::function<void()>> steps{
-      tools::check_stdout, [&] { write_chart(args.chart, cached, uncached, args.json); }};
+      [&] { write_chart(args.chart, cached, uncached, args.json); }};
   if (cached.save_cache) {
     steps.emplace_back([&] {
       if (verdict == 0) return cached.save_cache();
@@ -344,7 +344,7 @@ int run_bench(const BenchArguments& args, bool& runs_started) {
     tools::write_replacing(args.chart, bench::figures_chart(figures), "--chart");
     if (!args.json) std::cout << fmt::format("chart: {}\n", args.chart) << std::flush;
   };
-  return tools::finish_run(bench::figures_status(figures), {tools::check_stdout, chart}, std::cerr);
+  return tools::finish_run(bench::figures_status(figures), {chart}, std::cerr);
 }
 
 // The model: its weights and the threads its kernels use.

@@ -56,7 +56,10 @@ void check_stdout() {
 
 int finish_run(int verdict, const std::vector<std::function<void()>>& steps, std::ostream& errors) {
   bool failed = false;
-  for (const std::function<void()>& step : steps) {
+  // Standard output last: the steps print too (the chart's line).
+  std::vector<std::function<void()>> all = steps;
+  all.emplace_back(check_stdout);
+  for (const std::function<void()>& step : all) {
     try {
       step();
     } catch (const std::exception&) {
@@ -200,6 +203,11 @@ void write_replacing(const std::string& path, const std::string& text, const std
     errno = error;
     throw fail("write");
   }
+  // Durable before it replaces the old one: a crash leaves one chart or the other, whole.
+  if (::fsync(fd) != 0) {
+    ::close(fd);
+    throw fail("fsync");
+  }
   if (::close(fd) != 0) throw fail("close");
   if (::rename(temporary.c_str(), path.c_str()) != 0) throw fail("rename");
 }
@@ -238,6 +246,12 @@ CacheDirLock lock_cache_dir(const std::string& dir, bool shared) {
   struct stat status {};
   if (::fstat(fd, &status) != 0 || !S_ISREG(status.st_mode)) {
     throw fail(fmt::format("its lock file {} is not a regular file", path));
+  }
+  // Another name for a file elsewhere (planted in a shared folder) would be truncated and
+  // rewritten with the pid.
+  if (status.st_nlink != 1) {
+    throw fail(fmt::format("its lock file {} has {} names (a hard link to another file); remove it",
+                           path, status.st_nlink));
   }
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
     if (errno != EWOULDBLOCK) {

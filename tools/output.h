@@ -33,13 +33,13 @@ int failure_status(const std::exception_ptr& failure, bool runs_started);
 std::string failure_message(const std::exception_ptr& failure);
 
 // After the results are printed: runs `steps` (writing the chart, saving the cache) in order,
-// each whatever the others did, reporting a failure on `errors` as "kvsnap: <failure_message>".
-// Returns
-// `verdict` (0 the runs agree, 1 they disagree) unless a step failed after runs that agree: 3.
-// A disagreement stays 1: it is the result the caller asked for.
+// each whatever the others did, then check_stdout (the steps print too), reporting a failure on
+// `errors` as "kvsnap: <failure_message>". Returns `verdict` (0 the runs agree, 1 they
+// disagree) unless a step failed after runs that agree: 3. A disagreement stays 1: it is the
+// result the caller asked for.
 int finish_run(int verdict, const std::vector<std::function<void()>>& steps, std::ostream& errors);
 // Flushes standard output; throws Error when what was written there did not get out (a full
-// disk, a closed pipe): the first of finish_run's steps, so the run exits 3.
+// disk, a closed pipe): finish_run's last step, so the run exits 3.
 void check_stdout();
 
 // `text` for an SVG's text and attributes: & < > " ' escaped, and what XML 1.0 cannot hold at

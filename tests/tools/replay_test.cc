@@ -493,6 +493,18 @@ TEST(Output, ACacheDirectoryIsLockedForOneRunAtATime) {
   ASSERT_EQ(::mkfifo((dir / kCacheDirLockFile).c_str(), 0600), 0);
   EXPECT_TRUE(
       throws_error([&] { (void)lock_cache_dir(dir.string(), true); }, {"is not a regular file"}));
+  // A hard link to another file is refused, and that file left as it was.
+  std::filesystem::remove(dir / kCacheDirLockFile);
+  const auto victim = dir / "victim";
+  { std::ofstream(victim) << "keep"; }
+  std::filesystem::permissions(
+      victim, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+  std::filesystem::create_hard_link(victim, dir / kCacheDirLockFile);
+  EXPECT_TRUE(throws_error([&] { (void)lock_cache_dir(dir.string(), true); },
+                           {"kvsnap.lock has 2 names (a hard link to another file)"}));
+  std::ifstream kept(victim);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(kept), {}), "keep");
+  EXPECT_EQ(kvsnap::testing::mode_of(victim), 0600u);
   std::filesystem::remove_all(dir);
 }
 
