@@ -209,11 +209,12 @@ in order (None for a stateless layer); the prefix cache drives their offsets fro
       .def_property_readonly("slots", [](const PyPrefixCache& c) { return c.prefix->slots(); })
       .def(
           "save",
-          [](const PyPrefixCache& c, const std::string& dir, const std::string& model_id) {
-            c.prefix->save(dir, model_id);
-          },
-          py::arg("dir"), py::arg("model_id") = "", Released(),
-          "Writes the trie and its snapshots to `dir`.")
+          [](const PyPrefixCache& c, const std::string& dir, const std::string& model_id,
+             bool shared) { c.prefix->save(dir, model_id, SaveOptions{.shared = shared}); },
+          py::arg("dir"), py::arg("model_id") = "", py::kw_only(), py::arg("shared") = false,
+          Released(),
+          "Writes the trie and its snapshots to `dir`: a file of mode 0600, or 0644 when shared "
+          "(a folder whose other users load it, with allow_shared).")
       .def(
           "load",
           [](PyPrefixCache& c, const std::string& dir, const std::string& model_id,

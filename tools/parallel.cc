@@ -101,8 +101,8 @@ class Scheduler {
   }
 
   // Saves the prefix cache (RunResult::save_cache).
-  void save(const std::string& dir, const std::string& model_id) const {
-    prefix_.save(dir, model_id);
+  void save(const std::string& dir, const std::string& model_id, const SaveOptions& options) const {
+    prefix_.save(dir, model_id, options);
   }
 
  private:
@@ -323,8 +323,9 @@ ParallelRun replay_parallel(const Workload& workload, const Model& model,
   auto scheduler = std::make_shared<Scheduler>(workload, model, options);
   ParallelRun run = scheduler->run();
   if (!options.cache_dir.empty()) {
-    run.run.save_cache = [scheduler, dir = options.cache_dir, id = options.model_id] {
-      scheduler->save(dir, id);
+    run.run.save_cache = [scheduler, dir = options.cache_dir, id = options.model_id,
+                          shared = options.shared_cache_dir] {
+      scheduler->save(dir, id, {.shared = shared});
     };
   }
   return run;

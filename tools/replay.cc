@@ -268,8 +268,8 @@ RunResult replay(const Workload& workload, const Model& model, const ReplayOptio
     run.tier = state->tier->stats();
   }
   if (saved) {
-    run.save_cache = [state, dir = options.cache_dir, id = options.model_id] {
-      state->prefix->save(dir, id);
+    run.save_cache = [state, options] {
+      state->prefix->save(options.cache_dir, options.model_id, {options.shared_cache_dir});
     };
   }
   return run;

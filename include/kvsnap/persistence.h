@@ -64,6 +64,13 @@ struct LoadOptions {
   bool allow_shared = false;
 };
 
+// How PrefixCache::save writes its file.
+struct SaveOptions {
+  // false: mode 0600, this user's alone. true: mode 0644, so the other users of a shared folder
+  // can load it (with LoadOptions::allow_shared) — and read what it holds.
+  bool shared = false;
+};
+
 // Reads a file written by save_snapshots. Throws Error naming the file and what is wrong.
 [[nodiscard]] KVSNAP_EXPORT LoadedSnapshots load_snapshots(const std::string& path);
 [[nodiscard]] KVSNAP_EXPORT LoadedSnapshots load_snapshots(const std::string& path,

@@ -128,10 +128,12 @@ class KVSNAP_EXPORT PrefixCache {
   // Writes the trie (edges, offsets, user flags, last-use order) and every node's snapshots to
   // `dir`/prefix_cache.safetensors, atomically, with the layers' kinds and shapes and `model_id`
   // (e.g. the model's config and weights hash; any bytes: one that is not UTF-8 is kept exactly,
-  // and load compares the same bytes). The file is mode 0600 and the folders save
-  // creates 0700, whatever the umask; an existing `dir` keeps its mode. Throws Error when it
-  // cannot be written, or when a layer of a cache kind kvsnap does not know holds snapshots.
+  // and load compares the same bytes). The file is mode 0600 (0644 with options.shared: see
+  // SaveOptions) and the folders save creates 0700, whatever the umask; an existing `dir` keeps
+  // its mode. Throws Error when it cannot be written, or when a layer of a cache kind kvsnap does
+  // not know holds snapshots.
   void save(const std::string& dir, const std::string& model_id = "") const;
+  void save(const std::string& dir, const std::string& model_id, const SaveOptions& options) const;
   // Replaces the trie by the one saved in `dir`, for the same layer configuration and model_id
   // (else a clear Error and nothing changes). The layers' kinds, windows and recurrent shapes
   // are checked, and every KV layer's snapshots must be of one layout (dtype, heads, depths) —

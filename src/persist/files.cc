@@ -310,7 +310,7 @@ void PreparedFile::commit() {
 }
 
 PreparedFile prepare_file_atomically(const std::string& path, const std::string& bytes,
-                                     bool clean_stale) {
+                                     bool clean_stale, mode_t mode) {
   if (clean_stale) remove_stale_temporaries(path);
   // The temporary is created here (O_EXCL): a name already there — a temporary of a process
   // with this pid in another PID namespace (containers sharing the folder) — is never written
@@ -324,7 +324,7 @@ PreparedFile prepare_file_atomically(const std::string& path, const std::string&
     // Marked before the file exists: never swept.
     aside.reset(new PreparedFile::Aside{path, temporary_path(path, number),
                                         InFlight(static_cast<int64_t>(number))});
-    created = create_private_file(aside->temporary, call, /*exclusive=*/true);
+    created = create_private_file(aside->temporary, call, /*exclusive=*/true, mode);
     if (created.get() < 0 && tried == kNames) {
       throw Error(fmt::format("{}: the {} temporary names up to {} are all taken", call, kNames,
                               aside->temporary));
@@ -347,10 +347,6 @@ PreparedFile prepare_file_atomically(const std::string& path, const std::string&
   }
   if (::close(fd) != 0) throw fail("close", errno);
   return prepared;
-}
-
-void write_file_atomically(const std::string& path, const std::string& bytes, bool clean_stale) {
-  prepare_file_atomically(path, bytes, clean_stale).commit();
 }
 
 FileDescriptor::~FileDescriptor() {
@@ -533,8 +529,8 @@ uint64_t loadable_bytes() {
   return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page);
 }
 
-FileDescriptor create_private_file(const std::string& path, const std::string& call,
-                                   bool exclusive) {
+FileDescriptor create_private_file(const std::string& path, const std::string& call, bool exclusive,
+                                   mode_t mode) {
   // Not O_TRUNC: whatever is there is checked before anything in it changes. O_NONBLOCK: a FIFO
   // planted at the name would block the open until someone read it (now it fails, or opens and
   // is refused below as not a regular file); it changes nothing for a regular file.
@@ -563,7 +559,7 @@ FileDescriptor create_private_file(const std::string& path, const std::string& c
     throw fail(fmt::format("{}: refusing to write into {} ({}): {}", call, path, describe(status),
                            refused));
   }
-  if (::fchmod(file.get(), 0600) != 0 || ::ftruncate(file.get(), 0) != 0) {
+  if (::fchmod(file.get(), mode) != 0 || ::ftruncate(file.get(), 0) != 0) {
     throw fail(
         fmt::format("{}: cannot make {} private and empty ({})", call, path, std::strerror(errno)));
   }

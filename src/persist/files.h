@@ -2,6 +2,8 @@
 // the checksum kvsnap files carry.
 #pragma once
 
+#include <sys/types.h>
+
 #include <ctime>
 #include <functional>
 #include <map>
@@ -28,8 +30,9 @@ namespace kvsnap::detail {
 // crash could undo the rename). Removes stale temporaries of `path` first (see below), unless
 // `clean_stale` is false (a folder of many files, shared across hosts, cleans its own:
 // tier/dir_store.cc).
+// `mode`: the file's permissions (0644 for a file a shared folder's other users read).
 void write_file_atomically(const std::string& path, const std::string& bytes,
-                           bool clean_stale = true);
+                           bool clean_stale = true, mode_t mode = 0600);
 // The first half of write_file_atomically: the temporary written, synced and closed, not yet in
 // place. commit() renames it over the path and syncs the folder (Error as
 // write_file_atomically's); destroyed uncommitted, the temporary is removed and the path never
@@ -52,7 +55,11 @@ class PreparedFile {
   bool in_place_ = false;
 };
 PreparedFile prepare_file_atomically(const std::string& path, const std::string& bytes,
-                                     bool clean_stale = true);
+                                     bool clean_stale = true, mode_t mode = 0600);
+inline void write_file_atomically(const std::string& path, const std::string& bytes,
+                                  bool clean_stale, mode_t mode) {
+  prepare_file_atomically(path, bytes, clean_stale, mode).commit();
+}
 // Writes all of `bytes` to `fd` (again after EINTR and short writes); 0, or the errno of the
 // write that failed.
 int write_all(int fd, std::string_view bytes);
@@ -137,8 +144,9 @@ Error too_large_to_load(const PrivacyRule& rule, const std::string& path, uint64
 // to someone else. Throws Error "<call>: cannot open <path> for writing (<why>)" or "<call>:
 // refusing to write into <path> (owner ..., mode ...): <why>". `exclusive`: only a file it
 // creates (O_EXCL); when something is already at `path`, returns no descriptor (get() < 0).
+// `mode`: 0644 for a file a shared folder's other users read.
 FileDescriptor create_private_file(const std::string& path, const std::string& call,
-                                   bool exclusive = false);
+                                   bool exclusive = false, mode_t mode = 0600);
 
 // Creates folder `path` and every missing folder above it, each mode 0700 whatever the umask
 // (fchmod right after mkdir); folders that exist keep their modes (neither loosened nor

@@ -155,6 +155,11 @@ detail::PrivacyRule load_rule(const char* call, const LoadOptions& options) {
 }  // namespace
 
 void PrefixCache::save(const std::string& dir, const std::string& model_id) const {
+  save(dir, model_id, SaveOptions{});
+}
+
+void PrefixCache::save(const std::string& dir, const std::string& model_id,
+                       const SaveOptions& options) const {
   const Lock lock(impl_->mutex);
   // Encoded first: a trie that cannot be saved leaves no folder behind either.
   std::string bytes;
@@ -166,7 +171,8 @@ void PrefixCache::save(const std::string& dir, const std::string& model_id) cons
   const std::error_code error = detail::make_private_folders(dir);
   if (error)
     throw Error(fmt::format("PrefixCache::save: cannot create {} ({})", dir, error.message()));
-  detail::write_file_atomically(trie_path(dir), bytes);
+  detail::write_file_atomically(trie_path(dir), bytes, /*clean_stale=*/true,
+                                options.shared ? 0644 : 0600);
 }
 
 void PrefixCache::load(const std::string& dir, const std::string& model_id) {

@@ -142,5 +142,46 @@ TEST(PrefixCachePrivate, AnotherUsersFolderOrFileIsRefusedUnlessShared) {
   fs::remove_all(dir);
 }
 
+// A cache folder shared between users (LoadOptions::allow_shared): a save for it
+// (SaveOptions::shared) is mode 0644 whatever the umask, so another user — here nobody, in a
+// child — loads it; the private save's 0600 file that user cannot read.
+TEST(PrefixCachePrivate, ASharedSaveIsOneTheFoldersOtherUsersCanLoad) {
+  std::string why;
+  const std::optional<uid_t> nobody = nobody_uid(why);
+  if (!nobody) GTEST_SKIP() << why;
+  const ScopedUmask umask(077);
+  const fs::path dir = private_scratch("prefix_shared_save");
+  set_mode(dir, 0755);
+  HybridStack stack;
+  PrefixCache cache(stack.layers());
+  run_turn(cache, stack, tokens(100, 12) + tokens(200, 6), tokens(300, 4));
+  const fs::path file = dir / "prefix_cache.safetensors";
+  // 0: nobody loaded the cache; 1: the load failed; 10: could not become nobody.
+  const auto load_as_nobody = [&] {
+    const pid_t child = ::fork();
+    if (child == 0) {
+      if (::setuid(*nobody) != 0) ::_exit(10);
+      try {
+        HybridStack theirs;
+        PrefixCache loaded(theirs.layers());
+        loaded.load(dir.string(), "model", kShared);
+        ::_exit(loaded.node_count() == cache.node_count() ? 0 : 2);
+      } catch (...) {
+        ::_exit(1);
+      }
+    }
+    int status = 0;
+    EXPECT_EQ(::waitpid(child, &status, 0), child);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  };
+  cache.save(dir.string(), "model");
+  EXPECT_EQ(mode_of(file), 0600u);
+  EXPECT_EQ(load_as_nobody(), 1);
+  cache.save(dir.string(), "model", {.shared = true});
+  EXPECT_EQ(mode_of(file), 0644u);
+  EXPECT_EQ(load_as_nobody(), 0);
+  fs::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace kvsnap::prefix_cache_private_test

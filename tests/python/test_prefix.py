@@ -169,6 +169,8 @@ def test_a_cache_others_can_write_is_refused_unless_shared(tmp_path, rng):
     assert kvsnap.PrefixCache.saved_in(str(tmp_path / "cache"), allow_shared=True)
     restarted.load(str(tmp_path / "cache"), "m", allow_shared=True)
     assert restarted.node_count == prefix.node_count
+    prefix.save(str(tmp_path / "cache"), "m", shared=True)  # for the folder's other users
+    assert os.stat(tmp_path / "cache" / "prefix_cache.safetensors").st_mode & 0o7777 == 0o644
     fresh = kvsnap.KVCache()
     keys = kv(rng, 2)
     fresh.update(kvsnap.Batch.uniform(1, 2, 0), keys, keys)

@@ -271,7 +271,8 @@ TEST(ParallelReplay, ACacheDirectoryOthersCanWriteIsRefusedUnlessShared) {
   const ParallelRun first = replay_parallel(workload, model, options);
   EXPECT_FALSE(std::filesystem::exists(dir / kSavedCacheFile));  // saved by its caller
   first.run.save_cache();
-  EXPECT_EQ(kvsnap::testing::mode_of(dir / kSavedCacheFile), 0600u);
+  // Readable by the folder's other users, whose runs load it too.
+  EXPECT_EQ(kvsnap::testing::mode_of(dir / kSavedCacheFile), 0644u);
   EXPECT_EQ(replay_parallel(workload, model, options).run.loaded_nodes, first.run.trie_nodes);
   options.shared_cache_dir = false;
   EXPECT_TRUE(

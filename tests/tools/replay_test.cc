@@ -275,7 +275,8 @@ TEST(Replay, ACacheDirectoryOthersCanWriteIsRefusedUnlessShared) {
   options.shared_cache_dir = true;
   const RunResult first = replay(w, model, options);
   first.save_cache();
-  EXPECT_EQ(kvsnap::testing::mode_of(dir / kSavedCacheFile), 0600u);
+  // Readable by the folder's other users, whose runs load it too.
+  EXPECT_EQ(kvsnap::testing::mode_of(dir / kSavedCacheFile), 0644u);
   EXPECT_EQ(replay(w, model, options).loaded_nodes, first.trie_nodes);
   options.shared_cache_dir = false;
   EXPECT_TRUE(throws_error([&] { (void)replay(w, model, options); }, {named.c_str()}));
