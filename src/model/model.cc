@@ -101,15 +101,21 @@ std::string Model::weights_digest() const {
 namespace {
 // A model config file, read by `call`: a regular file of at most 1 MiB (not a FIFO waited on),
 // as the caller's to trust.
-std::string read_config(const std::string& path, const char* call) {
-  return detail::read_private_file(
+// The config in the file at `path`; a content error names `call` and the file.
+ModelConfig read_config(const std::string& path, const char* call) {
+  const std::string text = detail::read_private_file(
       path, detail::PrivacyRule{.call = call, .override_with = "", .allow_shared = true},
       uint64_t{1} << 20);
+  try {
+    return ModelConfig::from_json(text);
+  } catch (const Error& e) {
+    throw Error(fmt::format("{} {}: {}", call, path, e.what()));
+  }
 }
 }  // namespace
 
 ModelConfig ModelConfig::from_file(const std::string& path) {
-  return from_json(read_config(path, "ModelConfig::from_file"));
+  return read_config(path, "ModelConfig::from_file");
 }
 
 void Model::save(const std::string& config_path, const std::string& weights_path) const {
@@ -224,7 +230,7 @@ void check_saved_config(const detail::SafetensorsFile& file, const ModelConfig& 
 }  // namespace
 
 Model Model::load(const std::string& config_path, const std::string& weights_path) {
-  const ModelConfig config = ModelConfig::from_json(read_config(config_path, "Model::load"));
+  const ModelConfig config = read_config(config_path, "Model::load");
   const std::string context = fmt::format("Model::load {}", weights_path);
   // Model files are the caller's to trust (as any engine's weights are): read as a regular file
   // of at most the machine's memory, without blocking on a FIFO, checked against its seal.

@@ -302,6 +302,14 @@ TEST(ModelConfig, FromFileReadsAConfigOfAtMostAMebibyte) {
   { std::ofstream(path) << std::string((size_t(1) << 20) + 1, ' '); }
   EXPECT_TRUE(throws_error([&] { (void)ModelConfig::from_file(path); },
                            {"ModelConfig::from_file", "config.json", "more than"}));
+  // What the file holds is judged naming the call and the file, too.
+  { std::ofstream(path) << R"({"hidden": 32, "windows": 7})"; }
+  const std::string named = "ModelConfig::from_file " + path + ": ";
+  EXPECT_TRUE(
+      throws_error([&] { (void)ModelConfig::from_file(path); }, {named.c_str(), "\"windows\""}));
+  const std::string loading = "Model::load " + path + ": ";
+  EXPECT_TRUE(throws_error([&] { (void)Model::load(path, path + ".weights"); },
+                           {loading.c_str(), "\"windows\""}));
   std::filesystem::remove_all(dir);
 }
 
