@@ -223,14 +223,17 @@ AttentionMask KVHistory::apply_ragged_mask(const Batch& batch, const AttentionMa
   }
   std::vector<Array> masks;
   int64_t heads = 1;
+  bool every_key_visible = true;  // to every query: none(), as for a history of one row
   for (int64_t b = 0; b < rows; ++b) {
     const AttentionMask physical = row(b).apply_mask(batch.row(b), logical.for_row(b));
+    every_key_visible = every_key_visible && physical.arrays().empty() && row(b).length() == keys;
     Array mask = physical.arrays().empty()
                      ? Array::zeros(DType::f32, {1, 1, queries, row(b).length()})
                      : physical.arrays().front();
     heads = std::max(heads, mask.dim(1));
     masks.push_back(std::move(mask));
   }
+  if (every_key_visible) return AttentionMask::none();
   std::vector<float> out(static_cast<size_t>(rows * heads * queries * keys), kHidden);
   for (int64_t b = 0; b < rows; ++b) {
     const std::vector<float> m = masks[static_cast<size_t>(b)].to_floats();

@@ -53,6 +53,8 @@ std::vector<Row> decode_rows(const Batch& batch, const Array& q, const KVHistory
                              const AttentionMask& logical) {
   const int64_t rows = batch.batch_size();
   if (batch.length() != 1 || q.dtype() != DType::f32 || q.strides()[3] != 1) return {};
+  // Only positional rules (explicit arrays: the general path, before any is applied).
+  if (!logical.arrays().empty()) return {};
   if (history.ragged() ? history.rows() != rows : rows != 1) return {};
   std::vector<Row> out(static_cast<size_t>(rows));
   const PagedColumns* first = nullptr;

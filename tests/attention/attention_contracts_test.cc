@@ -310,6 +310,23 @@ TEST(AttentionContracts, RaggedMaskPadsShortRowsAndPaddingQueriesAsHidden) {
   }
 }
 
+// Rows of one length whose queries see every key: none(), as for a history of one row (no
+// array of zeros to build and read).
+TEST(AttentionContracts, ARaggedMaskHidingNothingIsNone) {
+  const KVHistory ragged = KVHistory::of_rows({zeros_history(3), zeros_history(3)});
+  const Batch batch = Batch::uniform(2, 1, 3);  // one query each, at position 3
+  for (const AttentionMask& mask : {AttentionMask::none(), AttentionMask::causal()}) {
+    EXPECT_TRUE(ragged.apply_mask(batch, mask).arrays().empty());
+  }
+  // A window hides the oldest key; a shorter row pads: arrays again.
+  EXPECT_EQ(ragged.apply_mask(batch, AttentionMask::sliding_window(3)).arrays().size(), 1u);
+  const KVHistory uneven = KVHistory::of_rows({zeros_history(2), zeros_history(3)});
+  EXPECT_EQ(uneven.apply_mask(Batch::rows({{0, 2, {7}}, {1, 3, {8}}}), AttentionMask::causal())
+                .arrays()
+                .size(),
+            1u);
+}
+
 // A mask array of one slice per row and per head: each row reads its own slice, and a row's
 // heads stay apart.
 TEST(AttentionContracts, RaggedMaskReadsEachRowsSliceOfAPerHeadArray) {
