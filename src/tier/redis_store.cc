@@ -324,35 +324,19 @@ std::vector<RedisStore::Reply> RedisStore::round_trip(const std::vector<Command>
   if (Clock::now() >= deadline) {
     throw StoreFailure("no time left for the round trip", StoreFailure::Reason::timed_out);
   }
-  std::vector<const char*> argv;
-  std::vector<size_t> lengths;
-  for (const Command& command : commands) {
-    argv.clear();
-    lengths.clear();
-    for (std::string_view part : command) {
-      argv.push_back(part.data());
-      lengths.push_back(part.size());
+  // Running out of memory once a command is queued would leave the connection out of step (the
+  // command queued, or replies unread, answered on the next round trip in another's place).
+  std::vector<Reply> replies;
+  try {
+    send(commands, deadline);
+    replies = read_replies(commands, deadline, max_values);
+  } catch (const std::bad_alloc&) {
+    if (context_ != nullptr) {
+      redisFree(context_);
+      context_ = nullptr;
     }
-    if (redisAppendCommandArgv(context_, static_cast<int>(argv.size()), argv.data(),
-                               lengths.data()) != REDIS_OK) {
-      fail(fmt::format("cannot queue {} ({})", command[0], context_->errstr), false);
-    }
+    throw;
   }
-  // Every read and write waits for the socket with the deadline checked in between: the
-  // socket's timeout bounds one read, so a store answering a byte at a time would otherwise hold
-  // the call as long as it keeps dripping.
-  for (int sent = 0; sent == 0;) {
-    await(POLLOUT, deadline);
-    // A write of a large buffer can block past POLLOUT: the socket's timeout is what is left.
-    redisSetTimeout(context_, remaining(deadline));
-    bool written = false;
-    {
-      const NoSigpipe quiet;
-      written = redisBufferWrite(context_, &sent) == REDIS_OK;
-    }
-    if (!written) fail_io(deadline);
-  }
-  std::vector<Reply> replies = read_replies(commands, deadline, max_values);
   if (context_->reader->pos != context_->reader->len) {
     fail("the store sent more replies than there were commands", false);
   }
@@ -389,6 +373,37 @@ std::vector<RedisStore::Reply> RedisStore::round_trip(const std::vector<Command>
   options_.health->writes_taken();
   refresh_on_read_ = true;
   return replies;
+}
+
+void RedisStore::send(const std::vector<Command>& commands, Deadline deadline) {
+  std::vector<const char*> argv;
+  std::vector<size_t> lengths;
+  for (const Command& command : commands) {
+    argv.clear();
+    lengths.clear();
+    for (std::string_view part : command) {
+      argv.push_back(part.data());
+      lengths.push_back(part.size());
+    }
+    if (redisAppendCommandArgv(context_, static_cast<int>(argv.size()), argv.data(),
+                               lengths.data()) != REDIS_OK) {
+      fail(fmt::format("cannot queue {} ({})", command[0], context_->errstr), false);
+    }
+  }
+  // Every read and write waits for the socket with the deadline checked in between: the
+  // socket's timeout bounds one read, so a store answering a byte at a time would otherwise hold
+  // the call as long as it keeps dripping.
+  for (int sent = 0; sent == 0;) {
+    await(POLLOUT, deadline);
+    // A write of a large buffer can block past POLLOUT: the socket's timeout is what is left.
+    redisSetTimeout(context_, remaining(deadline));
+    bool written = false;
+    {
+      const NoSigpipe quiet;
+      written = redisBufferWrite(context_, &sent) == REDIS_OK;
+    }
+    if (!written) fail_io(deadline);
+  }
 }
 
 std::vector<RedisStore::Reply> RedisStore::lookup_round_trip(

@@ -60,6 +60,8 @@ class RedisStore final : public Store {
   std::vector<Reply> lookup_round_trip(
       const std::function<std::vector<Command>(bool refresh)>& commands, Deadline deadline,
       int64_t max_values = INT64_MAX);
+  // Queues `commands` and writes them to the socket (fails as round_trip does).
+  void send(const std::vector<Command>& commands, Deadline deadline);
   // The replies to `commands`, sent: each bounded as it is parsed by what its command is answered
   // with (ReplyLimits), the objects together by `max_values`.
   std::vector<Reply> read_replies(const std::vector<Command>& commands, Deadline deadline,

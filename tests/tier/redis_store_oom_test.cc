@@ -1,6 +1,6 @@
-// A Redis connection whose AUTH or SELECT did not complete is never kept: every allocation of a
-// first write on a new connection fails in turn, and the write after it still lands in the
-// address's database, as its user.
+// A Redis connection whose AUTH or SELECT did not complete is never kept, nor one holding half a
+// round trip's commands: every allocation of a first write on a new connection fails in turn,
+// and the write after it still lands in the address's database, as its user.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -30,6 +30,7 @@ TEST(RedisStoreOom, AConnectionWhoseSetupRanOutIsNotKept) {
     const std::unique_ptr<detail::Store> store =
         detail::open_store(server.address(2), {.ttl = std::chrono::seconds(60), .health = health});
     detail::WriteBatch first, second;
+    first.doomed = {"kvsnap:test:gone"};  // DEL, then SET: commands of two lengths queued
     first.objects = {{"kvsnap:test:first", "one"}};
     second.objects = {{"kvsnap:test:second", "two"}};
     if (!testing::armed_call([&] { (void)store->write(first, deadline()); })) ++setups_failed;
