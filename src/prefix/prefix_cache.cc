@@ -110,6 +110,7 @@ class PrefixCacheImpl {
       const std::lock_guard<std::mutex> lock(mutex);
       const Slot& s = slot(id, "PrefixCache::begin");
       if (s.open() || limit < 1) return;  // begin refuses the first; the second needs nothing
+      s.require_no_schedule();            // begin's refusal, before the tier changes anything
       held = std::min(s.match(prompt), trie.match(prompt).length);
     }
     if (held >= limit) return;
@@ -117,7 +118,9 @@ class PrefixCacheImpl {
     TierMatch found = options.tier->lookup(prompt, limit, held, options.max_paged_out_bytes);
     if (found.offset == 0) return;
     const std::lock_guard<std::mutex> lock(mutex);
-    if (slot(id, "PrefixCache::begin").open()) return;  // begun meanwhile: this begin is refused
+    const Slot& s = slot(id, "PrefixCache::begin");
+    if (s.open()) return;  // begun meanwhile: this begin is refused
+    s.require_no_schedule();
     // Each segment is evicted for alone (what other slots may copy out is as it was), every
     // slot's exposure refreshed once at the end.
     if (insert_from_tier(trie, prompt, std::move(found), [&] { evict(id, Change::own); })) {

@@ -83,6 +83,10 @@ class Slot {
   // session's (a Speculation round's, after prefill_done) stays; what the layers hold stays.
   void detach() noexcept;
 
+  // Throws Error (nothing changed) when a layer holds captures scheduled for the slot: with no
+  // session open they are someone else's (an open Speculation round's). begin checks it first.
+  void require_no_schedule() const;
+
  private:
   void close_session();
   // A session that cannot go on (a begin or close that failed midway): it ends, and the slot's
@@ -93,9 +97,6 @@ class Slot {
   // the reset copies into the trie's lazy snapshots is evicted for first. Leaves the slot
   // unwritable.
   void reset_moved_caches();
-  // Throws Error (nothing changed) when a layer holds captures scheduled for the slot: with no
-  // session open they are someone else's (an open Speculation round's).
-  void require_no_schedule() const;
   // The offset every layer stands at, as the session needs it (-1 never matches an offset).
   int64_t layer_offset() const { return live_.offset().value_or(-1); }
   // The planner's view of the live caches for a prompt cut at `limit`.

@@ -1,6 +1,7 @@
 // The tier's parts: addresses, key names, the contract of Tier::open / store and its place
 // under a PrefixCache.
 #include <gtest/gtest.h>
+#include <kvsnap/speculation.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -185,6 +186,28 @@ TEST(TierContract, OpenRefusesWhatCannotWork) {
   EXPECT_TRUE(
       throws_error([&] { (void)Tier::open("dir:/proc/self/x", stack.layers(), tier_options()); },
                    {"tier folder /proc/self/x"}));
+}
+
+// A begin refused for a Speculation round left open on its slot (prefix_cache.h) changes
+// nothing: it asks the tier nothing and inserts nothing, and goes on once the round is gone.
+TEST(TierContract, ABeginRefusedForAnOpenRoundAsksTheTierNothing) {
+  const testing::FolderStore store("refused_begin");
+  const testing::Conversation talk;
+  {
+    testing::TierProcess writer(store.address());
+    (void)writer.turn(talk.first, talk.reply, talk.ends);
+  }
+  testing::TierProcess reader(store.address());
+  Speculation round(reader.stack.layers());
+  round.begin(2);  // the recurrent layer captures at 1 and 2
+  EXPECT_TRUE(throws_error([&] { (void)reader.cache.begin(talk.first); },
+                           {"PrefixCache::begin: layer", "a Speculation round still open?"}));
+  EXPECT_EQ(reader.tier->stats().lookups, 0);
+  EXPECT_EQ(reader.cache.node_count(), 0);
+  round.cancel();
+  PrefixCache::Session session = reader.cache.begin(talk.first);
+  EXPECT_GT(session.cached(), 0);  // from the tier
+  EXPECT_EQ(reader.tier->stats().lookups, 1);
 }
 
 // A session larger than write_queue_bytes is still stored when nothing else waits (else it,
