@@ -119,14 +119,19 @@ ModelConfig ModelConfig::from_file(const std::string& path) {
 }
 
 void Model::save(const std::string& config_path, const std::string& weights_path) const {
-  // One file under two names (the same path, or a link to the other): the config's rename
-  // would replace the weights.
+  // One directory entry under two names (the same path, or a folder reached two ways): the
+  // config's rename would replace the weights. (Two entries of one file — hard links, a symbolic
+  // link — are each replaced alone.)
   namespace fs = std::filesystem;
-  std::error_code config_error, weights_error, error;
-  const fs::path config_real = fs::weakly_canonical(config_path, config_error);
-  const fs::path weights_real = fs::weakly_canonical(weights_path, weights_error);
-  if ((!config_error && !weights_error && config_real == weights_real) ||
-      fs::equivalent(config_path, weights_path, error)) {
+  const auto entry = [](const std::string& path) {
+    std::error_code error;
+    const fs::path p = fs::path(path).lexically_normal();
+    const fs::path folder =
+        fs::weakly_canonical(p.parent_path().empty() ? "." : p.parent_path(), error);
+    return error ? fs::path() : folder / p.filename();
+  };
+  if (const fs::path config_entry = entry(config_path);
+      !config_entry.empty() && config_entry == entry(weights_path)) {
     throw Error(
         fmt::format("Model::save: the config {} and the weights {} name one file; save them to two",
                     config_path, weights_path));

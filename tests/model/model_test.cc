@@ -273,17 +273,19 @@ TEST(Model, LoadRejectsWeightsThatDisagreeWithTheConfig) {
                             "load refuses them with the old config"}));
   EXPECT_TRUE(throws_error([&] { (void)Model::load(config, weights); },
                            {"saved with another config than", "window 5 (the file's: 6)"}));
-  // The config and the weights under one name (here, also through a link) would leave the
+  // The config and the weights under one name (also through a linked folder) would leave the
   // config alone: refused before anything is written.
-  const std::string link = (dir / "also-weights.safetensors").string();
-  std::filesystem::create_symlink(weights, link);
-  for (const std::string& same : {weights, link, (dir / "." / "model.safetensors").string()}) {
+  const auto alias = dir.parent_path() / (dir.filename().string() + "-alias");
+  std::filesystem::create_directory_symlink(dir, alias);
+  for (const std::string& same : {weights, (dir / "." / "model.safetensors").string(),
+                                  (alias / "model.safetensors").string()}) {
     EXPECT_TRUE(throws_error([&] { model.save(same, weights); },
                              {"Model::save: the config", "name one file"}))
         << same;
   }
   EXPECT_TRUE(throws_error([&] { (void)Model::load(config, weights); },
                            {"saved with another config than"}));  // the weights unchanged
+  std::filesystem::remove(alias);
   // No failed save left a temporary behind.
   for (const auto& entry : std::filesystem::directory_iterator(dir)) {
     EXPECT_EQ(entry.path().filename().string().find(".tmp-"), std::string::npos) << entry.path();
