@@ -170,13 +170,18 @@ DirStore::DirStore(std::string folder, bool own_files_only, std::chrono::seconds
       health_(std::move(health)) {
   // Made private (0700) by the one call that creates it; one that is there already — also one
   // another user made a moment before, in a shared parent — is checked as any existing folder.
-  fs::path target(folder_);
+  fs::path target = fs::path(folder_).lexically_normal();     // "a/." is "a/"
   if (!target.has_filename()) target = target.parent_path();  // a trailing '/'
   std::error_code error;
   if (target.has_parent_path()) fs::create_directories(target.parent_path(), error);
-  if (::mkdir(target.c_str(), 0700) != 0 && errno != EEXIST) {
-    throw Error(
-        fmt::format("tier folder {}: cannot create it ({})", folder_, std::strerror(errno)));
+  if (::mkdir(target.c_str(), 0700) != 0) {
+    // Any failure where something already is (EEXIST; EACCES before existence, on NFS) is
+    // judged below as what is there.
+    const int made = errno;
+    if (!fs::exists(fs::symlink_status(target, error))) {
+      throw Error(
+          fmt::format("tier folder {}: cannot create it ({})", folder_, std::strerror(made)));
+    }
   }
   if (!fs::is_directory(fs::status(folder_, error))) {
     throw Error(fmt::format("tier folder {}: exists and is not a folder", folder_));

@@ -86,6 +86,21 @@ void release_fifo(const fs::path& fifo) {
 
 // A fetch holds at most the bytes it is given: the value that would pass them is never read
 // (FetchTooLarge names it); a missing one takes none of them.
+// The folder a store creates is private (0700) whatever the umask, however it is named (a
+// trailing "/." included); one that exists is taken as it is.
+TEST_F(DirStoreTest, TheFolderItCreatesIsPrivate) {
+  const testing::ScopedUmask umask(0);
+  for (const std::string& name :
+       {folder.string(), (folder / "b" / ".").string(), (folder / "c").string() + "/"}) {
+    DirStore store(name);
+    EXPECT_EQ(testing::mode_of(fs::path(name).lexically_normal()), 0700u) << name;
+  }
+  DirStore again(folder.string());  // there already: fine
+  { std::ofstream(folder / "file") << "x"; }
+  EXPECT_TRUE(testing::throws_error([&] { DirStore((folder / "file" / "x").string()); },
+                                    {"tier folder", "cannot create it (Not a directory)"}));
+}
+
 TEST_F(DirStoreTest, AFetchHoldsAtMostItsBytes) {
   DirStore store(folder.string());
   detail::WriteBatch batch;
