@@ -29,8 +29,9 @@ const char* mask_kind_name(AttentionMask::Kind kind) {
 }
 
 // input_ids as the int32 array Batch holds: another integer dtype (a list of Python ints comes
-// as int64) is converted when every value fits, else Error; so is an empty array of any dtype (an
-// empty list comes as float64). Any other dtype is refused: token ids are integers.
+// as int64) is converted when every value fits, else Error; an empty array of another dtype (an
+// empty list comes as float64) is no ids (None). Any other dtype is refused: token ids are
+// integers.
 py::object input_ids_int32(py::object ids) {
   if (ids.is_none()) return ids;
   const py::module_ numpy = py::module_::import("numpy");
@@ -39,7 +40,7 @@ py::object input_ids_int32(py::object ids) {
   const auto kind = py::str(dtype.attr("kind")).cast<std::string>();
   if (dtype.equal(numpy.attr("dtype")("int32"))) return array;
   if (kind != "i" && kind != "u") {
-    if (array.attr("size").cast<int64_t>() == 0) return array.attr("astype")(numpy.attr("int32"));
+    if (array.attr("size").cast<int64_t>() == 0) return py::none();  // no ids
     throw Error(fmt::format("Batch.input_ids: {} {}; token ids are integers (int32)",
                             py::str(dtype).cast<std::string>(),
                             py::str(array.attr("shape")).cast<std::string>()));

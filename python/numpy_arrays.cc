@@ -223,18 +223,24 @@ PyArray to_py_array(py::handle object, const char* what, bool allow_none) {
   if (py::isinstance<PyArray>(object)) return object.cast<const PyArray&>();
   const py::module_ numpy = py::module_::import("numpy");
   py::object array = numpy.attr("asarray")(object);
-  if (!py::isinstance<py::array>(object) && !py::hasattr(object, "__array__")) {
+  const bool numbers = py::isinstance<py::list>(object) || py::isinstance<py::tuple>(object) ||
+                       py::isinstance<py::int_>(object) || py::isinstance<py::float_>(object);
+  const py::object dtype = array.attr("dtype");
+  if (numbers &&
+      (dtype.equal(numpy.attr("dtype")("int64")) || dtype.equal(numpy.attr("dtype")("float64")))) {
     // Python numbers (lists, tuples, scalars) come as int64 or float64, which kvsnap does not
-    // hold: ints become int32 when every value fits, floats float32 (what a model computes in).
-    const auto kind = py::str(array.attr("dtype").attr("kind")).cast<std::string>();
-    if (kind == "f") array = array.attr("astype")(numpy.attr("float32"));
-    if (kind == "i" || kind == "u") {
-      py::object narrowed = array.attr("astype")(numpy.attr("int32"));
-      if (!numpy.attr("array_equal")(narrowed, array).cast<bool>()) {
-        throw Error(fmt::format("{}: Python ints outside int32", what));
-      }
-      array = narrowed;
+    // hold: ints become int32, floats float32 (what a model computes in), when every value fits.
+    const bool ints = dtype.equal(numpy.attr("dtype")("int64"));
+    py::object narrowed = array.attr("astype")(numpy.attr(ints ? "int32" : "float32"));
+    const bool fits =
+        ints ? numpy.attr("array_equal")(narrowed, array).cast<bool>()
+             : numpy.attr("array_equal")(numpy.attr("isinf")(narrowed), numpy.attr("isinf")(array))
+                   .cast<bool>();
+    if (!fits) {
+      throw Error(fmt::format("{}: Python {} outside {}", what, ints ? "ints" : "floats",
+                              ints ? "int32" : "float32"));
     }
+    array = narrowed;
   }
   return wrap_numpy(py::array(array), what);
 }

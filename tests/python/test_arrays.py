@@ -1,4 +1,5 @@
 """Arrays cross between numpy and kvsnap without copies where the layout allows."""
+import array as pyarray
 import sys
 
 import numpy as np
@@ -111,6 +112,13 @@ def test_python_numbers_become_the_dtypes_kvsnap_holds():
     assert kvsnap.AttentionMask.from_array([[[[1, 0], [1, 1]]]]).kind == "array"  # int32
     with pytest.raises(kvsnap.Error, match=r"^kvsnap.Array: Python ints outside int32"):
         kvsnap.Array([2**31])
+    with pytest.raises(kvsnap.Error, match=r"^kvsnap.Array: Python floats outside float32"):
+        kvsnap.Array([1e39])
+    # Buffers keep their dtype and memory: only Python numbers are narrowed.
+    buffer = pyarray.array("f", [1.0, 2.0])
+    view = kvsnap.Array(buffer)
+    assert view.numpy().dtype == np.float32 and np.shares_memory(view.numpy(), np.asarray(buffer))
+    assert kvsnap.Array(memoryview(np.zeros(2, np.uint16))).numpy().dtype == np.uint16
     # A numpy array keeps its dtype: an int64 one is refused, not narrowed behind its back.
     with pytest.raises(kvsnap.Error, match=r"numpy dtype int64 is not supported"):
         kvsnap.Array(np.array([1, 2]))
