@@ -268,12 +268,14 @@ void RedisStore::connect(Deadline deadline) {
   if (Clock::now() >= deadline) {
     throw StoreFailure("no time left to connect", StoreFailure::Reason::timed_out);
   }
+  // The commands view their words: the database's digits live as long as they do.
+  const std::string database = std::to_string(address_.database);
   std::vector<Command> setup;
   if (!address_.password.empty()) {
     setup.push_back(address_.user.empty() ? Command{"AUTH", address_.password}
                                           : Command{"AUTH", address_.user, address_.password});
   }
-  if (address_.database != 0) setup.push_back({"SELECT", std::to_string(address_.database)});
+  if (address_.database != 0) setup.push_back({"SELECT", database});
   // Each address in turn, as hiredis tries a name's; numeric ones resolve without a lookup.
   std::vector<std::string> addresses;
   try {
