@@ -15,7 +15,7 @@ namespace kvsnap::redis_store_oom_test {
 namespace {
 
 TEST(RedisStoreOom, AConnectionWhoseSetupRanOutIsNotKept) {
-  const testing::RedisServer server({.password = "s3cret"});
+  const testing::RedisServer server({.password = "s3cret", .config = {}});
   const auto deadline = [] { return std::chrono::steady_clock::now() + std::chrono::seconds(5); };
   const auto in_database = [&](int database, const std::string& key) {
     return server.command({"EVAL",
