@@ -218,18 +218,18 @@ RedisStore::RedisStore(RedisAddress address, StoreOptions options)
       resolver_(address_.host, options_.resolve, options_.wait_for_resolution),
       limits_(std::make_unique<ReplyLimits>()) {}
 
-RedisStore::~RedisStore() {
+RedisStore::~RedisStore() { drop_connection(); }
+
+void RedisStore::drop_connection() noexcept {
   if (context_ != nullptr) redisFree(context_);
+  context_ = nullptr;
 }
 
 void RedisStore::fail(const std::string& why, bool timed_out) {
   // A connection that never completed a round trip (refused, AUTH or SELECT refused, no answer):
   // the host's addresses may have moved to another server, resolved afresh next time.
   if (!answered_) resolver_.forget();
-  if (context_ != nullptr) {
-    redisFree(context_);  // replies may still be in flight: the connection is unusable
-    context_ = nullptr;
-  }
+  drop_connection();  // replies may still be in flight: the connection is unusable
   retry_after_ = Clock::now() + options_.retry_interval;
   options_.health->failed(why, /*lost=*/!timed_out);
   throw StoreFailure(why,
@@ -304,10 +304,7 @@ void RedisStore::connect(Deadline deadline) {
     }
     if (!setup.empty()) (void)round_trip(setup, deadline);  // a refusal fails it ("AUTH refused")
   } catch (...) {
-    if (context_ != nullptr) {
-      redisFree(context_);
-      context_ = nullptr;
-    }
+    drop_connection();
     throw;
   }
 }
@@ -319,8 +316,7 @@ std::vector<RedisStore::Reply> RedisStore::round_trip(const std::vector<Command>
   if (context_ != nullptr && answered_ && !idle()) {
     // Bytes nobody asked for (a server that closed the connection, or one out of step): every
     // reply read on it would answer another command. A new connection instead.
-    redisFree(context_);
-    context_ = nullptr;
+    drop_connection();
   }
   if (context_ == nullptr) connect(deadline);
   if (Clock::now() >= deadline) {
@@ -333,10 +329,7 @@ std::vector<RedisStore::Reply> RedisStore::round_trip(const std::vector<Command>
     send(commands, deadline);
     replies = read_replies(commands, deadline, max_values);
   } catch (const std::bad_alloc&) {
-    if (context_ != nullptr) {
-      redisFree(context_);
-      context_ = nullptr;
-    }
+    drop_connection();
     throw;
   }
   if (context_->reader->pos != context_->reader->len) {
@@ -438,8 +431,7 @@ std::vector<RedisStore::Reply> RedisStore::read_replies(const std::vector<Comman
     // An object past what is left, not past the largest one: too much together, the store well.
     const auto too_much = [&, budgeted = object && left < options_.max_object_bytes] {
       if (!budgeted) return;
-      redisFree(context_);  // the rest of the reply is in flight: the connection is unusable
-      context_ = nullptr;
+      drop_connection();  // the rest of the reply is in flight: the connection is unusable
       throw FetchTooLarge(i, max_values);
     };
     // An index listing more members, or longer ones, than the tier writes (planted by whoever can
@@ -447,8 +439,7 @@ std::vector<RedisStore::Reply> RedisStore::read_replies(const std::vector<Comman
     // process knows the store holds, go on as before.
     const auto index_too_large = [&](const std::string& why) {
       if (commands[i][0] != "SMEMBERS") return;
-      redisFree(context_);  // the rest of the reply is in flight: the connection is unusable
-      context_ = nullptr;
+      drop_connection();  // the rest of the reply is in flight: the connection is unusable
       throw StoreFailure("an index: " + why, StoreFailure::Reason::failed);
     };
     limits_->expect(ceiling);

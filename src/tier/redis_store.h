@@ -79,6 +79,8 @@ class RedisStore final : public Store {
   // reply was read (the connection is in step), and the lookup is sent again, reading only.
   struct RefreshRefused {};
   void connect(Deadline deadline);
+  // Frees the connection (none next: the next round trip connects again).
+  void drop_connection() noexcept;
   // Waits until the socket is ready for `events` (poll), failing at the deadline.
   void await(short events, Deadline deadline);
   // Fails for a hiredis call that returned REDIS_ERR: timed out when the socket's timeout or
