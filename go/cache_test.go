@@ -352,6 +352,13 @@ func TestSnapshotFilesRoundTripAndRefuseOthersWrites(t *testing.T) {
 	if _, _, err := LoadSnapshots(path); !errors.Is(err, ErrContract) || !strings.Contains(err.Error(), "refusing the file") {
 		t.Fatalf("a file others can write: %v", err)
 	}
+	if offset, shared, err := LoadSnapshotsWith(path, LoadOptions{AllowShared: true}); err != nil || offset != 6 || len(shared) != 3 {
+		t.Fatalf("a file others can write, trusted: %d %v %v", offset, shared, err)
+	} else {
+		for _, l := range shared {
+			l.Close()
+		}
+	}
 	if err := os.WriteFile(path, []byte("not a snapshot file"), 0o600); err != nil {
 		t.Fatal(err)
 	}

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand"
+	"os"
 	"runtime"
 	"strings"
 	"sync"
@@ -383,5 +384,42 @@ func TestAPrefixCacheSurvivesARestart(t *testing.T) {
 	if stats, err := small.prefix.Stats(); err != nil || stats.LoadedNodes != loaded.LoadedNodes ||
 		stats.NodeCount != 0 || stats.EvictedNodes == 0 || stats.PeakPagedOutBytes > 1 {
 		t.Fatalf("under a budget of one byte: %+v", stats)
+	}
+}
+
+func TestAPrefixCacheInASharedFolder(t *testing.T) {
+	dir := t.TempDir() + "/shared"
+	if err := os.Mkdir(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(dir, 0o777); err != nil { // its users' folder: any of them may write it
+		t.Fatal(err)
+	}
+	e := newEngine(t, 1, 0)
+	rng := rand.New(rand.NewSource(5))
+	prompt := []int32{9, 8, 7, 6, 5, 4, 3}
+	e.serve(t, 0, prompt, 2, rng)
+	if err := e.prefix.SaveWith(dir, "toy", SaveOptions{Shared: true}); err != nil {
+		t.Fatal(err)
+	}
+	e.close(t)
+	info, err := os.Stat(dir + "/prefix_cache.safetensors")
+	if err != nil || info.Mode().Perm() != 0o644 {
+		t.Fatalf("a shared save: %v %v", info.Mode(), err)
+	}
+	restarted := newEngine(t, 1, 0)
+	defer restarted.close(t)
+	if SavedIn(dir) || !SavedInWith(dir, LoadOptions{AllowShared: true}) {
+		t.Fatal("SavedIn trusts a folder others can write, or SavedInWith does not")
+	}
+	if err := restarted.prefix.Load(dir, "toy"); !errors.Is(err, ErrContract) ||
+		!strings.Contains(err.Error(), "allow_shared") {
+		t.Fatalf("a folder others can write: %v", err)
+	}
+	if err := restarted.prefix.LoadWith(dir, "toy", LoadOptions{AllowShared: true}); err != nil {
+		t.Fatal(err)
+	}
+	if cached, _ := restarted.serve(t, 0, prompt, 1, rng); cached != int64(len(prompt))-1 {
+		t.Fatalf("from the shared folder: %d tokens restored, want %d", cached, len(prompt)-1)
 	}
 }

@@ -244,8 +244,44 @@ func (p *PrefixCache) Check() error {
 	})
 }
 
-// Save writes the trie and its snapshots to folder dir with modelID, atomically.
+// SaveOptions say how a save writes its file.
+type SaveOptions struct {
+	// Shared writes mode 0644 instead of 0600, so the other users of a shared folder can load
+	// it (with LoadOptions.AllowShared) — and read what it holds. The folders a save creates
+	// stay 0700: make a shared folder yourself.
+	Shared bool
+}
+
+// LoadOptions say which files a load trusts.
+type LoadOptions struct {
+	// AllowShared trusts a file, or the folder holding it, that another user owns or that group
+	// or others can write — and every user who can write it. By default those are refused:
+	// whoever can write them can plant state the model then continues from.
+	AllowShared bool
+}
+
+func (o SaveOptions) flags() C.uint32_t {
+	if o.Shared {
+		return C.KVSNAP_SAVE_SHARED
+	}
+	return C.KVSNAP_FILE_PRIVATE
+}
+
+func (o LoadOptions) flags() C.uint32_t {
+	if o.AllowShared {
+		return C.KVSNAP_LOAD_ALLOW_SHARED
+	}
+	return C.KVSNAP_FILE_PRIVATE
+}
+
+// Save writes the trie and its snapshots to folder dir with modelID, atomically, private to
+// this user (mode 0600).
 func (p *PrefixCache) Save(dir, modelID string) error {
+	return p.SaveWith(dir, modelID, SaveOptions{})
+}
+
+// SaveWith is Save with options (a file other users can read: SaveOptions.Shared).
+func (p *PrefixCache) SaveWith(dir, modelID string, opts SaveOptions) error {
 	cdir, cmodel, err := dirAndModel("PrefixCache.Save", dir, modelID)
 	if err != nil {
 		return err
@@ -253,13 +289,20 @@ func (p *PrefixCache) Save(dir, modelID string) error {
 	defer C.free(unsafe.Pointer(cdir))
 	defer C.free(unsafe.Pointer(cmodel))
 	return p.use("PrefixCache.Save", func(ptr *C.kvsnap_prefix_cache) error {
-		return check(func() C.kvsnap_status { return C.kvsnap_prefix_cache_save(ptr, cdir, cmodel) })
+		return check(func() C.kvsnap_status {
+			return C.kvsnap_prefix_cache_save_with(ptr, cdir, cmodel, opts.flags())
+		})
 	})
 }
 
 // Load replaces the trie by the one saved in dir for the same layers and modelID. It refuses a
 // dir or file that is not private to this user.
 func (p *PrefixCache) Load(dir, modelID string) error {
+	return p.LoadWith(dir, modelID, LoadOptions{})
+}
+
+// LoadWith is Load with options (a shared folder: LoadOptions.AllowShared).
+func (p *PrefixCache) LoadWith(dir, modelID string, opts LoadOptions) error {
 	cdir, cmodel, err := dirAndModel("PrefixCache.Load", dir, modelID)
 	if err != nil {
 		return err
@@ -267,19 +310,26 @@ func (p *PrefixCache) Load(dir, modelID string) error {
 	defer C.free(unsafe.Pointer(cdir))
 	defer C.free(unsafe.Pointer(cmodel))
 	return p.use("PrefixCache.Load", func(ptr *C.kvsnap_prefix_cache) error {
-		return check(func() C.kvsnap_status { return C.kvsnap_prefix_cache_load(ptr, cdir, cmodel) })
+		return check(func() C.kvsnap_status {
+			return C.kvsnap_prefix_cache_load_with(ptr, cdir, cmodel, opts.flags())
+		})
 	})
 }
 
 // SavedIn says whether dir holds a saved trie that Load would read (false too for one it would
 // refuse as not private; Load then says why).
 func SavedIn(dir string) bool {
+	return SavedInWith(dir, LoadOptions{})
+}
+
+// SavedInWith says whether dir holds a saved trie that LoadWith would read with opts.
+func SavedInWith(dir string, opts LoadOptions) bool {
 	cdir, err := cString("SavedIn", "folder", dir)
 	if err != nil {
 		return false // no folder's name holds a NUL byte
 	}
 	defer C.free(unsafe.Pointer(cdir))
-	return bool(C.kvsnap_prefix_cache_saved_in(cdir))
+	return bool(C.kvsnap_prefix_cache_saved_in_with(cdir, opts.flags()))
 }
 
 // dirAndModel are Save's and Load's strings for the C API; a NUL byte in either is refused

@@ -136,6 +136,11 @@ func SaveSnapshots(path string, offset int64, snapshots []*Snapshot) error {
 // It refuses a file, or a folder holding it, that another user owns or that group or others
 // can write; a corrupt file is refused whole.
 func LoadSnapshots(path string) (int64, []*Snapshot, error) {
+	return LoadSnapshotsWith(path, LoadOptions{})
+}
+
+// LoadSnapshotsWith is LoadSnapshots with options (a shared file: LoadOptions.AllowShared).
+func LoadSnapshotsWith(path string, opts LoadOptions) (int64, []*Snapshot, error) {
 	cpath, err := cString("LoadSnapshots", "path", path)
 	if err != nil {
 		return 0, nil, err
@@ -143,7 +148,9 @@ func LoadSnapshots(path string) (int64, []*Snapshot, error) {
 	defer C.free(unsafe.Pointer(cpath))
 	var offset C.int64_t
 	var list *C.kvsnap_snapshot_list
-	if err := check(func() C.kvsnap_status { return C.kvsnap_load_snapshots(cpath, &offset, &list) }); err != nil {
+	if err := check(func() C.kvsnap_status {
+		return C.kvsnap_load_snapshots_with(cpath, opts.flags(), &offset, &list)
+	}); err != nil {
 		return 0, nil, err
 	}
 	snapshots, err := takeList(list)

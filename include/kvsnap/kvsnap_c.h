@@ -467,7 +467,8 @@ KVSNAP_EXPORT kvsnap_status kvsnap_save_snapshots(const char* path, int64_t offs
                                                   size_t count);
 /* Reads a file written by kvsnap_save_snapshots: its offset and one entry per saved layer.
  * Refuses a file, or a folder holding it, that another user owns or that group or others can
- * write (see load_snapshots in persistence.h; the C API has no opt-in to shared files). */
+ * write (see load_snapshots in persistence.h; kvsnap_load_snapshots_with opts in to shared
+ * files). */
 KVSNAP_EXPORT kvsnap_status kvsnap_load_snapshots(const char* path, int64_t* offset,
                                                   kvsnap_snapshot_list** out);
 
@@ -569,6 +570,7 @@ KVSNAP_EXPORT void kvsnap_session_destroy(kvsnap_session* session);
 } /* extern "C" */
 #endif
 
+#include "kvsnap/kvsnap_c_files.h"       /* shared folders' saves and loads: likewise */
 #include "kvsnap/kvsnap_c_speculation.h" /* speculation's calls: part of this API */
 
 #endif /* KVSNAP_KVSNAP_C_H */

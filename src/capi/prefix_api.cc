@@ -124,35 +124,6 @@ kvsnap_status kvsnap_prefix_cache_check(const kvsnap_prefix_cache* prefix) {
   });
 }
 
-kvsnap_status kvsnap_prefix_cache_save(const kvsnap_prefix_cache* prefix, const char* dir,
-                                       const char* model_id) {
-  constexpr const char* call = "kvsnap_prefix_cache_save";
-  return guard(call, [&] {
-    const PrefixCache& cache = prefix_of(prefix, call);
-    require_data(dir, call, "dir");
-    cache.save(dir, model_id != nullptr ? model_id : "");
-  });
-}
-
-kvsnap_status kvsnap_prefix_cache_load(kvsnap_prefix_cache* prefix, const char* dir,
-                                       const char* model_id) {
-  constexpr const char* call = "kvsnap_prefix_cache_load";
-  return guard(call, [&] {
-    PrefixCache& cache = prefix_of(prefix, call);
-    require_data(dir, call, "dir");
-    cache.load(dir, model_id != nullptr ? model_id : "");
-  });
-}
-
-bool kvsnap_prefix_cache_saved_in(const char* dir) {
-  if (dir == nullptr) return false;
-  try {
-    return PrefixCache::saved_in(dir);
-  } catch (...) {
-    return false;
-  }
-}
-
 kvsnap_status kvsnap_session_remaining(const kvsnap_session* session, const int32_t** tokens,
                                        size_t* count) {
   constexpr const char* call = "kvsnap_session_remaining";

@@ -240,18 +240,4 @@ kvsnap_status kvsnap_save_snapshots(const char* path, int64_t offset,
   });
 }
 
-kvsnap_status kvsnap_load_snapshots(const char* path, int64_t* offset, kvsnap_snapshot_list** out) {
-  constexpr const char* call = "kvsnap_load_snapshots";
-  return guard(call, [&] {
-    require_data(path, call, "path");
-    require(offset, call, "offset");
-    require(out, call, "out");
-    auto list = std::make_unique<kvsnap_snapshot_list>();
-    LoadedSnapshots loaded = load_snapshots(path);
-    list->snapshots = std::move(loaded.snapshots);
-    *offset = loaded.offset;
-    *out = list.release();
-  });
-}
-
 }  // extern "C"

@@ -23,8 +23,8 @@ LAYERS = [
     ("tier", ["src/tier"], ["tier.h"]),
     ("prefix", ["src/prefix"], ["prefix_cache.h"]),
     # kvsnap.h, the umbrella, includes every public C++ header: dlpack.h's too.
-    ("capi", ["src/capi"], ["kvsnap_c.h", "kvsnap_c_speculation.h", "kvsnap_c_tier.h",
-                          "dlpack.h", "kvsnap.h"]),
+    ("capi", ["src/capi"], ["kvsnap_c.h", "kvsnap_c_files.h", "kvsnap_c_speculation.h",
+                          "kvsnap_c_tier.h", "dlpack.h", "kvsnap.h"]),
     ("python", ["python"], []),
     ("tools", ["src/model", "tools", "bench"], []),
 ]
