@@ -435,12 +435,12 @@ std::vector<RedisStore::Reply> RedisStore::read_replies(const std::vector<Comman
       throw FetchTooLarge(i, max_values);
     };
     // An index listing more members, or longer ones, than the tier writes (planted by whoever can
-    // write the store): this round trip fails, the store is well — other lookups, and what this
-    // process knows the store holds, go on as before.
+    // write the store): this round trip fails, the store is well (it answered).
     const auto index_too_large = [&](const std::string& why) {
       if (commands[i][0] != "SMEMBERS") return;
       drop_connection();  // the rest of the reply is in flight: the connection is unusable
-      throw StoreFailure("an index: " + why, StoreFailure::Reason::failed);
+      options_.health->answered();
+      throw IndexTooLarge("an index: " + why, std::string(commands[i][1]));
     };
     limits_->expect(ceiling);
     void* reply = nullptr;

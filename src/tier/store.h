@@ -32,6 +32,15 @@ struct StoreFailure : std::runtime_error {
   Reason reason;
 };
 
+// A probe that met an index set listing more members, or longer ones, than any tier writes
+// (Store::kMaximumIndexMembers): planted by whoever can write the store. The store is well; the
+// set is of no use to anyone (TierImpl::drop_index deletes it).
+struct IndexTooLarge : StoreFailure {
+  IndexTooLarge(const std::string& what, std::string set)
+      : StoreFailure(what, Reason::failed), set(std::move(set)) {}
+  std::string set;
+};
+
 // A fetch whose values together would pass the bytes it may hold: `index` is the first key whose
 // value did not fit (the values before it did). The store is well; the connection may be new
 // next time (a Redis reply is cut off mid-way).

@@ -282,6 +282,13 @@ TierMatch TierImpl::lookup(std::span<const int32_t> tokens, int64_t limit, int64
       counters_.restored_tokens += match.offset - better_than;
     }
     return match;
+  } catch (const IndexTooLarge& failure) {  // a miss; the set goes
+    try {
+      drop_index(failure);
+    } catch (const std::bad_alloc&) {  // the next lookup that meets it drops it
+      ++counters_.store_errors;
+    }
+    return {};
   } catch (const StoreFailure& failure) {
     if (failure.reason == StoreFailure::Reason::timed_out) ++counters_.timeouts;
     if (failure.reason == StoreFailure::Reason::failed) ++counters_.store_errors;

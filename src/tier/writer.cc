@@ -200,6 +200,9 @@ bool WriteBehind::still_holds(const WriteBatch& batch, Deadline deadline) {
   std::vector<int64_t> sizes;
   try {
     store_->probe(sets, batch.known, deadline, members, sizes);
+  } catch (const IndexTooLarge& failure) {
+    if (options_.index_too_large) options_.index_too_large(failure);
+    return true;  // what it knows is forgotten (and the set deleted): written again anyway
   } catch (const StoreFailure& failure) {
     if (failure.reason != StoreFailure::Reason::waiting) ++counters_.store_errors;
     return true;  // unknown: the next batch asks again

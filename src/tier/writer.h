@@ -66,6 +66,9 @@ class WriteBehind {
     // Whether this process knows it wrote `key` (then a doomed key is not deleted: the write
     // came after the rejection that doomed it).
     std::function<bool(const std::string&)> known;
+    // Runs on the writer thread when its check of what a batch skipped as known meets an index
+    // set too large to be the tier's (planted): that check is given up.
+    std::function<void(const IndexTooLarge&)> index_too_large;
   };
   WriteBehind(std::unique_ptr<Store> store, Options options, TierCounters& counters);
   // Waits up to write_timeout for the queue to drain, drops what is left (counted), and stops

@@ -1,8 +1,9 @@
 // The shared tier repairs what the store lost or holds damaged, against a real redis-server: a
 // flushed server is refilled by processes that already wrote its entries, index sets live as long
-// as the points they name are used, and a store call with a state of the wrong kind is refused
-// before anything is written or learned. (A damaged object deleted and written again:
-// tier_store_test.cc, both backends.)
+// as the points they name are used, an index set planted too large is deleted and written
+// again, and a store call with a state of the wrong kind is refused before anything is written or
+// learned. (A damaged object deleted and written again: tier_store_test.cc, both backends.)
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -67,6 +68,65 @@ TEST(TierRepair, IndexSetsInUseLiveAsLongAsTheirPoints) {
   TierProcess late(server.address(), options);
   EXPECT_EQ(late.turn(talk.system + tokens(760, 12), tokens(775, 2)).cached, 20)
       << "index sets: " << server.keys("kvsnap:i:*").size();
+}
+
+// Adds 70000 members to every index set in `server` (more than any tier writes, as whoever can
+// SADD can); returns the sets.
+std::vector<std::string> plant_index_sets(const RedisServer& server) {
+  const std::vector<std::string> sets = server.keys("kvsnap:i:*");
+  EXPECT_FALSE(sets.empty());
+  for (const std::string& set : sets) {
+    for (int batch = 0; batch < 70; ++batch) {
+      std::vector<std::string> sadd{"SADD", set};
+      for (int m = 0; m < 1000; ++m) sadd.push_back(fmt::format("planted-{}-{}", batch, m));
+      (void)server.command(sadd);
+    }
+  }
+  return sets;
+}
+
+// An index set planted with more members than any tier writes (whoever can SADD can): the lookup
+// that meets it misses, and the set is deleted and written again with the points its process
+// evaluated — instead of failing, and reconnecting, every lookup over that chunk from then on.
+TEST(TierRepair, AnIndexPlantedTooLargeIsDeletedAndWrittenAgain) {
+  RedisServer server;
+  Conversation talk;
+  {
+    TierProcess writer(server.address());
+    (void)writer.turn(talk.first, talk.reply, talk.ends);
+  }
+  const std::vector<std::string> sets = plant_index_sets(server);
+  // The system prompt's set goes; the other (the first conversation's own chunk) is not met.
+  TierProcess reader(server.address());
+  EXPECT_EQ(reader.turn(talk.system + tokens(720, 12), tokens(735, 2), talk.ends).cached, 0);
+  EXPECT_EQ(reader.tier->stats().rejected, 1);
+  EXPECT_EQ(reader.tier->stats().store_errors, 0);
+  EXPECT_EQ(reader.log.count("rejected kvsnap:i:"), 1) << reader.log.all();
+  EXPECT_EQ(reader.log.count("store lost"), 0) << reader.log.all();
+  size_t planted = 0;
+  for (const std::string& set : sets) {
+    if (std::stoll(server.command({"SCARD", set})) > 70000) ++planted;
+  }
+  EXPECT_EQ(planted, sets.size() - 1);
+  TierProcess late(server.address());
+  EXPECT_EQ(late.turn(talk.system + tokens(760, 12), tokens(775, 2)).cached, 20) << late.log.all();
+  EXPECT_EQ(late.tier->stats().rejected, 0);
+}
+
+// The writer's check of what it skips as known meets the planted set: that set is deleted and
+// the process, knowing nothing any more, writes its points again.
+TEST(TierRepair, AnIndexPlantedTooLargeIsRepairedByTheWriterThatSkipsItsPoints) {
+  RedisServer server;
+  Conversation talk;
+  TierProcess writer(server.address());
+  (void)writer.turn(talk.first, talk.reply, talk.ends);
+  (void)plant_index_sets(server);
+  for (int r = 0; r < 2; ++r) (void)writer.turn(talk.first, tokens(800 + 10 * r, 5));
+  EXPECT_EQ(writer.log.count("rejected kvsnap:i:"), 1) << writer.log.all();
+  EXPECT_EQ(writer.log.count("store lost"), 0) << writer.log.all();
+  EXPECT_EQ(writer.tier->stats().store_errors, 0);
+  TierProcess late(server.address());
+  EXPECT_EQ(late.turn(talk.system + tokens(720, 4), tokens(730, 2)).cached, 20) << late.log.all();
 }
 
 TEST(TierRepair, AStoreWithAStateOfTheWrongKindIsRefusedAndTeachesNothing) {
