@@ -224,5 +224,10 @@ SealedFile read_sealed_file(const std::string& path, const PrivacyRule& rule,
                             const TensorFilter& keep = nullptr);
 // Throws check_seal's Error unless the seal read is the file's "checksum".
 void check_seal(const SealedFile& sealed, const std::string& source);
+// What is wrong with a file whose metadata "version" is `version`, not `known`: that version is
+// unknown — or, when `check_seal` (null: the data is not read yet) throws, the file is damaged
+// (the damage may be in the version itself), which the message says too.
+std::string unknown_version(const std::string& version, int known,
+                            const std::function<void()>& check_seal);
 
 }  // namespace kvsnap::detail

@@ -121,6 +121,20 @@ void check_seal(const SealedFile& sealed, const std::string& source) {
   check_actual(sealed.file, sealed.actual, source);
 }
 
+std::string unknown_version(const std::string& version, int known,
+                            const std::function<void()>& check_seal) {
+  std::string why = fmt::format("version {} is unknown (this build reads version {})",
+                                cut_quoted(version), known);
+  if (check_seal) {
+    try {
+      check_seal();
+    } catch (const Error&) {
+      why += ", or the file is damaged: its checksum does not match either";
+    }
+  }
+  return why;
+}
+
 SealedFile read_sealed(const ByteReader& read, uint64_t size, const std::string& source,
                        const TensorFilter& keep) {
   const auto fail = [&](const std::string& rule) {

@@ -139,8 +139,8 @@ LoadedSnapshots decode(const std::string& bytes, const std::string& source) {
         fmt::format("format {} is not {}", detail::cut_quoted(meta("format")), kSnapshotsFormat));
   }
   if (meta("version") != std::to_string(kVersion)) {
-    throw fail(fmt::format("version {} is unknown (this build reads version {})",
-                           detail::cut_quoted(meta("version")), kVersion));
+    throw fail(detail::unknown_version(meta("version"), kVersion,
+                                       [&] { detail::check_seal(bytes, file, source); }));
   }
   detail::check_seal(bytes, file, source);
   LoadedSnapshots loaded;

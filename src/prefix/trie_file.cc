@@ -155,8 +155,9 @@ class TrieDecoder {
     if (meta("format") != kFormat)
       throw fail(fmt::format("format {} is not {}", cut_quoted(meta("format")), kFormat));
     if (meta("version") != std::to_string(kVersion)) {
-      throw fail(fmt::format("version {} is unknown (this build reads version {})",
-                             cut_quoted(meta("version")), kVersion));
+      const auto seal = [&] { check_seal(*sealed, source_); };
+      throw fail(unknown_version(meta("version"), kVersion,
+                                 sealed != nullptr ? std::function<void()>(seal) : nullptr));
     }
     if (sealed != nullptr) check_seal(*sealed, source_);
     if (!same_model(file_, model_id)) {

@@ -255,9 +255,33 @@ TEST_F(TrieFileForged, AnUnknownFormatVersionIsRejected) {
     expect_rejected(
         fmt::format("version {} is unknown (this build reads version 2)", Json(version).dump()));
   }
+  // Sealed as this build seals: another version, not damage — the message says no more.
+  HybridStack stack;
+  PrefixCache cache(stack.layers());
+  try {
+    cache.load(dir_, "m");
+    ADD_FAILURE() << "a file of version \"\" loaded";
+  } catch (const Error& error) {
+    EXPECT_TRUE(std::string(error.what()).ends_with("(this build reads version 2)"))
+        << error.what();
+  }
   file_.metadata.erase("version");
   rewrite();
   expect_rejected("metadata \"version\" is missing");
+}
+
+// A version damaged in place (the seal not made again) may be damage, not another version: the
+// message says both.
+TEST_F(TrieFileForged, ADamagedVersionSaysTheFileMayBeDamaged) {
+  rewrite();
+  std::string bytes = read(path_);
+  const size_t at = bytes.find("\"version\":\"2\"");
+  ASSERT_NE(at, std::string::npos);
+  bytes[at + 11] = '3';
+  std::ofstream(path_, std::ios::binary | std::ios::trunc) << bytes;
+  expect_rejected(
+      "version \"3\" is unknown (this build reads version 2), or the file is damaged: its "
+      "checksum does not match either");
 }
 
 // A KV layer's snapshot of tokens [from, from + length): one head, two values a token.
