@@ -124,16 +124,28 @@ struct RowsScratch {
 // unwritten; a row of a sequence not yet created finds it staged (Sequences::stage) — then the
 // rows are written one by one into their sequences, and the history is ragged; when anything
 // throws, `room.undo()` (noexcept) gives back what make() gave the rows not written. A sequence
-// is created only when its row is written.
+// is created only when its row is written, and never by a row of no tokens.
 template <class Seq, class Room>
 KVHistory update_rows(const Batch& batch, const Array& keys, const Array& values, const char* call,
                       Sequences<Seq>& sequences, Room&& room, RowsScratch& scratch) {
   batch.validate(call);
   const int64_t rows = batch.batch_size();
+  struct Unstage {
+    Sequences<Seq>& sequences;
+    ~Unstage() { sequences.unstage(); }
+  } const unstage{sequences};
+  // A row of no tokens on a sequence the cache has not made changes nothing: its history is an
+  // empty sequence's (of the row's layout, as the kind gives one), made in a staged sequence
+  // that is dropped — none is created.
+  const auto nothing_to_write = [&](int64_t b) {
+    return batch.seq_query_lens[static_cast<size_t>(b)] == 0 &&
+           sequences.find(batch.seq_id(b)) == nullptr;
+  };
   if (rows == 1) {
     const SeqId id = batch.seq_id(0);
     if (Seq* sequence = sequences.find(id)) return sequence->update(batch, keys, values, 0, id);
     sequences.peek(id, call).check(batch, keys, values, 0, id);
+    if (nothing_to_write(0)) return sequences.stage(id, call).update(batch, keys, values, 0, id);
     return sequences.change(
         id, call, [&](Seq& created) { return created.update(batch, keys, values, 0, id); });
   }
@@ -152,10 +164,6 @@ KVHistory update_rows(const Batch& batch, const Array& keys, const Array& values
         .check(one[static_cast<size_t>(b)], keys.slice(0, b, b + 1), values.slice(0, b, b + 1), b,
                batch.seq_id(b));
   }
-  struct Unstage {
-    Sequences<Seq>& sequences;
-    ~Unstage() { sequences.unstage(); }
-  } const unstage{sequences};
   return HistoryParts::rows(scratch.histories.make([&](std::vector<KVHistory>& histories) {
     try {
       histories.reserve(static_cast<size_t>(rows));
@@ -165,6 +173,12 @@ KVHistory update_rows(const Batch& batch, const Array& keys, const Array& values
       }
       for (int64_t b = 0; b < rows; ++b) {
         const SeqId id = batch.seq_id(b);
+        if (nothing_to_write(b)) {
+          histories.push_back(sequences.stage(id, call).update(one[static_cast<size_t>(b)],
+                                                               keys.slice(0, b, b + 1),
+                                                               values.slice(0, b, b + 1), b, id));
+          continue;
+        }
         histories.push_back(sequences.change(id, call, [&](Seq& sequence) {
           return sequence.update(one[static_cast<size_t>(b)], keys.slice(0, b, b + 1),
                                  values.slice(0, b, b + 1), b, id);

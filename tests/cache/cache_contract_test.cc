@@ -332,6 +332,18 @@ TYPED_TEST(CacheContract, CallsThatFailOrChangeNothingCreateNoSequence) {
   cache.prepare_snapshots(4, ahead);
   EXPECT_EQ(cache.sequences(), (std::vector<SeqId>{0, 3, 4}));
   cache.cancel_snapshots(4);
+  if constexpr (std::is_base_of_v<Attention, typename TypeParam::Type>) {
+    // An update's row of no tokens for a sequence not made: alone, and beside a row that writes.
+    const std::vector<int64_t> none, next = id_range(2, 1);
+    Attention& attention = *this->cache;
+    (void)attention.update(Batch::rows({{.seq = 14, .offset = 0, .tokens = {}}}), kv.keys(none),
+                           kv.values(none));
+    const Batch mixed = Batch::rows(
+        {{.seq = 0, .offset = 2, .tokens = {2}}, {.seq = 15, .offset = 0, .tokens = {}}});
+    (void)attention.update(mixed, kv.keys(next, 2), kv.values(next, 2));
+    EXPECT_EQ(cache.offset(0), 3);
+    EXPECT_EQ(cache.sequences(), (std::vector<SeqId>{0, 3, 4}));
+  }
 }
 
 // An empty schedule schedules nothing: it makes no sequence, leaves nothing to take and does
