@@ -130,7 +130,9 @@ struct ScheduleState {
 // call naming a sequence outside [0, 2^20) ("<call>: sequence id -1 outside [0, 1048576)").
 //
 // Threads: kvsnap's caches lock themselves: any call (and a snapshot's destruction) may come
-// from any thread; calls on one cache run one at a time.
+// from any thread; calls on one cache run one at a time. A child process made by fork() while
+// another thread held a cache's lock finds it held for good: it must not call, or destroy, the
+// caches and snapshots it inherited (new ones work).
 class KVSNAP_EXPORT Cache {
  public:
   virtual ~Cache();
