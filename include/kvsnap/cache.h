@@ -113,14 +113,15 @@ struct ScheduleState {
 // cache's first write) before writing any row, so running out there leaves every row's tokens
 // and offset as they were and creates no sequence (buffers may have grown, a paged cache's pool
 // that grew on its first write keeps that write's layout, and lazy snapshots may own what they
-// named). A bad_alloc after that — from small bookkeeping
-// allocations (captures, the returned history) — or in a multi-row RotatingKVCache update or
-// RecurrentCache get may leave the rows before the failing one written. A RotatingKVCache or
-// RecurrentCache capture that runs out where its write reached it is lost (a window or state
-// captured by a later write would be a later one): that sequence's schedule captures nothing
-// more, take_snapshots throws saying so, take_reached_snapshots gives the captures before it.
-// (A KV kind's capture is made by the next write instead: its range is still there.) A
-// prepare_snapshots that runs out schedules nothing.
+// named). So does a RecurrentCache put of any rows: its captures inside the rows' forwards and
+// the sequences it creates are made before any row is written. A bad_alloc after that — from
+// small bookkeeping allocations (captures, the returned history) — or in a multi-row
+// RotatingKVCache update or RecurrentCache get may leave the rows before the failing one
+// written. A RotatingKVCache or RecurrentCache capture that runs out where its write reached it
+// is lost (a window or state captured by a later write would be a later one): that sequence's
+// schedule captures nothing more, take_snapshots throws saying so, take_reached_snapshots gives
+// the captures before it. (A KV kind's capture is made by the next write instead: its range is
+// still there.) A prepare_snapshots that runs out schedules nothing.
 //
 // Sequences: a cache holds one state per sequence id, created by the first call that gives it
 // state (a write, a restore that gives it tokens, a schedule); a call that fails, returns false

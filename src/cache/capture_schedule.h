@@ -43,6 +43,11 @@ class CaptureSchedule {
   int64_t next() const {
     return !lost_ && captured_.size() < offsets_.size() ? offsets_[captured_.size()] : -1;
   }
+  // The offset k places after next() (upcoming(0) is next() while active), or -1.
+  int64_t upcoming(size_t k) const {
+    const size_t i = captured_.size() + k;
+    return active_ && !lost_ && i < offsets_.size() ? offsets_[i] : -1;
+  }
   // Records the capture `make()` makes for next(). For kinds whose capture a later write could
   // not make (a window's or a state's would hold a later one): when making it throws (out of
   // memory) the schedule is lost there and the exception rethrown — nothing more is captured,

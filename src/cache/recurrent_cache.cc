@@ -2,6 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <exception>
+#include <utility>
+
 #include "attention/recycler.h"
 #include "cache/capture_schedule.h"
 #include "cache/sequences.h"
@@ -139,32 +142,60 @@ class RecurrentCacheImpl {
     }
   }
 
-  // Adopts row `row`'s checked states: the interior ones are the captures for the scheduled split
-  // points, in order; the last becomes live.
-  void put_row(const Batch& batch, int64_t row, std::span<const Array> conv,
-               std::span<const Array> delta) {
-    RecurrentSequence& sequence = at(batch.seq_id(row));
-    const int64_t length = batch.seq_query_lens[static_cast<size_t>(row)];
-    // The scheduled offsets inside (offset, offset + length), in order: no vector (a
-    // speculation round's put allocates nothing).
-    const int64_t end = sequence.offset + length;
-    size_t recorded = 0;
-    try {
-      for (; sequence.schedule.active() && sequence.schedule.next() > sequence.offset &&
-             sequence.schedule.next() < end;
-           ++recorded) {
-        sequence.schedule.record(std::make_unique<RecurrentSnapshot>(
-            conv[recorded], delta[recorded], sequence.schedule.next()));
+  // Adopts every row's checked states (row(b): row b's conv and delta states): the interior ones
+  // are the captures for the scheduled split points, in order; the last becomes live. All that
+  // allocates comes first — the sequences not made yet (staged) and the captures — so running out
+  // of memory leaves every row, and its schedule, as it was. Then every row is written, and then
+  // each captures what its schedule reached at its new end (one that runs out there is lost:
+  // capture_reached; the other rows still capture theirs, and the first failure is rethrown).
+  template <class Row>
+  void put_rows(const Batch& batch, Row&& row) {
+    struct Cleanup {
+      Sequences<RecurrentSequence>& sequences;
+      std::vector<SnapshotPtr>& made;
+      ~Cleanup() {
+        sequences.unstage();
+        made.clear();
       }
-    } catch (...) {
-      sequence.schedule.unrecord(recorded);  // the row is as it was: its schedule too
-      throw;
+    } const cleanup{sequences, made};
+    const int64_t rows = batch.batch_size();
+    const auto length = [&](int64_t b) { return batch.seq_query_lens[static_cast<size_t>(b)]; };
+    for (int64_t b = 0; b < rows; ++b) {
+      const RecurrentSequence* sequence = sequences.find(batch.seq_id(b));
+      if (sequence == nullptr) {  // no schedule: nothing to capture
+        (void)sequences.stage(batch.seq_id(b), "RecurrentCache::put");
+        continue;
+      }
+      const auto [conv, delta] = row(b);
+      for (size_t k = 0;; ++k) {
+        const int64_t at = sequence->schedule.upcoming(k);
+        if (at <= sequence->offset || at >= sequence->offset + length(b)) break;
+        made.push_back(std::make_unique<RecurrentSnapshot>(conv[k], delta[k], at));
+      }
     }
-    sequence.conv = conv.back();
-    sequence.delta = delta.back();
-    sequence.offset += length;
-    sequence.stats.appended_bytes += sequence.conv.nbytes() + sequence.delta.nbytes();
-    sequence.capture_reached();
+    size_t next = 0;
+    for (int64_t b = 0; b < rows; ++b) {
+      RecurrentSequence& sequence = at(batch.seq_id(b));  // a staged one is taken: no allocation
+      const int64_t end = sequence.offset + length(b);
+      while (sequence.schedule.active() && sequence.schedule.next() > sequence.offset &&
+             sequence.schedule.next() < end) {
+        sequence.schedule.record(std::move(made[next++]));
+      }
+      const auto [conv, delta] = row(b);
+      sequence.conv = conv.back();
+      sequence.delta = delta.back();
+      sequence.offset = end;
+      sequence.stats.appended_bytes += sequence.conv.nbytes() + sequence.delta.nbytes();
+    }
+    std::exception_ptr lost;
+    for (int64_t b = 0; b < rows; ++b) {
+      try {
+        at(batch.seq_id(b)).capture_reached();
+      } catch (...) {
+        if (lost == nullptr) lost = std::current_exception();
+      }
+    }
+    if (lost != nullptr) std::rethrow_exception(lost);
   }
 
   size_t split_count(SeqId id, int64_t forward_len) const {
@@ -196,6 +227,7 @@ class RecurrentCacheImpl {
   const int64_t conv_tail, conv_dim, v_heads, v_dim, k_dim;
   mutable CacheLock lock;
   Sequences<RecurrentSequence> sequences;
+  std::vector<SnapshotPtr> made;  // put's captures, made before any row is written (reused)
   // The rows of get()'s histories of several rows, kept for reuse (under the lock).
   Recycler<std::vector<RecurrentHistory>> rows{[](std::vector<RecurrentHistory>& v) { v.clear(); }};
 };
@@ -273,7 +305,7 @@ void RecurrentCache::put(const Batch& batch, std::span<const Array> conv_states,
                     kCall, batch.batch_size()));
   }
   impl_->check_states(batch, 0, conv_states, delta_states, kCall);
-  impl_->put_row(batch, 0, conv_states, delta_states);
+  impl_->put_rows(batch, [&](int64_t) { return std::pair(conv_states, delta_states); });
 }
 
 void RecurrentCache::put(const Batch& batch, std::span<const RecurrentStates> rows) {
@@ -288,10 +320,10 @@ void RecurrentCache::put(const Batch& batch, std::span<const RecurrentStates> ro
     const RecurrentStates& row = rows[static_cast<size_t>(b)];
     impl_->check_states(batch, b, row.conv, row.delta, kCall);
   }
-  for (int64_t b = 0; b < batch.batch_size(); ++b) {
+  impl_->put_rows(batch, [&](int64_t b) {
     const RecurrentStates& row = rows[static_cast<size_t>(b)];
-    impl_->put_row(batch, b, row.conv, row.delta);
-  }
+    return std::pair(std::span<const Array>(row.conv), std::span<const Array>(row.delta));
+  });
 }
 
 std::vector<int64_t> RecurrentCache::snapshot_splits(int64_t forward_len) const {
