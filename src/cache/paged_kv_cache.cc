@@ -320,14 +320,14 @@ KVHistory PagedKVCache::update(const Batch& batch, const Array& keys, const Arra
     detail::Sequences<detail::PagedSequence>& sequences;
     detail::BlockPool& pool;
     int64_t blocks = 0;
-    bool adopted = false;
+    bool unset = false;  // the pool had none: the batch's layout goes again (kept blocks stay)
 
     void make(SeqId id, int64_t tokens, const Array& keys, const Array& values) {
       detail::PagedSequence* sequence = sequences.find(id);
       if (sequence == nullptr) sequence = &sequences.stage(id, detail::kUpdate);
       if (tokens > 0 && !pool.fixed()) {
+        unset = unset || !pool.has_layout;
         sequence->adopt(detail::KVLayout::of_row(keys, values));
-        adopted = true;
       }
       if (!pool.has_layout) return;
       sequence->make_room(tokens);
@@ -335,7 +335,7 @@ KVHistory PagedKVCache::update(const Batch& batch, const Array& keys, const Arra
       pool.reserve(blocks, detail::kUpdate);
     }
     void undo() noexcept {
-      if (adopted) pool.drop_if_unused();
+      if (unset) pool.drop_if_unused();
     }
   } room{impl_->sequences, *impl_->pool};
   return detail::update_rows(batch, keys, values, detail::kUpdate, impl_->sequences, room,

@@ -92,5 +92,36 @@ TEST(PagedOutOfMemory, ARestoreOfAnotherCachesSnapshotThatRunsOutLeavesTheSequen
   EXPECT_GE(failures, 1);
 }
 
+// A reset cache keeps its blocks for the next writes. A write of two rows that needs more, and
+// runs out of memory, leaves them kept (of the layout the write brings too): only what it took is
+// given back.
+TEST(PagedOutOfMemory, AWriteThatRunsOutKeepsTheBlocksAResetKept) {
+  const TokenKV kv;
+  const std::vector<int64_t> ids = id_range(0, 200);
+  int64_t failures = 0;
+  for (int64_t n = 1;; ++n) {
+    SCOPED_TRACE("allocation " + std::to_string(n) + " fails");
+    PagedKVCache cache({.block_tokens = 4});
+    write(cache, kv, 0, id_range(0, 256));  // the pool's first chunk, every block of it
+    cache.reset();
+    const int64_t kept = cache.pool_stats().blocks;
+    ASSERT_GT(kept, 0);
+    testing::start_run(n);
+    const bool done = armed_call(
+        [&] { (void)cache.update(Batch::uniform(2, 200, 0), kv.keys(ids, 2), kv.values(ids, 2)); });
+    if (!done) {
+      ++failures;
+      EXPECT_GE(cache.pool_stats().blocks, kept);
+      for (const SeqId seq : {0, 1}) {  // a bad_alloc past the blocks may leave a row written
+        EXPECT_TRUE(cache.offset(seq) == 0 || held(cache, seq) == ids) << seq;
+      }
+      continue;
+    }
+    EXPECT_EQ(held(cache, 1), ids);
+    break;
+  }
+  EXPECT_GE(failures, 1);
+}
+
 }  // namespace
 }  // namespace kvsnap::paged_oom_test
