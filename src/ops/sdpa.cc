@@ -101,7 +101,7 @@ struct Run {
 };
 
 // The key/value columns of one history row as runs: one for a contiguous history, one per block
-// for a paged one (read in place when f32, else converted a block at a time).
+// for a paged one (read in place when f32, else the head's rows converted a block at a time).
 class Columns {
  public:
   explicit Columns(const KVHistory& history) : history_(history) {
@@ -140,15 +140,21 @@ class Columns {
     const PagedColumns& p = history_.paged_columns();
     std::optional<Run> pending;
     for (int64_t i = lo / p.block_tokens; i * p.block_tokens < hi; ++i) {
-      const Array k = rows_f32(p.key_block(static_cast<size_t>(i)));
-      const Array v = rows_f32(p.value_block(static_cast<size_t>(i)));
       const int64_t first = i * p.block_tokens;
-      const Run run{first,
-                    std::min(p.block_tokens, p.length - first),
-                    k.data<float>() + h * k.strides()[1],
-                    k.strides()[2],
-                    v.data<float>() + h * v.strides()[1],
-                    v.strides()[2]};
+      const int64_t count = std::min(p.block_tokens, p.length - first);
+      // Head h's rows of a block and their stride: read in place when they can be, else only
+      // they are converted (into `converted`, which lives until the run is visited).
+      const auto head_rows = [&](const Array& block, Array& converted) {
+        if (detail::rows_in_place(block)) {
+          return std::pair(block.data<float>() + h * block.strides()[1], block.strides()[2]);
+        }
+        converted = block.slice(1, h, h + 1).slice(2, 0, count).astype(DType::f32);
+        return std::pair(converted.data<float>(), converted.strides()[2]);
+      };
+      Array k, v;
+      const auto [keys, key_stride] = head_rows(p.key_block(static_cast<size_t>(i)), k);
+      const auto [values, value_stride] = head_rows(p.value_block(static_cast<size_t>(i)), v);
+      const Run run{first, count, keys, key_stride, values, value_stride};
       if (pending && continues(*pending, run)) {
         pending->count += run.count;
         continue;

@@ -417,6 +417,25 @@ TEST(PagedHistory, ChunksWhoseRowsOverlapAreReadAsTheyShow) {
   }
 }
 
+// Half-precision blocks (of a pool of several heads) are converted a head at a time: every head
+// attends over its own keys, on the prefill and the decode paths.
+TEST(PagedHistory, HalfPrecisionBlocksAreReadHeadByHead) {
+  std::mt19937 rng(9);
+  for (const DType dtype : {DType::f16, DType::bf16}) {
+    const Array keys = random_array({1, 3, 12, 8}, rng).astype(dtype);
+    const Array values = random_array({1, 3, 12, 8}, rng).astype(dtype);
+    const KVHistory paged(PagedColumns{{keys}, {values}, 3, 4, {2, 0, 1}, 10});
+    const KVHistory contiguous = paged.contiguous();
+    for (const int64_t queries : {int64_t{4}, int64_t{1}}) {
+      const Array q = random_array({1, 6, queries, 8}, rng);
+      const auto batch = Batch::uniform(1, queries, 10 - queries);
+      EXPECT_TRUE(all_close(sdpa(batch, q, paged, AttentionMask::causal(), 0.3f),
+                            sdpa(batch, q, contiguous, AttentionMask::causal(), 0.3f), 1e-6f))
+          << dtype_name(dtype) << ", " << queries << " queries";
+    }
+  }
+}
+
 // A paged history is one sequence's: a batch of several rows needs one history per row.
 TEST(PagedHistory, OneSequenceServesOneRow) {
   std::mt19937 rng(6);
