@@ -64,6 +64,22 @@ void record_model(SafetensorsFile& file, const std::string& model_id) {
   file.metadata["model"] = readable(model_id);
   if (file.metadata["model"] != model_id) file.metadata["model_hex"] = hex(model_id);
 }
+// The model id a file was saved for, as the bytes saved: "model_hex" decoded when it holds one
+// (else "model"; "" without either).
+std::string saved_model(const SafetensorsFile& file) {
+  const auto bytes = file.metadata.find("model_hex");
+  if (bytes != file.metadata.end() && bytes->second.size() % 2 == 0 &&
+      bytes->second.find_first_not_of("0123456789abcdef") == std::string::npos) {
+    std::string out;
+    for (size_t at = 0; at < bytes->second.size(); at += 2) {
+      out += static_cast<char>(std::stoi(bytes->second.substr(at, 2), nullptr, 16));
+    }
+    return out;
+  }
+  const auto text = file.metadata.find("model");
+  return text != file.metadata.end() ? text->second : "";
+}
+
 bool same_model(const SafetensorsFile& file, const std::string& model_id) {
   const auto bytes = file.metadata.find("model_hex");
   if (bytes != file.metadata.end()) return bytes->second == hex(model_id);
@@ -161,15 +177,19 @@ class TrieDecoder {
     }
     if (sealed != nullptr) check_seal(*sealed, source_);
     if (!same_model(file_, model_id)) {
-      const std::string saved = meta("model"), ours = readable(model_id);
-      std::string why = fmt::format("it was saved for model {}, this cache serves {}",
-                                    cut_quoted(saved), cut_quoted(ours));
-      if (cut_quoted(saved) == cut_quoted(ours)) {  // the beginnings shown are the same
+      (void)meta("model");  // a file without one is refused saying so
+      const std::string saved = saved_model(file_);
+      const std::string shown_saved = cut_quoted(readable(saved));
+      const std::string shown_ours = cut_quoted(readable(model_id));
+      std::string why =
+          fmt::format("it was saved for model {}, this cache serves {}", shown_saved, shown_ours);
+      if (shown_saved == shown_ours) {  // the beginnings shown are the same: where the bytes part
         const size_t at = static_cast<size_t>(
-            std::mismatch(saved.begin(), saved.end(), ours.begin(), ours.end()).first -
+            std::mismatch(saved.begin(), saved.end(), model_id.begin(), model_id.end()).first -
             saved.begin());
         why += fmt::format(" (they first differ at byte {}: {} in the file, {} here)", at,
-                           cut_quoted(saved.substr(at)), cut_quoted(ours.substr(at)));
+                           cut_quoted(readable(saved.substr(at))),
+                           cut_quoted(readable(model_id.substr(at))));
       }
       throw fail(why);
     }

@@ -320,6 +320,10 @@ TEST(PrefixCachePersist, AModelIdThatIsNotUtf8IsKeptExactly) {
   cache.save(dir, config + "-digest-one");
   EXPECT_TRUE(throws_error([&] { wrong.load(dir, config + "-digest-two"); },
                            {"(they first differ at byte 68: \"one\" in the file, \"two\" here)"}));
+  // Counted in the bytes saved, not in the escaped form an id that is not UTF-8 is shown in.
+  cache.save(dir, config + "\xe9-one");
+  EXPECT_TRUE(throws_error([&] { wrong.load(dir, config + "\xe9-two"); },
+                           {"(they first differ at byte 62: \"one\" in the file, \"two\" here)"}));
   std::filesystem::remove_all(dir);
 }
 
