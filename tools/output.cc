@@ -198,6 +198,14 @@ void write_replacing(const std::string& path, const std::string& text, const std
     ::unlink(temporary.c_str());
     return Error(fmt::format("{} {}: cannot write it ({} failed: {})", option, path, step, reason));
   };
+  // A file it replaces keeps its permissions (one made private stays private); a new one gets
+  // the umask's.
+  struct stat old {};
+  if (::lstat(path.c_str(), &old) == 0 && S_ISREG(old.st_mode) &&
+      ::fchmod(fd, old.st_mode & 07777) != 0) {
+    ::close(fd);
+    throw fail("chmod");
+  }
   if (const int error = detail::write_all(fd, text); error != 0) {
     ::close(fd);
     errno = error;

@@ -509,8 +509,8 @@ TEST(Output, ACacheDirectoryIsLockedForOneRunAtATime) {
   std::filesystem::remove_all(dir);
 }
 
-// --chart: checked before the runs, then replaced in one rename (never half written), with the
-// umask like any program's output.
+// --chart: checked before the runs, then replaced in one rename (never half written), a new one
+// with the umask like any program's output, one it replaces keeping its permissions.
 TEST(Output, AChartIsCheckedThenReplacedAtomically) {
   const kvsnap::testing::ScopedUmask umask(022);
   const auto dir = kvsnap::testing::private_scratch("chart");
@@ -527,7 +527,9 @@ TEST(Output, AChartIsCheckedThenReplacedAtomically) {
   // renamed over the chart.
   const std::string planted = path + ".tmp-" + std::to_string(::getpid());
   { std::ofstream(planted) << "planted"; }
+  ASSERT_EQ(::chmod(path.c_str(), 0600), 0);  // made private
   write_replacing(path, "<svg>2</svg>", "--chart");
+  EXPECT_EQ(kvsnap::testing::mode_of(path), 0600u);
   std::ifstream again(path), left(planted);
   EXPECT_EQ(std::string(std::istreambuf_iterator<char>(again), {}), "<svg>2</svg>");
   EXPECT_EQ(std::string(std::istreambuf_iterator<char>(left), {}), "planted");
