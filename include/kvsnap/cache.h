@@ -101,6 +101,10 @@ struct ScheduleState {
   int64_t first = 0;     // the first
   int64_t last = 0;      // and the last (0 and 0 when it has none),
   int64_t reached = 0;   // and how many the writes have captured so far (a prefix)
+  // Which prepare_snapshots installed it: a number no other schedule of any built-in cache has
+  // had, so a caller that noted it knows the schedule for its own even where another of the same
+  // offsets replaced it (0 when none is pending, or the kind does not say).
+  uint64_t serial = 0;
 };
 
 // One layer's inference state, for a set of sequences. Every mutating call gives the strong

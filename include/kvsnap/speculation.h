@@ -100,10 +100,12 @@ class KVSNAP_EXPORT Speculation {
     bool capture = false;                // this round
     bool taken = false;                  // this round's captures are in `snapshots`
     bool moved = false;                  // restored by an accept that failed on a later layer
+    uint64_t serial = 0;                 // ScheduleState::serial of the round's schedule
     std::vector<SnapshotPtr> snapshots;  // its captures (capacity kept across rounds)
   };
   int64_t common_offset() const;
   bool holds_round_schedule(const Layer& layer) const;
+  bool is_round_schedule(const Layer& layer, const ScheduleState& s) const;
   void check_layer(const Layer& layer, int64_t target) const;
   void check_captures(const Layer& layer) const;
   void check_accept(int64_t accepted) const;

@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <atomic>
+
 namespace kvsnap::detail {
 
 void CaptureSchedule::prepare(std::span<const int64_t> offsets, int64_t current, const char* call) {
@@ -16,6 +18,8 @@ void CaptureSchedule::prepare(std::span<const int64_t> offsets, int64_t current,
   lost_ = false;
   start_ = current;
   active_ = true;
+  static std::atomic<uint64_t> schedules{0};
+  serial_ = ++schedules;
 }
 
 void CaptureSchedule::check(std::span<const int64_t> offsets, int64_t current,
@@ -49,6 +53,7 @@ ScheduleState CaptureSchedule::state() const {
     out.last = offsets_.back();
   }
   out.reached = static_cast<int64_t>(captured_.size());
+  out.serial = active_ ? serial_ : 0;
   return out;
 }
 

@@ -100,6 +100,7 @@ class CaptureSchedule {
 
   bool active_ = false;
   bool lost_ = false;
+  uint64_t serial_ = 0;  // ScheduleState::serial of the pending schedule
   int64_t start_ = 0;
   std::vector<int64_t> offsets_;
   std::vector<SnapshotPtr> captured_;

@@ -11,13 +11,6 @@
 namespace kvsnap {
 namespace {
 
-// Whether `s` is the schedule a round of `drafts` drafts from `start` installs on a capturing
-// layer: offsets start+1 .. start+drafts (ascending and unique, so the ends and the count say
-// it all).
-bool is_round_schedule(const ScheduleState& s, int64_t start, int64_t drafts) {
-  return s.pending && s.count == drafts && s.first == start + 1 && s.last == start + drafts;
-}
-
 std::string describe(const ScheduleState& s) {
   if (!s.pending) return "none";
   if (s.count == 0) return "a schedule of no offsets";
@@ -43,7 +36,7 @@ Speculation::Speculation(std::vector<Cache*> layers, SeqId seq) : seq_(seq) {
                                         [&](const Layer& layer) { return layer.cache == cache; })) {
       continue;
     }
-    layers_.push_back(Layer{cache, i, false, false, false, {}});
+    layers_.push_back(Layer{cache, i, false, false, false, 0, {}});
   }
 }
 
@@ -113,7 +106,10 @@ void Speculation::begin(int64_t drafts) {
       const RestoreRule rule = layer.cache->restore_rule();
       layer.capture =
           drafts > 0 && rule.kind == RestoreRule::Kind::whole_state && end > rule.rewind_limit;
-      if (layer.capture) layer.cache->prepare_snapshots(seq_, offsets_);
+      if (layer.capture) {
+        layer.cache->prepare_snapshots(seq_, offsets_);
+        layer.serial = layer.cache->schedule_state(seq_).serial;
+      }
     }
   } catch (...) {
     for (size_t i = 0; i < layers_.size(); ++i) {
@@ -145,11 +141,20 @@ void Speculation::check_captures(const Layer& layer) const {
       layer.index, captures.size(), seq_, drafts_, start_ + 1, start_ + drafts_));
 }
 
+// Whether `s` (of `layer`) is the schedule this round installed: the one prepare_snapshots made
+// then, where the kind numbers its schedules (ScheduleState::serial); else one of the round's
+// offsets, start+1 .. start+drafts (ascending and unique, so the ends and the count say it all).
+bool Speculation::is_round_schedule(const Layer& layer, const ScheduleState& s) const {
+  if (!s.pending) return false;
+  if (layer.serial != 0) return s.serial == layer.serial;
+  return s.count == drafts_ && s.first == start_ + 1 && s.last == start_ + drafts_;
+}
+
 // Whether `layer` holds the round's schedule (or does not say: a kind that does not report its
 // schedule is checked on what take_snapshots gives).
 bool Speculation::holds_round_schedule(const Layer& layer) const {
   const ScheduleState s = layer.cache->schedule_state(seq_);
-  return !s.known || is_round_schedule(s, start_, drafts_);
+  return !s.known || is_round_schedule(layer, s);
 }
 
 // Throws unless `layer` can return to `target` without touching anyone else's schedule: a
@@ -162,7 +167,7 @@ void Speculation::check_layer(const Layer& layer, int64_t target) const {
   const ScheduleState s = layer.cache->schedule_state(seq_);
   if (!s.known) return;
   if (layer.capture) {
-    if (is_round_schedule(s, start_, drafts_) && s.reached == s.count) return;
+    if (is_round_schedule(layer, s) && s.reached == s.count) return;
     throw Error(fmt::format(
         "Speculation::accept: the round's captures of sequence {} at offsets {} to {} on layer "
         "{} were taken, replaced or lost (out of memory while the verify forward made them; its "

@@ -163,7 +163,8 @@ TEST_P(EveryKind, AcceptingEveryDraftLeavesAForeignScheduleAlone) {
 
 // How another call on the sequence takes the round's captures from a capturing layer between
 // begin and accept.
-enum class Interference { take, take_reached, cancel, replace, prefix_style };
+// (replace_alike: with a schedule of the round's own offsets — someone else's all the same.)
+enum class Interference { take, take_reached, cancel, replace, replace_alike, prefix_style };
 
 // The round's captures on the recurrent layer (or a window past its size) are gone: accept
 // refuses before any layer moves — no out-of-range capture, no half-applied round — and keeps
@@ -183,10 +184,13 @@ void round_losing_its_captures(bool paged, int64_t window, Interference how, boo
     EXPECT_EQ(victim.take_reached_snapshots(0).size(), 2u);  // offsets 11 and 12
   }
   if (how == Interference::cancel) victim.cancel_snapshots(0);
-  if (how == Interference::replace || how == Interference::prefix_style) {
+  const bool replaced = how == Interference::replace || how == Interference::replace_alike;
+  if (replaced || how == Interference::prefix_style) {
     victim.cancel_snapshots(0);  // as PrefixCache::begin on the slot does: cancel, prepare
-    const std::vector<int64_t> theirs =
-        how == Interference::replace ? std::vector<int64_t>{12, 20} : std::vector<int64_t>{};
+    const std::vector<int64_t> theirs = how == Interference::replace ? std::vector<int64_t>{12, 20}
+                                        : how == Interference::replace_alike
+                                            ? std::vector<int64_t>{11, 12, 13}
+                                            : std::vector<int64_t>{};
     victim.prepare_snapshots(0, theirs);
   }
   const Tokens rest(verify.begin() + static_cast<int64_t>(written.size() - prompt.size()),
@@ -212,6 +216,9 @@ void round_losing_its_captures(bool paged, int64_t window, Interference how, boo
   if (how == Interference::replace) {
     expect_schedule(victim, 2, 12, 20);  // theirs, untouched
     EXPECT_EQ(victim.take_reached_snapshots(0).size(), 1u);
+  } else if (how == Interference::replace_alike) {
+    expect_schedule(victim, 3, 11, 13);
+    EXPECT_EQ(victim.take_snapshots(0).size(), 3u);
   } else {  // taken, cancelled, or replaced by no offsets (which schedule nothing)
     EXPECT_FALSE(victim.schedule_state(0).pending);
   }
@@ -222,8 +229,9 @@ void round_losing_its_captures(bool paged, int64_t window, Interference how, boo
 
 TEST_P(EveryKind, AcceptFailsCleanlyWhenTheRoundsCapturesAreGone) {
   const auto [paged, window] = GetParam();
-  for (Interference how : {Interference::take, Interference::take_reached, Interference::cancel,
-                           Interference::replace, Interference::prefix_style}) {
+  for (Interference how :
+       {Interference::take, Interference::take_reached, Interference::cancel, Interference::replace,
+        Interference::replace_alike, Interference::prefix_style}) {
     SCOPED_TRACE(::testing::Message() << "interference " << static_cast<int>(how));
     // The recurrent layer always captures; a window of 4 does too once past its size.
     for (bool on_window : {false, true}) {
