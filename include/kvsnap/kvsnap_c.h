@@ -197,7 +197,8 @@ KVSNAP_EXPORT kvsnap_status kvsnap_cache_offset(const kvsnap_cache* cache, int64
 KVSNAP_EXPORT kvsnap_status kvsnap_cache_reset(kvsnap_cache* cache);
 /* The live state arrays (read-only views; a paged cache's are copies): keys and values, or conv
  * and delta state; none before the first write. Views show the cache until its next update,
- * restore or reset. Sets *count to their number; fails if it exceeds `capacity`. */
+ * restore or reset. Sets *count to their number; fails if it exceeds `capacity` (still setting
+ * *count: NULL with capacity 0 asks for it). Any other failure leaves *count as it was. */
 KVSNAP_EXPORT kvsnap_status kvsnap_cache_state(const kvsnap_cache* cache, kvsnap_array** arrays,
                                                size_t capacity, size_t* count);
 
@@ -361,7 +362,8 @@ KVSNAP_EXPORT kvsnap_status kvsnap_recurrent_put(kvsnap_cache* cache, const kvsn
                                                  const kvsnap_array* const* delta_states,
                                                  size_t count);
 /* Recurrent kind: scheduled offsets strictly inside the next forward of `forward_len` tokens,
- * relative to the offset. Sets *count; fails if it exceeds `capacity`. */
+ * relative to the offset. Sets *count; fails if it exceeds `capacity` (setting *count as
+ * kvsnap_cache_state does). */
 KVSNAP_EXPORT kvsnap_status kvsnap_recurrent_snapshot_splits(const kvsnap_cache* cache,
                                                              int64_t forward_len, int64_t* splits,
                                                              size_t capacity, size_t* count);
@@ -403,7 +405,8 @@ KVSNAP_EXPORT kvsnap_status kvsnap_cache_offset_seq(const kvsnap_cache* cache, i
 KVSNAP_EXPORT kvsnap_status kvsnap_cache_exposed_bytes_seq(const kvsnap_cache* cache, int32_t seq,
                                                            int64_t* out);
 /* The sequences the cache has made (written, restored or given a schedule; a reset one stays,
-   at offset 0), ascending; sets *count, fails if it exceeds `capacity`. */
+   at offset 0), ascending; sets *count, fails if it exceeds `capacity` (setting *count as
+   kvsnap_cache_state does). */
 KVSNAP_EXPORT kvsnap_status kvsnap_cache_sequences(const kvsnap_cache* cache, int32_t* seqs,
                                                    size_t capacity, size_t* count);
 /* Sequence `seq`'s live state arrays, as kvsnap_cache_state. */

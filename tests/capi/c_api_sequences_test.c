@@ -62,6 +62,11 @@ static void test_sequences_share_blocks(void) {
   CHECK(count == 3 && seqs[0] == 0 && seqs[1] == 1 && seqs[2] == 2);
   CHECK_FAILS(kvsnap_cache_sequences(cache, seqs, 2, &count), KVSNAP_INVALID_ARGUMENT,
               "kvsnap_cache_sequences: capacity 2 is less than the 3 sequences");
+  CHECK(count == 3);
+  count = 7; /* a refusal other than the capacity writes nothing */
+  CHECK_FAILS(kvsnap_cache_sequences(cache, NULL, 4, &count), KVSNAP_INVALID_ARGUMENT,
+              "kvsnap_cache_sequences: seqs is NULL");
+  CHECK(count == 7);
 
   /* A decode row of sequence 2 and a 2-token chunk of sequence 1 in one batch. */
   const int32_t offsets[2] = {10, 12}, lens[2] = {1, 2}, ids[2] = {2, 1};

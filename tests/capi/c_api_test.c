@@ -172,6 +172,11 @@ static void test_kv_cache(void) {
   size_t count = 0;
   CHECK_FAILS(kvsnap_cache_state(cache, state, 1, &count), KVSNAP_INVALID_ARGUMENT,
               "kvsnap_cache_state: capacity 1 is less than the 2 state arrays");
+  CHECK(count == 2); /* the count a capacity too small needs */
+  count = 7;         /* any other refusal writes nothing */
+  CHECK_FAILS(kvsnap_cache_state(cache, NULL, 2, &count), KVSNAP_INVALID_ARGUMENT,
+              "kvsnap_cache_state: arrays is NULL");
+  CHECK(count == 7);
   CHECK_OK(kvsnap_cache_state(cache, state, 2, &count));
   CHECK(count == 2 && kvsnap_array_shares_storage(state[0], history.keys)); /* a view */
   kvsnap_array_destroy(state[0]);
@@ -310,6 +315,11 @@ static void test_recurrent_cache(void) {
   CHECK_FAILS(kvsnap_recurrent_snapshot_splits(cache, 4, splits, 0, &count),
               KVSNAP_INVALID_ARGUMENT,
               "kvsnap_recurrent_snapshot_splits: capacity 0 is less than the 1 split points");
+  CHECK(count == 1);
+  count = 7;
+  CHECK_FAILS(kvsnap_recurrent_snapshot_splits(cache, 4, NULL, 1, &count), KVSNAP_INVALID_ARGUMENT,
+              "kvsnap_recurrent_snapshot_splits: splits is NULL");
+  CHECK(count == 7);
   CHECK_OK(kvsnap_recurrent_snapshot_splits(cache, 4, splits, 1, &count));
   CHECK(count == 1 && splits[0] == 2);
 
