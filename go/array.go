@@ -75,8 +75,7 @@ func cShape(call string, shape []int64) (*C.int64_t, C.int, error) {
 	}
 	for _, extent := range shape {
 		if extent < 0 { // a contract, as the library's own refusal of one is
-			return nil, 0, &Error{Status: StatusContract,
-				Message: fmt.Sprintf("kvsnap.%s: shape %v has a negative extent", call, shape)}
+			return nil, 0, contract(call, "shape %v has a negative extent", shape)
 		}
 	}
 	if len(shape) == 0 {
@@ -309,7 +308,7 @@ func (a *Array) Slice(axis int, start, stop int64) (*Array, error) {
 		return nil, closedError("Array.Slice", "array")
 	}
 	if axis < -MaxDims || axis >= MaxDims {
-		return nil, invalid("Array.Slice", "axis %d outside [-%d, %d)", axis, MaxDims, MaxDims)
+		return nil, contract("Array.Slice", "axis %d outside [-%d, %d)", axis, MaxDims, MaxDims)
 	}
 	var out *C.kvsnap_array
 	err := check(func() C.kvsnap_status {

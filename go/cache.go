@@ -160,7 +160,7 @@ func (b *Batch) c(call string) (cBatch, error) {
 		return cBatch{}, invalid(call, "the batch is nil")
 	}
 	if b.unfit != "" {
-		return cBatch{}, invalid(call, "%s", b.unfit)
+		return cBatch{}, contract(call, "%s", b.unfit)
 	}
 	if b.Rows < 0 || b.Length < 0 {
 		return cBatch{}, invalid(call, "batch of %d rows and %d columns: both must be >= 0", b.Rows, b.Length)
@@ -243,7 +243,7 @@ func NewRecurrentCache(o RecurrentOptions) (*Cache, error) {
 	}{{"ConvTail", o.ConvTail}, {"ConvDim", o.ConvDim}, {"NumVHeads", o.NumVHeads},
 		{"HeadVDim", o.HeadVDim}, {"HeadKDim", o.HeadKDim}} {
 		if field.value < math.MinInt32 || field.value > math.MaxInt32 {
-			return nil, invalid("NewRecurrentCache", "RecurrentOptions.%s %d does not fit a C int", field.name, field.value)
+			return nil, contract("NewRecurrentCache", "RecurrentOptions.%s %d does not fit a C int", field.name, field.value)
 		}
 	}
 	return newCache("NewRecurrentCache", func(out **C.kvsnap_cache) C.kvsnap_status {

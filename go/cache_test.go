@@ -409,21 +409,22 @@ func TestBatchValuesThatDoNotFitInt32AreRefused(t *testing.T) {
 	for _, b := range []*Batch{SingleBatch([]int32{1}, 1<<32), UniformBatch(1, 1, -1<<33),
 		RowsBatch(Row{Seq: 0, Offset: 1 << 40, Tokens: []int32{1}}), UniformBatch(1<<40, 1, 0)} {
 		err := c.Append(b, keys, keys)
-		if !errors.Is(err, ErrInvalidArgument) || !strings.Contains(err.Error(), "does not fit a batch's int32") {
+		if !errors.Is(err, ErrContract) || !strings.Contains(err.Error(), "does not fit a batch's int32") {
 			t.Fatalf("a batch whose offset or row count does not fit int32: %v", err)
 		}
 	}
 	if offset, _ := c.Offset(); offset != 0 {
 		t.Fatalf("offset %d after refused writes", offset)
 	}
-	if err := SetThreads(1 << 32); !errors.Is(err, ErrInvalidArgument) {
+	// Refused here (C cannot hold them) with the sentinel the library's own refusal has.
+	if err := SetThreads(1 << 32); !errors.Is(err, ErrContract) {
 		t.Fatalf("SetThreads(2^32): %v", err)
 	}
-	if _, err := keys.Slice(1<<32, 0, 1); !errors.Is(err, ErrInvalidArgument) {
+	if _, err := keys.Slice(1<<32, 0, 1); !errors.Is(err, ErrContract) {
 		t.Fatalf("Slice along axis 2^32: %v", err)
 	}
 	if _, err := NewRecurrentCache(RecurrentOptions{ConvTail: 1 << 32, ConvDim: 1, NumVHeads: 1,
-		HeadVDim: 1, HeadKDim: 1}); !errors.Is(err, ErrInvalidArgument) || !strings.Contains(err.Error(), "ConvTail") {
+		HeadVDim: 1, HeadKDim: 1}); !errors.Is(err, ErrContract) || !strings.Contains(err.Error(), "ConvTail") {
 		t.Fatalf("a recurrent option past a C int: %v", err)
 	}
 }

@@ -255,7 +255,7 @@ func SDPA(b *Batch, q *Array, h *History, m Mask, scale float32) (*Array, error)
 // Process-wide.
 func SetThreads(n int) error {
 	if n < math.MinInt32 || n > math.MaxInt32 {
-		return invalid("SetThreads", "%d threads does not fit a C int", n)
+		return contract("SetThreads", "%d threads outside [1, 256]", n)
 	}
 	return check(func() C.kvsnap_status { return C.kvsnap_set_threads(C.int(n)) })
 }

@@ -153,6 +153,13 @@ func invalid(call, format string, args ...any) error {
 		Message: fmt.Sprintf("kvsnap.%s: %s", call, fmt.Sprintf(format, args...))}
 }
 
+// contract is a value the library would refuse too (an axis, a count out of its range), refused
+// here because C cannot hold it: the same sentinel (ErrContract) as the library's refusal.
+func contract(call, format string, args ...any) error {
+	return &Error{Status: StatusContract,
+		Message: fmt.Sprintf("kvsnap.%s: %s", call, fmt.Sprintf(format, args...))}
+}
+
 // LiveBytes is the bytes held by all live kvsnap-allocated arrays (kvsnap_live_bytes).
 func LiveBytes() int64 { return int64(C.kvsnap_live_bytes()) }
 

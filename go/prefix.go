@@ -322,7 +322,8 @@ func SavedIn(dir string) bool {
 	return SavedInWith(dir, LoadOptions{})
 }
 
-// SavedInWith says whether dir holds a saved trie that LoadWith would read with opts.
+// SavedInWith says whether dir holds a saved trie that LoadWith with opts would not refuse as
+// not private (the load still checks the model id and the layers).
 func SavedInWith(dir string, opts LoadOptions) bool {
 	cdir, err := cString("SavedIn", "folder", dir)
 	if err != nil {

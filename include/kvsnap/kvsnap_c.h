@@ -231,7 +231,8 @@ KVSNAP_EXPORT kvsnap_status kvsnap_cache_update_rows(kvsnap_cache* cache, const 
                                                      const kvsnap_array* keys,
                                                      const kvsnap_array* values,
                                                      kvsnap_kv_history* rows);
-/* Attention kinds: the current history, without writing. */
+/* Attention kinds: the current history, without writing. A batch whose rows are different
+ * sequences is refused (KVSNAP_INVALID_ARGUMENT): view them with kvsnap_cache_view_history. */
 KVSNAP_EXPORT kvsnap_status kvsnap_cache_view(const kvsnap_cache* cache, const kvsnap_batch* batch,
                                               kvsnap_kv_history* out);
 /* Destroys the history's arrays and zeroes it (NULL and zeroed histories are fine). */

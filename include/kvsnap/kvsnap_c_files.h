@@ -38,8 +38,9 @@ KVSNAP_EXPORT kvsnap_status kvsnap_prefix_cache_save_with(const kvsnap_prefix_ca
 KVSNAP_EXPORT kvsnap_status kvsnap_prefix_cache_load_with(kvsnap_prefix_cache* prefix,
                                                           const char* dir, const char* model_id,
                                                           uint32_t flags);
-/* kvsnap_prefix_cache_saved_in with flags (KVSNAP_LOAD_ALLOW_SHARED or none): whether
- * kvsnap_prefix_cache_load_with would read `dir` with them. False for an unknown flag. */
+/* kvsnap_prefix_cache_saved_in with flags (KVSNAP_LOAD_ALLOW_SHARED or none): whether `dir`
+ * holds a saved trie that a load with them would not refuse as not private (the load still checks
+ * the model id and the layers). False for an unknown flag. */
 KVSNAP_EXPORT bool kvsnap_prefix_cache_saved_in_with(const char* dir, uint32_t flags);
 /* kvsnap_load_snapshots with flags: KVSNAP_LOAD_ALLOW_SHARED or none. */
 KVSNAP_EXPORT kvsnap_status kvsnap_load_snapshots_with(const char* path, uint32_t flags,
