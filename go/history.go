@@ -229,6 +229,9 @@ type Mask struct {
 // SetThreads count.
 func SDPA(b *Batch, q *Array, h *History, m Mask, scale float32) (*Array, error) {
 	call := "SDPA"
+	if h == nil { // a missing history, as a missing q is (not a closed one)
+		return nil, invalid(call, "the history is nil")
+	}
 	cb, err := b.c(call)
 	if err != nil {
 		return nil, err

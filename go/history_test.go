@@ -192,6 +192,9 @@ func TestHistoriesInPlaceAndSDPA(t *testing.T) {
 	if _, err := SDPA(rows, q, ragged, Mask{Lookback: -1}, scale); !errors.Is(err, ErrInvalidArgument) {
 		t.Fatalf("a negative lookback: %v", err)
 	}
+	if _, err := SDPA(rows, q, nil, Mask{}, scale); !errors.Is(err, ErrInvalidArgument) {
+		t.Fatalf("SDPA over a nil history: %v", err)
+	}
 	if _, err := SDPA(nil, q, ragged, Mask{}, scale); !errors.Is(err, ErrInvalidArgument) {
 		t.Fatalf("a nil batch: %v", err)
 	}
