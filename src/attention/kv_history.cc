@@ -12,16 +12,29 @@ namespace {
 
 constexpr float kHidden = -std::numeric_limits<float>::infinity();
 
-// An explicit mask array read into floats with its broadcastable extents.
+// An explicit mask array as f32 in order (read in place when it already is: a large mask is not
+// copied) with its broadcastable extents.
 struct DenseMask {
-  std::vector<float> values;
+  Array data;
+  const float* values;
   bool boolean;
   int64_t rows, heads, queries, keys;
+
+  DenseMask(const Array& array, bool boolean)
+      : data(array.dtype() == DType::f32 && array.is_contiguous()
+                 ? array
+                 : array.astype(DType::f32).contiguous()),
+        values(data.data<float>()),
+        boolean(boolean),
+        rows(array.dim(0)),
+        heads(array.dim(1)),
+        queries(array.dim(2)),
+        keys(array.dim(3)) {}
 
   float at(int64_t b, int64_t h, int64_t l, int64_t position) const {
     const int64_t index =
         (((rows == 1 ? 0 : b) * heads + (heads == 1 ? 0 : h)) * queries + l) * keys + position;
-    const float value = values[static_cast<size_t>(index)];
+    const float value = values[index];
     if (boolean) return value != 0.0f ? 0.0f : kHidden;
     return value;
   }
@@ -276,7 +289,7 @@ AttentionMask KVHistory::apply_mask(const Batch& batch, const AttentionMask& log
           array.describe(), rows, queries, last_position, rows, queries, last_position));
     }
     heads = std::max(heads, h);
-    dense.push_back({array.to_floats(), array.dtype() == DType::i32, r, h, l, p});
+    dense.emplace_back(array, array.dtype() == DType::i32);
   }
 
   // Fast path: no arrays and every real query sees every key (e.g. decode in the window).

@@ -46,7 +46,11 @@ class Visibility {
       throw Error(fmt::format("sdpa: mask {} has {} heads; need 1 or Hq = {}", array.describe(),
                               mask_heads_, query_heads));
     }
-    bias_ = array.to_floats();
+    // Read where apply_mask built it (f32, in order): no second copy of a mask that may be large.
+    bias_array_ = array.dtype() == DType::f32 && array.is_contiguous()
+                      ? array
+                      : array.astype(DType::f32).contiguous();
+    bias_ = bias_array_.data<float>();
   }
 
   // The columns [lo, hi) queries at positions [first, last] may see (all when not ordered).
@@ -76,7 +80,7 @@ class Visibility {
       return {0, width};
     }
     const float* bias =
-        bias_.data() + ((b * mask_heads_ + (mask_heads_ == 1 ? 0 : h)) * queries_ + l) * columns_;
+        bias_ + ((b * mask_heads_ + (mask_heads_ == 1 ? 0 : h)) * queries_ + l) * columns_;
     // A column the mask hides is hidden whatever its score (a NaN or infinite key's included:
     // NaN + -inf stays NaN, and would reach every output of the row).
     for (int64_t k = 0; k < width; ++k) {
@@ -105,7 +109,8 @@ class Visibility {
   const bool positional_, ordered_;
   const int64_t columns_, queries_;
   int64_t mask_heads_ = 1;
-  std::vector<float> bias_;
+  Array bias_array_;             // the built mask, [B, 1 or Hq, L, K] f32 in order
+  const float* bias_ = nullptr;  // its values
 };
 
 // The numerators of a softmax over row[begin, end), in place: exp(row - its maximum) there, 0 in

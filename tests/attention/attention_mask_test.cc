@@ -139,6 +139,28 @@ TEST(AttentionMask, PaddingQueriesSeeNothing) {
                                                           1, 1, 1, 0, 0, 0, 0, 0, 0}));
 }
 
+// An explicit mask reads the same in any layout: f32 in order (read in place), a view in another
+// order (a transposed array) and i32 booleans (1 visible, 0 hidden).
+TEST(AttentionMask, ExplicitArraysOfAnyLayoutReadAlike) {
+  const KVHistory history(Array::zeros(DType::f32, {1, 1, 4, 2}),
+                          Array::zeros(DType::f32, {1, 1, 4, 2}), 0, 0, 0);
+  const Batch batch = Batch::uniform(1, 2, 2);  // queries at positions 2 and 3, keys 0 to 3
+  constexpr float kHide = -std::numeric_limits<float>::infinity();
+  const std::vector<float> bias{0, kHide, 0.5f, kHide, kHide, 0, 0, -0.25f};  // [1, 1, 2, 4]
+  const std::vector<float> transposed_bias{0, kHide, kHide, 0, 0.5f, 0, kHide, -0.25f};
+  const std::vector<int32_t> visible{1, 0, 1, 0, 0, 1, 1, 1};
+  const auto built = [&](const Array& array) {
+    return history.apply_mask(batch, AttentionMask::from_array(array)).arrays().front().to_floats();
+  };
+  const std::vector<float> expected{0, kHide, 0.5f, kHide, kHide, 0, 0, -0.25f};
+  EXPECT_EQ(built(Array::from_floats(bias, {1, 1, 2, 4})), expected);
+  const Array view = Array::from_floats(transposed_bias, {1, 1, 4, 2}).transpose(2, 3);
+  ASSERT_FALSE(view.is_contiguous());
+  EXPECT_EQ(built(view), expected);
+  const std::vector<float> hidden{0, kHide, 0, kHide, kHide, 0, 0, 0};
+  EXPECT_EQ(built(Array::from_ints(visible, {1, 1, 2, 4})), hidden);
+}
+
 // A batch has a row per row of the history (or any rows over one row of keys), and a mask array
 // 1 or B rows, ragged histories included: a 5-row mask over 2 rows was sliced as if it fit.
 TEST(AttentionMaskErrors, BatchAndMaskRowsMustFitTheHistorys) {
