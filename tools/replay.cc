@@ -19,17 +19,6 @@
 #include "persist/files.h"
 
 namespace kvsnap::tools {
-namespace {
-
-int64_t common_prefix(const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
-  const size_t n = std::min(a.size(), b.size());
-  size_t i = 0;
-  while (i < n && a[i] == b[i]) ++i;
-  return static_cast<int64_t>(i);
-}
-
-}  // namespace
-
 int32_t argmax(const float* logits, int64_t n) {
   return static_cast<int32_t>(std::max_element(logits, logits + n) - logits);
 }
@@ -62,29 +51,6 @@ void check_prompt_fits(const Workload& workload, const Request& request, int64_t
                        int64_t context_length) {
   if (prompt_tokens + request.max_tokens > context_length) {
     throw over_context_length(workload, request, prompt_tokens, false, context_length);
-  }
-}
-
-void measure_ideals(const std::vector<std::vector<int32_t>>& prompts,
-                    std::vector<RequestResult>& requests) {
-  std::vector<std::vector<int32_t>> seen, evaluated;  // what earlier requests held
-  for (size_t i = 0; i < requests.size(); ++i) {
-    const std::vector<int32_t>& prompt = prompts[i];
-    RequestResult& result = requests[i];
-    int64_t longest_seen = 0, longest_evaluated = 0;
-    for (const auto& s : seen) longest_seen = std::max(longest_seen, common_prefix(prompt, s));
-    for (const auto& s : evaluated) {
-      longest_evaluated = std::max(longest_evaluated, common_prefix(prompt, s));
-    }
-    longest_seen = std::min(longest_seen, result.prompt_tokens);
-    result.ideal = std::max<int64_t>(1, result.prompt_tokens - longest_seen);
-    longest_evaluated = std::min(longest_evaluated, longest_seen);
-    result.floor = std::max<int64_t>(1, result.prompt_tokens - longest_evaluated);
-    std::vector<int32_t> sequence = prompt;
-    sequence.insert(sequence.end(), result.reply.begin(), result.reply.end());
-    seen.push_back(sequence);
-    sequence.pop_back();  // a decoder never evaluates its last sampled token
-    evaluated.push_back(std::move(sequence));
   }
 }
 

@@ -41,6 +41,30 @@ RequestResult request(const std::string& id, int64_t prompt, int64_t evaluated, 
   return r;
 }
 
+// Ideal and floor from the longest prefix shared with any earlier request: what it held (prompt
+// and reply) for the ideal, what it evaluated (all but its last reply token) for the floor.
+TEST(Ideals, AreMeasuredFromTheLongestPrefixAnyEarlierRequestHeld) {
+  const std::vector<std::vector<int32_t>> prompts{
+      {1, 2, 3, 4}, {1, 2, 3, 9, 8, 7}, {1, 2, 3, 4, 9, 8, 5}, {-1, 7}, {1, 2, 3, 9, 8, 7}};
+  std::vector<RequestResult> requests(prompts.size());
+  const std::vector<std::vector<int32_t>> replies{{9, 8}, {6}, {2}, {3}, {6}};
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    requests[i].prompt_tokens = static_cast<int64_t>(prompts[i].size());
+    requests[i].reply = replies[i];
+  }
+  tools::measure_ideals(prompts, requests);
+  const std::vector<std::pair<int64_t, int64_t>> expected{
+      {4, 4},   // nothing before it
+      {3, 3},   // 1 2 3 of the first
+      {1, 2},   // the first held 1 2 3 4 9 8, and evaluated 1 2 3 4 9
+      {2, 2},   // nothing in common
+      {1, 1}};  // the second again (a prompt wholly seen leaves one token to evaluate)
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EXPECT_EQ(requests[i].ideal, expected[i].first) << i;
+    EXPECT_EQ(requests[i].floor, expected[i].second) << i;
+  }
+}
+
 // The cells after `label` on the table's line that starts with it (after its indent), split on
 // blanks; empty when no line does.
 std::vector<std::string> cells(const std::string& table, const std::string& label) {
