@@ -100,8 +100,9 @@ struct Run {
   int64_t value_stride;
 };
 
-// The key/value columns of one history row as runs: one for a contiguous history, one per block
-// for a paged one (read in place when f32, else the head's rows converted a block at a time).
+// The key/value columns of one history row as runs: one for a contiguous history (converted to
+// f32 whole when it is not), one per block for a paged one read in place, or one over a head of
+// it converted whole for the task that reads it.
 class Columns {
  public:
   explicit Columns(const KVHistory& history) : history_(history) {
@@ -118,13 +119,36 @@ class Columns {
         f32(history.paged_columns().key_chunks) && f32(history.paged_columns().value_chunks);
   }
 
-  // Whether every run for_each gives lies in the history's own memory (and so outlives the
-  // call): keys and values f32 with unit-strided rows, read in place. Otherwise (either of them
-  // another type) for_each converts a block at a time, and a run lives only during its visit.
+  // Whether the runs lie in the history's own memory: keys and values f32 with unit-strided rows,
+  // read in place (for_each). Otherwise (either of them another type, or rows that overlap) a
+  // task reads its head converted (convert).
   bool in_place() const { return in_place_; }
 
+  // Head h of a paged history that is not read in place, converted whole into `keys` [length, D]
+  // and `values` [length, Dv] f32: the run over all its columns. For a task that passes over the
+  // head several times (scores and weights, every query tile), where for_each converts each
+  // block on every pass.
+  Run convert(int64_t h, std::vector<float>& keys, std::vector<float>& values) const {
+    const PagedColumns& p = history_.paged_columns();
+    const int64_t depth = p.key_chunks.front().dim(3), value_depth = p.value_chunks.front().dim(3);
+    keys.resize(static_cast<size_t>(p.length * depth));
+    values.resize(static_cast<size_t>(p.length * value_depth));
+    for (int64_t i = 0; i * p.block_tokens < p.length; ++i) {
+      const int64_t first = i * p.block_tokens;
+      const int64_t count = std::min(p.block_tokens, p.length - first);
+      const auto head = [&](const Array& block, int64_t width, std::vector<float>& into) {
+        const std::vector<float> rows = block.slice(1, h, h + 1).slice(2, 0, count).to_floats();
+        std::copy(rows.begin(), rows.end(), into.begin() + first * width);
+      };
+      head(p.key_block(static_cast<size_t>(i)), depth, keys);
+      head(p.value_block(static_cast<size_t>(i)), value_depth, values);
+    }
+    return Run{0, p.length, keys.data(), depth, values.data(), value_depth};
+  }
+
   // Calls visit(run) for the runs covering columns [lo, hi) of batch row b, key head h, in
-  // column order (a run may begin before lo; visit clips).
+  // column order (a run may begin before lo; visit clips). A paged history only when in_place()
+  // (else convert).
   template <class Visit>
   void for_each(int64_t b, int64_t h, int64_t lo, int64_t hi, Visit&& visit) const {
     if (!history_.paged()) {
@@ -135,37 +159,25 @@ class Columns {
                 values_.strides()[2]});
       return;
     }
-    // Blocks read in place that continue each other in memory (consecutive blocks of a chunk)
-    // go as one run; converted blocks go one at a time (their copies end with the call).
+    // Blocks that continue each other in memory (consecutive blocks of a chunk) go as one run.
     const PagedColumns& p = history_.paged_columns();
     std::optional<Run> pending;
     for (int64_t i = lo / p.block_tokens; i * p.block_tokens < hi; ++i) {
+      const Array k = p.key_block(static_cast<size_t>(i));
+      const Array v = p.value_block(static_cast<size_t>(i));
       const int64_t first = i * p.block_tokens;
-      const int64_t count = std::min(p.block_tokens, p.length - first);
-      // Head h's rows of a block and their stride: read in place when they can be, else only
-      // they are converted (into `converted`, which lives until the run is visited).
-      const auto head_rows = [&](const Array& block, Array& converted) {
-        if (detail::rows_in_place(block)) {
-          return std::pair(block.data<float>() + h * block.strides()[1], block.strides()[2]);
-        }
-        converted = block.slice(1, h, h + 1).slice(2, 0, count).astype(DType::f32);
-        return std::pair(converted.data<float>(), converted.strides()[2]);
-      };
-      Array k, v;
-      const auto [keys, key_stride] = head_rows(p.key_block(static_cast<size_t>(i)), k);
-      const auto [values, value_stride] = head_rows(p.value_block(static_cast<size_t>(i)), v);
-      const Run run{first, count, keys, key_stride, values, value_stride};
+      const Run run{first,
+                    std::min(p.block_tokens, p.length - first),
+                    k.data<float>() + h * k.strides()[1],
+                    k.strides()[2],
+                    v.data<float>() + h * v.strides()[1],
+                    v.strides()[2]};
       if (pending && continues(*pending, run)) {
         pending->count += run.count;
         continue;
       }
       if (pending) visit(*pending);
-      pending.reset();
-      if (in_place_) {
-        pending = run;
-      } else {
-        visit(run);
-      }
+      pending = run;
     }
     if (pending) visit(*pending);
   }
@@ -242,12 +254,34 @@ class Attend {
     std::vector<const float*> from;  // the kernels' operand rows (decode_kernels.h)
     std::vector<float*> to;          // and result rows
     std::vector<detail::ColumnRun> runs;
+    const Run* whole = nullptr;  // the task's head, converted once (Columns::convert), if it is
   };
 
   int64_t q_rows() const { return qf_.dim(0); }
 
   // Row b, key/value head g: its query heads' outputs.
   void head(int64_t b, int64_t g, Work& work, float* out) const {
+    std::vector<float> keys, values;  // head g converted, when not read in place
+    std::optional<Run> whole;
+    if (!source_.in_place()) whole = source_.convert(g, keys, values);
+    work.whole = whole ? &*whole : nullptr;
+    attend_head(b, g, work, out);
+    work.whole = nullptr;
+  }
+
+  // The runs of columns [lo, hi) (or more: visit clips) of row b, key/value head g.
+  template <class Visit>
+  void each_run(int64_t b, int64_t g, int64_t lo, int64_t hi, const Work& work,
+                Visit&& visit) const {
+    if (work.whole != nullptr) {
+      visit(*work.whole);
+      return;
+    }
+    source_.for_each(b, g, lo, hi, visit);
+  }
+
+  // head() over the runs each_run gives.
+  void attend_head(int64_t b, int64_t g, Work& work, float* out) const {
     float* const lhs = work.buffer.data();
     float* const scores = lhs + most_ * depth_;
     float* const weighed = scores + most_ * columns_;
@@ -310,7 +344,7 @@ class Attend {
       work.runs.clear();
       at = next;
     };
-    source_.for_each(b, g, lo, hi, [&](const Run& run) {
+    each_run(b, g, lo, hi, work, [&](const Run& run) {
       const int64_t from = std::max(lo, run.first), to = std::min(hi, run.first + run.count);
       if (from >= to) return;
       const int64_t run_stride = keys ? run.key_stride : run.value_stride;
@@ -319,7 +353,6 @@ class Attend {
       work.runs.push_back(
           {(keys ? run.keys : run.values) + (from - run.first) * run_stride, to - from});
       next = to - lo;
-      if (!source_.in_place()) flush();
     });
     flush();
   }
@@ -340,7 +373,7 @@ class Attend {
               });
       return;
     }
-    source_.for_each(b, g, lo, hi, [&](const Run& run) {
+    each_run(b, g, lo, hi, work, [&](const Run& run) {
       const int64_t from = std::max(lo, run.first), to = std::min(hi, run.first + run.count);
       if (from >= to) return;
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m),
@@ -371,7 +404,7 @@ class Attend {
       return any;
     }
     float beta = 0.0f;
-    source_.for_each(b, g, lo, hi, [&](const Run& run) {
+    each_run(b, g, lo, hi, work, [&](const Run& run) {
       const int64_t from = std::max(lo, run.first), to = std::min(hi, run.first + run.count);
       if (from >= to) return;
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(m),
