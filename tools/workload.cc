@@ -13,6 +13,8 @@
 #include <set>
 #include <string_view>
 
+#include "model/strict_json.h"
+
 namespace kvsnap::tools {
 namespace {
 
@@ -114,26 +116,8 @@ Request parse_line(nlohmann::json& json, const std::set<std::string>& known,
   return request;
 }
 
-struct DuplicateKey {
-  std::string key;
-};
-
-// nlohmann::json::parse, refusing (throws DuplicateKey) an object that holds a key twice — the
-// default keeps the last silently, so a duplicated "after" could hide one naming a missing id.
-nlohmann::json parse_without_duplicate_keys(std::string_view line) {
-  std::vector<std::set<std::string>> keys;  // of each object open at this point
-  const nlohmann::json::parser_callback_t check = [&](int, nlohmann::json::parse_event_t event,
-                                                      nlohmann::json& parsed) {
-    using Event = nlohmann::json::parse_event_t;
-    if (event == Event::object_start) keys.emplace_back();
-    if (event == Event::object_end) keys.pop_back();
-    if (event == Event::key && !keys.back().insert(parsed.get<std::string>()).second) {
-      throw DuplicateKey{parsed.get<std::string>()};
-    }
-    return true;
-  };
-  return nlohmann::json::parse(line, check);
-}
+using detail::DuplicateKey;
+using detail::parse_without_duplicate_keys;
 
 }  // namespace
 

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "model/model.h"
+#include "model/strict_json.h"
 
 namespace kvsnap {
 namespace {
@@ -67,7 +68,7 @@ void ModelConfig::validate() const {
                                      {"delta_head_dim", delta_head_dim}}) {
     require(value <= kMostSize, field, value, "need <= 2^20");
   }
-  require(static_cast<int64_t>(pattern.size()) <= kMostSize, "layers",
+  require(static_cast<int64_t>(pattern.size()) <= kMostSize, "pattern's layers",
           static_cast<int64_t>(pattern.size()), "need <= 2^20");
   if (pattern.empty() || pattern.find_first_not_of("ASR") != std::string::npos) {
     throw Error(
@@ -111,9 +112,11 @@ void ModelConfig::validate() const {
 ModelConfig ModelConfig::from_json(const std::string& text) {
   nlohmann::json json;
   try {
-    json = nlohmann::json::parse(text);
+    json = detail::parse_without_duplicate_keys(text);
   } catch (const nlohmann::json::exception& e) {
     throw Error(fmt::format("ModelConfig: not valid JSON ({})", e.what()));
+  } catch (const detail::DuplicateKey& duplicate) {
+    throw Error(fmt::format("ModelConfig: field \"{}\" is given twice", duplicate.key));
   }
   if (!json.is_object()) throw Error("ModelConfig: the config must be a JSON object");
   ModelConfig config;

@@ -373,6 +373,16 @@ TEST(ModelConfig, JsonRoundTripAndErrors) {
   EXPECT_TRUE(throws_error([] { (void)ModelConfig::from_json("{\"hidden\": \"big\"}"); },
                            {"\"hidden\"", "must be an integer"}));
   EXPECT_TRUE(throws_error([] { (void)ModelConfig::from_json("[1, 2"); }, {"not valid JSON"}));
+  // A field given twice is refused (JSON's parse would keep the second silently), as is a
+  // pattern of more layers than a model holds, naming the field.
+  EXPECT_TRUE(
+      throws_error([] { (void)ModelConfig::from_json("{\"hidden\": 64, \"hidden\": 4096}"); },
+                   {"ModelConfig: field \"hidden\" is given twice"}));
+  EXPECT_TRUE(throws_error(
+      [] {
+        (void)ModelConfig::from_json("{\"pattern\": \"" + std::string((1 << 20) + 1, 'A') + "\"}");
+      },
+      {"ModelConfig: pattern's layers = 1048577"}));
   // Sizes are whole numbers (not truncated, and 1e300 is not an undefined conversion), floats
   // finite (1e39 is infinity as a float), the seed non-negative.
   for (const char* text : {"{\"context_length\": 4096.9}", "{\"hidden\": 1e300}"}) {
