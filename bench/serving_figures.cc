@@ -292,7 +292,8 @@ void speed_up_figures(std::vector<Figure>& out, const std::string& name, const M
 // slots against the same scheduler with one, on the default model (18 MB of weights, about what
 // this class of machine caches) and on data/model-16m.json's config (64 MB, beyond any cache, as
 // real models' weights are): the faster of two alternating runs of each. Then the eight-slot
-// run's peak attention memory and prompt tokens evaluated against the ideal.
+// run's peak full-attention memory (the paged layers'; windows are per sequence) and prompt
+// tokens evaluated against the ideal.
 void parallel_figures(std::vector<Figure>& out, const BenchOptions& options) {
   const tools::Workload workload = sized_workload(tools::embedded_workload("many-users"));
   const std::pair<std::string, ModelConfig> models[] = {
@@ -342,7 +343,7 @@ void parallel_figures(std::vector<Figure>& out, const BenchOptions& options) {
     if (eight.steps == 0) eight = std::move(model_eight);  // the first model's: the default one
   }
   const double peak = static_cast<double>(eight.kv.peak_bytes);
-  out.push_back({"many sequences (many-users)", "peak attention memory, 8 slots", peak / kMiB,
+  out.push_back({"many sequences (many-users)", "peak full-attention memory, 8 slots", peak / kMiB,
                  "MiB", peak / static_cast<double>(eight.kv.ideal_bytes), "x shared prefixes once",
                  "<= 1.1", peak <= 1.1 * eight.kv.ideal_bytes,
                  fmt::format("{:.1f} MiB if each sequence held its own copy",

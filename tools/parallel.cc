@@ -400,7 +400,7 @@ std::string format_parallel_table(const ParallelRun& parallel, const RunResult& 
       "behind the requests\n    before it — is included\n";
   const KVMemory& kv = parallel.kv;
   out += fmt::format(
-      "\n  attention memory at its peak: {} in blocks the live sequences use; {} if each held "
+      "\n  full-attention memory at its peak: {} in blocks the live sequences use; {} if each held "
       "its own copy\n    ({:.1f}x), the shared prefixes once and each sequence's own tokens: "
       "{} ({:.3f}x of that)\n",
       mib(kv.peak_bytes), mib(kv.unshared_bytes), ratio(kv.unshared_bytes, kv.peak_bytes),

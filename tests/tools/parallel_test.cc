@@ -184,7 +184,7 @@ TEST(ParallelReplay, TheReportCarriesThroughputLatencyAndMemory) {
   const std::string table = format_parallel_table(run, uncached, c, "many users");
   for (const char* row :
        {"reply tokens per second", "time to first token, median ms", "time to first token, p90 ms",
-        "attention memory at its peak", "runs agree"}) {
+        "full-attention memory at its peak", "runs agree"}) {
     EXPECT_NE(table.find(row), std::string::npos) << row;
   }
 }
