@@ -1,6 +1,8 @@
 // measure_ideals: what each request of a workload would evaluate at best, from the longest
 // prefix it shares with what earlier requests held. One walk down a token trie per request:
 // linear in the workload's tokens, where comparing with every earlier request was quadratic.
+#include <kvsnap/error.h>
+
 #include <unordered_map>
 
 #include "replay.h"
@@ -26,13 +28,17 @@ class PrefixIndex {
   void add(const std::vector<int32_t>& tokens) {
     uint64_t node = 0;
     for (const int32_t token : tokens) {
-      const auto [child, made] = children_.try_emplace(key(node, token), children_.size() + 1);
-      node = child->second;
+      if (children_.size() + 1 >= kMostNodes) {
+        throw Error(
+            "replay: a workload of more than 2^32 distinct prefixes (its requests' tokens)");
+      }
+      node = children_.try_emplace(key(node, token), children_.size() + 1).first->second;
     }
   }
 
  private:
-  // A node's child by token: nodes are numbered from 1 (0 is the root), at most 2^32 of them.
+  static constexpr uint64_t kMostNodes = uint64_t(1) << 32;
+  // A node's child by token: nodes are numbered from 1 (0 is the root), fewer than 2^32 of them.
   static uint64_t key(uint64_t node, int32_t token) {
     return node << 32 | static_cast<uint32_t>(token);
   }
