@@ -16,6 +16,7 @@
 #include <new>
 #include <ostream>
 
+#include "persist/files.h"
 #include "persist/safetensors.h"
 
 namespace kvsnap::tools {
@@ -218,6 +219,12 @@ void write_replacing(const std::string& path, const std::string& text, const std
   }
   if (::close(fd) != 0) throw fail("close");
   if (::rename(temporary.c_str(), path.c_str()) != 0) throw fail("rename");
+  // The rename itself durable: after a crash, the new chart (not the old one) is there.
+  if (const int error = detail::sync_folder_error(std::filesystem::path(path).parent_path());
+      error != 0) {
+    throw Error(fmt::format("{} {}: written, but the folder's sync failed ({})", option, path,
+                            std::strerror(error)));
+  }
 }
 
 namespace {

@@ -119,17 +119,14 @@ const Place& place() {
   return *here;
 }
 
-// The errno of syncing `folder` (0 when done): a folder this process cannot open for reading
-// (EACCES) or a file system that cannot sync folders (EINVAL) is no failure (0) — there is
-// nothing more a writer can do there.
+}  // namespace
+
 int sync_folder_error(const std::string& folder) {
   const FileDescriptor dir(
       ::open(folder.empty() ? "." : folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   const int error = dir.get() < 0 ? errno : ::fsync(dir.get()) != 0 ? errno : 0;
   return error == EACCES || error == EINVAL ? 0 : error;
 }
-
-}  // namespace
 
 timespec folder_now(const std::string& folder) {
   timespec now{};

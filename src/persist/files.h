@@ -190,6 +190,12 @@ const std::string& writer_place();
 // padding, length) makes the file fail its check.
 inline constexpr const char* kChecksumPlaceholder = "0000000000000000";
 
+// The errno of syncing `folder` ("" is the working folder) so that the entries renamed or made
+// in it survive a crash; 0 when done. A folder this process cannot open for reading (EACCES) or a
+// file system that cannot sync folders (EINVAL) is no failure (0) — there is nothing more a
+// writer can do there.
+int sync_folder_error(const std::string& folder);
+
 // Sealed files (sealed_file.cc). Encodes `file` (its tensors' data through `write`, when given:
 // see encode_safetensors) with metadata "checksum" set to the file's seal.
 std::string encode_sealed(SafetensorsFile file, const TensorWriter& write = nullptr);
