@@ -404,8 +404,11 @@ func TestAPrefixCacheInASharedFolder(t *testing.T) {
 	}
 	e.close(t)
 	info, err := os.Stat(dir + "/prefix_cache.safetensors")
-	if err != nil || info.Mode().Perm() != 0o644 {
-		t.Fatalf("a shared save: %v %v", info.Mode(), err)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.Mode().Perm() != 0o644 {
+		t.Fatalf("a shared save: mode %v", info.Mode())
 	}
 	restarted := newEngine(t, 1, 0)
 	defer restarted.close(t)

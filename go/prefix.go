@@ -316,8 +316,8 @@ func (p *PrefixCache) LoadWith(dir, modelID string, opts LoadOptions) error {
 	})
 }
 
-// SavedIn says whether dir holds a saved trie that Load would read (false too for one it would
-// refuse as not private; Load then says why).
+// SavedIn says whether dir holds a saved trie that Load would not refuse as not private (Load
+// then says why); the load still checks the model id and the layers.
 func SavedIn(dir string) bool {
 	return SavedInWith(dir, LoadOptions{})
 }

@@ -538,8 +538,8 @@ KVSNAP_EXPORT kvsnap_status kvsnap_prefix_cache_save(const kvsnap_prefix_cache* 
  * Refuses, like kvsnap_load_snapshots, a `dir` or file that is not private to this user. */
 KVSNAP_EXPORT kvsnap_status kvsnap_prefix_cache_load(kvsnap_prefix_cache* prefix, const char* dir,
                                                      const char* model_id);
-/* Whether `dir` holds a saved trie that kvsnap_prefix_cache_load would read: false too for one
- * it would refuse as not private (kvsnap_prefix_cache_load then says why). */
+/* Whether `dir` holds a saved trie that kvsnap_prefix_cache_load would not refuse as not
+ * private (it then says why); the load still checks the model id and the layers. */
 KVSNAP_EXPORT bool kvsnap_prefix_cache_saved_in(const char* dir);
 
 /* The prompt tokens the model must still evaluate; *tokens stays valid until the next call on

@@ -4,6 +4,7 @@
 #include <limits>
 #include <string>
 
+#include "array/f32_in_order.h"
 #include "attention/paged_gather.h"
 #include "kvsnap/attention.h"
 
@@ -21,9 +22,7 @@ struct DenseMask {
   int64_t rows, heads, queries, keys;
 
   DenseMask(const Array& array, bool boolean)
-      : data(array.dtype() == DType::f32 && array.is_contiguous()
-                 ? array
-                 : array.astype(DType::f32).contiguous()),
+      : data(detail::f32_in_order(array)),
         values(data.data<float>()),
         boolean(boolean),
         rows(array.dim(0)),

@@ -63,9 +63,6 @@ class CaptureSchedule {
     }
     record(std::move(made));
   }
-  // Drops the last `count` captures recorded (a write that records captures, then fails before
-  // it changes anything, takes them back).
-  void unrecord(size_t count) { captured_.resize(captured_.size() - count); }
   // Where the edge of the next capture begins: the last captured offset, else the offset at
   // prepare time.
   int64_t edge_start() const { return captured_.empty() ? start_ : offsets_[captured_.size() - 1]; }

@@ -38,11 +38,12 @@ class PagedSequence {
                    SeqId seq) {
     const int64_t length = check_update(
         batch, keys, values, offset, pool_->fixed() ? &pool_->layout : nullptr, kUpdate, row, seq);
-    with_layout(KVLayout::of(keys, values), [&] {
-      if (length == 0) return;
-      write(keys.slice(2, 0, length), values.slice(2, 0, length), kUpdate);
-      pool_->stats.appended_bytes += length * pool_->layout.token_bytes();
-    });
+    // A write of no tokens takes no layout (a reset pool's kept blocks stay).
+    if (length > 0)
+      with_layout(KVLayout::of(keys, values), [&] {
+        write(keys.slice(2, 0, length), values.slice(2, 0, length), kUpdate);
+        pool_->stats.appended_bytes += length * pool_->layout.token_bytes();
+      });
     capture_reached();
     return history();
   }
@@ -53,8 +54,7 @@ class PagedSequence {
   }
 
   // Runs `fill`, which may take the pool's first blocks, with the pool's layout `layout` (its
-  // own, once it has one). When it takes none (it throws first — a chunk too large to allocate
-  // — or writes nothing), the layout is not fixed by it.
+  // own, once it has one). When it takes none (it throws first: a chunk too large), it fixes none.
   template <class Fill>
   void with_layout(const KVLayout& layout, Fill&& fill) {
     const bool unset = !pool_->has_layout;

@@ -106,10 +106,11 @@ void Speculation::begin(int64_t drafts) {
       const RestoreRule rule = layer.cache->restore_rule();
       layer.capture =
           drafts > 0 && rule.kind == RestoreRule::Kind::whole_state && end > rule.rewind_limit;
-      if (layer.capture) {
-        layer.cache->prepare_snapshots(seq_, offsets_);
-        layer.serial = layer.cache->schedule_state(seq_).serial;
-      }
+      if (layer.capture) layer.cache->prepare_snapshots(seq_, offsets_);
+    }
+    // Each schedule's number, once every layer holds its own (one that throws: all cancelled).
+    for (Layer& layer : layers_) {
+      if (layer.capture) layer.serial = layer.cache->schedule_state(seq_).serial;
     }
   } catch (...) {
     for (size_t i = 0; i < layers_.size(); ++i) {

@@ -208,33 +208,19 @@ namespace {
 // The state arrays into `arrays` (kvsnap_cache_state and its per-sequence form).
 void hand_out_state(const std::vector<Array>& state, kvsnap_array** arrays, size_t capacity,
                     size_t* count, const char* call) {
-  // A capacity too small reports the count it needs; any other failure writes nothing.
-  require(count, call, "count");
-  if (state.size() > capacity) {
-    *count = state.size();
-    throw InvalidArgument(fmt::format("{}: capacity {} is less than the {} state arrays", call,
-                                      capacity, state.size()));
-  }
-  if (!state.empty()) require(arrays, call, "arrays");
-  std::vector<std::unique_ptr<kvsnap_array>> handles;
-  for (const Array& array : state)
-    handles.push_back(std::unique_ptr<kvsnap_array>(new kvsnap_array{array}));
-  for (size_t i = 0; i < handles.size(); ++i) arrays[i] = handles[i].release();
-  *count = state.size();
+  hand_out_counted(state.size(), arrays, capacity, count, call, "state arrays", "arrays", [&] {
+    std::vector<std::unique_ptr<kvsnap_array>> handles;
+    for (const Array& array : state)
+      handles.push_back(std::unique_ptr<kvsnap_array>(new kvsnap_array{array}));
+    for (size_t i = 0; i < handles.size(); ++i) arrays[i] = handles[i].release();
+  });
 }
 
 // The split points into `splits` (kvsnap_recurrent_snapshot_splits and its per-sequence form).
 void hand_out_splits(const std::vector<int64_t>& points, int64_t* splits, size_t capacity,
                      size_t* count, const char* call) {
-  require(count, call, "count");  // written as hand_out_state writes it
-  if (points.size() > capacity) {
-    *count = points.size();
-    throw InvalidArgument(fmt::format("{}: capacity {} is less than the {} split points", call,
-                                      capacity, points.size()));
-  }
-  if (!points.empty()) require(splits, call, "splits");
-  std::copy(points.begin(), points.end(), splits);
-  *count = points.size();
+  hand_out_counted(points.size(), splits, capacity, count, call, "split points", "splits",
+                   [&] { std::copy(points.begin(), points.end(), splits); });
 }
 
 }  // namespace

@@ -92,6 +92,24 @@ inline void require_data(const void* pointer, const char* call, const char* name
   if (pointer == nullptr) throw InvalidArgument(fmt::format("{}: {} is NULL", call, name));
 }
 
+// The calls that hand out `items` into a caller's buffer of `capacity`: *count is written when
+// `fill` succeeds, or when the capacity is too small (the count it needs; InvalidArgument naming
+// `call` and `what`); any other failure — a NULL buffer (`buffer` is its name) with room needed,
+// out of memory in `fill` — leaves it as it was.
+template <class Fill>
+void hand_out_counted(size_t items, const void* buffer, size_t capacity, size_t* count,
+                      const char* call, const char* what, const char* buffer_name, Fill&& fill) {
+  require(count, call, "count");
+  if (items > capacity) {
+    *count = items;
+    throw InvalidArgument(
+        fmt::format("{}: capacity {} is less than the {} {}", call, capacity, items, what));
+  }
+  if (items > 0) require_data(buffer, call, buffer_name);
+  fill();
+  *count = items;
+}
+
 // The C++ dtype of a C one; InvalidArgument for a value outside the enum.
 DType to_dtype(kvsnap_dtype dtype, const char* call);
 // The batch a C description names (ids copied; NULL ids become zeros).

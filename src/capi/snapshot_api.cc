@@ -89,15 +89,8 @@ kvsnap_status kvsnap_cache_sequences(const kvsnap_cache* cache, int32_t* seqs, s
   constexpr const char* call = "kvsnap_cache_sequences";
   return guard(call, [&] {
     const std::vector<SeqId> held = layer(cache, call).sequences();
-    require(count, call, "count");  // a capacity too small reports the count; nothing else does
-    if (held.size() > capacity) {
-      *count = held.size();
-      throw InvalidArgument(fmt::format("{}: capacity {} is less than the {} sequences", call,
-                                        capacity, held.size()));
-    }
-    if (!held.empty()) require_data(seqs, call, "seqs");
-    std::copy(held.begin(), held.end(), seqs);
-    *count = held.size();
+    hand_out_counted(held.size(), seqs, capacity, count, call, "sequences", "seqs",
+                     [&] { std::copy(held.begin(), held.end(), seqs); });
   });
 }
 

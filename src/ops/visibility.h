@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "array/f32_in_order.h"
 #include "kvsnap/attention.h"
 #include "kvsnap/batch.h"
 #include "kvsnap/error.h"
@@ -47,9 +48,7 @@ class Visibility {
                               mask_heads_, query_heads));
     }
     // Read where apply_mask built it (f32, in order): no second copy of a mask that may be large.
-    bias_array_ = array.dtype() == DType::f32 && array.is_contiguous()
-                      ? array
-                      : array.astype(DType::f32).contiguous();
+    bias_array_ = detail::f32_in_order(array);
     bias_ = bias_array_.data<float>();
   }
 

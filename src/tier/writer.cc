@@ -156,6 +156,12 @@ void WriteBehind::send(WriteBatch& batch) {
     lookups_.wait_for_lookups(waited_from + options_.lookup_timeout);
     deadline += std::chrono::steady_clock::now() - waited_from;
     if (!still_holds(batch, deadline) && options_.lost) options_.lost();
+    // A set the check doomed (planted too large) goes first in this batch: before its index
+    // entries are added to it, not after (which would delete them).
+    const std::lock_guard<std::mutex> lock(mutex_);
+    batch.doomed.insert(batch.doomed.end(), std::make_move_iterator(doomed_.begin()),
+                        std::make_move_iterator(doomed_.end()));
+    doomed_.clear();
   }
   if (batch.objects.empty() && batch.index.empty() && batch.doomed.empty()) return;
   std::vector<std::string> accepted;

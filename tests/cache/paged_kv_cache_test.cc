@@ -463,6 +463,10 @@ TEST(PagedLayout, AResetCacheTakesAnyLayoutOnceNoBlockIsUsed) {
   EXPECT_EQ(cache.pool_stats().blocks, 0);
   write(cache, 0, ids);  // H=2: the padding fixed no layout
   const int64_t blocks = cache.pool_stats().blocks;
+  cache.reset();
+  (void)cache.update(nothing, wide.keys(ids), wide.values(ids));  // nor drops the kept blocks
+  EXPECT_EQ(cache.pool_stats().blocks, blocks);
+  write(cache, 0, ids);
   SnapshotPtr kept = cache.snapshot(0);
   cache.reset();
   EXPECT_TRUE(throws_error(write_wide, {"PagedKVCache::update", "H=3", "H=2"}));

@@ -97,7 +97,9 @@ struct Script {
       }
       cache.put(batch, rows);
     });
-    // A put that runs out writes no row: everything it allocates comes before the first.
+    // A put that runs out making a capture inside the rows' forwards writes no row: those come
+    // before the first. (No capture at the rows' ends is scheduled here: one that runs out there
+    // is lost after the rows are written, as cache.h allows.)
     if (!done) EXPECT_TRUE(holds(cache, 0, held[0]) && holds(cache, 1, held[1]));
     settle(done, {0, 1}, {first, second});
   }

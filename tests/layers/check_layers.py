@@ -30,7 +30,7 @@ LAYERS = [
 ]
 # Private headers a layer offers the layers above it (the rest of its folder is its own).
 INTERFACES = {
-    "array": ["array/streaming.h"],
+    "array": ["array/streaming.h", "array/f32_in_order.h"],
     "attention": ["attention/paged_gather.h", "attention/recycler.h", "attention/row_batch.h"],
     "ops": ["ops/vector_isa.h", "ops/parallel.h", "ops/activations.h", "ops/kernel_report.h",
             "ops/decode_kernels.h"],

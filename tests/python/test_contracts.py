@@ -44,7 +44,7 @@ def lazy_snapshots():
     return cache, keys, snapshots
 
 
-def refused_while_in_use(in_use, consume, attempts=10):
+def refused_while_in_use(in_use, consume, attempts=50):
     """Per attempt, on fresh snapshots: a writer thread's long write holds the cache's lock,
     a reader thread's snapshots[in_use].size waits for that lock (the snapshot in use meanwhile),
     and consume(cache, snapshots) runs. Returns (cache, keys, snapshots, error) of the first
@@ -104,7 +104,8 @@ def test_split_refuses_while_its_snapshot_is_in_use_and_keeps_it():
 
 
 def test_merge_waits_for_a_cache_another_thread_is_writing():
-    # The cache (not the snapshots) is in use: merge is not refused, it waits its turn.
+    # The cache (not the snapshots) is in use: merge is not refused, it waits its turn. (Were
+    # the writer not yet inside its update, merge would run first: not refused either.)
     cache, keys, snapshots = lazy_snapshots()
     big = np.ones((1, HEADS, LONG, DEPTH), np.float32)
     writer = threading.Thread(target=cache.update,
@@ -479,7 +480,8 @@ FORK_WHILE_WRITING = """
     def fork_while_writing(child, attempts):
         # Forks while another thread's long write holds a cache's lock; the child runs
         # child(held), held = {"cache": ..., "snapshot": a lazy snapshot of it} (the only
-        # references), then os._exit(0). Returns how many children had not exited after 3 s
+        # references), then os._exit (1 when it raised). Returns how many children had not exited
+        # after 3 s
         # (stopping at the first). Checks that the parent is unaffected.
         big = np.ones((1, 8, LONG, 64), np.float32)
         small = np.arange(8 * 4 * 64, dtype=np.float32).reshape(1, 8, 4, 64)
@@ -493,15 +495,22 @@ FORK_WHILE_WRITING = """
             time.sleep(0.003)  # inside the update: the cache's lock is held
             pid = os.fork()
             if pid == 0:
-                child(held)
+                try:
+                    child(held)
+                except BaseException:
+                    os._exit(1)  # a failed check in the child fails the test
                 os._exit(0)
             deadline = time.monotonic() + 3
-            while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            while True:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    break
                 if time.monotonic() > deadline:
                     os.kill(pid, 9)
                     os.waitpid(pid, 0)
                     return 1
                 time.sleep(0.01)
+            assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
             writer.join(20)
             assert not writer.is_alive()
             cache, snapshot = held["cache"], held["snapshot"]
