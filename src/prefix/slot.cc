@@ -172,13 +172,20 @@ void Slot::detach() noexcept {
   if (s.phase != SessionState::Phase::prefill || s.scheduled.empty()) return;
   // Only a schedule that is the session's own: after prefill_done the layers' schedules are
   // their callers' (a Speculation round's), not the session's.
-  for (const LayerInfo& layer : trie_.layers()) {
+  const std::vector<LayerInfo>& layers = trie_.layers();
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const LayerInfo& layer = layers[i];
     if (layer.cache == nullptr) continue;
     try {
+      // Known by its number where the kind numbers its schedules (someone else's of the same
+      // offsets is not the session's), else by its offsets.
       const ScheduleState state = layer.cache->schedule_state(id_);
+      const uint64_t serial = i < s.serials.size() ? s.serials[i] : 0;
       const bool own = state.known && state.pending &&
-                       state.count == static_cast<int64_t>(s.scheduled.size()) &&
-                       state.first == s.scheduled.front() && state.last == s.scheduled.back();
+                       (serial != 0 ? state.serial == serial
+                                    : state.count == static_cast<int64_t>(s.scheduled.size()) &&
+                                          state.first == s.scheduled.front() &&
+                                          state.last == s.scheduled.back());
       if (own) layer.cache->cancel_snapshots(id_);
     } catch (...) {  // a layer that refuses keeps its schedule; the others are still cancelled
     }
@@ -198,11 +205,16 @@ bool Slot::complete_boundary(const std::vector<Node*>& path, int64_t offset) con
 }
 
 void Slot::prepare(std::vector<int64_t> offsets) {
+  const std::vector<LayerInfo>& layers = trie_.layers();
+  std::vector<uint64_t>& serials = session_->serials;
+  serials.resize(layers.size());  // before anything changes
   const auto schedule = [&](const std::vector<int64_t>& chosen) {
-    for (const LayerInfo& layer : trie_.layers()) {
-      if (layer.cache == nullptr) continue;
-      layer.cache->cancel_snapshots(id_);
-      layer.cache->prepare_snapshots(id_, chosen);
+    for (size_t i = 0; i < layers.size(); ++i) {
+      serials[i] = 0;
+      if (layers[i].cache == nullptr) continue;
+      layers[i].cache->cancel_snapshots(id_);
+      layers[i].cache->prepare_snapshots(id_, chosen);
+      serials[i] = layers[i].cache->schedule_state(id_).serial;
     }
   };
   try {

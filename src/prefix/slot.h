@@ -40,6 +40,7 @@ struct SessionState {
   std::set<int64_t> user_offsets;    // schedule_snapshots': user nodes
   std::set<int64_t> branch_offsets;  // schedule_branch_points': ordinary nodes
   std::vector<int64_t> scheduled;    // the captures the layers were asked for, ascending
+  std::vector<uint64_t> serials;     // per layer, the number of that schedule (ScheduleState)
 };
 
 // What a call changed, for the eviction after it.

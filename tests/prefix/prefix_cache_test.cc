@@ -355,6 +355,26 @@ TEST(PrefixCacheLifetime, ADetachedSessionLeavesNoCapturesScheduledOnTheLayers) 
   session.close();
 }
 
+// A prefilling session detached from its PrefixCache cancels its own schedules only: one that
+// someone else put in its place, of the same offsets, stays.
+TEST(PrefixCacheLifetime, ADetachedSessionLeavesAScheduleOfTheSameOffsetsAlone) {
+  HybridStack stack;
+  auto cache = std::make_unique<PrefixCache>(stack.layers());
+  PrefixCache::Session session = cache->begin(kSystem + kUser1);
+  const ScheduleState own = stack.recurrent.schedule_state(0);
+  ASSERT_TRUE(own.pending);
+  ASSERT_LE(own.count, 2);
+  std::vector<int64_t> offsets{own.first};
+  if (own.count == 2) offsets.push_back(own.last);
+  stack.recurrent.cancel_snapshots(0);
+  stack.recurrent.prepare_snapshots(0, offsets);  // someone else's
+  cache.reset();
+  EXPECT_TRUE(stack.recurrent.schedule_state(0).pending);     // theirs, left
+  EXPECT_FALSE(stack.attention().schedule_state(0).pending);  // the session's own, cancelled
+  stack.recurrent.cancel_snapshots(0);
+  session.close();
+}
+
 // After prefill_done the layers' schedules are their callers': a Speculation round open when
 // the PrefixCache goes keeps its captures and still rolls back.
 TEST(PrefixCacheLifetime, ADetachedSessionLeavesASpeculationRoundAlone) {
