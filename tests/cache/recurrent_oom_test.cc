@@ -100,7 +100,9 @@ struct Script {
     // A put that runs out making a capture inside the rows' forwards writes no row: those come
     // before the first. (No capture at the rows' ends is scheduled here: one that runs out there
     // is lost after the rows are written, as cache.h allows.)
-    if (!done) EXPECT_TRUE(holds(cache, 0, held[0]) && holds(cache, 1, held[1]));
+    if (!done) {
+      EXPECT_TRUE(holds(cache, 0, held[0]) && holds(cache, 1, held[1]));
+    }
     settle(done, {0, 1}, {first, second});
   }
   void snapshot(const std::string& name, int32_t seq) {
