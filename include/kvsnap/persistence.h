@@ -18,9 +18,10 @@
 // link's folder). A save refuses, writing nothing, what a load would refuse: an offset past 2^40,
 // more than 2^20 layers, a header over the 100 MB safetensors readers accept.
 //
-// Files are private: created mode 0600 whatever the umask. Loading refuses (Error naming the
-// path, its owner and mode, and LoadOptions::allow_shared) a file, or the folder holding it,
-// that another user (neither this one nor root) owns or that group or others can write:
+// Files are private: created mode 0600 whatever the umask, in folders a load trusts (else the
+// save is refused; SaveOptions::shared writes 0644 files for shared folders). Loading refuses
+// (Error naming the path, its owner and mode, and LoadOptions::allow_shared) a file, or the folder
+// holding it, that another user (neither this one nor root) owns or that group or others can write:
 // whoever can write it can plant state the model then continues from, and the checksum does not
 // stop them (anyone can recompute it). See README.md, "Security".
 #pragma once
@@ -41,18 +42,6 @@ struct LoadedSnapshots {
   std::vector<SnapshotPtr> snapshots;  // one per layer; owned; null where null was saved
 };
 
-// Writes `snapshots` (lazy ones are read from their cache, not materialized: under the cache's
-// lock, so another thread may write the sequences they were taken from meanwhile) with `offset`.
-// Throws Error for a snapshot of a kind kvsnap cannot store or that cannot restore `offset` (a KV
-// range restores any offset in [from, to], a window its end or, while it has evicted nothing, an
-// earlier one, a recurrent state its own: loading checks the same), or when the file cannot be
-// written.
-KVSNAP_EXPORT void save_snapshots(const std::string& path, int64_t offset,
-                                  std::span<const Snapshot* const> snapshots);
-KVSNAP_EXPORT void save_snapshots(const std::string& path, int64_t offset,
-                                  const std::vector<SnapshotPtr>& snapshots);
-KVSNAP_EXPORT void save_snapshots(const std::string& path, int64_t offset,
-                                  std::initializer_list<const Snapshot*> snapshots);
 // How loaders (load_snapshots, PrefixCache::load and saved_in) treat files they did not make
 // private themselves.
 struct LoadOptions {
@@ -64,13 +53,37 @@ struct LoadOptions {
   bool allow_shared = false;
 };
 
-// How PrefixCache::save writes its file.
+// How save_snapshots and PrefixCache::save write their file.
 struct SaveOptions {
-  // false: mode 0600, this user's alone. true: mode 0644, so the other users of a shared folder
-  // can load it (with LoadOptions::allow_shared) — and read what it holds.
+  // false: mode 0600, this user's alone, and only into a folder a default load trusts (one this
+  // user or root owns that group and others cannot write, or a sticky one like /tmp): a save
+  // refuses, writing nothing, a folder where its own load would refuse the file. true: mode
+  // 0644, so the other users of a shared folder can load it (with LoadOptions::allow_shared) —
+  // and read what it holds —, into any folder.
   bool shared = false;
 };
 
+// Writes `snapshots` (lazy ones are read from their cache, not materialized: under the cache's
+// lock, so another thread may write the sequences they were taken from meanwhile) with `offset`.
+// Throws Error for a snapshot of a kind kvsnap cannot store or that cannot restore `offset` (a KV
+// range restores any offset in [from, to], a window its end or, while it has evicted nothing, an
+// earlier one, a recurrent state its own: loading checks the same), or when the file cannot be
+// written, or (without options.shared) into a folder a load would refuse: see SaveOptions.
+KVSNAP_EXPORT void save_snapshots(const std::string& path, int64_t offset,
+                                  std::span<const Snapshot* const> snapshots);
+KVSNAP_EXPORT void save_snapshots(const std::string& path, int64_t offset,
+                                  const std::vector<SnapshotPtr>& snapshots);
+KVSNAP_EXPORT void save_snapshots(const std::string& path, int64_t offset,
+                                  std::initializer_list<const Snapshot*> snapshots);
+KVSNAP_EXPORT void save_snapshots(const std::string& path, int64_t offset,
+                                  std::span<const Snapshot* const> snapshots,
+                                  const SaveOptions& options);
+KVSNAP_EXPORT void save_snapshots(const std::string& path, int64_t offset,
+                                  const std::vector<SnapshotPtr>& snapshots,
+                                  const SaveOptions& options);
+KVSNAP_EXPORT void save_snapshots(const std::string& path, int64_t offset,
+                                  std::initializer_list<const Snapshot*> snapshots,
+                                  const SaveOptions& options);
 // Reads a file written by save_snapshots. Throws Error naming the file and what is wrong.
 [[nodiscard]] KVSNAP_EXPORT LoadedSnapshots load_snapshots(const std::string& path);
 [[nodiscard]] KVSNAP_EXPORT LoadedSnapshots load_snapshots(const std::string& path,

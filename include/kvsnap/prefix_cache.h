@@ -130,8 +130,9 @@ class KVSNAP_EXPORT PrefixCache {
   // (e.g. the model's config and weights hash; any bytes: one that is not UTF-8 is kept exactly,
   // and load compares the same bytes). The file is mode 0600 (0644 with options.shared: see
   // SaveOptions) and the folders save creates 0700, whatever the umask; an existing `dir` keeps
-  // its mode. Throws Error when it cannot be written, or when a layer of a cache kind kvsnap does
-  // not know holds snapshots.
+  // its mode. Throws Error when it cannot be written, when a layer of a cache kind kvsnap does
+  // not know holds snapshots, or (without options.shared) when `dir` is a folder load would
+  // refuse (another user owns it, group or others can write it): a save writes nothing then.
   void save(const std::string& dir, const std::string& model_id = "") const;
   void save(const std::string& dir, const std::string& model_id, const SaveOptions& options) const;
   // Replaces the trie by the one saved in `dir`, for the same layer configuration and model_id

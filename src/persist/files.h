@@ -114,6 +114,12 @@ void check_private_folder(const std::string& path, int fd, const PrivacyRule& ru
 // Opens the folder `path` and checks it as above. Throws Error "cannot open <path> (<why>)".
 void check_private_folder(const std::string& path, const PrivacyRule& rule);
 
+// (sealed_file.cc) Before a save to `path` that is not SaveOptions::shared: throws
+// check_private_folder's Error (under `call`, offering "set SaveOptions::shared") unless the folder
+// that is to hold the file is one a load trusts, so that a save never writes a file its own load
+// would refuse. A folder that cannot be opened is left to the write to report.
+void check_save_folder(const std::string& path, const std::string& call, bool shared);
+
 // Opens `path` for reading after the checks, so that no one can swap the file between the check
 // and the read: the path is resolved (links included), the folder that really holds the file is
 // opened and checked (check_private_folder), then the file is opened relative to that folder

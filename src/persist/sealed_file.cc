@@ -1,6 +1,7 @@
 // Sealed files (files.h): written whole, checked whole or read one tensor at a time — the header
 // first, then each tensor's bytes straight into its array, hashed as they pass, so a load holds
 // what it decodes, not the file's bytes as well (a trie file of 8 GB took 16 GB to load).
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -9,6 +10,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <vector>
 
@@ -228,6 +230,19 @@ SealedFile read_sealed_file(const std::string& path, const PrivacyRule& rule, ui
     }
   };
   return read_sealed(read, size, path, keep);
+}
+
+void check_save_folder(const std::string& path, const std::string& call, bool shared) {
+  if (shared) return;
+  const std::string parent = std::filesystem::path(path).parent_path().string();
+  const std::string folder = parent.empty() ? "." : parent;
+  const FileDescriptor fd(::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (fd.get() < 0) return;
+  check_private_folder(folder, fd.get(),
+                       PrivacyRule{.call = call,
+                                   .override_with = "set SaveOptions::shared (its loads then need "
+                                                    "LoadOptions::allow_shared)",
+                                   .allow_shared = false});
 }
 
 }  // namespace kvsnap::detail

@@ -210,21 +210,38 @@ LoadedSnapshots decode_snapshots(const std::string& bytes, const std::string& so
 }
 
 void save_snapshots(const std::string& path, int64_t offset,
+                    std::span<const Snapshot* const> snapshots, const SaveOptions& options) {
+  detail::check_save_folder(path, "save_snapshots", options.shared);
+  detail::write_file_atomically(path, encode_snapshots(offset, snapshots), /*clean_stale=*/true,
+                                options.shared ? 0644 : 0600);
+}
+
+void save_snapshots(const std::string& path, int64_t offset,
+                    const std::vector<SnapshotPtr>& snapshots, const SaveOptions& options) {
+  std::vector<const Snapshot*> pointers;
+  for (const SnapshotPtr& s : snapshots) pointers.push_back(s.get());
+  save_snapshots(path, offset, pointers, options);
+}
+
+void save_snapshots(const std::string& path, int64_t offset,
+                    std::initializer_list<const Snapshot*> snapshots, const SaveOptions& options) {
+  save_snapshots(path, offset,
+                 std::span<const Snapshot* const>(snapshots.begin(), snapshots.size()), options);
+}
+
+void save_snapshots(const std::string& path, int64_t offset,
                     std::span<const Snapshot* const> snapshots) {
-  detail::write_file_atomically(path, encode_snapshots(offset, snapshots));
+  save_snapshots(path, offset, snapshots, SaveOptions{});
 }
 
 void save_snapshots(const std::string& path, int64_t offset,
                     const std::vector<SnapshotPtr>& snapshots) {
-  std::vector<const Snapshot*> pointers;
-  for (const SnapshotPtr& s : snapshots) pointers.push_back(s.get());
-  save_snapshots(path, offset, pointers);
+  save_snapshots(path, offset, snapshots, SaveOptions{});
 }
 
 void save_snapshots(const std::string& path, int64_t offset,
                     std::initializer_list<const Snapshot*> snapshots) {
-  save_snapshots(path, offset,
-                 std::span<const Snapshot* const>(snapshots.begin(), snapshots.size()));
+  save_snapshots(path, offset, snapshots, SaveOptions{});
 }
 
 LoadedSnapshots load_snapshots(const std::string& path) { return load_snapshots(path, {}); }

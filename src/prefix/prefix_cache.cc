@@ -174,6 +174,7 @@ void PrefixCache::save(const std::string& dir, const std::string& model_id,
   const std::error_code error = detail::make_private_folders(dir);
   if (error)
     throw Error(fmt::format("PrefixCache::save: cannot create {} ({})", dir, error.message()));
+  detail::check_save_folder(trie_path(dir), "PrefixCache::save", options.shared);
   detail::write_file_atomically(trie_path(dir), bytes, /*clean_stale=*/true,
                                 options.shared ? 0644 : 0600);
 }

@@ -143,6 +143,51 @@ TEST(PrivateFiles, AFolderGroupOrOthersCanWriteIsRefusedUnlessShared) {
   fs::remove_all(dir);
 }
 
+// A save refuses, writing nothing, a folder where its own load would refuse the file; a shared
+// save (0644, for the folder's other users) writes into any folder.
+TEST(PrivateFiles, ASaveRefusesAFolderItsLoadWouldRefuseUnlessShared) {
+  const fs::path dir = private_scratch("save_refused");
+  const std::string path = (dir / "s.safetensors").string();
+  save_one(path);
+  const std::string before = contents(path);
+  KVCache cache;
+  testing::write(cache, testing::TokenKV{.heads = 1, .depth = 2}, testing::id_range(0, 5));
+  const SnapshotPtr five = cache.snapshot(0);
+  for (const auto& [mode, who] : {std::pair{0777, "group and others can write it"},
+                                  std::pair{0770, "its group can write it"}}) {
+    set_mode(dir, static_cast<mode_t>(mode));
+    const std::string named = "save_snapshots: refusing the folder " + dir.string() + " (owner " +
+                              user_phrase(::geteuid()) + ", mode " + octal(mode) + "): " + who;
+    EXPECT_TRUE(throws_error([&] { save_snapshots(path, 5, {five.get()}); },
+                             {named.c_str(), "set SaveOptions::shared"}));
+    EXPECT_TRUE(throws_error([&] { save_snapshots(path, 5, std::vector<SnapshotPtr>{}); },
+                             {named.c_str()}));
+    EXPECT_EQ(contents(path), before);
+    EXPECT_EQ(mode_of(path), 0600u);
+    EXPECT_EQ(std::distance(fs::directory_iterator(dir), fs::directory_iterator()), 1);
+  }
+  // Sticky, like /tmp: a load trusts it (the file's own check decides), so a save does too.
+  set_mode(dir, 01777);
+  save_snapshots(path, 5, {five.get()});
+  EXPECT_EQ(load_snapshots(path).offset, 5);
+  EXPECT_EQ(mode_of(path), 0600u);
+  set_mode(dir, 0777);
+  save_snapshots(path, 3, {five.get()}, SaveOptions{.shared = true});
+  EXPECT_EQ(mode_of(path), 0644u);
+  EXPECT_EQ(load_snapshots(path, kShared).offset, 3);
+  // A file in the working folder: the folder checked is ".".
+  set_mode(dir, 0700);
+  const fs::path was = fs::current_path();
+  fs::current_path(dir);
+  save_snapshots("here.safetensors", 5, {five.get()});
+  set_mode(dir, 0777);
+  EXPECT_TRUE(throws_error([&] { save_snapshots("here.safetensors", 3, {five.get()}); },
+                           {"save_snapshots: refusing the folder . (owner"}));
+  fs::current_path(was);
+  EXPECT_EQ(load_snapshots((dir / "here.safetensors").string(), kShared).offset, 5);
+  fs::remove_all(dir);
+}
+
 // A load refuses a folder before it touches anything in it: a dead writer's temporary there is
 // removed only once the folder is trusted.
 TEST(PrivateFiles, ARefusedFolderIsLeftAsItIs) {

@@ -28,12 +28,12 @@ using testing::operator+;
 const LoadOptions kShared{.allow_shared = true};
 
 // Saves a cache that has seen two requests to `dir`; returns its node count.
-int64_t save_warm(const std::string& dir) {
+int64_t save_warm(const std::string& dir, const SaveOptions& options = {}) {
   HybridStack stack;
   PrefixCache cache(stack.layers());
   run_turn(cache, stack, tokens(100, 12) + tokens(200, 6), tokens(300, 4));
   run_turn(cache, stack, tokens(100, 12) + tokens(400, 5), tokens(500, 3));
-  cache.save(dir, "model");
+  cache.save(dir, "model", options);
   return cache.node_count();
 }
 
@@ -52,10 +52,18 @@ TEST(PrefixCachePrivate, SaveMakesPrivateFoldersAndAPrivateFileWhateverTheUmask)
     set_mode(base / "a" / "b", 0755);
     save_warm((base / "a" / "b").string());
     EXPECT_EQ(mode_of(base / "a" / "b"), 0755u);
+    // One that load would refuse, save refuses too, writing nothing, unless shared.
     set_mode(base / "a" / "b", 0777);
-    save_warm((base / "a" / "b").string());
+    const fs::path file = base / "a" / "b" / "prefix_cache.safetensors";
+    const auto written = fs::last_write_time(file);
+    EXPECT_TRUE(throws_error(
+        [&] { save_warm((base / "a" / "b").string()); },
+        {"PrefixCache::save: refusing the folder", "mode 0777", "set SaveOptions::shared"}));
+    EXPECT_EQ(fs::last_write_time(file), written);
+    EXPECT_EQ(mode_of(file), 0600u);
+    save_warm((base / "a" / "b").string(), {.shared = true});
     EXPECT_EQ(mode_of(base / "a" / "b"), 0777u);
-    EXPECT_EQ(mode_of(base / "a" / "b" / "prefix_cache.safetensors"), 0600u);
+    EXPECT_EQ(mode_of(file), 0644u);
     fs::remove_all(base);
   }
 }
