@@ -359,6 +359,25 @@ func TestSnapshotFilesRoundTripAndRefuseOthersWrites(t *testing.T) {
 			l.Close()
 		}
 	}
+	// Into a folder others can write: refused unless shared (0644), which a load then allows.
+	folder := filepath.Join(t.TempDir(), "shared")
+	if err := os.Mkdir(folder, 0o700); err != nil || os.Chmod(folder, 0o777) != nil {
+		t.Fatal(err)
+	}
+	inShared := filepath.Join(folder, "turn.safetensors")
+	if err := SaveSnapshots(inShared, 6, []*Snapshot{nil}); !errors.Is(err, ErrContract) ||
+		!strings.Contains(err.Error(), "save_snapshots: refusing the folder") {
+		t.Fatalf("a private save into a folder others can write: %v", err)
+	}
+	if err := SaveSnapshotsWith(inShared, 6, []*Snapshot{nil}, SaveOptions{Shared: true}); err != nil {
+		t.Fatal(err)
+	}
+	if info, err := os.Stat(inShared); err != nil || info.Mode().Perm() != 0o644 {
+		t.Fatalf("a shared save: %v %v", info, err)
+	}
+	if offset, none, err := LoadSnapshotsWith(inShared, LoadOptions{AllowShared: true}); err != nil || offset != 6 || len(none) != 1 || none[0] != nil {
+		t.Fatalf("the shared file: %d %v %v", offset, none, err)
+	}
 	if err := os.WriteFile(path, []byte("not a snapshot file"), 0o600); err != nil {
 		t.Fatal(err)
 	}

@@ -399,6 +399,13 @@ func TestAPrefixCacheInASharedFolder(t *testing.T) {
 	rng := rand.New(rand.NewSource(5))
 	prompt := []int32{9, 8, 7, 6, 5, 4, 3}
 	e.serve(t, 0, prompt, 2, rng)
+	if err := e.prefix.Save(dir, "toy"); !errors.Is(err, ErrContract) ||
+		!strings.Contains(err.Error(), "SaveOptions::shared") {
+		t.Fatalf("a private save into a folder others can write: %v", err)
+	}
+	if _, err := os.Stat(dir + "/prefix_cache.safetensors"); !os.IsNotExist(err) {
+		t.Fatalf("a refused save wrote a file: %v", err)
+	}
 	if err := e.prefix.SaveWith(dir, "toy", SaveOptions{Shared: true}); err != nil {
 		t.Fatal(err)
 	}

@@ -248,7 +248,8 @@ func (p *PrefixCache) Check() error {
 type SaveOptions struct {
 	// Shared writes mode 0644 instead of 0600, so the other users of a shared folder can load
 	// it (with LoadOptions.AllowShared) — and read what it holds. The folders a save creates
-	// stay 0700: make a shared folder yourself.
+	// stay 0700: make a shared folder yourself. Without it, a save refuses (writing nothing) a
+	// folder that another user owns or that group or others can write, as a load would.
 	Shared bool
 }
 

@@ -99,9 +99,15 @@ func takeList(list *C.kvsnap_snapshot_list) ([]*Snapshot, error) {
 }
 
 // SaveSnapshots writes snapshots (nil entries allowed, e.g. one per layer) with offset to a
-// safetensors file at path, atomically and private to this user. Lazy snapshots are read from
-// their cache, not materialized.
+// safetensors file at path, atomically and private to this user (mode 0600). Lazy snapshots are
+// read from their cache, not materialized. It refuses, writing nothing, a folder that
+// LoadSnapshots would refuse (another user owns it, group or others can write it).
 func SaveSnapshots(path string, offset int64, snapshots []*Snapshot) error {
+	return SaveSnapshotsWith(path, offset, snapshots, SaveOptions{})
+}
+
+// SaveSnapshotsWith is SaveSnapshots with options (a shared folder: SaveOptions.Shared).
+func SaveSnapshotsWith(path string, offset int64, snapshots []*Snapshot, opts SaveOptions) error {
 	call := "SaveSnapshots"
 	held := distinct(snapshots)
 	for _, s := range held {
@@ -128,7 +134,8 @@ func SaveSnapshots(path string, offset int64, snapshots []*Snapshot) error {
 	}
 	defer C.free(unsafe.Pointer(cpath))
 	return check(func() C.kvsnap_status {
-		return C.kvsnap_save_snapshots(cpath, C.int64_t(offset), &ptrs[0], C.size_t(len(snapshots)))
+		return C.kvsnap_save_snapshots_with(cpath, C.int64_t(offset), &ptrs[0],
+			C.size_t(len(snapshots)), opts.flags())
 	})
 }
 

@@ -260,7 +260,7 @@ PySnapshot::Use snapshot_item(py::handle item, size_t i) {
 void bind_files(py::module_& m) {
   m.def(
       "save_snapshots",
-      [](const std::string& path, int64_t offset, const py::sequence& snapshots) {
+      [](const std::string& path, int64_t offset, const py::sequence& snapshots, bool shared) {
         // One pass over the caller's sequence: no Python code runs (none can drop or consume a
         // snapshot) between taking the pointers and the save, and the tuple keeps them alive.
         const py::tuple items(snapshots);
@@ -270,11 +270,17 @@ void bind_files(py::module_& m) {
           uses.push_back(snapshot_item(items[i], i));
           pointers.push_back(uses.back().get());
         }
-        without_gil(
-            [&] { save_snapshots(path, offset, std::span<const Snapshot* const>(pointers)); });
+        without_gil([&] {
+          save_snapshots(path, offset, std::span<const Snapshot* const>(pointers),
+                         SaveOptions{.shared = shared});
+        });
       },
-      py::arg("path"), py::arg("offset").noconvert(), py::arg("snapshots"),
-      "Writes one snapshot per layer (None allowed) to a safetensors file, atomically.");
+      py::arg("path"), py::arg("offset").noconvert(), py::arg("snapshots"), py::kw_only(),
+      py::arg("shared") = false,
+      "Writes one snapshot per layer (None allowed) to a safetensors file, atomically: mode 0600, "
+      "or 0644 when shared (a folder whose other users load it, with allow_shared). Without "
+      "shared, a folder load_snapshots would refuse (another user owns it, group or others can "
+      "write it) is refused, and nothing is written.");
   m.def(
       "load_snapshots",
       [](const std::string& path, bool allow_shared) {

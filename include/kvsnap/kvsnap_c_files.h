@@ -5,7 +5,8 @@
  * By default kvsnap's files are this user's alone: saved mode 0600, and a load refuses a file,
  * or the folder holding it, that another user (neither this one nor root) owns or that group or
  * others can write, since whoever can write it can plant state the model then continues from.
- * These calls take flags that opt out, for a cache folder its users share on purpose:
+ * A save without KVSNAP_SAVE_SHARED also refuses (writing nothing) a folder its own load would
+ * refuse. These calls take flags that opt out, for a cache folder its users share on purpose:
  *
  *   kvsnap_prefix_cache_save_with(prefix, "/srv/cache", id, KVSNAP_SAVE_SHARED);      // 0644
  *   kvsnap_prefix_cache_load_with(other, "/srv/cache", id, KVSNAP_LOAD_ALLOW_SHARED);
@@ -42,6 +43,10 @@ KVSNAP_EXPORT kvsnap_status kvsnap_prefix_cache_load_with(kvsnap_prefix_cache* p
  * holds a saved trie that a load with them would not refuse as not private (the load still checks
  * the model id and the layers). False for an unknown flag. */
 KVSNAP_EXPORT bool kvsnap_prefix_cache_saved_in_with(const char* dir, uint32_t flags);
+/* kvsnap_save_snapshots with flags: KVSNAP_SAVE_SHARED or none. */
+KVSNAP_EXPORT kvsnap_status kvsnap_save_snapshots_with(const char* path, int64_t offset,
+                                                       const kvsnap_snapshot* const* snapshots,
+                                                       size_t count, uint32_t flags);
 /* kvsnap_load_snapshots with flags: KVSNAP_LOAD_ALLOW_SHARED or none. */
 KVSNAP_EXPORT kvsnap_status kvsnap_load_snapshots_with(const char* path, uint32_t flags,
                                                        int64_t* offset, kvsnap_snapshot_list** out);

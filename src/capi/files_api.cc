@@ -1,5 +1,5 @@
-// The C API for saved state: prefix cache saves and loads and snapshot file loads, private by
-// default, shared with flags (kvsnap_c_files.h).
+// The C API for saved state: prefix cache and snapshot file saves and loads, private by default,
+// shared with flags (kvsnap_c_files.h).
 #include "capi/handles.h"
 
 using namespace kvsnap;
@@ -49,6 +49,22 @@ bool saved_in(const char* dir, uint32_t flags) {
   }
 }
 
+kvsnap_status save_snapshots(const char* path, int64_t offset,
+                             const kvsnap_snapshot* const* snapshots, size_t count, uint32_t flags,
+                             const char* call) {
+  return guard(call, [&] {
+    require_data(path, call, "path");
+    if (count > 0) require_data(snapshots, call, "snapshots");
+    require_flags(flags, KVSNAP_SAVE_SHARED, call);
+    std::vector<const Snapshot*> pointers;
+    for (size_t i = 0; i < count; ++i) {
+      pointers.push_back(snapshots[i] != nullptr ? snapshots[i]->snapshot.get() : nullptr);
+    }
+    kvsnap::save_snapshots(path, offset, std::span<const Snapshot* const>(pointers),
+                           SaveOptions{.shared = (flags & KVSNAP_SAVE_SHARED) != 0});
+  });
+}
+
 kvsnap_status load_snapshots(const char* path, uint32_t flags, int64_t* offset,
                              kvsnap_snapshot_list** out, const char* call) {
   return guard(call, [&] {
@@ -92,6 +108,18 @@ bool kvsnap_prefix_cache_saved_in(const char* dir) { return saved_in(dir, KVSNAP
 
 bool kvsnap_prefix_cache_saved_in_with(const char* dir, uint32_t flags) {
   return saved_in(dir, flags);
+}
+
+kvsnap_status kvsnap_save_snapshots(const char* path, int64_t offset,
+                                    const kvsnap_snapshot* const* snapshots, size_t count) {
+  return save_snapshots(path, offset, snapshots, count, KVSNAP_FILE_PRIVATE,
+                        "kvsnap_save_snapshots");
+}
+
+kvsnap_status kvsnap_save_snapshots_with(const char* path, int64_t offset,
+                                         const kvsnap_snapshot* const* snapshots, size_t count,
+                                         uint32_t flags) {
+  return save_snapshots(path, offset, snapshots, count, flags, "kvsnap_save_snapshots_with");
 }
 
 kvsnap_status kvsnap_load_snapshots(const char* path, int64_t* offset, kvsnap_snapshot_list** out) {

@@ -221,18 +221,4 @@ kvsnap_status kvsnap_snapshot_list_take(kvsnap_snapshot_list* list, size_t index
 
 void kvsnap_snapshot_list_destroy(kvsnap_snapshot_list* list) { delete list; }
 
-kvsnap_status kvsnap_save_snapshots(const char* path, int64_t offset,
-                                    const kvsnap_snapshot* const* snapshots, size_t count) {
-  constexpr const char* call = "kvsnap_save_snapshots";
-  return guard(call, [&] {
-    require_data(path, call, "path");
-    if (count > 0) require_data(snapshots, call, "snapshots");
-    std::vector<const Snapshot*> pointers;
-    for (size_t i = 0; i < count; ++i) {
-      pointers.push_back(snapshots[i] != nullptr ? snapshots[i]->snapshot.get() : nullptr);
-    }
-    save_snapshots(path, offset, std::span<const Snapshot* const>(pointers));
-  });
-}
-
 }  // extern "C"

@@ -72,6 +72,13 @@ static void test_prefix_cache_in_a_shared_folder(void) {
               "kvsnap_prefix_cache_save_with: flags 0x2 include 0x2, which this call does not "
               "take (it takes 0x1)");
   CHECK(!kvsnap_prefix_cache_saved_in_with(shared, KVSNAP_LOAD_ALLOW_SHARED));
+  /* A private save refuses the folder its own load would refuse. */
+  CHECK_FAILS(kvsnap_prefix_cache_save(prefix, shared, "m"), KVSNAP_ERROR,
+              "PrefixCache::save: refusing the folder");
+  CHECK(strstr(kvsnap_last_error(), "SaveOptions::shared") != NULL);
+  CHECK_FAILS(kvsnap_prefix_cache_save_with(prefix, shared, "m", KVSNAP_FILE_PRIVATE), KVSNAP_ERROR,
+              "PrefixCache::save: refusing the folder");
+  CHECK(!kvsnap_prefix_cache_saved_in_with(shared, KVSNAP_LOAD_ALLOW_SHARED));
   CHECK_OK(kvsnap_prefix_cache_save_with(prefix, shared, "m", KVSNAP_SAVE_SHARED));
   CHECK(mode_of(file) == 0644);
   CHECK_OK(kvsnap_prefix_cache_save_with(prefix, private_dir, "m", KVSNAP_FILE_PRIVATE));
@@ -128,6 +135,26 @@ static void test_snapshot_file_others_can_write(void) {
               "kvsnap_load_snapshots_with: flags 0x6 include 0x4, which this call does not take");
   CHECK(offset == -1 && list == NULL); /* refusals write no out-parameter */
   CHECK_OK(kvsnap_load_snapshots_with(path, KVSNAP_LOAD_ALLOW_SHARED, &offset, &list));
+  CHECK(offset == 3 && kvsnap_snapshot_list_size(list) == 1);
+  kvsnap_snapshot_list_destroy(list);
+
+  /* Into a folder others can write: refused unless shared (0644), which its loads then allow. */
+  char shared[96], in_shared[128];
+  snprintf(shared, sizeof shared, "%s/shared_files", folder);
+  snprintf(in_shared, sizeof in_shared, "%s/turn.safetensors", shared);
+  CHECK(mkdir(shared, 0700) == 0 && chmod(shared, 0777) == 0);
+  CHECK_FAILS(kvsnap_save_snapshots(in_shared, 3, layers, 1), KVSNAP_ERROR,
+              "save_snapshots: refusing the folder");
+  CHECK_FAILS(kvsnap_save_snapshots_with(in_shared, 3, layers, 1, KVSNAP_LOAD_ALLOW_SHARED),
+              KVSNAP_INVALID_ARGUMENT,
+              "kvsnap_save_snapshots_with: flags 0x2 include 0x2, which this call does not take "
+              "(it takes 0x1)");
+  struct stat status;
+  CHECK(stat(in_shared, &status) != 0); /* nothing written by the refusals */
+  CHECK_OK(kvsnap_save_snapshots_with(in_shared, 3, layers, 1, KVSNAP_SAVE_SHARED));
+  CHECK(mode_of(in_shared) == 0644);
+  list = NULL;
+  CHECK_OK(kvsnap_load_snapshots_with(in_shared, KVSNAP_LOAD_ALLOW_SHARED, &offset, &list));
   CHECK(offset == 3 && kvsnap_snapshot_list_size(list) == 1);
   kvsnap_snapshot_list_destroy(list);
   kvsnap_snapshot_destroy(s);

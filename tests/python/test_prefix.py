@@ -169,6 +169,11 @@ def test_a_cache_others_can_write_is_refused_unless_shared(tmp_path, rng):
     assert kvsnap.PrefixCache.saved_in(str(tmp_path / "cache"), allow_shared=True)
     restarted.load(str(tmp_path / "cache"), "m", allow_shared=True)
     assert restarted.node_count == prefix.node_count
+    written = os.stat(tmp_path / "cache" / "prefix_cache.safetensors").st_mtime_ns
+    with pytest.raises(kvsnap.Error, match=r"^PrefixCache::save: refusing the folder .*"
+                       r"set SaveOptions::shared"):
+        prefix.save(str(tmp_path / "cache"), "m")  # its own load would refuse it
+    assert os.stat(tmp_path / "cache" / "prefix_cache.safetensors").st_mtime_ns == written
     prefix.save(str(tmp_path / "cache"), "m", shared=True)  # for the folder's other users
     assert os.stat(tmp_path / "cache" / "prefix_cache.safetensors").st_mode & 0o7777 == 0o644
     fresh = kvsnap.KVCache()
@@ -180,6 +185,13 @@ def test_a_cache_others_can_write_is_refused_unless_shared(tmp_path, rng):
     with pytest.raises(kvsnap.Error, match=r"^load_snapshots: refusing the file .*mode 0666\)"):
         kvsnap.load_snapshots(path)
     assert kvsnap.load_snapshots(path, allow_shared=True)[0] == 2
+    in_shared = str(tmp_path / "cache" / "turn.safetensors")  # the folder others can write
+    with pytest.raises(kvsnap.Error, match=r"^save_snapshots: refusing the folder .*mode 0777"):
+        kvsnap.save_snapshots(in_shared, 2, [fresh.snapshot(0)])
+    assert not os.path.exists(in_shared)
+    kvsnap.save_snapshots(in_shared, 2, [fresh.snapshot(0)], shared=True)
+    assert os.stat(in_shared).st_mode & 0o7777 == 0o644
+    assert kvsnap.load_snapshots(in_shared, allow_shared=True)[0] == 2
 
 
 def test_snapshot_files_round_trip(tmp_path, rng):
