@@ -86,9 +86,9 @@ std::vector<Row> decode_rows(const Batch& batch, const Array& q, const KVHistory
 }
 
 // Per block index, the rows that see some of it, grouped by the memory they hold there (a block
-// shared by reference). A group that continues a job of the block before — the same rows, and
-// the next columns of the same chunk — extends that job instead: a prefix written in one go
-// lies in consecutive blocks, so it is multiplied in a few long runs.
+// shared by reference: the same keys and the same values). A group that continues a job of the
+// block before — the same rows, and the next columns of the same chunk — extends that job instead:
+// a prefix written in one go lies in consecutive blocks, so it is multiplied in a few long runs.
 class Planner {
  public:
   Planner(const std::vector<Row>& rows, const PagedColumns& any)
@@ -118,8 +118,12 @@ class Planner {
                           block_data(r.columns->value_chunks, *r.columns, index),
                           static_cast<int64_t>(b)});
     }
+    // Grouped by keys and values both: rows may hold the same keys beside values of their own.
     std::sort(holders_.begin(), holders_.end(), [](const Holder& x, const Holder& y) {
-      return std::less<const float*>()(x.keys, y.keys) || (x.keys == y.keys && x.row < y.row);
+      const std::less<const float*> before;
+      if (x.keys != y.keys) return before(x.keys, y.keys);
+      if (x.values != y.values) return before(x.values, y.values);
+      return x.row < y.row;
     });
     // Each group of rows holding the same memory here extends the job that ends where this
     // block begins, or starts one. Scratch vectors are members: nothing is allocated per block
@@ -128,7 +132,9 @@ class Planner {
     for (size_t k = 0; k < holders_.size();) {
       Segment segment{0, holders_[k].keys, holders_[k].values};
       group_rows_.clear();
-      for (; k < holders_.size() && holders_[k].keys == segment.keys; ++k) {
+      for (; k < holders_.size() && holders_[k].keys == segment.keys &&
+             holders_[k].values == segment.values;
+           ++k) {
         group_rows_.push_back(holders_[k].row);
         // Up to the furthest column any of its rows sees (all within that row's length).
         const int64_t seen = rows_[static_cast<size_t>(holders_[k].row)].hi - first;

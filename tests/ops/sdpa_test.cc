@@ -477,5 +477,34 @@ TEST(PagedHistory, RowsOfPoolsWithOtherStridesDecodeOverTheirOwnKeys) {
   }
 }
 
+// Rows that hold the same key blocks beside value blocks of their own (nothing says values follow
+// keys) each weigh their own values, with the decode kernels and without.
+TEST(PagedHistory, RowsSharingKeysButNotValuesWeighTheirOwnValues) {
+  std::mt19937 rng(10);
+  const int64_t depth = 32;
+  const Array keys = random_array({1, 2, 16, depth}, rng);
+  const Array values[2] = {random_array({1, 2, 16, depth}, rng),
+                           random_array({1, 2, 16, depth}, rng)};
+  const std::vector<int32_t> table{2, 0, 3};
+  const KVHistory rows =
+      KVHistory::of_rows({KVHistory(PagedColumns{{keys}, {values[0]}, 4, 4, table, 10}),
+                          KVHistory(PagedColumns{{keys}, {values[1]}, 4, 4, table, 10})});
+  const Array q = random_array({2, 4, 1, depth}, rng);
+  const Batch batch = Batch::rows({{0, 9, {0}}, {1, 9, {0}}});
+  for (const bool kernels : {true, false}) {
+    std::optional<detail::DecodeKernelsOff> off;
+    if (!kernels) off.emplace();
+    const Array out = sdpa(batch, q, rows, AttentionMask::causal(), 0.2f);
+    for (int64_t b = 0; b < 2; ++b) {
+      const Array k = gather_paged({keys}, 4, 4, table, 10);
+      const Array v = gather_paged({values[b]}, 4, 4, table, 10);
+      const Array expected = sdpa(Batch::uniform(1, 1, 9), q.slice(0, b, b + 1), KVHistory(k, v),
+                                  AttentionMask::causal(), 0.2f);
+      EXPECT_TRUE(all_close(out.slice(0, b, b + 1), expected, 1e-5f))
+          << "row " << b << ", kernels " << kernels;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kvsnap
