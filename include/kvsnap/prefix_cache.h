@@ -107,7 +107,9 @@ class KVSNAP_EXPORT PrefixCache {
   };
 
   // `layers` are not owned and must outlive the PrefixCache; a null entry is a stateless layer.
-  // The PrefixCache drives their offsets from now on (begin rewinds and restores them).
+  // Each Cache is listed once (Error otherwise): one that several model layers share is listed
+  // at one of them, null at the others. The PrefixCache drives their offsets from now on (begin
+  // rewinds and restores them).
   explicit PrefixCache(std::vector<Cache*> layers);
   PrefixCache(std::vector<Cache*> layers, Options);
   ~PrefixCache();

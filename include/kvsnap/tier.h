@@ -172,6 +172,12 @@ class KVSNAP_EXPORT Tier {
   // store; a full queue drops the batch (counted).
   void store(std::span<const int32_t> tokens, std::span<const Snapshot* const> ranges,
              std::span<const TierPoint> points);
+  // store for a caller whose request must not fail for the tier's sake (PrefixCache::close
+  // calls it): never throws. A store that throws (points this tier refuses: a layout other than
+  // the one it learned, say) or runs out of memory is counted in store_errors and logged
+  // (TierOptions::log, the first time), and nothing is queued; returns false then.
+  bool offer(std::span<const int32_t> tokens, std::span<const Snapshot* const> ranges,
+             std::span<const TierPoint> points) noexcept;
   // Waits until every queued write has been tried (or `timeout` passes: longer than a year
   // counts as a year); true when drained.
   bool flush(std::chrono::milliseconds timeout = std::chrono::seconds(10));

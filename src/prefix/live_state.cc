@@ -76,8 +76,12 @@ void LiveState::repoint_ranges() {
     for (size_t i = 0; i < trie_.layers().size(); ++i) {
       const LayerInfo& layer = trie_.layers()[i];
       if (!layer.ranged() || node->snapshots[i] == nullptr) continue;
+      // Cut at the node's end by what the snapshot holds, not by a second read of the offset:
+      // the slot's own thread may rewind its caches meanwhile (below the node's end: its range
+      // stays as it is).
       SnapshotPtr held = layer.cache->snapshot(slot_, node->start());
-      if (node->end < layer.cache->offset(slot_)) {
+      if (held == nullptr || held->to() < node->end) continue;
+      if (held->to() > node->end) {
         held = layer.cache->split(std::move(held), node->end).first;
       }
       if (held != nullptr && held->is_lazy()) trie_.replace(*node, i, std::move(held));

@@ -20,6 +20,18 @@ namespace detail {
 namespace {
 
 std::vector<LayerInfo> describe_layers(const std::vector<Cache*>& layers) {
+  // A cache listed twice would be prepared, captured and restored twice per step: the second
+  // schedule replaces the first, and its snapshots are lost.
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const auto again =
+        std::find(layers.begin() + static_cast<std::ptrdiff_t>(i) + 1, layers.end(), layers[i]);
+    if (layers[i] != nullptr && again != layers.end()) {
+      throw Error(fmt::format(
+          "PrefixCache: layers {} and {} are the same Cache object; list a cache that several "
+          "model layers share once (null for the others)",
+          i, again - layers.begin()));
+    }
+  }
   std::vector<LayerInfo> out;
   for (Cache* cache : layers) {
     LayerInfo info;

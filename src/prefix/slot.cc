@@ -254,14 +254,25 @@ std::vector<int64_t> Slot::schedule_for(const std::vector<Node*>& path) const {
   return {offsets.begin(), offsets.end()};
 }
 
+std::string Slot::describe_offset() const {
+  if (const std::optional<int64_t> common = live_.offset())
+    return fmt::format("offset {}", *common);
+  std::vector<std::string> each;
+  for (size_t i = 0; i < trie_.layers().size(); ++i) {
+    if (const Cache* cache = trie_.layers()[i].cache) {
+      each.push_back(fmt::format("layer {} at {}", i, cache->offset(id_)));
+    }
+  }
+  return fmt::format("different offsets ({})", fmt::join(each, ", "));
+}
+
 void Slot::schedule_snapshots(std::span<const int64_t> offsets, bool user) {
   SessionState& s = *session_;
   const char* call = user ? "Session::schedule_snapshots" : "Session::schedule_branch_points";
   if (s.phase != SessionState::Phase::prefill || layer_offset() != s.cached) {
     throw Error(fmt::format(
-        "{}: call before the prefill forward (the caches are at offset {}, the session restored "
-        "{})",
-        call, layer_offset(), s.cached));
+        "{}: call before the prefill forward (the caches are at {}, the session restored {})", call,
+        describe_offset(), s.cached));
   }
   for (int64_t o : offsets) {
     if (o < s.cached || o > s.prompt_length) {
@@ -293,9 +304,9 @@ void Slot::prefill_done() {
   const int64_t offset = layer_offset();
   if (live_.has_state() && offset != s.prompt_length) {
     throw Error(
-        fmt::format("Session::prefill_done: the caches are at offset {}; evaluate "
-                    "remaining() ({} tokens from offset {}) first",
-                    offset, s.prompt_length - s.cached, s.cached));
+        fmt::format("Session::prefill_done: the caches are at {}; evaluate remaining() ({} "
+                    "tokens from offset {}) first",
+                    describe_offset(), s.prompt_length - s.cached, s.cached));
   }
   attach_captures();
   live_.set_tokens(std::span(s.tokens).subspan(0, static_cast<size_t>(s.prompt_length)));

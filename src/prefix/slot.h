@@ -100,6 +100,8 @@ class Slot {
   void reset_moved_caches();
   // The offset every layer stands at, as the session needs it (-1 never matches an offset).
   int64_t layer_offset() const { return live_.offset().value_or(-1); }
+  // "offset N", or where the layers disagree "different offsets (layer 0 at 5, layer 1 at 7)".
+  std::string describe_offset() const;
   // The planner's view of the live caches for a prompt cut at `limit`.
   LiveView view(std::span<const int32_t> prompt, int64_t limit) const {
     return {static_cast<int64_t>(live_.tokens().size()),

@@ -42,7 +42,7 @@ void store_to_tier(Tier& tier, Trie& trie, SeqId slot, std::span<const int32_t> 
     ranges[i] = layers[i].cache->snapshot(slot, 0);
     views[i] = ranges[i].get();
   }
-  tier.store(tokens, views, points);
+  (void)tier.offer(tokens, views, points);  // a tier that refuses costs restores, not the close
 }
 
 }  // namespace kvsnap::detail

@@ -21,7 +21,8 @@ bool insert_from_tier(Trie& trie, std::span<const int32_t> prompt, TierMatch mat
 // Stores the restore points on the trie path of `tokens` — nodes where every whole-state layer
 // holds its state — with the KV data of slot `slot`'s live caches, which must hold exactly
 // `tokens`. Those the tier knows it holds are skipped there; the others (new, or lost by a store
-// that was restarted or flushed) are written.
+// that was restarted or flushed) are written. Never throws for the tier's sake (Tier::offer: a
+// store the tier refuses is counted and logged there); may run out of memory itself.
 void store_to_tier(Tier& tier, Trie& trie, SeqId slot, std::span<const int32_t> tokens);
 
 }  // namespace kvsnap::detail

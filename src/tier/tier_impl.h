@@ -66,6 +66,8 @@ class TierImpl {
                    int64_t max_bytes);
   void store(std::span<const int32_t> tokens, std::span<const Snapshot* const> ranges,
              std::span<const TierPoint> points);
+  bool offer(std::span<const int32_t> tokens, std::span<const Snapshot* const> ranges,
+             std::span<const TierPoint> points) noexcept;
   bool flush(std::chrono::milliseconds timeout) { return writer_->flush(timeout); }
   TierStats stats() const { return counters_.stats(); }
   const std::vector<Cache*>& layers() const { return layers_; }
@@ -108,6 +110,7 @@ class TierImpl {
   std::atomic<bool> said_too_large_{false};         // objects over max_object_bytes: said once
   std::atomic<bool> said_lookup_too_large_{false};  // lookups over max_lookup_bytes: said once
   std::atomic<bool> logged_loss_{false};
+  std::atomic<bool> said_offer_refused_{false};  // an offer whose store threw: said once
   mutable std::mutex signatures_mutex_;
   std::vector<std::string> signatures_;
   DeadlineMutex lookup_mutex_;  // one lookup at a time on the connection

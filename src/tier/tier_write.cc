@@ -91,6 +91,31 @@ void TierImpl::store(std::span<const int32_t> tokens, std::span<const Snapshot* 
   if (!batch->empty()) (void)writer_->push(std::move(*batch));
 }
 
+bool TierImpl::offer(std::span<const int32_t> tokens, std::span<const Snapshot* const> ranges,
+                     std::span<const TierPoint> points) noexcept {
+  std::string why;
+  try {
+    store(tokens, ranges, points);
+    return true;
+  } catch (const std::bad_alloc&) {
+    why = "out of memory";
+  } catch (const std::exception& e) {
+    try {
+      why = e.what();
+    } catch (...) {
+    }
+  }
+  ++counters_.store_errors;
+  if (!said_offer_refused_.exchange(true)) {
+    try {
+      options_.log(
+          fmt::format("restore points not written (counted in store_errors; said once): {}", why));
+    } catch (...) {
+    }
+  }
+  return false;
+}
+
 bool TierImpl::too_large(int64_t size) {
   if (size <= options_.max_object_bytes) return false;
   ++counters_.store_errors;

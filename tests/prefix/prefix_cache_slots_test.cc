@@ -1,6 +1,7 @@
 // A PrefixCache serving several sequences (slots) at once over one trie: sessions on different
 // slots interleave, restore what other slots left in the trie (paged blocks shared, not copied),
 // and every output equals recomputation.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <kvsnap/kvsnap.h>
 
@@ -154,6 +155,25 @@ TEST(PrefixCacheSlots, LoadingWithASessionOpenOnAnySlotIsAnError) {
         PrefixCache c(s.layers(), {.slots = 0});
       },
       {"slots 0"}));
+}
+
+// The constructor's refusals: a budget below 0, and a Cache listed twice (its second schedule
+// would replace the first, losing every capture); null entries (stateless layers) may repeat.
+TEST(PrefixCacheSlots, ABadBudgetOrACacheListedTwiceIsRefused) {
+  HybridStack s;
+  EXPECT_TRUE(throws_error([&] { PrefixCache c(s.layers(), {.max_paged_out_bytes = -1}); },
+                           {"PrefixCache: max_paged_out_bytes -1 must be >= 0"}));
+  std::vector<Cache*> twice = s.layers();
+  ASSERT_GE(twice.size(), 2u);
+  twice.push_back(nullptr);
+  twice.push_back(nullptr);
+  PrefixCache nulls(twice);  // stateless layers may repeat
+  twice.push_back(twice[1]);
+  EXPECT_TRUE(throws_error(
+      [&] { PrefixCache c(twice); },
+      {fmt::format("PrefixCache: layers 1 and {} are the same Cache object", twice.size() - 1)
+           .c_str(),
+       "list a cache that several model layers share once"}));
 }
 
 // Random requests on random slots, interleaved: new conversations, continuations and branches

@@ -260,7 +260,8 @@ TEST_F(PrefixCacheTest, SessionMisuseIsReported) {
   EXPECT_TRUE(throws_error([&] { session.schedule_branch_points(outside); },
                            {"Session::schedule_branch_points", "offset 20", "[0, 12]"}));
   EXPECT_TRUE(throws_error([&] { session.prefill_done(); },
-                           {"Session::prefill_done", "evaluate remaining()", "12 tokens"}));
+                           {"Session::prefill_done: the caches are at offset 0; evaluate "
+                            "remaining() (12 tokens from offset 0) first"}));
   EXPECT_TRUE(throws_error([&] { session.append_output(1); }, {"prefill_done() after"}));
   ASSERT_TRUE(stack.forward_and_check(session.remaining(), kSystem));
   const std::vector<int64_t> late{4};
@@ -275,6 +276,19 @@ TEST_F(PrefixCacheTest, SessionMisuseIsReported) {
   EXPECT_TRUE(throws_error([&] { session.append_output(1); }, {"closed"}));
   auto next = cache.begin(kSystem);  // the closed session no longer blocks
   EXPECT_EQ(next.cached(), 11);
+}
+
+// Layers a forward left at different offsets are named one by one (not as an offset of -1).
+TEST_F(PrefixCacheTest, CallsBeforeTheForwardNameEachLayersOffsetWhenTheyDisagree) {
+  auto session = cache.begin(kSystem);
+  testing::write(stack.window, testing::TokenKV{.heads = 2, .depth = 4}, testing::id_range(0, 3));
+  const char* both =
+      "the caches are at different offsets (layer 0 at 0, layer 1 at 3, layer 3 at 0)";
+  EXPECT_TRUE(throws_error([&] { session.prefill_done(); }, {"Session::prefill_done: ", both}));
+  const std::vector<int64_t> at{4};
+  EXPECT_TRUE(throws_error([&] { session.schedule_snapshots(at); },
+                           {"Session::schedule_snapshots: call before the prefill forward (", both,
+                            ", the session restored 0)"}));
 }
 
 TEST_F(PrefixCacheTest, DestroyingASessionClosesIt) {

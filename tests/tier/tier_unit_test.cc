@@ -269,6 +269,40 @@ TEST(TierContract, StoreRefusesAWindowStateOfAnotherSize) {
   EXPECT_TRUE(folder.keys("kvsnap:").empty());  // nothing was written
 }
 
+// A store the tier refuses at a close (here: KV data of other shapes than the ones it learned)
+// costs restores, never the request: Tier::offer counts it and logs it once, and the close
+// ends as any other, the trie keeping what the session made.
+TEST(TierContract, AStoreTheTierRefusesCostsTheCloseNothing) {
+  testing::FolderStore folder("refused_close");
+  testing::TierProcess process(folder.address());
+  HybridStack alike;  // teaches the tier a KV layer of 1 head of depth 2, not the stack's 2 x 4
+  const auto prompt = tokens(1, 12);
+  ASSERT_TRUE(alike.forward_and_check(prompt, prompt));
+  KVCache narrow;
+  testing::write(narrow, TokenKV{.heads = 1, .depth = 2}, id_range(0, 12));
+  const SnapshotPtr kv = narrow.snapshot(0), window = alike.window.snapshot(0, 0);
+  const SnapshotPtr state = alike.recurrent.snapshot(0, 0);
+  const std::vector<const Snapshot*> ranges{kv.get(), nullptr, nullptr, nullptr};
+  const TierPoint point{12, {nullptr, window.get(), nullptr, state.get()}};
+  process.tier->store(prompt, ranges, std::span(&point, 1));
+  const int64_t errors = process.tier->stats().store_errors;
+  const testing::Conversation talk;
+  EXPECT_NO_THROW((void)process.turn(talk.first, talk.reply, talk.ends));
+  EXPECT_EQ(process.turn(talk.second, tokens(500, 3)).cached, 31);  // from the trie
+  EXPECT_EQ(process.tier->stats().store_errors, errors + 2);
+  EXPECT_EQ(process.log.count("restore points not written"), 1) << process.log.all();
+  EXPECT_EQ(process.log.count("where the layer's have"), 1) << process.log.all();
+  EXPECT_GT(process.cache.node_count(), 0);
+  // Called directly, the same store still throws.
+  const SnapshotPtr own = process.stack.attention().snapshot(0, 0);
+  const std::vector<const Snapshot*> own_ranges{own.get(), nullptr, nullptr, nullptr};
+  EXPECT_TRUE(
+      throws_error([&] { process.tier->store(talk.first, own_ranges, std::span(&point, 1)); },
+                   {"Tier::store: layer 0 at offset 12: a snapshot of"}));
+  EXPECT_FALSE(process.tier->offer(talk.first, std::vector<const Snapshot*>(2), {}));
+  EXPECT_EQ(process.tier->stats().store_errors, errors + 3);
+}
+
 TEST(TierContract, APrefixCacheRefusesATierOpenedForOtherLayers) {
   testing::FolderStore folder("layers");
   HybridStack stack, other;
