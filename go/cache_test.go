@@ -388,7 +388,12 @@ func TestSnapshotFilesRoundTripAndRefuseOthersWrites(t *testing.T) {
 
 func TestBorrowedCachesCannotBeClosed(t *testing.T) {
 	c, _ := NewKVCache()
-	p, err := NewPrefixCache([]*Cache{c, nil, c}, nil)
+	// A cache listed twice is refused, and that refusal borrows nothing (Close works below).
+	if _, err := NewPrefixCache([]*Cache{c, nil, c}, nil); !errors.Is(err, ErrContract) ||
+		!strings.Contains(err.Error(), "layers 0 and 2 are the same Cache object") {
+		t.Fatalf("a cache listed twice: %v", err)
+	}
+	p, err := NewPrefixCache([]*Cache{c, nil}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -146,8 +146,9 @@ class KVSNAP_EXPORT PrefixCache {
   // file of another layout loads and the model's first write after a restore from it throws.
   // The live caches are reset: the next request restores from the loaded snapshots (a layer
   // whose reset throws — a custom kind — gets an Error saying the trie was loaded and which
-  // slot to reset). Throws while any session is open. Refuses a `dir` or file that is not private
-  // to this user (see LoadOptions) unless options.allow_shared.
+  // slot to reset). Throws while any session is open, or while an idle slot's layers hold
+  // captures no session made (an open Speculation round's: the reset would cancel them). Refuses a
+  // `dir` or file that is not private to this user (see LoadOptions) unless options.allow_shared.
   // Under a smaller budget than the saving cache's, the load keeps what evicting the whole file
   // down to the budget would keep (least recently used leaves first), and reads only that: the
   // other nodes' data is checked against the file's seal as it passes, never held. Besides the

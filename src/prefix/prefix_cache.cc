@@ -202,6 +202,8 @@ void PrefixCache::load(const std::string& dir, const std::string& model_id,
     throw Error(fmt::format("PrefixCache::load: a session is open on slot {}; close it first",
                             impl_->first_open()));
   }
+  // The reset below would cancel another's captures on an idle slot (a Speculation round's).
+  for (const auto& slot : impl_->slots) slot->require_no_schedule("PrefixCache::load");
   const std::string path = trie_path(dir);
   // Everything is read and built aside first: a load that fails leaves the trie as it was.
   std::unique_ptr<detail::Trie> fresh;

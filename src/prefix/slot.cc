@@ -115,7 +115,7 @@ std::shared_ptr<SessionState> Slot::begin(std::span<const int32_t> prompt, Prefi
   return state;
 }
 
-void Slot::require_no_schedule() const {
+void Slot::require_no_schedule(const char* call) const {
   // With no session open, the slot's schedules are someone else's: the restores and captures a
   // begin makes would take or cancel them.
   for (size_t i = 0; i < trie_.layers().size(); ++i) {
@@ -124,9 +124,9 @@ void Slot::require_no_schedule() const {
     const ScheduleState state = cache->schedule_state(id_);
     if (!state.pending) continue;
     throw Error(fmt::format(
-        "PrefixCache::begin: layer {} has {} capture(s) scheduled for slot {} (offsets {}..{}) "
-        "that no session made (a Speculation round still open?); accept or cancel it first",
-        i, state.count, id_, state.first, state.last));
+        "{}: layer {} has {} capture(s) scheduled for slot {} (offsets {}..{}) that no session "
+        "made (a Speculation round still open?); accept or cancel it first",
+        call, i, state.count, id_, state.first, state.last));
   }
 }
 

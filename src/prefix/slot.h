@@ -85,8 +85,9 @@ class Slot {
   void detach() noexcept;
 
   // Throws Error (nothing changed) when a layer holds captures scheduled for the slot: with no
-  // session open they are someone else's (an open Speculation round's). begin checks it first.
-  void require_no_schedule() const;
+  // session open they are someone else's (an open Speculation round's). begin checks it first,
+  // and load (`call` names the caller).
+  void require_no_schedule(const char* call = "PrefixCache::begin") const;
 
  private:
   void close_session();

@@ -4,10 +4,13 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <kvsnap/kvsnap.h>
+#include <kvsnap/speculation.h>
 
+#include <filesystem>
 #include <random>
 
 #include "support/conversation.h"
+#include "support/private_support.h"
 #include "support/test_support.h"
 
 namespace kvsnap::prefix_cache_slots_test {
@@ -155,6 +158,28 @@ TEST(PrefixCacheSlots, LoadingWithASessionOpenOnAnySlotIsAnError) {
         PrefixCache c(s.layers(), {.slots = 0});
       },
       {"slots 0"}));
+}
+
+// A load resets every slot's layers: an idle slot's open Speculation round (captures no session
+// made) makes it refuse, changing nothing, as begin on that slot does.
+TEST(PrefixCacheSlots, LoadingWhileAnIdleSlotHasASpeculationRoundOpenIsAnError) {
+  HybridStack stack;
+  PrefixCache cache(stack.layers(), {.slots = 2});
+  request(cache, stack, 0, kSystem, tokens(900, 2));
+  const int64_t nodes = cache.node_count();
+  const std::string dir = testing::private_scratch("load_round").string();
+  cache.save(dir, "m");
+  Speculation round(stack.layers(), 1);
+  round.begin(2);
+  EXPECT_TRUE(throws_error([&] { cache.load(dir, "m"); },
+                           {"PrefixCache::load: layer", "scheduled for slot 1",
+                            "a Speculation round still open?", "accept or cancel it first"}));
+  EXPECT_TRUE(stack.recurrent.schedule_state(1).pending);  // the round's captures are kept
+  EXPECT_EQ(cache.node_count(), nodes);
+  round.cancel();
+  cache.load(dir, "m");
+  EXPECT_EQ(cache.node_count(), nodes);
+  std::filesystem::remove_all(dir);
 }
 
 // The constructor's refusals: a budget below 0, and a Cache listed twice (its second schedule
