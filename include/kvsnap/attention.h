@@ -41,7 +41,9 @@ class KVSNAP_EXPORT AttentionMask {
   [[nodiscard]] static AttentionMask lookback(int64_t window);
   // Explicit mask [B|1, Hq|1, L, P] indexed by batch row, query head, query index within the
   // chunk and absolute key position. An i32 array is boolean (nonzero = visible); a float
-  // array is an additive bias on the scores (-inf = hidden).
+  // array is an additive bias on the scores (-inf = hidden). A score the bias brings to -1e30 or
+  // below counts as hidden too, so a query that sees only such keys gets zeros (as one that sees
+  // nothing), not the mean of their values: a padding row biased by finfo(float32).min, say.
   [[nodiscard]] static AttentionMask from_array(Array additive_or_bool);
   // Keys visible under both masks.
   [[nodiscard]] AttentionMask intersect(const AttentionMask&) const;

@@ -8,11 +8,13 @@
 
 #include <atomic>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <stdexcept>
 #include <thread>
 #include <vector>
 
+#include "ops/decode_kernels.h"
 #include "support/test_support.h"
 
 namespace kvsnap {
@@ -180,6 +182,45 @@ TEST(KernelThreads, SdpaGivesBitwiseTheSameResultForEveryThreadCount) {
       ASSERT_EQ(
           std::memcmp(many.data<float>(), one.data<float>(), static_cast<size_t>(one.nbytes())), 0)
           << n << " threads";
+    }
+  }
+}
+
+// Rows of paged histories sharing blocks (the decode planner's jobs) and prefilling ragged
+// chunks over them, with the decode kernels and without (the BLAS path): bitwise the same for
+// every thread count.
+TEST(KernelThreads, PagedRowsGiveBitwiseTheSameResultForEveryThreadCount) {
+  std::mt19937 rng(4);
+  const int64_t tokens = 4, per_chunk = 16, depth = 32;
+  const Array k = testing::random_array({1, 2, per_chunk * tokens, depth}, rng);
+  const Array v = testing::random_array({1, 2, per_chunk * tokens, depth}, rng);
+  const std::vector<std::vector<int32_t>> tables{{0, 1, 2, 5}, {0, 1, 3}, {0, 4, 6, 7}};
+  const std::vector<int64_t> lengths{15, 11, 16};
+  std::vector<KVHistory> rows;
+  for (size_t r = 0; r < tables.size(); ++r) {
+    rows.emplace_back(PagedColumns{{k}, {v}, per_chunk, tokens, tables[r], lengths[r]});
+  }
+  const KVHistory history = KVHistory::of_rows(rows);
+  const Batch decode = Batch::rows({{0, 14, {0}}, {1, 10, {0}}, {2, 15, {0}}});
+  const Batch prefill = Batch::rows({{0, 12, {0, 0, 0}}, {1, 9, {0, 0}}, {2, 13, {0, 0, 0}}});
+  const Array q1 = testing::random_array({3, 8, 1, depth}, rng);
+  const Array q3 = testing::random_array({3, 8, 3, depth}, rng);
+  for (const bool kernels : {true, false}) {
+    std::optional<detail::DecodeKernelsOff> off;
+    if (!kernels) off.emplace();
+    for (const auto& [batch, q] : {std::pair{&decode, &q1}, std::pair{&prefill, &q3}}) {
+      const auto run = [&](int n) {
+        const Threads threads(n);
+        return sdpa(*batch, *q, history, AttentionMask::causal(), 0.2f);
+      };
+      const Array one = run(1);
+      for (const int n : {2, 3, 7}) {
+        const Array many = run(n);
+        ASSERT_EQ(
+            std::memcmp(many.data<float>(), one.data<float>(), static_cast<size_t>(one.nbytes())),
+            0)
+            << n << " threads, " << q->dim(2) << " queries, kernels " << kernels;
+      }
     }
   }
 }
