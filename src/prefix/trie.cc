@@ -155,8 +155,10 @@ Node& Trie::split(Node& node, int64_t at) {
   u.last_used = node.last_used;
   u.children.reserve(1);
   std::exception_ptr failure;
+  ++version_;  // the trie's shape changes, whatever the layers hold here
   for (size_t i = 0; i < layers_.size(); ++i) {
-    if (layers_[i].cache == nullptr) continue;
+    // A layer with nothing here has nothing to split (Cache::split is not asked about null).
+    if (layers_[i].cache == nullptr || node.snapshots[i] == nullptr) continue;
     // KV ranges split in two; whole-state snapshots stay with the lower (later) half. A split
     // that fails has consumed the snapshot: the layer is left without one here (a gap).
     try {

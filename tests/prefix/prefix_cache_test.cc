@@ -1,10 +1,12 @@
 #include <gtest/gtest.h>
 #include <kvsnap/prefix_cache.h>
+#include <kvsnap/rotating_kv_cache.h>
 #include <kvsnap/speculation.h>
 #include <pthread.h>
 
 #include <functional>
 
+#include "prefix/trie.h"
 #include "support/conversation.h"
 #include "support/delegating_cache.h"
 #include "support/recurrent_support.h"
@@ -535,6 +537,44 @@ TEST(PrefixCacheFailures, ABeginOrCloseThatFailsMidwayLeavesTheSlotUsable) {
   layer.forward(inner, testing::id_range(0, 5));
   again.close();
   EXPECT_EQ(prefix.begin(prompt).cached(), 4);  // the trie holds the prompt (less one token)
+}
+
+// A cache kind whose split refuses null (cache.h promises null in, null out for merge only).
+class SplitsOnlySnapshots final : public testing::DelegatingCache {
+ public:
+  using DelegatingCache::DelegatingCache;
+  int64_t splits = 0;
+  std::pair<SnapshotPtr, SnapshotPtr> split(SnapshotPtr s, int64_t at) override {
+    if (s == nullptr) throw Error("SplitsOnlySnapshots::split: null");
+    ++splits;
+    return inner_.split(std::move(s), at);
+  }
+};
+
+// A node split where a layer holds no snapshot (a whole-state layer's that was dropped, or never
+// captured there) asks that layer's cache nothing: a custom kind need not take null.
+TEST(PrefixCacheFailures, ASplitWhereALayerHoldsNothingAsksItsCacheNothing) {
+  KVCache kv;
+  RotatingKVCache window(8);
+  SplitsOnlySnapshots wrapped(window);
+  detail::Trie trie({detail::LayerInfo{&kv, kv.restore_rule()},
+                     detail::LayerInfo{&wrapped, wrapped.restore_rule()}});
+  const std::vector<int64_t> ids = testing::id_range(100, 10);
+  testing::write(kv, testing::TokenKV{}, ids);
+  std::vector<SnapshotPtr> ranged(2), whole(2);
+  ranged[0] = kv.snapshot(0);
+  const std::vector<int32_t> prompt(ids.begin(), ids.end());
+  detail::Node& node = trie.insert(prompt, 0, 10, std::move(ranged), std::move(whole), false);
+  detail::Node& upper = trie.split(node, 4);  // the window layer holds nothing here
+  EXPECT_EQ(wrapped.splits, 0);
+  EXPECT_EQ(upper.end, 4);
+  ASSERT_NE(upper.snapshots[0], nullptr);
+  ASSERT_NE(node.snapshots[0], nullptr);
+  EXPECT_EQ(upper.snapshots[1], nullptr);
+  EXPECT_EQ(node.snapshots[1], nullptr);
+  EXPECT_EQ(upper.snapshots[0]->to(), 4);
+  EXPECT_EQ(node.snapshots[0]->from(), 4);
+  EXPECT_EQ(trie.check_invariants(), "");
 }
 
 // A trie as deep as it has nodes (a restore point at every token of a long prompt) is checked,
