@@ -35,7 +35,7 @@ constexpr size_t kLine = 64, kInlineRun = 1024;
 // core can use; the CPUs of one machine have the same), else 32 MiB: a copy of runs longer than
 // kInlineRun that moves this many bytes or more goes by streaming stores (stream_run), as does any
 // such copy inside a StreamingWrites.
-int64_t last_level_cache_bytes() {
+[[maybe_unused]] int64_t last_level_cache_bytes() {  // unused without streaming stores
   // Read with a stack buffer, not a stream: the first copy that asks may run where allocation
   // fails (out-of-memory tests), and must not fail or allocate for this.
   char text[32] = {};

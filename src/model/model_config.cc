@@ -14,7 +14,7 @@ namespace {
 
 // The parameter count in 128 bits: validate holds every size to 2^20 first, so no product of
 // four of them overflows.
-using Wide = __int128;
+__extension__ typedef __int128 Wide;  // __extension__: a GCC and Clang type, not ISO C++
 Wide parameters(const ModelConfig& c) {
   const Wide h = c.hidden, q = Wide(c.query_heads) * c.head_dim, kv = Wide(c.kv_heads) * c.head_dim;
   const Wide conv =

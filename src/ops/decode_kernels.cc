@@ -29,10 +29,13 @@ using decode::weigh_tail;
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 // GCC 12's AVX-512 unpack and shuffle intrinsics pass an undefined vector as their unused
-// merge source, which -Wmaybe-uninitialized reports at every use. (Pushed and popped: a unity
-// build compiles other files after this one.)
+// merge source, which -Wmaybe-uninitialized (-Wuninitialized at -O1) reports at every use. (Pushed
+// and popped: a unity build compiles other files after this one.)
 #pragma GCC diagnostic push
+#if !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#pragma GCC diagnostic ignored "-Wuninitialized"
 
 [[gnu::target("avx512f,fma")]] inline __m512d as_pd(__m512 x) { return _mm512_castps_pd(x); }
 [[gnu::target("avx512f,fma")]] inline __m256 upper(__m512 x) {

@@ -214,7 +214,11 @@ std::string temporary_path(const std::string& path, uint64_t number) {
       .string();
 }
 
+}  // namespace
+
 // Marks a temporary's number as being written while it lives (see remove_stale_temporaries).
+// Not in the anonymous namespace: PreparedFile::Aside holds one (GCC's -Wsubobject-linkage, in
+// unity builds).
 class InFlight {
  public:
   explicit InFlight(int64_t number) : number_(number) {
@@ -233,8 +237,6 @@ class InFlight {
  private:
   int64_t number_;
 };
-
-}  // namespace
 
 std::string next_temporary_path(const std::string& path) {
   return temporary_path(path, temporaries_named.load());
