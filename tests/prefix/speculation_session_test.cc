@@ -73,6 +73,7 @@ class SpeculativeConversations {
       ++reused_all;
     }
     ASSERT_TRUE(stack_.forward_and_check(session.remaining(), prompt));
+    EXPECT_LE(cache_.paged_out_bytes(), budget_) << "after the prefill";
     session.prefill_done();
     Tokens evaluated = prompt;
     std::vector<std::pair<Tokens, int32_t>> rejected;  // (evaluated prefix, the rejected draft)
@@ -82,6 +83,7 @@ class SpeculativeConversations {
     for (int64_t emitted = 1; emitted < length;) {
       if (random(4) == 0) {  // a plain decode step
         ASSERT_TRUE(stack_.forward_and_check(Tokens{last}, evaluated + Tokens{last}));
+        EXPECT_LE(cache_.paged_out_bytes(), budget_) << "after a decode step";
         evaluated.push_back(last);
         last = fresh(1)[0];
         session.append_output(last);
@@ -98,7 +100,10 @@ class SpeculativeConversations {
       }
       round_.begin(k);
       ASSERT_TRUE(stack_.forward_and_check(verify, evaluated + verify));
+      // The verify forward's writes (and the rollback's) copy out only what the budget reserved.
+      EXPECT_LE(cache_.paged_out_bytes(), budget_) << "after a verify forward";
       round_.accept(accepted);
+      EXPECT_LE(cache_.paged_out_bytes(), budget_) << "after accepting " << accepted;
       evaluated.insert(evaluated.end(), verify.begin(), verify.begin() + accepted + 1);
       if (accepted < k) rejected.emplace_back(evaluated, drafts[static_cast<size_t>(accepted)]);
       if (eager) {
