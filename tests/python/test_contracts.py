@@ -5,9 +5,6 @@ dropped on threads that did not make them, and fork() while another thread is in
 Scripts that could deadlock run in a fresh interpreter with a timeout, so a deadlock fails the
 test instead of hanging the run."""
 import os
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 
@@ -15,19 +12,10 @@ import numpy as np
 import pytest
 
 import kvsnap
-from conftest import kv
+from conftest import kv, run_script
 
 HEADS, DEPTH = 8, 64
 LONG = 1 << 14  # tokens of a write that holds its cache's lock for 20 ms or more (32 MiB x 2)
-
-
-def run_script(source, timeout=30):
-    """Runs `source` in a fresh interpreter; a script still running after `timeout` s fails."""
-    try:
-        return subprocess.run([sys.executable, "-c", textwrap.dedent(source)], env=os.environ,
-                              capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as expired:
-        pytest.fail(f"the script did not finish in {timeout} s (deadlock?): {expired.stdout}")
 
 
 # ---- 1. merge and split refuse a snapshot in use on another thread -----------------------------

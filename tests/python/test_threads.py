@@ -3,9 +3,7 @@ memory kvsnap lets go of under its locks is given back to Python outside them â€
 between the GIL and a cache's lock, and Python threads overlap kvsnap's work."""
 import contextlib
 import os
-import subprocess
 import sys
-import textwrap
 import threading
 import time
 
@@ -13,15 +11,7 @@ import numpy as np
 import pytest
 
 import kvsnap
-
-
-def run_script(source, timeout=60):
-    """Runs `source` in a fresh interpreter (a deadlock fails the test instead of hanging it)."""
-    try:
-        return subprocess.run([sys.executable, "-c", textwrap.dedent(source)], env=os.environ,
-                              capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as expired:
-        pytest.fail(f"the script did not finish in {timeout} s (deadlock?): {expired.stdout}")
+from conftest import run_script
 
 
 # Under the sanitizer build, a thread CPython ends with pthread_exit inside a kvsnap call (the
