@@ -67,6 +67,14 @@ class Scheduler {
         results_(workload.requests.size()),
         prompts_(workload.requests.size()),
         admitted_(workload.requests.size(), false) {
+    for (size_t i = 0; i < workload.requests.size(); ++i) {
+      const Request& request = workload.requests[i];
+      if (request.kind == Request::Kind::fresh) {
+        ready_.insert(i);
+      } else {
+        followers_.emplace(request.reference, i);
+      }
+    }
     for (Cache* layer : layers_) {
       if (auto* paged = dynamic_cast<PagedKVCache*>(layer)) paged_.push_back(paged);
     }
@@ -115,23 +123,39 @@ class Scheduler {
     return it->second;
   }
 
+  // The requests that may start, in the workload's order, while a slot is free: each step looks
+  // only at those (not at every request of the workload), and builds each one's prompt once.
   void admit() {
-    for (size_t i = 0; i < workload_.requests.size(); ++i) {
-      if (admitted_[i]) continue;
+    for (auto it = ready_.begin(); it != ready_.end();) {
       const auto free =
           std::find_if(slots_.begin(), slots_.end(), [](const auto& s) { return !s.has_value(); });
       if (free == slots_.end()) return;
-      const std::optional<Clock::time_point> arrived = arrival(i);
-      if (arrived) (void)try_admit(i, *arrived);
+      const size_t i = *it++;
+      if (try_admit(i, *arrival(i))) ready_.erase(i);
     }
+  }
+
+  // Request `i`'s prompt and its message ends, built once (the requests it follows have
+  // finished: it no longer changes).
+  struct Built {
+    std::vector<int32_t> prompt;
+    std::vector<int64_t> boundaries;
+  };
+  Built& built(size_t i) {
+    auto it = built_.find(i);
+    if (it == built_.end()) {
+      Built b;
+      b.prompt = builder_.prompt(workload_.requests[i], &b.boundaries);
+      it = built_.emplace(i, std::move(b)).first;
+    }
+    return it->second;
   }
 
   // Starts request `i` on the free slot whose state it shares most with; false when it should
   // wait for a prefilling sequence that will hold more of its prompt.
   bool try_admit(size_t i, Clock::time_point arrived) {
     const Request& request = workload_.requests[i];
-    std::vector<int64_t> boundaries;
-    std::vector<int32_t> prompt = builder_.prompt(request, &boundaries);
+    const std::vector<int32_t>& prompt = built(i).prompt;
     check_prompt_fits(workload_, request, static_cast<int64_t>(prompt.size()),
                       model_.config().context_length);
     SeqId best = -1;
@@ -148,9 +172,11 @@ class Scheduler {
     r.index = i;
     r.admitted = Clock::now();
     r.result.waited_seconds = std::chrono::duration<double>(r.admitted - arrived).count();
-    r.prompt = std::move(prompt);
+    Built taken = std::move(built(i));
+    built_.erase(i);
+    r.prompt = std::move(taken.prompt);
     r.session.emplace(prefix_.begin(best, r.prompt));
-    const RestorePoints points = restore_points(i, r, boundaries);
+    const RestorePoints points = restore_points(i, r, taken.boundaries);
     r.session->schedule_snapshots(points.boundaries);
     r.session->schedule_branch_points(points.lookahead);
     r.remaining = r.session->remaining();
@@ -178,7 +204,7 @@ class Scheduler {
     std::vector<int64_t> boundaries, lookahead;
   };
   RestorePoints restore_points(size_t admitted, const Running& r,
-                               const std::vector<int64_t>& boundaries) const {
+                               const std::vector<int64_t>& boundaries) {
     constexpr size_t kLookahead = 16;
     const int64_t cached = r.session->cached(), length = static_cast<int64_t>(r.prompt.size());
     RestorePoints points;
@@ -187,10 +213,11 @@ class Scheduler {
     }
     std::set<int64_t> lookahead;
     size_t looked = 0;
-    for (size_t j = 0; j < workload_.requests.size() && looked < kLookahead; ++j) {
-      if (admitted_[j] || j == admitted || !arrival(j)) continue;
+    for (auto it = ready_.begin(); it != ready_.end() && looked < kLookahead; ++it) {
+      const size_t j = *it;
+      if (admitted_[j] || j == admitted) continue;
       ++looked;
-      const int64_t shared = restorable(builder_.prompt(workload_.requests[j], nullptr), r.prompt);
+      const int64_t shared = restorable(built(j).prompt, r.prompt);
       if (shared > cached && shared < length) lookahead.insert(shared);
     }
     points.lookahead.assign(lookahead.begin(), lookahead.end());
@@ -257,6 +284,8 @@ class Scheduler {
     r.session->close();
     builder_.record(request, r.prompt, r.result.reply);
     finished_[request.id] = Clock::now();
+    const auto [first, last] = followers_.equal_range(request.id);
+    for (auto it = first; it != last; ++it) ready_.insert(it->second);
     prompts_[r.index] = std::move(r.prompt);
     results_[r.index] = std::move(r.result);
     slots_[static_cast<size_t>(slot)].reset();
@@ -299,6 +328,9 @@ class Scheduler {
   std::vector<std::vector<int32_t>> held_;  // per slot: its sequence's tokens (a prefix of)
   std::vector<SeqId> admission_;            // slots in the order their requests came in
   std::map<std::string, Clock::time_point> finished_;
+  std::multimap<std::string, size_t> followers_;  // by the id of the request they follow
+  std::set<size_t> ready_;                        // may start, not yet admitted
+  std::map<size_t, Built> built_;                 // prompts of ready requests, built once
   std::vector<RequestResult> results_;
   const std::shared_ptr<LogitsTape> tape_ = std::make_shared<LogitsTape>();  // replies' logits
   std::vector<std::vector<int32_t>> prompts_;
