@@ -47,7 +47,8 @@ class KVSNAP_EXPORT AttentionMask {
   [[nodiscard]] static AttentionMask from_array(Array additive_or_bool);
   // Keys visible under both masks.
   [[nodiscard]] AttentionMask intersect(const AttentionMask&) const;
-  // The mask of batch row `row` alone: explicit arrays with one slice per row are cut to it.
+  // The mask of batch row `row` alone: explicit arrays with one slice per row are cut to it
+  // (Error for a row outside theirs); broadcast ones (one slice) serve every row unchanged.
   [[nodiscard]] AttentionMask for_row(int64_t row) const;
 
   Kind kind() const;

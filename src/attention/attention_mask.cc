@@ -57,7 +57,12 @@ AttentionMask AttentionMask::intersect(const AttentionMask& other) const {
 AttentionMask AttentionMask::for_row(int64_t row) const {
   AttentionMask mask = *this;
   for (Array& array : mask.arrays_) {
-    if (array.dim(0) > 1) array = array.slice(0, row, row + 1);
+    if (array.dim(0) == 1) continue;  // one slice for every row
+    if (row < 0 || row >= array.dim(0)) {
+      throw Error(fmt::format("AttentionMask::for_row: row {} is outside [0, {}) of the mask {}",
+                              row, array.dim(0), array.describe()));
+    }
+    array = array.slice(0, row, row + 1);
   }
   return mask;
 }
