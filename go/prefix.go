@@ -276,7 +276,8 @@ func (o LoadOptions) flags() C.uint32_t {
 }
 
 // Save writes the trie and its snapshots to folder dir with modelID, atomically, private to
-// this user (mode 0600).
+// this user (mode 0600). It refuses, writing nothing, a dir that Load would refuse (another user
+// owns it, group or others can write it): SaveWith with SaveOptions.Shared saves there.
 func (p *PrefixCache) Save(dir, modelID string) error {
 	return p.SaveWith(dir, modelID, SaveOptions{})
 }

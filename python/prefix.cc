@@ -214,7 +214,9 @@ in order (None for a stateless layer); the prefix cache drives their offsets fro
           py::arg("dir"), py::arg("model_id") = "", py::kw_only(), py::arg("shared") = false,
           Released(),
           "Writes the trie and its snapshots to `dir`: a file of mode 0600, or 0644 when shared "
-          "(a folder whose other users load it, with allow_shared).")
+          "(a folder whose other users load it, with allow_shared). Without shared, a `dir` load "
+          "would refuse (another user owns it, group or others can write it) is refused, and "
+          "nothing is written.")
       .def(
           "load",
           [](PyPrefixCache& c, const std::string& dir, const std::string& model_id,

@@ -533,7 +533,9 @@ kvsnap_prefix_cache_peak_paged_out_bytes(const kvsnap_prefix_cache* prefix, int6
 KVSNAP_EXPORT kvsnap_status kvsnap_prefix_cache_reset_peak(kvsnap_prefix_cache* prefix);
 /* KVSNAP_OK when the trie's invariants hold; otherwise KVSNAP_ERROR naming the first violation. */
 KVSNAP_EXPORT kvsnap_status kvsnap_prefix_cache_check(const kvsnap_prefix_cache* prefix);
-/* Writes the trie and its snapshots to folder `dir` with `model_id` (NULL: ""), atomically. */
+/* Writes the trie and its snapshots to folder `dir` with `model_id` (NULL: ""), atomically, mode
+ * 0600. Refuses, writing nothing, a `dir` a load would refuse (kvsnap_prefix_cache_save_with
+ * saves for a shared folder). */
 KVSNAP_EXPORT kvsnap_status kvsnap_prefix_cache_save(const kvsnap_prefix_cache* prefix,
                                                      const char* dir, const char* model_id);
 /* Replaces the trie by the one saved in `dir` for the same layers and `model_id` (NULL: "").

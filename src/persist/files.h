@@ -117,7 +117,8 @@ void check_private_folder(const std::string& path, const PrivacyRule& rule);
 // (sealed_file.cc) Before a save to `path` that is not SaveOptions::shared: throws
 // check_private_folder's Error (under `call`, offering "set SaveOptions::shared") unless the folder
 // that is to hold the file is one a load trusts, so that a save never writes a file its own load
-// would refuse. A folder that cannot be opened is left to the write to report.
+// would refuse. A folder that is missing or cannot be searched is left to the write to report;
+// one that cannot be checked otherwise (no descriptor left) is refused.
 void check_save_folder(const std::string& path, const std::string& call, bool shared);
 
 // Opens `path` for reading after the checks, so that no one can swap the file between the check

@@ -236,8 +236,15 @@ void check_save_folder(const std::string& path, const std::string& call, bool sh
   if (shared) return;
   const std::string parent = std::filesystem::path(path).parent_path().string();
   const std::string folder = parent.empty() ? "." : parent;
-  const FileDescriptor fd(::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  if (fd.get() < 0) return;
+  // O_PATH: a folder this user may write into but not list (0333, a drop box) is checked too.
+  const FileDescriptor fd(::open(folder.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+  if (fd.get() < 0) {
+    // Missing, not a folder, or not searchable: the write fails and says so. Anything else (out
+    // of descriptors) must not let an unchecked save through.
+    if (errno == ENOENT || errno == ENOTDIR || errno == EACCES) return;
+    throw Error(
+        fmt::format("{}: cannot check the folder {} ({})", call, folder, std::strerror(errno)));
+  }
   check_private_folder(folder, fd.get(),
                        PrivacyRule{.call = call,
                                    .override_with = "set SaveOptions::shared (its loads then need "

@@ -104,6 +104,8 @@ bool TierImpl::offer(std::span<const int32_t> tokens, std::span<const Snapshot* 
       why = e.what();
     } catch (...) {
     }
+  } catch (...) {  // a custom cache's hook may throw anything
+    why = "an exception that is not a std::exception";
   }
   ++counters_.store_errors;
   if (!said_offer_refused_.exchange(true)) {

@@ -192,8 +192,10 @@ TEST(KernelThreads, SdpaGivesBitwiseTheSameResultForEveryThreadCount) {
 TEST(KernelThreads, PagedRowsGiveBitwiseTheSameResultForEveryThreadCount) {
   std::mt19937 rng(4);
   const int64_t tokens = 4, per_chunk = 16, depth = 32;
-  const Array k = testing::random_array({1, 2, per_chunk * tokens, depth}, rng);
-  const Array v = testing::random_array({1, 2, per_chunk * tokens, depth}, rng);
+  // Four key/value heads: the decode path splits by them, so 3 and 7 threads split otherwise
+  // than 2.
+  const Array k = testing::random_array({1, 4, per_chunk * tokens, depth}, rng);
+  const Array v = testing::random_array({1, 4, per_chunk * tokens, depth}, rng);
   const std::vector<std::vector<int32_t>> tables{{0, 1, 2, 5}, {0, 1, 3}, {0, 4, 6, 7}};
   const std::vector<int64_t> lengths{15, 11, 16};
   std::vector<KVHistory> rows;

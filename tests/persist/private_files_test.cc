@@ -153,8 +153,10 @@ TEST(PrivateFiles, ASaveRefusesAFolderItsLoadWouldRefuseUnlessShared) {
   KVCache cache;
   testing::write(cache, testing::TokenKV{.heads = 1, .depth = 2}, testing::id_range(0, 5));
   const SnapshotPtr five = cache.snapshot(0);
-  for (const auto& [mode, who] : {std::pair{0777, "group and others can write it"},
-                                  std::pair{0770, "its group can write it"}}) {
+  // 0333: a drop box this user may write into but not list is checked as well.
+  for (const auto& [mode, who] :
+       {std::pair{0777, "group and others can write it"}, std::pair{0770, "its group can write it"},
+        std::pair{0333, "group and others can write it"}}) {
     set_mode(dir, static_cast<mode_t>(mode));
     const std::string named = "save_snapshots: refusing the folder " + dir.string() + " (owner " +
                               user_phrase(::geteuid()) + ", mode " + octal(mode) + "): " + who;
