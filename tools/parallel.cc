@@ -65,8 +65,7 @@ class Scheduler {
         slots_(static_cast<size_t>(options.parallel)),
         held_(static_cast<size_t>(options.parallel)),
         results_(workload.requests.size()),
-        prompts_(workload.requests.size()),
-        admitted_(workload.requests.size(), false) {
+        prompts_(workload.requests.size()) {
     for (size_t i = 0; i < workload.requests.size(); ++i) {
       const Request& request = workload.requests[i];
       if (request.kind == Request::Kind::fresh) {
@@ -186,7 +185,6 @@ class Scheduler {
     r.result.evaluated = static_cast<int64_t>(r.remaining.size());
     r.result.reused = r.result.prompt_tokens - r.result.evaluated;
     held_[static_cast<size_t>(best)] = r.prompt;
-    admitted_[i] = true;
     // A slot is queued once: sample() takes a finished request's slot out of the queue.
     if (std::find(admission_.begin(), admission_.end(), best) != admission_.end()) {
       throw Error(fmt::format("replay --parallel: internal error: slot {} queued twice", best));
@@ -215,7 +213,7 @@ class Scheduler {
     size_t looked = 0;
     for (auto it = ready_.begin(); it != ready_.end() && looked < kLookahead; ++it) {
       const size_t j = *it;
-      if (admitted_[j] || j == admitted) continue;
+      if (j == admitted) continue;  // the one request of ready_ admitted (admit() erases it after)
       ++looked;
       const int64_t shared = restorable(built(j).prompt, r.prompt);
       if (shared > cached && shared < length) lookahead.insert(shared);
@@ -334,7 +332,6 @@ class Scheduler {
   std::vector<RequestResult> results_;
   const std::shared_ptr<LogitsTape> tape_ = std::make_shared<LogitsTape>();  // replies' logits
   std::vector<std::vector<int32_t>> prompts_;
-  std::vector<bool> admitted_;
   size_t done_ = 0;
   Clock::time_point start_;
   ParallelRun out_;
