@@ -178,6 +178,12 @@ class KVSNAP_EXPORT Tier {
   // (TierOptions::log, the first time), and nothing is queued; returns false then.
   bool offer(std::span<const int32_t> tokens, std::span<const Snapshot* const> ranges,
              std::span<const TierPoint> points) noexcept;
+  // offer with the KV data's snapshots taken by `take_ranges` (per layer, as `ranges` above)
+  // inside: what taking them throws (a custom cache's snapshot, memory) is counted and logged
+  // alike, and nothing is queued.
+  bool offer(std::span<const int32_t> tokens,
+             const std::function<std::vector<SnapshotPtr>()>& take_ranges,
+             std::span<const TierPoint> points) noexcept;
   // Waits until every queued write has been tried (or `timeout` passes: longer than a year
   // counts as a year); true when drained.
   bool flush(std::chrono::milliseconds timeout = std::chrono::seconds(10));

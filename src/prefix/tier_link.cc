@@ -35,14 +35,18 @@ void store_to_tier(Tier& tier, Trie& trie, SeqId slot, std::span<const int32_t> 
   }
   if (points.empty()) return;
   // The live caches hold [0, tokens.size()): one lazy snapshot each lends the KV data (no copy).
-  std::vector<SnapshotPtr> ranges(layers.size());
-  std::vector<const Snapshot*> views(layers.size());
-  for (size_t i = 0; i < layers.size(); ++i) {
-    if (!layers[i].ranged()) continue;
-    ranges[i] = layers[i].cache->snapshot(slot, 0);
-    views[i] = ranges[i].get();
-  }
-  (void)tier.offer(tokens, views, points);  // a tier that refuses costs restores, not the close
+  // Taken inside offer: a tier that refuses, or a cache that cannot lend, costs restores, not
+  // the close.
+  (void)tier.offer(
+      tokens,
+      [&] {
+        std::vector<SnapshotPtr> ranges(layers.size());
+        for (size_t i = 0; i < layers.size(); ++i) {
+          if (layers[i].ranged()) ranges[i] = layers[i].cache->snapshot(slot, 0);
+        }
+        return ranges;
+      },
+      points);
 }
 
 }  // namespace kvsnap::detail

@@ -257,6 +257,11 @@ bool Tier::offer(std::span<const int32_t> tokens, std::span<const Snapshot* cons
                  std::span<const TierPoint> points) noexcept {
   return impl_->offer(tokens, ranges, points);
 }
+bool Tier::offer(std::span<const int32_t> tokens,
+                 const std::function<std::vector<SnapshotPtr>()>& take_ranges,
+                 std::span<const TierPoint> points) noexcept {
+  return impl_->offer(tokens, take_ranges, points);
+}
 bool Tier::flush(std::chrono::milliseconds timeout) { return impl_->flush(timeout); }
 TierStats Tier::stats() const { return impl_->stats(); }
 const std::vector<Cache*>& Tier::layers() const { return impl_->layers(); }

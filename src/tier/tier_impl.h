@@ -68,6 +68,9 @@ class TierImpl {
              std::span<const TierPoint> points);
   bool offer(std::span<const int32_t> tokens, std::span<const Snapshot* const> ranges,
              std::span<const TierPoint> points) noexcept;
+  bool offer(std::span<const int32_t> tokens,
+             const std::function<std::vector<SnapshotPtr>()>& take_ranges,
+             std::span<const TierPoint> points) noexcept;
   bool flush(std::chrono::milliseconds timeout) { return writer_->flush(timeout); }
   TierStats stats() const { return counters_.stats(); }
   const std::vector<Cache*>& layers() const { return layers_; }
@@ -110,6 +113,10 @@ class TierImpl {
   std::atomic<bool> said_too_large_{false};         // objects over max_object_bytes: said once
   std::atomic<bool> said_lookup_too_large_{false};  // lookups over max_lookup_bytes: said once
   std::atomic<bool> logged_loss_{false};
+  // Runs `store` (an offer's work): true when it returns; what it throws is counted in
+  // store_errors and said once, and false returned.
+  template <class Store>
+  bool guarded(Store&& store) noexcept;
   std::atomic<bool> said_offer_refused_{false};  // an offer whose store threw: said once
   mutable std::mutex signatures_mutex_;
   std::vector<std::string> signatures_;

@@ -91,11 +91,11 @@ void TierImpl::store(std::span<const int32_t> tokens, std::span<const Snapshot* 
   if (!batch->empty()) (void)writer_->push(std::move(*batch));
 }
 
-bool TierImpl::offer(std::span<const int32_t> tokens, std::span<const Snapshot* const> ranges,
-                     std::span<const TierPoint> points) noexcept {
+template <class Store>
+bool TierImpl::guarded(Store&& store) noexcept {
   std::string why;
   try {
-    store(tokens, ranges, points);
+    store();
     return true;
   } catch (const std::bad_alloc&) {
     why = "out of memory";
@@ -116,6 +116,22 @@ bool TierImpl::offer(std::span<const int32_t> tokens, std::span<const Snapshot* 
     }
   }
   return false;
+}
+
+bool TierImpl::offer(std::span<const int32_t> tokens, std::span<const Snapshot* const> ranges,
+                     std::span<const TierPoint> points) noexcept {
+  return guarded([&] { store(tokens, ranges, points); });
+}
+
+bool TierImpl::offer(std::span<const int32_t> tokens,
+                     const std::function<std::vector<SnapshotPtr>()>& take_ranges,
+                     std::span<const TierPoint> points) noexcept {
+  return guarded([&] {
+    const std::vector<SnapshotPtr> owned = take_ranges();
+    std::vector<const Snapshot*> ranges(owned.size());
+    for (size_t i = 0; i < owned.size(); ++i) ranges[i] = owned[i].get();
+    store(tokens, ranges, points);
+  });
 }
 
 bool TierImpl::too_large(int64_t size) {

@@ -15,6 +15,7 @@
 
 #include "persist/safetensors.h"
 #include "support/cache_support.h"
+#include "support/delegating_cache.h"
 #include "support/loopback.h"
 #include "support/tier_support.h"
 #include "tier/object.h"
@@ -301,6 +302,47 @@ TEST(TierContract, AStoreTheTierRefusesCostsTheCloseNothing) {
                    {"Tier::store: layer 0 at offset 12: a snapshot of"}));
   EXPECT_FALSE(process.tier->offer(talk.first, std::vector<const Snapshot*>(2), {}));
   EXPECT_EQ(process.tier->stats().store_errors, errors + 3);
+}
+
+// The attention layer through a cache that, once armed, refuses to lend its whole history (a
+// custom kind's snapshot(0) throwing). With a budget nothing reaches, only the tier's lazy
+// snapshot at a close asks for that (an eviction lending live ranges to the trie would too).
+class RefusesWholeHistory final : public testing::DelegatingCache {
+ public:
+  using DelegatingCache::DelegatingCache;
+  SnapshotPtr snapshot(int64_t from) override {
+    if (armed && from == 0) throw std::runtime_error("this cache lends no whole history");
+    return inner_.snapshot(from);
+  }
+  bool armed = false;
+};
+
+TEST(TierContract, ACacheThatCannotLendItsHistoryCostsTheCloseNothing) {
+  testing::FolderStore folder("unlent_close");
+  HybridStack stack;
+  RefusesWholeHistory attention(stack.attention());
+  const std::vector<Cache*> layers{&attention, &stack.window, nullptr, &stack.recurrent};
+  testing::LogLines log;
+  TierOptions options = tier_options();
+  options.log = log.sink();
+  const std::shared_ptr<Tier> tier = Tier::open(folder.address(), layers, options);
+  PrefixCache cache(layers, {.tier = tier});
+  const testing::Conversation talk;
+  (void)testing::run_turn(cache, stack, talk.first, talk.reply, talk.ends);
+  ASSERT_TRUE(tier->flush());
+  const int64_t written = tier->stats().objects_written, errors = tier->stats().store_errors;
+  EXPECT_GT(written, 0);
+  attention.armed = true;
+  EXPECT_NO_THROW((void)testing::run_turn(cache, stack, talk.second, tokens(500, 3)));
+  ASSERT_TRUE(tier->flush());
+  EXPECT_EQ(tier->stats().store_errors, errors + 1);
+  EXPECT_EQ(tier->stats().objects_written, written);
+  EXPECT_EQ(log.count("this cache lends no whole history"), 1) << log.all();
+  // The close ended normally: the trie holds the turn, and the slot serves on from its state.
+  attention.armed = false;
+  const testing::Tokens third = talk.second + tokens(500, 3) + tokens(600, 4);
+  EXPECT_EQ(testing::run_turn(cache, stack, third, tokens(700, 2)).cached,
+            static_cast<int64_t>(talk.second.size()) + 2);
 }
 
 TEST(TierContract, APrefixCacheRefusesATierOpenedForOtherLayers) {
