@@ -79,6 +79,29 @@ TYPED_TEST(CacheContract, StartsEmptyAtOffsetZero) {
   EXPECT_EQ(this->cache->snapshot(0), nullptr);
 }
 
+// A write of no tokens changes nothing, not even the layout that a fresh KV cache takes from its
+// first write: a later write of another head count and depth is the first, and fixes its own.
+template <class Kind>
+class KVContract : public CacheContract<Kind> {};
+using KVKinds = ::testing::Types<KVKind, PagedKind, RotatingKind>;
+TYPED_TEST_SUITE(KVContract, KVKinds);
+
+TYPED_TEST(KVContract, AWriteOfNoTokensTakesNoLayout) {
+  (void)testing::write(*this->cache, kv, {});
+  EXPECT_EQ(this->cache->offset(), 0);
+  EXPECT_EQ(this->cache->snapshot(0), nullptr);
+  const testing::TokenKV other{.heads = 1, .depth = 2};
+  (void)testing::write(*this->cache, other, id_range(0, 3));
+  EXPECT_EQ(this->cache->offset(), 3);
+  const std::vector<Array> state = this->cache->state();
+  ASSERT_FALSE(state.empty());
+  EXPECT_EQ(state[0].dim(1), 1);
+  EXPECT_EQ(state[0].dim(3), 2);
+  EXPECT_TRUE(
+      throws_error([&] { (void)testing::write(*this->cache, kv, id_range(3, 1)); }, {"update"}));
+  EXPECT_EQ(this->cache->offset(), 3);
+}
+
 TYPED_TEST(CacheContract, WritesAdvanceTheOffset) {
   this->write(3);
   this->write(1);
