@@ -58,7 +58,9 @@ class KVSNAP_EXPORT RecurrentCache final : public Cache {
   RecurrentHistory get(const Batch&, DType activation_dtype);
   // Ends a one-row forward of the row's L real tokens: one conv and one delta state per
   // scheduled interior split point (snapshot_splits(seq, L)), then the state at the end, which
-  // becomes live. The sequence's offset advances by L.
+  // becomes live. The sequence's offset advances by L. A row of no tokens (L = 0) leaves its
+  // sequence as it is: its states are checked, not taken (the state at an offset is the one
+  // its tokens made).
   void put(const Batch&, std::span<const Array> conv_states, std::span<const Array> delta_states);
   // The same for a batch of any rows: `rows[b]` for row b. Every row is checked before any
   // state changes.

@@ -176,6 +176,7 @@ class RecurrentCacheImpl {
     size_t next = 0;
     for (int64_t b = 0; b < rows; ++b) {
       RecurrentSequence& sequence = at(batch.seq_id(b));  // a staged one is taken: no allocation
+      if (length(b) == 0) continue;  // no tokens: the state at this offset stays what it is
       const int64_t end = sequence.offset + length(b);
       while (sequence.schedule.active() && sequence.schedule.next() > sequence.offset &&
              sequence.schedule.next() < end) {

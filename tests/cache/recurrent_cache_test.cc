@@ -235,6 +235,34 @@ TEST(RecurrentCache, OnePutServesRowsOfDifferentSequences) {
   EXPECT_EQ(cache.offset(0), 5);
 }
 
+// A row of no tokens leaves its sequence as it is: the states given for it are checked, not
+// taken (the state at an offset is the one its tokens made), and a fresh sequence stays empty.
+TEST(RecurrentCache, ARowOfNoTokensLeavesItsSequenceAsItIs) {
+  RecurrentCache cache = layer.make_cache();
+  layer.forward(cache, id_range(0, 3));
+  const std::vector<Array> before = cache.state(0);
+  Batch batch = Batch::uniform(2, 1, 0);
+  batch.seq_ids = {0, 7};
+  batch.seq_offsets = {3, 0};
+  batch.seq_query_lens = {0, 0};
+  const std::vector<Array> conv{
+      Array::from_floats(std::vector<float>(layer.conv_tail * layer.conv_dim, 9.0f),
+                         {1, layer.conv_tail, layer.conv_dim})};
+  const std::vector<Array> delta{Array::from_floats(
+      std::vector<float>(layer.value_heads * layer.value_depth * layer.key_depth, 9.0f),
+      {1, layer.value_heads, layer.value_depth, layer.key_depth})};
+  cache.put(batch, std::vector<RecurrentStates>(2, RecurrentStates{conv, delta}));
+  EXPECT_EQ(cache.offset(0), 3);
+  EXPECT_TRUE(all_close(cache.state(0)[0], before[0], 0.0f));
+  EXPECT_TRUE(all_close(cache.state(0)[1], before[1], 0.0f));
+  EXPECT_EQ(cache.offset(7), 0);
+  EXPECT_EQ(cache.state_dtype(7), std::nullopt);
+  EXPECT_EQ(cache.snapshot(7, 0), nullptr);
+  // Still checked: states of another shape are refused for a row of no tokens too.
+  const std::vector<RecurrentStates> bad(2, RecurrentStates{delta, conv});
+  EXPECT_TRUE(throws_error([&] { cache.put(batch, bad); }, {"RecurrentCache::put"}));
+}
+
 TEST(RecurrentCache, ResetAllowsANewDtype) {
   RecurrentCache cache = layer.make_cache();
   layer.forward(cache, id_range(0, 3));
