@@ -89,8 +89,11 @@ class KVSNAP_EXPORT Array {
   // Elements in logical order of an i32 array.
   std::vector<int32_t> to_ints() const;
 
-  // Writes `source`'s elements into the storage this view names (same shape and dtype).
-  // Self-overlap is not supported; the copy moves whole contiguous runs.
+  // Writes `source`'s elements into the storage this view names (same shape and dtype). Where
+  // the two overlap, each contiguous run moves as memmove: where each run's source and
+  // destination overlap only each other (tokens shifted along the last axis inside one buffer,
+  // as a window cache does) the result is exact; a run's write that reaches another run's
+  // source is not supported.
   void assign(const Array& source) const;
 
   // Writes `source` into [start, start + source.dim(axis)) along `axis` of this array; the other

@@ -13,8 +13,9 @@
 // next query (at position e) needs besides its own key. So after restoring one, view() holds
 // those tokens: it answers queries at e and later (once update() appends them), but not a query
 // at e-1 or earlier, whose window reached one position further back. Snapshots are lazy views of
-// the linear buffer after a chunked write (or before the ring wraps); a wrapped ring is copied at
-// capture. A snapshot restores only into a cache of the same max_size.
+// the buffer: of the linear buffer after a chunked write (or before the ring wraps), of a wrapped
+// ring in two runs of columns; a write copies out the columns a lazy snapshot still names before
+// reusing them. A snapshot restores only into a cache of the same max_size.
 //
 // Memory follows the tokens held, not max_size: the buffer grows in steps of kStep tokens, at
 // most to twice what the window holds (a chunk gets room for as much again, up to a window more),

@@ -14,7 +14,9 @@
 // `dir:PATH` (a folder of files, the same objects; a file unused for the TTL is removed).
 //
 // Keys: a BLAKE2b hash chained over the prompt's tokens, rooted in the format version, the chunk
-// size, the model fingerprint, the layer configuration and the tenant salt. Attention (KV) data
+// size, the model fingerprint, the layer configuration, the tenant salt and the scope (the MAC
+// key's id where a key is given, so processes with other keys miss each other's objects; else,
+// for a dir: store, this user's id). Attention (KV) data
 // lives in fixed-size token chunks, each stored once and shared by every prompt that contains it;
 // whole-state layers (sliding window, recurrent) and the KV tail after the last full chunk are one
 // object per restore point, listed in a per-chunk index. A restore point counts only when every
