@@ -458,7 +458,8 @@ func (c *Cache) RecurrentGet(b *Batch, activation DType) (conv, delta *Array, er
 
 // RecurrentPut ends a forward of the batch's tokens with one conv and delta state per
 // scheduled split point (SnapshotSplits), then the end state. The cache adopts the arrays
-// without copying: do not write to them afterwards.
+// without copying: do not write to them afterwards. A row of no tokens leaves its sequence as
+// it is: its arrays are checked, not adopted.
 func (c *Cache) RecurrentPut(b *Batch, conv, delta []*Array) error {
 	call := "Cache.RecurrentPut"
 	if len(conv) != len(delta) {

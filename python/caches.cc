@@ -387,7 +387,9 @@ head_v_dim, head_k_dim] float32. Snapshots are whole states at exact offsets.)")
           },
           py::arg("batch"), py::arg("conv_states"), py::arg("delta_states"), ReleaseAfter(),
           "Ends a one-row forward: one state per scheduled split point, then the end "
-          "state. " kAdopted)
+          "state. " kAdopted
+          " A row of no tokens leaves its sequence as it is: its arrays are "
+          "checked, not adopted.")
       .def(
           "put_rows",
           [](RecurrentCache& c, const Batch& batch, const py::sequence& rows) {

@@ -252,7 +252,10 @@ class RecurrentCache(Cache):
     def put(
         self, batch: Batch, conv_states: Sequence[ArrayLike], delta_states: Sequence[ArrayLike]
     ) -> None:
-        """One row; adopts the arrays without a copy: do not write to them afterwards."""
+        """One row; adopts the arrays without a copy: do not write to them afterwards.
+
+        A row of no tokens leaves its sequence as it is (the arrays are checked, not adopted).
+        """
     def put_rows(
         self,
         batch: Batch,

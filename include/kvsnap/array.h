@@ -91,9 +91,9 @@ class KVSNAP_EXPORT Array {
 
   // Writes `source`'s elements into the storage this view names (same shape and dtype). Where
   // the two overlap, each contiguous run moves as memmove: where each run's source and
-  // destination overlap only each other (tokens shifted along the last axis inside one buffer,
-  // as a window cache does) the result is exact; a run's write that reaches another run's
-  // source is not supported.
+  // destination overlap only each other (tokens shifted along the token axis of every head
+  // inside one buffer, as a window cache does) the result is exact; a run's write that reaches
+  // another run's source is not supported.
   void assign(const Array& source) const;
 
   // Writes `source` into [start, start + source.dim(axis)) along `axis` of this array; the other

@@ -357,7 +357,8 @@ KVSNAP_EXPORT kvsnap_status kvsnap_recurrent_get(kvsnap_cache* cache, const kvsn
                                                  kvsnap_array** delta_state);
 /* Recurrent kind: ends a forward of the batch's L tokens with `count` conv and delta states, one
  * per scheduled split point (kvsnap_recurrent_snapshot_splits), then the end state. The cache
- * adopts the arrays (no copy; wrapped memory stays referenced): do not write to them. */
+ * adopts the arrays (no copy; wrapped memory stays referenced): do not write to them. A row of
+ * no tokens leaves its sequence as it is: its arrays are checked, not adopted. */
 KVSNAP_EXPORT kvsnap_status kvsnap_recurrent_put(kvsnap_cache* cache, const kvsnap_batch* batch,
                                                  const kvsnap_array* const* conv_states,
                                                  const kvsnap_array* const* delta_states,

@@ -163,7 +163,8 @@ class RecurrentCacheImpl {
     for (int64_t b = 0; b < rows; ++b) {
       const RecurrentSequence* sequence = sequences.find(batch.seq_id(b));
       if (sequence == nullptr) {  // no schedule: nothing to capture
-        (void)sequences.stage(batch.seq_id(b), "RecurrentCache::put");
+        // A row of no tokens makes no sequence (as a KV cache's makes none).
+        if (length(b) > 0) (void)sequences.stage(batch.seq_id(b), "RecurrentCache::put");
         continue;
       }
       const auto [conv, delta] = row(b);
@@ -175,8 +176,8 @@ class RecurrentCacheImpl {
     }
     size_t next = 0;
     for (int64_t b = 0; b < rows; ++b) {
-      RecurrentSequence& sequence = at(batch.seq_id(b));  // a staged one is taken: no allocation
       if (length(b) == 0) continue;  // no tokens: the state at this offset stays what it is
+      RecurrentSequence& sequence = at(batch.seq_id(b));  // a staged one is taken: no allocation
       const int64_t end = sequence.offset + length(b);
       while (sequence.schedule.active() && sequence.schedule.next() > sequence.offset &&
              sequence.schedule.next() < end) {
@@ -191,7 +192,9 @@ class RecurrentCacheImpl {
     std::exception_ptr lost;
     for (int64_t b = 0; b < rows; ++b) {
       try {
-        at(batch.seq_id(b)).capture_reached();
+        if (RecurrentSequence* sequence = sequences.find(batch.seq_id(b))) {
+          sequence->capture_reached();
+        }
       } catch (...) {
         if (lost == nullptr) lost = std::current_exception();
       }

@@ -255,6 +255,7 @@ TEST(RecurrentCache, ARowOfNoTokensLeavesItsSequenceAsItIs) {
   EXPECT_EQ(cache.offset(0), 3);
   EXPECT_TRUE(all_close(cache.state(0)[0], before[0], 0.0f));
   EXPECT_TRUE(all_close(cache.state(0)[1], before[1], 0.0f));
+  EXPECT_EQ(cache.sequences(), std::vector<SeqId>{0});  // no sequence 7 made
   EXPECT_EQ(cache.offset(7), 0);
   EXPECT_EQ(cache.state_dtype(7), std::nullopt);
   EXPECT_EQ(cache.snapshot(7, 0), nullptr);
