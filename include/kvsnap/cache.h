@@ -49,7 +49,9 @@ class KVSNAP_EXPORT Snapshot {
   virtual int64_t size() const = 0;
   // `hook(delta)` runs whenever size() changes without a call on the snapshot — a lazy snapshot
   // materializing, at once or in parts — with the change in bytes. Replaces any previous hook;
-  // never runs for a snapshot that owns everything already. It must not throw: it also runs where
+  // never runs for a snapshot that owns everything already, except a PagedKVCache one restored
+  // into a sequence: its blocks are then shared (size() falls by them) until the sequence lets
+  // them go (it rises again). It must not throw: it also runs where
   // the cache cannot fail (a reset, a destruction), and an exception there ends the process.
   virtual void set_materialize_hook(std::function<void(int64_t delta)>) = 0;
 
@@ -146,7 +148,8 @@ class KVSNAP_EXPORT Cache {
 
   // ---- per sequence (the calls without one below address sequence 0) ----
   // The default implementations serve single-sequence caches: sequence 0 is the cache, any
-  // other throws Error.
+  // other throws Error — except the queries exposed_bytes, exposed_bytes_after_rewind and
+  // schedule_state, whose defaults answer for every sequence as each says below.
   virtual std::vector<Array> state(SeqId seq) const;
   // Drops the sequence's state and schedule (lazy snapshots of it are copied out first).
   virtual void reset(SeqId seq);
