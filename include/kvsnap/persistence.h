@@ -57,8 +57,8 @@ struct LoadOptions {
 struct SaveOptions {
   // false: mode 0600, this user's alone, and only into a folder a default load trusts (one this
   // user or root owns that group and others cannot write, or a sticky one like /tmp that this
-  // user or root owns): a save
-  // refuses, writing nothing, a folder where its own load would refuse the file. true: mode
+  // user or root owns): a save refuses, writing nothing, a folder where its own load would
+  // refuse the file. true: mode
   // 0644, so the other users of a shared folder can load it (with LoadOptions::allow_shared) —
   // and read what it holds —, into any folder.
   bool shared = false;

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "support/any_cache.h"
 #include "support/cache_support.h"
 #include "support/delegating_cache.h"
 #include "support/recurrent_support.h"
@@ -22,6 +23,7 @@ namespace {
 using testing::id_range;
 using testing::throws_error;
 using testing::TokenKV;
+using testing::write_to;
 
 const TokenKV kv;
 
@@ -301,19 +303,6 @@ TEST(DefaultPerSequenceCalls, TheQueriesAnswerForEverySequence) {
     EXPECT_EQ(cache.exposed_bytes_after_rewind(seq, 0), 0);
     EXPECT_FALSE(cache.schedule_state(seq).known);
   }
-}
-
-// Writes `ids` to sequence `seq` of any built-in kind.
-void write_to(Cache& cache, SeqId seq, const std::vector<int64_t>& ids) {
-  if (auto* recurrent = dynamic_cast<RecurrentCache*>(&cache)) {
-    (void)testing::RecurrentLayer{}.forward(*recurrent, ids, seq);
-    return;
-  }
-  auto& attention = dynamic_cast<Attention&>(cache);
-  const auto length = static_cast<int64_t>(ids.size());
-  (void)attention.update(
-      Batch::rows({{seq, cache.offset(seq), std::vector<int32_t>(static_cast<size_t>(length), 1)}}),
-      kv.keys(ids), kv.values(ids));
 }
 
 // Every built-in kind: sequence 1 reset (holding a lazy snapshot's tokens and a schedule) stays

@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "support/any_cache.h"
 #include "support/cache_support.h"
 #include "support/failing_allocation.h"
 #include "support/recurrent_support.h"
@@ -24,6 +25,7 @@ namespace {
 using testing::armed_call;
 using testing::id_range;
 using testing::throws_error;
+using testing::write_to;
 using Ids = std::vector<int64_t>;
 
 const testing::TokenKV kv;
@@ -37,17 +39,6 @@ std::unique_ptr<Cache> make(const std::string& kind) {
   if (kind == "RotatingKVCache") return std::make_unique<RotatingKVCache>(4);
   return std::make_unique<RecurrentCache>(layer.conv_tail, layer.conv_dim, layer.value_heads,
                                           layer.value_depth, layer.key_depth);
-}
-
-// Writes `ids` to sequence `seq` at its offset: a forward of the recurrent layer, or an update.
-void write_to(Cache& cache, SeqId seq, const Ids& ids) {
-  if (auto* recurrent = dynamic_cast<RecurrentCache*>(&cache)) {
-    (void)layer.forward(*recurrent, ids, seq);
-    return;
-  }
-  const std::vector<int32_t> tokens(ids.size(), 1);
-  (void)dynamic_cast<Attention&>(cache).update(Batch::rows({{seq, cache.offset(seq), tokens}}),
-                                               kv.keys(ids), kv.values(ids));
 }
 
 // Where a schedule's capture was lost, by mark, over a sweep.
