@@ -1,5 +1,6 @@
 // Decode attention's products (decode_kernels.h) for CPUs with AVX2 and FMA: scores with 8 queries
-// per vector (one lane each), up to three vectors and 12 / vectors key columns at a time; outputs
+// per vector (one lane each), up to three vectors and 12 / vectors key columns at a time, stored
+// transposed in registers (a query's scores of four columns in one store); outputs
 // with 32 value columns in four vectors for up to 3 queries at a time, over runs of columns. Each
 // lane is the same fma chain in the same order as the AVX-512 variant's (the depth from zero, then
 // the scale, for a score; the columns in order onto the output for an output), so the two give
@@ -42,22 +43,66 @@ template <int T, int U>
   }
 }
 
+// Four vectors of columns c..c+3 (lane i: query i) transposed in registers: query i's four
+// scores become one 128-bit store at out[i] + c, for the queries below `queries`.
+[[gnu::target("avx2,fma"), gnu::always_inline]] inline void store4(const __m256* v,
+                                                                   float* const* out, int64_t c,
+                                                                   int64_t queries) {
+  const __m256 lo01 = _mm256_unpacklo_ps(v[0], v[1]), hi01 = _mm256_unpackhi_ps(v[0], v[1]),
+               lo23 = _mm256_unpacklo_ps(v[2], v[3]), hi23 = _mm256_unpackhi_ps(v[2], v[3]);
+  // Query i (i < 4) in the low half of row[i], query i + 4 in its high half.
+  const __m256 row[4] = {_mm256_shuffle_ps(lo01, lo23, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(lo01, lo23, _MM_SHUFFLE(3, 2, 3, 2)),
+                         _mm256_shuffle_ps(hi01, hi23, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(hi01, hi23, _MM_SHUFFLE(3, 2, 3, 2))};
+  for (int64_t i = 0; i < std::min<int64_t>(4, queries); ++i) {
+    _mm_storeu_ps(out[i] + c, _mm256_castps256_ps128(row[i]));
+  }
+  for (int64_t i = 4; i < queries; ++i) {
+    _mm_storeu_ps(out[i] + c, _mm256_extractf128_ps(row[i - 4], 1));
+  }
+}
+
+// Two vectors of columns c, c+1 transposed: query i's two scores one 64-bit store.
+[[gnu::target("avx2,fma"), gnu::always_inline]] inline void store2(const __m256* v,
+                                                                   float* const* out, int64_t c,
+                                                                   int64_t queries) {
+  const __m256 lo = _mm256_unpacklo_ps(v[0], v[1]), hi = _mm256_unpackhi_ps(v[0], v[1]);
+  // Queries 0, 1 | 4, 5 in lo; 2, 3 | 6, 7 in hi.
+  const __m128 half[4] = {_mm256_castps256_ps128(lo), _mm256_castps256_ps128(hi),
+                          _mm256_extractf128_ps(lo, 1), _mm256_extractf128_ps(hi, 1)};
+  for (int64_t i = 0; i < queries; i += 2) {
+    _mm_storel_pi(reinterpret_cast<__m64*>(out[i] + c), half[i / 2]);
+    if (i + 1 < queries) _mm_storeh_pi(reinterpret_cast<__m64*>(out[i + 1] + c), half[i / 2]);
+  }
+}
+
 // sums[t][u] lane i is query 8t + i's score of column c + u: scaled, to out[8t + i][c + u] for
-// the queries below `valid`.
+// the queries below `valid`, transposed in registers four columns at a time (then two, then one).
 template <int T, int U>
 [[gnu::target("avx2,fma"), gnu::always_inline]] inline void store_group(__m256 (&sums)[T][U],
                                                                         __m256 scale,
                                                                         float* const* out,
                                                                         int64_t c, int64_t valid) {
-  alignas(32) float lanes[T][U][8];
-  for (int t = 0; t < T; ++t) {
-    for (int u = 0; u < U; ++u) _mm256_store_ps(lanes[t][u], _mm256_mul_ps(sums[t][u], scale));
-  }
+  // Unrolled, so that the sums stay in registers (an indexed sums[t] made GCC store them all on
+  // every step of the depth).
+#pragma GCC unroll 3
   for (int t = 0; t < T; ++t) {
     const int64_t queries = std::min<int64_t>(8, valid - 8 * t);
-    for (int64_t i = 0; i < queries; ++i) {
-      float* row = out[8 * t + i] + c;
-      for (int u = 0; u < U; ++u) row[u] = lanes[t][u][i];
+    float* const* rows = out + 8 * t;
+    __m256 v[U];
+    for (int u = 0; u < U; ++u) v[u] = _mm256_mul_ps(sums[t][u], scale);
+    int u = 0;
+#pragma GCC unroll 3
+    for (; u + 4 <= U; u += 4) store4(v + u, rows, c + u, queries);
+    if constexpr (U % 4 >= 2) {
+      store2(v + u, rows, c + u, queries);
+      u += 2;
+    }
+    if constexpr (U % 2 == 1) {
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, v[u]);
+      for (int64_t i = 0; i < queries; ++i) rows[i][c + u] = lanes[i];
     }
   }
 }
