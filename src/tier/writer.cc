@@ -82,8 +82,8 @@ bool WriteBehind::push(WriteBatch batch) {
       ++counters_.dropped_batches;
       return false;
     }
+    queue_.push_back(std::move(batch));  // first: out of memory here must leave the count as it was
     queued_bytes_ += bytes;
-    queue_.push_back(std::move(batch));
   }
   wake_.notify_one();
   return true;
