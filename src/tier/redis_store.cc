@@ -436,11 +436,11 @@ std::vector<RedisStore::Reply> RedisStore::read_replies(const std::vector<Comman
     };
     // An index listing more members, or longer ones, than the tier writes (planted by whoever can
     // write the store): this round trip fails, the store is well (it answered).
-    const auto index_too_large = [&](const std::string& why) {
+    const auto unusable_index = [&](const std::string& why) {
       if (commands[i][0] != "SMEMBERS") return;
       drop_connection();  // the rest of the reply is in flight: the connection is unusable
       options_.health->answered();
-      throw IndexTooLarge("an index: " + why, std::string(commands[i][1]));
+      throw UnusableIndex("an index: " + why, std::string(commands[i][1]));
     };
     limits_->expect(ceiling);
     void* reply = nullptr;
@@ -450,7 +450,7 @@ std::vector<RedisStore::Reply> RedisStore::read_replies(const std::vector<Comman
       const auto unparsed = static_cast<int64_t>(context_->reader->len - context_->reader->pos);
       if (unparsed > ceiling.bytes()) {
         too_much();
-        index_too_large(ReplyLimits::too_long(unparsed, ceiling));
+        unusable_index(ReplyLimits::too_long(unparsed, ceiling));
         fail(ReplyLimits::too_long(unparsed, ceiling), false);
       }
       await(POLLIN, deadline);
@@ -460,7 +460,7 @@ std::vector<RedisStore::Reply> RedisStore::read_replies(const std::vector<Comman
       const ReplyLimits::Broken broken = limits_->broken;
       if (broken == ReplyLimits::Broken::long_string) too_much();
       if (broken == ReplyLimits::Broken::long_string || broken == ReplyLimits::Broken::long_array) {
-        index_too_large(limits_->why());
+        unusable_index(limits_->why());
       }
       fail_io(deadline);
     }
@@ -509,7 +509,11 @@ void RedisStore::probe(std::span<const std::string> sets, std::span<const std::s
   sizes.assign(keys.size(), -1);
   for (size_t i = 0; i < sets.size(); ++i) {
     const Reply& reply = replies[2 * i];
-    if (reply->type != REDIS_REPLY_ARRAY) continue;  // a key of another type: no members
+    // A key of another type (planted: SADD cannot add to it, and it would never be repaired).
+    if (reply.error() && reply.text().starts_with("WRONGTYPE")) {
+      throw UnusableIndex("an index: it is not a set (a key of another type)", sets[i]);
+    }
+    if (reply->type != REDIS_REPLY_ARRAY) continue;
     for (size_t m = 0; m < reply->elements; ++m) {
       const redisReply* member = reply->element[m];
       if (member->type == REDIS_REPLY_STRING) members[i].emplace_back(member->str, member->len);

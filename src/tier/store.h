@@ -33,10 +33,11 @@ struct StoreFailure : std::runtime_error {
 };
 
 // A probe that met an index set listing more members, or longer ones, than any tier writes
-// (Store::kMaximumIndexMembers): planted by whoever can write the store. The store is well; the
-// set is of no use to anyone (TierImpl::drop_index deletes it).
-struct IndexTooLarge : StoreFailure {
-  IndexTooLarge(const std::string& what, std::string set)
+// (Store::kMaximumIndexMembers), or an index that is not a set at all (a Redis key of another
+// type, which SADD cannot add to): planted by whoever can write the store. The store is well; the
+// index is of no use to anyone (TierImpl::drop_index deletes it, and the next write makes it).
+struct UnusableIndex : StoreFailure {
+  UnusableIndex(const std::string& what, std::string set)
       : StoreFailure(what, Reason::failed), set(std::move(set)) {}
   std::string set;
 };

@@ -181,7 +181,7 @@ TierImpl::TierImpl(const std::string& address, std::vector<Cache*> layers, TierO
         address_));
   };
   writer.known = [this](const std::string& key) { return known_.contains(key); };
-  writer.index_too_large = [this](const IndexTooLarge& failure) { drop_index(failure); };
+  writer.unusable_index = [this](const UnusableIndex& failure) { drop_index(failure); };
   // The writer is off the request path: while the host name resolves, its batches wait for the
   // resolution (within their write timeout) instead of being dropped.
   store_options.wait_for_resolution = true;
@@ -215,7 +215,7 @@ void TierImpl::reject(const std::string& key, size_t bytes, const std::string& w
   }
 }
 
-void TierImpl::drop_index(const IndexTooLarge& failure) {
+void TierImpl::drop_index(const UnusableIndex& failure) {
   reject(failure.set, 0, failure.what(), /*unauthenticated=*/false, /*doom=*/true);
   known_.clear();
 }

@@ -94,10 +94,10 @@ class TierImpl {
   // whole but not in this process's shapes is left to the processes it fits.
   void reject(const std::string& key, size_t bytes, const std::string& why, bool unauthenticated,
               bool doom);
-  // An index set a probe found too large (IndexTooLarge: planted): rejected and doomed like a
+  // An index a probe found unusable (UnusableIndex: planted): rejected and doomed like a
   // forged object, and what this process knows the store holds forgotten — the set listed its
   // points too — so the next sessions write them and their index entries again.
-  void drop_index(const IndexTooLarge& failure);
+  void drop_index(const UnusableIndex& failure);
   // The shapes layer i's snapshots have in this process ("" until it stores one).
   std::vector<std::string> known_signatures() const;
   void learn_signature(size_t layer, const SnapshotRecord& record);

@@ -282,7 +282,7 @@ TierMatch TierImpl::lookup(std::span<const int32_t> tokens, int64_t limit, int64
       counters_.restored_tokens += match.offset - better_than;
     }
     return match;
-  } catch (const IndexTooLarge& failure) {  // a miss; the set goes
+  } catch (const UnusableIndex& failure) {  // a miss; the set goes
     try {
       drop_index(failure);
     } catch (const std::bad_alloc&) {  // the next lookup that meets it drops it

@@ -156,7 +156,7 @@ void WriteBehind::send(WriteBatch& batch) {
     lookups_.wait_for_lookups(waited_from + options_.lookup_timeout);
     deadline += std::chrono::steady_clock::now() - waited_from;
     if (!still_holds(batch, deadline) && options_.lost) options_.lost();
-    // A set the check doomed (planted too large) goes first in this batch: before its index
+    // A set the check doomed (planted: unusable) goes first in this batch: before its index
     // entries are added to it, not after (which would delete them).
     const std::lock_guard<std::mutex> lock(mutex_);
     batch.doomed.insert(batch.doomed.end(), std::make_move_iterator(doomed_.begin()),
@@ -206,8 +206,8 @@ bool WriteBehind::still_holds(const WriteBatch& batch, Deadline deadline) {
   std::vector<int64_t> sizes;
   try {
     store_->probe(sets, batch.known, deadline, members, sizes);
-  } catch (const IndexTooLarge& failure) {
-    if (options_.index_too_large) options_.index_too_large(failure);
+  } catch (const UnusableIndex& failure) {
+    if (options_.unusable_index) options_.unusable_index(failure);
     return true;  // what it knows is forgotten (and the set deleted): written again anyway
   } catch (const StoreFailure& failure) {
     if (failure.reason != StoreFailure::Reason::waiting) ++counters_.store_errors;

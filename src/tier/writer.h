@@ -67,8 +67,8 @@ class WriteBehind {
     // came after the rejection that doomed it).
     std::function<bool(const std::string&)> known;
     // Runs on the writer thread when its check of what a batch skipped as known meets an index
-    // set too large to be the tier's (planted): that check is given up.
-    std::function<void(const IndexTooLarge&)> index_too_large;
+    // the tier cannot use (UnusableIndex: planted): that check is given up.
+    std::function<void(const UnusableIndex&)> unusable_index;
   };
   WriteBehind(std::unique_ptr<Store> store, Options options, TierCounters& counters);
   // Waits up to write_timeout for the queue to drain, drops what is left (counted), and stops

@@ -1,13 +1,17 @@
 // The shared tier repairs what the store lost or holds damaged, against a real redis-server: a
 // flushed server is refilled by processes that already wrote its entries, index sets live as long
-// as the points they name are used, an index set planted too large is deleted and written
-// again, and a store call with a state of the wrong kind is refused before anything is written or
-// learned. (A damaged object deleted and written again: tier_store_test.cc, both backends.)
+// as the points they name are used, an index set planted too large, or a key of another type in
+// its place, is deleted and written again, and a store call with a state of the wrong kind is
+// refused before anything is written or learned. (A damaged object deleted and written again:
+// tier_store_test.cc, both backends.)
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <functional>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "support/tier_support.h"
 
@@ -70,32 +74,58 @@ TEST(TierRepair, IndexSetsInUseLiveAsLongAsTheirPoints) {
       << "index sets: " << server.keys("kvsnap:i:*").size();
 }
 
-// Adds 70000 members to every index set in `server` (more than any tier writes, as whoever can
-// SADD can); returns the sets.
-std::vector<std::string> plant_index_sets(const RedisServer& server) {
-  const std::vector<std::string> sets = server.keys("kvsnap:i:*");
-  EXPECT_FALSE(sets.empty());
-  for (const std::string& set : sets) {
-    for (int batch = 0; batch < 70; ++batch) {
-      std::vector<std::string> sadd{"SADD", set};
-      for (int m = 0; m < 1000; ++m) sadd.push_back(fmt::format("planted-{}-{}", batch, m));
-      (void)server.command(sadd);
-    }
-  }
-  return sets;
+// Index sets planted by whoever can write the store: `plant` spoils every index set in `server`
+// and returns them; `spoiled` tells whether one still is.
+struct Planting {
+  std::function<std::vector<std::string>(const RedisServer&)> plant;
+  std::function<bool(const RedisServer&, const std::string&)> spoiled;
+};
+
+// 70000 members added to every set (more than any tier writes, as whoever can SADD can).
+Planting too_large() {
+  return {[](const RedisServer& server) {
+            const std::vector<std::string> sets = server.keys("kvsnap:i:*");
+            EXPECT_FALSE(sets.empty());
+            for (const std::string& set : sets) {
+              for (int batch = 0; batch < 70; ++batch) {
+                std::vector<std::string> sadd{"SADD", set};
+                for (int m = 0; m < 1000; ++m)
+                  sadd.push_back(fmt::format("planted-{}-{}", batch, m));
+                (void)server.command(sadd);
+              }
+            }
+            return sets;
+          },
+          [](const RedisServer& server, const std::string& set) {
+            return std::stoll(server.command({"SCARD", set})) > 70000;
+          }};
 }
 
-// An index set planted with more members than any tier writes (whoever can SADD can): the lookup
-// that meets it misses, and the set is deleted and written again with the points its process
-// evaluated — instead of failing, and reconnecting, every lookup over that chunk from then on.
-TEST(TierRepair, AnIndexPlantedTooLargeIsDeletedAndWrittenAgain) {
+// Every set replaced by a string: SADD cannot add to it (WRONGTYPE), and SMEMBERS lists nothing.
+Planting not_a_set() {
+  return {[](const RedisServer& server) {
+            const std::vector<std::string> sets = server.keys("kvsnap:i:*");
+            EXPECT_FALSE(sets.empty());
+            for (const std::string& set : sets) (void)server.command({"SET", set, "planted"});
+            return sets;
+          },
+          [](const RedisServer& server, const std::string& set) {
+            return server.command({"TYPE", set}) == "string";
+          }};
+}
+
+// The lookup that meets a planted set misses, and the set is deleted and written again with the
+// points its process evaluated — instead of failing, and reconnecting, every lookup over that
+// chunk from then on (too large), or missing them silently forever (not a set: each write's
+// SADD refused, its EXPIRE keeping the planted key alive).
+void check_a_lookup_repairs(const Planting& planting) {
   RedisServer server;
   Conversation talk;
   {
     TierProcess writer(server.address());
     (void)writer.turn(talk.first, talk.reply, talk.ends);
   }
-  const std::vector<std::string> sets = plant_index_sets(server);
+  const std::vector<std::string> sets = planting.plant(server);
   // The system prompt's set goes; the other (the first conversation's own chunk) is not met.
   TierProcess reader(server.address());
   EXPECT_EQ(reader.turn(talk.system + tokens(720, 12), tokens(735, 2), talk.ends).cached, 0);
@@ -104,29 +134,43 @@ TEST(TierRepair, AnIndexPlantedTooLargeIsDeletedAndWrittenAgain) {
   EXPECT_EQ(reader.log.count("rejected kvsnap:i:"), 1) << reader.log.all();
   EXPECT_EQ(reader.log.count("store lost"), 0) << reader.log.all();
   size_t planted = 0;
-  for (const std::string& set : sets) {
-    if (std::stoll(server.command({"SCARD", set})) > 70000) ++planted;
-  }
+  for (const std::string& set : sets) planted += planting.spoiled(server, set) ? 1 : 0;
   EXPECT_EQ(planted, sets.size() - 1);
   TierProcess late(server.address());
   EXPECT_EQ(late.turn(talk.system + tokens(760, 12), tokens(775, 2)).cached, 20) << late.log.all();
   EXPECT_EQ(late.tier->stats().rejected, 0);
 }
 
+TEST(TierRepair, AnIndexPlantedTooLargeIsDeletedAndWrittenAgain) {
+  check_a_lookup_repairs(too_large());
+}
+
+TEST(TierRepair, AnIndexThatIsNotASetIsDeletedAndWrittenAgain) {
+  check_a_lookup_repairs(not_a_set());
+}
+
 // The writer's check of what it skips as known meets the planted set: that set is deleted and
 // the process, knowing nothing any more, writes its points again.
-TEST(TierRepair, AnIndexPlantedTooLargeIsRepairedByTheWriterThatSkipsItsPoints) {
+void check_the_writer_repairs(const Planting& planting) {
   RedisServer server;
   Conversation talk;
   TierProcess writer(server.address());
   (void)writer.turn(talk.first, talk.reply, talk.ends);
-  (void)plant_index_sets(server);
+  (void)planting.plant(server);
   for (int r = 0; r < 2; ++r) (void)writer.turn(talk.first, tokens(800 + 10 * r, 5));
   EXPECT_EQ(writer.log.count("rejected kvsnap:i:"), 1) << writer.log.all();
   EXPECT_EQ(writer.log.count("store lost"), 0) << writer.log.all();
   EXPECT_EQ(writer.tier->stats().store_errors, 0);
   TierProcess late(server.address());
   EXPECT_EQ(late.turn(talk.system + tokens(720, 4), tokens(730, 2)).cached, 20) << late.log.all();
+}
+
+TEST(TierRepair, AnIndexPlantedTooLargeIsRepairedByTheWriterThatSkipsItsPoints) {
+  check_the_writer_repairs(too_large());
+}
+
+TEST(TierRepair, AnIndexThatIsNotASetIsRepairedByTheWriterThatSkipsItsPoints) {
+  check_the_writer_repairs(not_a_set());
 }
 
 TEST(TierRepair, AStoreWithAStateOfTheWrongKindIsRefusedAndTeachesNothing) {
