@@ -82,7 +82,7 @@ type Batch struct {
 }
 
 // fit is v as an int32 (positions and lengths are int32 in a batch); one that does not fit
-// marks the batch, whose calls then fail with an invalid-argument error naming it.
+// marks the batch, whose calls then fail with ErrContract naming it.
 func (b *Batch) fit(what string, v int64) int32 {
 	if v < math.MinInt32 || v > math.MaxInt32 {
 		if b.unfit == "" {

@@ -114,8 +114,13 @@ bool needs_copy(const DLTensor& tensor) {
 }
 
 // A compact copy of `tensor`, whose strides may be negative and whose data may be misaligned.
-// Its checks are from_dlpack's, made on a row-major stand-in whose memory is not read.
+// Its checks are from_dlpack's, made on a row-major stand-in whose memory is not read (and its
+// limit on byte_offset, which the stand-in does not carry). Touches no Python object: runs
+// without the GIL (a tensor may be gigabytes).
 Array copy_dlpack(const DLTensor& tensor) {
+  if (tensor.byte_offset > (uint64_t{1} << 62)) {
+    throw Error(fmt::format("from_dlpack: byte_offset {} is more than 2^62", tensor.byte_offset));
+  }
   DLManagedTensor stand_in{};
   stand_in.dl_tensor = tensor;
   stand_in.dl_tensor.strides = nullptr;
@@ -162,7 +167,8 @@ PyArray array_from_dlpack(py::object producer) {
     throw Error("Array.from_dlpack: __dlpack__ returned a capsule that is not a \"dltensor\"");
   }
   const DLTensor& tensor = static_cast<DLManagedTensor*>(capsule.get_pointer())->dl_tensor;
-  if (needs_copy(tensor)) return PyArray{copy_dlpack(tensor)};
+  // (The capsule, unconsumed, keeps the producer's memory meanwhile.)
+  if (needs_copy(tensor)) return PyArray{without_gil([&] { return copy_dlpack(tensor); })};
   DLManagedTensor stand_in{};
   stand_in.dl_tensor = tensor;
   stand_in.deleter = [](DLManagedTensor*) {};

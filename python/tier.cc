@@ -180,7 +180,11 @@ Without `key` (load_tier_key) the store is trusted: damage is caught, forgery is
           "authenticated", [](const PyTier& t) { return t.tier->authenticated(); },
           "Whether objects carry a MAC (a key was given).");
   m.def(
-      "load_tier_key", [](const std::string& path) { return py::bytes(load_tier_key(path)); },
+      "load_tier_key",
+      [](const std::string& path) {
+        std::string key = without_gil([&] { return load_tier_key(path); });
+        return py::bytes(key);
+      },
       py::arg("path"),
       "A MAC key from a private file (this user's, mode 0600, in a folder others cannot write, "
       "16 bytes to 1 MiB), for Tier(key=...).");

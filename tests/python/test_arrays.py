@@ -95,6 +95,50 @@ def test_a_capsule_without_a_name_is_refused():
         kvsnap.Array.from_dlpack(Unnamed())
 
 
+def test_a_copied_dlpack_tensor_is_held_to_the_byte_offset_limit_too():
+    # A tensor with a negative stride is copied, not viewed: its byte_offset is checked as a
+    # view's is (it was read from unchecked, 2^63 bytes past the data).
+    import ctypes
+
+    class Device(ctypes.Structure):
+        _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+    class DataType(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+    class Tensor(ctypes.Structure):
+        _fields_ = [("data", ctypes.c_void_p), ("device", Device), ("ndim", ctypes.c_int32),
+                    ("dtype", DataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                    ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+    class Managed(ctypes.Structure):
+        _fields_ = [("dl_tensor", Tensor), ("manager_ctx", ctypes.c_void_p),
+                    ("deleter", ctypes.c_void_p)]
+
+    new_capsule = ctypes.pythonapi.PyCapsule_New
+    new_capsule.restype = ctypes.py_object
+    new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    values = np.arange(4, dtype=np.float32)
+    shape, strides = (ctypes.c_int64 * 1)(4), (ctypes.c_int64 * 1)(-1)
+
+    def producer(byte_offset):
+        managed = Managed()
+        managed.dl_tensor = Tensor(values.ctypes.data + 12, Device(1, 0), 1, DataType(2, 32, 1),
+                                   shape, strides, byte_offset)
+
+        class Producer:
+            def __dlpack__(self, stream=None):
+                return new_capsule(ctypes.addressof(managed), b"dltensor", None)
+
+        return Producer(), managed  # the struct lives as long as the test holds it
+
+    reversed_, kept = producer(0)
+    np.testing.assert_array_equal(kvsnap.Array.from_dlpack(reversed_).numpy(), [3, 2, 1, 0])
+    hostile, kept = producer(2**63)
+    with pytest.raises(kvsnap.Error, match=r"byte_offset 9223372036854775808 is more than 2\^62"):
+        kvsnap.Array.from_dlpack(hostile)
+
+
 def test_unsupported_arrays_raise_kvsnap_error():
     with pytest.raises(kvsnap.Error, match=r"^kvsnap.Array: numpy dtype float64 is not supported"):
         kvsnap.Array(np.zeros(3))
