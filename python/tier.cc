@@ -89,7 +89,8 @@ std::unique_ptr<PyTier> open_tier(const std::string& address, const py::sequence
 
 void bind_stats(py::module_& m) {
   py::class_<TierStats>(m, "TierStats", "A tier's counters since it opened.")
-      .def_readonly("lookups", &TierStats::lookups, "Lookups that asked the store.")
+      .def_readonly("lookups", &TierStats::lookups,
+                    "Lookups with something to ask the store (TierStats in tier.h).")
       .def_readonly("hits", &TierStats::hits, "Lookups that returned a restore point.")
       .def_readonly("restored_tokens", &TierStats::restored_tokens,
                     "Tokens the restore points added to what their callers held.")

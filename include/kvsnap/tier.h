@@ -107,8 +107,11 @@ struct TierOptions {
 
 // Counters since open. bytes_* count object bytes (values) moved.
 struct TierStats {
-  int64_t lookups = 0;  // lookups that asked the store
-  int64_t hits = 0;     // lookups that returned a restore point
+  // Lookups with something to ask the store (more than better_than, a budget above 0), also
+  // those that then could not ask it: cut short waiting for another lookup, or made while a
+  // store that failed moments ago is not tried again yet.
+  int64_t lookups = 0;
+  int64_t hits = 0;  // lookups that returned a restore point
   // Tokens the restore points returned add to what their callers held (offset - better_than).
   int64_t restored_tokens = 0;
   int64_t bytes_read = 0;

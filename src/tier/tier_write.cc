@@ -42,8 +42,8 @@ void TierImpl::store(std::span<const int32_t> tokens, std::span<const Snapshot* 
     }
   }
   // Every snapshot must be of its layer's kind, in the shapes its others have (those this
-  // process stored or read): a wrong one would be written for every process to reject, and its
-  // shapes learned here would make this process reject the right ones.
+  // process stored: reads teach nothing): a wrong one would be written for every process to reject,
+  // and its shapes learned here would make this process reject the right ones.
   const std::vector<std::string> learned = known_signatures();
   const auto check_fits = [&](size_t i, const SnapshotRecord& record, int64_t offset) {
     const SnapshotRecord::Kind kind = *layer_kind(layers_[i]);
