@@ -101,6 +101,26 @@ Planting too_large() {
           }};
 }
 
+// More members added to every set than a chunk of 8 tokens (tier_options) can have: one point
+// per offset, twice where two versions wrote it — a probe over many chunks of such sets would
+// hold megabytes each under the ceiling of any chunk size (65536 members).
+Planting past_the_chunk() {
+  return {[](const RedisServer& server) {
+            const std::vector<std::string> sets = server.keys("kvsnap:i:*");
+            EXPECT_FALSE(sets.empty());
+            EXPECT_EQ(tier_options().chunk_tokens, 8);
+            for (const std::string& set : sets) {
+              std::vector<std::string> sadd{"SADD", set};
+              for (int m = 0; m < 4 * 8 + 1; ++m) sadd.push_back(fmt::format("{}:1000", 500 + m));
+              (void)server.command(sadd);
+            }
+            return sets;
+          },
+          [](const RedisServer& server, const std::string& set) {
+            return std::stoll(server.command({"SCARD", set})) > 4 * 8;
+          }};
+}
+
 // Every set replaced by a string: SADD cannot add to it (WRONGTYPE), and SMEMBERS lists nothing.
 Planting not_a_set() {
   return {[](const RedisServer& server) {
@@ -143,6 +163,10 @@ void check_a_lookup_repairs(const Planting& planting) {
 
 TEST(TierRepair, AnIndexPlantedTooLargeIsDeletedAndWrittenAgain) {
   check_a_lookup_repairs(too_large());
+}
+
+TEST(TierRepair, AnIndexListingMorePointsThanItsChunkHasIsDeletedAndWrittenAgain) {
+  check_a_lookup_repairs(past_the_chunk());
 }
 
 TEST(TierRepair, AnIndexThatIsNotASetIsDeletedAndWrittenAgain) {
