@@ -134,7 +134,8 @@ struct ScheduleState {
 // or changes nothing creates none. update / get / put with a batch route each row to its
 // sequence; the calls below without a sequence address sequence 0 (a single-sequence cache is
 // sequence 0), those with one address that sequence. The built-in kinds throw Error from every
-// call naming a sequence outside [0, 2^20) ("<call>: sequence id -1 outside [0, 1048576)").
+// call naming a sequence outside [0, 2^20), naming the kind (or the kind and the call): "KVCache:
+// sequence id -1 outside [0, 1048576)".
 //
 // Threads: kvsnap's caches lock themselves: any call (and a snapshot's destruction) may come
 // from any thread; calls on one cache run one at a time. A child process made by fork() while
