@@ -41,10 +41,10 @@ void TierImpl::store(std::span<const int32_t> tokens, std::span<const Snapshot* 
                       record ? fmt::format(", not [{}, {})", record->from, record->to) : ""));
     }
   }
-  // Every snapshot must be of its layer's kind, in the shapes its others have (those this
-  // process stored: reads teach nothing): a wrong one would be written for every process to reject,
-  // and its shapes learned here would make this process reject the right ones.
-  const std::vector<std::string> learned = known_signatures();
+  // Every snapshot must be of its layer's kind, in the shapes its others have (this process's
+  // stores', else the first of this call's; reads teach nothing): a wrong one would be written
+  // for every process to reject, and its shapes learned would make this one reject the right ones.
+  std::vector<std::string> learned = known_signatures();
   const auto check_fits = [&](size_t i, const SnapshotRecord& record, int64_t offset) {
     const SnapshotRecord::Kind kind = *layer_kind(layers_[i]);
     const std::string shapes = snapshot_signature(record, layers_[i]);
@@ -66,6 +66,7 @@ void TierImpl::store(std::span<const int32_t> tokens, std::span<const Snapshot* 
           shapes.empty() ? record.first.describe() + " / " + record.second.describe() : shapes,
           learned[i].empty() ? "the layer's own shapes" : learned[i]));
     }
+    if (learned[i].empty()) learned[i] = shapes;  // the call's later points must agree
   };
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (kv[i]) check_fits(i, kv[i]->record, end);

@@ -5,6 +5,7 @@
 // refused before anything is written or learned. (A damaged object deleted and written again:
 // tier_store_test.cc, both backends.)
 #include <fmt/format.h>
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -226,6 +227,42 @@ TEST(TierRepair, AStoreWithAStateOfTheWrongKindIsRefusedAndTeachesNothing) {
   // What another process wrote still fits this one's layers.
   EXPECT_EQ(process.turn(talk.system + tokens(720, 4), tokens(730, 2)).cached, 20);
   EXPECT_EQ(process.tier->stats().rejected, 0);
+}
+
+// Two points of one call whose window states have different shapes (a head less): with nothing
+// learned yet, the first point's shapes are the reference and the call is refused whole — not
+// both written, for every reader to reject one of them.
+TEST(TierRepair, AStoreWhosePointsDisagreeOnTheirShapesIsRefusedWhole) {
+  RedisServer server;
+  TierProcess process(server.address());
+  const Tokens other = tokens(5000, 12);
+  HybridStack whole, part;
+  ASSERT_TRUE(whole.forward_and_check(other, other));
+  const Tokens first(other.begin(), other.begin() + 10);
+  ASSERT_TRUE(part.forward_and_check(first, first));
+  RotatingKVCache narrow(HybridStack::kWindow);
+  const TokenKV one_head{.heads = 1, .depth = 4};
+  std::vector<int64_t> ids(10);
+  for (int64_t i = 0; i < 10; ++i) ids[static_cast<size_t>(i)] = i;
+  (void)narrow.update(Batch::rows({{0, 0, std::vector<int32_t>(10, 1)}}), one_head.keys(ids),
+                      one_head.values(ids));
+  const SnapshotPtr kv = whole.attention().snapshot(0, 0);
+  const SnapshotPtr window = whole.window.snapshot(0, 0),
+                    recurrent = whole.recurrent.snapshot(0, 0);
+  const SnapshotPtr narrow_window = narrow.snapshot(0, 0);
+  const SnapshotPtr recurrent_at_10 = part.recurrent.snapshot(0, 0);
+  const std::vector<const Snapshot*> ranges{kv.get(), nullptr, nullptr, nullptr};
+  const TierPoint points[] = {{12, {nullptr, window.get(), nullptr, recurrent.get()}},
+                              {10, {nullptr, narrow_window.get(), nullptr, recurrent_at_10.get()}}};
+  try {
+    process.tier->store(other, ranges, points);
+    ADD_FAILURE() << "points of two window shapes were both accepted";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), ::testing::StartsWith("Tier::store: layer 1 at offset 10: a snapshot of"))
+        << e.what();
+  }
+  EXPECT_TRUE(process.tier->flush());
+  EXPECT_EQ(process.tier->stats().objects_written, 0);
 }
 
 }  // namespace
