@@ -1,6 +1,7 @@
 #include <fmt/format.h>
 
 #include <charconv>
+#include <filesystem>
 #include <new>
 #include <nlohmann/json.hpp>
 #include <vector>
@@ -211,6 +212,13 @@ LoadedSnapshots decode_snapshots(const std::string& bytes, const std::string& so
 
 void save_snapshots(const std::string& path, int64_t offset,
                     std::span<const Snapshot* const> snapshots, const SaveOptions& options) {
+  // Before anything else: the cleanup of stale temporaries would take any ".tmp-<pid>..." in the
+  // folder for this file's.
+  if (const std::string name = std::filesystem::path(path).filename().string();
+      name.empty() || name == "." || name == "..") {
+    throw Error(
+        fmt::format("save_snapshots: the path \"{}\" names no file (empty, or a folder)", path));
+  }
   detail::check_save_folder(path, "save_snapshots", options.shared);
   detail::write_file_atomically(path, encode_snapshots(offset, snapshots), /*clean_stale=*/true,
                                 options.shared ? 0644 : 0600);

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
@@ -509,6 +510,24 @@ TEST(SnapshotFile, SavingToAnUnwritablePlaceFailsClearly) {
                    {"writing /nonexistent-dir/x.safetensors", "open"}));
   EXPECT_TRUE(throws_error([&] { (void)load_snapshots("/nonexistent-dir/x.safetensors"); },
                            {"cannot open"}));
+}
+
+// A path that names no file (empty, or a folder's) is refused before anything is done in its
+// folder: the cleanup of stale temporaries took every ".tmp-<pid>" there for the file's.
+TEST(SnapshotFile, APathNamingNoFileIsRefusedAndItsFolderLeftAsItIs) {
+  Fixture f;
+  const std::filesystem::path folder = scratch("unnamed.safetensors").parent_path();
+  const std::filesystem::path planted = folder / ".tmp-123";  // an hour-old temporary's name
+  { std::ofstream(planted) << "someone's"; }
+  std::filesystem::last_write_time(
+      planted, std::filesystem::file_time_type::clock::now() - std::chrono::hours(2));
+  for (const std::string& path : {folder.string() + "/", std::string(), folder.string() + "/."}) {
+    EXPECT_TRUE(throws_error([&] { save_snapshots(path, 9, f.snapshots); },
+                             {"save_snapshots: the path \"", "\" names no file"}))
+        << path;
+  }
+  EXPECT_TRUE(std::filesystem::exists(planted));
+  std::filesystem::remove(planted);
 }
 
 // A write that fails (here past the file size limit: EFBIG) is reported with its own reason,
