@@ -242,5 +242,11 @@ void check_seal(const SealedFile& sealed, const std::string& source);
 // (the damage may be in the version itself), which the message says too.
 std::string unknown_version(const std::string& version, int known,
                             const std::function<void()>& check_seal);
+// What is wrong with a file whose metadata "format" is `format` (null: missing), not `known`:
+// said so — and, for a sealed file (`metadata` holds a "checksum") whose `check_seal` throws,
+// that the file is damaged, as unknown_version says (a damaged byte in "format" or its key).
+std::string unknown_format(const std::string* format, const std::string& known,
+                           const std::map<std::string, std::string>& metadata,
+                           const std::function<void()>& check_seal);
 
 }  // namespace kvsnap::detail

@@ -123,10 +123,8 @@ void check_seal(const SealedFile& sealed, const std::string& source) {
   check_actual(sealed.file, sealed.actual, source);
 }
 
-std::string unknown_version(const std::string& version, int known,
-                            const std::function<void()>& check_seal) {
-  std::string why = fmt::format("version {} is unknown (this build reads version {})",
-                                cut_quoted(version), known);
+// `why`, and that the file is damaged when `check_seal` (null: not read yet) throws.
+static std::string or_damaged(std::string why, const std::function<void()>& check_seal) {
   if (check_seal) {
     try {
       check_seal();
@@ -135,6 +133,22 @@ std::string unknown_version(const std::string& version, int known,
     }
   }
   return why;
+}
+
+std::string unknown_version(const std::string& version, int known,
+                            const std::function<void()>& check_seal) {
+  return or_damaged(fmt::format("version {} is unknown (this build reads version {})",
+                                cut_quoted(version), known),
+                    check_seal);
+}
+
+std::string unknown_format(const std::string* format, const std::string& known,
+                           const std::map<std::string, std::string>& metadata,
+                           const std::function<void()>& check_seal) {
+  std::string why = format == nullptr
+                        ? "metadata \"format\" is missing"
+                        : fmt::format("format {} is not {}", cut_quoted(*format), known);
+  return metadata.contains("checksum") ? or_damaged(std::move(why), check_seal) : why;
 }
 
 SealedFile read_sealed(const ByteReader& read, uint64_t size, const std::string& source,

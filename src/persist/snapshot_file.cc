@@ -135,9 +135,11 @@ LoadedSnapshots decode(const std::string& bytes, const std::string& source) {
     if (it == file.metadata.end()) throw fail(fmt::format("metadata \"{}\" is missing", key));
     return it->second;
   };
-  if (meta("format") != kSnapshotsFormat) {
-    throw fail(
-        fmt::format("format {} is not {}", detail::cut_quoted(meta("format")), kSnapshotsFormat));
+  if (const auto it = file.metadata.find("format");
+      it == file.metadata.end() || it->second != kSnapshotsFormat) {
+    throw fail(detail::unknown_format(it == file.metadata.end() ? nullptr : &it->second,
+                                      kSnapshotsFormat, file.metadata,
+                                      [&] { detail::check_seal(bytes, file, source); }));
   }
   if (meta("version") != std::to_string(kVersion)) {
     throw fail(detail::unknown_version(meta("version"), kVersion,

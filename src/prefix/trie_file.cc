@@ -168,12 +168,15 @@ class TrieDecoder {
   // Format, version, checksum (unless `sealed` is null: not read yet), model and the layers'
   // configuration.
   void check_header(const SealedFile* sealed, const std::string& model_id) const {
-    if (meta("format") != kFormat)
-      throw fail(fmt::format("format {} is not {}", cut_quoted(meta("format")), kFormat));
+    const auto seal = [&] { check_seal(*sealed, source_); };
+    const std::function<void()> check = sealed != nullptr ? std::function<void()>(seal) : nullptr;
+    if (const auto it = file_.metadata.find("format");
+        it == file_.metadata.end() || it->second != kFormat) {
+      throw fail(unknown_format(it == file_.metadata.end() ? nullptr : &it->second, kFormat,
+                                file_.metadata, check));
+    }
     if (meta("version") != std::to_string(kVersion)) {
-      const auto seal = [&] { check_seal(*sealed, source_); };
-      throw fail(unknown_version(meta("version"), kVersion,
-                                 sealed != nullptr ? std::function<void()>(seal) : nullptr));
+      throw fail(unknown_version(meta("version"), kVersion, check));
     }
     if (sealed != nullptr) check_seal(*sealed, source_);
     if (!same_model(file_, model_id)) {

@@ -444,6 +444,20 @@ TEST_F(BadFiles, UnknownVersion) {
                        "damaged: its checksum does not match either"));
 }
 
+TEST_F(BadFiles, ADamagedFormatSaysTheFileMayBeDamaged) {
+  // As a damaged version: edited without a new seal, the format's value or its key.
+  EXPECT_TRUE(rejected(
+      with_header(good, [](auto& h) { h["__metadata__"]["format"] = "kvsnap-snapshotr"; }),
+      "format \"kvsnap-snapshotr\" is not kvsnap-snapshots, or the file is damaged: its checksum "
+      "does not match either"));
+  EXPECT_TRUE(rejected(with_header(good,
+                                   [](auto& h) {
+                                     h["__metadata__"]["formbt"] = h["__metadata__"]["format"];
+                                     h["__metadata__"].erase("format");
+                                   }),
+                       "metadata \"format\" is missing, or the file is damaged"));
+}
+
 TEST_F(BadFiles, NotAKvsnapFile) {
   EXPECT_TRUE(
       rejected(with_header(good, [](auto& h) { h["__metadata__"].erase("format"); }), "format"));

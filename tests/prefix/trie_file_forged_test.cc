@@ -284,6 +284,23 @@ TEST_F(TrieFileForged, ADamagedVersionSaysTheFileMayBeDamaged) {
       "checksum does not match either");
 }
 
+// So is one in "format": in its value, or in its key (then the format reads as missing).
+TEST_F(TrieFileForged, ADamagedFormatSaysTheFileMayBeDamaged) {
+  rewrite();
+  const std::string saved = read(path_);
+  const size_t at = saved.find("\"format\":\"kvsnap-prefix-cache\"");
+  ASSERT_NE(at, std::string::npos);
+  for (const auto& [flipped, said] :
+       {std::pair{at + 21, "format \"kvsnap-prefjx-cache\" is not kvsnap-prefix-cache"},
+        std::pair{at + 3, "metadata \"format\" is missing"}}) {
+    std::string bytes = saved;
+    bytes[flipped] = static_cast<char>(bytes[flipped] ^ 3);
+    std::ofstream(path_, std::ios::binary | std::ios::trunc) << bytes;
+    expect_rejected(std::string(said) +
+                    ", or the file is damaged: its checksum does not match either");
+  }
+}
+
 // A KV layer's snapshot of tokens [from, from + length): one head, two values a token.
 SnapshotPtr kv_range(int64_t from, int64_t length) {
   return detail::make_kv_snapshot(Array::zeros(DType::f32, {1, 1, length, 2}),
