@@ -49,10 +49,12 @@ class KVSNAP_EXPORT Snapshot {
   virtual int64_t size() const = 0;
   // `hook(delta)` runs whenever size() changes without a call on the snapshot — a lazy snapshot
   // materializing, at once or in parts — with the change in bytes. Replaces any previous hook;
-  // never runs for a snapshot that owns everything already, except a PagedKVCache one restored
-  // into a sequence: its blocks are then shared (size() falls by them) until the sequence lets
-  // them go (it rises again). It must not throw: it also runs where
-  // the cache cannot fail (a reset, a destruction), and an exception there ends the process.
+  // never runs for a snapshot that owns everything already, except a PagedKVCache one: a block
+  // is paid for by one of its holders, so when a sequence takes up a block the snapshot shares
+  // with others (restoring it, or another snapshot holding it) size() falls by it, and rises
+  // again when the sequence lets it go, or when the holder that paid goes. It must not throw: it
+  // also runs where the cache cannot fail (a reset, a destruction), and an exception there ends
+  // the process.
   virtual void set_materialize_hook(std::function<void(int64_t delta)>) = 0;
 
   // KV kinds: the range [from(), to()) of tokens whose data it holds. Whole-state kinds:

@@ -29,7 +29,9 @@ KVHistory KVKind::update(const Batch& batch, const Array& keys, const Array& val
   const int64_t length =
       check_update(batch, keys, values, offset, store.has_layout ? &store.layout : nullptr,
                    calls_.update.c_str(), row, seq);
-  // A write that fails leaves no layout taken either (with_layout).
+  // A write that fails leaves no layout taken either (with_layout), nor does one of no tokens
+  // (below: it answers with an empty history of its layout, then lets the layout go).
+  const bool had_layout = store.has_layout;
   with_layout(KVLayout::of(keys, values), [&] {
     if (length == 0) return;
     if (length == keys.dim(2)) {  // no padding columns: write the arrays as given
@@ -43,7 +45,9 @@ KVHistory KVKind::update(const Batch& batch, const Array& keys, const Array& val
     store.stats.appended_bytes += length * store.token_bytes();
   }
   capture_reached();
-  return history();
+  KVHistory out = history();
+  if (length == 0 && !had_layout) store.clear();
+  return out;
 }
 
 void KVKind::check_snapshot_from(int64_t from_offset) const {

@@ -102,6 +102,26 @@ TYPED_TEST(KVContract, AWriteOfNoTokensTakesNoLayout) {
   EXPECT_EQ(this->cache->offset(), 3);
 }
 
+// Nor after a reset, which lets the sequence's layout go: a write of no tokens in another layout
+// takes none, and the first layout's tokens, and snapshots, still go in. (A PagedKVCache's pool
+// keeps its layout while a snapshot holds its blocks: paged_kv_cache.h.)
+TYPED_TEST(KVContract, AWriteOfNoTokensAfterAResetTakesNoLayout) {
+  const testing::TokenKV other{.heads = 1, .depth = 2};
+  (void)testing::write(*this->cache, kv, id_range(0, 3));
+  this->cache->reset();
+  (void)testing::write(*this->cache, other, {});
+  EXPECT_NO_THROW((void)testing::write(*this->cache, kv, id_range(0, 2)));
+  EXPECT_EQ(this->cache->offset(), 2);
+  if (dynamic_cast<PagedKVCache*>(this->cache.get()) != nullptr) return;
+  const SnapshotPtr first = this->cache->snapshot(0);
+  ASSERT_NE(first, nullptr);
+  this->cache->reset();
+  (void)testing::write(*this->cache, other, {});
+  EXPECT_EQ(this->cache->offset(), 0);
+  EXPECT_TRUE(this->cache->restore(first.get(), 2));
+  EXPECT_EQ(this->cache->offset(), 2);
+}
+
 TYPED_TEST(CacheContract, WritesAdvanceTheOffset) {
   this->write(3);
   this->write(1);
