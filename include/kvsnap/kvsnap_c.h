@@ -468,7 +468,7 @@ KVSNAP_EXPORT void kvsnap_snapshot_list_destroy(kvsnap_snapshot_list* list);
 /* Writes `count` snapshots (NULL entries allowed) with `offset` to a safetensors file,
  * atomically, mode 0600. Lazy snapshots are read from their cache, not materialized. Refuses,
  * writing nothing, a folder that a load would refuse (kvsnap_save_snapshots_with saves for a
- * shared folder). */
+ * shared folder), and a path that names no file (empty, ending in '/', '.' or '..'). */
 KVSNAP_EXPORT kvsnap_status kvsnap_save_snapshots(const char* path, int64_t offset,
                                                   const kvsnap_snapshot* const* snapshots,
                                                   size_t count);

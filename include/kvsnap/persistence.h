@@ -69,7 +69,8 @@ struct SaveOptions {
 // Throws Error for a snapshot of a kind kvsnap cannot store or that cannot restore `offset` (a KV
 // range restores any offset in [from, to], a window its end or, while it has evicted nothing, an
 // earlier one, a recurrent state its own: loading checks the same), or when the file cannot be
-// written, or (without options.shared) into a folder a load would refuse: see SaveOptions.
+// written, or (without options.shared) into a folder a load would refuse: see SaveOptions; and,
+// before anything else, for a path that names no file (empty, ending in '/', '.' or '..').
 KVSNAP_EXPORT void save_snapshots(const std::string& path, int64_t offset,
                                   std::span<const Snapshot* const> snapshots);
 KVSNAP_EXPORT void save_snapshots(const std::string& path, int64_t offset,

@@ -63,7 +63,8 @@ struct TierOptions {
   // MAC key material (load_tier_key), at least 16 bytes; empty: trusted-store mode.
   std::string key;
   // Tokens per KV chunk object, in [1, 32768]. Part of the key root: processes must agree to
-  // share.
+  // share. A Redis index set (a chunk's restore points) listing more than 16 members per token
+  // of it is taken for planted: rejected and deleted.
   int64_t chunk_tokens = 256;
   // The largest object written, in [1, 512 MiB] (Redis's default proto-max-bulk-len, the most
   // either store reads back; lower it to a server's smaller setting). A chunk larger than this

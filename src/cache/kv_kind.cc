@@ -45,9 +45,15 @@ KVHistory KVKind::update(const Batch& batch, const Array& keys, const Array& val
     store.stats.appended_bytes += length * store.token_bytes();
   }
   capture_reached();
-  KVHistory out = history();
-  if (length == 0 && !had_layout) store.clear();
-  return out;
+  if (length > 0 || had_layout) return history();
+  try {
+    KVHistory out = history();
+    store.clear();
+    return out;
+  } catch (...) {  // out of memory making the empty history: the layout goes all the same
+    store.clear();
+    throw;
+  }
 }
 
 void KVKind::check_snapshot_from(int64_t from_offset) const {

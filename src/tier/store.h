@@ -173,7 +173,8 @@ struct StoreOptions {
   // dir: only — without a MAC key nothing but ownership says who wrote an object: the folder
   // must be private (check_private_folder) and files of other users read as missing.
   bool own_files_only = false;
-  // Redis only, lowered by tests: the reply limits above (Store::kMaximum...).
+  // Redis only: the reply limits above (Store::kMaximum...), lowered by tests; TierImpl lowers
+  // max_index_members to 16 per token of its chunk.
   int64_t max_object_bytes = Store::kMaximumObjectBytes;
   int64_t max_index_members = Store::kMaximumIndexMembers;
   // Redis only: a host name's numeric addresses (IPv4 before IPv6, as hiredis orders them), or

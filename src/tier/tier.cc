@@ -165,11 +165,13 @@ TierImpl::TierImpl(const std::string& address, std::vector<Cache*> layers, TierO
       options_.ttl, options_.retry_interval,
       std::make_shared<StoreHealth>(address_, options_.log, [this] { known_.clear(); }),
       /*own_files_only=*/mac_key_.empty()};
-  // A chunk's index lists one point per offset of the chunk, twice where two versions wrote it:
-  // a Redis set listing more than twice that (planted) fails its probe as it arrives, so a
-  // probe of many sets costs kilobytes each, not the megabytes of kMaximumIndexMembers.
+  // A chunk's index lists one point per offset of the chunk, once per object size written there
+  // (processes whose layers differ in shapes the root does not bind share it; the version before
+  // sizes wrote bare members): a Redis set listing more than 16 per offset (planted) fails its
+  // probe as it arrives, so a probe of many sets costs a bounded share each, not the megabytes
+  // of kMaximumIndexMembers.
   store_options.max_index_members =
-      std::min(Store::kMaximumIndexMembers, 4 * options_.chunk_tokens);
+      std::min(Store::kMaximumIndexMembers, 16 * options_.chunk_tokens);
   lookup_store_ = open_store(address, store_options);
   WriteBehind::Options writer;
   writer.capacity = static_cast<size_t>(options_.write_queue);

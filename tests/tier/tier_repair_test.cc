@@ -102,8 +102,8 @@ Planting too_large() {
           }};
 }
 
-// More members added to every set than a chunk of 8 tokens (tier_options) can have: one point
-// per offset, twice where two versions wrote it — a probe over many chunks of such sets would
+// More members added to every set than a chunk of 8 tokens (tier_options) takes, 16 per offset
+// (one point per offset and object size) — a probe over many chunks of such sets would
 // hold megabytes each under the ceiling of any chunk size (65536 members).
 Planting past_the_chunk() {
   return {[](const RedisServer& server) {
@@ -112,13 +112,13 @@ Planting past_the_chunk() {
             EXPECT_EQ(tier_options().chunk_tokens, 8);
             for (const std::string& set : sets) {
               std::vector<std::string> sadd{"SADD", set};
-              for (int m = 0; m < 4 * 8 + 1; ++m) sadd.push_back(fmt::format("{}:1000", 500 + m));
+              for (int m = 0; m < 16 * 8 + 1; ++m) sadd.push_back(fmt::format("{}:1000", 500 + m));
               (void)server.command(sadd);
             }
             return sets;
           },
           [](const RedisServer& server, const std::string& set) {
-            return std::stoll(server.command({"SCARD", set})) > 4 * 8;
+            return std::stoll(server.command({"SCARD", set})) > 16 * 8;
           }};
 }
 
