@@ -157,7 +157,7 @@ void remove_stale_temporaries(const std::string& path) {
   namespace fs = std::filesystem;
   try {
     const fs::path target(path);
-    if (target.filename().empty() || target.filename() == "." || target.filename() == "..") return;
+    if (names_no_file(path)) return;
     const std::string prefix = temporary_stem(target.filename().string()) + ".tmp-";
     const fs::path folder = target.parent_path().empty() ? fs::path(".") : target.parent_path();
     const Place& here = place();

@@ -5,9 +5,11 @@
 #include <sys/types.h>
 
 #include <ctime>
+#include <filesystem>
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -176,7 +178,13 @@ bool list_folder(const std::string& folder, const std::function<bool(const char*
 // containers apart (no /proc: only the host name) are stale once unchanged for
 // kStaleForeignTemporary by the folder's clock (a file made there: a shared folder's server may
 // keep another time than this host): no save takes that long. Errors are ignored (best effort).
+// (Nothing for a path that names no file: names_no_file.)
 void remove_stale_temporaries(const std::string& path);
+// Whether `path` names no file: empty, or a folder's ("dir/", ".", "..").
+inline bool names_no_file(const std::string& path) {
+  const std::filesystem::path name = std::filesystem::path(path).filename();
+  return name.empty() || name == "." || name == "..";
+}
 // After a load read `path` (by `rule`): removes its stale temporaries when the folder they lie in
 // is one the load trusted — the folder `path` names is the one open_private_file checked (no
 // link on the way leads elsewhere), or rule.allow_shared trusts any. Best effort, as above.
@@ -242,11 +250,11 @@ void check_seal(const SealedFile& sealed, const std::string& source);
 // (the damage may be in the version itself), which the message says too.
 std::string unknown_version(const std::string& version, int known,
                             const std::function<void()>& check_seal);
-// What is wrong with a file whose metadata "format" is `format` (null: missing), not `known`:
-// said so — and, for a sealed file (`metadata` holds a "checksum") whose `check_seal` throws,
+// What is wrong with `metadata`'s "format" when it is missing or not `known` (nullopt when it
+// is known) — and, for a sealed file (`metadata` holds a "checksum") whose `check_seal` throws,
 // that the file is damaged, as unknown_version says (a damaged byte in "format" or its key).
-std::string unknown_format(const std::string* format, const std::string& known,
-                           const std::map<std::string, std::string>& metadata,
-                           const std::function<void()>& check_seal);
+std::optional<std::string> unknown_format(const std::map<std::string, std::string>& metadata,
+                                          const std::string& known,
+                                          const std::function<void()>& check_seal);
 
 }  // namespace kvsnap::detail

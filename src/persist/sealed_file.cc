@@ -142,12 +142,14 @@ std::string unknown_version(const std::string& version, int known,
                     check_seal);
 }
 
-std::string unknown_format(const std::string* format, const std::string& known,
-                           const std::map<std::string, std::string>& metadata,
-                           const std::function<void()>& check_seal) {
-  std::string why = format == nullptr
+std::optional<std::string> unknown_format(const std::map<std::string, std::string>& metadata,
+                                          const std::string& known,
+                                          const std::function<void()>& check_seal) {
+  const auto format = metadata.find("format");
+  if (format != metadata.end() && format->second == known) return std::nullopt;
+  std::string why = format == metadata.end()
                         ? "metadata \"format\" is missing"
-                        : fmt::format("format {} is not {}", cut_quoted(*format), known);
+                        : fmt::format("format {} is not {}", cut_quoted(format->second), known);
   return metadata.contains("checksum") ? or_damaged(std::move(why), check_seal) : why;
 }
 

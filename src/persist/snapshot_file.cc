@@ -1,7 +1,6 @@
 #include <fmt/format.h>
 
 #include <charconv>
-#include <filesystem>
 #include <new>
 #include <nlohmann/json.hpp>
 #include <vector>
@@ -135,11 +134,9 @@ LoadedSnapshots decode(const std::string& bytes, const std::string& source) {
     if (it == file.metadata.end()) throw fail(fmt::format("metadata \"{}\" is missing", key));
     return it->second;
   };
-  if (const auto it = file.metadata.find("format");
-      it == file.metadata.end() || it->second != kSnapshotsFormat) {
-    throw fail(detail::unknown_format(it == file.metadata.end() ? nullptr : &it->second,
-                                      kSnapshotsFormat, file.metadata,
-                                      [&] { detail::check_seal(bytes, file, source); }));
+  if (const auto why = detail::unknown_format(file.metadata, kSnapshotsFormat,
+                                              [&] { detail::check_seal(bytes, file, source); })) {
+    throw fail(*why);
   }
   if (meta("version") != std::to_string(kVersion)) {
     throw fail(detail::unknown_version(meta("version"), kVersion,
@@ -216,8 +213,7 @@ void save_snapshots(const std::string& path, int64_t offset,
                     std::span<const Snapshot* const> snapshots, const SaveOptions& options) {
   // Before anything else: the cleanup of stale temporaries would take any ".tmp-<pid>..." in the
   // folder for this file's.
-  if (const std::string name = std::filesystem::path(path).filename().string();
-      name.empty() || name == "." || name == "..") {
+  if (detail::names_no_file(path)) {
     throw Error(
         fmt::format("save_snapshots: the path \"{}\" names no file (empty, or a folder)", path));
   }

@@ -170,11 +170,7 @@ class TrieDecoder {
   void check_header(const SealedFile* sealed, const std::string& model_id) const {
     const auto seal = [&] { check_seal(*sealed, source_); };
     const std::function<void()> check = sealed != nullptr ? std::function<void()>(seal) : nullptr;
-    if (const auto it = file_.metadata.find("format");
-        it == file_.metadata.end() || it->second != kFormat) {
-      throw fail(unknown_format(it == file_.metadata.end() ? nullptr : &it->second, kFormat,
-                                file_.metadata, check));
-    }
+    if (const auto why = unknown_format(file_.metadata, kFormat, check)) throw fail(*why);
     if (meta("version") != std::to_string(kVersion)) {
       throw fail(unknown_version(meta("version"), kVersion, check));
     }
